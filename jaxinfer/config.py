@@ -1,0 +1,194 @@
+"""Model configuration, read from an HF `config.json` or from GGUF metadata.
+
+Both sources end in one `ModelConfig`: the shapes and numerics a model family needs, nothing about
+serving. Errors name the missing or unsupported field, since a wrong config is a user's mistake.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+# HF model_type -> the model family that runs it.
+HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
+GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A model configuration is missing a field or asks for something unsupported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # checkpoint's own name: "llama", "mistral", "qwen2"
+    family: str  # model code that runs it: "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        return _from_hf(cfg)
+
+    @classmethod
+    def from_hf_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model config not found: {path}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        return _from_hf(cfg, source=str(path))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_weight: bool = True) -> "ModelConfig":
+        return _from_gguf(meta, has_output_weight)
+
+
+def _require(cfg: Mapping[str, Any], key: str, source: str):
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{source}: missing required field {key!r}")
+    return cfg[key]
+
+
+def _as_id_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older checkpoints a
+    # top-level rope_theta and an optional rope_scaling {type|rope_type, factor, ...}.
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ConfigError(f"{source}: missing required field 'rope_theta' (or rope_parameters.rope_theta)")
+    scaling = cfg.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{source}: unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return float(theta), None
+    factor = _require(scaling, "factor", f"{source} rope_scaling")
+    return float(theta), RopeScaling(
+        rope_type=rope_type,
+        factor=float(factor),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    model_type = _require(cfg, "model_type", source)
+    if model_type not in HF_FAMILIES:
+        raise ConfigError(
+            f"{source}: unsupported model_type {model_type!r}; supported: {sorted(HF_FAMILIES)}")
+    req = lambda key: _require(cfg, key, source)  # noqa: E731
+    hidden, heads = int(req("hidden_size")), int(req("num_attention_heads"))
+    head_dim = cfg.get("head_dim") or hidden // heads
+    theta, scaling = _rope_from_hf(cfg, source)
+    window = cfg.get("sliding_window")
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    hidden_act = cfg.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ConfigError(f"{source}: unsupported hidden_act {hidden_act!r}; supported: 'silu'")
+    return ModelConfig(
+        model_type=model_type,
+        family=HF_FAMILIES[model_type],
+        vocab_size=int(req("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(req("intermediate_size")),
+        num_layers=int(req("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(req("rms_norm_eps")),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(req("max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        sliding_window=int(window) if window else None,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+    )
+
+
+def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
+    source = "GGUF metadata"
+    arch = _require(meta, "general.architecture", source)
+    if arch not in GGUF_FAMILIES:
+        raise ConfigError(
+            f"{source}: unsupported general.architecture {arch!r}; supported: {sorted(GGUF_FAMILIES)}")
+    req = lambda key: _require(meta, f"{arch}.{key}", source)  # noqa: E731
+    hidden, heads = int(req("embedding_length")), int(req("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(_require(meta, "tokenizer.ggml.tokens", source))
+    scaling = None
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        scaling = RopeScaling("linear", float(req("rope.scaling.factor")))
+    elif scaling_type not in (None, "none"):
+        raise ConfigError(f"{source}: unsupported {arch}.rope.scaling.type {scaling_type!r}")
+    window = meta.get(f"{arch}.attention.sliding_window")
+    return ModelConfig(
+        model_type=arch,
+        family=GGUF_FAMILIES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")),
+        num_layers=int(req("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(req("context_length")),
+        tie_word_embeddings=not has_output_weight,
+        qkv_bias=arch == "qwen2",
+        sliding_window=int(window) if window else None,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
+    )

@@ -1,0 +1,10 @@
+"""Attention kernels for jaxinfer: ragged paged attention behind one function.
+
+`ragged_paged_attention` implements the contract in ARCHITECTURE.md. `impl` picks the pure-jnp
+reference (the CPU path and the oracle), the Pallas GPU kernel or the Pallas TPU kernel; "auto"
+chooses by backend.
+"""
+from pallas_kernels.reference import kv_cache_shape, ragged_paged_attention_reference
+from pallas_kernels.dispatch import ragged_paged_attention
+
+__all__ = ["kv_cache_shape", "ragged_paged_attention", "ragged_paged_attention_reference"]

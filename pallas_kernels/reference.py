@@ -1,0 +1,139 @@
+"""Ragged paged attention in pure jnp: the CPU path and the oracle every kernel is tested against.
+
+One call serves one layer for a ragged batch: sequences' query tokens lie back to back in `q`
+(sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1]); their new keys/values are first written into
+the paged cache, then every query token attends causally over its own sequence's pages.
+
+KV cache layout, shared by all implementations:
+    kv_cache: [num_pages, page_size, 2 * Hkv, D]
+K of kv head h sits at index 2h of the third axis and V at 2h + 1, so sharding that axis by kv
+heads keeps each head's K/V pair on one shard. Quantized caches (int8, float8) hold x / scale with
+one float32 scale per kv head for K and one for V (`k_scale`, `v_scale`, shape [Hkv]).
+
+Query token j of sequence s sits at position kv_lens[s] - q_len[s] + j. Tokens past
+cu_q_lens[num_seqs] are padding: their K/V writes are dropped and their output rows are zero.
+
+The attention walks over each token's pages a block at a time with an online softmax, so memory
+stays O(T * block) rather than O(T * context) and decode costs O(context) per token.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Gathered K/V elements per block step; bounds the reference's working set on the CPU.
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
+    return (num_pages, page_size, 2 * num_kv_heads, head_dim)
+
+
+def token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
+    """Per query token: (sequence index, absolute position, is-real-token), each [T]."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = jnp.asarray(num_seqs).reshape(-1)[0]
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, kv_lens.shape[0] - 1)
+    valid = t < cu_q_lens[num_seqs]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, jnp.where(valid, pos, 0), valid
+
+
+def quantize_kv(x, scale, dtype):
+    """x: [T, Hkv, D] float -> dtype, dividing by the per-head scale [Hkv]."""
+    y = x.astype(jnp.float32) / scale[None, :, None]
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        y = jnp.clip(jnp.round(y), info.min, info.max)
+    else:
+        info = jnp.finfo(dtype)
+        y = jnp.clip(y, float(info.min), float(info.max))
+    return y.astype(dtype)
+
+
+def _is_quantized(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1
+
+
+def write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale=None, v_scale=None):
+    """Scatter this step's new K/V ([T, Hkv, D]) into their slots; padding tokens are dropped."""
+    num_pages, page_size, two_hkv, d = kv_cache.shape
+    num_tokens = k.shape[0]
+    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
+    page = page_indices[seq, pos // page_size]
+    slot = jnp.where(valid, page * page_size + pos % page_size, num_pages * page_size)
+    if _is_quantized(kv_cache.dtype):
+        k = quantize_kv(k, k_scale, kv_cache.dtype)
+        v = quantize_kv(v, v_scale, kv_cache.dtype)
+    kv_new = jnp.stack([k, v], axis=2).reshape(num_tokens, two_hkv, d).astype(kv_cache.dtype)
+    flat = kv_cache.reshape(num_pages * page_size, two_hkv, d)
+    flat = flat.at[slot].set(kv_new, mode="drop")
+    return flat.reshape(kv_cache.shape)
+
+
+def _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq):
+    per_page = max(1, num_tokens * page_size * two_hkv * d)
+    ppb = max(1, _BLOCK_ELEMENTS // per_page)
+    ppb = 1 << (ppb.bit_length() - 1)  # power of two
+    return min(ppb, pages_per_seq)
+
+
+def ragged_paged_attention_reference(
+    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+    *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+):
+    """Writes k/v into kv_cache, then attends. Returns (out [T, Hq, D] in q.dtype, kv_cache)."""
+    kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+    num_tokens, num_q_heads, d = q.shape
+    _, page_size, two_hkv, _ = kv_cache.shape
+    num_kv_heads = two_hkv // 2
+    group = num_q_heads // num_kv_heads
+    pages_per_seq = page_indices.shape[1]
+
+    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
+    kv_len = jnp.where(valid, kv_lens[seq], 0)  # [T]
+    ppb = _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq)
+    block = ppb * page_size
+    pad = (-pages_per_seq) % ppb
+    token_pages = jnp.pad(page_indices[seq], ((0, 0), (0, pad)))  # [T, pages_per_seq + pad]
+    num_blocks = (jnp.max(kv_len) + block - 1) // block
+
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, d) * sm_scale
+    if _is_quantized(kv_cache.dtype):
+        scales = jnp.stack([k_scale, v_scale], axis=1).reshape(two_hkv).astype(jnp.float32)
+    else:
+        scales = jnp.ones((two_hkv,), jnp.float32)
+
+    def body(j, carry):
+        m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
+        pages = jax.lax.dynamic_slice_in_dim(token_pages, j * ppb, ppb, axis=1)  # [T, ppb]
+        kv = kv_cache[pages].reshape(num_tokens, block, two_hkv, d)
+        kv = kv.astype(jnp.float32) * scales[None, None, :, None]
+        kb, vb = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, B, Hkv, D]
+        s = jnp.einsum("tkgd,tbkd->tkgb", qg, kb)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kpos = j * block + jnp.arange(block, dtype=jnp.int32)  # [B]
+        mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < kv_len[:, None])
+        if sliding_window is not None:
+            mask &= pos[:, None] - kpos[None, :] < sliding_window
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("tkgb,tbkd->tkgd", p, vb)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, d), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, d).astype(q.dtype), kv_cache

