@@ -1,0 +1,5 @@
+"""Errors raised for malformed or mismatched checkpoints."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is malformed, or its tensors do not match the model."""

@@ -1,0 +1,59 @@
+"""GGUF reading with the `gguf` package: metadata as plain values, tensors dequantized lazily.
+
+Tensors come back in HF's row-major shapes ([out, in] for projections) as float32 (F16/BF16 kept
+as stored), dequantized one at a time from the memory-mapped file: F32, F16, BF16, Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1 and the K-quants that `gguf.quants` can dequantize.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkpoints.errors import CheckpointError
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except Exception as e:  # gguf raises ValueError/struct.error/IndexError on bad files
+            raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.metadata = {}
+        for key, field in self._reader.fields.items():
+            try:
+                self.metadata[key] = field.contents()
+            except Exception:  # a field whose type gguf cannot decode is simply not exposed
+                continue
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def quant_type(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
+    def get(self, name: str) -> np.ndarray:
+        from gguf import GGMLQuantizationType, quants
+
+        if name not in self._tensors:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        t = self._tensors[name]
+        shape = self.shape(name)
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return np.asarray(t.data).reshape(shape)
+        try:
+            data = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} uses quantization {t.tensor_type.name}, "
+                "which this gguf package cannot dequantize") from e
+        return np.asarray(data, dtype=np.float32).reshape(shape)

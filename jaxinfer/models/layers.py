@@ -1,0 +1,86 @@
+"""Layers shared by the model families: RMSNorm, rotary embeddings, gated MLP, paged attention.
+
+Every function is pure: parameters and state come in as arguments and go out as results.
+Shapes use these letters: T tokens of the ragged batch, E embed, H query heads, K kv heads,
+D head dim, F mlp hidden, V vocab.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from pallas_kernels import ragged_paged_attention
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged KV cache (the kernel contract's metadata)."""
+
+    kv_lens: jax.Array  # i32[S] tokens in the cache per sequence after this step
+    page_indices: jax.Array  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array  # i32[S+1] query token offsets
+    num_seqs: jax.Array  # i32[1] real sequences; the rest is padding
+
+
+def rms_norm(x, weight, eps: float):
+    """x [..., E]: normalise in float32, scale in the activation dtype (as HF Llama does)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] in float32, with linear or llama3 scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    inv_freq = inv_freq.astype(np.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    # llama3: long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions, inv_freq):
+    """positions i32[T] -> cos, sin f32[T, D] in the half-split (rotate_half) layout."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x [T, H, D]; rotates pairs (i, i + D/2)."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+def gated_mlp(x, w_gate, w_up, w_down):
+    """x [T, E] -> [T, E]: down(silu(gate(x)) * up(x))."""
+    gate = jnp.einsum("te,ef->tf", x, w_gate)
+    up = jnp.einsum("te,ef->tf", x, w_up)
+    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, w_down)
+
+
+def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, config: ModelConfig, impl: str):
+    """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel."""
+    return ragged_paged_attention(
+        q, k, v, kv_cache, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
+        sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window, impl=impl)

@@ -1,0 +1,157 @@
+"""The Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5, SmolLM2 (one decoder, config-driven).
+
+Data flow of `forward`: token ids -> embedding -> for each layer [RMSNorm -> q/k/v projections
+(+ bias for Qwen2) -> RoPE -> ragged paged attention (writes this step's K/V into the layer's
+pages, then attends) -> output projection -> residual -> RMSNorm -> gated MLP -> residual] ->
+final RMSNorm -> hidden states. `compute_logits` applies the LM head (tied or not) to the rows
+the caller selects, so a step computes logits only for the tokens it samples.
+
+Layers are unrolled in Python and each layer's KV cache is its own array, so every layer's
+cache is updated in place when the caller donates the tuple.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import layers as L
+
+
+@flax.struct.dataclass
+class LlamaLayer:
+    attn_norm: jax.Array  # [E]
+    wq: jax.Array  # [E, H, D]
+    wk: jax.Array  # [E, K, D]
+    wv: jax.Array  # [E, K, D]
+    wo: jax.Array  # [H, D, E]
+    mlp_norm: jax.Array  # [E]
+    w_gate: jax.Array  # [E, F]
+    w_up: jax.Array  # [E, F]
+    w_down: jax.Array  # [F, E]
+    bq: jax.Array | None = None  # [H, D]
+    bk: jax.Array | None = None  # [K, D]
+    bv: jax.Array | None = None  # [K, D]
+    bo: jax.Array | None = None  # [E]
+
+
+@flax.struct.dataclass
+class LlamaParams:
+    embed: jax.Array  # [V, E]
+    layers: tuple[LlamaLayer, ...]
+    final_norm: jax.Array  # [E]
+    lm_head: jax.Array | None = None  # [E, V]; None when tied to `embed`
+
+
+# Logical axis names of every parameter (for sharding rules); "layers" params repeat per layer.
+PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "attn_norm": ("embed",),
+    "wq": ("embed", "heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("heads", "head_dim", "embed"),
+    "mlp_norm": ("embed",),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+    "bq": ("heads", "head_dim"),
+    "bk": ("kv_heads", "head_dim"),
+    "bv": ("kv_heads", "head_dim"),
+    "bo": ("embed",),
+}
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter of one layer and of the top level, by field name."""
+    e, h, k, d, f, v = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                        config.intermediate_size, config.vocab_size)
+    shapes = {
+        "embed": (v, e), "final_norm": (e,), "lm_head": (e, v),
+        "attn_norm": (e,), "wq": (e, h, d), "wk": (e, k, d), "wv": (e, k, d), "wo": (h, d, e),
+        "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
+        "bq": (h, d), "bk": (k, d), "bv": (k, d), "bo": (e,),
+    }
+    return shapes
+
+
+def layer_fields(config: ModelConfig) -> list[str]:
+    """The LlamaLayer fields this config has (biases only where the checkpoint has them)."""
+    fields = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if config.qkv_bias:
+        fields += ["bq", "bk", "bv"]
+    if config.o_bias:
+        fields += ["bo"]
+    return fields
+
+
+def top_fields(config: ModelConfig) -> list[str]:
+    return ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
+
+
+def assemble(config: ModelConfig, top: dict, per_layer: list[dict]) -> LlamaParams:
+    """Builds the parameter tree from arrays keyed by field name."""
+    return LlamaParams(
+        embed=top["embed"], final_norm=top["final_norm"], lm_head=top.get("lm_head"),
+        layers=tuple(LlamaLayer(**fields) for fields in per_layer))
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> LlamaParams:
+    """Random parameters (for tests and benchmarks): normal(0, scale), norms at 1."""
+    shapes = param_shapes(config)
+
+    def make(name, k):
+        if name.endswith("norm"):
+            return jnp.ones(shapes[name], dtype)
+        return (scale * jax.random.normal(k, shapes[name], jnp.float32)).astype(dtype)
+
+    keys = iter(jax.random.split(key, 3 + config.num_layers * 16))
+    top = {name: make(name, next(keys)) for name in top_fields(config)}
+    per_layer = [{name: make(name, next(keys)) for name in layer_fields(config)}
+                 for _ in range(config.num_layers)]
+    return assemble(config, top, per_layer)
+
+
+def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
+    h = L.rms_norm(x, p.attn_norm, config.rms_norm_eps)  # [T, E]
+    q = jnp.einsum("te,ehd->thd", h, p.wq)  # [T, H, D]
+    k = jnp.einsum("te,ekd->tkd", h, p.wk)  # [T, K, D]
+    v = jnp.einsum("te,ekd->tkd", h, p.wv)  # [T, K, D]
+    if p.bq is not None:
+        q, k, v = q + p.bq, k + p.bk, v + p.bv
+    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    attn, kv_cache = L.paged_attention(q, k, v, kv_cache, meta, config, attn_impl)
+    out = jnp.einsum("thd,hde->te", attn, p.wo)  # [T, E]
+    if p.bo is not None:
+        out = out + p.bo
+    x = x + out
+    h = L.rms_norm(x, p.mlp_norm, config.rms_norm_eps)
+    x = x + L.gated_mlp(h, p.w_gate, p.w_up, p.w_down)
+    return x, kv_cache
+
+
+def forward(params: LlamaParams, config: ModelConfig, tokens, positions, kv_caches,
+            meta: L.AttentionMetadata, *, attn_impl: str = "auto"):
+    """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
+
+    Returns (hidden [T, E] after the final norm, new kv_caches tuple).
+    """
+    x = params.embed[tokens]  # [T, E]
+    cos, sin = L.rope_cos_sin(positions, L.rope_inv_freq(config))
+    new_caches = []
+    for layer, kv_cache in zip(params.layers, kv_caches):
+        x, kv_cache = _layer(x, layer, kv_cache, cos, sin, meta, config, attn_impl)
+        new_caches.append(kv_cache)
+    return L.rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(new_caches)
+
+
+def compute_logits(params: LlamaParams, hidden):
+    """hidden [N, E] -> logits f32[N, V]."""
+    if params.lm_head is None:
+        logits = jnp.einsum("ne,ve->nv", hidden, params.embed)
+    else:
+        logits = jnp.einsum("ne,ev->nv", hidden, params.lm_head)
+    return logits.astype(jnp.float32)

@@ -1,0 +1,90 @@
+import json
+
+import pytest
+
+from jaxinfer.config import ConfigError, ModelConfig
+
+BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
+            max_position_embeddings=256)
+
+
+def test_old_and_new_rope_forms_agree():
+    old = ModelConfig.from_hf_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}})
+    new = ModelConfig.from_hf_dict({**BASE, "rope_parameters": {
+        "rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}})
+    assert old == new
+    assert old.rope_scaling.rope_type == "llama3" and old.rope_theta == 500000.0
+
+
+def test_default_rope_in_rope_parameters():
+    cfg = ModelConfig.from_hf_dict({**BASE, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}})
+    assert cfg.rope_scaling is None and cfg.rope_theta == 1e4
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "vocab_size", "rms_norm_eps"])
+def test_missing_field_is_named(field):
+    cfg = {**BASE, "rope_theta": 1e4}
+    del cfg[field]
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_missing_rope_theta_is_named():
+    with pytest.raises(ConfigError, match="rope_theta"):
+        ModelConfig.from_hf_dict(BASE)
+
+
+def test_unknown_architecture_is_named():
+    with pytest.raises(ConfigError, match="'gpt_neox'"):
+        ModelConfig.from_hf_dict({**BASE, "model_type": "gpt_neox", "rope_theta": 1e4})
+
+
+def test_unsupported_rope_type_is_named():
+    with pytest.raises(ConfigError, match="'yarn'"):
+        ModelConfig.from_hf_dict({**BASE, "rope_theta": 1e4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_bad_gqa_ratio():
+    with pytest.raises(ConfigError, match="num_key_value_heads=3"):
+        ModelConfig.from_hf_dict({**BASE, "rope_theta": 1e4, "num_key_value_heads": 3})
+
+
+def test_qwen2_biases_and_window_flag():
+    cfg = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "rope_theta": 1e6,
+                                    "sliding_window": 32, "use_sliding_window": False})
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.sliding_window is None
+
+
+def test_mistral_window_and_eos_list():
+    cfg = ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "rope_theta": 1e4,
+                                    "sliding_window": 16, "eos_token_id": [2, 7]})
+    assert cfg.sliding_window == 16 and cfg.eos_token_ids == (2, 7)
+
+
+def test_from_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        ModelConfig.from_hf_file(tmp_path / "nope" / "config.json")
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_hf_file(bad)
+    bad.write_text(json.dumps({**BASE, "rope_theta": 1e4}))
+    assert ModelConfig.from_hf_file(bad).num_layers == 2
+
+
+def test_gguf_metadata():
+    meta = {"general.architecture": "llama", "llama.block_count": 2, "llama.embedding_length": 64,
+            "llama.feed_forward_length": 128, "llama.attention.head_count": 8,
+            "llama.attention.head_count_kv": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.context_length": 256, "llama.rope.freq_base": 1e4, "llama.vocab_size": 100}
+    cfg = ModelConfig.from_gguf_metadata(meta, has_output_weight=False)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.tie_word_embeddings) == (2, 2, 8, True)
+    with pytest.raises(ConfigError, match="'rwkv6'"):
+        ModelConfig.from_gguf_metadata({**meta, "general.architecture": "rwkv6"})
+    del meta["llama.block_count"]
+    with pytest.raises(ConfigError, match="llama.block_count"):
+        ModelConfig.from_gguf_metadata(meta)
