@@ -1,11 +1,7 @@
 """Shared test set-up: helper modules in tests/support, paths of shipped models and fixtures."""
 import importlib.util
-import os
 import sys
 from pathlib import Path
-
-# Tests see one CPU device unless a test module asks for more before jax is imported.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 TESTS = Path(__file__).parent
 FIXTURES = TESTS / "fixtures"
