@@ -1,0 +1,144 @@
+"""Checkpoint readers: safetensors (single, sharded, corrupt) and GGUF dequantization."""
+import json
+import shutil
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf_builder import write_gguf
+from safetensors.numpy import save_file
+from testpaths import FIXTURES
+
+from checkpoints import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint, SafetensorsFile
+
+
+def _tensors():
+    rng = np.random.default_rng(0)
+    return {"a": rng.normal(size=(3, 5)).astype(np.float32),
+            "b": rng.normal(size=(7,)).astype(np.float16),
+            "c": np.arange(6, dtype=np.int32).reshape(2, 3)}
+
+
+def test_single_file_roundtrip(tmp_path):
+    save_file(_tensors(), str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    assert sorted(ckpt.keys()) == ["a", "b", "c"]
+    for name, ref in _tensors().items():
+        np.testing.assert_array_equal(ckpt.get(name), ref)
+        assert ckpt.get(name).dtype == ref.dtype and ckpt.shape(name) == ref.shape
+
+
+def test_bfloat16_without_torch(tmp_path):
+    x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4)
+    raw = x.astype(ml_dtypes.bfloat16)
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [3, 4], "data_offsets": [0, raw.nbytes]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + raw.tobytes())
+    got = SafetensorsFile(tmp_path / "model.safetensors").get("w")
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got.astype(np.float32), raw.astype(np.float32))
+
+
+def test_sharded_with_index(tmp_path):
+    t = _tensors()
+    save_file({"a": t["a"]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": t["b"], "c": t["c"]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors",
+                                            "c": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    for name, ref in t.items():
+        np.testing.assert_array_equal(ckpt.get(name), ref)
+
+
+def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
+    save_file({"a": _tensors()["a"]}, str(tmp_path / "s1.safetensors"))
+    index = {"weight_map": {"a": "s1.safetensors", "zz": "s1.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="'zz'"):
+        SafetensorsCheckpoint(tmp_path)
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    index = {"weight_map": {"a": "gone.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="gone.safetensors"):
+        SafetensorsCheckpoint(tmp_path)
+
+
+def test_truncated_file_names_tensor_and_sizes(tmp_path):
+    src = FIXTURES / "hf" / "llama3" / "model.safetensors"
+    data = src.read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"truncated: tensor '.+' needs bytes up to \d+ but the file has \d+"):
+        SafetensorsFile(tmp_path / "model.safetensors")
+
+
+def test_garbage_and_empty_files(tmp_path):
+    (tmp_path / "x.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="too short"):
+        SafetensorsFile(tmp_path / "x.safetensors")
+    (tmp_path / "x.safetensors").write_bytes((20).to_bytes(8, "little") + b"{this is not json!!!")
+    with pytest.raises(CheckpointError, match="unreadable safetensors header"):
+        SafetensorsFile(tmp_path / "x.safetensors")
+    (tmp_path / "x.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(CheckpointError, match="header length"):
+        SafetensorsFile(tmp_path / "x.safetensors")
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no .safetensors files"):
+        SafetensorsCheckpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nothing.gguf"):
+        GGUFCheckpoint(tmp_path / "nothing.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="bad.gguf"):
+        GGUFCheckpoint(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize("qtype,tol", [(Q.F32, 0), (Q.F16, 2e-3), (Q.BF16, 2e-2), (Q.Q8_0, 0.03),
+                                       (Q.Q4_0, 0.3), (Q.Q4_1, 0.3), (Q.Q5_0, 0.2), (Q.Q5_1, 0.2)])
+def test_gguf_dequantizes_each_type(tmp_path, qtype, tol):
+    w = np.random.default_rng(1).normal(size=(8, 64)).astype(np.float32)
+    path = write_gguf(tmp_path / "t.gguf", "llama", {}, {"w": w}, {"w": qtype})
+    ckpt = GGUFCheckpoint(path)
+    got = ckpt.get("w")
+    assert got.shape == (8, 64) and ckpt.shape("w") == (8, 64)
+    assert np.abs(got.astype(np.float32) - w).max() <= tol
+    assert ckpt.quant_type("w") == qtype.name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_gguf_k_quants(tmp_path, qtype):
+    # gguf cannot quantize K-quants, so write raw blocks: random bytes with sane f16 scales.
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 3, 2 * block
+    raw = np.random.default_rng(2).integers(0, 256, size=(rows, cols // block * type_size), dtype=np.uint8)
+    raw = raw.view(np.uint8)
+    scales = np.full(raw.size // 2, 0.01, np.float16).view(np.uint8)
+    raw = np.where(raw > 250, scales[: raw.size].reshape(raw.shape), raw).astype(np.uint8)
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("w", raw, raw_dtype=qtype)
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+    ckpt = GGUFCheckpoint(tmp_path / "k.gguf")
+    got = ckpt.get("w")
+    assert got.shape == (rows, cols) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, qtype).reshape(rows, cols))
+
+
+def test_gguf_metadata_values(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "llama", {"llama.block_count": 3, "general.name": "x"},
+                      {"w": np.zeros((2, 32), np.float32)})
+    meta = GGUFCheckpoint(path).metadata
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 3
+    assert meta["general.name"] == "x"
+
+
+def test_copy_of_fixture_loads(tmp_path):
+    shutil.copytree(FIXTURES / "hf" / "qwen2", tmp_path / "m")
+    assert "model.embed_tokens.weight" in SafetensorsCheckpoint(tmp_path / "m").keys()

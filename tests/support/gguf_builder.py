@@ -1,0 +1,80 @@
+"""Writes small GGUF files for tests: HF-layout tensors in, llama.cpp conventions out."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF half-split rotary rows -> llama.cpp interleaved pairs (what its converter does)."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndarray],
+               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """tensors: name -> float32 array in HF row-major shape; qtypes: name -> storage type."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    for name, array in tensors.items():
+        qtype = (qtypes or {}).get(name, gguf.GGMLQuantizationType.F32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, np.ascontiguousarray(array, np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, np.ascontiguousarray(array, np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def llama_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray]) -> tuple[dict, dict]:
+    """Metadata and GGUF-named tensors for an HF Llama checkpoint (as llama.cpp converts it)."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
+    meta = {
+        "llama.block_count": config["num_hidden_layers"],
+        "llama.context_length": config["max_position_embeddings"],
+        "llama.embedding_length": config["hidden_size"],
+        "llama.feed_forward_length": config["intermediate_size"],
+        "llama.attention.head_count": heads,
+        "llama.attention.head_count_kv": kv_heads,
+        "llama.attention.key_length": config.get("head_dim") or config["hidden_size"] // heads,
+        "llama.rope.freq_base": float(rope["rope_theta"]),
+        "llama.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "llama.vocab_size": config["vocab_size"],
+    }
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}
+    out = {}
+    for name, w in hf_tensors.items():
+        if name in names:
+            out[names[name]] = w
+            continue
+        i, rest = name.removeprefix("model.layers.").split(".", 1)
+        if rest == "self_attn.q_proj.weight":
+            w = permute_rope(w, heads)
+        elif rest == "self_attn.k_proj.weight":
+            w = permute_rope(w, kv_heads)
+        out[f"blk.{i}.{layer[rest]}"] = w
+    return meta, out
