@@ -1,0 +1,301 @@
+"""Scheduler: which sequences run in the next step, and how many tokens of each (plain Python).
+
+There are no prefill and decode phases. Every sequence has `num_computed_tokens` and catches up
+to its length; one step computes at most `max_num_batched_tokens` tokens over at most
+`max_num_seqs` running sequences. `schedule()` fills that budget in this order:
+
+  1. running sequences that decode (one token left to compute), by (priority, arrival);
+  2. running sequences part-way through their prompt (chunked prefill), same order, each taking
+     as much of the remaining budget as it needs;
+  3. waiting sequences, by (priority, arrival): each takes its cached prefix from the PagePool
+     (never the last token) and a chunk of the rest. The head of the queue blocks the ones
+     behind it when its pages do not fit (no starvation of long prompts). Siblings of an n > 1
+     request wait for their parent (see sequence.py). Nothing is admitted in a step that had to
+     preempt.
+
+Pages are reserved for exactly the tokens a step computes. When a running sequence needs a page
+and none is free, the lowest-priority, newest running sequence (largest sort key, possibly the
+one asking) is preempted: its pages are freed, it returns to the waiting queue in its original
+place and later recomputes (mostly from the prefix cache). A victim already planned for this step
+is taken out of the plan and its tokens go back to the budget.
+
+`update(plan, sampled)` runs after the step: it advances `num_computed_tokens`, caches the pages
+that became full, appends the sampled token of each entry with `sample=True`, and checks stop
+conditions: eos (unless ignore_eos), stop_token_ids, the engine's `stop_checker` (stop strings
+live in the detokenizer), then max_tokens / max_model_len. Finishing frees the pages; pages in the
+prefix cache stay there, free, until evicted.
+
+Requests that can never run are rejected by `add_request` with a ValueError naming the numbers:
+an empty prompt, prompt + max_tokens > max_model_len, or more pages than the pool holds. A
+sequence keeps KV for at most prompt + max_tokens - 1 tokens (the last sampled token is never
+fed back), which is what the page check counts.
+
+`abort(request_id)` may be called between `schedule()` and `update()`: `update` skips entries
+whose sequence is no longer running.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import random
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from jaxinfer.paging import PagePool
+from jaxinfer.sequence import Sequence, SequenceStatus, sample_seed
+
+if TYPE_CHECKING:
+    from jaxinfer.sampling import SamplingParams
+
+# Called after a token is appended; returns a stop reason (e.g. the matched stop string) or None.
+StopChecker = Callable[[Sequence], "int | str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens [start, start + num_new_tokens)."""
+    seq: Sequence
+    start: int                # num_computed_tokens before the step = position of the first token
+    num_new_tokens: int
+    pages: tuple[int, ...]    # block table; covers at least start + num_new_tokens tokens
+    sample: bool              # the chunk reaches the end of the known tokens: sample one
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_new_tokens]
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens in the cache for this sequence after the step."""
+        return self.start + self.num_new_tokens
+
+
+@dataclasses.dataclass
+class SchedulerPlan:
+    seqs: list[ScheduledSeq]              # in batch order: decodes, prefill chunks, new admissions
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclasses.dataclass
+class _Step:  # the plan being built, with the budget that is left
+    entries: dict[int, ScheduledSeq]
+    budget: int
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, *, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int, eos_token_ids: Iterable[int] = (),
+                 stop_checker: StopChecker | None = None, seed: int = 0):
+        for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        self.pool = pool
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_checker = stop_checker
+        self.waiting: list[Sequence] = []   # sorted by sort_key
+        self.running: list[Sequence] = []   # in admission order
+        self.requests: dict[str, list[Sequence]] = {}  # unfinished requests
+        self._rng = random.Random(seed)     # seeds of unseeded requests
+        self._next_seq_id = 0
+        self._next_arrival = 0
+
+    # --- requests -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: "SamplingParams", *, priority: int = 0) -> list[Sequence]:
+        """Queues one sequence per sample (sampling_params.n); raises ValueError if it can never run."""
+        self._check_request(request_id, prompt_token_ids, sampling_params, priority)
+        arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
+        base_seed = (sampling_params.seed if sampling_params.seed is not None
+                     else self._rng.getrandbits(64))
+        seqs: list[Sequence] = []
+        for i in range(sampling_params.n):
+            seq = Sequence(self._next_seq_id, request_id, prompt_token_ids, sampling_params,
+                           seed=sample_seed(base_seed, i), arrival=arrival, priority=priority,
+                           sample_index=i, parent=seqs[0] if seqs else None)
+            self._next_seq_id += 1
+            seqs.append(seq)
+            bisect.insort(self.waiting, seq, key=_sort_key)
+        self.requests[request_id] = seqs
+        return seqs
+
+    def _check_request(self, request_id: str, prompt: list[int], params: "SamplingParams",
+                       priority: int) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if not isinstance(priority, int):
+            raise ValueError(f"request {request_id!r}: priority={priority!r} must be an int")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens="
+                f"{params.max_tokens} = {total} tokens exceeds max_model_len={self.max_model_len}")
+        pages = -(-(total - 1) // self.pool.page_size)
+        if pages > self.pool.num_usable_pages:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens="
+                f"{params.max_tokens} needs {pages} KV pages of {self.pool.page_size} tokens, "
+                f"but the pool has only {self.pool.num_usable_pages}")
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finishes every unfinished sequence of the request; unknown ids abort nothing."""
+        seqs = [s for s in self.requests.get(request_id, []) if not s.is_finished]
+        for seq in seqs:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
+
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None):
+        """Ends a sequence (any finished status) and returns its pages to the pool."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages = []
+        seq.status, seq.stop_reason = status, stop_reason
+        if all(s.is_finished for s in self.requests[seq.request_id]):
+            del self.requests[seq.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --- schedule -------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerPlan:
+        step = _Step({}, self.max_num_batched_tokens, [])
+        by_priority = sorted(self.running, key=_sort_key)
+        decodes = [s for s in by_priority if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in by_priority if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if step.budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            if self._reserve_pages(seq, seq.num_computed_tokens + n, step):
+                self._plan(seq, n, step)
+        if not step.preempted:
+            while step.budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = next((s for s in self.waiting if not s.is_waiting_for_parent), None)
+                if seq is None or not self._admit(seq, step):
+                    break
+        return SchedulerPlan(list(step.entries.values()), step.preempted)
+
+    def _plan(self, seq: Sequence, n: int, step: _Step) -> None:
+        start = seq.num_computed_tokens
+        step.entries[seq.seq_id] = ScheduledSeq(seq, start, n, tuple(seq.pages),
+                                                sample=start + n == seq.num_tokens)
+        step.budget -= n
+
+    def _reserve_pages(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
+        """Gives `seq` pages for `num_tokens`, preempting others; False if `seq` itself was."""
+        need = max(0, self._pages_for(num_tokens) - len(seq.pages))
+        while not self.pool.can_allocate(need):
+            victim = max(self.running, key=_sort_key)
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        seq.pages += self.pool.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        entry = step.entries.pop(seq.seq_id, None)
+        if entry is not None:
+            step.budget += entry.num_new_tokens
+        self.running.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages, seq.num_computed_tokens, seq.num_cached_pages = [], 0, 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_sort_key)
+        step.preempted.append(seq)
+
+    def _admit(self, seq: Sequence, step: _Step) -> bool:
+        pool = self.pool
+        if pool.enable_prefix_caching:
+            pool.extend_page_hashes(seq.page_hashes, seq.token_ids)
+        cached = pool.match_prefix(seq.page_hashes, seq.token_ids)
+        num_cached_tokens = len(cached) * pool.page_size
+        n = min(seq.num_tokens - num_cached_tokens, step.budget)
+        need = self._pages_for(num_cached_tokens + n) - len(cached)
+        if not pool.can_allocate(need, cached):
+            return False
+        seq.pages = pool.allocate(need, cached)
+        pool.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
+        seq.num_computed_tokens, seq.num_cached_pages = num_cached_tokens, len(cached)
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        self._plan(seq, n, step)
+        return True
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.page_size)
+
+    # --- update ---------------------------------------------------------------------------------------
+    def update(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
+        """Applies a finished step. `sampled_token_ids[i]` belongs to `plan.seqs[i]` (ignored
+        where `sample` is False; extra padding rows are ignored). Returns the sequences that got a
+        new token, in plan order; those that finished have a finished status and no pages."""
+        if len(sampled_token_ids) < len(plan.seqs):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a plan of "
+                             f"{len(plan.seqs)} sequences")
+        updated = []
+        for entry, token in zip(plan.seqs, sampled_token_ids):
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:  # aborted since schedule()
+                continue
+            seq.num_computed_tokens = entry.kv_len
+            self._cache_computed_pages(seq)
+            if entry.sample:
+                seq.append_token(int(token))
+                self._check_stop(seq)
+                updated.append(seq)
+        return updated
+
+    def _cache_computed_pages(self, seq: Sequence) -> None:
+        pool = self.pool
+        num_full = seq.num_computed_tokens // pool.page_size
+        if not pool.enable_prefix_caching or num_full <= seq.num_cached_pages:
+            return
+        pool.extend_page_hashes(seq.page_hashes, seq.token_ids)
+        pool.cache_pages(seq.pages, seq.page_hashes, seq.token_ids, seq.num_cached_pages, num_full)
+        seq.num_cached_pages = num_full
+
+    def _check_stop(self, seq: Sequence) -> None:
+        params, token = seq.sampling_params, seq.last_token_id
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        elif token in params.stop_token_ids:
+            self.finish(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=token)
+        elif self.stop_checker is not None and (reason := self.stop_checker(seq)) is not None:
+            self.finish(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=reason)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.sort_key

@@ -1,0 +1,131 @@
+"""Sequence: the host-side state of one generated sample (plain Python, no JAX).
+
+A request with `n` samples becomes `n` Sequences sharing a request id; `sample_index` tells them
+apart. A sequence's tokens are its prompt followed by its outputs. `num_computed_tokens` counts
+the leading tokens whose KV is in the cache; each step computes some more, and a step that reaches
+the end of the known tokens samples one new token. After a preemption `num_computed_tokens` drops
+to 0 and the sequence recomputes prompt and outputs (much of it from the prefix cache).
+
+Parallel samples (n > 1): sample 0 is the parent. Its siblings wait until it has computed its
+prompt (it has sampled a token or finished); by then every full page of the prompt is in the
+prefix cache, so each sibling takes those pages by reference and recomputes only the partial last
+page of the prompt (fewer than page_size + 1 tokens) into pages of its own. That costs a little
+compute per sibling but needs no copy-on-write of partial pages.
+
+Random streams: every sequence has a 64-bit `seed`. With `SamplingParams.seed` set, sample 0 uses
+that seed and sample i > 0 a seed derived from (seed, i), so a seeded request is reproducible; an
+unseeded one gets a seed from the scheduler's generator. The sampler folds the number of tokens
+generated so far into the key, so a sample never depends on what else is in the batch, nor on
+whether the sequence was preempted and recomputed.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # sampling imports JAX; the host side only reads a few fields
+    from jaxinfer.sampling import SamplingParams
+
+SEED_MASK = (1 << 64) - 1
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"           # back in the waiting queue, will recompute
+    FINISHED_STOPPED = "stop"         # eos, a stop token id, or a stop string
+    FINISHED_LENGTH = "length"        # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" | "length" | "abort" for finished sequences, else None."""
+        return self.value if self.is_finished else None
+
+
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+             SequenceStatus.FINISHED_ABORTED}
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The 64-bit seed of sample `sample_index` of a request seeded with `seed`."""
+    if sample_index == 0:
+        return seed & SEED_MASK
+    digest = hashlib.sha256(f"{seed}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: "SamplingParams", *, seed: int, arrival: int, priority: int = 0,
+                 sample_index: int = 0, parent: "Sequence | None" = None):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.parent = parent  # sample 0 of the request, for siblings (n > 1)
+        self.sampling_params = sampling_params
+        self.seed = seed & SEED_MASK
+        self.priority = priority  # lower number = served first
+        self.arrival = arrival    # admission order, a tie breaker after priority
+        self.status = SequenceStatus.WAITING
+        self.stop_reason: int | str | None = None  # the stop token id or stop string, if any
+        self.num_preemptions = 0
+
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.pages: list[int] = []        # block table: page i holds tokens [i*ps, (i+1)*ps)
+        self.page_hashes: list = []       # chained hashes of the full pages of token_ids
+        self.num_cached_pages = 0         # leading pages registered in the prefix cache
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: priority, then arrival, then sample index. Preemption takes the max."""
+        return (self.priority, self.arrival, self.sample_index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def is_waiting_for_parent(self) -> bool:
+        """A sibling waits until its parent has computed the prompt it will share."""
+        p = self.parent
+        return p is not None and not p.is_finished and p.num_output_tokens == 0
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}#{self.sample_index}, "
+                f"{self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"pages={self.pages})")
