@@ -128,3 +128,174 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+# --- device side ----------------------------------------------------------------------------------
+@flax.struct.dataclass
+class PenaltyHistory:
+    token_ids: jax.Array   # i32[B, H] prompt ids (if the row's repetition penalty is on), then
+                           # output ids; -1 pads
+    num_prompt: jax.Array  # i32[B]    how many leading ids of the row are prompt ids
+
+
+@flax.struct.dataclass
+class SamplingArrays:
+    """One row per sequence of the batch; padding rows are greedy with every filter off."""
+    temperature: jax.Array         # f32[B] 0 = greedy
+    top_k: jax.Array               # i32[B] 0 = off
+    top_p: jax.Array               # f32[B] 1 = off
+    min_p: jax.Array               # f32[B] 0 = off
+    repetition_penalty: jax.Array  # f32[B] 1 = off
+    presence_penalty: jax.Array    # f32[B] 0 = off
+    frequency_penalty: jax.Array   # f32[B] 0 = off
+    seeds: jax.Array               # u32[B, 2] the sequence's 64-bit seed as (low, high) words
+    num_generated: jax.Array       # i32[B] output tokens so far: which draw of the stream this is
+    history: PenaltyHistory | None = None  # None: no row uses penalties (static structure)
+
+
+@flax.struct.dataclass
+class SamplerOutput:
+    tokens: jax.Array        # i32[B]
+    logprobs: jax.Array      # f32[B]    log_softmax(raw logits) of the chosen token
+    top_ids: jax.Array       # i32[B, N] the N most likely tokens (N = num_top_logprobs)
+    top_logprobs: jax.Array  # f32[B, N]
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0) -> SamplerOutput:
+    """Samples one token per row of `logits` [B, V]. Pure; `num_top_logprobs` must be static."""
+    logits = logits.astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)                        # [B, V]
+    if arrays.history is not None:
+        logits = apply_penalties(logits, arrays)
+    greedy_tokens = jnp.argmax(logits, axis=-1)                           # [B]
+    is_greedy = arrays.temperature < GREEDY_EPS
+    temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
+    masked = mask_logits(logits / temperature[:, None], arrays.top_k, arrays.top_p, arrays.min_p)
+    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(arrays.seeds, arrays.num_generated,
+                                                     logits.shape[-1])  # [B, V]
+    sampled_tokens = jnp.argmax(masked + noise, axis=-1)                  # [B]
+    tokens = jnp.where(is_greedy, greedy_tokens, sampled_tokens).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)     # [B, N]
+    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _gumbel(seed: jax.Array, num_generated: jax.Array, vocab_size: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+    key = jax.random.fold_in(key, num_generated)
+    return jax.random.gumbel(key, (vocab_size,), jnp.float32)             # [V]
+
+
+def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Repetition penalty over prompt + output ids, then frequency and presence over outputs."""
+    batch, vocab = logits.shape
+    ids = arrays.history.token_ids                                        # [B, H]
+    ids = jnp.where(ids >= 0, ids, vocab)  # an out-of-range id: the scatters drop it
+    is_output = jnp.arange(ids.shape[1])[None, :] >= arrays.history.num_prompt[:, None]  # [B, H]
+    rows = jnp.arange(batch)[:, None]
+    output_counts = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(
+        is_output.astype(jnp.float32), mode="drop")                       # [B, V]
+    seen = jnp.zeros((batch, vocab), bool).at[rows, ids].set(True, mode="drop")  # [B, V]
+    rep = arrays.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - arrays.frequency_penalty[:, None] * output_counts
+    return logits - arrays.presence_penalty[:, None] * (output_counts > 0)
+
+
+def mask_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                min_p: jax.Array) -> jax.Array:
+    """Sets tokens outside top-k, then top-p, then min-p to -inf (temperature already applied)."""
+    vocab = logits.shape[-1]
+    needs_sort = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    logits = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, p: x, logits, top_k, top_p)
+    top = jnp.max(logits, axis=-1, keepdims=True)                         # [B, 1]
+    # p_i >= min_p * p_max  <=>  logit_i - max >= log(min_p); min_p = 0 keeps everything
+    keep = logits - top >= jnp.log(min_p)[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    vocab = logits.shape[-1]
+    sorted_logits = -jnp.sort(-logits, axis=-1)                           # [B, V] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, k[:, None] - 1, axis=-1)     # [B, 1]
+    sorted_logits = jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)                        # [B, V]
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)       # a prefix of the sort
+    num_keep = jnp.sum(keep, axis=-1, keepdims=True)                      # [B, 1] >= 1
+    pth = jnp.take_along_axis(sorted_logits, num_keep - 1, axis=-1)       # [B, 1]
+    return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
+
+
+# --- host side: params -> arrays ------------------------------------------------------------------
+def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequence[int], *,
+                         batch_size: int, seeds: Sequence[int] | None = None,
+                         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                         output_token_ids: Sequence[Sequence[int]] | None = None,
+                         history_len: int | None = None) -> SamplingArrays:
+    """Numpy SamplingArrays for `params[i]` in row i, padded to `batch_size` rows.
+
+    seeds: each row's 64-bit stream seed (Sequence.seed); defaults to params.seed, which then
+      must be set for every non-greedy row.
+    prompt_token_ids / output_token_ids: needed when some row uses penalties.
+    history_len: the static width H of the penalty history. None picks a power of two (>= 16)
+      that fits, or no history at all when no row uses penalties; pass a fixed value to keep the
+      compiled variants fixed.
+    """
+    rows = len(params)
+    if rows > batch_size or len(num_generated) != rows:
+        raise ValueError(f"{rows} params and {len(num_generated)} counts for batch_size={batch_size}")
+    pad = batch_size - rows
+
+    def col(values, fill, dtype):
+        return np.asarray(list(values) + [fill] * pad, dtype=dtype)
+
+    temps = [0.0 if p.is_greedy else p.temperature for p in params]
+    if seeds is None:
+        if any(p.seed is None and not p.is_greedy for p in params):
+            raise ValueError("make_sampling_arrays: pass seeds= for rows without SamplingParams.seed")
+        seeds = [p.seed or 0 for p in params]
+    seed_words = [((s & 0xFFFFFFFF), (s >> 32) & 0xFFFFFFFF) for s in seeds]
+    return SamplingArrays(
+        temperature=col(temps, 0.0, np.float32),
+        top_k=col([max(p.top_k, 0) for p in params], 0, np.int32),
+        top_p=col([p.top_p for p in params], 1.0, np.float32),
+        min_p=col([p.min_p for p in params], 0.0, np.float32),
+        repetition_penalty=col([p.repetition_penalty for p in params], 1.0, np.float32),
+        presence_penalty=col([p.presence_penalty for p in params], 0.0, np.float32),
+        frequency_penalty=col([p.frequency_penalty for p in params], 0.0, np.float32),
+        seeds=np.asarray(seed_words + [(0, 0)] * pad, dtype=np.uint32).reshape(batch_size, 2),
+        num_generated=col(num_generated, 0, np.int32),
+        history=_penalty_history(params, prompt_token_ids, output_token_ids, batch_size,
+                                 history_len))
+
+
+def _penalty_history(params, prompts, outputs, batch_size, history_len) -> PenaltyHistory | None:
+    if not any(p.uses_penalties for p in params):
+        if history_len is None:
+            return None
+        return PenaltyHistory(np.full((batch_size, history_len), -1, np.int32),
+                              np.zeros(batch_size, np.int32))
+    if outputs is None or (prompts is None and any(p.repetition_penalty != 1 for p in params)):
+        raise ValueError("penalties need output_token_ids (and prompt_token_ids for "
+                         "repetition_penalty)")
+    histories = []
+    for i, p in enumerate(params):
+        prompt = list(prompts[i]) if p.repetition_penalty != 1 else []
+        histories.append((prompt, list(outputs[i]) if p.uses_penalties else []))
+    longest = max(len(a) + len(b) for a, b in histories)
+    width = history_len if history_len is not None else max(16, 1 << (longest - 1).bit_length())
+    if longest > width:
+        raise ValueError(f"history_len={width} is shorter than a row's {longest} penalty tokens")
+    token_ids = np.full((batch_size, width), -1, np.int32)
+    num_prompt = np.zeros(batch_size, np.int32)
+    for i, (prompt, output) in enumerate(histories):
+        token_ids[i, :len(prompt) + len(output)] = prompt + output
+        num_prompt[i] = len(prompt)
+    return PenaltyHistory(token_ids, num_prompt)
+
+
+def max_top_logprobs(params: Sequence[SamplingParams]) -> int:
+    """The largest `logprobs` asked for in a batch (0 if none): a static argument of sample()."""
+    return max((p.logprobs or 0 for p in params), default=0)
