@@ -4,6 +4,7 @@ Host to device:
 
     SamplingParams (one per request, validated here, at the API boundary)
       --make_sampling_arrays(params, num_generated, seeds, histories, batch_size)-->
+        (or sampling_arrays_for_sequences(scheduler sequences, batch_size))
     SamplingArrays (numpy, one row per sequence, padded to the batch bucket)
       --the jitted step--> sample(logits [B, V], arrays) -> SamplerOutput (tokens, logprobs)
 
@@ -33,12 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxinfer.sequence import Sequence as SequenceLike
 
 MAX_LOGPROBS = 20
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
@@ -269,6 +273,18 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
         num_generated=col(num_generated, 0, np.int32),
         history=_penalty_history(params, prompt_token_ids, output_token_ids, batch_size,
                                  history_len))
+
+
+def sampling_arrays_for_sequences(seqs: Sequence["SequenceLike"], batch_size: int, *,
+                                  history_len: int | None = None) -> SamplingArrays:
+    """make_sampling_arrays for scheduler Sequences (jaxinfer.sequence), one row each."""
+    penalties = any(s.sampling_params.uses_penalties for s in seqs)
+    return make_sampling_arrays(
+        [s.sampling_params for s in seqs], [s.num_output_tokens for s in seqs],
+        batch_size=batch_size, seeds=[s.seed for s in seqs],
+        prompt_token_ids=[s.prompt_token_ids for s in seqs] if penalties else None,
+        output_token_ids=[s.output_token_ids for s in seqs] if penalties else None,
+        history_len=history_len)
 
 
 def _penalty_history(params, prompts, outputs, batch_size, history_len) -> PenaltyHistory | None:

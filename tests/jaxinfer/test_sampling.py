@@ -234,3 +234,45 @@ def test_new_option_values_do_not_recompile():
         f(logits, make_sampling_arrays(params, [1] * len(params), batch_size=4))
     assert f._cache_size() == 1
     assert isinstance(make_sampling_arrays([SamplingParams(seed=1)], [0], batch_size=1), SamplingArrays)
+
+
+# --- with the scheduler -----------------------------------------------------------------------------
+def fake_logits(seq, vocab=64):
+    """A stand-in model: the next-token logits depend only on the sequence's own tokens."""
+    rng = np.random.default_rng([len(seq.token_ids)] + seq.token_ids[-3:])
+    return rng.normal(size=vocab).astype(np.float32) * 2
+
+
+def generate(requests, num_pages, batch_size=8):
+    """Runs requests (id, prompt, params) through Scheduler + sampler; returns their outputs."""
+    from jaxinfer.paging import PagePool
+    from jaxinfer.scheduler import Scheduler
+    from jaxinfer.sampling import sampling_arrays_for_sequences
+
+    sched = Scheduler(PagePool(num_pages, 4), max_num_batched_tokens=16, max_num_seqs=batch_size,
+                      max_model_len=64, seed=len(requests))
+    seqs = {rid: sched.add_request(rid, prompt, p) for rid, prompt, p in requests}
+    preempted = 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        preempted += len(plan.preempted)
+        logits = np.zeros((batch_size, 64), np.float32)
+        for i, e in enumerate(plan.seqs):
+            logits[i] = fake_logits(e.seq)
+        arrays = sampling_arrays_for_sequences([e.seq for e in plan.seqs], batch_size,
+                                               history_len=64)
+        sched.update(plan, np.asarray(sample_jit(logits, arrays, 0).tokens))
+    assert sched.pool.num_free_pages == sched.pool.num_usable_pages
+    return {rid: [s.output_token_ids for s in ss] for rid, ss in seqs.items()}, preempted
+
+
+def test_seeded_request_gives_the_same_tokens_alone_or_in_a_crowd_with_preemption():
+    mine = ("mine", [1, 2, 3, 4, 5, 6], SamplingParams(n=2, max_tokens=12, seed=7, top_p=0.9,
+                                                       frequency_penalty=0.5))
+    alone, _ = generate([mine], num_pages=32)
+    crowd = [(f"r{i}", [i, 9, 9, i, 3][: 1 + i % 5], SamplingParams(max_tokens=10, temperature=0.8))
+             for i in range(6)]
+    together, preempted = generate(crowd[:3] + [mine] + crowd[3:], num_pages=12)
+    assert preempted > 0
+    assert together["mine"] == alone["mine"]
+    assert alone["mine"][0] != alone["mine"][1]  # the two samples draw different streams
