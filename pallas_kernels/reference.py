@@ -112,11 +112,15 @@ def ragged_paged_attention_reference(
         kv = kv_cache[pages].reshape(num_tokens, block, two_hkv, d)
         kv = kv.astype(jnp.float32) * scales[None, None, :, None]
         kb, vb = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, B, Hkv, D]
+        kpos = j * block + jnp.arange(block, dtype=jnp.int32)  # [B]
+        written = kpos[None, :] < kv_len[:, None]  # [T, B]
+        # Slots past kv_len (a partial last page, pages past the table's end) hold whatever was
+        # there before, NaN included; p == 0 there does not help (0 * NaN), so zero V itself.
+        vb = jnp.where(written[:, :, None, None], vb, 0.0)
         s = jnp.einsum("tkgd,tbkd->tkgb", qg, kb)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        kpos = j * block + jnp.arange(block, dtype=jnp.int32)  # [B]
-        mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < kv_len[:, None])
+        mask = (kpos[None, :] <= pos[:, None]) & written
         if sliding_window is not None:
             mask &= pos[:, None] - kpos[None, :] < sliding_window
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)

@@ -1,0 +1,71 @@
+"""Pieces shared by the Pallas kernels: argument checks, KV scales, token validity.
+
+Every kernel writes the new K/V with `reference.write_kv` (an XLA scatter) and then only reads the
+cache, so the helpers here are about describing the ragged batch to a kernel and checking that a
+kernel can take a shape before anything is lowered.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+# Finite stand-in for -inf in kernels: exp(MASK - MASK) is 1, not NaN, and any real score wipes
+# what a fully masked block added (exp(MASK - real) == 0 exactly in float32).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+class UnsupportedShape(ValueError):
+    """A kernel cannot take these shapes/options; the reason names the offending value."""
+
+
+def is_quantized(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1
+
+
+def check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
+    """Shape/dtype checks every implementation shares; raises ValueError naming the bad value."""
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or kv_cache.ndim != 4:
+        raise ValueError(f"expected q, k, v 3-D and kv_cache 4-D; got q{q.shape} k{k.shape} "
+                         f"v{v.shape} kv_cache{kv_cache.shape}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, two_hkv, cache_d = kv_cache.shape
+    num_kv_heads = two_hkv // 2
+    if two_hkv % 2 or cache_d != head_dim:
+        raise ValueError(f"kv_cache shape {kv_cache.shape} does not match q {q.shape}")
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k {k.shape} / v {v.shape} must be {(num_tokens, num_kv_heads, head_dim)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    num_seqs_max = page_indices.shape[0]
+    if kv_lens.shape != (num_seqs_max,) or cu_q_lens.shape != (num_seqs_max + 1,):
+        raise ValueError(f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match "
+                         f"page_indices {page_indices.shape}")
+    if jnp.size(num_seqs) != 1:
+        raise ValueError(f"num_seqs must hold one value; got shape {jnp.shape(num_seqs)}")
+    if is_quantized(kv_cache.dtype) and (k_scale is None or v_scale is None):
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is quantized: k_scale and v_scale are required")
+
+
+def kv_scales(kv_cache, k_scale, v_scale):
+    """float32 [Hkv, 2]: (k_scale, v_scale) per kv head; ones for an unquantized cache."""
+    num_kv_heads = kv_cache.shape[2] // 2
+    if not is_quantized(kv_cache.dtype):
+        return jnp.ones((num_kv_heads, 2), jnp.float32)
+    k_scale = jnp.broadcast_to(jnp.asarray(k_scale, jnp.float32).reshape(-1), (num_kv_heads,))
+    v_scale = jnp.broadcast_to(jnp.asarray(v_scale, jnp.float32).reshape(-1), (num_kv_heads,))
+    return jnp.stack([k_scale, v_scale], axis=1)
+
+
+def scalar_num_seqs(num_seqs):
+    return jnp.asarray(num_seqs, jnp.int32).reshape(-1)[:1]
+
+
+def real_q_lens(cu_q_lens, num_seqs):
+    """i32[S]: query tokens per sequence, 0 for padding sequences (s >= num_seqs)."""
+    num_seqs_max = cu_q_lens.shape[0] - 1
+    real = jnp.arange(num_seqs_max, dtype=jnp.int32) < scalar_num_seqs(num_seqs)[0]
+    return jnp.where(real, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()

@@ -1,0 +1,262 @@
+"""Ragged paged attention for TPUs: a Pallas/Mosaic kernel with scalar prefetch and manual DMA.
+
+One call, as the contract in ARCHITECTURE.md: write this step's K/V, then attend.
+
+1. KV write: an XLA scatter (`reference.write_kv`) before the kernel. Inside this kernel's grid
+   a head's new K/V rows are 2 x D elements each, so a fused write would be T x Hkv DMAs of
+   ~0.5 KiB, slower than one scatter over the donated cache; the kernel only reads the cache.
+2. Layout (XLA): the flattened token axis T is cut into query blocks of `block_q` tokens
+   (a power of two >= 16); q becomes [Hkv, nqb, G * bq, D] with rows head-major inside a block
+   (row r = g * bq + i is token i of the block, query head g of the group), so a block is one
+   plain 2-D matmul operand and a row's token is r & (bq - 1): no reshapes in the kernel.
+   Per block, the first and last sequence it touches are found from cu_q_lens (searchsorted).
+3. Grid (Hkv, nqb), both parallel: kv head x query block. Scalar prefetch (SMEM): kv_lens, the
+   flattened page table, cu_q_lens, num_seqs, and the blocks' first/last sequences. The cache
+   stays in HBM (memory space ANY). A grid step loops over the sequences its block touches; for
+   each it walks that sequence's causal (and sliding-window) KV range in blocks of
+   `pages_per_block` pages: every page is brought in by two DMAs (K rows at 2h, V rows at
+   2h + 1, selected by the DMA itself) into [2, N, D] VMEM buffers, double buffered: block j+1's
+   DMAs are in flight while block j is computed. Pages past the causal end are replaced by the
+   last needed page of the same sequence, so only owned pages are read.
+4. Math: one float32 online softmax (m, l, acc) per block row across all its sequences. Rows
+   that are not the current sequence's are masked; a finite mask value makes a row's not-yet-real
+   statistics harmless (the first real score scales them by exp(MASK - real) == 0). V past
+   kv_len is zeroed so stale/NaN slots cannot leak through p == 0. Rows of padding tokens are
+   written as zeros.
+
+Supports bf16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
+scales (dequantized in VMEM), head_dim 64/128/256, page_size a multiple of the cache dtype's
+sublane packing, sliding window, soft cap. Runs under TPU interpret mode on the CPU (no ref
+reshapes, no strided ref loads) and lowers for TPU from the CPU; that no real TPU has compiled it
+yet is the main open risk (the per-head DMA source `cache.at[page, :, 2h, :]` slices the
+second-minor axis).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import common
+from pallas_kernels.reference import write_kv
+
+_FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuConfig:
+    block_q: int          # query tokens per block over the flattened T axis (power of two >= 16)
+    pages_per_block: int  # pages per KV step; block_kv = pages_per_block * page_size
+    vmem_limit_bytes: int | None = None
+
+
+def _sublane_rows(dtype) -> int:
+    return 32 // jnp.dtype(dtype).itemsize  # rows per (sublane) tile: 8 for 32-bit, 16, 32
+
+
+def unsupported_reason(q, kv_cache, page_indices) -> str | None:
+    head_dim = q.shape[-1]
+    page_size = kv_cache.shape[1]
+    if q.dtype not in _FLOAT_DTYPES:
+        return f"q dtype {q.dtype} (want bfloat16 or float32)"
+    if kv_cache.dtype != q.dtype and not common.is_quantized(kv_cache.dtype):
+        return f"kv_cache dtype {kv_cache.dtype} with q dtype {q.dtype}"
+    if head_dim not in (64, 128, 256):
+        return f"head_dim={head_dim} (want 64, 128 or 256)"
+    if page_size % _sublane_rows(kv_cache.dtype):
+        return (f"page_size={page_size} (want a multiple of {_sublane_rows(kv_cache.dtype)} "
+                f"for {jnp.dtype(kv_cache.dtype).name})")
+    return None
+
+
+def default_config(num_tokens, num_seqs, group, page_size, pages_per_seq):
+    if num_tokens <= 2 * num_seqs:  # decode-like: one token per sequence, keep wasted rows few
+        block_q = 16
+    else:
+        block_q = max(16, min(256, common.next_pow2(-(-256 // group))))
+    block_q = min(block_q, max(16, common.next_pow2(num_tokens)))
+    pages_per_block = max(1, min(pages_per_seq, 512 // page_size))
+    return TpuConfig(block_q, pages_per_block)
+
+
+def _attention_kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref, pages_ref, cu_q_lens_ref, num_seqs_ref, first_seq_ref, last_seq_ref,
+    # inputs
+    scales_ref, q_ref, kv_hbm,
+    # output
+    o_ref,
+    # scratch
+    k_buf, v_buf, sems,
+    *, block_q, pages_per_block, pages_per_seq, sm_scale, sliding_window, soft_cap, precision,
+):
+    rows_m, head_dim = q_ref.shape  # M = G * bq
+    _, block_kv, _ = k_buf.shape
+    page_size = block_kv // pages_per_block
+    h, qb = pl.program_id(0), pl.program_id(1)
+    block_start = qb * block_q
+    k_scale, v_scale = scales_ref[2 * h], scales_ref[2 * h + 1]
+
+    q = q_ref[...]  # [M, D]
+    row_tok = block_start + (lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 0) & (block_q - 1))
+    col = lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1)  # [M, N]
+    v_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
+
+    def copies(seq, blk, slot, kv_end):
+        """The 2 * pages_per_block DMAs that bring KV block `blk` of `seq` into buffer `slot`."""
+        last = lax.div(kv_end - 1, page_size)  # non-negative operands: lax.div, not //
+        out = []
+        for i in range(pages_per_block):
+            page = pages_ref[seq * pages_per_seq + jnp.minimum(blk * pages_per_block + i, last)]
+            dst = pl.ds(i * page_size, page_size)
+            out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h, :], k_buf.at[slot, dst],
+                                             sems.at[slot]))
+            out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h + 1, :], v_buf.at[slot, dst],
+                                             sems.at[slot]))
+        return out
+
+    def attend_block(blk, slot, carry, row_pos, in_seq, kv_end):
+        m, l, acc = carry  # [M, 1], [M, 1], [M, D]
+        k = k_buf[slot].astype(q.dtype)  # [N, D]
+        v = v_buf[slot].astype(q.dtype)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)  # [M, N]
+        s = s * (sm_scale * k_scale)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kpos = blk * block_kv + col
+        mask = in_seq & (kpos <= row_pos) & (kpos < kv_end)
+        if sliding_window is not None:
+            mask = mask & (row_pos - kpos < sliding_window)
+        s = jnp.where(mask, s, common.MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new)
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        v = jnp.where(blk * block_kv + v_row < kv_end, v, jnp.zeros_like(v))  # stale/NaN slots
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+        return m_new, l, alpha * acc + pv
+
+    def attend_sequence(seq, carry):
+        q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+        lo = jnp.maximum(q_start, block_start)  # this block's tokens of seq: [lo, hi)
+        hi = jnp.minimum(q_end, block_start + block_q)
+        delta = kv_lens_ref[seq] - q_end  # position of token t is t + delta
+        kv_end = hi + delta
+        kv_start = 0 if sliding_window is None else jnp.maximum(lo + delta - sliding_window + 1, 0)
+        blk_lo = lax.div(kv_start, block_kv)
+        blk_hi = jnp.where(hi > lo, lax.div(kv_end + block_kv - 1, block_kv), blk_lo)
+        in_seq = (row_tok >= lo) & (row_tok < hi)
+        row_pos = row_tok + delta
+
+        @pl.when(blk_lo < blk_hi)
+        def _():
+            for c in copies(seq, blk_lo, 0, kv_end):
+                c.start()
+
+        def kv_step(blk, carry):
+            slot = lax.rem(blk - blk_lo, 2)
+            for c in copies(seq, blk, slot, kv_end):
+                c.wait()
+
+            @pl.when(blk + 1 < blk_hi)
+            def _():
+                for c in copies(seq, blk + 1, 1 - slot, kv_end):
+                    c.start()
+
+            return attend_block(blk, slot, carry, row_pos, in_seq, kv_end)
+
+        return lax.fori_loop(blk_lo, blk_hi, kv_step, carry)
+
+    init = (jnp.full((rows_m, 1), common.MASK_VALUE, jnp.float32),
+            jnp.zeros((rows_m, 1), jnp.float32), jnp.zeros((rows_m, head_dim), jnp.float32))
+    _, l, acc = lax.fori_loop(first_seq_ref[qb], last_seq_ref[qb] + 1, attend_sequence, init)
+    real_end = cu_q_lens_ref[num_seqs_ref[0]]
+    row_tok1 = block_start + (lax.broadcasted_iota(jnp.int32, (rows_m, 1), 0) & (block_q - 1))
+    row_real = (row_tok1 < real_end) & (l > 0)  # [M, 1]
+    out = acc * (v_scale / jnp.where(row_real, l, 1.0))
+    o_ref[...] = jnp.where(row_real, out, 0.0).astype(o_ref.dtype)
+
+
+def _block_sequences(cu_q_lens, num_seqs, num_blocks, block_q):
+    """First and last sequence touching each query block ([nqb] each; last < first if none)."""
+    n = common.scalar_num_seqs(num_seqs)[0]
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    ends = jnp.minimum(starts + block_q, cu_q_lens[n])
+    first = jnp.searchsorted(cu_q_lens[1:], starts, side="right").astype(jnp.int32)
+    last = jnp.searchsorted(cu_q_lens[1:], ends - 1, side="right").astype(jnp.int32)
+    last = jnp.where(ends > starts, jnp.minimum(last, n - 1), -1)
+    return jnp.minimum(first, jnp.maximum(n - 1, 0)), last
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
+def ragged_paged_attention_tpu(
+    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+    *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+    config: TpuConfig | None = None, interpret=None,
+):
+    """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache).
+
+    `interpret`: None/False compiles for the TPU; a `pltpu.InterpretParams` runs the TPU
+    interpreter (so does an enclosing `pltpu.force_tpu_interpret_mode`)."""
+    common.check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                          k_scale, v_scale)
+    reason = unsupported_reason(q, kv_cache, page_indices)
+    if reason is not None:
+        raise common.UnsupportedShape(f"pallas_tpu cannot take {reason}")
+    kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, two_hkv, _ = kv_cache.shape
+    num_kv_heads = two_hkv // 2
+    group = num_q_heads // num_kv_heads
+    num_seqs_max, pages_per_seq = page_indices.shape
+    if config is None:
+        config = default_config(num_tokens, num_seqs_max, group, page_size, pages_per_seq)
+    bq, ppb = config.block_q, config.pages_per_block
+    if bq < 16 or bq & (bq - 1):
+        raise common.UnsupportedShape(f"pallas_tpu block_q={bq} must be a power of two >= 16")
+    num_blocks = pl.cdiv(num_tokens, bq)
+    rows_m = group * bq
+
+    t_pad = num_blocks * bq - num_tokens
+    q_blocks = jnp.pad(q, ((0, t_pad), (0, 0), (0, 0)))
+    q_blocks = q_blocks.reshape(num_blocks, bq, num_kv_heads, group, head_dim)
+    q_blocks = q_blocks.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_blocks, rows_m, head_dim)
+    first_seq, last_seq = _block_sequences(cu_q_lens, num_seqs, num_blocks, bq)
+    scalars = (kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
+               cu_q_lens.astype(jnp.int32), common.scalar_num_seqs(num_seqs), first_seq, last_seq)
+    scales = common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1)  # [2 * Hkv]
+
+    kernel = functools.partial(
+        _attention_kernel, block_q=bq, pages_per_block=ppb, pages_per_seq=pages_per_seq,
+        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+    block = pl.BlockSpec((None, None, rows_m, head_dim), lambda h, b, *_: (h, b, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
+        grid=(num_kv_heads, num_blocks),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), block, pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=block,
+        scratch_shapes=[pltpu.VMEM((2, ppb * page_size, head_dim), kv_cache.dtype),
+                        pltpu.VMEM((2, ppb * page_size, head_dim), kv_cache.dtype),
+                        pltpu.SemaphoreType.DMA((2,))],
+    )
+    out_blocks = pl.pallas_call(
+        kernel, grid_spec=grid_spec, name="ragged_paged_attention_tpu",
+        out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_blocks, rows_m, head_dim), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                             vmem_limit_bytes=config.vmem_limit_bytes),
+        interpret=interpret or False,
+    )(*scalars, scales, q_blocks, kv_cache)
+
+    out = out_blocks.reshape(num_kv_heads, num_blocks, group, bq, head_dim)
+    out = out.transpose(1, 3, 0, 2, 4).reshape(num_blocks * bq, num_q_heads, head_dim)
+    return out[:num_tokens], kv_cache
