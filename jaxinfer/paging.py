@@ -101,7 +101,8 @@ class PagePool:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        queries = self.prefix_cache_queries
+        return self.prefix_cache_hits / queries if queries else 0.0
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Counted by the scheduler once per admission (not per failed attempt)."""
@@ -163,7 +164,7 @@ class PagePool:
                                                  tuple(token_ids[i * ps:(i + 1) * ps]))
             self._page_hash[page_id] = page_hash
 
-    # --- allocation -----------------------------------------------------------------------------------
+    # --- allocation -------------------------------------------------------------------------------
     def can_allocate(self, num_new: int, cached: Sequence[int] = ()) -> bool:
         """Whether allocate(num_new, cached) would succeed: cached pages that are free count too."""
         num_revived = sum(1 for p in cached if self._ref_counts[p] == 0)
@@ -202,7 +203,7 @@ class PagePool:
                     self._free.move_to_end(p, last=False)
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached hash (e.g. after new weights are loaded); pages stay where they are."""
+        """Forgets every cached hash (e.g. after new weights are loaded); pages stay put."""
         self._cache.clear()
         self._page_hash.clear()
 

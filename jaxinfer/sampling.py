@@ -249,7 +249,8 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
     """
     rows = len(params)
     if rows > batch_size or len(num_generated) != rows:
-        raise ValueError(f"{rows} params and {len(num_generated)} counts for batch_size={batch_size}")
+        raise ValueError(f"{rows} params and {len(num_generated)} counts for "
+                         f"batch_size={batch_size}")
     pad = batch_size - rows
 
     def col(values, fill, dtype):
@@ -258,7 +259,8 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
     temps = [0.0 if p.is_greedy else p.temperature for p in params]
     if seeds is None:
         if any(p.seed is None and not p.is_greedy for p in params):
-            raise ValueError("make_sampling_arrays: pass seeds= for rows without SamplingParams.seed")
+            raise ValueError("make_sampling_arrays: pass seeds= for rows without "
+                             "SamplingParams.seed")
         seeds = [p.seed or 0 for p in params]
     seed_words = [((s & 0xFFFFFFFF), (s >> 32) & 0xFFFFFFFF) for s in seeds]
     return SamplingArrays(

@@ -110,10 +110,10 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_arrival = 0
 
-    # --- requests -----------------------------------------------------------------------------------
+    # --- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: "SamplingParams", *, priority: int = 0) -> list[Sequence]:
-        """Queues one sequence per sample (sampling_params.n); raises ValueError if it can never run."""
+        """Queues one sequence per sample (params.n); raises ValueError if it can never run."""
         self._check_request(request_id, prompt_token_ids, sampling_params, priority)
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
         base_seed = (sampling_params.seed if sampling_params.seed is not None
@@ -183,7 +183,7 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    # --- schedule -------------------------------------------------------------------------------------
+    # --- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerPlan:
         step = _Step({}, self.max_num_batched_tokens, [])
         by_priority = sorted(self.running, key=_sort_key)
@@ -255,7 +255,7 @@ class Scheduler:
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.page_size)
 
-    # --- update ---------------------------------------------------------------------------------------
+    # --- update -----------------------------------------------------------------------------------
     def update(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
         """Applies a finished step. `sampled_token_ids[i]` belongs to `plan.seqs[i]` (ignored
         where `sample` is False; extra padding rows are ignored). Returns the sequences that got a

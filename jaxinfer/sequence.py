@@ -127,5 +127,6 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}#{self.sample_index}, "
-                f"{self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"{self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, "
                 f"pages={self.pages})")

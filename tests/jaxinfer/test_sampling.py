@@ -51,7 +51,7 @@ def test_sampling_params_normalizes_and_is_frozen():
     assert max_top_logprobs([SamplingParams(logprobs=5), SamplingParams(), p]) == 5
 
 
-# --- masks ------------------------------------------------------------------------------------------
+# --- masks ----------------------------------------------------------------------------------------
 def reference_mask(logits, top_k, top_p, min_p):
     """Which tokens survive, computed token by token in float64."""
     logits = logits.astype(np.float64)
@@ -95,7 +95,7 @@ def test_top_k_top_p_min_p_masks_match_numpy():
     np.testing.assert_array_equal(np.asarray(off), logits)
 
 
-# --- sampling ---------------------------------------------------------------------------------------
+# --- sampling -------------------------------------------------------------------------------------
 def arrays_for(params, num_generated=None, **kw):
     num_generated = num_generated or [0] * len(params)
     return make_sampling_arrays(params, num_generated, batch_size=kw.pop("batch_size", len(params)),
@@ -236,7 +236,7 @@ def test_new_option_values_do_not_recompile():
     assert isinstance(make_sampling_arrays([SamplingParams(seed=1)], [0], batch_size=1), SamplingArrays)
 
 
-# --- with the scheduler -----------------------------------------------------------------------------
+# --- with the scheduler ---------------------------------------------------------------------------
 def fake_logits(seq, vocab=64):
     """A stand-in model: the next-token logits depend only on the sequence's own tokens."""
     rng = np.random.default_rng([len(seq.token_ids)] + seq.token_ids[-3:])
