@@ -113,7 +113,7 @@ class Scheduler:
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: "SamplingParams", *, priority: int = 0) -> list[Sequence]:
-        """Queues one sequence per sample (params.n); raises ValueError if it can never run."""
+        """Queues one Sequence per sample (sampling_params.n); ValueError if it can never run."""
         self._check_request(request_id, prompt_token_ids, sampling_params, priority)
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
         base_seed = (sampling_params.seed if sampling_params.seed is not None
