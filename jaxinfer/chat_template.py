@@ -1,0 +1,79 @@
+"""Chat templates: the checkpoint's jinja2 template turning messages into one prompt string.
+
+Rendered the way HF transformers renders them, so a prompt matches what the model was tuned on:
+a sandboxed environment (templates come from model repos and are untrusted) with trim_blocks and
+lstrip_blocks, the loopcontrols extension, `raise_exception(msg)`, `strftime_now(fmt)`, a `tojson`
+filter that does not HTML-escape, and `{% generation %}` blocks (HF's assistant-mask marker)
+rendered as their plain body. Variables: messages, add_generation_prompt, bos_token, eos_token,
+unk_token, pad_token, tools, documents, plus whatever the caller passes.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A template that does not compile, or that raised while rendering (raise_exception)."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(
+            f"chat template does not compile (line {e.lineno}): {e.message}") from e
+
+
+def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
+                         **variables: Any) -> str:
+    """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ChatTemplateError(f"messages must be a list of dicts, got {messages!r}")
+    context = {"tools": None, "documents": None, **variables}
+    try:
+        return _compile(template).render(messages=copy.deepcopy(messages),
+                                         add_generation_prompt=add_generation_prompt, **context)
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from e

@@ -1,0 +1,258 @@
+"""One Tokenizer protocol over three sources of a vocabulary.
+
+    load_tokenizer(path)
+      model dir with tokenizer.json   -> HFTokenizer            (HF `tokenizers`)
+      model dir with tokenizer.model  -> SentencePieceTokenizer (`sentencepiece`)
+      file.gguf (vocabulary in its metadata), or a dir holding exactly one .gguf
+        "gpt2" vocab                  -> HFTokenizer built by gguf_vocab.byte_level_bpe
+        "llama" vocab                 -> SentencePieceTokenizer over gguf_vocab's model proto
+    from_gguf_metadata(fields)        -> the same, from metadata the model loader already read
+
+Which ids begin and end a sequence comes from the checkpoint's own files (special_tokens.py):
+BOS/EOS/PAD, whether BOS is added, every id that ends generation, the chat template. `encode`
+never relies on a backend's post-processor: it adds BOS/EOS itself, so all backends agree.
+Special tokens written in the text are matched whole; `decode(skip_special_tokens=True)` is
+`decode` of the ids with the special ones removed, which the incremental detokenizer relies on.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+
+import sentencepiece
+import tokenizers
+
+from jaxinfer import gguf_vocab
+from jaxinfer.chat_template import render_chat_template
+from jaxinfer.detokenizer import IncrementalDetokenizer
+from jaxinfer.special_tokens import SpecialTokens, from_gguf, from_model_dir
+
+__all__ = ["Tokenizer", "TokenizerError", "HFTokenizer", "SentencePieceTokenizer",
+           "IncrementalDetokenizer", "load_tokenizer", "from_gguf_metadata"]
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be read or used; the message names its source."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    name: str  # where it came from, for messages
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
+    pad_token_id: int | None
+    add_bos: bool
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+    def id_to_token(self, i: int) -> str: ...
+    def is_special(self, i: int) -> bool: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str: ...
+
+
+class _Base:
+    """What every backend shares once it knows its special ids and the checkpoint's settings."""
+
+    def _init_common(self, name: str, vocab_size: int, special_ids: set[int],
+                     specials: SpecialTokens) -> None:
+        self.name, self.vocab_size, self._special_ids = name, vocab_size, frozenset(special_ids)
+        self.bos_token_id, self.pad_token_id = specials.bos_token_id, specials.pad_token_id
+        self.eos_token_ids = specials.eos_token_ids
+        self.add_bos, self.add_eos = specials.add_bos, specials.add_eos
+        self.chat_template = specials.chat_template
+        self._template_tokens = specials.token_strings
+
+    def is_special(self, i: int) -> bool:
+        return i in self._special_ids
+
+    def _wrap(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        if not add_special_tokens:
+            return ids
+        head = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
+        tail = [self.eos_token_ids[0]] if self.add_eos and self.eos_token_ids else []
+        return head + ids + tail
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if not self.chat_template:
+            raise TokenizerError(f"tokenizer {self.name} has no chat template")
+        return render_chat_template(self.chat_template, messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    **{**self._template_tokens, **kwargs})
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
+
+
+class HFTokenizer(_Base):
+    """A HF `tokenizers.Tokenizer` (from tokenizer.json, or rebuilt from a GGUF vocabulary)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, name: str,
+                 specials: SpecialTokens | None = None, special_ids: Iterable[int] | None = None):
+        self._tk = backend
+        added = backend.get_added_tokens_decoder()
+        if special_ids is None:
+            special_ids = {i for i, tok in added.items() if tok.special}
+        self._tk.no_padding()
+        self._tk.no_truncation()
+        specials = (specials or SpecialTokens()).with_defaults(_post_processor_specials(backend))
+        self._init_common(name, backend.get_vocab_size(with_added_tokens=True), set(special_ids),
+                          specials.resolved(backend.token_to_id))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._wrap(self._tk.encode(text, add_special_tokens=False).ids, add_special_tokens)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
+        return self._tk.decode(ids, skip_special_tokens=False)
+
+    def id_to_token(self, i: int) -> str:
+        return self._tk.id_to_token(int(i))
+
+
+class SentencePieceTokenizer(_Base):
+    """A sentencepiece model. Control and unknown pieces written in the text ("<s>", "<unk>")
+    are matched whole; each run of text between them is encoded by sentencepiece on its own,
+    with its dummy-prefix space, as llama.cpp does."""
+
+    def __init__(self, processor: sentencepiece.SentencePieceProcessor, name: str,
+                 specials: SpecialTokens | None = None):
+        self._sp = processor
+        n = processor.get_piece_size()
+        special_ids = {i for i in range(n) if processor.is_control(i) or processor.is_unknown(i)}
+        self._special_by_text = {processor.id_to_piece(i): i for i in special_ids}
+        pieces = sorted(self._special_by_text, key=len, reverse=True)
+        pattern = "|".join(map(re.escape, pieces))
+        self._special_re = re.compile(f"({pattern})") if pieces else None
+        defaults = SpecialTokens(
+            bos_token_id=_nonneg(processor.bos_id()), pad_token_id=_nonneg(processor.pad_id()),
+            eos_token_ids=tuple(i for i in [processor.eos_id()] if i >= 0), add_bos=True)
+        merged = (specials or SpecialTokens()).with_defaults(defaults)
+        self._init_common(name, n, special_ids, merged.resolved(self._piece_id))
+
+    def _piece_id(self, piece: str) -> int | None:
+        i = self._sp.piece_to_id(piece)
+        return i if self._sp.id_to_piece(i) == piece else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        parts = self._special_re.split(text) if self._special_re else [text]
+        ids: list[int] = []
+        for k, part in enumerate(parts):  # odd positions are the matched special pieces
+            if k % 2:
+                ids.append(self._special_by_text[part])
+            elif part:
+                ids.extend(self._sp.encode(part))
+        return self._wrap(ids, add_special_tokens)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            return self._sp.decode([i for i in ids if i not in self._special_ids])
+        # The inverse of encode: each run of ordinary pieces is decoded on its own (which drops
+        # the "▁" its encoding added), special pieces are written as their text.
+        out, run = [], []
+        for i in ids:
+            if i in self._special_ids:
+                out += [self._sp.decode(run), self._sp.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        out.append(self._sp.decode(run))
+        return "".join(out)
+
+    def id_to_token(self, i: int) -> str:
+        return self._sp.id_to_piece(int(i))
+
+
+def _post_processor_specials(backend: tokenizers.Tokenizer) -> SpecialTokens:
+    """What tokenizer.json's post-processor adds around a text (used when tokenizer_config.json
+    does not say add_bos_token / add_eos_token)."""
+    bare = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            head, tail = full[:start], full[start + len(bare):]
+            return SpecialTokens(bos_token_id=head[0] if head else None,
+                                 eos_token_ids=tuple(tail[-1:]),
+                                 add_bos=bool(head), add_eos=bool(tail))
+    return SpecialTokens()
+
+
+def _nonneg(i: int) -> int | None:
+    return i if i >= 0 else None
+
+
+def from_gguf_metadata(metadata: Mapping[str, Any], name: str = "GGUF metadata") -> Tokenizer:
+    """The tokenizer a GGUF describes. `metadata` is `gguf.GGUFReader(path).fields`, or a plain
+    {key: value} dict with the same keys."""
+    kind = gguf_vocab.field_value(metadata, "tokenizer.ggml.model")
+    try:
+        tokens = list(gguf_vocab.field_value(metadata, "tokenizer.ggml.tokens") or [])
+        specials = from_gguf(metadata, tokens)
+        if kind == "gpt2":
+            backend = gguf_vocab.byte_level_bpe(metadata)
+            types = gguf_vocab.field_value(metadata, "tokenizer.ggml.token_type") or []
+            control = {i for i, t in enumerate(types) if t == gguf_vocab.CONTROL}
+            return HFTokenizer(backend, name, specials, special_ids=control)
+        if kind == "llama":
+            proto = gguf_vocab.sentencepiece_model_proto(metadata)
+            return SentencePieceTokenizer(sentencepiece.SentencePieceProcessor(model_proto=proto),
+                                          name, specials)
+    except (ValueError, RuntimeError, TypeError, IndexError, KeyError) as e:
+        raise TokenizerError(f"cannot build a tokenizer from {name}: {e}") from e
+    raise TokenizerError(f"{name}: unsupported tokenizer.ggml.model {kind!r} "
+                         "(supported: 'gpt2', 'llama')")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a model directory, of a tokenizer.json or sentencepiece model file (with
+    the configs beside it), or of a GGUF file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path does not exist: {path}")
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return _load_gguf(path)
+        return _load_file(path, path.parent)  # tokenizer.json, else a sentencepiece model
+    for filename in ("tokenizer.json", "tokenizer.model"):
+        if (path / filename).is_file():
+            return _load_file(path / filename, path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _load_gguf(ggufs[0])
+    found = f"{len(ggufs)} .gguf files" if ggufs else "no tokenizer.json, tokenizer.model or .gguf"
+    raise TokenizerError(f"no tokenizer in {path}: {found}")
+
+
+def _load_file(file: Path, model_dir: Path) -> Tokenizer:
+    try:
+        specials = from_model_dir(model_dir)
+    except ValueError as e:  # a config file that is not JSON; the message names it
+        raise TokenizerError(str(e)) from e
+    try:
+        if file.suffix == ".json":
+            return HFTokenizer(tokenizers.Tokenizer.from_file(str(file)), str(file), specials)
+        processor = sentencepiece.SentencePieceProcessor(model_file=str(file))
+        return SentencePieceTokenizer(processor, str(file), specials)
+    except Exception as e:  # both libraries raise bare Exception/RuntimeError on bad files
+        raise TokenizerError(f"cannot read tokenizer {file}: {e}") from e
+
+
+def _load_gguf(path: Path) -> Tokenizer:
+    import gguf  # only GGUF users pay for importing it
+
+    try:
+        fields = gguf.GGUFReader(str(path)).fields
+    except Exception as e:  # gguf raises ValueError/struct.error/... on a bad file
+        raise TokenizerError(f"cannot read GGUF file {path}: {e}") from e
+    if "tokenizer.ggml.tokens" not in fields:
+        raise TokenizerError(f"GGUF file {path} has no tokenizer (no tokenizer.ggml.tokens)")
+    return from_gguf_metadata(fields, name=str(path))
+
