@@ -46,6 +46,13 @@ def check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is quantized: k_scale and v_scale are required")
 
 
+def check_options(sliding_window, soft_cap):
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be None or a positive integer")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap={soft_cap!r} must be None or a positive number")
+
+
 def kv_scales(kv_cache, k_scale, v_scale):
     """float32 [Hkv, 2]: (k_scale, v_scale) per kv head; ones for an unquantized cache."""
     num_kv_heads = kv_cache.shape[2] // 2

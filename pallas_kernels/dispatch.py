@@ -1,19 +1,52 @@
-"""Chooses an implementation of ragged paged attention for the current backend."""
+"""Chooses an implementation of ragged paged attention for the current backend.
+
+"auto" takes the Pallas kernel of the backend ("pallas_tpu" on TPU, "pallas_gpu" on GPU) and the
+reference elsewhere. A shape the chosen kernel cannot take falls back to the reference with one
+logged warning per cause; an explicitly requested kernel raises a ValueError instead. A kernel
+requested explicitly off its platform runs in interpret mode (slow; meant for tests), with one
+warning.
+"""
 from __future__ import annotations
+
+import logging
 
 import jax
 
+from pallas_kernels import common, gpu, tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+_KERNELS = {"pallas_gpu": (gpu, "gpu"), "pallas_tpu": (tpu, "tpu")}
+_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
-def resolve_impl(impl: str) -> str:
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     if impl != "auto":
         return impl
-    return "reference"
+    return _AUTO.get(backend or jax.default_backend(), "reference")
+
+
+def _interpret_flag(impl: str, backend: str):
+    """False on the kernel's own platform; interpret-mode settings elsewhere."""
+    _, platform = _KERNELS[impl]
+    if backend == platform or (platform == "gpu" and backend in ("cuda", "rocm")):
+        return False
+    _warn_once(f"attention impl {impl!r} on backend {backend!r}: running in interpret mode")
+    if impl == "pallas_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.InterpretParams()
+    return True
 
 
 def ragged_paged_attention(
@@ -21,10 +54,21 @@ def ragged_paged_attention(
     *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, impl="auto",
 ):
     """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache)."""
-    impl = resolve_impl(impl)
+    backend = jax.default_backend()
+    chosen = resolve_impl(impl, backend)
+    args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    common.check_contract(*args, k_scale, v_scale)
+    common.check_options(sliding_window, soft_cap)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   k_scale=k_scale, v_scale=v_scale)
-    args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
-    if impl == "reference":
+    if chosen == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
-    raise NotImplementedError(f"attention impl {impl!r} is not available on backend {jax.default_backend()!r}")
+    module, _ = _KERNELS[chosen]
+    reason = module.unsupported_reason(q, kv_cache, page_indices)
+    if reason is not None:
+        if impl != "auto":
+            raise ValueError(f"attention impl {impl!r} cannot take {reason}")
+        _warn_once(f"attention impl {chosen!r} cannot take {reason}; using the reference")
+        return ragged_paged_attention_reference(*args, **kwargs)
+    kernel = gpu.ragged_paged_attention_gpu if chosen == "pallas_gpu" else tpu.ragged_paged_attention_tpu
+    return kernel(*args, **kwargs, interpret=_interpret_flag(chosen, backend))

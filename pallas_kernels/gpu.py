@@ -198,6 +198,7 @@ def ragged_paged_attention_gpu(
     """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache)."""
     common.check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                           k_scale, v_scale)
+    common.check_options(sliding_window, soft_cap)
     reason = unsupported_reason(q, kv_cache, page_indices)
     if reason is not None:
         raise common.UnsupportedShape(f"pallas_gpu cannot take {reason}")

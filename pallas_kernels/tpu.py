@@ -208,6 +208,7 @@ def ragged_paged_attention_tpu(
     interpreter (so does an enclosing `pltpu.force_tpu_interpret_mode`)."""
     common.check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                           k_scale, v_scale)
+    common.check_options(sliding_window, soft_cap)
     reason = unsupported_reason(q, kv_cache, page_indices)
     if reason is not None:
         raise common.UnsupportedShape(f"pallas_tpu cannot take {reason}")

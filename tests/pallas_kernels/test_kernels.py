@@ -1,0 +1,192 @@
+"""Each Pallas kernel in interpret mode against the reference, on fresh random ragged batches.
+
+GPU kernel: `interpret=True` (the generic Pallas interpreter). TPU kernel: the TPU interpreter
+(`pltpu.InterpretParams`), which also simulates its DMAs and semaphores. Both the attention
+output and the updated cache are compared; the cache holds NaN (or the int8 minimum) wherever no
+sequence may read, so a kernel that reads an unwritten slot, or a write that lands in the wrong
+slot, fails.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import gpu, tpu
+from pallas_kernels.reference import ragged_paged_attention_reference
+from rpa_cases import make_case
+
+TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 3e-2}
+
+
+def run_gpu(case, config=None, **opts):
+    return gpu.ragged_paged_attention_gpu(*case.args(), **case.scales(), **opts, config=config,
+                                          interpret=True)
+
+
+def run_tpu(case, config=None, interpret=None, **opts):
+    return tpu.ragged_paged_attention_tpu(*case.args(), **case.scales(), **opts, config=config,
+                                          interpret=interpret or pltpu.InterpretParams())
+
+
+KERNELS = {"gpu": run_gpu, "tpu": run_tpu}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(sm_scale, sliding_window, soft_cap):
+    return jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale,
+                                     sliding_window=sliding_window, soft_cap=soft_cap))
+
+
+def check(kernel, case, *, config=None, sm_scale=0.125, sliding_window=None, soft_cap=None):
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    want_out, want_cache = _reference(sm_scale, sliding_window, soft_cap)(*case.args(), **case.scales())
+    out, cache = KERNELS[kernel](case, config=config, **opts)
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    want_out = np.asarray(jnp.asarray(want_out, jnp.float32))
+    assert out.shape == case.q.shape and not np.isnan(out).any()
+    tol = TOL[jnp.dtype(case.q.dtype)]
+    np.testing.assert_allclose(out, want_out, atol=tol, rtol=tol)
+    num_real = int(case.cu_q_lens[int(case.num_seqs[0])])
+    assert not out[num_real:].any(), "padding tokens must get zeros"
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(cache).astype(jnp.float32)),
+                                  np.asarray(jnp.asarray(want_cache).astype(jnp.float32)))
+    return out
+
+
+BATCHES = {
+    "decode": dict(q_lens=[1, 1, 1, 1, 1], kv_lens=[1, 17, 33, 64, 70]),
+    "prefill": dict(q_lens=[7, 16, 33], kv_lens=[7, 16, 33]),
+    "mixed": dict(q_lens=[5, 1, 20, 1, 9], kv_lens=[40, 30, 20, 1, 9]),
+    "many_pages": dict(q_lens=[3, 1], kv_lens=[300, 129], page_size=8),
+    "one_token_sequence": dict(q_lens=[1], kv_lens=[1]),
+    "sequence_without_queries": dict(q_lens=[4, 0, 2], kv_lens=[10, 12, 2]),
+    "no_sequences": dict(q_lens=[], kv_lens=[], pad_tokens=5),
+}
+KERNEL_IDS = sorted(KERNELS)
+
+
+@pytest.mark.parametrize("kernel", KERNEL_IDS)
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_batches(kernel, batch):
+    check(kernel, make_case(**BATCHES[batch], seed=sorted(BATCHES).index(batch)))
+
+
+@pytest.mark.parametrize("kernel", KERNEL_IDS)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_gqa_ratios(kernel, group):
+    check(kernel, make_case(**BATCHES["mixed"], group=group, seed=group))
+
+
+OPTIONS = {
+    "sliding_window": dict(sliding_window=8),
+    "soft_cap": dict(soft_cap=2.0, sm_scale=0.5),
+    "window_and_cap": dict(sliding_window=21, soft_cap=3.0, sm_scale=0.3),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNEL_IDS)
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_options(kernel, option):
+    case = make_case(q_lens=[5, 1, 20, 3], kv_lens=[40, 30, 20, 77], page_size=8, seed=7)
+    check(kernel, case, **OPTIONS[option])
+
+
+DTYPES = {
+    "bf16": dict(dtype=jnp.bfloat16),
+    "int8_kv_f32": dict(dtype=jnp.float32, cache_dtype=jnp.int8),
+    "int8_kv_bf16": dict(dtype=jnp.bfloat16, cache_dtype=jnp.int8),
+    "fp8_kv_f32": dict(dtype=jnp.float32, cache_dtype=jnp.float8_e4m3fn),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNEL_IDS)
+@pytest.mark.parametrize("dtypes", sorted(DTYPES))
+def test_dtypes(kernel, dtypes):
+    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 70, 20, 1], page_size=32, seed=3,
+                     **DTYPES[dtypes])
+    check(kernel, case, sliding_window=50)
+
+
+@pytest.mark.parametrize("kernel", KERNEL_IDS)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_head_dims(kernel, head_dim):
+    case = make_case(q_lens=[3, 1], kv_lens=[20, 41], head_dim=head_dim, num_kv_heads=1, group=4,
+                     seed=head_dim)
+    check(kernel, case, sm_scale=head_dim ** -0.5)
+
+
+GPU_CONFIGS = {
+    "split_k": gpu.GpuConfig(block_q=8, pages_per_block=2, num_splits=4),
+    "split_k_more_splits_than_blocks": gpu.GpuConfig(block_q=8, pages_per_block=8, num_splits=8),
+    "one_page_blocks": gpu.GpuConfig(block_q=16, pages_per_block=2, num_splits=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_configs(name):
+    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 300, 20, 129], page_size=8, seed=11)
+    check("gpu", case, config=GPU_CONFIGS[name], sliding_window=100 if "more" in name else None)
+
+
+TPU_CONFIGS = {
+    "small_blocks": tpu.TpuConfig(block_q=16, pages_per_block=1),
+    "wide_kv_blocks": tpu.TpuConfig(block_q=32, pages_per_block=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TPU_CONFIGS))
+def test_tpu_configs(name):
+    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 300, 20, 129], page_size=8, seed=13)
+    check("tpu", case, config=TPU_CONFIGS[name], sliding_window=64)
+
+
+def test_tpu_dma_races_and_order():
+    """The TPU interpreter with race detection and DMAs executed eagerly at start()."""
+    case = make_case(q_lens=[5, 1, 20], kv_lens=[40, 70, 20], page_size=8, seed=17)
+    for params in (pltpu.InterpretParams(detect_races=True),
+                   pltpu.InterpretParams(dma_execution_mode="eager")):
+        want, _ = _reference(0.125, None, None)(*case.args())
+        out, _ = run_tpu(case, config=tpu.TpuConfig(16, 2), interpret=params, sm_scale=0.125)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_poison_is_where_it_must_be():
+    """Guards the tests themselves: new-token slots and unowned pages start as NaN."""
+    case = make_case(q_lens=[3, 1], kv_lens=[10, 5], page_size=4, seed=0)
+    page, slot = case.page_indices[0, 7 // 4], 7 % 4  # position 7 of sequence 0 is new
+    assert np.isnan(case.kv_cache[page, slot]).all()
+    assert np.isnan(case.kv_cache[0]).all()  # the null page
+    assert not np.isnan(case.kv_cache[page, slot - 1]).any()  # position 6 is context
+
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+on_tpu = pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("dtypes", sorted(DTYPES))
+def test_gpu_compiled(dtypes):
+    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 70, 20, 1], page_size=32, seed=3,
+                     **DTYPES[dtypes])
+    want, _ = _reference(0.125, None, None)(*case.args(), **case.scales())
+    out, _ = gpu.ragged_paged_attention_gpu(*case.args(), **case.scales(), sm_scale=0.125)
+    tol = 3e-2 if case.q.dtype != np.float32 else 2e-3  # TF32-free f32 dots; keep margin
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.tpu
+@on_tpu
+@pytest.mark.parametrize("dtypes", sorted(DTYPES))
+def test_tpu_compiled(dtypes):
+    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 70, 20, 1], page_size=32, seed=3,
+                     **DTYPES[dtypes])
+    want, _ = _reference(0.125, None, None)(*case.args(), **case.scales())
+    out, _ = tpu.ragged_paged_attention_tpu(*case.args(), **case.scales(), sm_scale=0.125)
+    tol = 3e-2 if case.q.dtype != np.float32 else 2e-3
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)

@@ -1,0 +1,88 @@
+"""Each kernel lowers for its real target from the CPU (no device, no compile).
+
+`jit(f).trace(*shapes).lower(lowering_platforms=...)` runs the Pallas -> Triton (GPU) and
+Pallas -> Mosaic (TPU) lowerings, which reject what the target cannot express (non power-of-two
+Triton blocks, unsupported ops, bad memory spaces). A failure to lower fails the test. What it
+cannot catch: ptxas / Mosaic's own layout passes, which run only when compiling on the device.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from pallas_kernels import gpu, tpu
+
+H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+TPU_V6E = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+
+
+def _shapes(*, tokens=64, q_heads=8, kv_heads=2, head_dim=128, pages=64, page_size=16, seqs=8,
+            pages_per_seq=16, dtype=jnp.bfloat16, cache_dtype=None):
+    sd = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    return (sd((tokens, q_heads, head_dim), dtype), sd((tokens, kv_heads, head_dim), dtype),
+            sd((tokens, kv_heads, head_dim), dtype),
+            sd((pages, page_size, 2 * kv_heads, head_dim), cache_dtype or dtype),
+            sd((seqs,), i32), sd((seqs, pages_per_seq), i32), sd((seqs + 1,), i32), sd((1,), i32))
+
+
+def _lower(kernel, shapes, platform, device, **opts):
+    scales = {}
+    if jnp.dtype(shapes[3].dtype).itemsize == 1:
+        kv_heads = shapes[1].shape[1]
+        scales = dict(k_scale=jnp.ones(kv_heads), v_scale=jnp.ones(kv_heads))
+    f = functools.partial(kernel, sm_scale=0.1, **scales, **opts)
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(f).trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
+
+
+SHAPES = {
+    "bf16_d128": dict(),
+    "f32_d64_gqa3": dict(dtype=jnp.float32, head_dim=64, q_heads=6),
+    "f16_d256_gqa16": dict(dtype=jnp.float16, head_dim=256, q_heads=16, kv_heads=1),
+    "int8_kv": dict(cache_dtype=jnp.int8, page_size=32),
+    "fp8_kv": dict(cache_dtype=jnp.float8_e4m3fn, page_size=32),
+    "decode_batch": dict(tokens=256, seqs=256, pages_per_seq=64),
+}
+GPU_OPTIONS = {
+    "plain": {},
+    "window_cap": dict(sliding_window=128, soft_cap=30.0),
+    "split_k": dict(config=gpu.GpuConfig(block_q=16, pages_per_block=8, num_splits=8)),
+}
+
+
+@pytest.mark.parametrize("options", sorted(GPU_OPTIONS))
+@pytest.mark.parametrize("shapes", sorted(SHAPES))
+def test_gpu_kernel_lowers_for_cuda(shapes, options):
+    text = _lower(gpu.ragged_paged_attention_gpu, _shapes(**SHAPES[shapes]), "cuda", H100,
+                  **GPU_OPTIONS[options])
+    assert "__gpu$xla.gpu.triton" in text
+
+
+TPU_SHAPES = {k: v for k, v in SHAPES.items() if v.get("dtype") != jnp.float16}
+TPU_OPTIONS = {
+    "plain": {},
+    "window_cap": dict(sliding_window=128, soft_cap=30.0),
+    "big_blocks": dict(config=tpu.TpuConfig(block_q=128, pages_per_block=16)),
+}
+
+
+@pytest.mark.parametrize("device", [TPU_V5E, TPU_V6E], ids=["v5e", "v6e"])
+@pytest.mark.parametrize("options", sorted(TPU_OPTIONS))
+@pytest.mark.parametrize("shapes", sorted(TPU_SHAPES))
+def test_tpu_kernel_lowers_for_tpu(shapes, options, device):
+    text = _lower(tpu.ragged_paged_attention_tpu, _shapes(**TPU_SHAPES[shapes]), "tpu", device,
+                  **TPU_OPTIONS[options])
+    assert "tpu_custom_call" in text
+
+
+def test_lowering_check_has_teeth(monkeypatch):
+    """With the kernel's own shape check switched off, head_dim 48 (not a power of two) must be
+    rejected by the Triton lowering itself: lowering here really runs Pallas -> Triton."""
+    monkeypatch.setattr(gpu, "unsupported_reason", lambda *a: None)
+    with pytest.raises(ValueError, match="power of 2"):
+        _lower(gpu.ragged_paged_attention_gpu, _shapes(head_dim=48), "cuda", H100)
