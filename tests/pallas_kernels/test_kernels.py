@@ -27,8 +27,11 @@ def run_gpu(case, config=None, **opts):
 
 
 def run_tpu(case, config=None, interpret=None, **opts):
-    return tpu.ragged_paged_attention_tpu(*case.args(), **case.scales(), **opts, config=config,
-                                          interpret=interpret or pltpu.InterpretParams())
+    if interpret is not None:
+        return tpu.ragged_paged_attention_tpu(*case.args(), **case.scales(), **opts,
+                                              config=config, interpret=interpret)
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):  # as a user would
+        return tpu.ragged_paged_attention_tpu(*case.args(), **case.scales(), **opts, config=config)
 
 
 KERNELS = {"gpu": run_gpu, "tpu": run_tpu}

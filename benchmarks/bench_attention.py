@@ -1,0 +1,287 @@
+"""Ragged paged attention on one GPU: our Pallas kernel vs the XLA reference vs jax's shipped
+`jax.experimental.pallas.ops.gpu.paged_attention` (decode only; skipped if not importable).
+
+    python benchmarks/bench_attention.py                  # on a GPU (H100/H200)
+    python benchmarks/bench_attention.py --smoke          # CPU: tiny shapes, kernels interpreted
+    python benchmarks/bench_attention.py --scenarios decode --batches 1,64 --contexts 4096
+
+How it measures:
+- Device ceilings first: HBM bandwidth from a large device-to-device elementwise copy (x + 1,
+  bytes read + written) and bf16 FLOP/s from a large matmul.
+- Every row first checks correctness: each implementation runs once on a copy of the batch and
+  its output is compared with the reference's (max |err| column; "FAIL" if over tolerance).
+- Timing: jitted call with the KV cache donated and threaded back (so the KV write is in place,
+  as in the engine), warm-up calls, then the median of repeated calls, each ended by
+  block_until_ready. Our kernel and the reference include the KV write of the new tokens; jax's
+  kernel does not write (it reads a separate [Hkv, P, page, D] copy of the same cache).
+- Decode rows report achieved HBM GB/s = K+V bytes of all sequences' contexts / time (q, out and
+  the write are ignored, <1%); prefill rows report TFLOP/s = 4 * Hq * D * (keys attended, causal)
+  / time. Both are also given as % of the measured ceiling.
+Results go to stdout as a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import gpu  # noqa: E402
+from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
+
+try:  # deprecated in jax, may disappear
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+except Exception:  # noqa: BLE001
+    jax_paged = None
+
+
+@dataclasses.dataclass
+class Model:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: object
+
+
+@dataclasses.dataclass
+class Batch:
+    name: str
+    shape: str
+    args: tuple          # q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs
+    q_lens: np.ndarray
+    kv_lens: np.ndarray
+    kv_bytes: int        # K+V bytes of every sequence's context
+    flops: int           # 4 * Hq * D * attended keys
+    decode: bool
+
+
+def make_batch(name, q_lens, kv_lens, model: Model, seed=0) -> Batch:
+    rng = np.random.default_rng(seed)
+    q_lens, kv_lens = np.asarray(q_lens, np.int32), np.asarray(kv_lens, np.int32)
+    page = model.page_size
+    pages_needed = -(-kv_lens // page)
+    pages_per_seq = int(pages_needed.max())
+    num_pages = int(pages_needed.sum()) + 1  # page 0: the null page
+    owned = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
+    page_indices = np.zeros((len(q_lens), pages_per_seq), np.int32)
+    offsets = np.concatenate([[0], np.cumsum(pages_needed)])
+    for s in range(len(q_lens)):
+        page_indices[s, :pages_needed[s]] = owned[offsets[s]:offsets[s + 1]]
+    num_tokens = int(q_lens.sum())
+    keys = jax.random.split(jax.random.key(seed), 4)
+    hq, hkv, d = model.q_heads, model.kv_heads, model.head_dim
+    q = jax.random.normal(keys[0], (num_tokens, hq, d), model.dtype)
+    k = jax.random.normal(keys[1], (num_tokens, hkv, d), model.dtype)
+    v = jax.random.normal(keys[2], (num_tokens, hkv, d), model.dtype)
+    cache = jax.random.normal(keys[3], (num_pages, page, 2 * hkv, d), model.dtype)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    args = (q, k, v, cache, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu),
+            jnp.asarray([len(q_lens)], jnp.int32))
+    itemsize = jnp.dtype(model.dtype).itemsize
+    kv_bytes = int(kv_lens.sum()) * 2 * hkv * d * itemsize
+    attended = sum(int(sum(range(kl - ql + 1, kl + 1))) for ql, kl in zip(q_lens, kv_lens))
+    return Batch(name, "", args, q_lens, kv_lens, kv_bytes, 4 * hq * d * attended,
+                 bool((q_lens == 1).all()))
+
+
+def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20):
+    """step(state) -> (out, state). Median seconds over adaptive repetitions."""
+    for _ in range(warmup):
+        out, state = step(state)
+        jax.block_until_ready((out, state))
+    times = []
+    while len(times) < min_reps or (len(times) < max_reps and sum(times) < budget_s):
+        t0 = time.perf_counter()
+        out, state = step(state)
+        jax.block_until_ready((out, state))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), state
+
+
+def _ours(model, smoke, config=None):
+    f = functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=model.head_dim ** -0.5,
+                          config=config, interpret=smoke)
+    return jax.jit(f, donate_argnums=(3,))
+
+
+def _reference(model):
+    f = functools.partial(ragged_paged_attention_reference, sm_scale=model.head_dim ** -0.5)
+    return jax.jit(f, donate_argnums=(3,))
+
+
+def _jax_paged_inputs(batch: Batch, cache_after, ppcb=8, k_splits=16):
+    """jax's layout: k/v_pages [Hkv, P, page, D], tables padded to k_splits * ppcb pages."""
+    k_pages = jnp.transpose(cache_after[:, :, 0::2], (2, 0, 1, 3))
+    v_pages = jnp.transpose(cache_after[:, :, 1::2], (2, 0, 1, 3))
+    table = np.asarray(batch.args[5])
+    ppcb = min(ppcb, table.shape[1])
+    k_splits = max(1, min(k_splits, table.shape[1] // ppcb))
+    width = -(-table.shape[1] // (k_splits * ppcb)) * k_splits * ppcb
+    table = np.pad(table, ((0, 0), (0, width - table.shape[1])))
+    return k_pages, v_pages, jnp.asarray(table), batch.args[4], ppcb, k_splits
+
+
+def _jax_paged_fn(model, smoke, ppcb, k_splits):
+    return jax.jit(functools.partial(
+        jax_paged.paged_attention, pages_per_compute_block=ppcb, k_splits=k_splits,
+        interpret=smoke))
+
+
+def run_batch(batch: Batch, model: Model, args) -> list[dict]:
+    rows = []
+    copy = lambda x: jnp.array(x, copy=True)  # noqa: E731
+    want, cache_after = jax.jit(functools.partial(
+        ragged_paged_attention_reference, sm_scale=model.head_dim ** -0.5))(*batch.args)
+    want = np.asarray(want, np.float32)
+    tol = 2e-5 if model.dtype == jnp.float32 else 5e-2
+    impls = {"pallas_gpu": _ours(model, args.smoke)}
+    if not args.skip_reference:
+        impls["reference (XLA)"] = _reference(model)
+    for name, fn in impls.items():
+        row = dict(impl=name)
+        try:
+            a = list(batch.args)
+            a[3] = copy(a[3])
+            out, _ = fn(*a)
+            err = float(np.abs(np.asarray(out, np.float32) - want).max())
+            row["err"] = err if err <= tol else f"FAIL {err:.3g}"
+
+            def step(cache, fn=fn):
+                a[3] = cache
+                out, cache = fn(*a)
+                return out, cache
+
+            row["t"], _ = _median_time(step, copy(batch.args[3]), warmup=args.warmup,
+                                       budget_s=args.budget)
+        except Exception as e:  # noqa: BLE001 - report and keep going
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        rows.append(row)
+    if batch.decode and jax_paged is not None and not args.skip_jax:
+        row = dict(impl="jax ops.gpu.paged_attention")
+        try:
+            k_pages, v_pages, table, lengths, ppcb, k_splits = _jax_paged_inputs(batch, cache_after)
+            fn = _jax_paged_fn(model, args.smoke, ppcb, k_splits)
+            q = (batch.args[0] * model.head_dim ** -0.5).astype(model.dtype)  # it has no sm_scale
+            out = fn(q, k_pages, v_pages, table, lengths)
+            err = float(np.abs(np.asarray(out, np.float32) - want).max())
+            row["err"] = err if err <= tol else f"FAIL {err:.3g}"
+            row["t"], _ = _median_time(lambda s: (fn(q, k_pages, v_pages, table, lengths), s), None,
+                                       warmup=args.warmup, budget_s=args.budget)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        rows.append(row)
+    return rows
+
+
+def measure_ceilings(smoke):
+    budget = 0.0 if smoke else 1.0
+    n = 1 << (16 if smoke else 28)  # 512 MiB of bf16 on a GPU
+    x = jnp.ones((n,), jnp.bfloat16)
+    copy_fn = jax.jit(lambda x: x + 1)
+    t, _ = _median_time(lambda s: (copy_fn(x), s), None, warmup=2, budget_s=budget)
+    bandwidth = 2 * x.nbytes / t
+    m = 256 if smoke else 8192
+    a = jnp.ones((m, m), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    t, _ = _median_time(lambda s: (mm(a), s), None, warmup=2, budget_s=budget)
+    return bandwidth, 2 * m ** 3 / t
+
+
+def scenarios(args):
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    if args.smoke:
+        batches, contexts, chunks = [3], [40, 100], [48]
+        mixed = dict(chunk=48, prefix=16, decode_seqs=3, ctx=70)
+    else:
+        batches = ints(args.batches)
+        contexts = ints(args.contexts)
+        chunks = ints(args.chunks)
+        mixed = dict(chunk=2048, prefix=2048, decode_seqs=64, ctx=4096)
+    want = set(args.scenarios.split(","))
+    if "decode" in want:
+        for b in batches:
+            for ctx in contexts:
+                if b * ctx <= args.max_kv_tokens:
+                    yield f"decode b={b} ctx={ctx}", [1] * b, [ctx] * b
+    if "prefill" in want:
+        for c in chunks:
+            yield f"prefill chunk={c}", [c], [c]
+    if "mixed" in want:
+        m = mixed
+        yield (f"mixed: 1 x {m['chunk']} chunk (+{m['prefix']} cached) + {m['decode_seqs']} decode "
+               f"@ {m['ctx']}", [m["chunk"]] + [1] * m["decode_seqs"],
+               [m["chunk"] + m["prefix"]] + [m["ctx"]] * m["decode_seqs"])
+
+
+def _fmt(x, digits=3):
+    return "" if x is None else f"{x:.{digits}g}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU ok")
+    p.add_argument("--scenarios", default="decode,prefill,mixed")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--contexts", default="1024,4096,8192,16384,32768")
+    p.add_argument("--chunks", default="512,1024,2048,4096,8192")
+    p.add_argument("--max-kv-tokens", type=int, default=1 << 21,
+                   help="skip decode rows with batch * context above this (memory, time)")
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per row")
+    p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--skip-jax", action="store_true")
+    args = p.parse_args(argv)
+    if args.smoke:
+        model = Model(4, 2, 64, 16, jnp.float32)
+        args.warmup, args.budget = 1, 0.0
+    else:
+        model = Model(args.q_heads, args.kv_heads, args.head_dim, args.page_size,
+                      jnp.dtype(args.dtype))
+
+    device = jax.devices()[0]
+    bandwidth, flops = measure_ceilings(args.smoke)
+    print(f"# Ragged paged attention on {device.device_kind} (jax {jax.__version__})\n")
+    print(f"Model: Hq={model.q_heads} Hkv={model.kv_heads} D={model.head_dim} "
+          f"page={model.page_size} {jnp.dtype(model.dtype).name}"
+          f"{' (smoke: interpret mode)' if args.smoke else ''}")
+    print(f"Ceilings: copy {bandwidth / 1e9:.1f} GB/s, bf16 matmul {flops / 1e12:.1f} TFLOP/s; "
+          f"jax paged_attention {'available' if jax_paged else 'not importable'}\n")
+    print("| scenario | impl | median ms | GB/s | % BW | TFLOP/s | % FLOP/s | max err vs ref | note |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for i, (name, q_lens, kv_lens) in enumerate(scenarios(args)):
+        batch = make_batch(name, q_lens, kv_lens, model, seed=i)
+        for row in run_batch(batch, model, args):
+            t = row.get("t")
+            gbs = batch.kv_bytes / t / 1e9 if t else None
+            tfs = batch.flops / t / 1e12 if t else None
+            show_bw = batch.decode or name.startswith("mixed")
+            print(f"| {name} | {row['impl']} | {_fmt(t and t * 1e3, 4)} "
+                  f"| {_fmt(gbs) if show_bw else ''} "
+                  f"| {_fmt(gbs and 100 * gbs * 1e9 / bandwidth, 3) if show_bw else ''} "
+                  f"| {'' if batch.decode else _fmt(tfs)} "
+                  f"| {'' if batch.decode else _fmt(tfs and 100 * tfs * 1e12 / flops, 3)} "
+                  f"| {row['err'] if isinstance(row.get('err'), str) else _fmt(row.get('err'), 2)} "
+                  f"| {row.get('error', '')} |", flush=True)
+        del batch
+
+
+if __name__ == "__main__":
+    main()
