@@ -23,6 +23,9 @@ import jax.numpy as jnp
 
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
 _BLOCK_ELEMENTS = 1 << 22
+# Tokens per block at most: the loop stops at the longest real sequence, so a small block keeps
+# short sequences in a long-context page table from paying for the table's whole width.
+_MAX_BLOCK_TOKENS = 512
 
 
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
@@ -75,7 +78,7 @@ def write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale
 
 def _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq):
     per_page = max(1, num_tokens * page_size * two_hkv * d)
-    ppb = max(1, _BLOCK_ELEMENTS // per_page)
+    ppb = max(1, min(_BLOCK_ELEMENTS // per_page, _MAX_BLOCK_TOKENS // page_size))
     ppb = 1 << (ppb.bit_length() - 1)  # power of two
     return min(ppb, pages_per_seq)
 
