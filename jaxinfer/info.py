@@ -1,0 +1,34 @@
+"""`jaxinfer info`: the model, the devices and what the KV cache holds, without compiling."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.loader import load_model
+from jaxinfer.runner import ModelRunner, kv_page_bytes
+
+
+def describe(args) -> dict:
+    model = load_model(args.model, args.dtype)
+    engine = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
+                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    max_len = engine.max_model_len or model.config.max_position_embeddings
+    runner = ModelRunner(model, engine, max_len)
+    num_params = sum(x.size for x in jax.tree.leaves(model.params))
+    usable = runner.num_pages - 1  # page 0 is the null page
+    return {
+        "model": {"path": str(model.path), **{k: v for k, v in dataclasses.asdict(model.config).items()},
+                  "parameters": int(num_params), "dtype": str(model.params.embed.dtype),
+                  "tokenizer": repr(model.tokenizer)},
+        "devices": [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
+        "backend": jax.default_backend(),
+        "kv_cache": {"pages": usable, "page_size": engine.page_size, "tokens": usable * engine.page_size,
+                     "bytes": runner.kv_cache_bytes, "bytes_per_token":
+                     kv_page_bytes(model.config, engine.page_size, runner.kv_dtype) // engine.page_size,
+                     "dtype": str(runner.kv_dtype), "max_model_len": max_len},
+        "token_buckets": list(engine.buckets()),
+    }

@@ -1,0 +1,111 @@
+"""LLM: the offline Python API, shaped like vLLM's.
+
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    outs[0].outputs[0].text
+
+`generate` queues every prompt, steps the engine until all are done (with a progress bar) and
+returns one accumulated RequestOutput per prompt, in input order. `stream` yields the deltas of
+one prompt as they are produced; `chat` renders messages with the model's chat template first.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from tqdm import tqdm
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.loader import load_model
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", *, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int = 16,
+                 num_pages: int | None = None, kv_cache_memory_fraction: float = 0.85,
+                 kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
+                 attn_impl: str = "auto", seed: int = 0, token_buckets: Sequence[int] | None = None,
+                 penalties: bool = True,
+                 compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"):
+        """Loads `model` (a model directory or a .gguf file; None = the embedded default)."""
+        config = EngineConfig(
+            page_size=page_size, num_pages=num_pages, kv_cache_memory_fraction=kv_cache_memory_fraction,
+            kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            token_buckets=tuple(token_buckets) if token_buckets else None,
+            enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, penalties=penalties,
+            compilation_cache_dir=compilation_cache_dir, seed=seed)
+        self.engine = Engine(load_model(model, dtype), config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in the order given."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        priority = priority or [0] * len(prompts)
+        ids = []
+        try:
+            for prompt, params, prio in zip(prompts, sampling_params, priority):
+                ids.append(self.engine.add_request(prompt, params, priority=prio))
+        except Exception:
+            for rid in ids:  # a bad prompt rejects the call; nothing of it stays queued
+                self.engine.abort(rid)
+            raise
+        results = self.collect(ids, use_tqdm)
+        return [results[rid] for rid in ids]
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Renders each conversation with the chat template, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Chat template -> token ids (the template itself writes BOS and role markers)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields the deltas of one request as the engine produces them."""
+        rid = self.engine.add_request(prompt, sampling_params)
+        try:
+            finished = False
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            self.engine.abort(rid)  # a no-op once finished; frees the pages if the caller stopped early
+
+    def collect(self, ids: list[str], use_tqdm: bool = False) -> dict[str, RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while len(results) < len(ids) or any(not results[r].finished for r in results):
+                for delta in self.engine.step():
+                    if delta.request_id not in wanted:
+                        continue
+                    if delta.request_id in results:
+                        results[delta.request_id].merge(delta)
+                    else:
+                        results[delta.request_id] = delta
+                    if delta.finished:
+                        bar.update(1)
+        return results
+
+
+def _is_token_ids(prompts) -> bool:
+    return isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)

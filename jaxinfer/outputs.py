@@ -1,0 +1,79 @@
+"""What the engine hands back: per-request outputs (deltas or whole), usage and timings."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the requested top-N tokens of this position and their logprobs
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of a request's n samples. In a streamed delta, text/token_ids/logprobs are the new part."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic) and derived latencies of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    usage: Usage
+    metrics: RequestMetrics
+
+    def merge(self, delta: "RequestOutput") -> None:
+        """Appends a streamed delta of the same request to this accumulated output."""
+        for mine, new in zip(self.outputs, delta.outputs):
+            mine.text += new.text
+            mine.token_ids += new.token_ids
+            if new.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + new.logprobs
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.finished, self.usage, self.metrics = delta.finished, delta.usage, delta.metrics

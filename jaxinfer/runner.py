@@ -1,0 +1,170 @@
+"""ModelRunner: owns the parameters and the KV cache and runs the one jitted step.
+
+Data flow of a step:
+    SchedulerPlan --prepare--> StepInputs (numpy, padded to a token bucket T and its sequence
+    bucket S) --execute--> ONE jitted call: forward over the ragged batch (each layer writes its
+    new K/V into the paged cache and attends) -> logits of each sequence's last token -> in-jit
+    sampling -> int32 tokens and logprobs back to the host.
+
+Every bucket is compiled in `warm_up`; JAX's persistent compilation cache makes later start-ups
+cheap. The KV cache is donated to the step, so each layer's pages are updated in place. Padding
+rows write nowhere (their K/V writes are dropped by the kernel) and their page-table rows point at
+the null page 0, which no sequence owns.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.loader import LoadedModel, resolve_dtype
+from jaxinfer.models.layers import AttentionMetadata
+from jaxinfer.sampling import (MAX_LOGPROBS, SamplerOutput, SamplingArrays, SamplingParams, make_sampling_arrays,
+                               sample, sampling_arrays_for_sequences)
+from jaxinfer.scheduler import SchedulerPlan
+from pallas_kernels import kv_cache_shape
+
+logger = logging.getLogger(__name__)
+CPU_DEFAULT_KV_BYTES = 1 << 30
+NULL_PAGE = 0
+
+
+@flax.struct.dataclass
+class StepInputs:
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    meta: AttentionMetadata  # kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]
+    logits_indices: jax.Array  # i32[S] row of each sequence's last token in the batch
+    sampling: SamplingArrays  # one row per sequence slot
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    if not directory:
+        return
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def kv_page_bytes(config: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes one page costs over all layers."""
+    per_layer = np.prod(kv_cache_shape(1, page_size, config.num_kv_heads, config.head_dim))
+    return int(per_layer) * config.num_layers * jnp.dtype(dtype).itemsize
+
+
+def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype) -> int:
+    if engine.num_pages is not None:
+        return engine.num_pages
+    budget = engine.kv_cache_bytes
+    if budget is None:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            budget = int(free * engine.kv_cache_memory_fraction)
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+    return max(2, budget // kv_page_bytes(config, engine.page_size, dtype))
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, engine: EngineConfig, max_model_len: int):
+        self.model, self.config, self.engine = model, model.config, engine
+        self.family = model.family
+        self.max_model_len = max_model_len
+        self.pages_per_seq = -(-max_model_len // engine.page_size)
+        kv_dtype = model.params.embed.dtype if engine.kv_cache_dtype == "auto" else resolve_dtype(engine.kv_cache_dtype)
+        self.kv_dtype = jnp.dtype(kv_dtype)
+        self.num_pages = plan_num_pages(self.config, engine, self.kv_dtype)
+        shape = kv_cache_shape(self.num_pages, engine.page_size, self.config.num_kv_heads, self.config.head_dim)
+        self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype) for _ in range(self.config.num_layers))
+        self.buckets = engine.buckets()
+        self._step = jax.jit(
+            functools.partial(_step, self.family, self.config, engine.attn_impl),
+            donate_argnums=(1,))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.kv_caches)
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def prepare(self, plan: SchedulerPlan) -> StepInputs:
+        """Host-side arrays for one step, padded to the plan's bucket."""
+        t_bucket = self.bucket_for(plan.num_batched_tokens)
+        s_bucket = self.engine.seq_bucket(t_bucket)
+        n = len(plan.seqs)
+        tokens = np.zeros(t_bucket, np.int32)
+        positions = np.zeros(t_bucket, np.int32)
+        page_indices = np.full((s_bucket, self.pages_per_seq), NULL_PAGE, np.int32)
+        cu = np.zeros(s_bucket + 1, np.int32)
+        kv_lens = np.zeros(s_bucket, np.int32)
+        offset = 0
+        for i, s in enumerate(plan.seqs):
+            if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.page_size:
+                raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
+            tokens[offset:offset + s.num_new_tokens] = s.token_ids
+            positions[offset:offset + s.num_new_tokens] = np.arange(s.start, s.kv_len)
+            page_indices[i, :len(s.pages)] = s.pages
+            kv_lens[i] = s.kv_len
+            offset += s.num_new_tokens
+            cu[i + 1] = offset
+        cu[n + 1:] = offset
+        seqs = [s.seq for s in plan.seqs]
+        penalties = any(seq.sampling_params.uses_penalties for seq in seqs)
+        sampling = sampling_arrays_for_sequences(
+            seqs, s_bucket, history_len=self.max_model_len if penalties else None)
+        meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
+                                 num_seqs=np.array([n], np.int32))
+        return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling)
+
+    def execute(self, inputs: StepInputs) -> SamplerOutput:
+        """Runs the step; the KV cache is donated and replaced. Returns numpy outputs."""
+        out, self.kv_caches = self._step(self.model.params, self.kv_caches, inputs)
+        return jax.device_get(out)
+
+    def _dummy_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
+        """All-padding inputs of one bucket: writes nothing, reads only the null page."""
+        s_bucket = self.engine.seq_bucket(t_bucket)
+        params = [SamplingParams(repetition_penalty=1.1 if with_history else 1.0)]
+        sampling = make_sampling_arrays(
+            params, [0], batch_size=s_bucket, seeds=[0], prompt_token_ids=[[0]], output_token_ids=[[]],
+            history_len=self.max_model_len if with_history else None)
+        meta = AttentionMetadata(
+            kv_lens=np.zeros(s_bucket, np.int32),
+            page_indices=np.zeros((s_bucket, self.pages_per_seq), np.int32),
+            cu_q_lens=np.zeros(s_bucket + 1, np.int32), num_seqs=np.zeros(1, np.int32))
+        return StepInputs(np.zeros(t_bucket, np.int32), np.zeros(t_bucket, np.int32), meta,
+                          np.zeros(s_bucket, np.int32), sampling)
+
+    def warm_up(self) -> float:
+        """Compiles every (bucket, penalty-history) variant; returns the seconds it took."""
+        start = time.perf_counter()
+        for t_bucket in self.buckets:
+            for with_history in (False, True) if self.engine.penalties else (False,):
+                self.execute(self._dummy_inputs(t_bucket, with_history))
+        elapsed = time.perf_counter() - start
+        logger.info("compiled %d step variants in %.1fs", self.num_compiled(), elapsed)
+        return elapsed
+
+    def num_compiled(self) -> int:
+        """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
+        return self._step._cache_size()
+
+
+def _step(family, config, attn_impl, params, kv_caches, inputs: StepInputs):
+    hidden, kv_caches = family.forward(params, config, inputs.token_ids, inputs.positions, kv_caches,
+                                       inputs.meta, attn_impl=attn_impl)
+    logits = family.compute_logits(params, hidden[inputs.logits_indices])  # [S, V]
+    return sample(logits, inputs.sampling, num_top_logprobs=MAX_LOGPROBS), kv_caches
