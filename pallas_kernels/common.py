@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # Finite stand-in for -inf in kernels: exp(MASK - MASK) is 1, not NaN, and any real score wipes
 # what a fully masked block added (exp(MASK - real) == 0 exactly in float32).
@@ -76,3 +77,31 @@ def real_q_lens(cu_q_lens, num_seqs):
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+# --- in-kernel math shared by the GPU and TPU kernels (traced inside pallas_call) ---
+
+def block_scores(q, k, *, scale, soft_cap, precision):
+    """q [M, D] . k [N, D] -> float32 scores [M, N], scaled (and soft-capped)."""
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)
+    s = s * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
+
+
+def online_softmax_update(carry, s, v, *, precision, keepdims):
+    """One KV block of the float32 online softmax.
+
+    carry (m, l, acc): running max and sum ([M] or [M, 1] with keepdims) and acc [M, D];
+    s [M, N]: scores with masked entries already MASK_VALUE; v [N, D]: zero where unwritten."""
+    m, l, acc = carry
+    col = (lambda x: x) if keepdims else (lambda x: x[:, None])
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=keepdims))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - col(m_new))
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=keepdims)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return m_new, l, col(alpha) * acc + pv

@@ -140,30 +140,20 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, k_ref, v_ref, *out_
     v_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
     slot = lax.iota(jnp.int32, pages_per_block)
 
-    def body(b, carry):
-        m, l, acc = carry  # [M], [M], [M, D]
+    def body(b, carry):  # carry: m [M], l [M], acc [M, D]
         pages = pages_ref[pl.ds(table_base + b * pages_per_block, pages_per_block)]
         pages = jnp.where((b * pages_per_block + slot) * page_size < kv_end, pages, last_page)
         k = k_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)  # [N, D]
         v = v_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)  # [N, D]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32)  # [M, N]
-        s = s * (sm_scale * k_scale)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = common.block_scores(q, k, scale=sm_scale * k_scale, soft_cap=soft_cap,
+                                precision=precision)  # [M, N]
         kpos = b * block_kv + col
         mask = (kpos <= row_pos) & (kpos < kv_end)
         if sliding_window is not None:
             mask = mask & (row_pos - kpos < sliding_window)
         s = jnp.where(mask, s, common.MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
         v = jnp.where(b * block_kv + v_row < kv_end, v, jnp.zeros_like(v))  # stale/NaN slots
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        return m_new, l, alpha[:, None] * acc + pv
+        return common.online_softmax_update(carry, s, v, precision=precision, keepdims=False)
 
     init = (jnp.full((rows_m,), common.MASK_VALUE, jnp.float32),
             jnp.zeros((rows_m,), jnp.float32), jnp.zeros((rows_m, head_dim), jnp.float32))
@@ -188,52 +178,24 @@ def _combine(o, m, l):
     return o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
-def ragged_paged_attention_gpu(
-    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-    *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-    config: GpuConfig | None = None, interpret: bool = False,
-):
-    """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache)."""
-    common.check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                          k_scale, v_scale)
-    common.check_options(sliding_window, soft_cap)
-    reason = unsupported_reason(q, kv_cache, page_indices)
-    if reason is not None:
-        raise common.UnsupportedShape(f"pallas_gpu cannot take {reason}")
-    kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
-
+def _q_blocks(q, row_token, num_kv_heads, block_q, gp):
+    """q [T, Hq, D] -> [W, Hkv, bq * Gp, D]; row r of a block is token r // Gp, head r % Gp."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, two_hkv, _ = kv_cache.shape
-    num_kv_heads = two_hkv // 2
+    num_items = row_token.shape[0]
     group = num_q_heads // num_kv_heads
-    num_seqs_max, pages_per_seq = page_indices.shape
-    if config is None:
-        config = default_config(num_tokens, num_seqs_max, group, num_kv_heads, head_dim,
-                                page_size, pages_per_seq)
-    bq, ppb, splits = config.block_q, config.pages_per_block, config.num_splits
-    gp = common.next_pow2(group)
-    rows_m = bq * gp
-    if rows_m < 16 or ppb * page_size < 16 or bq & (bq - 1) or ppb & (ppb - 1):
-        raise common.UnsupportedShape(f"pallas_gpu config {config}: block_q * Gp and "
-                                      "pages_per_block * page_size must be powers of two >= 16")
+    rows = jnp.concatenate([q, jnp.zeros((1, num_q_heads, head_dim), q.dtype)])[row_token]
+    rows = rows.reshape(num_items, block_q, num_kv_heads, group, head_dim)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
+    return rows.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * gp, head_dim)
 
-    meta, row_token, token_item, token_row, tvalid = _work_list(
-        cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)
-    num_items = meta.shape[0]
-    q_rows = jnp.concatenate([q, jnp.zeros((1, num_q_heads, head_dim), q.dtype)])[row_token]
-    q_rows = q_rows.reshape(num_items, bq, num_kv_heads, group, head_dim)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
-    q_blocks = q_rows.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, rows_m, head_dim)
-    flat_pages = jnp.concatenate([page_indices.reshape(-1).astype(jnp.int32),
-                                  jnp.zeros((ppb,), jnp.int32)])  # tail: ds() past the last row
-    scales = common.kv_scales(kv_cache, k_scale, v_scale)  # [Hkv, 2]
 
-    kernel = functools.partial(
-        _attention_kernel, page_size=page_size, pages_per_block=ppb, gp=gp, num_splits=splits,
-        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+def _call_kernel(meta, flat_pages, scales, q_blocks, kv_cache, *, config, gp, interpret, **opts):
+    """The pallas_call over grid (W, Hkv, C) -> out blocks [W, Hkv, M, D] (combined if C > 1)."""
+    num_items, num_kv_heads, rows_m, head_dim = q_blocks.shape
+    num_pages, page_size, _, _ = kv_cache.shape
+    splits = config.num_splits
+    kernel = functools.partial(_attention_kernel, page_size=page_size, gp=gp, num_splits=splits,
+                               pages_per_block=config.pages_per_block, **opts)
     cache_view = (num_pages, page_size, None, head_dim)
     in_specs = [
         pl.BlockSpec((None, 4), lambda w, h, c: (w, 0)),  # meta
@@ -245,7 +207,7 @@ def ragged_paged_attention_gpu(
     ]
     if splits == 1:
         out_specs = pl.BlockSpec((None, None, rows_m, head_dim), lambda w, h, c: (w, h, 0, 0))
-        out_shape = jax.ShapeDtypeStruct((num_items, num_kv_heads, rows_m, head_dim), q.dtype)
+        out_shape = jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype)
     else:
         part = (splits, num_items, num_kv_heads, rows_m)
         out_specs = [
@@ -261,9 +223,51 @@ def ragged_paged_attention_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
     )(meta, flat_pages, scales, q_blocks, kv_cache, kv_cache)
-    out_blocks = result if splits == 1 else _combine(*result)  # [W, Hkv, M, D]
+    return result if splits == 1 else _combine(*result)
 
-    out_blocks = out_blocks.reshape(num_items, num_kv_heads, bq, gp, head_dim)
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
+def ragged_paged_attention_gpu(
+    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+    *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+    config: GpuConfig | None = None, interpret: bool = False,
+):
+    """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache).
+
+    `config` overrides the block sizes / splits chosen by `default_config`; `interpret=True`
+    runs the kernel in the Pallas interpreter (CPU tests)."""
+    common.check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                          k_scale, v_scale)
+    common.check_options(sliding_window, soft_cap)
+    reason = unsupported_reason(q, kv_cache, page_indices)
+    if reason is not None:
+        raise common.UnsupportedShape(f"pallas_gpu cannot take {reason}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, two_hkv, _ = kv_cache.shape
+    num_kv_heads = two_hkv // 2
+    group = num_q_heads // num_kv_heads
+    num_seqs_max, pages_per_seq = page_indices.shape
+    if config is None:
+        config = default_config(num_tokens, num_seqs_max, group, num_kv_heads, head_dim,
+                                page_size, pages_per_seq)
+    bq, ppb, gp = config.block_q, config.pages_per_block, common.next_pow2(group)
+    if bq * gp < 16 or ppb * page_size < 16 or bq & (bq - 1) or ppb & (ppb - 1):
+        raise common.UnsupportedShape(f"pallas_gpu config {config}: block_q * Gp and "
+                                      "pages_per_block * page_size must be powers of two >= 16")
+
+    kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+    meta, row_token, token_item, token_row, tvalid = _work_list(
+        cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)
+    flat_pages = jnp.concatenate([page_indices.reshape(-1).astype(jnp.int32),
+                                  jnp.zeros((ppb,), jnp.int32)])  # tail: ds() past the last row
+    out_blocks = _call_kernel(
+        meta, flat_pages, common.kv_scales(kv_cache, k_scale, v_scale),
+        _q_blocks(q, row_token, num_kv_heads, bq, gp), kv_cache, config=config, gp=gp,
+        interpret=interpret, sm_scale=float(sm_scale), sliding_window=sliding_window,
+        soft_cap=soft_cap, precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+
+    out_blocks = out_blocks.reshape(meta.shape[0], num_kv_heads, bq, gp, head_dim)
     out = out_blocks[token_item, :, token_row][:, :, :group]  # [T, Hkv, G, D]
     out = jnp.where(tvalid[:, None, None, None], out.astype(q.dtype), 0)
     return out.reshape(num_tokens, num_q_heads, head_dim), kv_cache

@@ -84,6 +84,24 @@ def default_config(num_tokens, num_seqs, group, page_size, pages_per_seq):
     return TpuConfig(block_q, pages_per_block)
 
 
+def _kv_block_copies(kv_hbm, k_buf, v_buf, sems, pages_ref, head, seq, blk, slot, kv_end, *,
+                     pages_per_block, pages_per_seq):
+    """The 2 * pages_per_block DMAs that bring KV block `blk` of `seq` (kv head `head`) into
+    buffer `slot`: K rows (2 * head) and V rows (2 * head + 1) of each page, picked by the DMA.
+    Pages past the causal end `kv_end` repeat the last needed page (always one the sequence owns)."""
+    page_size = k_buf.shape[1] // pages_per_block
+    last = lax.div(kv_end - 1, page_size)  # non-negative operands: lax.div, not //
+    out = []
+    for i in range(pages_per_block):
+        page = pages_ref[seq * pages_per_seq + jnp.minimum(blk * pages_per_block + i, last)]
+        dst = pl.ds(i * page_size, page_size)
+        out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * head, :], k_buf.at[slot, dst],
+                                         sems.at[slot]))
+        out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * head + 1, :], v_buf.at[slot, dst],
+                                         sems.at[slot]))
+    return out
+
+
 def _attention_kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref, pages_ref, cu_q_lens_ref, num_seqs_ref, first_seq_ref, last_seq_ref,
@@ -107,41 +125,21 @@ def _attention_kernel(
     col = lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1)  # [M, N]
     v_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
 
-    def copies(seq, blk, slot, kv_end):
-        """The 2 * pages_per_block DMAs that bring KV block `blk` of `seq` into buffer `slot`."""
-        last = lax.div(kv_end - 1, page_size)  # non-negative operands: lax.div, not //
-        out = []
-        for i in range(pages_per_block):
-            page = pages_ref[seq * pages_per_seq + jnp.minimum(blk * pages_per_block + i, last)]
-            dst = pl.ds(i * page_size, page_size)
-            out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h, :], k_buf.at[slot, dst],
-                                             sems.at[slot]))
-            out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h + 1, :], v_buf.at[slot, dst],
-                                             sems.at[slot]))
-        return out
+    copies = functools.partial(_kv_block_copies, kv_hbm, k_buf, v_buf, sems, pages_ref, h,
+                               pages_per_block=pages_per_block, pages_per_seq=pages_per_seq)
 
-    def attend_block(blk, slot, carry, row_pos, in_seq, kv_end):
-        m, l, acc = carry  # [M, 1], [M, 1], [M, D]
+    def attend_block(blk, slot, carry, row_pos, in_seq, kv_end):  # m, l [M, 1]; acc [M, D]
         k = k_buf[slot].astype(q.dtype)  # [N, D]
         v = v_buf[slot].astype(q.dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32)  # [M, N]
-        s = s * (sm_scale * k_scale)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = common.block_scores(q, k, scale=sm_scale * k_scale, soft_cap=soft_cap,
+                                precision=precision)  # [M, N]
         kpos = blk * block_kv + col
         mask = in_seq & (kpos <= row_pos) & (kpos < kv_end)
         if sliding_window is not None:
             mask = mask & (row_pos - kpos < sliding_window)
         s = jnp.where(mask, s, common.MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new)
-        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
         v = jnp.where(blk * block_kv + v_row < kv_end, v, jnp.zeros_like(v))  # stale/NaN slots
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        return m_new, l, alpha * acc + pv
+        return common.online_softmax_update(carry, s, v, precision=precision, keepdims=True)
 
     def attend_sequence(seq, carry):
         q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]

@@ -102,6 +102,7 @@ DTYPES = {
     "int8_kv_f32": dict(dtype=jnp.float32, cache_dtype=jnp.int8),
     "int8_kv_bf16": dict(dtype=jnp.bfloat16, cache_dtype=jnp.int8),
     "fp8_kv_f32": dict(dtype=jnp.float32, cache_dtype=jnp.float8_e4m3fn),
+    "fp8_kv_bf16": dict(dtype=jnp.bfloat16, cache_dtype=jnp.float8_e4m3fn),
 }
 
 
