@@ -1,0 +1,142 @@
+"""The offline API and CLI on the embedded default model (SmolLM2-135M-Instruct GGUF)."""
+import io
+import json
+
+import numpy as np
+import pytest
+from testpaths import FIXTURES
+
+from jaxinfer import cli
+from jaxinfer.batch import run_batch
+from jaxinfer.llm import LLM
+from jaxinfer.sampling import SamplingParams
+
+GOLDEN = np.load(FIXTURES / "smollm2" / "golden.npz")
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+SMALL = dict(max_model_len=512, max_num_batched_tokens=64, token_buckets=(16, 64), max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(compilation_cache_dir=str(tmp_path_factory.mktemp("xla")), **SMALL)
+
+
+def greedy(**kw):
+    return SamplingParams(temperature=0, **{"max_tokens": 32, **kw})
+
+
+def test_default_model_chat_matches_transformers(llm):
+    assert llm.render_chat(QUESTION) == GOLDEN["input_ids"].tolist()
+    out = llm.chat(QUESTION, greedy(), use_tqdm=False)[0]
+    stop = int(GOLDEN["greedy_stops_at"])  # transformers' greedy path reaches <|im_end|> here
+    completion = out.outputs[0]
+    assert completion.token_ids == GOLDEN["greedy"][: stop + 1].tolist()
+    assert completion.text == "The capital of France is Paris."
+    assert completion.finish_reason == "stop" and out.finished
+    assert out.usage.prompt_tokens == len(GOLDEN["input_ids"])
+    m = out.metrics
+    assert 0 <= m.queue_time <= m.time_to_first_token <= m.e2e_latency
+    assert len(m.inter_token_latencies) == len(completion.token_ids) - 1
+
+
+def test_ignore_eos_follows_the_argmax_chain(llm):
+    out = llm.chat(QUESTION, greedy(ignore_eos=True, skip_special_tokens=False), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == GOLDEN["greedy"].tolist()
+    assert out.outputs[0].text.startswith("The capital of France is Paris.<|im_end|>")
+
+
+@pytest.mark.parametrize("stops,include,text,reason", [
+    (["France"], False, "The capital of ", "France"),
+    (["France"], True, "The capital of France", "France"),
+    (["is P", "capital"], False, "The ", "capital"),  # the earliest match wins
+    ([" Paris."], False, "The capital of France is", " Paris."),
+])
+def test_stop_strings_cut_exactly(llm, stops, include, text, reason):
+    params = greedy(stop=stops, include_stop_str_in_output=include)
+    prompt = llm.render_chat(QUESTION)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (text, "stop", reason)
+    streamed = [d.outputs[0].text for d in llm.stream(prompt, params)]
+    assert "".join(streamed) == text  # no part of a stop string is ever streamed
+
+
+def test_generate_keeps_input_order_and_stream_matches(llm):
+    prompts = ["Once upon a time", "The quick brown fox", "def fibonacci(n):", "1, 2, 3,"]
+    params = greedy(max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    for prompt, out in list(zip(prompts, outs))[::2]:  # batched output equals the prompt alone
+        alone = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+    streamed = list(llm.stream(prompts[1], params))
+    assert "".join(d.outputs[0].text for d in streamed) == outs[1].outputs[0].text
+    assert streamed[-1].finished and streamed[-1].outputs[0].finish_reason == "length"
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+
+
+def test_stopping_a_stream_early_frees_its_pages(llm):
+    stream = llm.stream("Tell me a long story", greedy(max_tokens=64, ignore_eos=True))
+    next(stream)
+    next(stream)
+    stream.close()
+    assert not llm.engine.scheduler.has_unfinished()
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+
+
+@pytest.mark.parametrize("prompt,match", [("", "empty"), ("word " * 600, "does not fit the context of 512")])
+def test_bad_prompts_fail_the_call_only(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", prompt], greedy(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.scheduler.has_unfinished()
+    assert llm.generate("still serving", greedy(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
+    lines = "\n".join([
+        json.dumps({"id": "a", "messages": QUESTION, "max_tokens": 32}),
+        "{not json",
+        json.dumps({"id": "c", "prompt": "Hello", "temperature": -1}),
+        json.dumps({"id": "d", "prompt": ""}),
+        json.dumps({"id": "e", "prompt_token_ids": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}),
+        json.dumps({"id": "f", "prompt": "x", "bogus": 1}),
+    ])
+    out = io.StringIO()
+    served, failed = run_batch(llm, io.StringIO(lines), out, greedy())
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert (served, failed) == (2, 4) and len(records) == 6
+    assert records[0]["id"] == "a" and records[0]["outputs"][0]["text"] == "The capital of France is Paris."
+    assert "line 2: not valid JSON" in records[1]["error"]
+    assert "line 3" in records[2]["error"] and "temperature" in records[2]["error"]
+    assert "line 4" in records[3]["error"] and "empty" in records[3]["error"]
+    assert len(records[4]["outputs"][0]["token_ids"]) == 3
+    assert "unknown fields ['bogus']" in records[5]["error"]
+
+
+def test_cli_generate_prints_only_the_text(capsys, tmp_path):
+    argv = ["generate", "--chat", QUESTION[0]["content"], "--max-tokens", "32", "--token-buckets", "16,64",
+            "--max-num-batched-tokens", "64", "--max-model-len", "512"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == "The capital of France is Paris.\n"
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--model", "/no/such/model"], "/no/such/model"),
+    (["generate"], "no prompt given"),
+    (["generate", "hi", "--token-buckets", "8,x"], "--token-buckets"),
+])
+def test_cli_errors_are_one_line_and_exit_2(capsys, argv, match):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err
+
+
+def test_cli_info_reports_kv_capacity(capsys):
+    assert cli.main(["info", "--num-pages", "100", "--max-model-len", "1024"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model"]["num_layers"] == 30 and info["model"]["num_kv_heads"] == 3
+    assert info["kv_cache"]["pages"] == 99 and info["kv_cache"]["tokens"] == 99 * 16
+    # 30 layers x (K + V) x 3 kv heads x 64 dims x 4 bytes (float32 on the CPU)
+    assert info["kv_cache"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 4
