@@ -140,49 +140,60 @@ def _jax_paged_fn(model, smoke, ppcb, k_splits):
         interpret=smoke))
 
 
+def _error(e):
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def _row_with_cache(name, fn, batch, want, tol, args):
+    """Correctness once on a copy of the cache, then timing with the cache donated and threaded."""
+    row = dict(impl=name)
+    try:
+        a = list(batch.args)
+        a[3] = jnp.array(a[3], copy=True)
+        out, _ = fn(*a)
+        err = float(np.abs(np.asarray(out, np.float32) - want).max())
+        row["err"] = err if err <= tol else f"FAIL {err:.3g}"
+
+        def step(cache):
+            a[3] = cache
+            out, cache = fn(*a)
+            return out, cache
+
+        row["t"], _ = _median_time(step, jnp.array(batch.args[3], copy=True),
+                                   warmup=args.warmup, budget_s=args.budget)
+    except Exception as e:  # noqa: BLE001 - report it in the table and keep going
+        row["error"] = _error(e)
+    return row
+
+
+def _row_jax_paged(batch, cache_after, model, want, tol, args):
+    row = dict(impl="jax ops.gpu.paged_attention")
+    try:
+        k_pages, v_pages, table, lengths, ppcb, k_splits = _jax_paged_inputs(batch, cache_after)
+        fn = _jax_paged_fn(model, args.smoke, ppcb, k_splits)
+        q = (batch.args[0] * model.head_dim ** -0.5).astype(model.dtype)  # it has no sm_scale
+        out = fn(q, k_pages, v_pages, table, lengths)
+        err = float(np.abs(np.asarray(out, np.float32) - want).max())
+        row["err"] = err if err <= tol else f"FAIL {err:.3g}"
+        row["t"], _ = _median_time(lambda s: (fn(q, k_pages, v_pages, table, lengths), s), None,
+                                   warmup=args.warmup, budget_s=args.budget)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = _error(e)
+    return row
+
+
 def run_batch(batch: Batch, model: Model, args) -> list[dict]:
-    rows = []
-    copy = lambda x: jnp.array(x, copy=True)  # noqa: E731
     want, cache_after = jax.jit(functools.partial(
         ragged_paged_attention_reference, sm_scale=model.head_dim ** -0.5))(*batch.args)
     want = np.asarray(want, np.float32)
     tol = 2e-5 if model.dtype == jnp.float32 else 5e-2
-    impls = {"pallas_gpu": _ours(model, args.smoke)}
-    if not args.skip_reference:
-        impls["reference (XLA)"] = _reference(model)
-    for name, fn in impls.items():
-        row = dict(impl=name)
-        try:
-            a = list(batch.args)
-            a[3] = copy(a[3])
-            out, _ = fn(*a)
-            err = float(np.abs(np.asarray(out, np.float32) - want).max())
-            row["err"] = err if err <= tol else f"FAIL {err:.3g}"
-
-            def step(cache, fn=fn):
-                a[3] = cache
-                out, cache = fn(*a)
-                return out, cache
-
-            row["t"], _ = _median_time(step, copy(batch.args[3]), warmup=args.warmup,
-                                       budget_s=args.budget)
-        except Exception as e:  # noqa: BLE001 - report and keep going
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        rows.append(row)
+    rows = []
     if batch.decode and jax_paged is not None and not args.skip_jax:
-        row = dict(impl="jax ops.gpu.paged_attention")
-        try:
-            k_pages, v_pages, table, lengths, ppcb, k_splits = _jax_paged_inputs(batch, cache_after)
-            fn = _jax_paged_fn(model, args.smoke, ppcb, k_splits)
-            q = (batch.args[0] * model.head_dim ** -0.5).astype(model.dtype)  # it has no sm_scale
-            out = fn(q, k_pages, v_pages, table, lengths)
-            err = float(np.abs(np.asarray(out, np.float32) - want).max())
-            row["err"] = err if err <= tol else f"FAIL {err:.3g}"
-            row["t"], _ = _median_time(lambda s: (fn(q, k_pages, v_pages, table, lengths), s), None,
-                                       warmup=args.warmup, budget_s=args.budget)
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        rows.append(row)
+        rows.append(_row_jax_paged(batch, cache_after, model, want, tol, args))
+    del cache_after  # keep at most the batch's cache and one working copy alive from here on
+    rows.insert(0, _row_with_cache("pallas_gpu", _ours(model, args.smoke), batch, want, tol, args))
+    if not args.skip_reference:
+        rows.insert(1, _row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
     return rows
 
 
@@ -256,6 +267,9 @@ def main(argv=None):
         model = Model(args.q_heads, args.kv_heads, args.head_dim, args.page_size,
                       jnp.dtype(args.dtype))
 
+    if not args.smoke and jax.default_backend() != "gpu":
+        sys.exit(f"bench_attention needs a GPU (backend is {jax.default_backend()!r}); "
+                 "use --smoke to exercise it on the CPU")
     device = jax.devices()[0]
     bandwidth, flops = measure_ceilings(args.smoke)
     print(f"# Ragged paged attention on {device.device_kind} (jax {jax.__version__})\n")
