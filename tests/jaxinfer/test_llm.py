@@ -140,3 +140,11 @@ def test_cli_info_reports_kv_capacity(capsys):
     assert info["kv_cache"]["pages"] == 99 and info["kv_cache"]["tokens"] == 99 * 16
     # 30 layers x (K + V) x 3 kv heads x 64 dims x 4 bytes (float32 on the CPU)
     assert info["kv_cache"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+
+
+def test_cli_chat_streams_replies_and_exits(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(QUESTION[0]["content"] + "\n/exit\n"))
+    argv = ["chat", "--max-tokens", "32", "--token-buckets", "16,64", "--max-num-batched-tokens", "64",
+            "--max-model-len", "512"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == "The capital of France is Paris.\n"
