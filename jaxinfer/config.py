@@ -203,6 +203,9 @@ class EngineConfig:
     (requests with repetition/presence/frequency penalties need it); all compile at start-up.
     The KV pool is `num_pages` pages of `page_size` tokens per layer, or as many as fit
     in `kv_cache_memory_fraction` of the device's free memory (`kv_cache_bytes` on the CPU).
+    `mesh` ("data=2,tensor=4", a dict of axis sizes, or a jax Mesh from sharding.make_mesh)
+    spreads the engine over devices; with data=N there are N replicas, each with its own
+    scheduler and a pool of `num_pages` pages.
     """
 
     page_size: int = 16
@@ -219,6 +222,7 @@ class EngineConfig:
     attn_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
     seed: int = 0
+    mesh: "str | dict | object | None" = None  # None: one device
 
     def __post_init__(self):
         def positive(name):
@@ -234,6 +238,10 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(
                 f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if isinstance(self.mesh, (str, dict)):
+            from sharding.mesh import format_mesh, parse_mesh_spec  # imports jax: only when asked for
+
+            object.__setattr__(self, "mesh", format_mesh(parse_mesh_spec(self.mesh)))
         if self.token_buckets is not None:
             buckets = tuple(self.token_buckets)
             if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):

@@ -12,6 +12,14 @@ Stop strings are found in the detokenized text, so they live here: text that cou
 into a stop string is held back (at most the longest stop string minus one character) and the
 sequence is finished through the scheduler when one appears. Bad requests raise ValueError at
 add_request and leave every other request untouched.
+
+Data parallelism (a mesh with data=N): N replicas, each with its own PagePool and Scheduler. A
+new request goes to the replica with the least outstanding work (prompt + max_tokens of its
+unfinished requests); each step schedules every replica and runs all N plans in one jitted call.
+
+Several hosts: only process 0 schedules. Each step's padded inputs are broadcast before the
+call (sharding.StepChannel); the other processes sit in `follow()`, running the same steps,
+until process 0 calls `release_followers()` (LLM does so after each generate).
 """
 from __future__ import annotations
 
@@ -19,6 +27,8 @@ import dataclasses
 import itertools
 import logging
 import time
+
+import jax
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.detokenizer import IncrementalDetokenizer
@@ -29,6 +39,7 @@ from jaxinfer.runner import ModelRunner, enable_compilation_cache
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.sequence import Sequence, SequenceStatus
+from sharding import StepChannel, is_leader, is_multiprocess
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +64,15 @@ class _RequestState:
     samples: list[_SampleState]
     metrics: RequestMetrics
     cached_prompt_tokens: int = 0
+    replica: int = 0
+    cost: int = 0  # tokens it may occupy: (prompt + max_tokens) * n
+
+
+@dataclasses.dataclass
+class _Replica:
+    pool: PagePool
+    scheduler: Scheduler
+    load: int = 0  # cost of its unfinished requests
 
 
 class Engine:
@@ -66,19 +86,28 @@ class Engine:
         self.max_model_len = config.max_model_len or model_len
         enable_compilation_cache(config.compilation_cache_dir)
         self.runner = ModelRunner(model, config, self.max_model_len)
-        self.pool = PagePool(self.runner.num_pages, config.page_size,
-                             enable_prefix_caching=config.enable_prefix_caching)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else model.config.eos_token_ids
-        self.scheduler = Scheduler(
-            self.pool, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-            eos_token_ids=eos, seed=config.seed)
+        self.replicas = [self._make_replica(r) for r in range(self.runner.num_replicas)]
+        # Replica 0 (the only one without data parallelism).
+        self.pool, self.scheduler = self.replicas[0].pool, self.replicas[0].scheduler
+        self.is_leader = is_leader()
+        self._channel = StepChannel() if is_multiprocess() else None
         self._requests: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens computed by steps so far (prefix hits excluded)
         self.warm_up_seconds = self.runner.warm_up() if warm_up else 0.0
+
+    def _make_replica(self, index: int) -> _Replica:
+        config = self.config
+        pool = PagePool(self.runner.num_pages, config.page_size,
+                        enable_prefix_caching=config.enable_prefix_caching)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model.config.eos_token_ids
+        scheduler = Scheduler(
+            pool, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            eos_token_ids=eos, seed=config.seed + index)
+        return _Replica(pool, scheduler)
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -99,11 +128,14 @@ class Engine:
         if len(ids) >= limit:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {limit} tokens "
                              "(it must leave room for at least one generated token)")
-        seqs = self.scheduler.add_request(request_id, ids, params, priority=priority)
+        replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
+        seqs = self.replicas[replica].scheduler.add_request(request_id, ids, params, priority=priority)
         samples = [_SampleState(seq, self._detokenizer(ids, params)) for seq in seqs]
+        cost = (len(ids) + params.max_tokens) * params.n
+        self.replicas[replica].load += cost
         self._requests[request_id] = _RequestState(
             request_id, text, ids, params, samples,
-            RequestMetrics(arrival_time=arrival_time or time.monotonic()))
+            RequestMetrics(arrival_time=arrival_time or time.monotonic()), replica=replica, cost=cost)
         return request_id
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -132,7 +164,7 @@ class Engine:
         state = self._requests.get(request_id)
         if state is None:
             return False
-        self.scheduler.abort(request_id)
+        self.replicas[state.replica].scheduler.abort(request_id)
         self._pending.append(self._delta(state, time.monotonic()))
         return True
 
@@ -150,31 +182,53 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one jitted step; returns deltas of the requests that advanced or ended."""
         outputs, self._pending = self._pending, []
-        plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted)
-        self.num_scheduled_tokens += plan.num_batched_tokens
-        if not plan.seqs:
+        plans = [replica.scheduler.schedule() for replica in self.replicas]
+        self.num_preemptions += sum(len(plan.preempted) for plan in plans)
+        self.num_scheduled_tokens += sum(plan.num_batched_tokens for plan in plans)
+        if not any(plan.seqs for plan in plans):
             return outputs
         start = time.monotonic()
-        for entry in plan.seqs:
-            metrics = self._requests[entry.seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = start
-                self._requests[entry.seq.request_id].cached_prompt_tokens = entry.start
-        out = self.runner.execute(self.runner.prepare(plan))
-        updated = {s.seq_id for s in self.scheduler.update(plan, out.tokens)}
+        for entry in (entry for plan in plans for entry in plan.seqs):
+            state = self._requests[entry.seq.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = start
+                state.cached_prompt_tokens = entry.start
+        inputs = self.runner.prepare(plans if len(plans) > 1 else plans[0])
+        if self._channel is not None:
+            self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs)
+        out = self.runner.execute(inputs)
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
-        for row, entry in enumerate(plan.seqs):
-            seq = entry.seq
-            state = self._requests.get(seq.request_id)
-            if seq.seq_id not in updated or state is None:
-                continue
-            self._on_token(state, state.samples[seq.sample_index], out, row)
-            touched[seq.request_id] = state
+        for r, plan in enumerate(plans):
+            out_r = out if len(plans) == 1 else jax.tree.map(lambda a: a[r], out)
+            updated = {s.seq_id for s in self.replicas[r].scheduler.update(plan, out_r.tokens)}
+            for row, entry in enumerate(plan.seqs):
+                seq = entry.seq
+                state = self._requests.get(seq.request_id)
+                if seq.seq_id not in updated or state is None:
+                    continue
+                self._on_token(state, state.samples[seq.sample_index], out_r, row)
+                touched[seq.request_id] = state
         for state in touched.values():
             outputs.append(self._delta(state, now))
         return outputs
+
+    # --- several hosts --------------------------------------------------------------------------
+    def follow(self) -> int:
+        """On processes other than 0: runs process 0's steps until it releases this process.
+        Returns the number of steps run."""
+        if self._channel is None or self.is_leader:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
+        steps = 0
+        while (inputs := self._channel.receive(self.runner.padding_inputs)) is not None:
+            self.runner.execute(inputs)
+            steps += 1
+        return steps
+
+    def release_followers(self) -> None:
+        """On process 0: ends the other processes' `follow()` (a no-op on one process)."""
+        if self._channel is not None and self.is_leader:
+            self._channel.release()
 
     def _on_token(self, state: _RequestState, sample: _SampleState, out, row: int) -> None:
         seq, params = sample.seq, state.params
@@ -188,9 +242,9 @@ class Engine:
         if seq.is_finished:
             sample.text += sample.detok.flush()
         if params.stop and seq.status is not SequenceStatus.FINISHED_STOPPED:
-            self._check_stop_strings(sample, params)
+            self._check_stop_strings(sample, params, self.replicas[state.replica].scheduler)
 
-    def _check_stop_strings(self, sample: _SampleState, params: SamplingParams) -> None:
+    def _check_stop_strings(self, sample: _SampleState, params: SamplingParams, scheduler: Scheduler) -> None:
         longest = max(len(s) for s in params.stop)
         # Only text that arrived this step (plus an overlap) can complete a new stop string.
         search_from = max(0, sample.emitted_chars - longest)
@@ -201,7 +255,7 @@ class Engine:
         index, stop = min(hits)
         sample.text = sample.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
         if not sample.seq.is_finished:
-            self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_STOPPED, stop_reason=stop)
+            scheduler.finish(sample.seq, SequenceStatus.FINISHED_STOPPED, stop_reason=stop)
         else:
             sample.seq.stop_reason = stop
             sample.seq.status = SequenceStatus.FINISHED_STOPPED
@@ -229,6 +283,7 @@ class Engine:
         if finished:
             m.finished_time = now
             del self._requests[state.request_id]
+            self.replicas[state.replica].load -= state.cost
         usage = Usage(prompt_tokens=len(state.prompt_token_ids),
                       completion_tokens=sum(s.seq.num_output_tokens for s in state.samples),
                       cached_prompt_tokens=state.cached_prompt_tokens)
@@ -237,10 +292,13 @@ class Engine:
 
     # --- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:
-        pool = self.pool
+        pools = [r.pool for r in self.replicas]  # summed over data replicas
+        total, free = sum(p.num_usable_pages for p in pools), sum(p.num_free_pages for p in pools)
+        queries = sum(p.prefix_cache_queries for p in pools)
         return {
-            "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-            "kv_pages_total": pool.num_usable_pages, "kv_pages_free": pool.num_free_pages,
-            "kv_cache_usage": pool.usage, "prefix_cache_hit_rate": pool.prefix_cache_hit_rate,
+            "running": sum(r.scheduler.num_running for r in self.replicas),
+            "waiting": sum(r.scheduler.num_waiting for r in self.replicas),
+            "kv_pages_total": total, "kv_pages_free": free, "kv_cache_usage": 1.0 - free / total,
+            "prefix_cache_hit_rate": sum(p.prefix_cache_hits for p in pools) / queries if queries else 0.0,
             "preemptions": self.num_preemptions, "compiled_variants": self.runner.num_compiled(),
         }

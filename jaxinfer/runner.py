@@ -10,9 +10,18 @@ Every bucket is compiled in `warm_up`; JAX's persistent compilation cache makes 
 cheap. The KV cache is donated to the step, so each layer's pages are updated in place. Padding
 rows write nowhere (their K/V writes are dropped by the kernel) and their page-table rows point at
 the null page 0, which no sequence owns.
+
+On a mesh (EngineConfig.mesh) the parameters are split by the logical-axis rules of `sharding`,
+each layer's cache by KV heads over `tensor`, the step's token ids and positions over `sequence`,
+and the step is traced under `jax.set_mesh` so attention runs per shard. With `data` > 1 there
+are that many independent replicas: caches and step inputs get a leading [data] axis (one
+scheduler per replica fills its row) and the step is vmapped over it with
+`spmd_axis_name="data"`, so all replicas run in the one jitted call. Sampled tokens come back
+replicated to every device (and every host).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -22,6 +31,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel, resolve_dtype
@@ -30,6 +40,9 @@ from jaxinfer.sampling import (MAX_LOGPROBS, SamplerOutput, SamplingArrays, Samp
                                sample, sampling_arrays_for_sequences)
 from jaxinfer.scheduler import SchedulerPlan
 from pallas_kernels import kv_cache_shape
+from sharding import (DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, replicated_spec,
+                      shard_params, tokens_spec)
+from sharding.multihost import broadcast_int, fetch, put_inputs
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -54,13 +67,15 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def kv_page_bytes(config: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes one page costs over all layers."""
-    per_layer = np.prod(kv_cache_shape(1, page_size, config.num_kv_heads, config.head_dim))
+def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes one page costs over all layers (on one device when it holds `num_kv_heads` heads)."""
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    per_layer = np.prod(kv_cache_shape(1, page_size, heads, config.head_dim))
     return int(per_layer) * config.num_layers * jnp.dtype(dtype).itemsize
 
 
-def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype) -> int:
+def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_heads: int | None = None) -> int:
+    """Pages per replica: given, or as many as fit one device's budget."""
     if engine.num_pages is not None:
         return engine.num_pages
     budget = engine.kv_cache_bytes
@@ -71,7 +86,7 @@ def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype) -> int:
             budget = int(free * engine.kv_cache_memory_fraction)
         else:
             budget = CPU_DEFAULT_KV_BYTES
-    return max(2, budget // kv_page_bytes(config, engine.page_size, dtype))
+    return max(2, budget // kv_page_bytes(config, engine.page_size, dtype, num_kv_heads))
 
 
 class ModelRunner:
@@ -80,15 +95,41 @@ class ModelRunner:
         self.family = model.family
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // engine.page_size)
+        self.mesh = make_mesh(engine.mesh) if engine.mesh is not None else None
+        self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
+        self.num_replicas = axis_size(self.mesh, DATA)
+        self.params = model.params if self.mesh is None else shard_params(
+            model.params, self.family.param_axes, self.mesh, self.layout)
         kv_dtype = model.params.embed.dtype if engine.kv_cache_dtype == "auto" else resolve_dtype(engine.kv_cache_dtype)
         self.kv_dtype = jnp.dtype(kv_dtype)
-        self.num_pages = plan_num_pages(self.config, engine, self.kv_dtype)
-        shape = kv_cache_shape(self.num_pages, engine.page_size, self.config.num_kv_heads, self.config.head_dim)
-        self.kv_caches = tuple(jnp.zeros(shape, self.kv_dtype) for _ in range(self.config.num_layers))
-        self.buckets = engine.buckets()
-        self._step = jax.jit(
-            functools.partial(_step, self.family, self.config, engine.attn_impl),
-            donate_argnums=(1,))
+        # Every host must allocate the same pool: process 0's number wins.
+        self.num_pages = broadcast_int(
+            plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device))
+        self.kv_caches = self._allocate_kv_caches()
+        # Token buckets split evenly over the sequence axis.
+        sp = axis_size(self.mesh, SEQUENCE)
+        self.buckets = tuple(sorted({-(-b // sp) * sp for b in engine.buckets()}))
+        step = functools.partial(_step, self.family, self.config, engine.attn_impl)
+        if self.num_replicas > 1:
+            step = jax.vmap(step, in_axes=(None, 0, 0), spmd_axis_name=DATA)
+        out_shardings = None
+        if self.mesh is not None:
+            out_shardings = (NamedSharding(self.mesh, P()), tuple(c.sharding for c in self.kv_caches))
+        self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
+
+    def _allocate_kv_caches(self) -> tuple[jax.Array, ...]:
+        shape = kv_cache_shape(self.num_pages, self.engine.page_size, self.layout.cache_kv_heads,
+                               self.config.head_dim)
+        if self.num_replicas > 1:
+            shape = (self.num_replicas, *shape)
+        sharding = None
+        if self.mesh is not None:
+            sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=sharding)
+        return tuple(zeros() for _ in range(self.config.num_layers))
+
+    def _mesh_context(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -100,9 +141,18 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
-    def prepare(self, plan: SchedulerPlan) -> StepInputs:
-        """Host-side arrays for one step, padded to the plan's bucket."""
-        t_bucket = self.bucket_for(plan.num_batched_tokens)
+    def prepare(self, plan: SchedulerPlan | list[SchedulerPlan]) -> StepInputs:
+        """Host-side arrays for one step, padded to the plan's bucket. With data replicas, one
+        plan per replica (an empty plan is all padding) stacked along a leading axis."""
+        plans = [plan] if isinstance(plan, SchedulerPlan) else list(plan)
+        if len(plans) != self.num_replicas:
+            raise ValueError(f"{len(plans)} plans for {self.num_replicas} data replicas")
+        t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
+        penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
+        rows = [self._prepare_one(p, t_bucket, penalties) for p in plans]
+        return rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
+
+    def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool) -> StepInputs:
         s_bucket = self.engine.seq_bucket(t_bucket)
         n = len(plan.seqs)
         tokens = np.zeros(t_bucket, np.int32)
@@ -122,7 +172,8 @@ class ModelRunner:
             cu[i + 1] = offset
         cu[n + 1:] = offset
         seqs = [s.seq for s in plan.seqs]
-        penalties = any(seq.sampling_params.uses_penalties for seq in seqs)
+        if not seqs:
+            return self._dummy_one(t_bucket, penalties)
         sampling = sampling_arrays_for_sequences(
             seqs, s_bucket, history_len=self.max_model_len if penalties else None)
         meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
@@ -130,12 +181,32 @@ class ModelRunner:
         return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling)
 
     def execute(self, inputs: StepInputs) -> SamplerOutput:
-        """Runs the step; the KV cache is donated and replaced. Returns numpy outputs."""
-        out, self.kv_caches = self._step(self.model.params, self.kv_caches, inputs)
-        return jax.device_get(out)
+        """Runs the step; the KV cache is donated and replaced. Returns numpy outputs (with a
+        leading [data] axis when there are several replicas)."""
+        if self.mesh is not None:
+            inputs = put_inputs(inputs, self._input_shardings(inputs))
+        with self._mesh_context():
+            out, self.kv_caches = self._step(self.params, self.kv_caches, inputs)
+        return fetch(out)
 
-    def _dummy_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
-        """All-padding inputs of one bucket: writes nothing, reads only the null page."""
+    def _input_shardings(self, inputs: StepInputs):
+        replicas = self.num_replicas > 1
+        tokens = NamedSharding(self.mesh, tokens_spec(self.mesh, replicas=replicas))
+        other = NamedSharding(self.mesh, replicated_spec(replicas=replicas))
+        return inputs.replace(
+            token_ids=tokens, positions=tokens,
+            meta=jax.tree.map(lambda _: other, inputs.meta),
+            logits_indices=other, sampling=jax.tree.map(lambda _: other, inputs.sampling))
+
+    def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
+        """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
+        the null page."""
+        one = self._dummy_one(t_bucket, with_history)
+        if self.num_replicas == 1:
+            return one
+        return jax.tree.map(lambda x: np.stack([x] * self.num_replicas), one)
+
+    def _dummy_one(self, t_bucket: int, with_history: bool) -> StepInputs:
         s_bucket = self.engine.seq_bucket(t_bucket)
         params = [SamplingParams(repetition_penalty=1.1 if with_history else 1.0)]
         sampling = make_sampling_arrays(
@@ -153,7 +224,7 @@ class ModelRunner:
         start = time.perf_counter()
         for t_bucket in self.buckets:
             for with_history in (False, True) if self.engine.penalties else (False,):
-                self.execute(self._dummy_inputs(t_bucket, with_history))
+                self.execute(self.padding_inputs(t_bucket, with_history))
         elapsed = time.perf_counter() - start
         logger.info("compiled %d step variants in %.1fs", self.num_compiled(), elapsed)
         return elapsed

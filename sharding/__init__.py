@@ -1,0 +1,24 @@
+"""Meshes, logical axis rules, shard-by-shard placement, sharded attention, multi-host start-up.
+
+    mesh = make_mesh("data=2,tensor=4")             # axes (data, sequence, tensor)
+    layout = head_layout(mesh, num_heads, num_kv_heads)
+    place = make_placer(mesh, family.param_axes, layout)   # the loader's place hook
+    specs = param_specs(params, family.param_axes, mesh)   # from LOGICAL_RULES
+
+Never imports jaxinfer (the engine imports this package).
+"""
+from sharding.attention import local_metadata, shard_paged_attention
+from sharding.mesh import (AXES, DATA, SEQUENCE, TENSOR, axis_size, current_mesh, format_mesh,
+                           make_mesh, parse_mesh_spec)
+from sharding.multihost import StepChannel, initialize, is_leader, is_multiprocess
+from sharding.placement import make_placer, per_device_bytes, put_sharded, shard_params
+from sharding.rules import (LOGICAL_RULES, HeadLayout, head_layout, kv_cache_spec, logical_to_spec,
+                            param_shardings, param_specs, replicated_spec, tokens_spec)
+
+__all__ = [
+    "AXES", "DATA", "SEQUENCE", "TENSOR", "LOGICAL_RULES", "HeadLayout", "StepChannel",
+    "axis_size", "current_mesh", "format_mesh", "head_layout", "initialize", "is_leader",
+    "is_multiprocess", "kv_cache_spec", "local_metadata", "logical_to_spec", "make_mesh",
+    "make_placer", "param_shardings", "param_specs", "parse_mesh_spec", "per_device_bytes",
+    "put_sharded", "replicated_spec", "shard_paged_attention", "shard_params", "tokens_spec",
+]

@@ -6,6 +6,7 @@ D head dim, F mlp hidden, V vocab.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.struct
@@ -15,6 +16,8 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.reference import write_kv
+from sharding import shard_paged_attention
 
 
 @flax.struct.dataclass
@@ -80,7 +83,11 @@ def gated_mlp(x, w_gate, w_up, w_down):
 
 
 def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, config: ModelConfig, impl: str):
-    """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel."""
-    return ragged_paged_attention(
-        q, k, v, kv_cache, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-        sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window, impl=impl)
+    """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel.
+
+    Under a mesh (jax.set_mesh) the kernel runs once per shard: heads split over `tensor`,
+    tokens over `sequence` (see sharding/attention.py); without one it is a plain call."""
+    attend = functools.partial(ragged_paged_attention, sm_scale=config.head_dim ** -0.5,
+                               sliding_window=config.sliding_window, impl=impl)
+    return shard_paged_attention(attend, write_kv, q, k, v, kv_cache, meta.kv_lens,
+                                 meta.page_indices, meta.cu_q_lens, meta.num_seqs)

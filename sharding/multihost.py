@@ -1,0 +1,142 @@
+"""Several hosts, one engine: start-up, and keeping every process on the same step.
+
+Start-up: `initialize(coordinator_address, num_processes, process_id)` calls
+`jax.distributed.initialize` from those arguments or, where they are not given, from the
+environment (JAXINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID). The address "auto"
+lets JAX detect the cluster itself (TPU VM pods, SLURM). Nothing given: a single process.
+
+Lock step: the model step is one SPMD program over every device of every host, so all processes
+must call it in the same order with the same inputs. Only process 0 runs the scheduler. For each
+step it broadcasts a small header (what to run, the token bucket, whether a penalty history is
+attached) and then the padded numpy step inputs; the other processes build an all-padding
+template of that bucket, receive the inputs into it and run the same step. A RELEASE header ends
+a follower's loop (process 0 sends it when its own `generate` call is done).
+
+    process 0:   header, inputs -> StepChannel.send(...) -> run step -> scheduler.update(...)
+    process k:   StepChannel.receive(template_for) -> run step -> (tokens are ignored)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+STEP, RELEASE = 1, 2
+ENV_PREFIX = "JAXINFER_"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedArgs:
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @classmethod
+    def from_env(cls, coordinator_address=None, num_processes=None, process_id=None, env=None):
+        """Arguments win over JAXINFER_* environment variables."""
+        env = os.environ if env is None else env
+
+        def pick(value, name, kind):
+            raw = value if value is not None else env.get(ENV_PREFIX + name)
+            if raw is None or raw == "":
+                return None
+            try:
+                return kind(raw)
+            except ValueError:
+                raise ValueError(f"{name.lower()}={raw!r} must be {kind.__name__}") from None
+
+        return cls(pick(coordinator_address, "COORDINATOR_ADDRESS", str),
+                   pick(num_processes, "NUM_PROCESSES", int), pick(process_id, "PROCESS_ID", int))
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> bool:
+    """Joins the cluster if asked to; returns True when running with jax.distributed.
+
+    Must run before anything touches a device (before loading a model)."""
+    args = DistributedArgs.from_env(coordinator_address, num_processes, process_id)
+    if args.coordinator_address is None:
+        if args.num_processes not in (None, 1) or args.process_id not in (None, 0):
+            raise ValueError("num_processes / process_id need a coordinator address "
+                             "(--coordinator-address HOST:PORT, or 'auto' on a TPU pod)")
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    if args.coordinator_address == "auto":
+        jax.distributed.initialize()
+    else:
+        if args.num_processes is None or args.process_id is None:
+            raise ValueError(f"coordinator address {args.coordinator_address!r} needs "
+                             f"--num-processes and --process-id")
+        if not 0 <= args.process_id < args.num_processes:
+            raise ValueError(f"process_id={args.process_id} must be in [0, {args.num_processes})")
+        jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
+                                   process_id=args.process_id)
+    logger.info("process %d of %d; %d local of %d devices", jax.process_index(),
+                jax.process_count(), jax.local_device_count(), jax.device_count())
+    return True
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def broadcast(tree):
+    """Process 0's value of a tree of numpy arrays, on every process (same structure needed)."""
+    from jax.experimental import multihost_utils
+
+    out = multihost_utils.broadcast_one_to_all(tree)
+    return jax.tree.map(np.asarray, out)
+
+
+def broadcast_int(value: int) -> int:
+    if not is_multiprocess():
+        return int(value)
+    return int(broadcast(np.asarray(value, np.int64)))
+
+
+class StepChannel:
+    """Process 0 sends each step's inputs; the others receive them (see the module docstring)."""
+
+    def send(self, token_bucket: int, with_history: bool, inputs):
+        broadcast(np.array([STEP, token_bucket, int(with_history)], np.int64))
+        return broadcast(inputs)
+
+    def release(self) -> None:
+        broadcast(np.array([RELEASE, 0, 0], np.int64))
+
+    def receive(self, template_for):
+        """Inputs of the next step, or None on RELEASE; template_for(bucket, with_history)
+        builds an input tree of the right structure and shapes."""
+        command, token_bucket, with_history = broadcast(np.zeros(3, np.int64)).tolist()
+        if command == RELEASE:
+            return None
+        if command != STEP:
+            raise RuntimeError(f"unknown step command {command} from process 0")
+        return broadcast(template_for(int(token_bucket), bool(with_history)))
+
+
+def put_inputs(tree, shardings):
+    """Host numpy (the same value on every process) -> jax.Arrays placed with these shardings
+    (a tree like `tree`). On several processes each one fills only its own devices."""
+    if not is_multiprocess():
+        return jax.device_put(tree, shardings)
+    from sharding.placement import put_sharded
+
+    return jax.tree.map(lambda x, s: put_sharded(np.asarray(x), s), tree, shardings)
+
+
+def fetch(tree):
+    """Device outputs -> numpy. Outputs are replicated, so each process reads a local copy."""
+    if not is_multiprocess():
+        return jax.device_get(tree)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)

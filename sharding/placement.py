@@ -1,0 +1,71 @@
+"""Putting parameters and step inputs on a mesh, one shard at a time.
+
+`make_placer` is the loader's `place(spec, array)` hook: as each checkpoint tensor is read and
+converted (a host numpy array), it is repeated along "kv_heads" when the layout asks for it and
+then `jax.make_array_from_callback` copies to each device only the slice that device holds. No
+device ever holds a whole unsharded tensor, and on several hosts each process fills only its own
+devices (every process reads the checkpoint itself).
+
+`shard_params` does the same for a parameter tree that is already in memory (an Engine given a
+model loaded without a mesh); arrays already placed as asked are kept as they are.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from sharding.rules import HeadLayout, _leaf_name, logical_to_spec
+
+
+def repeat_kv_heads(array: np.ndarray, axes: tuple[str, ...], repeat: int) -> np.ndarray:
+    """Each KV head `repeat` times in a row, so head j' of the result is head j' // repeat."""
+    if repeat == 1 or "kv_heads" not in axes:
+        return array
+    return np.repeat(array, repeat, axis=axes.index("kv_heads"))
+
+
+def put_sharded(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array; each addressable device receives only its slice."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def place_param(name: str, array: np.ndarray, mesh, param_axes, layout: HeadLayout) -> jax.Array:
+    axes = param_axes[name]
+    array = repeat_kv_heads(np.asarray(array), axes, layout.kv_repeat)
+    return put_sharded(array, NamedSharding(mesh, logical_to_spec(axes, array.shape, mesh)))
+
+
+def make_placer(mesh, param_axes: dict, layout: HeadLayout) -> Callable:
+    """The loader hook: place(tensor_spec, host_array) -> sharded jax.Array."""
+    return lambda spec, array: place_param(spec.field, array, mesh, param_axes, layout)
+
+
+def shard_params(params, param_axes: dict, mesh, layout: HeadLayout):
+    """Places an in-memory parameter tree on the mesh (a no-op for arrays placed already)."""
+
+    def place(path, x):
+        name = _leaf_name(path)
+        axes = param_axes[name]
+        shape = list(x.shape)
+        if "kv_heads" in axes:
+            shape[axes.index("kv_heads")] = layout.cache_kv_heads
+        target = NamedSharding(mesh, logical_to_spec(axes, tuple(shape), mesh))
+        if tuple(shape) == x.shape and isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+            return x
+        if tuple(shape) == x.shape:  # only the placement differs: device to device
+            return jax.device_put(x, target)
+        return place_param(name, np.asarray(x), mesh, param_axes, layout)
+
+    return jax.tree_util.tree_map_with_path(place, params)
+
+
+def per_device_bytes(tree) -> dict:
+    """Bytes each device holds of a tree of arrays: {device: bytes}."""
+    out: dict = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out

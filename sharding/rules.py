@@ -1,0 +1,139 @@
+"""Logical axis names -> mesh axes: the one rule table, and partition specs derived from it.
+
+Models name the axes of every parameter (e.g. Llama's PARAM_AXES: wq is ("embed", "heads",
+"head_dim")); nothing here is written per tensor. A parameter's PartitionSpec maps each of its
+logical axes through LOGICAL_RULES. Tensor parallelism falls out of the table: q/k/v projections
+are split by (kv) heads and the output projection by its input heads, gate/up by MLP columns and
+down by MLP rows, so each shard computes whole heads and whole MLP columns and XLA adds exactly
+one all-reduce after attention and one after the MLP; the embedding and LM head are split by
+vocabulary rows.
+
+Fewer KV heads than tensor shards (K < tp): every shard needs the KV head its query heads read,
+so each KV head is stored r = tp / K times (wk, wv, their biases and the KV cache all carry
+K' = K * r = tp heads) and each shard holds exactly one. The alternative, a replicated cache that
+each shard slices, costs every device the whole cache (K heads) instead of one head; see
+README.md "Sharding and multi-host".
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sharding.mesh import DATA, SEQUENCE, TENSOR, axis_size
+
+logger = logging.getLogger(__name__)
+
+# The rule table. None: never split (every shard holds the whole axis).
+LOGICAL_RULES: dict[str, str | None] = {
+    "batch": DATA,
+    "seq": SEQUENCE,
+    "heads": TENSOR,
+    "kv_heads": TENSOR,
+    "mlp": TENSOR,
+    "vocab": TENSOR,
+    "embed": None,
+    "head_dim": None,
+}
+# Axes a model may leave unsplit when its size does not divide the mesh axis (with a warning);
+# any other indivisible axis is a configuration error.
+_MAY_REPLICATE = ("vocab",)
+
+
+def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh) -> P:
+    """PartitionSpec of an array whose dimensions have these logical names."""
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {shape}")
+    out, used = [], set()
+    for name, dim in zip(axes, shape):
+        if name not in LOGICAL_RULES:
+            raise ValueError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_RULES)}")
+        mesh_axis = LOGICAL_RULES[name]
+        size = axis_size(mesh, mesh_axis) if mesh_axis else 1
+        if size == 1 or mesh_axis in used:
+            out.append(None)
+            continue
+        if dim % size:
+            if name not in _MAY_REPLICATE:
+                raise ValueError(f"logical axis {name!r} of size {dim} cannot be split over "
+                                 f"mesh axis {mesh_axis!r} of size {size}")
+            logger.warning("%s=%d does not divide by %s=%d: kept whole on every device",
+                           name, dim, mesh_axis, size)
+            out.append(None)
+            continue
+        out.append(mesh_axis)
+        used.add(mesh_axis)
+    return P(*out)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """How attention heads split over the tensor axis (see the module docstring)."""
+
+    num_heads: int
+    num_kv_heads: int
+    tensor: int
+
+    def __post_init__(self):
+        h, k, tp = self.num_heads, self.num_kv_heads, self.tensor
+        if h % tp:
+            raise ValueError(f"tensor={tp} must divide the {h} attention heads")
+        if k % tp and tp % k:
+            raise ValueError(f"tensor={tp} and the {k} KV heads must divide one another "
+                             f"(each shard's query heads must share whole KV heads)")
+
+    @property
+    def kv_repeat(self) -> int:
+        """Copies of each KV head: 1 when K >= tp, else tp / K."""
+        return max(1, self.tensor // self.num_kv_heads)
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads the projections and the cache carry (K, or tp when K < tp)."""
+        return self.num_kv_heads * self.kv_repeat
+
+    @property
+    def kv_heads_per_device(self) -> int:
+        return self.cache_kv_heads // self.tensor
+
+
+def head_layout(mesh, num_heads: int, num_kv_heads: int) -> HeadLayout:
+    return HeadLayout(num_heads, num_kv_heads, axis_size(mesh, TENSOR))
+
+
+def _leaf_name(path) -> str:
+    """The field name a leaf sits under (its last attribute or key in the tree)."""
+    for entry in reversed(path):
+        name = getattr(entry, "name", None) or getattr(entry, "key", None)
+        if isinstance(name, str):
+            return name
+    raise ValueError(f"parameter at {jax.tree_util.keystr(path)} has no field name")
+
+
+def param_specs(params, param_axes: dict[str, tuple[str, ...]], mesh):
+    """PartitionSpec of every parameter, from the model's logical axes (a tree like params)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: logical_to_spec(param_axes[_leaf_name(path)], x.shape, mesh), params)
+
+
+def param_shardings(params, param_axes, mesh):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(params, param_axes, mesh))
+
+
+def kv_cache_spec(mesh, *, replicas: bool) -> P:
+    """A layer's cache [P, page, 2K', D] (with a leading [data] axis for replicas): split by KV
+    heads over tensor; K and V of a head are neighbours on axis 2, so they stay together."""
+    heads = TENSOR if axis_size(mesh, TENSOR) > 1 else None
+    return P(*((DATA,) if replicas else ()), None, None, heads, None)
+
+
+def tokens_spec(mesh, *, replicas: bool) -> P:
+    """Token-axis step inputs (ids, positions): split along the sequence axis."""
+    seq = SEQUENCE if axis_size(mesh, SEQUENCE) > 1 else None
+    return P(*((DATA,) if replicas else ()), seq)
+
+
+def replicated_spec(*, replicas: bool) -> P:
+    return P(DATA) if replicas else P()
