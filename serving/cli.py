@@ -1,0 +1,191 @@
+"""`jaxinfer serve` and `jaxinfer client`, registered through the "jaxinfer.cli" entry point.
+
+    jaxinfer serve [--model PATH] [--port 50051] [--metrics-port 9090] [--tls-cert C --tls-key K]
+    JAXINFER_AUTH_TOKEN=secret jaxinfer serve          # or --auth-token-file FILE
+    jaxinfer client generate "Hello" --max-tokens 32  # streams text to stdout
+    jaxinfer client generate --chat "Hi there"         # through the chat template
+    jaxinfer client generate --token-ids 1,2,3         # token ids in, token ids printed
+    jaxinfer client tokenize "Hello" | detokenize 1 2 3 | info | stats | health
+
+`serve` prints one line "listening on HOST:PORT" on stdout once it accepts calls and exits 0
+after SIGTERM or SIGINT (in-flight calls get --grace-period seconds to finish). A client call that
+fails prints "error: CODE: message" on stderr and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+
+TOKEN_ENV = "JAXINFER_AUTH_TOKEN"
+
+
+def register(subparsers, add_engine_args, add_sampling_args) -> None:
+    serve = subparsers.add_parser("serve", help="run the gRPC batching server")
+    add_engine_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or [::] for all)")
+    g.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
+    g.add_argument("--metrics-host", default="127.0.0.1")
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="calls admitted beyond --max-num-seqs; past it calls get RESOURCE_EXHAUSTED")
+    g.add_argument("--auth-token-file", default=None,
+                   help=f"require 'authorization: Bearer <token>' (token: first line of FILE, or ${TOKEN_ENV})")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--grace-period", type=float, default=10.0,
+                   help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
+    g.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
+    g.add_argument("--no-penalties", action="store_true",
+                   help="compile no penalty variants (faster start); penalty requests are refused")
+    serve.set_defaults(func=cmd_serve)
+
+    client = subparsers.add_parser("client", help="call a running jaxinfer server")
+    client.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT")
+    client.add_argument("--auth-token-file", default=None, help=f"bearer token file (or ${TOKEN_ENV})")
+    client.add_argument("--tls-ca", default=None, help="PEM root certificates: connect with TLS")
+    client.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    client.add_argument("--tls-server-name", default=None, help="expected name in the server certificate")
+    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    actions = client.add_subparsers(dest="action", required=True)
+    gen = actions.add_parser("generate", help="stream a completion")
+    gen.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    gen.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
+    gen.add_argument("--output-format", choices=["text", "jsonl"], default="text",
+                     help="text: stream the text; jsonl: one JSON object per streamed message")
+    add_sampling_args(gen)
+    tok = actions.add_parser("tokenize", help="text -> token ids")
+    tok.add_argument("text")
+    tok.add_argument("--no-special-tokens", action="store_true")
+    detok = actions.add_parser("detokenize", help="token ids -> text")
+    detok.add_argument("token_ids", nargs="+", type=int)
+    for name, what in (("info", "model information"), ("stats", "engine and KV cache state"),
+                       ("health", "health status")):
+        actions.add_parser(name, help=what)
+    client.set_defaults(func=cmd_client)
+
+
+# --- serve --------------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    from jaxinfer.cli import make_llm
+    from serving.auth import read_token
+    from serving.server import ServerOptions
+
+    options = ServerOptions(
+        host=args.host, port=args.port, max_waiting=args.max_waiting,
+        auth_token=read_token(os.environ.get(TOKEN_ENV) or None, args.auth_token_file),
+        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, grace_period_s=args.grace_period,
+        max_message_bytes=args.max_message_bytes)
+    for path in (args.tls_cert, args.tls_key):
+        if path and not os.path.isfile(path):
+            raise FileNotFoundError(f"TLS file not found: {path}")
+    engine = make_llm(args, penalties=not args.no_penalties).engine
+    try:
+        return asyncio.run(_serve(engine, options))
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+async def _serve(engine, options) -> int:
+    from serving.server import InferenceServer
+
+    server = InferenceServer(engine, options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+    except BaseException:
+        await asyncio.to_thread(server.engine_loop.stop)
+        raise
+    metrics = f" (metrics on {options.metrics_host}:{server.metrics_port})" if server.metrics_port else ""
+    print(f"listening on {server.address}{metrics}", flush=True)
+    await stop.wait()
+    print(f"shutting down (grace period {options.grace_period_s:g} s)", file=sys.stderr, flush=True)
+    await server.stop()
+    return 0
+
+
+# --- client -------------------------------------------------------------------------------------
+def cmd_client(args) -> int:
+    import grpc
+
+    from serving.auth import read_token
+    from serving.client import Client
+
+    token = read_token(os.environ.get(TOKEN_ENV) or None, args.auth_token_file)
+    root = open(args.tls_ca, "rb").read() if args.tls_ca else None
+    with Client(args.server, token=token, root_certificates=root, tls=args.tls,
+                tls_server_name=args.tls_server_name) as client:
+        try:
+            return _CLIENT_ACTIONS[args.action](client, args)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+
+
+def _generate(client, args) -> int:
+    if args.token_ids is not None:
+        try:
+            prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--token-ids {args.token_ids!r}: expected comma-separated integers") from None
+    elif args.prompt is None:
+        raise ValueError("no prompt: pass PROMPT or --token-ids")
+    else:
+        prompt = args.prompt
+    kwargs = dict(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
+                  ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        if getattr(args, name) != off:  # unset stays unset: servers started --no-penalties accept it
+            kwargs[name] = getattr(args, name)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": args.prompt}]
+        stream = client.stream(messages=messages, timeout=args.timeout, **kwargs)
+    else:
+        stream = client.stream(prompt, timeout=args.timeout, **kwargs)
+    for msg in stream:
+        if args.output_format == "jsonl":
+            from google.protobuf import json_format
+
+            print(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True),
+                             ensure_ascii=False), flush=True)
+            continue
+        for delta in msg.outputs:
+            piece = delta.text if delta.text or not delta.token_ids else " ".join(map(str, delta.token_ids)) + " "
+            print(piece, end="", flush=True)
+    if args.output_format == "text":
+        print(flush=True)
+    return 0
+
+
+def _print_message(msg) -> int:
+    from google.protobuf import json_format
+
+    print(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True,
+                                               always_print_fields_with_no_presence=True), indent=2))
+    return 0
+
+
+_CLIENT_ACTIONS = {
+    "generate": _generate,
+    "tokenize": lambda c, a: print(json.dumps(c.tokenize(a.text, add_special_tokens=not a.no_special_tokens,
+                                                         timeout=a.timeout))) or 0,
+    "detokenize": lambda c, a: print(c.detokenize(a.token_ids, timeout=a.timeout)) or 0,
+    "info": lambda c, a: _print_message(c.model_info(timeout=a.timeout)),
+    "stats": lambda c, a: _print_message(c.server_stats(timeout=a.timeout)),
+    "health": lambda c, a: print(c.health(timeout=a.timeout)) or 0,
+}

@@ -1,0 +1,241 @@
+"""Python clients of jaxinfer.v1.InferenceService: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    with Client("127.0.0.1:50051", token=...) as client:
+        result = client.generate("Hello", max_tokens=32, temperature=0)    # accumulated
+        for msg in client.stream([1, 2, 3], max_tokens=8): ...              # GenerateResponse deltas
+        client.generate(messages=[{"role": "user", "content": "Hi"}])       # chat template
+
+Sampling options are keyword arguments named as in SamplingParams (and the proto's
+SamplingOptions); leaving one out takes the server's default. Failures raise grpc.RpcError with
+the server's status code and message. Leaving a stream early cancels the call, which aborts the
+request on the server and frees its KV pages.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import AsyncIterator, Iterable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.proto import jaxinfer_pb2 as pb
+from serving.proto import jaxinfer_pb2_grpc as pb_grpc
+
+_SAMPLING_FIELDS = frozenset(f.name for f in pb.SamplingOptions.DESCRIPTOR.fields)
+
+
+@dataclasses.dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: str = ""
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    request_id: str
+    outputs: list[Completion]
+    usage: pb.Usage
+    timings: pb.Timings
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterable[dict] | None = None,
+                  request_id: str = "", priority: int = 0, add_generation_prompt: bool = True,
+                  **sampling) -> pb.GenerateRequest:
+    unknown = set(sampling) - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling options {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass either a prompt (text or token ids) or messages")
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    request = pb.GenerateRequest(request_id=request_id, priority=priority,
+                                 sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}))
+    if messages is not None:
+        request.chat.CopyFrom(_chat(messages, add_generation_prompt))
+    elif isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(int(t) for t in prompt)
+    return request
+
+
+def _chat(messages: Iterable[dict], add_generation_prompt: bool = True) -> pb.Chat:
+    return pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+                   add_generation_prompt=add_generation_prompt)
+
+
+class Accumulator:
+    """Folds streamed GenerateResponse deltas into one GenerateResult."""
+
+    def __init__(self):
+        self.request_id = ""
+        self.outputs: dict[int, Completion] = {}
+        self.usage, self.timings = pb.Usage(), pb.Timings()
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        self.request_id = msg.request_id
+        for d in msg.outputs:
+            c = self.outputs.setdefault(d.index, Completion(d.index))
+            c.text += d.text
+            c.token_ids += list(d.token_ids)
+            c.logprobs += list(d.logprobs)
+            c.finish_reason = d.finish_reason
+            kind = d.WhichOneof("stop_reason")
+            c.stop_reason = getattr(d, kind) if kind else None
+        self.usage.CopyFrom(msg.usage)
+        if msg.finished:
+            self.timings.CopyFrom(msg.timings)
+
+    def result(self) -> GenerateResult:
+        return GenerateResult(self.request_id, [self.outputs[i] for i in sorted(self.outputs)],
+                              self.usage, self.timings)
+
+
+def _channel_args(max_message_bytes: int):
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
+class _Base:
+    def __init__(self, target: str, token: str | None, root_certificates: bytes | None,
+                 tls_server_name: str | None, tls: bool):
+        self.target = target
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._tls = tls or root_certificates is not None
+        self._creds = grpc.ssl_channel_credentials(root_certificates=root_certificates) if self._tls else None
+        self._options = _channel_args(64 * 1024 * 1024)
+        if tls_server_name:
+            self._options.append(("grpc.ssl_target_name_override", tls_server_name))
+
+
+class Client(_Base):
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None,
+                 root_certificates: bytes | None = None, tls_server_name: str | None = None,
+                 tls: bool = False):
+        super().__init__(target, token, root_certificates, tls_server_name, tls)
+        self.channel = (grpc.secure_channel(target, self._creds, self._options) if self._tls
+                        else grpc.insecure_channel(target, self._options))
+        self.stub = pb_grpc.InferenceServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def stream(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Iterator[pb.GenerateResponse]:
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # a no-op once finished; aborts the request when the caller stops early
+
+    def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> GenerateResult:
+        acc = Accumulator()
+        for msg in self.stream(prompt, timeout=timeout, **kwargs):
+            acc.add(msg)
+        return acc.result()
+
+    def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool = True,
+                 timeout: float | None = None) -> list[int]:
+        request = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
+        if messages is not None:
+            request.chat.CopyFrom(_chat(messages))
+        else:
+            request.text = text
+        return list(self.stub.Tokenize(request, timeout=timeout, metadata=self._metadata).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                   timeout: float | None = None) -> str:
+        request = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self.stub.Detokenize(request, timeout=timeout, metadata=self._metadata).text
+
+    def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
+
+    def server_stats(self, timeout: float | None = None) -> pb.GetServerStatsResponse:
+        return self.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=timeout, metadata=self._metadata)
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None,
+                 root_certificates: bytes | None = None, tls_server_name: str | None = None,
+                 tls: bool = False):
+        super().__init__(target, token, root_certificates, tls_server_name, tls)
+        self.channel = (grpc.aio.secure_channel(target, self._creds, self._options) if self._tls
+                        else grpc.aio.insecure_channel(target, self._options))
+        self.stub = pb_grpc.InferenceServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def stream(self, prompt=None, *, timeout: float | None = None,
+                     **kwargs) -> AsyncIterator[pb.GenerateResponse]:
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> GenerateResult:
+        acc = Accumulator()
+        async for msg in self.stream(prompt, timeout=timeout, **kwargs):
+            acc.add(msg)
+        return acc.result()
+
+    async def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool = True,
+                       timeout: float | None = None) -> list[int]:
+        request = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
+        if messages is not None:
+            request.chat.CopyFrom(_chat(messages))
+        else:
+            request.text = text
+        reply = await self.stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+        return list(reply.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                         timeout: float | None = None) -> str:
+        request = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return (await self.stub.Detokenize(request, timeout=timeout, metadata=self._metadata)).text
+
+    async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
+
+    async def server_stats(self, timeout: float | None = None) -> pb.GetServerStatsResponse:
+        return await self.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=timeout,
+                                              metadata=self._metadata)
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,126 @@
+"""Between the wire and the engine: GenerateRequest -> (token ids, SamplingParams), RequestOutput
+deltas -> GenerateResponse. Plain functions, no I/O; every user error is a RequestError that
+names the request field, which the servicer returns as INVALID_ARGUMENT.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling import SamplingParams
+from serving.proto import jaxinfer_pb2 as pb
+
+# SamplingOptions fields that are `optional` scalars and map 1:1 onto SamplingParams.
+_SCALAR_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
+                  "include_stop_str_in_output", "skip_special_tokens")
+
+
+class RequestError(ValueError):
+    """A request the server refuses as INVALID_ARGUMENT; the message starts with the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLimits:
+    """What a prompt is checked against before it is queued."""
+    vocab_size: int
+    max_model_len: int
+    penalties_enabled: bool
+
+
+def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
+    kwargs = {name: getattr(options, name) for name in _SCALAR_FIELDS if options.HasField(name)}
+    kwargs["stop"] = tuple(options.stop)
+    kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:  # SamplingParams names the field: "SamplingParams.top_p=2.0: ..."
+        raise RequestError(f"sampling.{str(e).removeprefix('SamplingParams.')}") from None
+
+
+def render_chat(tokenizer, chat: pb.Chat) -> list[int]:
+    """Chat template -> token ids, exactly as LLM.render_chat does it."""
+    if not chat.messages:
+        raise RequestError("chat.messages: empty")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError("chat: this model has no chat template")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add)
+    except Exception as e:  # a template may raise on roles it does not know
+        raise RequestError(f"chat.messages: the chat template rejected them: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer, limits: ModelLimits) -> list[int]:
+    """The prompt as token ids, checked against the vocabulary and the context length."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise RequestError("prompt: set one of text, token_ids or chat")
+    if kind in ("text", "chat") and tokenizer is None:
+        raise RequestError(f"{kind}: this model has no tokenizer; send prompt token_ids")
+    if kind == "text":
+        if not request.text:
+            raise RequestError("text: the prompt is empty")
+        ids = tokenizer.encode(request.text)
+    elif kind == "chat":
+        ids = render_chat(tokenizer, request.chat)
+    else:
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise RequestError("token_ids.ids: the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise RequestError(f"token_ids.ids: ids out of range [0, {limits.vocab_size}): {bad[:5]}")
+    if len(ids) >= limits.max_model_len:
+        raise RequestError(f"{kind}: the prompt has {len(ids)} tokens; the context holds "
+                           f"{limits.max_model_len} and must keep room for one generated token")
+    return ids
+
+
+def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int) -> None:
+    total = num_prompt_tokens + params.max_tokens
+    if total > limits.max_model_len:
+        raise RequestError(f"sampling.max_tokens={params.max_tokens}: with the prompt's {num_prompt_tokens} "
+                           f"tokens that is {total} tokens, more than max_model_len={limits.max_model_len}")
+    if params.uses_penalties and not limits.penalties_enabled:
+        raise RequestError("sampling.repetition_penalty/presence_penalty/frequency_penalty: penalties "
+                           "are off on this server (started with --no-penalties)")
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """Several queued deltas of one request as one (a slow reader gets fewer, larger messages)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    head = dataclasses.replace(deltas[0], outputs=[dataclasses.replace(
+        c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
+        for c in deltas[0].outputs])
+    for delta in deltas[1:]:
+        head.merge(delta)
+    return head
+
+
+def response(out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=out.request_id, finished=out.finished,
+                              usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens,
+                                             completion_tokens=out.usage.completion_tokens,
+                                             cached_prompt_tokens=out.usage.cached_prompt_tokens))
+    for c in out.outputs:
+        delta = msg.outputs.add(index=c.index, text=c.text, token_ids=c.token_ids,
+                                finish_reason=c.finish_reason or "")
+        if isinstance(c.stop_reason, str):
+            delta.stop_string = c.stop_reason
+        elif c.stop_reason is not None:
+            delta.stop_token_id = int(c.stop_reason)
+        for lp in c.logprobs or ():
+            delta.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                               top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])
+    if out.finished:
+        m = out.metrics
+        itl = m.inter_token_latencies
+        msg.timings.CopyFrom(pb.Timings(
+            queue_time_s=m.queue_time or 0.0, time_to_first_token_s=m.time_to_first_token or 0.0,
+            e2e_latency_s=m.e2e_latency or 0.0,
+            mean_inter_token_latency_s=sum(itl) / len(itl) if itl else 0.0))
+    return msg

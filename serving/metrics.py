@@ -1,0 +1,98 @@
+"""Prometheus metrics of one server, in their own registry (several servers can share a process,
+as in the tests) and served over HTTP on their own port.
+
+Written by the engine thread only: per-step gauges from `Engine.stats()`, per-request histograms
+when a request finishes. prometheus_client's metrics are thread-safe; scrapes read them from the
+HTTP server's thread.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import prometheus_client as prom
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = r = prom.CollectorRegistry()
+        self.ttft = prom.Histogram("jaxinfer_time_to_first_token_seconds", "arrival to first token",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = prom.Histogram("jaxinfer_inter_token_latency_seconds", "between two streamed tokens",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = prom.Histogram("jaxinfer_e2e_request_latency_seconds", "arrival to last token",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = prom.Histogram("jaxinfer_request_queue_time_seconds", "arrival to first scheduled",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = prom.Counter("jaxinfer_prompt_tokens", "prompt tokens of finished requests",
+                                          registry=r)
+        self.generation_tokens = prom.Counter("jaxinfer_generation_tokens", "generated tokens", registry=r)
+        self.requests = prom.Counter("jaxinfer_requests", "finished requests by finish reason",
+                                     ["finish_reason"], registry=r)
+        self.rejected = prom.Counter("jaxinfer_rejected_requests", "requests refused by status code",
+                                     ["code"], registry=r)
+        self.throughput = prom.Gauge("jaxinfer_generation_tokens_per_second",
+                                     f"generated tokens per second over the last {_THROUGHPUT_WINDOW_S:g} s",
+                                     registry=r)
+        self.running = prom.Gauge("jaxinfer_num_requests_running", "sequences running in the engine", registry=r)
+        self.waiting = prom.Gauge("jaxinfer_num_requests_waiting", "sequences waiting in the engine", registry=r)
+        self.kv_usage = prom.Gauge("jaxinfer_kv_cache_usage_ratio", "fraction of KV pages in use", registry=r)
+        self.kv_free = prom.Gauge("jaxinfer_kv_cache_free_pages", "free KV pages", registry=r)
+        self.preemptions = prom.Counter("jaxinfer_preemptions", "sequences preempted", registry=r)
+        self.prefix_queries = prom.Counter("jaxinfer_prefix_cache_queries", "prompt tokens looked up", registry=r)
+        self.prefix_hits = prom.Counter("jaxinfer_prefix_cache_hits", "prompt tokens served from the cache",
+                                        registry=r)
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._http = None
+
+    # --- engine thread --------------------------------------------------------------------------
+    def on_tokens(self, count: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if count:
+            self.generation_tokens.inc(count)
+            self._window.append((now, count))
+        while self._window and self._window[0][0] < now - _THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+        self.throughput.set(sum(c for _, c in self._window) / _THROUGHPUT_WINDOW_S)
+
+    def on_finished(self, out) -> None:
+        m = out.metrics
+        for hist, value in ((self.ttft, m.time_to_first_token), (self.e2e, m.e2e_latency),
+                            (self.queue, m.queue_time)):
+            if value is not None:
+                hist.observe(value)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)
+        self.prompt_tokens.inc(out.usage.prompt_tokens)
+        for c in out.outputs:
+            self.requests.labels(finish_reason=c.finish_reason or "unknown").inc()
+
+    def on_step(self, engine) -> None:
+        stats = engine.stats()
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.kv_usage.set(stats["kv_cache_usage"])
+        self.kv_free.set(stats["kv_pages_free"])
+        pool = engine.pool
+        for key, counter, value in (("preemptions", self.preemptions, engine.num_preemptions),
+                                    ("queries", self.prefix_queries, pool.prefix_cache_queries),
+                                    ("hits", self.prefix_hits, pool.prefix_cache_hits)):
+            if value > self._seen[key]:
+                counter.inc(value - self._seen[key])
+            self._seen[key] = value
+
+    # --- HTTP -----------------------------------------------------------------------------------
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Starts the /metrics HTTP server (port 0 = any free port); returns the port."""
+        self._http, _ = prom.start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,193 @@
+"""InferenceServer: one grpc.aio server around one Engine, and its life cycle.
+
+    start():  EngineLoop thread up -> grpc.aio server with InferenceService, the standard health
+              service and server reflection (bearer-token interceptor and TLS when configured)
+              -> health SERVING -> Prometheus /metrics on its own port when asked for
+    stop():   health NOT_SERVING and new calls refused (UNAVAILABLE) -> in-flight calls get
+              `grace_period_s` to finish -> the engine loop stops, ending what is left with
+              UNAVAILABLE -> the grpc server closes.
+
+BackgroundServer runs the same on an event loop of its own thread, for synchronous programs,
+benchmarks and tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxinfer.engine import Engine
+from serving.auth import BearerTokenInterceptor
+from serving.engine_loop import EngineLoop
+from serving.metrics import ServerMetrics
+from serving.proto import jaxinfer_pb2 as pb
+from serving.proto import jaxinfer_pb2_grpc as pb_grpc
+from serving.servicer import InferenceServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name  # jaxinfer.v1.InferenceService
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051                  # 0: any free port (see InferenceServer.port)
+    max_waiting: int = 256             # calls admitted beyond max_num_seqs; past it RESOURCE_EXHAUSTED
+    auth_token: str | None = None      # bearer token every call but health checks must carry
+    tls_cert_file: str | None = None   # PEM certificate chain and key: serve TLS instead of plaintext
+    tls_key_file: str | None = None
+    metrics_port: int | None = None    # Prometheus HTTP port; None: off, 0: any free port
+    metrics_host: str = "127.0.0.1"
+    grace_period_s: float = 10.0       # how long stop() lets in-flight calls finish
+    max_message_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self):
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both a certificate file and a key file")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+
+
+class InferenceServer:
+    def __init__(self, engine: Engine, options: ServerOptions | None = None):
+        self.options = options or ServerOptions()
+        self.metrics = ServerMetrics()
+        self.engine_loop = EngineLoop(engine, self.metrics)
+        self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-tok")
+        self.servicer = InferenceServicer(self.engine_loop, max_waiting=self.options.max_waiting,
+                                          metrics=self.metrics, executor=self._executor)
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    async def start(self) -> "InferenceServer":
+        opts = self.options
+        interceptors = [BearerTokenInterceptor(opts.auth_token)] if opts.auth_token else []
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", opts.max_message_bytes),
+            ("grpc.max_send_message_length", opts.max_message_bytes),
+            ("grpc.so_reuseport", 0)])  # a second server on a taken port fails instead of sharing it
+        pb_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = self._bind(server)
+        self.engine_loop.start()
+        await server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if opts.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_host)
+        logger.info("serving on %s (%s)%s", self.address, "TLS" if opts.tls_cert_file else "plaintext",
+                    f", metrics on :{self.metrics_port}" if self.metrics_port else "")
+        return self
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        opts = self.options
+        address = f"{opts.host}:{opts.port}"
+        try:
+            if opts.tls_cert_file:
+                with open(opts.tls_key_file, "rb") as k, open(opts.tls_cert_file, "rb") as c:
+                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+                port = server.add_secure_port(address, creds)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {address}: {e}") from None
+        if not port:
+            raise OSError(f"cannot listen on {address}")
+        return port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops accepting calls, lets in-flight ones finish within the grace period, ends the rest."""
+        if self._server is None:
+            return
+        grace = self.options.grace_period_s if grace is None else grace
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        closing = asyncio.create_task(self._server.stop(grace + 5.0))  # refuses new calls at once
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        while self.servicer.num_streams and loop.time() < end:
+            await asyncio.sleep(0.02)
+        if self.servicer.num_streams:
+            logger.warning("grace period over: ending %d calls with UNAVAILABLE", self.servicer.num_streams)
+        await asyncio.to_thread(self.engine_loop.stop)
+        await closing
+        self._server = None
+        self.metrics.close()
+        self._executor.shutdown(wait=False)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+class BackgroundServer:
+    """An InferenceServer on its own thread and event loop: `with BackgroundServer(engine) as s:`."""
+
+    def __init__(self, engine: Engine, options: ServerOptions | None = None):
+        self.server = InferenceServer(engine, options)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._grace: float | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="jaxinfer-grpc",
+                                        daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the server did not start in time")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, grace: float | None = None, timeout: float = 60.0) -> None:
+        if self._loop is not None and self._thread.is_alive():
+            self._grace = grace
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout)
+
+    async def _main(self) -> None:
+        try:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            await self.server.start()
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            await asyncio.to_thread(self.server.engine_loop.stop)
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await self.server.stop(self._grace)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,215 @@
+"""The jaxinfer.v1.InferenceService handlers, on the asyncio event loop.
+
+Generate, for one call:
+    reserve a slot (RESOURCE_EXHAUSTED past the in-flight limit; UNAVAILABLE while draining)
+    -> tokenize / render the chat / validate on a worker thread (INVALID_ARGUMENT naming the field)
+    -> EngineLoop.submit(ids, params, sink) where sink puts into this call's asyncio.Queue through
+       loop.call_soon_threadsafe (the engine thread never touches asyncio objects directly)
+    -> await deltas until finished, merging whatever queued up while the client was slow,
+       each wait bounded by the call's deadline (DEADLINE_EXCEEDED)
+    -> finally, when the call ended early (cancel, disconnect, deadline, error): EngineLoop.abort,
+       which frees the request's pages before the next step.
+An exception while serving one call ends that call with INTERNAL; nothing else is affected.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import time
+import uuid
+
+import grpc
+import jax
+
+from jaxinfer.sampling import MAX_LOGPROBS
+from serving import convert
+from serving.convert import ModelLimits, RequestError
+from serving.engine_loop import EngineLoop, RequestRejected, ServerShuttingDown
+from serving.proto import jaxinfer_pb2 as pb
+from serving.proto import jaxinfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class InferenceServicer(pb_grpc.InferenceServiceServicer):
+    def __init__(self, engine_loop: EngineLoop, *, max_waiting: int, metrics=None,
+                 executor: concurrent.futures.Executor | None = None):
+        engine = engine_loop.engine
+        self._engine_loop = engine_loop
+        self._tokenizer = engine.tokenizer
+        self._limits = ModelLimits(vocab_size=engine.model.config.vocab_size,
+                                   max_model_len=engine.max_model_len,
+                                   penalties_enabled=engine.config.penalties)
+        # At most max_num_seqs running plus max_waiting queued calls are admitted at once.
+        self.max_in_flight = engine.config.max_num_seqs + max_waiting
+        self._metrics = metrics
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-tok")
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._model_info = _model_info(engine)
+        self.draining = False
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def _in_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    async def _refuse(self, context, code: grpc.StatusCode, details: str):
+        if self._metrics is not None:
+            self._metrics.rejected.labels(code=code.name).inc()
+        await context.abort(code, details)
+
+    # --- Generate -------------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        arrival_time = time.monotonic()  # TTFT and queue time count tokenization and queueing too
+        request_id = request.request_id or uuid.uuid4().hex
+        if self.draining:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if len(self._streams) >= self.max_in_flight:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server busy: {len(self._streams)} requests in flight (limit "
+                               f"{self.max_in_flight}); retry later")
+        if request_id in self._streams:
+            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id: {request_id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        submitted = finished = False
+        try:
+            try:
+                ids, params = await self._in_worker(self._prepare, request)
+            except RequestError as e:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            loop = asyncio.get_running_loop()
+            deadline = _deadline(context, loop)
+            self._engine_loop.submit(request_id, ids, params, request.priority,
+                                     functools.partial(loop.call_soon_threadsafe, queue.put_nowait),
+                                     arrival_time)
+            submitted = True
+            while not finished:
+                deltas, error = await _next_items(queue, deadline, loop)
+                if deltas:
+                    out = convert.merge_deltas(deltas)
+                    finished = out.finished
+                    yield convert.response(out)
+                if error is not None:
+                    finished = True  # the engine loop has already let go of it
+                    raise _status_of(error)
+        except _Refused as e:
+            await self._refuse(context, e.code, e.details)
+        except TimeoutError:
+            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "deadline exceeded before the request finished")
+        except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
+            raise
+        except Exception as e:  # a bug while serving this call: fail it alone
+            logger.exception("request %s failed", request_id)
+            await self._refuse(context, grpc.StatusCode.INTERNAL, f"request failed: {type(e).__name__}: {e}")
+        finally:
+            self._streams.pop(request_id, None)
+            if submitted and not finished:
+                self._engine_loop.abort(request_id)
+
+    def _prepare(self, request: pb.GenerateRequest):
+        """Worker thread: the prompt's token ids and validated sampling parameters."""
+        params = convert.sampling_params(request.sampling)
+        ids = convert.prompt_token_ids(request, self._tokenizer, self._limits)
+        convert.check_params(params, self._limits, len(ids))
+        return ids, params
+
+    # --- unary RPCs -----------------------------------------------------------------------------
+    async def Tokenize(self, request: pb.TokenizeRequest, context):
+        if self._tokenizer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+        kind = request.WhichOneof("input")
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        try:
+            if kind == "chat":
+                ids = await self._in_worker(convert.render_chat, self._tokenizer, request.chat)
+            elif kind == "text":
+                ids = await self._in_worker(self._tokenizer.encode, request.text, add)
+            else:
+                raise RequestError("input: set text or chat")
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context):
+        if self._tokenizer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+        vocab = self._limits.vocab_size
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids: ids out of range [0, {vocab}): {bad[:5]}")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = await self._in_worker(self._tokenizer.decode, list(request.token_ids), skip)
+        return pb.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(self, request, context):
+        return self._model_info
+
+    async def GetServerStats(self, request, context):
+        try:
+            stats, steps = await asyncio.wrap_future(
+                self._engine_loop.call(lambda engine: (engine.stats(), self._engine_loop.num_steps)))
+        except ServerShuttingDown as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.GetServerStatsResponse(
+            running=stats["running"], waiting=stats["waiting"], active_streams=len(self._streams),
+            kv_pages_total=stats["kv_pages_total"], kv_pages_free=stats["kv_pages_free"],
+            kv_cache_usage=stats["kv_cache_usage"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
+            preemptions=stats["preemptions"], compiled_variants=stats["compiled_variants"], steps=steps)
+
+
+async def _next_items(queue: asyncio.Queue, deadline: float | None, loop) -> tuple[list, Exception | None]:
+    """Waits for the next item, then takes whatever else is queued: (deltas, error or None)."""
+    if deadline is None:
+        items = [await queue.get()]
+    else:
+        async with asyncio.timeout_at(deadline):
+            items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    deltas = []
+    for item in items:
+        if isinstance(item, BaseException):
+            return deltas, item
+        deltas.append(item)
+    return deltas, None
+
+
+def _deadline(context, loop) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else loop.time() + max(0.0, remaining)
+
+
+def _status_of(error: BaseException) -> _Refused:
+    if isinstance(error, RequestRejected):
+        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    if isinstance(error, ServerShuttingDown):
+        return _Refused(grpc.StatusCode.UNAVAILABLE, str(error))
+    return _Refused(grpc.StatusCode.INTERNAL, f"request failed: {error}")
+
+
+def _model_info(engine) -> pb.GetModelInfoResponse:
+    model, tok, cfg = engine.model, engine.tokenizer, engine.config
+    eos = tok.eos_token_ids if tok is not None else model.config.eos_token_ids
+    dtype = next((str(leaf.dtype) for leaf in jax.tree.leaves(model.params)), "")
+    return pb.GetModelInfoResponse(
+        model=str(model.path), model_type=model.config.model_type, dtype=dtype,
+        vocab_size=model.config.vocab_size, max_model_len=engine.max_model_len, eos_token_ids=list(eos),
+        has_tokenizer=tok is not None, has_chat_template=getattr(tok, "chat_template", None) is not None,
+        page_size=cfg.page_size, kv_pages_total=engine.pool.num_usable_pages, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, penalties_enabled=cfg.penalties,
+        max_logprobs=MAX_LOGPROBS)
+
