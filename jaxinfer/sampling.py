@@ -174,10 +174,16 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
     greedy_tokens = jnp.argmax(logits, axis=-1)                           # [B]
     is_greedy = arrays.temperature < GREEDY_EPS
     temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
-    masked = mask_logits(logits / temperature[:, None], arrays.top_k, arrays.top_p, arrays.min_p)
-    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(arrays.seeds, arrays.num_generated,
-                                                     logits.shape[-1])  # [B, V]
-    sampled_tokens = jnp.argmax(masked + noise, axis=-1)                  # [B]
+
+    def draw(scaled):  # masking and [B, V] of noise are paid only when some row samples
+        masked = mask_logits(scaled, arrays.top_k, arrays.top_p, arrays.min_p)
+        noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(arrays.seeds, arrays.num_generated,
+                                                         scaled.shape[-1])  # [B, V]
+        return jnp.argmax(masked + noise, axis=-1).astype(jnp.int32)      # [B]
+
+    sampled_tokens = jax.lax.cond(
+        jnp.all(is_greedy), lambda scaled: greedy_tokens.astype(jnp.int32), draw,
+        logits / temperature[:, None])
     tokens = jnp.where(is_greedy, greedy_tokens, sampled_tokens).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)     # [B, N]
