@@ -2,7 +2,7 @@
 
 `tiny_llm` is an LLM over the random-weight Llama fixture (token-id prompts only, warm-up of a
 few seconds); `serve(**options)` starts a BackgroundServer around its engine and stops it after
-the test, then checks that every KV page is free again. One engine serves the whole module,
+the test, then checks that every KV page is free again. One engine serves the whole package,
 one server at a time: a stopped server's engine loop has let go of the engine.
 """
 import sys
@@ -21,7 +21,7 @@ TINY = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, token_
             num_pages=48)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def tiny_llm(tmp_path_factory):
     return LLM(str(FIXTURES / "hf" / "llama3"), "float32", compilation_cache_dir=str(
         tmp_path_factory.mktemp("xla")), **TINY)
