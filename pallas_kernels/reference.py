@@ -13,8 +13,9 @@ one float32 scale per kv head for K and one for V (`k_scale`, `v_scale`, shape [
 Query token j of sequence s sits at position kv_lens[s] - q_len[s] + j. Tokens past
 cu_q_lens[num_seqs] are padding: their K/V writes are dropped and their output rows are zero.
 
-The attention walks over each token's pages a block at a time with an online softmax, so memory
-stays O(T * block) rather than O(T * context) and decode costs O(context) per token.
+Each token attends to this step's tokens of its sequence densely (from k/v as the cache stores
+them) and to its earlier context page block by page block with an online softmax, so memory stays
+O(T * block + T^2), decode costs O(context) per token, and a prompt's first chunk reads no pages.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
-_BLOCK_ELEMENTS = 1 << 22
+_BLOCK_ELEMENTS = 1 << 18
 # Tokens per block at most: the loop stops at the longest real sequence, so a small block keeps
 # short sequences in a long-context page table from paying for the table's whole width.
 _MAX_BLOCK_TOKENS = 512
@@ -83,11 +84,37 @@ def _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq):
     return min(ppb, pages_per_seq)
 
 
+def _stored(x, scale, dtype):
+    """x [T, K, D] as the cache holds it (rounded to its dtype, or quantized), read back in f32."""
+    if _is_quantized(dtype):
+        return quantize_kv(x, scale, dtype).astype(jnp.float32) * scale[None, :, None]
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def _merge(carry, s, pv):
+    """Online-softmax update of (m, l, acc) with masked scores s [T, K, G, N]; pv(p) -> [T, K, G, D]."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+    return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv(p)
+
+
+def _cap(s, soft_cap):
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
 def ragged_paged_attention_reference(
     q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
     *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
 ):
-    """Writes k/v into kv_cache, then attends. Returns (out [T, Hq, D] in q.dtype, kv_cache)."""
+    """Writes k/v into kv_cache, then attends. Returns (out [T, Hq, D] in q.dtype, kv_cache).
+
+    Each token attends to (1) the tokens of its sequence in this step, densely from k/v as the
+    cache stores them, and (2) its sequence's earlier context, page block by page block. Part (2)
+    runs zero blocks for a first prefill chunk, so a prompt never re-reads its own pages per token.
+    """
     kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
     num_tokens, num_q_heads, d = q.shape
     _, page_size, two_hkv, _ = kv_cache.shape
@@ -96,51 +123,51 @@ def ragged_paged_attention_reference(
     pages_per_seq = page_indices.shape[1]
 
     seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
-    kv_len = jnp.where(valid, kv_lens[seq], 0)  # [T]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    ctx_len = jnp.where(valid, kv_lens[seq] - q_len, 0)  # [T] cached tokens before this step
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, d) * sm_scale
+
+    # (1) this step's tokens of the same sequence, causally.
+    k_new = _stored(k, k_scale, kv_cache.dtype)  # [T, K, D]
+    v_new = _stored(v, v_scale, kv_cache.dtype)
+    s = _cap(jnp.einsum("tkgd,ukd->tkgu", qg, k_new), soft_cap)  # [T, K, G, T]
+    mask = valid[:, None] & valid[None, :] & (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    if sliding_window is not None:
+        mask &= pos[:, None] - pos[None, :] < sliding_window
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, d), jnp.float32))
+    carry = _merge(init, s, lambda p: jnp.einsum("tkgu,ukd->tkgd", p, v_new))
+
+    # (2) the earlier context from the pages, a block of pages at a time.
     ppb = _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq)
     block = ppb * page_size
-    pad = (-pages_per_seq) % ppb
-    token_pages = jnp.pad(page_indices[seq], ((0, 0), (0, pad)))  # [T, pages_per_seq + pad]
-    num_blocks = (jnp.max(kv_len) + block - 1) // block
-
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, d) * sm_scale
+    token_pages = jnp.pad(page_indices[seq], ((0, 0), (0, (-pages_per_seq) % ppb)))  # [T, >= pages_per_seq]
     if _is_quantized(kv_cache.dtype):
         scales = jnp.stack([k_scale, v_scale], axis=1).reshape(two_hkv).astype(jnp.float32)
     else:
         scales = jnp.ones((two_hkv,), jnp.float32)
 
     def body(j, carry):
-        m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
         pages = jax.lax.dynamic_slice_in_dim(token_pages, j * ppb, ppb, axis=1)  # [T, ppb]
         kv = kv_cache[pages].reshape(num_tokens, block, two_hkv, d)
         kv = kv.astype(jnp.float32) * scales[None, None, :, None]
-        kb, vb = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, B, Hkv, D]
+        kb, vb = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, B, K, D]
         kpos = j * block + jnp.arange(block, dtype=jnp.int32)  # [B]
-        written = kpos[None, :] < kv_len[:, None]  # [T, B]
-        # Slots past kv_len (a partial last page, pages past the table's end) hold whatever was
-        # there before, NaN included; p == 0 there does not help (0 * NaN), so zero V itself.
-        vb = jnp.where(written[:, :, None, None], vb, 0.0)
-        s = jnp.einsum("tkgd,tbkd->tkgb", qg, kb)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = (kpos[None, :] <= pos[:, None]) & written
+        in_ctx = kpos[None, :] < ctx_len[:, None]  # [T, B]
+        # Slots past the context hold whatever was there before, NaN included; p == 0 does not
+        # help there (0 * NaN), so V itself is zeroed.
+        vb = jnp.where(in_ctx[:, :, None, None], vb, 0.0)
+        s = _cap(jnp.einsum("tkgd,tbkd->tkgb", qg, kb), soft_cap)
+        mask = in_ctx
         if sliding_window is not None:
             mask &= pos[:, None] - kpos[None, :] < sliding_window
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgb,tbkd->tkgd", p, vb)
-        return m_new, l, acc
+        return _merge(carry, s, lambda p: jnp.einsum("tkgb,tbkd->tkgd", p, vb))
 
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, d), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    num_blocks = (jnp.max(ctx_len) + block - 1) // block
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, carry)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, d).astype(q.dtype), kv_cache
