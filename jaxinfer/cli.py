@@ -2,6 +2,10 @@
 
 Generated text goes to stdout alone; logs, progress and errors go to stderr. A user's mistake (a
 bad path, a bad sampling value, an empty prompt) ends with one `error: ...` line and exit code 2.
+
+Several hosts: start the same command on every host with --coordinator-address, --num-processes
+and --process-id (or JAXINFER_* variables; "auto" on TPU pods). Process 0 reads the prompts and
+writes the results; the others only run its steps and exit when it is done.
 """
 from __future__ import annotations
 
@@ -35,6 +39,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-buckets", default=None,
                    help="comma-separated step sizes to compile (default: powers of two up to the budget)")
     g.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr")
+    d = p.add_argument_group("devices and hosts")
+    d.add_argument("--mesh", default=None,
+                   help="device mesh, e.g. tensor=4 or data=2,tensor=4 (axes: data, sequence, tensor); "
+                        "default: one device")
+    d.add_argument("--coordinator-address", default=None,
+                   help="HOST:PORT of process 0 for multi-host runs ('auto' on TPU pods); "
+                        "env JAXINFER_COORDINATOR_ADDRESS")
+    d.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
+    d.add_argument("--process-id", type=int, default=None, help="this process's index (0 schedules)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +76,12 @@ def sampling_params(args):
         seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos)
 
 
+_LEADERS: list = []  # LLMs of process 0 whose followers must be shut down at exit
+
+
 def make_llm(args, penalties: bool = True):
+    """The LLM of the command line. On processes other than 0 of a multi-host run it serves
+    process 0's steps until told to stop, then exits: the command itself runs on process 0."""
     from jaxinfer.llm import LLM
 
     buckets = None
@@ -72,11 +90,19 @@ def make_llm(args, penalties: bool = True):
             buckets = [int(b) for b in args.token_buckets.split(",")]
         except ValueError as e:
             raise ValueError(f"--token-buckets {args.token_buckets!r}: expected comma-separated integers") from e
-    return LLM(args.model, args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-               num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
-               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties)
+    llm = LLM(args.model, args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+              num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
+              attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
+              mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
+              num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None))
+    if not llm.engine.is_leader:
+        while llm.engine.follow():
+            pass
+        raise SystemExit(0)
+    _LEADERS.append(llm)
+    return llm
 
 
 def read_prompts(args) -> list[str]:
@@ -189,6 +215,9 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        while _LEADERS:
+            _LEADERS.pop().engine.release_followers(shutdown=True)
 
 
 if __name__ == "__main__":

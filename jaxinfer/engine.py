@@ -40,6 +40,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.sequence import Sequence, SequenceStatus
 from sharding import StepChannel, is_leader, is_multiprocess
+from sharding.multihost import SHUTDOWN
 
 logger = logging.getLogger(__name__)
 
@@ -214,21 +215,21 @@ class Engine:
         return outputs
 
     # --- several hosts --------------------------------------------------------------------------
-    def follow(self) -> int:
+    def follow(self) -> bool:
         """On processes other than 0: runs process 0's steps until it releases this process.
-        Returns the number of steps run."""
+        False when process 0 shut the followers down (no more steps will come)."""
         if self._channel is None or self.is_leader:
             raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
-        steps = 0
-        while (inputs := self._channel.receive(self.runner.padding_inputs)) is not None:
+        while True:
+            command, inputs = self._channel.receive(self.runner.padding_inputs)
+            if inputs is None:
+                return command != SHUTDOWN
             self.runner.execute(inputs)
-            steps += 1
-        return steps
 
-    def release_followers(self) -> None:
+    def release_followers(self, shutdown: bool = False) -> None:
         """On process 0: ends the other processes' `follow()` (a no-op on one process)."""
         if self._channel is not None and self.is_leader:
-            self._channel.release()
+            self._channel.release(shutdown)
 
     def _on_token(self, state: _RequestState, sample: _SampleState, out, row: int) -> None:
         seq, params = sample.seq, state.params

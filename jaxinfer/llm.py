@@ -7,6 +7,12 @@
 `generate` queues every prompt, steps the engine until all are done (with a progress bar) and
 returns one accumulated RequestOutput per prompt, in input order. `stream` yields the deltas of
 one prompt as they are produced; `chat` renders messages with the model's chat template first.
+
+    llm = LLM(model, mesh="data=2,tensor=4")      # 8 devices: 2 replicas x 4-way tensor parallel
+
+On several hosts every process runs the same script (with coordinator_address, num_processes and
+process_id, or the JAXINFER_* environment variables). Process 0 schedules and returns the
+results; on the others `generate` and `stream` run process 0's steps and return nothing.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
+from sharding import head_layout, initialize, make_mesh, make_placer
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -31,22 +38,37 @@ class LLM:
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  attn_impl: str = "auto", seed: int = 0, token_buckets: Sequence[int] | None = None,
                  penalties: bool = True,
-                 compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"):
-        """Loads `model` (a model directory or a .gguf file; None = the embedded default)."""
+                 compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
+                 mesh: str | dict | None = None, coordinator_address: str | None = None,
+                 num_processes: int | None = None, process_id: int | None = None):
+        """Loads `model` (a model directory or a .gguf file; None = the embedded default).
+
+        `mesh`: e.g. "tensor=4" or "data=2,tensor=4" (sharding.make_mesh); parameters are
+        placed shard by shard as they are read."""
+        initialize(coordinator_address, num_processes, process_id)  # before any device is used
         config = EngineConfig(
             page_size=page_size, num_pages=num_pages, kv_cache_memory_fraction=kv_cache_memory_fraction,
             kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             token_buckets=tuple(token_buckets) if token_buckets else None,
             enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, penalties=penalties,
-            compilation_cache_dir=compilation_cache_dir, seed=seed)
-        self.engine = Engine(load_model(model, dtype), config)
+            compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh)
+        place_for = None
+        if config.mesh is not None:
+            device_mesh = make_mesh(config.mesh)
+            place_for = lambda cfg, family: make_placer(  # noqa: E731
+                device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
+        self.engine = Engine(load_model(model, dtype, place_for=place_for), config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in the order given."""
+        """One finished RequestOutput per prompt, in the order given ([] on processes other
+        than 0 of a multi-host engine, which run process 0's steps instead)."""
+        if not self.engine.is_leader:
+            self.engine.follow()
+            return []
         prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -60,6 +82,7 @@ class LLM:
         except Exception:
             for rid in ids:  # a bad prompt rejects the call; nothing of it stays queued
                 self.engine.abort(rid)
+            self.engine.release_followers()
             raise
         results = self.collect(ids, use_tqdm)
         return [results[rid] for rid in ids]
@@ -79,6 +102,9 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields the deltas of one request as the engine produces them."""
+        if not self.engine.is_leader:
+            self.engine.follow()
+            return
         rid = self.engine.add_request(prompt, sampling_params)
         try:
             finished = False
@@ -89,8 +115,15 @@ class LLM:
                         yield out
         finally:
             self.engine.abort(rid)  # a no-op once finished; frees the pages if the caller stopped early
+            self.engine.release_followers()
 
     def collect(self, ids: list[str], use_tqdm: bool = False) -> dict[str, RequestOutput]:
+        try:
+            return self._collect(ids, use_tqdm)
+        finally:
+            self.engine.release_followers()
+
+    def _collect(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:

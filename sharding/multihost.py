@@ -9,8 +9,9 @@ Lock step: the model step is one SPMD program over every device of every host, s
 must call it in the same order with the same inputs. Only process 0 runs the scheduler. For each
 step it broadcasts a small header (what to run, the token bucket, whether a penalty history is
 attached) and then the padded numpy step inputs; the other processes build an all-padding
-template of that bucket, receive the inputs into it and run the same step. A RELEASE header ends
-a follower's loop (process 0 sends it when its own `generate` call is done).
+template of that bucket, receive the inputs into it and run the same step. RELEASE ends one
+`follow()` of the others (process 0 sends it when a `generate` call of its own is done, so the
+same script can run on every host); SHUTDOWN tells them no more steps will come (the CLI).
 
     process 0:   header, inputs -> StepChannel.send(...) -> run step -> scheduler.update(...)
     process k:   StepChannel.receive(template_for) -> run step -> (tokens are ignored)
@@ -26,7 +27,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-STEP, RELEASE = 1, 2
+STEP, RELEASE, SHUTDOWN = 1, 2, 3
 ENV_PREFIX = "JAXINFER_"
 
 
@@ -111,18 +112,18 @@ class StepChannel:
         broadcast(np.array([STEP, token_bucket, int(with_history)], np.int64))
         return broadcast(inputs)
 
-    def release(self) -> None:
-        broadcast(np.array([RELEASE, 0, 0], np.int64))
+    def release(self, shutdown: bool = False) -> None:
+        broadcast(np.array([SHUTDOWN if shutdown else RELEASE, 0, 0], np.int64))
 
     def receive(self, template_for):
-        """Inputs of the next step, or None on RELEASE; template_for(bucket, with_history)
-        builds an input tree of the right structure and shapes."""
+        """(command, inputs): (STEP, the next step's inputs), (RELEASE, None) or (SHUTDOWN,
+        None). template_for(bucket, with_history) builds an input tree of the right shapes."""
         command, token_bucket, with_history = broadcast(np.zeros(3, np.int64)).tolist()
-        if command == RELEASE:
-            return None
+        if command in (RELEASE, SHUTDOWN):
+            return command, None
         if command != STEP:
             raise RuntimeError(f"unknown step command {command} from process 0")
-        return broadcast(template_for(int(token_bucket), bool(with_history)))
+        return STEP, broadcast(template_for(int(token_bucket), bool(with_history)))
 
 
 def put_inputs(tree, shardings):

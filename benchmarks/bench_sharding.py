@@ -1,0 +1,214 @@
+"""Sharding overheads on the CPU: step time for tensor=1/2/4/8, context parallel, KV layouts.
+
+    .venv/bin/python benchmarks/bench_sharding.py [tensor|context|kv-layout|all] [--repeats N]
+
+Runs on 8 forced host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, set here
+before jax is imported). These are CPU figures: the "devices" share this machine's cores, so
+tensor parallelism cannot speed anything up here; the table shows what splitting costs
+(collectives, smaller matmuls, per-shard kernel calls), not a TPU/GPU scaling curve.
+
+  tensor:    one jitted engine step (ModelRunner.execute: forward + KV write + sampling) of a
+             fixed random Llama-like model, decode (8 sequences x 1 token, 256 tokens of
+             context each) and prefill (one 512-token chunk), for tensor = 1, 2, 4, 8.
+  context:   causal attention over one sequence split over sequence=4: ring (ppermute) vs
+             all-gather of K/V (sharding/context_parallel.py), for several lengths.
+  kv-layout: with fewer KV heads than tensor shards (K=2, tensor=4), attention over the paged
+             cache with KV heads repeated to one per shard (what the engine does) vs a cache
+             replicated on every shard that each shard slices.
+Timings are medians over --repeats runs after a warm-up call (the methods being compared are
+interleaved, so a busy machine slows them alike). Prints markdown tables.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jaxinfer.config import EngineConfig, ModelConfig  # noqa: E402
+from jaxinfer.loader import LoadedModel  # noqa: E402
+from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
+from jaxinfer.models.registry import get_family  # noqa: E402
+from jaxinfer.runner import ModelRunner, StepInputs  # noqa: E402
+from jaxinfer.sampling import SamplingParams, make_sampling_arrays  # noqa: E402
+from pallas_kernels import ragged_paged_attention  # noqa: E402
+from pallas_kernels.reference import write_kv  # noqa: E402
+from sharding import make_mesh  # noqa: E402
+from sharding.context_parallel import context_parallel_attention  # noqa: E402
+
+MODEL = ModelConfig(model_type="llama", family="llama", vocab_size=32000, hidden_size=1024,
+                    intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024)
+PAGE = 16
+
+
+def timed(fn, repeats: int) -> list[float]:
+    jax.block_until_ready(fn())  # warm-up (compiles)
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def step_inputs(runner: ModelRunner, lens: list[int], new: list[int], t_bucket: int) -> StepInputs:
+    """A step over sequences with kv_len lens[i], the last new[i] tokens of each computed now."""
+    s_bucket = runner.engine.seq_bucket(t_bucket)
+    pages = np.zeros((s_bucket, runner.pages_per_seq), np.int32)
+    cu = np.zeros(s_bucket + 1, np.int32)
+    kv_lens = np.zeros(s_bucket, np.int32)
+    positions = np.zeros(t_bucket, np.int32)
+    next_page, offset = 1, 0
+    for i, (length, n) in enumerate(zip(lens, new)):
+        count = -(-length // PAGE)
+        pages[i, :count] = np.arange(next_page, next_page + count)
+        next_page += count
+        positions[offset:offset + n] = np.arange(length - n, length)
+        offset += n
+        kv_lens[i], cu[i + 1] = length, offset
+    cu[len(lens) + 1:] = offset
+    rng = np.random.default_rng(0)
+    sampling = make_sampling_arrays([SamplingParams(temperature=0)] * len(lens), [0] * len(lens),
+                                    batch_size=s_bucket, seeds=list(range(len(lens))))
+    meta = AttentionMetadata(kv_lens, pages, cu, np.array([len(lens)], np.int32))
+    tokens = rng.integers(0, MODEL.vocab_size, t_bucket).astype(np.int32)
+    return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling)
+
+
+def bench_tensor(repeats: int) -> str:
+    family = get_family("llama")
+    params = family.init_params(MODEL, jax.random.key(0))
+    model = LoadedModel(MODEL, params, None, family, Path("random"))
+    rows = ["| mesh | decode step, 8 seqs x 1 token (ms) | prefill step, 512 tokens (ms) | params per device (MiB) |",
+            "|---|---|---|---|"]
+    for tp in (1, 2, 4, 8):
+        engine = EngineConfig(num_pages=160, page_size=PAGE, max_num_batched_tokens=512, max_num_seqs=8,
+                              max_model_len=1024, token_buckets=(8, 512), penalties=False,
+                              compilation_cache_dir=None, mesh=f"tensor={tp}")
+        runner = ModelRunner(model, engine, 1024)
+        decode = step_inputs(runner, [256] * 8, [1] * 8, 8)
+        prefill = step_inputs(runner, [512], [512], 512)
+        t_decode, t_prefill = [], []
+        for _ in range(repeats):  # interleave decode and prefill
+            t_decode += timed(lambda: runner.execute(decode), 1)
+            t_prefill += timed(lambda: runner.execute(prefill), 1)
+        shard_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.params))
+        rows.append(f"| tensor={tp} | {1e3 * statistics.median(t_decode):.1f} | "
+                    f"{1e3 * statistics.median(t_prefill):.1f} | {shard_bytes / 2**20:.1f} |")
+        print(rows[-1], file=sys.stderr, flush=True)
+        del runner
+    return "\n".join(rows)
+
+
+def bench_context(repeats: int) -> str:
+    mesh = make_mesh("sequence=4")
+    rows = ["| tokens | all-gather K/V (ms) | ring, ppermute (ms) |", "|---|---|---|"]
+    for length in (1024, 2048, 4096):
+        ks = jax.random.split(jax.random.key(length), 3)
+        q = jax.random.normal(ks[0], (length, 8, 64))
+        k, v = (jax.random.normal(key, (length, 2, 64)) for key in ks[1:])
+        fns = {m: jax.jit(functools.partial(context_parallel_attention, mesh=mesh, method=m))
+               for m in ("allgather", "ring")}
+        times = {m: [] for m in fns}
+        for _ in range(repeats):
+            for m, fn in fns.items():
+                times[m] += timed(lambda: fn(q, k, v), 1)
+        rows.append(f"| {length} | {1e3 * statistics.median(times['allgather']):.1f} | "
+                    f"{1e3 * statistics.median(times['ring']):.1f} |")
+        print(rows[-1], file=sys.stderr, flush=True)
+    return "\n".join(rows)
+
+
+def _kv_layout_fns(mesh, heads: int, kv_heads: int, tp: int):
+    """Attention per shard with (a) KV heads repeated to one per shard, (b) a replicated cache."""
+    attend = functools.partial(ragged_paged_attention, sm_scale=0.125, impl="reference")
+    meta_specs = (P(), P(), P(), P())
+    repeat = tp // kv_heads
+
+    def repeated(q, k, v, cache, *meta):
+        return attend(q, k, v, cache, *meta)
+
+    def replicated(q, k, v, cache, *meta):
+        # Every shard writes all K heads into its copy, then attends with the head it needs.
+        head = jax.lax.axis_index("tensor") // repeat
+        cache = write_kv(cache, k, v, *meta)
+        kv = jax.lax.dynamic_slice_in_dim(cache, 2 * head, 2, axis=2)
+        kh = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=1)
+        vh = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=1)
+        out, _ = attend(q, kh, vh, kv, *meta)
+        return out, cache
+
+    tok = P(None, "tensor", None)
+    a = jax.shard_map(repeated, mesh=mesh, in_specs=(tok, tok, tok, P(None, None, "tensor", None), *meta_specs),
+                      out_specs=(tok, P(None, None, "tensor", None)), check_vma=False)
+    b = jax.shard_map(replicated, mesh=mesh, in_specs=(tok, P(), P(), P(), *meta_specs),
+                      out_specs=(tok, P()), check_vma=False)
+    return jax.jit(a, donate_argnums=(3,)), jax.jit(b, donate_argnums=(3,))
+
+
+def bench_kv_layout(repeats: int) -> str:
+    tp, heads, kv_heads, d, seqs, ctx = 4, 8, 2, 64, 8, 1024
+    mesh = make_mesh(f"tensor={tp}")
+    fn_rep, fn_full = _kv_layout_fns(mesh, heads, kv_heads, tp)
+    num_pages = seqs * ctx // PAGE + 1
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((seqs, heads, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((seqs, kv_heads, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((seqs, kv_heads, d)), jnp.float32)
+    pages = np.arange(1, num_pages).reshape(seqs, ctx // PAGE).astype(np.int32)
+    meta = (np.full(seqs, ctx, np.int32), pages, np.arange(seqs + 1, dtype=np.int32), np.array([seqs], np.int32))
+    r = tp // kv_heads
+    caches = {
+        "repeated": jax.device_put(jnp.zeros((num_pages, PAGE, 2 * tp, d)),
+                                   NamedSharding(mesh, P(None, None, "tensor", None))),
+        "replicated": jax.device_put(jnp.zeros((num_pages, PAGE, 2 * kv_heads, d)), NamedSharding(mesh, P())),
+    }
+    args = {"repeated": (jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)), "replicated": (k, v)}
+    fns = {"repeated": fn_rep, "replicated": fn_full}
+    times = {m: [] for m in fns}
+
+    def run(m):
+        out, caches[m] = fns[m](q, *args[m], caches[m], *meta)
+        return out
+
+    for _ in range(repeats):
+        for m in fns:
+            times[m] += timed(lambda: run(m), 1)
+    rows = [f"| KV layout (K={kv_heads}, tensor={tp}, {seqs} seqs x {ctx} tokens) | attention call (ms) | "
+            f"cache per device per layer (MiB) |", "|---|---|---|"]
+    for m in fns:
+        per_device = caches[m].addressable_shards[0].data.nbytes / 2**20
+        rows.append(f"| {m} | {1e3 * statistics.median(times[m]):.2f} | {per_device:.1f} |")
+        print(rows[-1], file=sys.stderr, flush=True)
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", nargs="?", default="all", choices=["tensor", "context", "kv-layout", "all"])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
+          f"{os.cpu_count()} host cores")
+    if args.what in ("tensor", "all"):
+        print(bench_tensor(args.repeats) + "\n")
+    if args.what in ("context", "all"):
+        print(bench_context(args.repeats) + "\n")
+    if args.what in ("kv-layout", "all"):
+        print(bench_kv_layout(args.repeats) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Sharded runs for tests/sharding, each in a fresh process with forced CPU devices.
+
+    python tests/sharding/scenarios.py NAME ARGS...   -> one JSON line on stdout (the last line)
+
+The tests start this in a subprocess because the device count is fixed when jax is first
+imported, and other test modules of the same pytest run may have imported it with one device.
+XLA_FLAGS comes from the caller's environment (JAXINFER_TEST_DEVICES, default 8).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                           + os.environ.get("JAXINFER_TEST_DEVICES", "8"))
+
+import collections  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from testpaths import FIXTURES  # noqa: E402
+
+from jaxinfer.config import EngineConfig  # noqa: E402
+from jaxinfer.engine import Engine  # noqa: E402
+from jaxinfer.loader import load_model  # noqa: E402
+from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
+from pallas_kernels import kv_cache_shape  # noqa: E402
+from sharding import (head_layout, kv_cache_spec, make_mesh, make_placer, param_specs, per_device_bytes,
+                      shard_params, tokens_spec)  # noqa: E402
+from sharding.multihost import put_inputs  # noqa: E402
+
+GENERATE = json.loads((FIXTURES / "hf" / "llama3" / "generate.json").read_text())
+ENGINE = dict(num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256,
+              token_buckets=(8, 32), compilation_cache_dir=None, penalties=False)
+
+
+def prompts_and_expected(name: str):
+    """llama3: the 16 HF-generate prompts (chunked prefill, preemption); others: the golden one."""
+    if name == "llama3":
+        return GENERATE["prompts"], GENERATE["outputs"], GENERATE["max_new_tokens"]
+    golden = np.load(FIXTURES / "hf" / name / "golden.npz")
+    return [golden["input_ids"].tolist()], [golden["greedy"].tolist()], len(golden["greedy"])
+
+
+def run_engine(engine: Engine, prompts, max_tokens: int) -> tuple[dict[str, list[int]], list[int]]:
+    """Greedy outputs by request id, and the replica each request was given to."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    replicas = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+        replicas.append(engine._requests[str(i)].replica)
+    results: dict[str, list[int]] = collections.defaultdict(list)
+    while engine.has_unfinished():
+        for delta in engine.step():
+            results[delta.request_id] += delta.outputs[0].token_ids
+    return results, replicas
+
+
+def scenario_engine(name: str, mesh: str) -> dict:
+    """Greedy outputs through the engine on `mesh`, against HF's (= the single-device run's)."""
+    model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
+    engine = Engine(model, EngineConfig(**ENGINE, mesh=None if mesh == "none" else mesh))
+    compiled = engine.runner.num_compiled()
+    prompts, expected, max_tokens = prompts_and_expected(name)
+    results, replicas = run_engine(engine, prompts, max_tokens)
+    pools_empty = all(r.pool.num_free_pages == r.pool.num_usable_pages for r in engine.replicas)
+    return {
+        "mismatched": [i for i, want in enumerate(expected) if results[str(i)] != want],
+        "num_prompts": len(prompts), "preemptions": engine.num_preemptions,
+        "recompiled": engine.runner.num_compiled() - compiled, "pools_empty": pools_empty,
+        "requests_per_replica": np.bincount(replicas, minlength=len(engine.replicas)).tolist(),
+        "cache_shape": list(engine.runner.kv_caches[0].shape),
+        "cache_shard_shape": list(engine.runner.kv_caches[0].addressable_shards[0].data.shape),
+    }
+
+
+class ShardedSequence:
+    """One sequence through the model's forward on a mesh (params placed by the loader hook)."""
+
+    def __init__(self, name: str, mesh_spec: str, max_len: int = 128, page_size: int = 16):
+        self.mesh = make_mesh(mesh_spec) if mesh_spec != "none" else None
+        place_for = None
+        if self.mesh is not None:
+            place_for = lambda cfg, fam: make_placer(  # noqa: E731
+                self.mesh, fam.param_axes, head_layout(self.mesh, cfg.num_heads, cfg.num_kv_heads))
+        model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False, place_for=place_for)
+        self.family, self.config, self.params = model.family, model.config, model.params
+        layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
+        pages = -(-max_len // page_size)
+        shape = kv_cache_shape(pages + 1, page_size, layout.cache_kv_heads, self.config.head_dim)
+        cache_sharding = None if self.mesh is None else NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=False))
+        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=cache_sharding)
+        self.kv = tuple(zeros() for _ in range(self.config.num_layers))
+        self.page_table = np.arange(1, pages + 1, dtype=np.int32)[None]
+        self.length = 0
+        self._step = jax.jit(self._forward, donate_argnums=(1,))
+
+    def _forward(self, params, kv, tokens, positions, meta):
+        hidden, kv = self.family.forward(params, self.config, tokens, positions, kv, meta)
+        return self.family.compute_logits(params, hidden), kv
+
+    def feed(self, tokens) -> np.ndarray:
+        n = len(tokens)
+        tokens = np.asarray(tokens, np.int32)
+        positions = np.arange(self.length, self.length + n, dtype=np.int32)
+        meta = AttentionMetadata(np.array([self.length + n], np.int32), self.page_table,
+                                 np.array([0, n], np.int32), np.ones(1, np.int32))
+        if self.mesh is None:
+            logits, self.kv = self._step(self.params, self.kv, tokens, positions, meta)
+        else:
+            seq = NamedSharding(self.mesh, tokens_spec(self.mesh, replicas=False))
+            tokens, positions = put_inputs((tokens, positions), (seq, seq))
+            with jax.set_mesh(self.mesh):
+                logits, self.kv = self._step(self.params, self.kv, tokens, positions, meta)
+        self.length += n
+        return np.asarray(logits)
+
+
+def scenario_logits(cases: str) -> dict:
+    """cases "llama3:tensor=8;mistral:tensor=4": prompt logits in two chunks (40 + 24 tokens) on
+    the mesh, against one device and against HF's golden logits."""
+    out = {}
+    for case in cases.split(";"):
+        name, mesh = case.split(":")
+        golden = np.load(FIXTURES / "hf" / name / "golden.npz")
+        prompt = golden["input_ids"]
+        single = ShardedSequence(name, "none").feed(prompt)
+        sharded = ShardedSequence(name, mesh)
+        logits = np.concatenate([sharded.feed(prompt[:40]), sharded.feed(prompt[40:])])
+        out[case] = {"max_diff_single": float(np.abs(logits - single).max()),
+                     "max_diff_hf": float(np.abs(logits - golden["logits"]).max()),
+                     "argmax_equal": bool((logits.argmax(-1) == golden["logits"].argmax(-1)).all())}
+    return out
+
+
+_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
+                         r"(?:-start)?\(")
+
+
+def scenario_hlo(name: str, mesh: str) -> dict:
+    """Collectives in the compiled decode step (token bucket 8), and parameter bytes per device."""
+    model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
+    engine = Engine(model, EngineConfig(**ENGINE, mesh=mesh), warm_up=False)
+    runner = engine.runner
+    inputs = runner.padding_inputs(8, False)
+    inputs = put_inputs(inputs, runner._input_shardings(inputs))
+    with jax.set_mesh(runner.mesh):
+        text = runner._step.lower(runner.params, runner.kv_caches, inputs).compile().as_text()
+    collectives = [(kind, shape.split("{")[0]) for shape, kind in _COLLECTIVE.findall(text)]
+    specs = jax.tree.leaves(param_specs(runner.params, model.family.param_axes, runner.mesh),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    leaves = jax.tree.leaves(runner.params)
+    weight_shapes = sorted({str(list(x.shape)) for x in leaves}
+                           | {str(list(x.addressable_shards[0].data.shape)) for x in leaves})
+    per_device = per_device_bytes(runner.params)
+    return {
+        "collectives": collectives, "weight_shapes": weight_shapes,
+        "num_layers": model.config.num_layers, "hidden": model.config.hidden_size,
+        "vocab": model.config.vocab_size,
+        "total_bytes": int(sum(x.nbytes for x in leaves)),
+        "replicated_bytes": int(sum(x.nbytes for x, s in zip(leaves, specs) if all(a is None for a in s))),
+        "per_device_bytes": sorted(int(b) for b in per_device.values()),
+        "num_devices": len(per_device),
+    }
+
+
+def scenario_multihost(process_id: str, port: str, mesh: str) -> dict:
+    """One of two processes on loopback running the LLM API on `mesh` over both."""
+    from jaxinfer.llm import LLM
+
+    llm = LLM(str(FIXTURES / "hf" / "llama3"), "float32", mesh=mesh,
+              coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id),
+              **{k: v for k, v in ENGINE.items() if k != "max_num_batched_tokens"},
+              max_num_batched_tokens=ENGINE["max_num_batched_tokens"])
+    prompts = GENERATE["prompts"][:8]
+    params = SamplingParams(temperature=0, max_tokens=GENERATE["max_new_tokens"], ignore_eos=True)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    second = llm.generate(prompts[:2], params, use_tqdm=False)  # a second call: followers rejoin
+    return {"process": jax.process_index(), "processes": jax.process_count(),
+            "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+            "outputs": [o.outputs[0].token_ids for o in first + second],
+            "expected": GENERATE["outputs"][:8] + GENERATE["outputs"][:2]}
+
+
+def scenario_context(lengths: str) -> dict:
+    from sharding.context_parallel import context_parallel_attention, dense_causal_attention
+
+    mesh = make_mesh("sequence=4")
+    out = {}
+    for length in map(int, lengths.split(",")):
+        ks = jax.random.split(jax.random.key(length), 3)
+        q = jax.random.normal(ks[0], (length, 6, 16))
+        k, v = (jax.random.normal(key, (length, 2, 16)) for key in ks[1:])
+        want = dense_causal_attention(q, k, v)
+        out[length] = {m: float(jnp.abs(context_parallel_attention(q, k, v, mesh, m) - want).max())
+                       for m in ("allgather", "ring")}
+    return out
+
+
+if __name__ == "__main__":
+    name, *args = sys.argv[1:]
+    result = globals()[f"scenario_{name}"](*args)
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,16 @@
+"""Two processes on loopback (jax.distributed over 127.0.0.1) run one engine together: process 0
+schedules and broadcasts each step, and its tokens equal the single-process run's (which the
+llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it)."""
+import pytest
+
+
+@pytest.mark.parametrize("mesh,devices", [("tensor=2", 1), ("data=2,tensor=2", 2)],
+                         ids=["tensor2-across-hosts", "data2xtensor2"])
+def test_two_processes_match_one(processes, port, mesh, devices):
+    leader, follower = processes(
+        [["multihost", str(i), str(port), mesh] for i in range(2)], devices=devices)
+    assert (leader["process"], follower["process"]) == (0, 1)
+    assert leader["processes"] == 2 and leader["devices"] == 2 * devices
+    assert leader["local_devices"] == devices
+    assert leader["outputs"] == leader["expected"]
+    assert follower["outputs"] == []  # followers run the steps; process 0 returns the results

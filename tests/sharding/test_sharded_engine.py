@@ -1,0 +1,81 @@
+"""The engine on meshes of 8 forced CPU devices, each configuration in its own process:
+greedy outputs equal to the single-device run (= HF generate) for tensor, data x tensor and
+sequence (context-parallel) meshes; logits within float32 tolerance; the decode step's
+collectives; parameter bytes per device; ring and all-gather context attention."""
+import re
+
+import pytest
+
+ENGINE_CASES = [
+    ("llama3", "tensor=2"),             # 2 KV heads: one per shard
+    ("llama3", "tensor=4"),             # 2 KV heads < 4 shards: each KV head stored twice
+    ("llama3", "tensor=8"),             # one query head per shard
+    ("llama3", "data=2,tensor=4"),      # two replicas, each 4-way tensor parallel
+    ("llama3", "sequence=4"),           # context-parallel prefill over 4 devices
+    ("mistral", "tensor=4"),            # 1 KV head, sliding window
+]
+
+
+@pytest.mark.parametrize("name,mesh", ENGINE_CASES, ids=[f"{n}-{m}" for n, m in ENGINE_CASES])
+def test_greedy_outputs_equal_single_device(scenario, name, mesh):
+    r = scenario("engine", name, mesh)
+    assert r["mismatched"] == [], f"{r['mismatched']} of {r['num_prompts']} prompts differ"
+    assert r["recompiled"] == 0 and r["pools_empty"]
+    if name == "llama3":
+        assert r["preemptions"] > 0  # the 24-page pool forces preemption (as in test_engine)
+    sizes = dict(item.split("=") for item in mesh.split(","))
+    tp, dp = int(sizes.get("tensor", 1)), int(sizes.get("data", 1))
+    kv_heads = {"llama3": 2, "mistral": 1}[name]
+    # The cache is split by KV heads: each shard holds max(1, K / tp) heads (K and V).
+    assert r["cache_shard_shape"][-2] == 2 * max(1, kv_heads // tp)
+    if dp > 1:
+        assert r["cache_shape"][0] == dp and r["cache_shard_shape"][0] == 1
+        assert r["requests_per_replica"] == [r["num_prompts"] // dp] * dp  # balanced
+
+
+LOGIT_CASES = ["llama3:tensor=8", "mistral:tensor=4", "qwen2:tensor=4", "tied_gqa3:tensor=2",
+               "llama3:sequence=4", "qwen2:sequence=2,tensor=2"]
+
+
+@pytest.fixture(scope="module")
+def logits(scenario):
+    return scenario("logits", ";".join(LOGIT_CASES))
+
+
+@pytest.mark.parametrize("case", LOGIT_CASES)
+def test_logits_within_float32_tolerance(logits, case):
+    r = logits[case]
+    assert r["max_diff_single"] < 1e-4, r
+    assert r["max_diff_hf"] < 1e-3 and r["argmax_equal"], r
+
+
+def _shape(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text.split("[", 1)[1])] if "[" in text else []
+
+
+def test_decode_step_collectives_and_parameter_memory(scenario):
+    r = scenario("hlo", "llama3", "tensor=4")
+    layers, hidden, vocab = r["num_layers"], r["hidden"], r["vocab"]
+    residual = [c for c in r["collectives"] if c == ["all-reduce", f"f32[8,{hidden}]"]]
+    # One all-reduce of the [T, E] activations after each attention and each MLP, plus one for
+    # the vocab-sharded embedding lookup.
+    assert len(residual) == 2 * layers + 1, r["collectives"]
+    gathers = [shape for kind, shape in r["collectives"] if kind == "all-gather"]
+    assert gathers, "the vocab-sharded logits must be gathered for sampling"
+    weight_shapes = [_shape(s) for s in r["weight_shapes"]]
+    for shape in gathers:  # only [S, ...] activations (S = 8 sequences) are ever gathered
+        dims = _shape(shape)
+        assert dims[0] == 8 and dims[1:] <= [vocab], shape
+        assert dims not in weight_shapes, f"a weight is all-gathered: {shape}"
+    assert all(kind in ("all-reduce", "all-gather") for kind, _ in r["collectives"]), r["collectives"]
+    # Per device: 1/tensor of every split parameter, whole copies of the small norm weights only.
+    assert r["num_devices"] == 4
+    split = r["total_bytes"] - r["replicated_bytes"]
+    assert r["per_device_bytes"] == [split // 4 + r["replicated_bytes"]] * 4
+    assert r["replicated_bytes"] < 0.01 * r["total_bytes"]
+
+
+def test_ring_and_all_gather_context_attention_match_dense(scenario):
+    r = scenario("context", "128,256")
+    for length, errors in r.items():
+        assert errors["allgather"] < 1e-5 and errors["ring"] < 1e-5, (length, errors)
