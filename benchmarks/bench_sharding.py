@@ -8,8 +8,9 @@ tensor parallelism cannot speed anything up here; the table shows what splitting
 (collectives, smaller matmuls, per-shard kernel calls), not a TPU/GPU scaling curve.
 
   tensor:    one jitted engine step (ModelRunner.execute: forward + KV write + sampling) of a
-             fixed random Llama-like model, decode (8 sequences x 1 token, 256 tokens of
-             context each) and prefill (one 512-token chunk), for tensor = 1, 2, 4, 8.
+             fixed random Llama-like model (MODEL, ~27M parameters, float32), decode (8 sequences
+             x 1 token, 256 tokens of context each) and prefill (one 256-token chunk), for
+             tensor = 1, 2, 4, 8.
   context:   causal attention over one sequence split over sequence=4: ring (ppermute) vs
              all-gather of K/V (sharding/context_parallel.py), for several lengths.
   kv-layout: with fewer KV heads than tensor shards (K=2, tensor=4), attention over the paged
@@ -47,9 +48,12 @@ from pallas_kernels.reference import write_kv  # noqa: E402
 from sharding import make_mesh  # noqa: E402
 from sharding.context_parallel import context_parallel_attention  # noqa: E402
 
-MODEL = ModelConfig(model_type="llama", family="llama", vocab_size=32000, hidden_size=1024,
-                    intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64,
+# ~27M parameters: 16 heads of 32 (tensor=8 splits them 2 per shard), 4 KV heads (repeated to
+# one per shard at tensor=8), vocab 16000.
+MODEL = ModelConfig(model_type="llama", family="llama", vocab_size=16000, hidden_size=512,
+                    intermediate_size=1408, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=32,
                     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024)
+PREFILL = 256
 PAGE = 16
 
 
@@ -91,15 +95,16 @@ def bench_tensor(repeats: int) -> str:
     family = get_family("llama")
     params = family.init_params(MODEL, jax.random.key(0))
     model = LoadedModel(MODEL, params, None, family, Path("random"))
-    rows = ["| mesh | decode step, 8 seqs x 1 token (ms) | prefill step, 512 tokens (ms) | params per device (MiB) |",
+    rows = [f"| mesh | decode step, 8 seqs x 1 token (ms) | prefill step, {PREFILL} tokens (ms) | "
+            "params per device (MiB) |",
             "|---|---|---|---|"]
     for tp in (1, 2, 4, 8):
-        engine = EngineConfig(num_pages=160, page_size=PAGE, max_num_batched_tokens=512, max_num_seqs=8,
-                              max_model_len=1024, token_buckets=(8, 512), penalties=False,
+        engine = EngineConfig(num_pages=160, page_size=PAGE, max_num_batched_tokens=PREFILL, max_num_seqs=8,
+                              max_model_len=1024, token_buckets=(8, PREFILL), penalties=False,
                               compilation_cache_dir=None, mesh=f"tensor={tp}")
         runner = ModelRunner(model, engine, 1024)
         decode = step_inputs(runner, [256] * 8, [1] * 8, 8)
-        prefill = step_inputs(runner, [512], [512], 512)
+        prefill = step_inputs(runner, [PREFILL], [PREFILL], PREFILL)
         t_decode, t_prefill = [], []
         for _ in range(repeats):  # interleave decode and prefill
             t_decode += timed(lambda: runner.execute(decode), 1)
