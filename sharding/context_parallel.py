@@ -8,13 +8,14 @@ and skipping chunks that lie wholly in the future (so they do the same arithmeti
   ring:       n - 1 `ppermute` steps pass K/V chunks around the ring; at step s shard i holds
               chunk (i - s) mod n and attends to it when that chunk is not in its future.
 
-Measured with benchmarks/bench_sharding.py --context (8 forced CPU devices on 2 cores, n = 4,
-float32, H = 8, K = 2, D = 64; median of 5 runs) -- see benchmarks/RESULTS.md for the numbers.
-All-gather was as fast or faster at every length tried: on the CPU a collective is a memory copy
-and ring's n - 1 dependent ppermutes only add synchronisation, while the overlap of transfer and
-compute that makes ring attention pay off on TPU ICI links does not exist. The engine therefore
-all-gathers this step's new K/V (sharding/attention.py), which also lets it reuse the paged
-kernel unchanged; ring is kept here as the measured alternative and for its test.
+Measured with `benchmarks/bench_sharding.py context` (8 forced CPU devices on 2 cores, n = 4,
+float32, H = 8, K = 2, D = 64; numbers in benchmarks/RESULTS.md): a tie within 0.5%, all-gather
+ahead at every length (1024: 38.9 vs 39.0 ms, 4096: 1834 vs 1844 ms). On the CPU a collective is
+a memory copy and ring's n - 1 dependent ppermutes only add synchronisation; the overlap of
+transfer and compute that makes ring attention pay off on TPU ICI links does not exist. The
+engine therefore all-gathers this step's new K/V (sharding/attention.py), which also lets it
+reuse the paged kernel unchanged (ring would need a kernel that returns its softmax statistics);
+ring is kept here as the measured alternative and for its test.
 """
 from __future__ import annotations
 
