@@ -88,12 +88,17 @@ def cmd_serve(args) -> int:
     for path in (args.tls_cert, args.tls_key):
         if path and not os.path.isfile(path):
             raise FileNotFoundError(f"TLS file not found: {path}")
+    signal.signal(signal.SIGTERM, _terminated_while_starting)
     engine = make_llm(args, penalties=not args.no_penalties).engine
     try:
         return asyncio.run(_serve(engine, options))
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def _terminated_while_starting(signum, frame):
+    raise SystemExit(0)  # nothing was served yet; the handler of _serve takes over once it is
 
 
 async def _serve(engine, options) -> int:

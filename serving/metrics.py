@@ -27,10 +27,10 @@ class ServerMetrics:
                                   buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = prom.Histogram("jaxinfer_request_queue_time_seconds", "arrival to first scheduled",
                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = prom.Counter("jaxinfer_prompt_tokens", "prompt tokens of finished requests",
+        self.prompt_tokens = prom.Counter("jaxinfer_prompt_tokens", "prompt tokens of completed requests",
                                           registry=r)
         self.generation_tokens = prom.Counter("jaxinfer_generation_tokens", "generated tokens", registry=r)
-        self.requests = prom.Counter("jaxinfer_requests", "finished requests by finish reason",
+        self.requests = prom.Counter("jaxinfer_requests", "finished samples (n per request) by finish reason",
                                      ["finish_reason"], registry=r)
         self.rejected = prom.Counter("jaxinfer_rejected_requests", "requests refused by status code",
                                      ["code"], registry=r)
@@ -60,6 +60,10 @@ class ServerMetrics:
         self.throughput.set(sum(c for _, c in self._window) / _THROUGHPUT_WINDOW_S)
 
     def on_finished(self, out) -> None:
+        for c in out.outputs:
+            self.requests.labels(finish_reason=c.finish_reason or "unknown").inc()
+        if any(c.finish_reason == "abort" for c in out.outputs):
+            return  # cancelled or timed out: its latencies say nothing about the server's speed
         m = out.metrics
         for hist, value in ((self.ttft, m.time_to_first_token), (self.e2e, m.e2e_latency),
                             (self.queue, m.queue_time)):
@@ -68,8 +72,6 @@ class ServerMetrics:
         for gap in m.inter_token_latencies:
             self.itl.observe(gap)
         self.prompt_tokens.inc(out.usage.prompt_tokens)
-        for c in out.outputs:
-            self.requests.labels(finish_reason=c.finish_reason or "unknown").inc()
 
     def on_step(self, engine) -> None:
         stats = engine.stats()
