@@ -12,6 +12,7 @@ ENGINE_CASES = [
     ("llama3", "tensor=8"),             # one query head per shard
     ("llama3", "data=2,tensor=4"),      # two replicas, each 4-way tensor parallel
     ("llama3", "sequence=4"),           # context-parallel prefill over 4 devices
+    ("llama3", "data=2,sequence=2,tensor=2"),  # all three axes at once
     ("mistral", "tensor=4"),            # 1 KV head, sliding window
 ]
 
