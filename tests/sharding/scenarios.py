@@ -33,8 +33,8 @@ from jaxinfer.loader import load_model  # noqa: E402
 from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 from pallas_kernels import kv_cache_shape  # noqa: E402
-from sharding import (head_layout, kv_cache_spec, make_mesh, make_placer, param_specs, per_device_bytes,
-                      shard_params, tokens_spec)  # noqa: E402
+from sharding import (head_layout, kv_cache_spec, make_mesh, make_placer, param_specs,  # noqa: E402
+                      per_device_bytes, tokens_spec)
 from sharding.multihost import put_inputs  # noqa: E402
 
 GENERATE = json.loads((FIXTURES / "hf" / "llama3" / "generate.json").read_text())
