@@ -1,0 +1,129 @@
+"""Engine throughput and latency on the default model, beside HF transformers in the same run.
+
+    .venv/bin/python benchmarks/bench_engine.py [--hf-python /path/to/python-with-torch]
+
+Measures (medians over repeats, after warm-up; nothing may compile during the timed part):
+  prefill tokens/s for a 256-token prompt (from time to first token with max_tokens=1),
+  decode tokens/s at batch 1, 8, 32 (batch / median inter-token latency),
+  TTFT and inter-token latency percentiles under Poisson arrivals.
+The HF side runs benchmarks/hf_baseline.py under --hf-python (a Python with torch and
+transformers), so torch never enters this project's environment. Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxinfer.llm import LLM
+from jaxinfer.loader import default_model_path
+from jaxinfer.sampling import SamplingParams
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def bench_prefill(llm, prompt_len, repeats):
+    rng = np.random.default_rng(0)
+    rates = []
+    for _ in range(repeats):
+        prompt = rng.integers(100, 40000, prompt_len).tolist()
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        rates.append(prompt_len / out.metrics.time_to_first_token)
+    return statistics.median(rates)
+
+
+def bench_decode(llm, batch, new_tokens):
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(100, 40000, 16).tolist() for _ in range(batch)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    # Requests advance together, one token each per step: steady-state ITL after the first token.
+    itl = statistics.median(x for o in outs for x in o.metrics.inter_token_latencies[2:])
+    return batch / itl
+
+
+def bench_stream(llm, rate, num_requests, seed=0):
+    """Poisson arrivals; prompt 32..512 tokens, output 16..128 tokens (uniform)."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, num_requests)
+    arrivals = np.cumsum(gaps)
+    engine = llm.engine
+    start = time.monotonic()
+    pending = list(range(num_requests))
+    done = {}
+    while pending or engine.has_unfinished():
+        now = time.monotonic() - start
+        while pending and arrivals[pending[0]] <= now:
+            i = pending.pop(0)
+            prompt = rng.integers(100, 40000, int(rng.integers(32, 513))).tolist()
+            params = SamplingParams(temperature=0, max_tokens=int(rng.integers(16, 129)), ignore_eos=True)
+            engine.add_request(prompt, params, request_id=f"s{i}", arrival_time=start + arrivals[i])
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[pending[0]] - (time.monotonic() - start)))
+            continue
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    elapsed = time.monotonic() - start
+    ttft = [o.metrics.time_to_first_token for o in done.values()]
+    itl = [x for o in done.values() for x in o.metrics.inter_token_latencies]
+    tokens = sum(o.usage.completion_tokens for o in done.values())
+    return {"rate": rate, "requests": num_requests, "throughput_req_s": num_requests / elapsed,
+            "output_tok_s": tokens / elapsed, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
+
+
+def run_hf(python, batches):
+    if not python:
+        return None
+    cmd = [python, str(Path(__file__).with_name("hf_baseline.py")), str(default_model_path()),
+           "--batches", *map(str, batches)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers for the baseline")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream-rates", type=float, nargs="+", default=[0.5, 1.0])
+    ap.add_argument("--stream-requests", type=int, default=16)
+    args = ap.parse_args()
+
+    llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048, penalties=False)
+    variants = llm.engine.runner.num_compiled()
+    ours = {"prefill_tokens_per_s": bench_prefill(llm, 256, args.repeats), "decode": {}}
+    for b in args.batches:
+        ours["decode"][str(b)] = statistics.median(bench_decode(llm, b, 64) for _ in range(args.repeats))
+    streams = [bench_stream(llm, r, args.stream_requests) for r in args.stream_rates]
+    assert llm.engine.runner.num_compiled() == variants, "a step compiled after warm-up"
+    hf = run_hf(args.hf_python, args.batches)
+
+    print(f"Hardware: {platform.processor() or platform.machine()}, {jax.device_count()} x "
+          f"{jax.devices()[0].device_kind}; jax {jax.__version__}; float32; warm-up "
+          f"{llm.engine.warm_up_seconds:.1f}s ({variants} variants)\n")
+    print("| metric | jaxinfer | HF transformers | ratio |\n|---|---|---|---|")
+    rows = [("prefill tok/s (256-token prompt)", ours["prefill_tokens_per_s"], hf and hf["prefill_tokens_per_s"])]
+    rows += [(f"decode tok/s, batch {b}", ours["decode"][str(b)], hf and hf["decode"][str(b)]) for b in args.batches]
+    for name, a, b in rows:
+        print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |" if b else f"| {name} | {a:.1f} | - | - |")
+    print("\n| arrival rate (req/s) | req/s | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |")
+    print("|---|---|---|---|---|")
+    for s in streams:
+        print(f"| {s['rate']} | {s['throughput_req_s']:.2f} | {s['output_tok_s']:.1f} | "
+              f"{s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | {1000 * s['itl_p50']:.0f} / {1000 * s['itl_p99']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""HF transformers baseline for bench_engine.py, run in a separate Python with torch installed.
+
+    /path/to/python-with-torch benchmarks/hf_baseline.py GGUF_PATH --batches 1 8 32
+
+Prints one JSON object: prefill tokens/s and decode tokens/s per batch size, float32, on the CPU.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("gguf")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count())
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf), torch_dtype=torch.float32)
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    result = {"torch": torch.__version__, "threads": torch.get_num_threads(), "decode": {}}
+    with torch.no_grad():
+        prompt = torch.randint(100, 40000, (1, args.prompt_len), generator=gen)
+        model(prompt)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            model(prompt)
+            times.append(time.perf_counter() - t)
+        result["prefill_tokens_per_s"] = args.prompt_len / statistics.median(times)
+        for b in args.batches:
+            ids = torch.randint(100, 40000, (b, 16), generator=gen)
+            kw = dict(max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, do_sample=False,
+                      pad_token_id=0)
+            model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+            runs = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                model.generate(ids, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
+                t1 = time.perf_counter()
+                model.generate(ids, **kw)
+                t2 = time.perf_counter()
+                # decode-only time: the full run minus a prefill-plus-one-token run
+                runs.append(b * (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0)))
+            result["decode"][str(b)] = statistics.median(runs)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
