@@ -216,7 +216,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
-    token_buckets: tuple[int, ...] | None = None  # default: 1, 4, 16, ... up to the budget
+    token_buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ... up to the budget
     penalties: bool = True  # False: one variant fewer per bucket; penalty requests are rejected
     enable_prefix_caching: bool = True
     attn_impl: str = "auto"
@@ -252,13 +252,17 @@ class EngineConfig:
                     f"{self.max_num_batched_tokens}")
 
     def buckets(self) -> tuple[int, ...]:
-        """Token buckets: the given ones, or powers of four up to max_num_batched_tokens."""
+        """Token buckets: the given ones, or powers of two up to max_num_batched_tokens.
+
+        Coarser steps compile fewer variants but pad more: with powers of four a 32-sequence
+        decode ran in the 64-token bucket at 0.55x HF's speed on the CPU instead of 0.7x.
+        """
         if self.token_buckets is not None:
             return tuple(self.token_buckets)
         out, b = [], 1
         while b < self.max_num_batched_tokens:
             out.append(b)
-            b *= 4
+            b *= 2
         return tuple(out + [self.max_num_batched_tokens])
 
     def seq_bucket(self, token_bucket: int) -> int:
