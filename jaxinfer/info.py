@@ -15,7 +15,8 @@ def describe(args) -> dict:
     engine = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          mesh=args.mesh)
     max_len = engine.max_model_len or model.config.max_position_embeddings
     runner = ModelRunner(model, engine, max_len)
     num_params = sum(x.size for x in jax.tree.leaves(model.params))
@@ -27,8 +28,11 @@ def describe(args) -> dict:
         "devices": [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
         "backend": jax.default_backend(),
         "kv_cache": {"pages": usable, "page_size": engine.page_size, "tokens": usable * engine.page_size,
+                     "per": "data replica" if runner.num_replicas > 1 else "engine",
                      "bytes": runner.kv_cache_bytes, "bytes_per_token":
                      kv_page_bytes(model.config, engine.page_size, runner.kv_dtype) // engine.page_size,
                      "dtype": str(runner.kv_dtype), "max_model_len": max_len},
         "token_buckets": list(engine.buckets()),
+        "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
+        "data_replicas": runner.num_replicas,
     }
