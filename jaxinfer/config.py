@@ -49,6 +49,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: inv_freq divisors [D/2]
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -74,8 +75,17 @@ class ModelConfig:
         return _from_hf(cfg, source=str(path))
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_weight: bool = True) -> "ModelConfig":
-        return _from_gguf(meta, has_output_weight)
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_weight: bool = True,
+                           rope_freq_factors: tuple[float, ...] | None = None) -> "ModelConfig":
+        """`rope_freq_factors`: the GGUF's rope_freqs tensor, where llama.cpp stores llama3-style
+        rope scaling as one divisor per frequency."""
+        cfg = _from_gguf(meta, has_output_weight)
+        if rope_freq_factors is None:
+            return cfg
+        if len(rope_freq_factors) != cfg.head_dim // 2:
+            raise ConfigError(f"GGUF rope_freqs has {len(rope_freq_factors)} factors; head_dim "
+                              f"{cfg.head_dim} needs {cfg.head_dim // 2}")
+        return dataclasses.replace(cfg, rope_freq_factors=tuple(float(f) for f in rope_freq_factors))
 
 
 def _require(cfg: Mapping[str, Any], key: str, source: str):

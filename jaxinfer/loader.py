@@ -84,8 +84,10 @@ def open_checkpoint(path: str | Path):
                 f"{path} has no config.json" + (f" and {len(ggufs)} .gguf files; pass one" if ggufs else ""))
     if path.is_file():
         reader = GGUFCheckpoint(path)
+        factors = reader.get("rope_freqs.weight") if "rope_freqs.weight" in reader.keys() else None
         config = ModelConfig.from_gguf_metadata(
-            reader.metadata, has_output_weight="output.weight" in reader.keys())
+            reader.metadata, has_output_weight="output.weight" in reader.keys(),
+            rope_freq_factors=None if factors is None else tuple(np.asarray(factors, np.float64).ravel()))
         return config, reader, "gguf"
     config = ModelConfig.from_hf_file(path / "config.json")
     return config, SafetensorsCheckpoint(path), "hf"

@@ -42,6 +42,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
     inv_freq = inv_freq.astype(np.float32)
+    if config.rope_freq_factors is not None:  # llama.cpp's form of llama3 scaling
+        return (inv_freq / np.asarray(config.rope_freq_factors, np.float32)).astype(np.float32)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

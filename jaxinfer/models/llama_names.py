@@ -32,7 +32,8 @@ _GGUF_LAYER = {
     "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias", "bo": "attn_output.bias",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
 }
-# Tensors a checkpoint may carry that the model recomputes or does not use.
+# Tensors a checkpoint may carry that the model recomputes (inv_freq) or reads into its config
+# (GGUF rope_freqs, the llama3 rope scaling factors).
 IGNORED = ("rotary_emb.inv_freq", "rope_freqs.weight")
 
 

@@ -112,3 +112,24 @@ def test_quantized_gguf_loads_close(tmp_path):
     assert m.params.layers[0].wq.shape == (64, 8, 16)
     prompt = np.load(LLAMA / "golden.npz")["input_ids"][:16]
     assert np.isfinite(SingleSequence(m.family, m.config, m.params, 16).feed(prompt)).all()
+
+
+def test_gguf_rope_freqs_reproduce_llama3_scaling(tmp_path):
+    """llama.cpp stores llama3 rope scaling as per-frequency divisors (rope_freqs.weight); the
+    GGUF of the llama3 fixture with those divisors must give HF's llama3-scaled logits."""
+    import dataclasses
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.layers import rope_inv_freq
+
+    scaled = ModelConfig.from_hf_file(LLAMA / "config.json")
+    factors = rope_inv_freq(dataclasses.replace(scaled, rope_scaling=None)) / rope_inv_freq(scaled)
+    assert (factors > 1.01).any() and (np.abs(factors - 1) < 1e-6).any()  # scaled and unscaled bands
+    config = json.loads((LLAMA / "config.json").read_text())
+    meta, tensors = llama_hf_to_gguf(config, load_file(str(LLAMA / "model.safetensors")))
+    tensors["rope_freqs.weight"] = factors.astype(np.float32)
+    m = _load(write_gguf(tmp_path / "llama31.gguf", "llama", meta, tensors))
+    assert m.config.rope_freq_factors is not None
+    golden = np.load(LLAMA / "golden.npz")
+    logits = SingleSequence(m.family, m.config, m.params, 64).feed(golden["input_ids"])
+    assert np.abs(logits - golden["logits"]).max() < 1e-3
