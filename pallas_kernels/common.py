@@ -47,6 +47,16 @@ def check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is quantized: k_scale and v_scale are required")
 
 
+def dtype_mismatch(q, kv_cache, supported) -> str | None:
+    """Why q / kv_cache dtypes don't suit a kernel that takes `supported` query dtypes, or None."""
+    if q.dtype not in supported:
+        names = " or ".join(str(jnp.dtype(d)) for d in supported)
+        return f"q dtype {q.dtype} (want {names})"
+    if kv_cache.dtype != q.dtype and not is_quantized(kv_cache.dtype):
+        return f"kv_cache dtype {kv_cache.dtype} with q dtype {q.dtype}"
+    return None
+
+
 def check_options(sliding_window, soft_cap):
     if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be None or a positive integer")

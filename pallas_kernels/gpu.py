@@ -60,10 +60,8 @@ def unsupported_reason(q, kv_cache, page_indices) -> str | None:
     """None if the kernel takes these shapes, else why not (names the value)."""
     head_dim = q.shape[-1]
     page_size = kv_cache.shape[1]
-    if q.dtype not in _FLOAT_DTYPES:
-        return f"q dtype {q.dtype} (want bfloat16, float16 or float32)"
-    if kv_cache.dtype != q.dtype and not common.is_quantized(kv_cache.dtype):
-        return f"kv_cache dtype {kv_cache.dtype} with q dtype {q.dtype}"
+    if (reason := common.dtype_mismatch(q, kv_cache, _FLOAT_DTYPES)) is not None:
+        return reason
     if head_dim not in (16, 32, 64, 128, 256):
         return f"head_dim={head_dim} (want a power of two in [16, 256])"
     if page_size & (page_size - 1):

@@ -76,6 +76,15 @@ def _chat(messages: Iterable[dict], add_generation_prompt: bool = True) -> pb.Ch
                    add_generation_prompt=add_generation_prompt)
 
 
+def _tokenize_request(text, messages, add_special_tokens: bool) -> pb.TokenizeRequest:
+    request = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
+    if messages is not None:
+        request.chat.CopyFrom(_chat(messages))
+    else:
+        request.text = text
+    return request
+
+
 class Accumulator:
     """Folds streamed GenerateResponse deltas into one GenerateResult."""
 
@@ -145,11 +154,7 @@ class Client(_Base):
 
     def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool = True,
                  timeout: float | None = None) -> list[int]:
-        request = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
-        if messages is not None:
-            request.chat.CopyFrom(_chat(messages))
-        else:
-            request.text = text
+        request = _tokenize_request(text, messages, add_special_tokens)
         return list(self.stub.Tokenize(request, timeout=timeout, metadata=self._metadata).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
@@ -207,11 +212,7 @@ class AsyncClient(_Base):
 
     async def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool = True,
                        timeout: float | None = None) -> list[int]:
-        request = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
-        if messages is not None:
-            request.chat.CopyFrom(_chat(messages))
-        else:
-            request.text = text
+        request = _tokenize_request(text, messages, add_special_tokens)
         reply = await self.stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
         return list(reply.token_ids)
 
