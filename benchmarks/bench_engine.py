@@ -5,7 +5,8 @@
 Measures (medians over repeats, after warm-up; nothing may compile during the timed part):
   prefill tokens/s for a 256-token prompt (from time to first token with max_tokens=1),
   decode tokens/s at batch 1, 8, 32 (batch / median inter-token latency),
-  TTFT and inter-token latency percentiles under Poisson arrivals.
+  TTFT and inter-token latency percentiles under Poisson arrivals (benchmarks/workload.py;
+  HF serves the same stream one request at a time, as generate has no continuous batching).
 The HF side runs benchmarks/hf_baseline.py under --hf-python (a Python with torch and
 transformers), so torch never enters this project's environment. Prints a markdown table.
 """
@@ -27,9 +28,8 @@ from jaxinfer.llm import LLM
 from jaxinfer.loader import default_model_path
 from jaxinfer.sampling import SamplingParams
 
-
-def percentile(values, q):
-    return float(np.percentile(values, q)) if values else float("nan")
+sys.path.insert(0, str(Path(__file__).parent))
+from workload import make_workload, summarize  # noqa: E402
 
 
 def bench_prefill(llm, prompt_len, repeats):
@@ -52,23 +52,21 @@ def bench_decode(llm, batch, new_tokens):
 
 
 def bench_stream(llm, rate, num_requests, seed=0):
-    """Poisson arrivals; prompt 32..512 tokens, output 16..128 tokens (uniform)."""
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, num_requests)
-    arrivals = np.cumsum(gaps)
+    """Poisson arrivals of the shared workload; continuous batching serves them together."""
+    workload = make_workload(rate, num_requests, seed)
     engine = llm.engine
     start = time.monotonic()
     pending = list(range(num_requests))
     done = {}
     while pending or engine.has_unfinished():
         now = time.monotonic() - start
-        while pending and arrivals[pending[0]] <= now:
+        while pending and workload[pending[0]][0] <= now:
             i = pending.pop(0)
-            prompt = rng.integers(100, 40000, int(rng.integers(32, 513))).tolist()
-            params = SamplingParams(temperature=0, max_tokens=int(rng.integers(16, 129)), ignore_eos=True)
-            engine.add_request(prompt, params, request_id=f"s{i}", arrival_time=start + arrivals[i])
+            arrival, prompt, max_tokens = workload[i]
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(prompt, params, request_id=f"s{i}", arrival_time=start + arrival)
         if not engine.has_unfinished():
-            time.sleep(max(0.0, arrivals[pending[0]] - (time.monotonic() - start)))
+            time.sleep(max(0.0, workload[pending[0]][0] - (time.monotonic() - start)))
             continue
         for out in engine.step():
             if out.finished:
@@ -77,16 +75,15 @@ def bench_stream(llm, rate, num_requests, seed=0):
     ttft = [o.metrics.time_to_first_token for o in done.values()]
     itl = [x for o in done.values() for x in o.metrics.inter_token_latencies]
     tokens = sum(o.usage.completion_tokens for o in done.values())
-    return {"rate": rate, "requests": num_requests, "throughput_req_s": num_requests / elapsed,
-            "output_tok_s": tokens / elapsed, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
+    return summarize(ttft, itl, num_requests, tokens, elapsed, rate)
 
 
-def run_hf(python, batches):
+def run_hf(python, batches, rates, num_requests):
     if not python:
         return None
     cmd = [python, str(Path(__file__).with_name("hf_baseline.py")), str(default_model_path()),
-           "--batches", *map(str, batches)]
+           "--batches", *map(str, batches), "--stream-rates", *map(str, rates),
+           "--stream-requests", str(num_requests)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -107,7 +104,7 @@ def main():
         ours["decode"][str(b)] = statistics.median(bench_decode(llm, b, 64) for _ in range(args.repeats))
     streams = [bench_stream(llm, r, args.stream_requests) for r in args.stream_rates]
     assert llm.engine.runner.num_compiled() == variants, "a step compiled after warm-up"
-    hf = run_hf(args.hf_python, args.batches)
+    hf = run_hf(args.hf_python, args.batches, args.stream_rates, args.stream_requests)
 
     print(f"Hardware: {platform.processor() or platform.machine()}, {jax.device_count()} x "
           f"{jax.devices()[0].device_kind}; jax {jax.__version__}; float32; warm-up "
@@ -117,10 +114,11 @@ def main():
     rows += [(f"decode tok/s, batch {b}", ours["decode"][str(b)], hf and hf["decode"][str(b)]) for b in args.batches]
     for name, a, b in rows:
         print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |" if b else f"| {name} | {a:.1f} | - | - |")
-    print("\n| arrival rate (req/s) | req/s | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |")
-    print("|---|---|---|---|---|")
-    for s in streams:
-        print(f"| {s['rate']} | {s['throughput_req_s']:.2f} | {s['output_tok_s']:.1f} | "
+    print("\n| engine | arrival rate (req/s) | req/s | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |")
+    print("|---|---|---|---|---|---|")
+    rows = [("jaxinfer", s) for s in streams] + [("HF generate, one at a time", s) for s in (hf or {}).get("streams", [])]
+    for name, s in rows:
+        print(f"| {name} | {s['rate']} | {s['throughput_req_s']:.2f} | {s['output_tok_s']:.1f} | "
               f"{s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | {1000 * s['itl_p50']:.0f} / {1000 * s['itl_p99']:.0f} |")
     return 0
 

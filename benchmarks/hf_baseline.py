@@ -10,8 +10,46 @@ import os
 import statistics
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workload import make_workload, summarize  # noqa: E402
+
+
+class _Clock(BaseStreamer):
+    """Timestamps every token generate emits (the first put() is the prompt)."""
+
+    def __init__(self):
+        self.times = []
+        self.calls = 0
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls > 1:
+            self.times.append(time.monotonic())
+
+    def end(self):
+        pass
+
+
+def serve_stream(model, rate, num_requests):
+    """FCFS, one request at a time (HF generate has no continuous batching)."""
+    start = time.monotonic()
+    ttft, itl, tokens = [], [], 0
+    for arrival, prompt, max_tokens in make_workload(rate, num_requests):
+        time.sleep(max(0.0, start + arrival - time.monotonic()))
+        clock = _Clock()
+        model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                       do_sample=False, pad_token_id=0, streamer=clock)
+        ttft.append(clock.times[0] - (start + arrival))
+        itl += [b - a for a, b in zip(clock.times, clock.times[1:])]
+        tokens += len(clock.times)
+    return summarize(ttft, itl, num_requests, tokens, time.monotonic() - start, rate)
 
 
 def main():
@@ -21,6 +59,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream-rates", type=float, nargs="*", default=[])
+    ap.add_argument("--stream-requests", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count())
     model = AutoModelForCausalLM.from_pretrained(
@@ -52,6 +92,7 @@ def main():
                 # decode-only time: the full run minus a prefill-plus-one-token run
                 runs.append(b * (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0)))
             result["decode"][str(b)] = statistics.median(runs)
+        result["streams"] = [serve_stream(model, r, args.stream_requests) for r in args.stream_rates]
     print(json.dumps(result))
 
 
