@@ -153,6 +153,8 @@ class ModelRunner:
         return rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
 
     def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool) -> StepInputs:
+        if not plan.seqs:  # an idle data replica: all padding
+            return self._dummy_one(t_bucket, penalties)
         s_bucket = self.engine.seq_bucket(t_bucket)
         n = len(plan.seqs)
         tokens = np.zeros(t_bucket, np.int32)
@@ -172,8 +174,6 @@ class ModelRunner:
             cu[i + 1] = offset
         cu[n + 1:] = offset
         seqs = [s.seq for s in plan.seqs]
-        if not seqs:
-            return self._dummy_one(t_bucket, penalties)
         sampling = sampling_arrays_for_sequences(
             seqs, s_bucket, history_len=self.max_model_len if penalties else None)
         meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
