@@ -131,17 +131,15 @@ def load_params(reader, config: ModelConfig, fmt: str, dtype, place: Placer | No
 
 
 def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: bool = True,
-               place: Placer | None = None,
                place_for: Callable[[ModelConfig, ModelFamily], Placer] | None = None) -> LoadedModel:
     """Loads a model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct).
 
     `place_for(config, family)` builds the place hook once the config is read (a mesh placer
-    needs the head counts)."""
+    needs the head counts); without it every tensor goes to the default device."""
     path = Path(path) if path is not None else default_model_path()
     start = time.perf_counter()
     config, reader, fmt = open_checkpoint(path)
-    if place_for is not None:
-        place = place_for(config, get_family(config.family))
+    place = place_for(config, get_family(config.family)) if place_for is not None else None
     params = load_params(reader, config, fmt, dtype, place, where=str(path))
     tokenizer = None
     if with_tokenizer:
