@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from typing import Callable, TextIO
+from typing import TextIO
 
 from jaxinfer.sampling import SamplingParams
 
@@ -77,25 +76,3 @@ def run_batch(llm, lines: TextIO, out: TextIO, defaults: SamplingParams, use_tqd
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     failed = sum(1 for r in records if "error" in r)
     return len(records) - failed, failed
-
-
-def add_batch_parser(sub, add_engine_args: Callable, make_llm: Callable) -> None:
-    from jaxinfer.cli import add_sampling_args, sampling_params
-
-    p = sub.add_parser("batch", help="run a JSONL file of requests, write a JSONL file of results")
-    p.add_argument("--input", required=True, help="JSONL requests ('-' = stdin)")
-    p.add_argument("--output", default="-", help="JSONL results (default: stdout)")
-    add_engine_args(p)
-    add_sampling_args(p)
-
-    def run(args) -> int:
-        defaults = sampling_params(args)
-        llm = make_llm(args)
-        src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
-        dst = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
-        with src, dst:
-            served, failed = run_batch(llm, src, dst, defaults, use_tqdm=sys.stderr.isatty())
-        print(f"{served} served, {failed} failed", file=sys.stderr)
-        return 0 if served or not failed else 1
-
-    p.set_defaults(func=run)

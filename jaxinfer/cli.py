@@ -189,10 +189,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_batch(sub) -> None:
-    from jaxinfer.batch import add_batch_parser
+def cmd_batch(args) -> int:
+    from jaxinfer.batch import run_batch
 
-    add_batch_parser(sub, add_engine_args, make_llm)
+    defaults = sampling_params(args)
+    llm = make_llm(args)
+    src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    dst = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    with src, dst:
+        served, failed = run_batch(llm, src, dst, defaults, use_tqdm=sys.stderr.isatty())
+    print(f"{served} served, {failed} failed", file=sys.stderr)
+    return 0 if served or not failed else 1
+
+
+def _add_batch(sub) -> None:
+    p = sub.add_parser("batch", help="run a JSONL file of requests, write a JSONL file of results")
+    p.add_argument("--input", required=True, help="JSONL requests ('-' = stdin)")
+    p.add_argument("--output", default="-", help="JSONL results (default: stdout)")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_batch)
 
 
 def _add_plugins(sub) -> None:
