@@ -31,7 +31,8 @@ def register(subparsers, add_engine_args, add_sampling_args) -> None:
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
-    g.add_argument("--metrics-host", default="127.0.0.1")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint listens on (default 127.0.0.1)")
     g.add_argument("--max-waiting", type=int, default=256,
                    help="calls admitted beyond --max-num-seqs; past it calls get RESOURCE_EXHAUSTED")
     g.add_argument("--auth-token-file", default=None,
