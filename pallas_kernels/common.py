@@ -1,8 +1,7 @@
 """Pieces shared by the Pallas kernels: argument checks, KV scales, token validity.
 
-Every kernel writes the new K/V with `reference.write_kv` (an XLA scatter) and then only reads the
-cache, so the helpers here are about describing the ragged batch to a kernel and checking that a
-kernel can take a shape before anything is lowered.
+The helpers here describe the ragged batch to a kernel, check that a kernel can take a shape
+before anything is lowered, and hold the online-softmax math both kernels trace.
 """
 from __future__ import annotations
 

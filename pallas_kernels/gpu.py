@@ -1,30 +1,34 @@
 """Ragged paged attention for GPUs: a Pallas kernel on the Triton lowering.
 
-One call, as the contract in ARCHITECTURE.md: write this step's K/V, then attend.
+One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cache and attend.
 
-1. KV write: an XLA scatter (`reference.write_kv`) before the kernel, not a kernel of its own.
-   Triton has no barrier across programs, so a program cannot know that the new keys it reads were
-   already stored by the program that owns them; fusing would mean reading the new K/V from two
-   places (cache and `k`/`v`) in every block. The scatter touches T * 2Hkv * D elements, works in
-   place on the donated cache, and is ~1% of the bytes the attention reads even for a full prefill
-   chunk, so a fused write would buy one launch, not bandwidth.
+1. Stored rows (XLA, T * 2Hkv * D elements): this step's K/V as the cache holds them
+   (`reference.stored_kv`: cast, or quantized with the per-head scales), [T, 2Hkv, D].
 2. Work list (XLA, O(S + T/bq) integers): the ragged batch is cut into work items, each a block
    of at most `block_q` query tokens of ONE sequence. Item w knows its row count, the position of
-   its first row and its page-table offset (`meta[w]`). There are at most cdiv(T, bq) + S items,
-   a static bound, so the grid is static; items past the real count do nothing. A block never
-   spans two sequences, so no program loops over sequences and no rows are masked by sequence.
+   its first row, its page-table offset, its sequence's cached context length and the offset
+   from a position of this step to its token index (`meta[w]`). There are at most
+   cdiv(T, bq) + S items, a static bound, so the grid is static; items past the real count do
+   nothing. A block never spans two sequences, so rows are never masked by sequence.
 3. Kernel grid (W, Hkv, C): work item x kv head x KV split. A program loads its q block
    [bq * Gp, D] (the bq tokens x the G query heads of kv head h, G padded to the power of two Gp
-   and bq chosen so that rows >= 16 for Triton's dots), then walks the sequence's pages
-   `pages_per_block` at a time: page ids come from the flattened page table (an ordinary input:
-   Triton has no scalar prefetch), K and V are gathered as k_ref[pages] from the cache viewed
-   through a BlockSpec that squeezes the head axis (K of head h at 2h, V at 2h+1), and an online
-   softmax accumulates in float32. Pages past the causal end are replaced by the last needed page
-   (never a page the sequence does not own) and V past kv_len is zeroed, so stale or NaN slots
-   never reach the output.
-4. Split-K (flash-decoding): with few programs and long contexts, C > 1 programs share one
-   item's KV blocks; each writes unnormalised (acc, m, l) and an XLA combine merges them.
-5. The item blocks are gathered back to [T, Hq, D]; padding tokens get zeros.
+   and bq chosen so that rows >= 16 for Triton's dots) and runs a float32 online softmax over
+   `block_kv` keys at a time in two ranges:
+   a. the cached context [0, ctx_len): K/V rows gathered from the cache by slot, the slot of each
+      position looked up in the flattened page table (an ordinary input: Triton has no scalar
+      prefetch); positions past the context are clamped onto its last one, so only owned pages
+      are read;
+   b. this step's tokens up to the causal end, read from the stored rows of step 1, never from
+      the cache. That is what makes the fused write safe: Triton has no barrier across programs,
+      and no program reads a slot that any program of this call writes.
+   The cache is viewed as [P * page, 2Hkv, D] with a BlockSpec holding K and V of head h.
+4. KV write, fused: the split-0 program of each (item, head) stores its rows' K and V into their
+   slots of the cache, which is an input/output alias (in place under donation). Rows past the
+   item's count repeat row 0's slot and value, so no store needs a mask.
+5. Split-K (flash-decoding): with few programs and long contexts, C > 1 programs share one
+   item's KV blocks (both ranges, as one sequence of blocks); each writes unnormalised
+   (acc, m, l) and an XLA combine merges them.
+6. The item blocks are gathered back to [T, Hq, D]; padding tokens get zeros.
 
 Supports bf16/f16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
 scales, head_dim a power of two in [16, 256], page_size a power of two, sliding window, soft cap.
@@ -41,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.reference import token_positions, write_kv
+from pallas_kernels.reference import stored_kv, token_positions
 
 _NUM_SMS = 132  # H100 SXM; only steers the split-K heuristic.
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -49,9 +53,9 @@ _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 @dataclasses.dataclass(frozen=True)
 class GpuConfig:
-    block_q: int          # query tokens per work item (power of two)
-    pages_per_block: int  # pages per KV step (power of two); block_kv = pages_per_block * page
-    num_splits: int       # KV splits per work item (1 = no combine step)
+    block_q: int     # query tokens per work item (power of two)
+    block_kv: int    # keys per online-softmax step (power of two >= 16)
+    num_splits: int  # KV splits per work item (1 = no combine step)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -74,21 +78,24 @@ def default_config(num_tokens, num_seqs, group, num_kv_heads, head_dim, page_siz
     decode_like = num_tokens <= 2 * num_seqs
     rows = 16 if decode_like else (128 if head_dim <= 128 else 64)
     block_q = max(1, rows // gp)
-    kv_tokens = 128 if decode_like and head_dim <= 128 else 64
-    pages_per_block = max(1, kv_tokens // page_size, -(-16 // page_size))
-    pages_per_block = min(pages_per_block, max(common.next_pow2(pages_per_seq), -(-16 // page_size)))
+    max_kv = pages_per_seq * page_size
+    block_kv = 128 if decode_like and head_dim <= 128 else 64
+    block_kv = max(16, min(block_kv, common.next_pow2(max_kv)))
     num_splits = 1
     if decode_like:
         programs = num_seqs * num_kv_heads
-        kv_blocks = -(-pages_per_seq // pages_per_block)
+        kv_blocks = -(-max_kv // block_kv)
         num_splits = max(1, min(16, kv_blocks, common.next_pow2(-(-2 * _NUM_SMS // programs))))
     num_warps = 8 if block_q * gp >= 128 else 4
-    return GpuConfig(block_q, pages_per_block, num_splits, num_warps, 2)
+    return GpuConfig(block_q, block_kv, num_splits, num_warps, 2)
+
+
+META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, 3 x unused (power of two)
 
 
 def _work_list(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, pages_per_seq):
-    """Per work item: meta [W, 4] = (rows, first row's position, page-table offset, 0),
-    token index of each row [W, bq] (num_tokens for empty rows), and per token t: (item, row)."""
+    """Per work item: meta [W, 8] = (rows, first row's position, page-table offset, cached
+    context length, token index minus position, 0, 0, 0); per token t: (item, row, is-real)."""
     num_seqs_max = kv_lens.shape[0]
     q_lens = common.real_q_lens(cu_q_lens, num_seqs)  # [S]
     blocks = (q_lens + block_q - 1) // block_q
@@ -100,68 +107,98 @@ def _work_list(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, pages_per_seq)
     live = w < cu_blocks[num_seqs_max]
     first = (w - cu_blocks[seq]) * block_q  # offset of row 0 inside its sequence
     rows = jnp.where(live, jnp.clip(q_lens[seq] - first, 0, block_q), 0)
-    pos0 = jnp.where(live, kv_lens[seq] - q_lens[seq] + first, 0)
-    meta = jnp.stack([rows, pos0, seq * pages_per_seq, jnp.zeros_like(rows)], axis=1)
-
-    i = jnp.arange(block_q, dtype=jnp.int32)
-    row_token = cu_q_lens[seq][:, None] + first[:, None] + i[None, :]
-    row_token = jnp.where(i[None, :] < rows[:, None], row_token, num_tokens)  # [W, bq]
+    ctx_len = jnp.where(live, kv_lens[seq] - q_lens[seq], 0)
+    pos0 = ctx_len + jnp.where(live, first, 0)
+    token_base = jnp.where(live, cu_q_lens[seq] - ctx_len, 0)  # token index = position + this
+    zero = jnp.zeros_like(rows)
+    meta = jnp.stack([rows, pos0, seq * pages_per_seq, ctx_len, token_base, zero, zero, zero],
+                     axis=1)
 
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     tseq, _, tvalid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
     offset = t - cu_q_lens[tseq]
     token_item = jnp.where(tvalid, cu_blocks[tseq] + offset // block_q, 0)
     token_row = jnp.where(tvalid, offset % block_q, 0)
-    return meta, row_token, token_item, token_row, tvalid
+    return meta, token_item, token_row, tvalid
 
 
-def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs,
-                      page_size, pages_per_block, gp, num_splits, sm_scale, sliding_window,
-                      soft_cap, precision):
+def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref, *out_refs,
+                      page_size, block_kv, gp, num_splits, sm_scale, sliding_window, soft_cap,
+                      precision):
+    *o_refs, cache_out = out_refs
     rows_m, head_dim = q_ref.shape  # M = bq * Gp
-    block_kv = pages_per_block * page_size
+    block_q = rows_m // gp
     rows, pos0, table_base = meta_ref[0], meta_ref[1], meta_ref[2]
+    ctx_len, token_base = meta_ref[3], meta_ref[4]
+    live = rows > 0
     kv_end = pos0 + rows  # causal end of the block's last row; <= kv_len
     kv_start = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-    blk_lo = lax.div(kv_start, block_kv)  # operands are non-negative: lax.div, not //
-    blk_hi = jnp.where(rows > 0, lax.div(kv_end + block_kv - 1, block_kv), blk_lo)
-    per_split = lax.div(blk_hi - blk_lo + num_splits - 1, num_splits)
-    b_start = blk_lo + pl.program_id(2) * per_split
-    b_end = jnp.minimum(b_start + per_split, blk_hi)
-    last_page = pages_ref[table_base + lax.div(jnp.maximum(kv_end - 1, 0), page_size)]
+    page_shift = page_size.bit_length() - 1
     k_scale, v_scale = scale_ref[0], scale_ref[1]
+
+    def slots(pos):  # positions -> cache rows, through the page table
+        page = pages_ref[table_base + lax.shift_right_logical(pos, page_shift)]
+        return page * page_size + (pos & (page_size - 1))
+
+    # Blocks of the cached range [kv_start, ctx_len), then of this step's [max(ctx, start), end).
+    a_lo = lax.div(kv_start, block_kv)  # operands are non-negative: lax.div, not //
+    a_hi = jnp.where(live & (ctx_len > kv_start), lax.div(ctx_len + block_kv - 1, block_kv), a_lo)
+    b_pos = jnp.maximum(ctx_len, kv_start)
+    n_a = a_hi - a_lo
+    n_b = jnp.where(live, lax.div(kv_end - b_pos + block_kv - 1, block_kv), 0)
+    per_split = lax.div(n_a + n_b + num_splits - 1, num_splits)
+    lo = pl.program_id(2) * per_split
+    hi = jnp.minimum(lo + per_split, n_a + n_b)
 
     q = q_ref[...]  # [M, D]
     row_pos = pos0 + lax.shift_right_logical(  # row r is token r // Gp
         lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 0), gp.bit_length() - 1)  # [M, N]
     col = lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1)  # [M, N]
     v_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
-    slot = lax.iota(jnp.int32, pages_per_block)
+    key = lax.iota(jnp.int32, block_kv)  # [N]
 
-    def body(b, carry):  # carry: m [M], l [M], acc [M, D]
-        pages = pages_ref[pl.ds(table_base + b * pages_per_block, pages_per_block)]
-        pages = jnp.where((b * pages_per_block + slot) * page_size < kv_end, pages, last_page)
-        k = k_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)  # [N, D]
-        v = v_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)  # [N, D]
-        s = common.block_scores(q, k, scale=sm_scale * k_scale, soft_cap=soft_cap,
-                                precision=precision)  # [M, N]
-        kpos = b * block_kv + col
-        mask = (kpos <= row_pos) & (kpos < kv_end)
+    def attend(carry, first, end, k, v):
+        """Keys at positions first + [0, N), real below `end`; k, v [N, D] as stored."""
+        s = common.block_scores(q, k.astype(q.dtype), scale=sm_scale * k_scale,
+                                soft_cap=soft_cap, precision=precision)  # [M, N]
+        kpos = first + col
+        mask = (kpos <= row_pos) & (kpos < end)
         if sliding_window is not None:
             mask = mask & (row_pos - kpos < sliding_window)
         s = jnp.where(mask, s, common.MASK_VALUE)
-        v = jnp.where(b * block_kv + v_row < kv_end, v, jnp.zeros_like(v))  # stale/NaN slots
+        v = jnp.where(first + v_row < end, v.astype(q.dtype), 0)  # stale/NaN slots
         return common.online_softmax_update(carry, s, v, precision=precision, keepdims=False)
+
+    def cached_block(b, carry):
+        first = b * block_kv
+        slot = slots(jnp.minimum(first + key, ctx_len - 1))  # [N]
+        return attend(carry, first, ctx_len, cache_ref[slot, 0, :], cache_ref[slot, 1, :])
+
+    def new_block(j, carry):
+        first = b_pos + j * block_kv
+        token = jnp.minimum(first + key, kv_end - 1) + token_base  # [N]
+        return attend(carry, first, kv_end, new_ref[token, 0, :], new_ref[token, 1, :])
 
     init = (jnp.full((rows_m,), common.MASK_VALUE, jnp.float32),
             jnp.zeros((rows_m,), jnp.float32), jnp.zeros((rows_m, head_dim), jnp.float32))
-    m, l, acc = lax.fori_loop(b_start, b_end, body, init)
+    carry = lax.fori_loop(a_lo + jnp.minimum(lo, n_a), a_lo + jnp.minimum(hi, n_a), cached_block,
+                          init)
+    m, l, acc = lax.fori_loop(jnp.maximum(lo - n_a, 0), hi - n_a, new_block, carry)
+
+    @pl.when(live & (pl.program_id(2) == 0))
+    def _write():
+        i = lax.iota(jnp.int32, block_q)
+        pos = pos0 + jnp.where(i < rows, i, 0)  # rows past the count repeat row 0
+        slot = slots(pos)
+        cache_out[slot, 0, :] = new_ref[pos + token_base, 0, :]
+        cache_out[slot, 1, :] = new_ref[pos + token_base, 1, :]
+
     if num_splits == 1:
-        (o_ref,) = out_refs
+        (o_ref,) = o_refs
         inv = v_scale / jnp.where(l > 0, l, 1.0)
         o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
     else:
-        o_ref, m_ref, l_ref = out_refs
+        o_ref, m_ref, l_ref = o_refs
         o_ref[...] = acc * v_scale
         m_ref[...] = m
         l_ref[...] = l
@@ -176,36 +213,42 @@ def _combine(o, m, l):
     return o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
-def _q_blocks(q, row_token, num_kv_heads, block_q, gp):
+def _q_blocks(q, cu_q_lens, meta, num_kv_heads, block_q, gp):
     """q [T, Hq, D] -> [W, Hkv, bq * Gp, D]; row r of a block is token r // Gp, head r % Gp."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_items = row_token.shape[0]
+    num_items = meta.shape[0]
     group = num_q_heads // num_kv_heads
-    rows = jnp.concatenate([q, jnp.zeros((1, num_q_heads, head_dim), q.dtype)])[row_token]
-    rows = rows.reshape(num_items, block_q, num_kv_heads, group, head_dim)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
-    return rows.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * gp, head_dim)
+    i = jnp.arange(block_q, dtype=jnp.int32)
+    rows, first_token = meta[:, 0], meta[:, 1] + meta[:, 4]
+    row_token = jnp.where(i[None, :] < rows[:, None], first_token[:, None] + i[None, :],
+                          num_tokens)  # [W, bq]; empty rows read the zero row
+    blocks = jnp.concatenate([q, jnp.zeros((1, num_q_heads, head_dim), q.dtype)])[row_token]
+    blocks = blocks.reshape(num_items, block_q, num_kv_heads, group, head_dim)
+    blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
+    return blocks.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * gp, head_dim)
 
 
-def _call_kernel(meta, flat_pages, scales, q_blocks, kv_cache, *, config, gp, interpret, **opts):
-    """The pallas_call over grid (W, Hkv, C) -> out blocks [W, Hkv, M, D] (combined if C > 1)."""
+def _call_kernel(meta, flat_pages, scales, q_blocks, kv_new, kv_cache, *, config, gp, interpret,
+                 **opts):
+    """The pallas_call over grid (W, Hkv, C) -> (out blocks [W, Hkv, M, D], kv_cache written)."""
     num_items, num_kv_heads, rows_m, head_dim = q_blocks.shape
-    num_pages, page_size, _, _ = kv_cache.shape
+    num_pages, page_size, two_hkv, _ = kv_cache.shape
     splits = config.num_splits
     kernel = functools.partial(_attention_kernel, page_size=page_size, gp=gp, num_splits=splits,
-                               pages_per_block=config.pages_per_block, **opts)
-    cache_view = (num_pages, page_size, None, head_dim)
+                               block_kv=config.block_kv, **opts)
+    flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
+    head_kv = lambda rows: pl.BlockSpec((rows, 2, head_dim), lambda w, h, c: (0, h, 0))  # noqa: E731
     in_specs = [
-        pl.BlockSpec((None, 4), lambda w, h, c: (w, 0)),  # meta
+        pl.BlockSpec((None, META_WIDTH), lambda w, h, c: (w, 0)),  # meta
         pl.BlockSpec(flat_pages.shape, lambda w, h, c: (0,)),  # flattened page table
         pl.BlockSpec((None, 2), lambda w, h, c: (h, 0)),  # (k_scale, v_scale) of head h
         pl.BlockSpec((None, None, rows_m, head_dim), lambda w, h, c: (w, h, 0, 0)),  # q block
-        pl.BlockSpec(cache_view, lambda w, h, c: (0, 0, 2 * h, 0)),  # K of head h
-        pl.BlockSpec(cache_view, lambda w, h, c: (0, 0, 2 * h + 1, 0)),  # V of head h
+        head_kv(kv_new.shape[0]),  # this step's K, V of head h
+        head_kv(flat_cache.shape[0]),  # the cache's K, V of head h
     ]
     if splits == 1:
-        out_specs = pl.BlockSpec((None, None, rows_m, head_dim), lambda w, h, c: (w, h, 0, 0))
-        out_shape = jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype)
+        out_specs = [pl.BlockSpec((None, None, rows_m, head_dim), lambda w, h, c: (w, h, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype)]
     else:
         part = (splits, num_items, num_kv_heads, rows_m)
         out_specs = [
@@ -215,13 +258,17 @@ def _call_kernel(meta, flat_pages, scales, q_blocks, kv_cache, *, config, gp, in
         ]
         out_shape = [jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
-    result = pl.pallas_call(
-        kernel, grid=(num_items, num_kv_heads, splits), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, interpret=interpret, name="ragged_paged_attention_gpu",
+    *result, flat_cache = pl.pallas_call(
+        kernel, grid=(num_items, num_kv_heads, splits), in_specs=in_specs,
+        out_specs=out_specs + [head_kv(flat_cache.shape[0])],
+        out_shape=out_shape + [jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
+        input_output_aliases={5: len(out_shape)}, interpret=interpret,
+        name="ragged_paged_attention_gpu",
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
-    )(meta, flat_pages, scales, q_blocks, kv_cache, kv_cache)
-    return result if splits == 1 else _combine(*result)
+    )(meta, flat_pages, scales, q_blocks, kv_new, flat_cache)
+    out = result[0] if splits == 1 else _combine(*result)
+    return out, flat_cache.reshape(kv_cache.shape)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -249,19 +296,17 @@ def ragged_paged_attention_gpu(
     if config is None:
         config = default_config(num_tokens, num_seqs_max, group, num_kv_heads, head_dim,
                                 page_size, pages_per_seq)
-    bq, ppb, gp = config.block_q, config.pages_per_block, common.next_pow2(group)
-    if bq * gp < 16 or ppb * page_size < 16 or bq & (bq - 1) or ppb & (ppb - 1):
-        raise common.UnsupportedShape(f"pallas_gpu config {config}: block_q * Gp and "
-                                      "pages_per_block * page_size must be powers of two >= 16")
+    bq, bkv, gp = config.block_q, config.block_kv, common.next_pow2(group)
+    if bq * gp < 16 or bkv < 16 or bq & (bq - 1) or bkv & (bkv - 1):
+        raise common.UnsupportedShape(f"pallas_gpu config {config}: block_q * Gp and block_kv "
+                                      "must be powers of two >= 16")
 
-    kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
-    meta, row_token, token_item, token_row, tvalid = _work_list(
+    meta, token_item, token_row, tvalid = _work_list(
         cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)
-    flat_pages = jnp.concatenate([page_indices.reshape(-1).astype(jnp.int32),
-                                  jnp.zeros((ppb,), jnp.int32)])  # tail: ds() past the last row
-    out_blocks = _call_kernel(
-        meta, flat_pages, common.kv_scales(kv_cache, k_scale, v_scale),
-        _q_blocks(q, row_token, num_kv_heads, bq, gp), kv_cache, config=config, gp=gp,
+    out_blocks, kv_cache = _call_kernel(
+        meta, page_indices.reshape(-1).astype(jnp.int32),
+        common.kv_scales(kv_cache, k_scale, v_scale), _q_blocks(q, cu_q_lens, meta, num_kv_heads, bq, gp),
+        stored_kv(k, v, kv_cache.dtype, k_scale, v_scale), kv_cache, config=config, gp=gp,
         interpret=interpret, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=soft_cap, precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
 

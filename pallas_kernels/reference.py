@@ -61,17 +61,23 @@ def _is_quantized(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 1
 
 
+def stored_kv(k, v, cache_dtype, k_scale=None, v_scale=None):
+    """This step's K/V as the cache stores them: [T, 2 * Hkv, D] in `cache_dtype`, K of head h
+    at 2h and V at 2h + 1 (quantized with the per-head scales for an int8/fp8 cache)."""
+    num_tokens, num_kv_heads, d = k.shape
+    if _is_quantized(cache_dtype):
+        k = quantize_kv(k, k_scale, cache_dtype)
+        v = quantize_kv(v, v_scale, cache_dtype)
+    return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, d).astype(cache_dtype)
+
+
 def write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale=None, v_scale=None):
     """Scatter this step's new K/V ([T, Hkv, D]) into their slots; padding tokens are dropped."""
     num_pages, page_size, two_hkv, d = kv_cache.shape
-    num_tokens = k.shape[0]
-    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
+    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, k.shape[0])
     page = page_indices[seq, pos // page_size]
     slot = jnp.where(valid, page * page_size + pos % page_size, num_pages * page_size)
-    if _is_quantized(kv_cache.dtype):
-        k = quantize_kv(k, k_scale, kv_cache.dtype)
-        v = quantize_kv(v, v_scale, kv_cache.dtype)
-    kv_new = jnp.stack([k, v], axis=2).reshape(num_tokens, two_hkv, d).astype(kv_cache.dtype)
+    kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)
     flat = kv_cache.reshape(num_pages * page_size, two_hkv, d)
     flat = flat.at[slot].set(kv_new, mode="drop")
     return flat.reshape(kv_cache.shape)

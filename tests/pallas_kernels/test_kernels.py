@@ -123,10 +123,15 @@ def test_head_dims(kernel, head_dim):
 
 
 GPU_CONFIGS = {
-    "split_k": gpu.GpuConfig(block_q=8, pages_per_block=2, num_splits=4),
-    "split_k_more_splits_than_blocks": gpu.GpuConfig(block_q=8, pages_per_block=8, num_splits=8),
-    "one_page_blocks": gpu.GpuConfig(block_q=16, pages_per_block=2, num_splits=1),
+    "split_k": gpu.GpuConfig(block_q=8, block_kv=16, num_splits=4),
+    "split_k_more_splits_than_blocks": gpu.GpuConfig(block_q=8, block_kv=64, num_splits=8),
+    "small_kv_blocks": gpu.GpuConfig(block_q=16, block_kv=16, num_splits=1),
 }
+
+
+def test_gpu_kv_blocks_smaller_than_a_page():
+    case = make_case(q_lens=[40, 1, 7], kv_lens=[100, 65, 7], page_size=32, seed=12)
+    check("gpu", case, config=gpu.GpuConfig(block_q=16, block_kv=16, num_splits=2))
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))

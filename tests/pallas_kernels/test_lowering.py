@@ -47,11 +47,12 @@ SHAPES = {
     "int8_kv": dict(cache_dtype=jnp.int8, page_size=32),
     "fp8_kv": dict(cache_dtype=jnp.float8_e4m3fn, page_size=32),
     "decode_batch": dict(tokens=256, seqs=256, pages_per_seq=64),
+    "odd_sizes": dict(tokens=50, pages=37, seqs=5, pages_per_seq=9),
 }
 GPU_OPTIONS = {
     "plain": {},
     "window_cap": dict(sliding_window=128, soft_cap=30.0),
-    "split_k": dict(config=gpu.GpuConfig(block_q=16, pages_per_block=8, num_splits=8)),
+    "split_k": dict(config=gpu.GpuConfig(block_q=16, block_kv=128, num_splits=8)),
 }
 
 
@@ -61,6 +62,8 @@ def test_gpu_kernel_lowers_for_cuda(shapes, options):
     text = _lower(gpu.ragged_paged_attention_gpu, _shapes(**SHAPES[shapes]), "cuda", H100,
                   **GPU_OPTIONS[options])
     assert "__gpu$xla.gpu.triton" in text
+    # The KV write is fused: the kernel's cache output aliases its cache operand (in place).
+    assert "stablehlo.output_operand_alias" in text
 
 
 TPU_SHAPES = {k: v for k, v in SHAPES.items() if v.get("dtype") != jnp.float16}
