@@ -1,35 +1,40 @@
 """Ragged paged attention for TPUs: a Pallas/Mosaic kernel with scalar prefetch and manual DMA.
 
-One call, as the contract in ARCHITECTURE.md: write this step's K/V, then attend.
+One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cache and attend.
 
-1. KV write: an XLA scatter (`reference.write_kv`) before the kernel. Inside this kernel's grid
-   a head's new K/V rows are 2 x D elements each, so a fused write would be T x Hkv DMAs of
-   ~0.5 KiB, slower than one scatter over the donated cache; the kernel only reads the cache.
+1. Stored rows (XLA): this step's K/V as the cache holds them (`reference.stored_kv`),
+   [T, 2Hkv, D] in the cache dtype; the cache is viewed as [P * page, 2Hkv, D] (a free reshape of
+   its leading axes). Both stay in HBM (memory space ANY); the cache is an input/output alias.
 2. Layout (XLA): the flattened token axis T is cut into query blocks of `block_q` tokens
    (a power of two >= 16); q becomes [Hkv, nqb, G * bq, D] with rows head-major inside a block
    (row r = g * bq + i is token i of the block, query head g of the group), so a block is one
    plain 2-D matmul operand and a row's token is r & (bq - 1): no reshapes in the kernel.
    Per block, the first and last sequence it touches are found from cu_q_lens (searchsorted).
 3. Grid (Hkv, nqb), both parallel: kv head x query block. Scalar prefetch (SMEM): kv_lens, the
-   flattened page table, cu_q_lens, num_seqs, and the blocks' first/last sequences. The cache
-   stays in HBM (memory space ANY). A grid step loops over the sequences its block touches; for
-   each it walks that sequence's causal (and sliding-window) KV range in blocks of
-   `pages_per_block` pages: every page is brought in by two DMAs (K rows at 2h, V rows at
-   2h + 1, selected by the DMA itself) into [2, N, D] VMEM buffers, double buffered: block j+1's
-   DMAs are in flight while block j is computed. Pages past the causal end are replaced by the
-   last needed page of the same sequence, so only owned pages are read.
-4. Math: one float32 online softmax (m, l, acc) per block row across all its sequences. Rows
+   flattened page table, cu_q_lens, num_seqs, and the blocks' first/last sequences. A grid step
+   loops over the sequences its block touches; for each it walks the keys its rows may see in
+   blocks of `pages_per_block * page_size`, first the cached context (each page brought in by two
+   DMAs, K rows at 2h and V rows at 2h + 1), then this step's tokens (two DMAs of contiguous
+   stored rows; never from the cache, which is being written). Blocks are double buffered:
+   block j+1's DMAs are in flight while block j is computed. Pages past the context are replaced
+   by its last page, so only owned pages are read.
+4. KV write, fused: the grid steps of kv head 0 copy their block's real tokens, all heads at
+   once ([1, 2Hkv, D] each), from the stored rows into their cache slots by DMA, and wait for
+   them before the step ends. No step reads a slot that any step writes, so the writes cannot
+   race the reads even when the two TensorCores of a chip share the grid. (XLA's own scatter on
+   TPU updates one row at a time; the DMAs are issued back to back and overlap the attention.)
+5. Math: one float32 online softmax (m, l, acc) per block row across all its sequences. Rows
    that are not the current sequence's are masked; a finite mask value makes a row's not-yet-real
    statistics harmless (the first real score scales them by exp(MASK - real) == 0). V past
-   kv_len is zeroed so stale/NaN slots cannot leak through p == 0. Rows of padding tokens are
-   written as zeros.
+   the real keys is zeroed so stale/NaN slots cannot leak through p == 0. Rows of padding tokens
+   are written as zeros.
 
 Supports bf16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
 scales (dequantized in VMEM), head_dim 64/128/256, page_size a multiple of the cache dtype's
 sublane packing, sliding window, soft cap. Runs under TPU interpret mode on the CPU (no ref
-reshapes, no strided ref loads) and lowers for TPU from the CPU; that no real TPU has compiled it
-yet is the main open risk (the per-head DMA source `cache.at[page, :, 2h, :]` slices the
-second-minor axis).
+reshapes, no strided ref loads, static DMA shapes) and lowers for TPU from the CPU. No real TPU
+has compiled it yet; the open risks are the per-head DMAs (`.at[rows, 2h, :]` slices the
+second-minor axis of a tiled HBM array) and the SMEM size of the flattened page table.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
-from pallas_kernels.reference import write_kv
+from pallas_kernels.reference import stored_kv
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
 
@@ -82,33 +87,15 @@ def default_config(num_tokens, num_seqs, group, page_size, pages_per_seq):
     return TpuConfig(block_q, pages_per_block)
 
 
-def _kv_block_copies(kv_hbm, k_buf, v_buf, sems, pages_ref, head, seq, blk, slot, kv_end, *,
-                     pages_per_block, pages_per_seq):
-    """The 2 * pages_per_block DMAs that bring KV block `blk` of `seq` (kv head `head`) into
-    buffer `slot`: K rows (2 * head) and V rows (2 * head + 1) of each page, picked by the DMA.
-    Pages past the causal end `kv_end` repeat the last needed page (always one the sequence owns)."""
-    page_size = k_buf.shape[1] // pages_per_block
-    last = lax.div(kv_end - 1, page_size)  # non-negative operands: lax.div, not //
-    out = []
-    for i in range(pages_per_block):
-        page = pages_ref[seq * pages_per_seq + jnp.minimum(blk * pages_per_block + i, last)]
-        dst = pl.ds(i * page_size, page_size)
-        out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * head, :], k_buf.at[slot, dst],
-                                         sems.at[slot]))
-        out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * head + 1, :], v_buf.at[slot, dst],
-                                         sems.at[slot]))
-    return out
-
-
 def _attention_kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref, pages_ref, cu_q_lens_ref, num_seqs_ref, first_seq_ref, last_seq_ref,
-    # inputs
-    scales_ref, q_ref, kv_hbm,
-    # output
-    o_ref,
+    # inputs: per-head scales (SMEM), q block (VMEM), stored new rows and the cache (HBM)
+    scales_ref, q_ref, new_hbm, cache_hbm,
+    # outputs: out block (VMEM), the cache again (HBM, aliased to cache_hbm)
+    o_ref, cache_out,
     # scratch
-    k_buf, v_buf, sems,
+    k_buf, v_buf, sems, write_sem,
     *, block_q, pages_per_block, pages_per_seq, sm_scale, sliding_window, soft_cap, precision,
 ):
     rows_m, head_dim = q_ref.shape  # M = G * bq
@@ -117,67 +104,121 @@ def _attention_kernel(
     h, qb = pl.program_id(0), pl.program_id(1)
     block_start = qb * block_q
     k_scale, v_scale = scales_ref[2 * h], scales_ref[2 * h + 1]
+    real_end = cu_q_lens_ref[num_seqs_ref[0]]
 
     q = q_ref[...]  # [M, D]
     row_tok = block_start + (lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 0) & (block_q - 1))
     col = lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1)  # [M, N]
     v_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
 
-    copies = functools.partial(_kv_block_copies, kv_hbm, k_buf, v_buf, sems, pages_ref, h,
-                               pages_per_block=pages_per_block, pages_per_seq=pages_per_seq)
+    def slot_of(seq, pos):  # cache row of position `pos` of `seq`; non-negative: lax.div/rem
+        page = pages_ref[seq * pages_per_seq + lax.div(pos, page_size)]
+        return page * page_size + lax.rem(pos, page_size)
 
-    def attend_block(blk, slot, carry, row_pos, in_seq, kv_end):  # m, l [M, 1]; acc [M, D]
+    def cached_copies(seq, blk, slot, ctx_len):
+        """K and V rows of head h for cached block `blk`: two DMAs per page; pages past the
+        context repeat its last page (one the sequence owns)."""
+        last = lax.div(ctx_len - 1, page_size)
+        out = []
+        for i in range(pages_per_block):
+            first = slot_of(seq, jnp.minimum(blk * pages_per_block + i, last) * page_size)
+            src, dst = pl.ds(first, page_size), pl.ds(i * page_size, page_size)
+            out.append(pltpu.make_async_copy(cache_hbm.at[src, 2 * h, :], k_buf.at[slot, dst],
+                                             sems.at[slot]))
+            out.append(pltpu.make_async_copy(cache_hbm.at[src, 2 * h + 1, :], v_buf.at[slot, dst],
+                                             sems.at[slot]))
+        return out
+
+    def new_copies(token, slot):
+        """K and V rows of head h of tokens [token, token + N) of this step: two DMAs."""
+        src = pl.ds(token, block_kv)
+        return [pltpu.make_async_copy(new_hbm.at[src, 2 * h, :], k_buf.at[slot], sems.at[slot]),
+                pltpu.make_async_copy(new_hbm.at[src, 2 * h + 1, :], v_buf.at[slot], sems.at[slot])]
+
+    def attend_block(slot, carry, first, end, row_pos, in_seq):  # m, l [M, 1]; acc [M, D]
         k = k_buf[slot].astype(q.dtype)  # [N, D]
         v = v_buf[slot].astype(q.dtype)
         s = common.block_scores(q, k, scale=sm_scale * k_scale, soft_cap=soft_cap,
                                 precision=precision)  # [M, N]
-        kpos = blk * block_kv + col
-        mask = in_seq & (kpos <= row_pos) & (kpos < kv_end)
+        kpos = first + col
+        mask = in_seq & (kpos <= row_pos) & (kpos < end)
         if sliding_window is not None:
             mask = mask & (row_pos - kpos < sliding_window)
         s = jnp.where(mask, s, common.MASK_VALUE)
-        v = jnp.where(blk * block_kv + v_row < kv_end, v, jnp.zeros_like(v))  # stale/NaN slots
+        v = jnp.where(first + v_row < end, v, jnp.zeros_like(v))  # stale/NaN slots
         return common.online_softmax_update(carry, s, v, precision=precision, keepdims=True)
+
+    def write_new_kv(seq, lo, hi, delta):
+        """Copy tokens [lo, hi) of `seq` (all heads) into their cache slots; waited at the end."""
+        def start(t, _):
+            pltpu.make_async_copy(new_hbm.at[pl.ds(t, 1)],
+                                  cache_out.at[pl.ds(slot_of(seq, t + delta), 1)], write_sem).start()
+        lax.fori_loop(lo, hi, start, None)
 
     def attend_sequence(seq, carry):
         q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
         lo = jnp.maximum(q_start, block_start)  # this block's tokens of seq: [lo, hi)
         hi = jnp.minimum(q_end, block_start + block_q)
         delta = kv_lens_ref[seq] - q_end  # position of token t is t + delta
+        ctx_len = q_start + delta  # cached positions [0, ctx_len); this step's [ctx_len, kv_end)
         kv_end = hi + delta
         kv_start = 0 if sliding_window is None else jnp.maximum(lo + delta - sliding_window + 1, 0)
-        blk_lo = lax.div(kv_start, block_kv)
-        blk_hi = jnp.where(hi > lo, lax.div(kv_end + block_kv - 1, block_kv), blk_lo)
+        live = hi > lo
+        a_lo = lax.div(kv_start, block_kv)
+        n_a = jnp.where(live & (ctx_len > kv_start),
+                        lax.div(ctx_len + block_kv - 1, block_kv) - a_lo, 0)
+        b_pos = jnp.maximum(ctx_len, kv_start)  # first key of this step the rows may see
+        n_b = jnp.where(live, lax.div(kv_end - b_pos + block_kv - 1, block_kv), 0)
         in_seq = (row_tok >= lo) & (row_tok < hi)
         row_pos = row_tok + delta
 
-        @pl.when(blk_lo < blk_hi)
+        @pl.when(live & (h == 0))
         def _():
-            for c in copies(seq, blk_lo, 0, kv_end):
-                c.start()
+            write_new_kv(seq, lo, hi, delta)
 
-        def kv_step(blk, carry):
-            slot = lax.rem(blk - blk_lo, 2)
-            for c in copies(seq, blk, slot, kv_end):
-                c.wait()
-
-            @pl.when(blk + 1 < blk_hi)
+        def copies(i, slot, action):  # block i < n_a: cached block a_lo + i; else this step's
+            @pl.when(i < n_a)
             def _():
-                for c in copies(seq, blk + 1, 1 - slot, kv_end):
-                    c.start()
+                for c in cached_copies(seq, a_lo + i, slot, ctx_len):
+                    getattr(c, action)()
 
-            return attend_block(blk, slot, carry, row_pos, in_seq, kv_end)
+            @pl.when(i >= n_a)
+            def _():
+                for c in new_copies(b_pos - delta + (i - n_a) * block_kv, slot):
+                    getattr(c, action)()
 
-        return lax.fori_loop(blk_lo, blk_hi, kv_step, carry)
+        @pl.when(n_a + n_b > 0)
+        def _():
+            copies(0, 0, "start")
+
+        def kv_step(i, carry):
+            slot = lax.rem(i, 2)
+            copies(i, slot, "wait")
+
+            @pl.when(i + 1 < n_a + n_b)
+            def _():
+                copies(i + 1, 1 - slot, "start")
+
+            cached = i < n_a
+            first = jnp.where(cached, (a_lo + i) * block_kv, b_pos + (i - n_a) * block_kv)
+            end = jnp.where(cached, ctx_len, kv_end)
+            return attend_block(slot, carry, first, end, row_pos, in_seq)
+
+        return lax.fori_loop(0, n_a + n_b, kv_step, carry)
 
     init = (jnp.full((rows_m, 1), common.MASK_VALUE, jnp.float32),
             jnp.zeros((rows_m, 1), jnp.float32), jnp.zeros((rows_m, head_dim), jnp.float32))
     _, l, acc = lax.fori_loop(first_seq_ref[qb], last_seq_ref[qb] + 1, attend_sequence, init)
-    real_end = cu_q_lens_ref[num_seqs_ref[0]]
     row_tok1 = block_start + (lax.broadcasted_iota(jnp.int32, (rows_m, 1), 0) & (block_q - 1))
     row_real = (row_tok1 < real_end) & (l > 0)  # [M, 1]
     out = acc * (v_scale / jnp.where(row_real, l, 1.0))
     o_ref[...] = jnp.where(row_real, out, 0.0).astype(o_ref.dtype)
+
+    @pl.when(h == 0)
+    def _():  # every write DMA this step started, waited by count (they are all one size)
+        written = jnp.clip(real_end - block_start, 0, block_q)
+        done = pltpu.make_async_copy(new_hbm.at[pl.ds(0, 1)], cache_out.at[pl.ds(0, 1)], write_sem)
+        lax.fori_loop(0, written, lambda _, c: (done.wait(), c)[1], None)
 
 
 def _block_sequences(cu_q_lens, num_seqs, num_blocks, block_q):
@@ -208,10 +249,8 @@ def ragged_paged_attention_tpu(
     reason = unsupported_reason(q, kv_cache, page_indices)
     if reason is not None:
         raise common.UnsupportedShape(f"pallas_tpu cannot take {reason}")
-    kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
-
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, two_hkv, _ = kv_cache.shape
+    num_pages, page_size, two_hkv, _ = kv_cache.shape
     num_kv_heads = two_hkv // 2
     group = num_q_heads // num_kv_heads
     num_seqs_max, pages_per_seq = page_indices.shape
@@ -222,6 +261,7 @@ def ragged_paged_attention_tpu(
         raise common.UnsupportedShape(f"pallas_tpu block_q={bq} must be a power of two >= 16")
     num_blocks = pl.cdiv(num_tokens, bq)
     rows_m = group * bq
+    block_kv = ppb * page_size
 
     t_pad = num_blocks * bq - num_tokens
     q_blocks = jnp.pad(q, ((0, t_pad), (0, 0), (0, 0)))
@@ -231,29 +271,36 @@ def ragged_paged_attention_tpu(
     scalars = (kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
                cu_q_lens.astype(jnp.int32), common.scalar_num_seqs(num_seqs), first_seq, last_seq)
     scales = common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1)  # [2 * Hkv]
+    # Stored rows, padded so that a block of keys starting at any real token stays in bounds.
+    new_rows = jnp.pad(stored_kv(k, v, kv_cache.dtype, k_scale, v_scale),
+                       ((0, block_kv), (0, 0), (0, 0)))
+    flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
 
     kernel = functools.partial(
         _attention_kernel, block_q=bq, pages_per_block=ppb, pages_per_seq=pages_per_seq,
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
     block = pl.BlockSpec((None, None, rows_m, head_dim), lambda h, b, *_: (h, b, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(num_kv_heads, num_blocks),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), block, pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=block,
-        scratch_shapes=[pltpu.VMEM((2, ppb * page_size, head_dim), kv_cache.dtype),
-                        pltpu.VMEM((2, ppb * page_size, head_dim), kv_cache.dtype),
-                        pltpu.SemaphoreType.DMA((2,))],
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), block, hbm, hbm],
+        out_specs=[block, hbm],
+        scratch_shapes=[pltpu.VMEM((2, block_kv, head_dim), kv_cache.dtype),
+                        pltpu.VMEM((2, block_kv, head_dim), kv_cache.dtype),
+                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
     )
-    out_blocks = pl.pallas_call(
+    out_blocks, flat_cache = pl.pallas_call(
         kernel, grid_spec=grid_spec, name="ragged_paged_attention_tpu",
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_blocks, rows_m, head_dim), q.dtype),
+        out_shape=[jax.ShapeDtypeStruct((num_kv_heads, num_blocks, rows_m, head_dim), q.dtype),
+                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
+        input_output_aliases={len(scalars) + 3: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=config.vmem_limit_bytes),
         interpret=interpret or False,
-    )(*scalars, scales, q_blocks, kv_cache)
+    )(*scalars, scales, q_blocks, new_rows, flat_cache)
 
     out = out_blocks.reshape(num_kv_heads, num_blocks, group, bq, head_dim)
     out = out.transpose(1, 3, 0, 2, 4).reshape(num_blocks * bq, num_q_heads, head_dim)
-    return out[:num_tokens], kv_cache
+    return out[:num_tokens], flat_cache.reshape(kv_cache.shape)

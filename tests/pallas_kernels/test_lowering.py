@@ -81,6 +81,7 @@ def test_tpu_kernel_lowers_for_tpu(shapes, options, device):
     text = _lower(tpu.ragged_paged_attention_tpu, _shapes(**TPU_SHAPES[shapes]), "tpu", device,
                   **TPU_OPTIONS[options])
     assert "tpu_custom_call" in text
+    assert "stablehlo.output_operand_alias" in text  # the fused KV write is in place
 
 
 def test_lowering_check_has_teeth(monkeypatch):
