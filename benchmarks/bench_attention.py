@@ -4,6 +4,7 @@
     python benchmarks/bench_attention.py                  # on a GPU (H100/H200)
     python benchmarks/bench_attention.py --smoke          # CPU: tiny shapes, kernels interpreted
     python benchmarks/bench_attention.py --scenarios decode --batches 1,64 --contexts 4096
+    python benchmarks/bench_attention.py --sweep          # + the default config's neighbours
 
 How it measures:
 - Device ceilings first: HBM bandwidth from a large device-to-device elementwise copy (x + 1,
@@ -194,7 +195,37 @@ def run_batch(batch: Batch, model: Model, args) -> list[dict]:
     rows.insert(0, _row_with_cache("pallas_gpu", _ours(model, args.smoke), batch, want, tol, args))
     if not args.skip_reference:
         rows.insert(1, _row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
+    if args.sweep:
+        for config in sweep_configs(batch, model):
+            rows.append(_row_with_cache(f"pallas_gpu {_config_name(config)}",
+                                        _ours(model, args.smoke, config), batch, want, tol, args))
     return rows
+
+
+def _config_name(c: gpu.GpuConfig) -> str:
+    return f"bq={c.block_q} bkv={c.block_kv} C={c.num_splits} w={c.num_warps} st={c.num_stages}"
+
+
+def sweep_configs(batch: Batch, model: Model) -> list[gpu.GpuConfig]:
+    """The default config's neighbours, one field changed at a time (a coordinate search, so a
+    sweep costs ~10 compiles per scenario rather than a full grid)."""
+    q, _, _, _, _, page_indices, _, _ = batch.args
+    group = model.q_heads // model.kv_heads
+    base = gpu.default_config(q.shape[0], page_indices.shape[0], group, model.kv_heads,
+                              model.head_dim, model.page_size, page_indices.shape[1])
+    gp = 1 << max(0, group - 1).bit_length()
+    variants = [dict(block_kv=base.block_kv // 2), dict(block_kv=base.block_kv * 2),
+                dict(block_q=base.block_q // 2), dict(block_q=base.block_q * 2),
+                dict(num_splits=max(1, base.num_splits // 4)), dict(num_splits=base.num_splits * 2),
+                dict(num_warps=4 if base.num_warps == 8 else 8),
+                dict(num_stages=1), dict(num_stages=3)]
+    out = []
+    for change in variants:
+        config = dataclasses.replace(base, **change)
+        if config != base and config not in out and config.block_kv >= 16 \
+                and config.block_q * gp >= 16 and config.block_q >= 1:
+            out.append(config)
+    return out
 
 
 def measure_ceilings(smoke):
@@ -259,6 +290,8 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per row")
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the default GpuConfig's neighbours (tuning default_config)")
     args = p.parse_args(argv)
     if args.smoke:
         model = Model(4, 2, 64, 16, jnp.float32)

@@ -13,21 +13,22 @@ One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cac
 3. Kernel grid (W, Hkv, C): work item x kv head x KV split. A program loads its q block
    [bq * Gp, D] (the bq tokens x the G query heads of kv head h, G padded to the power of two Gp
    and bq chosen so that rows >= 16 for Triton's dots) and runs a float32 online softmax over
-   `block_kv` keys at a time in two ranges:
-   a. the cached context [0, ctx_len): K/V rows gathered from the cache by slot, the slot of each
-      position looked up in the flattened page table (an ordinary input: Triton has no scalar
-      prefetch); positions past the context are clamped onto its last one, so only owned pages
-      are read;
-   b. this step's tokens up to the causal end, read from the stored rows of step 1, never from
-      the cache. That is what makes the fused write safe: Triton has no barrier across programs,
-      and no program reads a slot that any program of this call writes.
-   The cache is viewed as [P * page, 2Hkv, D] with a BlockSpec holding K and V of head h.
+   its keys in blocks of `block_kv` positions, aligned to block_kv from the sliding window's
+   start. Cached positions [0, ctx_len) are gathered from the cache by slot, the slot of each
+   position looked up in the flattened page table (an ordinary input: Triton has no scalar
+   prefetch); this step's positions [ctx_len, kv_end) are gathered from the stored rows of step
+   1, never from the cache. The one block that straddles ctx_len gathers from both and selects
+   per key, so a decode token costs no extra block. Gather indices are clamped into each
+   source's real range, so only owned pages and real rows are read. Reading this step's keys
+   from the stored rows is what makes the fused write safe: Triton has no barrier across
+   programs, and no program reads a slot that any program of this call writes. The cache is
+   viewed as [P * page, 2Hkv, D] with a BlockSpec holding K and V of head h.
 4. KV write, fused: the split-0 program of each (item, head) stores its rows' K and V into their
    slots of the cache, which is an input/output alias (in place under donation). Rows past the
    item's count repeat row 0's slot and value, so no store needs a mask.
 5. Split-K (flash-decoding): with few programs and long contexts, C > 1 programs share one
-   item's KV blocks (both ranges, as one sequence of blocks); each writes unnormalised
-   (acc, m, l) and an XLA combine merges them.
+   item's KV blocks, a contiguous run each; each writes unnormalised (acc, m, l) and an XLA
+   combine merges them.
 6. The item blocks are gathered back to [T, Hq, D]; padding tokens get zeros.
 
 Supports bf16/f16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
@@ -140,15 +141,16 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
         page = pages_ref[table_base + lax.shift_right_logical(pos, page_shift)]
         return page * page_size + (pos & (page_size - 1))
 
-    # Blocks of the cached range [kv_start, ctx_len), then of this step's [max(ctx, start), end).
-    a_lo = lax.div(kv_start, block_kv)  # operands are non-negative: lax.div, not //
-    a_hi = jnp.where(live & (ctx_len > kv_start), lax.div(ctx_len + block_kv - 1, block_kv), a_lo)
-    b_pos = jnp.maximum(ctx_len, kv_start)
-    n_a = a_hi - a_lo
-    n_b = jnp.where(live, lax.div(kv_end - b_pos + block_kv - 1, block_kv), 0)
-    per_split = lax.div(n_a + n_b + num_splits - 1, num_splits)
-    lo = pl.program_id(2) * per_split
-    hi = jnp.minimum(lo + per_split, n_a + n_b)
+    # Key blocks are aligned to block_kv over positions [kv_start, kv_end): blocks below `full`
+    # hold cached keys only, block `full` may straddle ctx_len (both sources), the rest hold
+    # this step's keys only. A split takes a contiguous run of blocks.
+    blk_lo = lax.div(kv_start, block_kv)  # operands are non-negative: lax.div, not //
+    blk_hi = jnp.where(live, lax.div(kv_end + block_kv - 1, block_kv), blk_lo)
+    per_split = lax.div(blk_hi - blk_lo + num_splits - 1, num_splits)
+    lo = blk_lo + pl.program_id(2) * per_split
+    hi = jnp.minimum(lo + per_split, blk_hi)
+    full = lax.div(ctx_len, block_kv)
+    mixed_end = lax.div(ctx_len + block_kv - 1, block_kv)
 
     q = q_ref[...]  # [M, D]
     row_pos = pos0 + lax.shift_right_logical(  # row r is token r // Gp
@@ -157,33 +159,39 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
     v_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
     key = lax.iota(jnp.int32, block_kv)  # [N]
 
-    def attend(carry, first, end, k, v):
-        """Keys at positions first + [0, N), real below `end`; k, v [N, D] as stored."""
-        s = common.block_scores(q, k.astype(q.dtype), scale=sm_scale * k_scale,
-                                soft_cap=soft_cap, precision=precision)  # [M, N]
-        kpos = first + col
-        mask = (kpos <= row_pos) & (kpos < end)
-        if sliding_window is not None:
-            mask = mask & (row_pos - kpos < sliding_window)
-        s = jnp.where(mask, s, common.MASK_VALUE)
-        v = jnp.where(first + v_row < end, v.astype(q.dtype), 0)  # stale/NaN slots
-        return common.online_softmax_update(carry, s, v, precision=precision, keepdims=False)
-
-    def cached_block(b, carry):
-        first = b * block_kv
+    def cached_keys(first):  # positions past the context repeat its last one
         slot = slots(jnp.minimum(first + key, ctx_len - 1))  # [N]
-        return attend(carry, first, ctx_len, cache_ref[slot, 0, :], cache_ref[slot, 1, :])
+        return cache_ref[slot, 0, :], cache_ref[slot, 1, :]
 
-    def new_block(j, carry):
-        first = b_pos + j * block_kv
-        token = jnp.minimum(first + key, kv_end - 1) + token_base  # [N]
-        return attend(carry, first, kv_end, new_ref[token, 0, :], new_ref[token, 1, :])
+    def new_keys(first):  # positions outside [ctx_len, kv_end) repeat its nearest end
+        token = jnp.clip(first + key, ctx_len, kv_end - 1) + token_base  # [N]
+        return new_ref[token, 0, :], new_ref[token, 1, :]
 
-    init = (jnp.full((rows_m,), common.MASK_VALUE, jnp.float32),
-            jnp.zeros((rows_m,), jnp.float32), jnp.zeros((rows_m, head_dim), jnp.float32))
-    carry = lax.fori_loop(a_lo + jnp.minimum(lo, n_a), a_lo + jnp.minimum(hi, n_a), cached_block,
-                          init)
-    m, l, acc = lax.fori_loop(jnp.maximum(lo - n_a, 0), hi - n_a, new_block, carry)
+    def mixed_keys(first):
+        (kc, vc), (kn, vn) = cached_keys(first), new_keys(first)
+        cached = (first + key < ctx_len)[:, None]  # [N, 1]
+        return jnp.where(cached, kc, kn), jnp.where(cached, vc, vn)
+
+    def block(keys):
+        def body(b, carry):
+            first = b * block_kv
+            k, v = keys(first)  # [N, D] each, as stored
+            s = common.block_scores(q, k.astype(q.dtype), scale=sm_scale * k_scale,
+                                    soft_cap=soft_cap, precision=precision)  # [M, N]
+            kpos = first + col
+            mask = (kpos <= row_pos) & (kpos < kv_end)
+            if sliding_window is not None:
+                mask = mask & (row_pos - kpos < sliding_window)
+            s = jnp.where(mask, s, common.MASK_VALUE)
+            v = jnp.where(first + v_row < kv_end, v.astype(q.dtype), 0)
+            return common.online_softmax_update(carry, s, v, precision=precision, keepdims=False)
+        return body
+
+    carry = (jnp.full((rows_m,), common.MASK_VALUE, jnp.float32),
+             jnp.zeros((rows_m,), jnp.float32), jnp.zeros((rows_m, head_dim), jnp.float32))
+    carry = lax.fori_loop(lo, jnp.minimum(hi, full), block(cached_keys), carry)
+    carry = lax.fori_loop(jnp.maximum(lo, full), jnp.minimum(hi, mixed_end), block(mixed_keys), carry)
+    m, l, acc = lax.fori_loop(jnp.maximum(lo, mixed_end), hi, block(new_keys), carry)
 
     @pl.when(live & (pl.program_id(2) == 0))
     def _write():

@@ -1,18 +1,23 @@
 """benchmarks/bench_attention.py --smoke: every code path (ceilings, correctness check, timing,
 jax's paged_attention, the table) on tiny shapes with the kernels interpreted."""
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_attention.py"
 
 
-def test_bench_attention_smoke(capsys):
+def load_bench():
     spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up there
     spec.loader.exec_module(bench)
-    bench.main(["--smoke"])
+    return bench
+
+
+def test_bench_attention_smoke(capsys):
+    load_bench().main(["--smoke"])
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     rows = table[2:]
     impls = {row.split("|")[2].strip() for row in rows}
@@ -22,3 +27,20 @@ def test_bench_attention_smoke(capsys):
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert cells[2], f"no time: {row}"
         assert "FAIL" not in row and not cells[-1], row
+
+
+def test_bench_attention_sweep_smoke(capsys):
+    """--sweep: the default config's neighbours each run, check and time."""
+    load_bench().main(["--smoke", "--sweep", "--scenarios", "prefill", "--skip-reference"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][2:]
+    swept = [row for row in rows if "bkv=" in row]
+    assert len(swept) >= 5
+    for row in swept:
+        assert "FAIL" not in row and not row.split("|")[-2].strip(), row
+
+
+def test_gpu_session_script_rejects_an_unknown_part(tmp_path):
+    script = BENCH.parent / "gpu_session.sh"
+    done = subprocess.run(["bash", str(script), "nope", str(tmp_path)], capture_output=True,
+                          text=True, cwd=BENCH.parents[1])
+    assert done.returncode == 2 and "unknown part: nope" in done.stderr

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The attention kernels' work on a lent GPU (H100/H200), in parts that each fit one 10-minute
+# device command. Run from the repository root on the GPU machine, whose image already has
+# jax (CUDA), flax and pytest; nothing is installed. Tables and logs go to OUTDIR (default $OUT).
+#
+#   bash benchmarks/gpu_session.sh check   # compiled kernel tests (-m gpu) + a small bench
+#   bash benchmarks/gpu_session.sh decode  # decode batch 1..256 x context 1k..32k
+#   bash benchmarks/gpu_session.sh prefill # prefill chunks 512..8k and the mixed batch
+#   bash benchmarks/gpu_session.sh sweep   # the default config's neighbours, for tuning
+#
+# Copy the tables into benchmarks/RESULTS.md with the date and the device.
+set -euo pipefail
+part=${1:?usage: gpu_session.sh check|decode|prefill|sweep [OUTDIR]}
+out=${2:-${OUT:-.}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+bench=(benchmarks/bench_attention.py)
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv \
+    > "$out/gpu_$part.txt" 2>&1 || true
+
+case $part in
+  check)
+    $py -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels 2>&1 | tee -a "$out/gpu_$part.txt"
+    $py "${bench[@]}" --scenarios decode,prefill --batches 8 --contexts 4096 --chunks 1024 \
+        | tee "$out/attention_check.md" ;;
+  decode)
+    $py "${bench[@]}" --scenarios decode | tee "$out/attention_decode.md" ;;
+  prefill)
+    $py "${bench[@]}" --scenarios prefill,mixed | tee "$out/attention_prefill.md" ;;
+  sweep)
+    $py "${bench[@]}" --sweep --skip-reference --skip-jax --scenarios decode,prefill \
+        --batches 1,64,256 --contexts 4096,32768 --chunks 2048 | tee "$out/attention_sweep.md" ;;
+  *)
+    echo "unknown part: $part (want check, decode, prefill or sweep)" >&2; exit 2 ;;
+esac
