@@ -13,16 +13,18 @@ One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cac
 3. Grid (Hkv, nqb), both parallel: kv head x query block. Scalar prefetch (SMEM): kv_lens, the
    flattened page table, cu_q_lens, num_seqs, and the blocks' first/last sequences. A grid step
    loops over the sequences its block touches; for each it walks the keys its rows may see in
-   blocks of `pages_per_block * page_size`, first the cached context (each page brought in by two
-   DMAs, K rows at 2h and V rows at 2h + 1), then this step's tokens (two DMAs of contiguous
-   stored rows; never from the cache, which is being written). Blocks are double buffered:
-   block j+1's DMAs are in flight while block j is computed. Pages past the context are replaced
-   by its last page, so only owned pages are read.
+   blocks of N = `pages_per_block * page_size` positions, fetched a page-sized chunk at a time:
+   a cached chunk by two DMAs from its page (K rows at 2h, V rows at 2h + 1), a chunk of this
+   step's keys by two DMAs of contiguous stored rows (never from the cache, which is being
+   written), the chunk that straddles the cached length by both, into separate buffers that
+   are selected per key. Chunks past the causal end are not fetched, so a decode token costs
+   one page of rows. Blocks are double buffered: block j+1's DMAs are in flight while block j
+   is computed.
 4. KV write, fused: the grid steps of kv head 0 copy their block's real tokens, all heads at
    once ([1, 2Hkv, D] each), from the stored rows into their cache slots by DMA, and wait for
    them before the step ends. No step reads a slot that any step writes, so the writes cannot
-   race the reads even when the two TensorCores of a chip share the grid. (XLA's own scatter on
-   TPU updates one row at a time; the DMAs are issued back to back and overlap the attention.)
+   race the reads even when the two TensorCores of a chip share the grid. The DMAs are issued
+   back to back and overlap the attention, where a separate XLA scatter would run before it.
 5. Math: one float32 online softmax (m, l, acc) per block row across all its sequences. Rows
    that are not the current sequence's are masked; a finite mask value makes a row's not-yet-real
    statistics harmless (the first real score scales them by exp(MASK - real) == 0). V past
@@ -94,12 +96,12 @@ def _attention_kernel(
     scales_ref, q_ref, new_hbm, cache_hbm,
     # outputs: out block (VMEM), the cache again (HBM, aliased to cache_hbm)
     o_ref, cache_out,
-    # scratch
-    k_buf, v_buf, sems, write_sem,
+    # scratch: [2, N, D] double buffers for K/V from the cache and from the new rows
+    kc_buf, vc_buf, kn_buf, vn_buf, sems, write_sem,
     *, block_q, pages_per_block, pages_per_seq, sm_scale, sliding_window, soft_cap, precision,
 ):
     rows_m, head_dim = q_ref.shape  # M = G * bq
-    _, block_kv, _ = k_buf.shape
+    _, block_kv, _ = kc_buf.shape
     page_size = block_kv // pages_per_block
     h, qb = pl.program_id(0), pl.program_id(1)
     block_start = qb * block_q
@@ -109,49 +111,56 @@ def _attention_kernel(
     q = q_ref[...]  # [M, D]
     row_tok = block_start + (lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 0) & (block_q - 1))
     col = lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1)  # [M, N]
-    v_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
+    key_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
 
     def slot_of(seq, pos):  # cache row of position `pos` of `seq`; non-negative: lax.div/rem
         page = pages_ref[seq * pages_per_seq + lax.div(pos, page_size)]
         return page * page_size + lax.rem(pos, page_size)
 
-    def cached_copies(seq, blk, slot, ctx_len):
-        """K and V rows of head h for cached block `blk`: two DMAs per page; pages past the
-        context repeat its last page (one the sequence owns)."""
-        last = lax.div(ctx_len - 1, page_size)
-        out = []
+    def block_copies(seq, blk, slot, ctx_len, kv_end, delta, action):
+        """Start or wait the DMAs of key block `blk` (positions blk * N + [0, N)), a page-sized
+        chunk at a time: cached chunks from their page, chunks of this step from the stored rows
+        (both for the chunk that straddles ctx_len); chunks past kv_end are not fetched."""
         for i in range(pages_per_block):
-            first = slot_of(seq, jnp.minimum(blk * pages_per_block + i, last) * page_size)
-            src, dst = pl.ds(first, page_size), pl.ds(i * page_size, page_size)
-            out.append(pltpu.make_async_copy(cache_hbm.at[src, 2 * h, :], k_buf.at[slot, dst],
-                                             sems.at[slot]))
-            out.append(pltpu.make_async_copy(cache_hbm.at[src, 2 * h + 1, :], v_buf.at[slot, dst],
-                                             sems.at[slot]))
-        return out
+            p0 = blk * block_kv + i * page_size
+            dst = pl.ds(i * page_size, page_size)
 
-    def new_copies(token, slot):
-        """K and V rows of head h of tokens [token, token + N) of this step: two DMAs."""
-        src = pl.ds(token, block_kv)
-        return [pltpu.make_async_copy(new_hbm.at[src, 2 * h, :], k_buf.at[slot], sems.at[slot]),
-                pltpu.make_async_copy(new_hbm.at[src, 2 * h + 1, :], v_buf.at[slot], sems.at[slot])]
+            @pl.when(p0 < ctx_len)
+            def _():
+                src = pl.ds(slot_of(seq, p0), page_size)
+                for buf, row in ((kc_buf, 2 * h), (vc_buf, 2 * h + 1)):
+                    c = pltpu.make_async_copy(cache_hbm.at[src, row, :], buf.at[slot, dst],
+                                              sems.at[slot])
+                    getattr(c, action)()
 
-    def attend_block(slot, carry, first, end, row_pos, in_seq):  # m, l [M, 1]; acc [M, D]
-        k = k_buf[slot].astype(q.dtype)  # [N, D]
-        v = v_buf[slot].astype(q.dtype)
+            @pl.when((p0 + page_size > ctx_len) & (p0 < kv_end))
+            def _():  # new rows carry page_size rows of padding in front: index >= 0
+                src = pl.ds(page_size + p0 - delta, page_size)
+                for buf, row in ((kn_buf, 2 * h), (vn_buf, 2 * h + 1)):
+                    c = pltpu.make_async_copy(new_hbm.at[src, row, :], buf.at[slot, dst],
+                                              sems.at[slot])
+                    getattr(c, action)()
+
+    def attend_block(blk, slot, carry, ctx_len, kv_end, row_pos, in_seq):
+        """carry: m, l [M, 1]; acc [M, D]. Unfetched chunks hold stale VMEM: never selected."""
+        first = blk * block_kv
+        cached = first + key_row < ctx_len  # [N, D]
+        k = jnp.where(cached, kc_buf[slot], kn_buf[slot]).astype(q.dtype)  # [N, D]
+        v = jnp.where(cached, vc_buf[slot], vn_buf[slot]).astype(q.dtype)
         s = common.block_scores(q, k, scale=sm_scale * k_scale, soft_cap=soft_cap,
                                 precision=precision)  # [M, N]
         kpos = first + col
-        mask = in_seq & (kpos <= row_pos) & (kpos < end)
+        mask = in_seq & (kpos <= row_pos) & (kpos < kv_end)
         if sliding_window is not None:
             mask = mask & (row_pos - kpos < sliding_window)
         s = jnp.where(mask, s, common.MASK_VALUE)
-        v = jnp.where(first + v_row < end, v, jnp.zeros_like(v))  # stale/NaN slots
+        v = jnp.where(first + key_row < kv_end, v, jnp.zeros_like(v))  # stale VMEM, NaN too
         return common.online_softmax_update(carry, s, v, precision=precision, keepdims=True)
 
     def write_new_kv(seq, lo, hi, delta):
         """Copy tokens [lo, hi) of `seq` (all heads) into their cache slots; waited at the end."""
         def start(t, _):
-            pltpu.make_async_copy(new_hbm.at[pl.ds(t, 1)],
+            pltpu.make_async_copy(new_hbm.at[pl.ds(page_size + t, 1)],
                                   cache_out.at[pl.ds(slot_of(seq, t + delta), 1)], write_sem).start()
         lax.fori_loop(lo, hi, start, None)
 
@@ -164,47 +173,31 @@ def _attention_kernel(
         kv_end = hi + delta
         kv_start = 0 if sliding_window is None else jnp.maximum(lo + delta - sliding_window + 1, 0)
         live = hi > lo
-        a_lo = lax.div(kv_start, block_kv)
-        n_a = jnp.where(live & (ctx_len > kv_start),
-                        lax.div(ctx_len + block_kv - 1, block_kv) - a_lo, 0)
-        b_pos = jnp.maximum(ctx_len, kv_start)  # first key of this step the rows may see
-        n_b = jnp.where(live, lax.div(kv_end - b_pos + block_kv - 1, block_kv), 0)
+        blk_lo = lax.div(kv_start, block_kv)
+        blk_hi = jnp.where(live, lax.div(kv_end + block_kv - 1, block_kv), blk_lo)
         in_seq = (row_tok >= lo) & (row_tok < hi)
         row_pos = row_tok + delta
+        copies = functools.partial(block_copies, seq, ctx_len=ctx_len, kv_end=kv_end, delta=delta)
 
         @pl.when(live & (h == 0))
         def _():
             write_new_kv(seq, lo, hi, delta)
 
-        def copies(i, slot, action):  # block i < n_a: cached block a_lo + i; else this step's
-            @pl.when(i < n_a)
-            def _():
-                for c in cached_copies(seq, a_lo + i, slot, ctx_len):
-                    getattr(c, action)()
-
-            @pl.when(i >= n_a)
-            def _():
-                for c in new_copies(b_pos - delta + (i - n_a) * block_kv, slot):
-                    getattr(c, action)()
-
-        @pl.when(n_a + n_b > 0)
+        @pl.when(blk_lo < blk_hi)
         def _():
-            copies(0, 0, "start")
+            copies(blk_lo, 0, action="start")
 
-        def kv_step(i, carry):
-            slot = lax.rem(i, 2)
-            copies(i, slot, "wait")
+        def kv_step(blk, carry):
+            slot = lax.rem(blk - blk_lo, 2)
+            copies(blk, slot, action="wait")
 
-            @pl.when(i + 1 < n_a + n_b)
+            @pl.when(blk + 1 < blk_hi)
             def _():
-                copies(i + 1, 1 - slot, "start")
+                copies(blk + 1, 1 - slot, action="start")
 
-            cached = i < n_a
-            first = jnp.where(cached, (a_lo + i) * block_kv, b_pos + (i - n_a) * block_kv)
-            end = jnp.where(cached, ctx_len, kv_end)
-            return attend_block(slot, carry, first, end, row_pos, in_seq)
+            return attend_block(blk, slot, carry, ctx_len, kv_end, row_pos, in_seq)
 
-        return lax.fori_loop(0, n_a + n_b, kv_step, carry)
+        return lax.fori_loop(blk_lo, blk_hi, kv_step, carry)
 
     init = (jnp.full((rows_m, 1), common.MASK_VALUE, jnp.float32),
             jnp.zeros((rows_m, 1), jnp.float32), jnp.zeros((rows_m, head_dim), jnp.float32))
@@ -271,9 +264,10 @@ def ragged_paged_attention_tpu(
     scalars = (kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
                cu_q_lens.astype(jnp.int32), common.scalar_num_seqs(num_seqs), first_seq, last_seq)
     scales = common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1)  # [2 * Hkv]
-    # Stored rows, padded so that a block of keys starting at any real token stays in bounds.
+    # Stored rows with a page of padding at each end: a page-sized chunk of this step's keys
+    # may start up to a page before a sequence's first token or end a page after its last.
     new_rows = jnp.pad(stored_kv(k, v, kv_cache.dtype, k_scale, v_scale),
-                       ((0, block_kv), (0, 0), (0, 0)))
+                       ((page_size, page_size), (0, 0), (0, 0)))
     flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
 
     kernel = functools.partial(
@@ -287,9 +281,8 @@ def ragged_paged_attention_tpu(
         grid=(num_kv_heads, num_blocks),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), block, hbm, hbm],
         out_specs=[block, hbm],
-        scratch_shapes=[pltpu.VMEM((2, block_kv, head_dim), kv_cache.dtype),
-                        pltpu.VMEM((2, block_kv, head_dim), kv_cache.dtype),
-                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
+        scratch_shapes=[pltpu.VMEM((2, block_kv, head_dim), kv_cache.dtype)] * 4
+                       + [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
     )
     out_blocks, flat_cache = pl.pallas_call(
         kernel, grid_spec=grid_spec, name="ragged_paged_attention_tpu",
