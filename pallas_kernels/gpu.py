@@ -221,7 +221,7 @@ def _combine(o, m, l):
     return o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
-def _q_blocks(q, cu_q_lens, meta, num_kv_heads, block_q, gp):
+def _q_blocks(q, meta, num_kv_heads, block_q, gp):
     """q [T, Hq, D] -> [W, Hkv, bq * Gp, D]; row r of a block is token r // Gp, head r % Gp."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_items = meta.shape[0]
@@ -313,7 +313,7 @@ def ragged_paged_attention_gpu(
         cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)
     out_blocks, kv_cache = _call_kernel(
         meta, page_indices.reshape(-1).astype(jnp.int32),
-        common.kv_scales(kv_cache, k_scale, v_scale), _q_blocks(q, cu_q_lens, meta, num_kv_heads, bq, gp),
+        common.kv_scales(kv_cache, k_scale, v_scale), _q_blocks(q, meta, num_kv_heads, bq, gp),
         stored_kv(k, v, kv_cache.dtype, k_scale, v_scale), kv_cache, config=config, gp=gp,
         interpret=interpret, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=soft_cap, precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
