@@ -46,6 +46,17 @@ def check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is quantized: k_scale and v_scale are required")
 
 
+def validate_kernel_call(kernel_name, unsupported_reason, q, k, v, kv_cache, kv_lens, page_indices,
+                         cu_q_lens, num_seqs, k_scale, v_scale, sliding_window, soft_cap):
+    """A kernel's entry check: the contract, the options, then the kernel's own limits
+    (`unsupported_reason(q, kv_cache, page_indices)`), raising UnsupportedShape for those."""
+    check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+    check_options(sliding_window, soft_cap)
+    reason = unsupported_reason(q, kv_cache, page_indices)
+    if reason is not None:
+        raise UnsupportedShape(f"{kernel_name} cannot take {reason}")
+
+
 def dtype_mismatch(q, kv_cache, supported) -> str | None:
     """Why q / kv_cache dtypes don't suit a kernel that takes `supported` query dtypes, or None."""
     if q.dtype not in supported:

@@ -290,12 +290,9 @@ def ragged_paged_attention_gpu(
 
     `config` overrides the block sizes / splits chosen by `default_config`; `interpret=True`
     runs the kernel in the Pallas interpreter (CPU tests)."""
-    common.check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                          k_scale, v_scale)
-    common.check_options(sliding_window, soft_cap)
-    reason = unsupported_reason(q, kv_cache, page_indices)
-    if reason is not None:
-        raise common.UnsupportedShape(f"pallas_gpu cannot take {reason}")
+    common.validate_kernel_call("pallas_gpu", unsupported_reason, q, k, v, kv_cache, kv_lens,
+                                page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
+                                sliding_window, soft_cap)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_hkv, _ = kv_cache.shape
     num_kv_heads = two_hkv // 2

@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import is_quantized
+
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
 _BLOCK_ELEMENTS = 1 << 18
 # Tokens per block at most: the loop stops at the longest real sequence, so a small block keeps
@@ -57,15 +59,11 @@ def quantize_kv(x, scale, dtype):
     return y.astype(dtype)
 
 
-def _is_quantized(dtype) -> bool:
-    return jnp.dtype(dtype).itemsize == 1
-
-
 def stored_kv(k, v, cache_dtype, k_scale=None, v_scale=None):
     """This step's K/V as the cache stores them: [T, 2 * Hkv, D] in `cache_dtype`, K of head h
     at 2h and V at 2h + 1 (quantized with the per-head scales for an int8/fp8 cache)."""
     num_tokens, num_kv_heads, d = k.shape
-    if _is_quantized(cache_dtype):
+    if is_quantized(cache_dtype):
         k = quantize_kv(k, k_scale, cache_dtype)
         v = quantize_kv(v, v_scale, cache_dtype)
     return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, d).astype(cache_dtype)
@@ -92,7 +90,7 @@ def _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq):
 
 def _stored(x, scale, dtype):
     """x [T, K, D] as the cache holds it (rounded to its dtype, or quantized), read back in f32."""
-    if _is_quantized(dtype):
+    if is_quantized(dtype):
         return quantize_kv(x, scale, dtype).astype(jnp.float32) * scale[None, :, None]
     return x.astype(dtype).astype(jnp.float32)
 
@@ -150,7 +148,7 @@ def ragged_paged_attention_reference(
     ppb = _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq)
     block = ppb * page_size
     token_pages = jnp.pad(page_indices[seq], ((0, 0), (0, (-pages_per_seq) % ppb)))  # [T, >= pages_per_seq]
-    if _is_quantized(kv_cache.dtype):
+    if is_quantized(kv_cache.dtype):
         scales = jnp.stack([k_scale, v_scale], axis=1).reshape(two_hkv).astype(jnp.float32)
     else:
         scales = jnp.ones((two_hkv,), jnp.float32)

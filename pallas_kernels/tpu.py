@@ -236,12 +236,9 @@ def ragged_paged_attention_tpu(
 
     `interpret`: None/False compiles for the TPU; a `pltpu.InterpretParams` runs the TPU
     interpreter (so does an enclosing `pltpu.force_tpu_interpret_mode`)."""
-    common.check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                          k_scale, v_scale)
-    common.check_options(sliding_window, soft_cap)
-    reason = unsupported_reason(q, kv_cache, page_indices)
-    if reason is not None:
-        raise common.UnsupportedShape(f"pallas_tpu cannot take {reason}")
+    common.validate_kernel_call("pallas_tpu", unsupported_reason, q, k, v, kv_cache, kv_lens,
+                                page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
+                                sliding_window, soft_cap)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, two_hkv, _ = kv_cache.shape
     num_kv_heads = two_hkv // 2
