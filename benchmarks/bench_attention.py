@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import gpu  # noqa: E402
+from pallas_kernels import common, gpu  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
 
 try:  # deprecated in jax, may disappear
@@ -213,7 +213,7 @@ def sweep_configs(batch: Batch, model: Model) -> list[gpu.GpuConfig]:
     group = model.q_heads // model.kv_heads
     base = gpu.default_config(q.shape[0], page_indices.shape[0], group, model.kv_heads,
                               model.head_dim, model.page_size, page_indices.shape[1])
-    gp = 1 << max(0, group - 1).bit_length()
+    gp = common.next_pow2(group)
     variants = [dict(block_kv=base.block_kv // 2), dict(block_kv=base.block_kv * 2),
                 dict(block_q=base.block_q // 2), dict(block_q=base.block_q * 2),
                 dict(num_splits=max(1, base.num_splits // 4)), dict(num_splits=base.num_splits * 2),
