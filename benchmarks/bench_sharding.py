@@ -41,8 +41,10 @@ from jaxinfer.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxinfer.loader import LoadedModel  # noqa: E402
 from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
-from jaxinfer.runner import ModelRunner, StepInputs  # noqa: E402
-from jaxinfer.sampling import SamplingParams, make_sampling_arrays  # noqa: E402
+from jaxinfer.inputs import StepInputs  # noqa: E402
+from jaxinfer.runner import ModelRunner  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
+from jaxinfer.sampling.arrays import make_sampling_arrays  # noqa: E402
 from pallas_kernels import ragged_paged_attention  # noqa: E402
 from pallas_kernels.reference import write_kv  # noqa: E402
 from sharding import make_mesh  # noqa: E402

@@ -1,14 +1,14 @@
 """jaxinfer: a JAX/XLA inference engine for large language models on TPUs and GPUs.
 
 `LLM`, `SamplingParams`, `Engine` and friends are imported lazily, so the host-side modules
-(paging, scheduler, sequence) stay importable without JAX.
+(jaxinfer.core, jaxinfer.tokenizer, jaxinfer.sampling.params) stay importable without JAX.
 """
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "jaxinfer.llm",
-    "SamplingParams": "jaxinfer.sampling",
+    "SamplingParams": "jaxinfer.sampling.params",
     "Engine": "jaxinfer.engine",
     "EngineConfig": "jaxinfer.config",
     "ModelConfig": "jaxinfer.config",

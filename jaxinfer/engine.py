@@ -6,12 +6,11 @@
         inputs = runner.prepare(plan)         # numpy, padded to a bucket
         out    = runner.execute(inputs)       # forward + KV write + sampling, one jitted call
         scheduler.update(plan, out.tokens)    # append tokens, stop on eos / stop ids / length
-        -> detokenize each new token, cut at stop strings, emit RequestOutput deltas
+        outputs.on_token / outputs.delta      # detokenize, stop strings -> RequestOutput deltas
 
-Stop strings are found in the detokenized text, so they live here: text that could still turn
-into a stop string is held back (at most the longest stop string minus one character) and the
-sequence is finished through the scheduler when one appears. Bad requests raise ValueError at
-add_request and leave every other request untouched.
+Output building (text, stop strings, logprobs, deltas, timings) is the OutputProcessor's
+(output_processor.py); the engine keeps the registry of unfinished requests and which replica
+serves each. Bad requests raise ValueError at add_request and leave every other request untouched.
 
 Data parallelism (a mesh with data=N): N replicas, each with its own PagePool and Scheduler. A
 new request goes to the replica with the least outstanding work (prompt + max_tokens of its
@@ -31,42 +30,17 @@ import time
 import jax
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.detokenizer import IncrementalDetokenizer
+from jaxinfer.core.paging import PagePool
+from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
-from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, Usage
-from jaxinfer.paging import PagePool
+from jaxinfer.output_processor import OutputProcessor, RequestState
+from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.runner import ModelRunner, enable_compilation_cache
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import Scheduler
-from jaxinfer.sequence import Sequence, SequenceStatus
+from jaxinfer.sampling.params import SamplingParams
 from sharding import StepChannel, is_leader, is_multiprocess
 from sharding.multihost import SHUTDOWN
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _SampleState:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    text: str = ""  # all text so far (cut at a stop string once found)
-    emitted_chars: int = 0
-    emitted_tokens: int = 0
-    logprobs: list[Logprob] = dataclasses.field(default_factory=list)
-    emitted_logprobs: int = 0
-
-
-@dataclasses.dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_SampleState]
-    metrics: RequestMetrics
-    cached_prompt_tokens: int = 0
-    replica: int = 0
-    cost: int = 0  # tokens it may occupy: (prompt + max_tokens) * n
 
 
 @dataclasses.dataclass
@@ -92,7 +66,8 @@ class Engine:
         self.pool, self.scheduler = self.replicas[0].pool, self.replicas[0].scheduler
         self.is_leader = is_leader()
         self._channel = StepChannel() if is_multiprocess() else None
-        self._requests: dict[str, _RequestState] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -131,11 +106,10 @@ class Engine:
                              "(it must leave room for at least one generated token)")
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
         seqs = self.replicas[replica].scheduler.add_request(request_id, ids, params, priority=priority)
-        samples = [_SampleState(seq, self._detokenizer(ids, params)) for seq in seqs]
         cost = (len(ids) + params.max_tokens) * params.n
         self.replicas[replica].load += cost
-        self._requests[request_id] = _RequestState(
-            request_id, text, ids, params, samples,
+        self._requests[request_id] = self.outputs.new_request(
+            request_id, text, ids, params, seqs,
             RequestMetrics(arrival_time=arrival_time or time.monotonic()), replica=replica, cost=cost)
         return request_id
 
@@ -155,11 +129,6 @@ class Engine:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         return None, ids
 
-    def _detokenizer(self, prompt_ids, params):
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-
     def abort(self, request_id: str) -> bool:
         """Ends a request now and frees its pages; its final output comes with the next step."""
         state = self._requests.get(request_id)
@@ -169,15 +138,8 @@ class Engine:
         self._pending.append(self._delta(state, time.monotonic()))
         return True
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -199,7 +161,7 @@ class Engine:
             self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs)
         out = self.runner.execute(inputs)
         now = time.monotonic()
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         for r, plan in enumerate(plans):
             out_r = out if len(plans) == 1 else jax.tree.map(lambda a: a[r], out)
             updated = {s.seq_id for s in self.replicas[r].scheduler.update(plan, out_r.tokens)}
@@ -208,7 +170,8 @@ class Engine:
                 state = self._requests.get(seq.request_id)
                 if seq.seq_id not in updated or state is None:
                     continue
-                self._on_token(state, state.samples[seq.sample_index], out_r, row)
+                self.outputs.on_token(state, state.samples[seq.sample_index], out_r, row,
+                                      self.replicas[r].scheduler)
                 touched[seq.request_id] = state
         for state in touched.values():
             outputs.append(self._delta(state, now))
@@ -231,65 +194,12 @@ class Engine:
         if self._channel is not None and self.is_leader:
             self._channel.release(shutdown)
 
-    def _on_token(self, state: _RequestState, sample: _SampleState, out, row: int) -> None:
-        seq, params = sample.seq, state.params
-        if params.logprobs is not None:
-            n = params.logprobs
-            top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:n], out.top_logprobs[row][:n])}
-            sample.logprobs.append(Logprob(seq.last_token_id, float(out.logprobs[row]), top))
-        if sample.detok is None:
-            return
-        sample.text += sample.detok.step([seq.last_token_id])
-        if seq.is_finished:
-            sample.text += sample.detok.flush()
-        if params.stop and seq.status is not SequenceStatus.FINISHED_STOPPED:
-            self._check_stop_strings(sample, params, self.replicas[state.replica].scheduler)
-
-    def _check_stop_strings(self, sample: _SampleState, params: SamplingParams, scheduler: Scheduler) -> None:
-        longest = max(len(s) for s in params.stop)
-        # Only text that arrived this step (plus an overlap) can complete a new stop string.
-        search_from = max(0, sample.emitted_chars - longest)
-        hits = [(sample.text.find(s, search_from), s) for s in params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return
-        index, stop = min(hits)
-        sample.text = sample.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-        if not sample.seq.is_finished:
-            scheduler.finish(sample.seq, SequenceStatus.FINISHED_STOPPED, stop_reason=stop)
-        else:
-            sample.seq.stop_reason = stop
-            sample.seq.status = SequenceStatus.FINISHED_STOPPED
-
-    def _delta(self, state: _RequestState, now: float) -> RequestOutput:
-        m = state.metrics
-        completions = []
-        for i, s in enumerate(state.samples):
-            seq = s.seq
-            hold = 0 if seq.is_finished or not state.params.stop else max(len(x) for x in state.params.stop) - 1
-            upto = max(s.emitted_chars, len(s.text) - hold)
-            new_ids = seq.output_token_ids[s.emitted_tokens:]
-            completions.append(CompletionOutput(
-                index=i, text=s.text[s.emitted_chars:upto], token_ids=new_ids,
-                logprobs=s.logprobs[s.emitted_logprobs:] if state.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-            s.emitted_chars, s.emitted_tokens, s.emitted_logprobs = upto, seq.num_output_tokens, len(s.logprobs)
-        if any(c.token_ids for c in completions):
-            if m.first_token_time is None:
-                m.first_token_time = now
-            else:
-                m.inter_token_latencies.append(now - m.last_token_time)
-            m.last_token_time = now
-        finished = all(s.seq.is_finished for s in state.samples)
-        if finished:
-            m.finished_time = now
+    def _delta(self, state: RequestState, now: float) -> RequestOutput:
+        out = self.outputs.delta(state, now)
+        if out.finished:
             del self._requests[state.request_id]
             self.replicas[state.replica].load -= state.cost
-        usage = Usage(prompt_tokens=len(state.prompt_token_ids),
-                      completion_tokens=sum(s.seq.num_output_tokens for s in state.samples),
-                      cached_prompt_tokens=state.cached_prompt_tokens)
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, usage, m)
+        return out
 
     # --- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:

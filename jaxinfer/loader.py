@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,9 @@ import numpy as np
 
 from checkpoints import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.registry import ModelFamily, TensorSpec, get_family
+from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
+from jaxinfer.models.specs import TensorSpec
+from jaxinfer.tokenizer import Tokenizer, from_gguf_metadata, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,8 @@ Placer = Callable[[TensorSpec, np.ndarray], jax.Array]
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: Any  # the family's parameter pytree
-    tokenizer: Any  # jaxinfer.tokenizer.Tokenizer, or None when not asked for
+    params: ModelParams  # the family's parameter pytree
+    tokenizer: Tokenizer | None  # None when not asked for, or when a directory has none
     family: ModelFamily
     path: Path
 
@@ -143,8 +145,6 @@ def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: 
     params = load_params(reader, config, fmt, dtype, place, where=str(path))
     tokenizer = None
     if with_tokenizer:
-        from jaxinfer.tokenizer import from_gguf_metadata, load_tokenizer
-
         # A GGUF carries its vocabulary in the metadata already read; a directory its own files.
         if fmt == "gguf":
             tokenizer = from_gguf_metadata(reader.metadata, name=str(reader.path))

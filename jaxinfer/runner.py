@@ -1,8 +1,8 @@
 """ModelRunner: owns the parameters and the KV cache and runs the one jitted step.
 
 Data flow of a step:
-    SchedulerPlan --prepare--> StepInputs (numpy, padded to a token bucket T and its sequence
-    bucket S) --execute--> ONE jitted call: forward over the ragged batch (each layer writes its
+    SchedulerPlan --prepare (inputs.InputBuilder)--> StepInputs (numpy, padded to a token bucket
+    T and its sequence bucket S) --execute--> ONE jitted call: forward over the ragged batch (each layer writes its
     new K/V into the paged cache and attends) -> logits of each sequence's last token -> in-jit
     sampling -> int32 tokens and logprobs back to the host.
 
@@ -27,18 +27,18 @@ import logging
 import time
 from pathlib import Path
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.inputs import InputBuilder, StepInputs
 from jaxinfer.loader import LoadedModel, resolve_dtype
-from jaxinfer.models.layers import AttentionMetadata
-from jaxinfer.sampling import (MAX_LOGPROBS, SamplerOutput, SamplingArrays, SamplingParams, make_sampling_arrays,
-                               sample, sampling_arrays_for_sequences)
-from jaxinfer.scheduler import SchedulerPlan
+from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
+from jaxinfer.sampling.params import MAX_LOGPROBS
+from jaxinfer.sampling.sampler import SamplerOutput, sample
 from pallas_kernels import kv_cache_shape
 from sharding import (DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, replicated_spec,
                       shard_params, tokens_spec)
@@ -46,16 +46,6 @@ from sharding.multihost import broadcast_int, fetch, put_inputs
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 1 << 30
-NULL_PAGE = 0
-
-
-@flax.struct.dataclass
-class StepInputs:
-    token_ids: jax.Array  # i32[T]
-    positions: jax.Array  # i32[T]
-    meta: AttentionMetadata  # kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]
-    logits_indices: jax.Array  # i32[S] row of each sequence's last token in the batch
-    sampling: SamplingArrays  # one row per sequence slot
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -109,6 +99,8 @@ class ModelRunner:
         # Token buckets split evenly over the sequence axis.
         sp = axis_size(self.mesh, SEQUENCE)
         self.buckets = tuple(sorted({-(-b // sp) * sp for b in engine.buckets()}))
+        self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=self.pages_per_seq,
+                                   max_model_len=max_model_len, num_replicas=self.num_replicas)
         step = functools.partial(_step, self.family, self.config, engine.attn_impl)
         if self.num_replicas > 1:
             step = jax.vmap(step, in_axes=(None, 0, 0), spmd_axis_name=DATA)
@@ -135,50 +127,13 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.kv_caches)
 
-    def bucket_for(self, num_tokens: int) -> int:
-        for b in self.buckets:
-            if b >= num_tokens:
-                return b
-        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
-
     def prepare(self, plan: SchedulerPlan | list[SchedulerPlan]) -> StepInputs:
-        """Host-side arrays for one step, padded to the plan's bucket. With data replicas, one
-        plan per replica (an empty plan is all padding) stacked along a leading axis."""
-        plans = [plan] if isinstance(plan, SchedulerPlan) else list(plan)
-        if len(plans) != self.num_replicas:
-            raise ValueError(f"{len(plans)} plans for {self.num_replicas} data replicas")
-        t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
-        penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
-        rows = [self._prepare_one(p, t_bucket, penalties) for p in plans]
-        return rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
+        """Padded numpy inputs of one step (one plan per data replica)."""
+        return self.inputs.prepare(plan)
 
-    def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool) -> StepInputs:
-        if not plan.seqs:  # an idle data replica: all padding
-            return self._dummy_one(t_bucket, penalties)
-        s_bucket = self.engine.seq_bucket(t_bucket)
-        n = len(plan.seqs)
-        tokens = np.zeros(t_bucket, np.int32)
-        positions = np.zeros(t_bucket, np.int32)
-        page_indices = np.full((s_bucket, self.pages_per_seq), NULL_PAGE, np.int32)
-        cu = np.zeros(s_bucket + 1, np.int32)
-        kv_lens = np.zeros(s_bucket, np.int32)
-        offset = 0
-        for i, s in enumerate(plan.seqs):
-            if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.page_size:
-                raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
-            tokens[offset:offset + s.num_new_tokens] = s.token_ids
-            positions[offset:offset + s.num_new_tokens] = np.arange(s.start, s.kv_len)
-            page_indices[i, :len(s.pages)] = s.pages
-            kv_lens[i] = s.kv_len
-            offset += s.num_new_tokens
-            cu[i + 1] = offset
-        cu[n + 1:] = offset
-        seqs = [s.seq for s in plan.seqs]
-        sampling = sampling_arrays_for_sequences(
-            seqs, s_bucket, history_len=self.max_model_len if penalties else None)
-        meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
-                                 num_seqs=np.array([n], np.int32))
-        return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling)
+    def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
+        """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
+        return self.inputs.padding_inputs(t_bucket, with_history)
 
     def execute(self, inputs: StepInputs) -> SamplerOutput:
         """Runs the step; the KV cache is donated and replaced. Returns numpy outputs (with a
@@ -198,27 +153,6 @@ class ModelRunner:
             meta=jax.tree.map(lambda _: other, inputs.meta),
             logits_indices=other, sampling=jax.tree.map(lambda _: other, inputs.sampling))
 
-    def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
-        """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
-        the null page."""
-        one = self._dummy_one(t_bucket, with_history)
-        if self.num_replicas == 1:
-            return one
-        return jax.tree.map(lambda x: np.stack([x] * self.num_replicas), one)
-
-    def _dummy_one(self, t_bucket: int, with_history: bool) -> StepInputs:
-        s_bucket = self.engine.seq_bucket(t_bucket)
-        params = [SamplingParams(repetition_penalty=1.1 if with_history else 1.0)]
-        sampling = make_sampling_arrays(
-            params, [0], batch_size=s_bucket, seeds=[0], prompt_token_ids=[[0]], output_token_ids=[[]],
-            history_len=self.max_model_len if with_history else None)
-        meta = AttentionMetadata(
-            kv_lens=np.zeros(s_bucket, np.int32),
-            page_indices=np.zeros((s_bucket, self.pages_per_seq), np.int32),
-            cu_q_lens=np.zeros(s_bucket + 1, np.int32), num_seqs=np.zeros(1, np.int32))
-        return StepInputs(np.zeros(t_bucket, np.int32), np.zeros(t_bucket, np.int32), meta,
-                          np.zeros(s_bucket, np.int32), sampling)
-
     def warm_up(self) -> float:
         """Compiles every (bucket, penalty-history) variant; returns the seconds it took."""
         start = time.perf_counter()
@@ -234,7 +168,8 @@ class ModelRunner:
         return self._step._cache_size()
 
 
-def _step(family, config, attn_impl, params, kv_caches, inputs: StepInputs):
+def _step(family: ModelFamily, config: ModelConfig, attn_impl: str, params: ModelParams,
+          kv_caches: KVCaches, inputs: StepInputs) -> tuple[SamplerOutput, KVCaches]:
     hidden, kv_caches = family.forward(params, config, inputs.token_ids, inputs.positions, kv_caches,
                                        inputs.meta, attn_impl=attn_impl)
     logits = family.compute_logits(params, hidden[inputs.logits_indices])  # [S, V]

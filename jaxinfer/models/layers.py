@@ -30,7 +30,7 @@ class AttentionMetadata:
     num_seqs: jax.Array  # i32[1] real sequences; the rest is padding
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x [..., E]: normalise in float32, scale in the activation dtype (as HF Llama does)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -62,14 +62,14 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions, inv_freq):
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """positions i32[T] -> cos, sin f32[T, D] in the half-split (rotate_half) layout."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x, cos, sin):
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [T, H, D]; rotates pairs (i, i + D/2)."""
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
@@ -77,14 +77,15 @@ def apply_rope(x, cos, sin):
     return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
-def gated_mlp(x, w_gate, w_up, w_down):
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """x [T, E] -> [T, E]: down(silu(gate(x)) * up(x))."""
     gate = jnp.einsum("te,ef->tf", x, w_gate)
     up = jnp.einsum("te,ef->tf", x, w_up)
     return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, w_down)
 
 
-def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, config: ModelConfig, impl: str):
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata,
+                    config: ModelConfig, impl: str) -> tuple[jax.Array, jax.Array]:
     """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel.
 
     Under a mesh (jax.set_mesh) the kernel runs once per shard: heads split over `tensor`,

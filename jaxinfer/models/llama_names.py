@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.llama import layer_fields, top_fields
-from jaxinfer.models.registry import TensorSpec
+from jaxinfer.models.specs import TensorSpec
 
 _HF_TOP = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
            "lm_head": "lm_head.weight"}

@@ -7,7 +7,7 @@ import pytest
 from testpaths import FIXTURES
 
 from jaxinfer import cli
-from jaxinfer.batch import run_batch
+from jaxinfer.cli.batch import run_batch
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 

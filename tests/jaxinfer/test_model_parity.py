@@ -1,5 +1,4 @@
 """Our Llama-family forward pass against HF transformers' golden logits and greedy tokens."""
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import (SamplingArrays, SamplingParams, apply_penalties, make_sampling_arrays,
-                               mask_logits, max_top_logprobs, sample)
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, max_top_logprobs
+from jaxinfer.sampling.sampler import apply_penalties, mask_logits, sample
 
 sample_jit = jax.jit(sample, static_argnums=2)
 mask_jit = jax.jit(mask_logits)
@@ -245,9 +246,9 @@ def fake_logits(seq, vocab=64):
 
 def generate(requests, num_pages, batch_size=8):
     """Runs requests (id, prompt, params) through Scheduler + sampler; returns their outputs."""
-    from jaxinfer.paging import PagePool
-    from jaxinfer.scheduler import Scheduler
-    from jaxinfer.sampling import sampling_arrays_for_sequences
+    from jaxinfer.core.paging import PagePool
+    from jaxinfer.core.scheduler import Scheduler
+    from jaxinfer.sampling.arrays import sampling_arrays_for_sequences
 
     sched = Scheduler(PagePool(num_pages, 4), max_num_batched_tokens=16, max_num_seqs=batch_size,
                       max_model_len=64, seed=len(requests))

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from jaxinfer.paging import PagePool
+from jaxinfer.core.paging import PagePool
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import Scheduler
-from jaxinfer.sequence import SequenceStatus, sample_seed
+from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.core.sequence import SequenceStatus, sample_seed
 
 TOKEN = 1000  # what the fake model samples unless a test says otherwise
 

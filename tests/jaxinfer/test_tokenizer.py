@@ -9,7 +9,7 @@ import pytest
 import sentencepiece
 from testpaths import FIXTURES, sentencepiece_model_path, smollm2_gguf_path
 
-from jaxinfer.chat_template import ChatTemplateError, render_chat_template
+from jaxinfer.tokenizer.chat_template import ChatTemplateError, render_chat_template
 from jaxinfer.tokenizer import (HFTokenizer, IncrementalDetokenizer, SentencePieceTokenizer,
                                 Tokenizer, TokenizerError, from_gguf_metadata, load_tokenizer)
 

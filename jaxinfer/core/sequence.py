@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # sampling imports JAX; the host side only reads a few fields
-    from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.params import SamplingParams
 
 SEED_MASK = (1 << 64) - 1
 
@@ -62,7 +60,7 @@ def sample_seed(seed: int, sample_index: int) -> int:
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: "SamplingParams", *, seed: int, arrival: int, priority: int = 0,
+                 sampling_params: SamplingParams, *, seed: int, arrival: int, priority: int = 0,
                  sample_index: int = 0, parent: "Sequence | None" = None):
         self.seq_id = seq_id
         self.request_id = request_id

@@ -1,4 +1,4 @@
-"""Offline batch jobs: a JSONL file of requests in, a JSONL file of results out (`jaxinfer batch`).
+"""`jaxinfer batch`: a JSONL file of requests in, a JSONL file of results out.
 
 Each input line is one request:
     {"id": "a1", "prompt": "text"}                       or "prompt_token_ids": [...]
@@ -10,16 +10,23 @@ line with "error" naming the problem and the line number; every other line is st
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
-from typing import TextIO
+import sys
+from typing import TYPE_CHECKING, TextIO
 
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.cli.args import add_engine_args, add_sampling_args, make_llm, sampling_params
+from jaxinfer.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxinfer.llm import LLM
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def parse_line(line: str, lineno: int, defaults: SamplingParams, llm) -> tuple[str, object, SamplingParams]:
+def parse_line(line: str, lineno: int, defaults: SamplingParams,
+               llm: LLM) -> tuple[str, str | list[int], SamplingParams]:
     """-> (id, prompt or token ids, params); ValueError naming the problem."""
     try:
         obj = json.loads(line)
@@ -52,7 +59,8 @@ def parse_line(line: str, lineno: int, defaults: SamplingParams, llm) -> tuple[s
     return rid, prompt, params
 
 
-def run_batch(llm, lines: TextIO, out: TextIO, defaults: SamplingParams, use_tqdm: bool = False) -> tuple[int, int]:
+def run_batch(llm: LLM, lines: TextIO, out: TextIO, defaults: SamplingParams,
+              use_tqdm: bool = False) -> tuple[int, int]:
     """Serves every line; returns (served, failed)."""
     records: list[dict | None] = []
     requests: list[tuple[int, str]] = []  # (record index, engine request id)
@@ -76,3 +84,23 @@ def run_batch(llm, lines: TextIO, out: TextIO, defaults: SamplingParams, use_tqd
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     failed = sum(1 for r in records if "error" in r)
     return len(records) - failed, failed
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    defaults = sampling_params(args)
+    llm = make_llm(args)
+    src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    dst = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    with src, dst:
+        served, failed = run_batch(llm, src, dst, defaults, use_tqdm=sys.stderr.isatty())
+    print(f"{served} served, {failed} failed", file=sys.stderr)
+    return 0 if served or not failed else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("batch", help="run a JSONL file of requests, write a JSONL file of results")
+    p.add_argument("--input", required=True, help="JSONL requests ('-' = stdin)")
+    p.add_argument("--output", default="-", help="JSONL results (default: stdout)")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_batch)

@@ -1,16 +1,20 @@
 """`jaxinfer info`: the model, the devices and what the KV cache holds, without compiling."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 
-import jax
-
+from jaxinfer.cli.args import add_engine_args
 from jaxinfer.config import EngineConfig
-from jaxinfer.loader import load_model
-from jaxinfer.runner import ModelRunner, kv_page_bytes
 
 
-def describe(args) -> dict:
+def describe(args: argparse.Namespace) -> dict:
+    import jax  # the command line imports JAX only when a command runs
+
+    from jaxinfer.loader import load_model
+    from jaxinfer.runner import ModelRunner, kv_page_bytes
+
     model = load_model(args.model, args.dtype)
     engine = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -36,3 +40,14 @@ def describe(args) -> dict:
         "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
         "data_replicas": runner.num_replicas,
     }
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    print(json.dumps(describe(args), indent=2))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    info = sub.add_parser("info", help="model, devices and KV cache capacity as JSON")
+    add_engine_args(info)
+    info.set_defaults(func=cmd_info)

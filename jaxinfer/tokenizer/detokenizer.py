@@ -25,10 +25,9 @@ earlier, already emitted characters into U+FFFD in the one-shot decode.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-if TYPE_CHECKING:
-    from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer.base import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 5  # prompt ids kept as left context for the first generated piece

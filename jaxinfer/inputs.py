@@ -1,0 +1,112 @@
+"""Step inputs: a scheduler plan -> StepInputs, numpy arrays padded to a compiled bucket.
+
+    SchedulerPlan (host, jaxinfer.core)
+      --InputBuilder.prepare--> StepInputs: token ids and positions [T], attention metadata
+        (kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]), the row of
+        each sequence's last token [S], sampling arrays [S]; T is the smallest token bucket that
+        holds the plan and S = EngineConfig.seq_bucket(T)
+
+Padding is harmless by construction: padding tokens belong to no sequence (cu_q_lens stops at
+the real count), padding sequences have kv_len 0 and page-table rows of the null page 0, which no
+sequence owns; nothing ever indexes page -1. With data replicas every replica's inputs are built
+the same way and stacked along a leading [data] axis (an idle replica is all padding).
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import numpy as np
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.core.paging import NULL_PAGE
+from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.models.layers import AttentionMetadata
+from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, sampling_arrays_for_sequences
+from jaxinfer.sampling.params import SamplingParams
+
+
+@flax.struct.dataclass
+class StepInputs:
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    meta: AttentionMetadata  # kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]
+    logits_indices: jax.Array  # i32[S] row of each sequence's last token in the batch
+    sampling: SamplingArrays  # one row per sequence slot
+
+
+class InputBuilder:
+    """Builds the padded inputs of the runner's compiled step variants."""
+
+    def __init__(self, engine: EngineConfig, buckets: tuple[int, ...], *, pages_per_seq: int,
+                 max_model_len: int, num_replicas: int = 1):
+        self.engine = engine
+        self.buckets = buckets
+        self.pages_per_seq = pages_per_seq
+        self.max_model_len = max_model_len  # the penalty-history width
+        self.num_replicas = num_replicas
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def prepare(self, plan: SchedulerPlan | list[SchedulerPlan]) -> StepInputs:
+        """Host-side arrays for one step, padded to the plan's bucket. With data replicas, one
+        plan per replica (an empty plan is all padding) stacked along a leading axis."""
+        plans = [plan] if isinstance(plan, SchedulerPlan) else list(plan)
+        if len(plans) != self.num_replicas:
+            raise ValueError(f"{len(plans)} plans for {self.num_replicas} data replicas")
+        t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
+        penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
+        rows = [self._prepare_one(p, t_bucket, penalties) for p in plans]
+        return rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
+
+    def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool) -> StepInputs:
+        if not plan.seqs:  # an idle data replica: all padding
+            return self._dummy_one(t_bucket, penalties)
+        s_bucket = self.engine.seq_bucket(t_bucket)
+        n = len(plan.seqs)
+        tokens = np.zeros(t_bucket, np.int32)
+        positions = np.zeros(t_bucket, np.int32)
+        page_indices = np.full((s_bucket, self.pages_per_seq), NULL_PAGE, np.int32)
+        cu = np.zeros(s_bucket + 1, np.int32)
+        kv_lens = np.zeros(s_bucket, np.int32)
+        offset = 0
+        for i, s in enumerate(plan.seqs):
+            if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.page_size:
+                raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
+            tokens[offset:offset + s.num_new_tokens] = s.token_ids
+            positions[offset:offset + s.num_new_tokens] = np.arange(s.start, s.kv_len)
+            page_indices[i, :len(s.pages)] = s.pages
+            kv_lens[i] = s.kv_len
+            offset += s.num_new_tokens
+            cu[i + 1] = offset
+        cu[n + 1:] = offset
+        seqs = [s.seq for s in plan.seqs]
+        sampling = sampling_arrays_for_sequences(
+            seqs, s_bucket, history_len=self.max_model_len if penalties else None)
+        meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
+                                 num_seqs=np.array([n], np.int32))
+        return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling)
+
+    def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
+        """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
+        the null page."""
+        one = self._dummy_one(t_bucket, with_history)
+        if self.num_replicas == 1:
+            return one
+        return jax.tree.map(lambda x: np.stack([x] * self.num_replicas), one)
+
+    def _dummy_one(self, t_bucket: int, with_history: bool) -> StepInputs:
+        s_bucket = self.engine.seq_bucket(t_bucket)
+        params = [SamplingParams(repetition_penalty=1.1 if with_history else 1.0)]
+        sampling = make_sampling_arrays(
+            params, [0], batch_size=s_bucket, seeds=[0], prompt_token_ids=[[0]], output_token_ids=[[]],
+            history_len=self.max_model_len if with_history else None)
+        meta = AttentionMetadata(
+            kv_lens=np.zeros(s_bucket, np.int32),
+            page_indices=np.zeros((s_bucket, self.pages_per_seq), np.int32),
+            cu_q_lens=np.zeros(s_bucket + 1, np.int32), num_seqs=np.zeros(1, np.int32))
+        return StepInputs(np.zeros(t_bucket, np.int32), np.zeros(t_bucket, np.int32), meta,
+                          np.zeros(s_bucket, np.int32), sampling)

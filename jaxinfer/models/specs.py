@@ -1,0 +1,22 @@
+"""TensorSpec: how one checkpoint tensor becomes one of our parameters.
+
+A family's name map (e.g. llama_names.py) lists one TensorSpec per tensor it needs; the loader
+checks names and shapes against the checkpoint and calls `to_ours` on each array it reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: its name, our field (and layer), its checkpoint shape, a converter."""
+
+    name: str
+    field: str
+    layer: int | None
+    ckpt_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]

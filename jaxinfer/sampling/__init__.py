@@ -1,0 +1,10 @@
+"""Sampling: SamplingParams (params.py, no JAX), params -> numpy SamplingArrays (arrays.py),
+and the sampler inside the jitted step (sampler.py).
+
+Only the JAX-free user-facing names are exported here, so `from jaxinfer.sampling import
+SamplingParams` does not import JAX; device code imports `jaxinfer.sampling.sampler` and
+`jaxinfer.sampling.arrays` by name.
+"""
+from jaxinfer.sampling.params import GREEDY_EPS, MAX_LOGPROBS, SamplingParams
+
+__all__ = ["SamplingParams", "MAX_LOGPROBS", "GREEDY_EPS"]

@@ -1,0 +1,148 @@
+"""Host to device: a batch of SamplingParams -> SamplingArrays (numpy rows, padded).
+
+    make_sampling_arrays(params, num_generated, seeds, histories, batch_size)
+      (or sampling_arrays_for_sequences(scheduler sequences, batch_size))
+    -> SamplingArrays: one row per sequence slot, padding rows greedy with every filter off
+
+Every per-request option is an array row, so a new mix of options never recompiles; only the
+batch bucket and the penalty-history width (or its absence) are static structure.
+
+Penalty histories: a row's prompt ids (only when its repetition penalty is on) then its output
+ids, padded with -1 to a width H. The transfer is B*H int32 per step instead of B*V; the [B, V]
+counts are built on the device (sampler.apply_penalties). When no row of a batch uses penalties
+the history is None (a separate compiled variant) and the step pays nothing.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import flax.struct
+import jax
+import numpy as np
+
+from jaxinfer.sampling.params import SamplingParams
+
+
+class SequenceLike(Protocol):
+    """What a row needs of a scheduler sequence (jaxinfer.core.sequence.Sequence)."""
+
+    sampling_params: SamplingParams
+    seed: int  # the 64-bit stream seed
+
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+@flax.struct.dataclass
+class PenaltyHistory:
+    token_ids: jax.Array   # i32[B, H] prompt ids (if the row's repetition penalty is on), then
+                           # output ids; -1 pads
+    num_prompt: jax.Array  # i32[B]    how many leading ids of the row are prompt ids
+
+
+@flax.struct.dataclass
+class SamplingArrays:
+    """One row per sequence of the batch; padding rows are greedy with every filter off."""
+    temperature: jax.Array         # f32[B] 0 = greedy
+    top_k: jax.Array               # i32[B] 0 = off
+    top_p: jax.Array               # f32[B] 1 = off
+    min_p: jax.Array               # f32[B] 0 = off
+    repetition_penalty: jax.Array  # f32[B] 1 = off
+    presence_penalty: jax.Array    # f32[B] 0 = off
+    frequency_penalty: jax.Array   # f32[B] 0 = off
+    seeds: jax.Array               # u32[B, 2] the sequence's 64-bit seed as (low, high) words
+    num_generated: jax.Array       # i32[B] output tokens so far: which draw of the stream this is
+    history: PenaltyHistory | None = None  # None: no row uses penalties (static structure)
+
+
+
+def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequence[int], *,
+                         batch_size: int, seeds: Sequence[int] | None = None,
+                         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                         output_token_ids: Sequence[Sequence[int]] | None = None,
+                         history_len: int | None = None) -> SamplingArrays:
+    """Numpy SamplingArrays for `params[i]` in row i, padded to `batch_size` rows.
+
+    seeds: each row's 64-bit stream seed (Sequence.seed); defaults to params.seed, which then
+      must be set for every non-greedy row.
+    prompt_token_ids / output_token_ids: needed when some row uses penalties.
+    history_len: the static width H of the penalty history. None picks a power of two (>= 16)
+      that fits, or no history at all when no row uses penalties; pass a fixed value to keep the
+      compiled variants fixed.
+    """
+    rows = len(params)
+    if rows > batch_size or len(num_generated) != rows:
+        raise ValueError(f"{rows} params and {len(num_generated)} counts for "
+                         f"batch_size={batch_size}")
+    pad = batch_size - rows
+
+    def col(values, fill, dtype):
+        return np.asarray(list(values) + [fill] * pad, dtype=dtype)
+
+    temps = [0.0 if p.is_greedy else p.temperature for p in params]
+    if seeds is None:
+        if any(p.seed is None and not p.is_greedy for p in params):
+            raise ValueError("make_sampling_arrays: pass seeds= for rows without "
+                             "SamplingParams.seed")
+        seeds = [p.seed or 0 for p in params]
+    seed_words = [((s & 0xFFFFFFFF), (s >> 32) & 0xFFFFFFFF) for s in seeds]
+    return SamplingArrays(
+        temperature=col(temps, 0.0, np.float32),
+        top_k=col([max(p.top_k, 0) for p in params], 0, np.int32),
+        top_p=col([p.top_p for p in params], 1.0, np.float32),
+        min_p=col([p.min_p for p in params], 0.0, np.float32),
+        repetition_penalty=col([p.repetition_penalty for p in params], 1.0, np.float32),
+        presence_penalty=col([p.presence_penalty for p in params], 0.0, np.float32),
+        frequency_penalty=col([p.frequency_penalty for p in params], 0.0, np.float32),
+        seeds=np.asarray(seed_words + [(0, 0)] * pad, dtype=np.uint32).reshape(batch_size, 2),
+        num_generated=col(num_generated, 0, np.int32),
+        history=_penalty_history(params, prompt_token_ids, output_token_ids, batch_size,
+                                 history_len))
+
+
+def sampling_arrays_for_sequences(seqs: Sequence[SequenceLike], batch_size: int, *,
+                                  history_len: int | None = None) -> SamplingArrays:
+    """make_sampling_arrays for scheduler sequences, one row each."""
+    penalties = any(s.sampling_params.uses_penalties for s in seqs)
+    return make_sampling_arrays(
+        [s.sampling_params for s in seqs], [s.num_output_tokens for s in seqs],
+        batch_size=batch_size, seeds=[s.seed for s in seqs],
+        prompt_token_ids=[s.prompt_token_ids for s in seqs] if penalties else None,
+        output_token_ids=[s.output_token_ids for s in seqs] if penalties else None,
+        history_len=history_len)
+
+
+def _penalty_history(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]] | None,
+                     outputs: Sequence[Sequence[int]] | None, batch_size: int,
+                     history_len: int | None) -> PenaltyHistory | None:
+    if not any(p.uses_penalties for p in params):
+        if history_len is None:
+            return None
+        return PenaltyHistory(np.full((batch_size, history_len), -1, np.int32),
+                              np.zeros(batch_size, np.int32))
+    if outputs is None or (prompts is None and any(p.repetition_penalty != 1 for p in params)):
+        raise ValueError("penalties need output_token_ids (and prompt_token_ids for "
+                         "repetition_penalty)")
+    histories = []
+    for i, p in enumerate(params):
+        prompt = list(prompts[i]) if p.repetition_penalty != 1 else []
+        histories.append((prompt, list(outputs[i]) if p.uses_penalties else []))
+    longest = max(len(a) + len(b) for a, b in histories)
+    width = history_len if history_len is not None else max(16, 1 << (longest - 1).bit_length())
+    if longest > width:
+        raise ValueError(f"history_len={width} is shorter than a row's {longest} penalty tokens")
+    token_ids = np.full((batch_size, width), -1, np.int32)
+    num_prompt = np.zeros(batch_size, np.int32)
+    for i, (prompt, output) in enumerate(histories):
+        token_ids[i, :len(prompt) + len(output)] = prompt + output
+        num_prompt[i] = len(prompt)
+    return PenaltyHistory(token_ids, num_prompt)
+
+
+def max_top_logprobs(params: Sequence[SamplingParams]) -> int:
+    """The largest `logprobs` asked for in a batch (0 if none): a static argument of sample()."""
+    return max((p.logprobs or 0 for p in params), default=0)

@@ -1,0 +1,101 @@
+"""SamplingParams: how to sample one request, validated where it is built (no JAX).
+
+The user-facing half of sampling. `arrays.py` turns a batch of these into numpy SamplingArrays
+(one row per sequence) and `sampler.py` samples inside the jitted step; neither is imported
+here, so the host side (jaxinfer.core) can hold SamplingParams without importing JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+MAX_LOGPROBS = 20
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Validated at construction; the bad value is named."""
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1                    # -1 or 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()         # a str or a list of str; matched on text by the engine
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None        # top-N logprobs per token, 0..MAX_LOGPROBS
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        else:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name, why):
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not _is_number(self.temperature) or not self.temperature >= 0 \
+                or math.isinf(self.temperature):
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be -1 or 0 (off) or an integer >= 1")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids >= 0")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

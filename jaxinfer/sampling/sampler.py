@@ -1,0 +1,107 @@
+"""The sampler that runs inside the jitted step: logits [B, V] + SamplingArrays -> tokens.
+
+What `sample` does to one row (the order matters and the numpy reference in the tests mirrors it):
+  1. logprobs: log_softmax of the raw logits (before penalties and temperature, like vLLM's
+     default); the chosen token's logprob and the top-N are read from these.
+  2. penalties (only when a history is given): repetition penalty over tokens seen in prompt or
+     output (positive logits divided, negative multiplied), then frequency (times the output
+     count) and presence (once per token seen in the output) subtracted.
+  3. greedy rows (temperature 0) take argmax of the penalized logits; nothing below affects them.
+  4. temperature scaling, then top-k (ties with the k-th value kept), then top-p over what top-k
+     left (the smallest set of tokens whose probability reaches top_p, ties with its last kept),
+     then min-p (drop tokens whose probability is below min_p * the highest probability).
+  5. one Gumbel-max draw per row with the key fold_in(fold_in(key(seed_lo), seed_hi),
+     num_generated): the same sequence draws the same noise whatever batch or row it is in.
+
+Penalty histories (arrays.PenaltyHistory) are scatter-added into a [B, V] count array here, on
+the device. `num_top_logprobs` is a static argument.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.sampling.arrays import SamplingArrays
+from jaxinfer.sampling.params import GREEDY_EPS
+
+
+@flax.struct.dataclass
+class SamplerOutput:
+    tokens: jax.Array        # i32[B]
+    logprobs: jax.Array      # f32[B]    log_softmax(raw logits) of the chosen token
+    top_ids: jax.Array       # i32[B, N] the N most likely tokens (N = num_top_logprobs)
+    top_logprobs: jax.Array  # f32[B, N]
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0) -> SamplerOutput:
+    """Samples one token per row of `logits` [B, V]. Pure; `num_top_logprobs` must be static."""
+    logits = logits.astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)                        # [B, V]
+    if arrays.history is not None:
+        logits = apply_penalties(logits, arrays)
+    greedy_tokens = jnp.argmax(logits, axis=-1)                           # [B]
+    is_greedy = arrays.temperature < GREEDY_EPS
+    temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
+
+    def draw(scaled):  # masking and [B, V] of noise are paid only when some row samples
+        masked = mask_logits(scaled, arrays.top_k, arrays.top_p, arrays.min_p)
+        noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(arrays.seeds, arrays.num_generated,
+                                                         scaled.shape[-1])  # [B, V]
+        return jnp.argmax(masked + noise, axis=-1).astype(jnp.int32)      # [B]
+
+    sampled_tokens = jax.lax.cond(
+        jnp.all(is_greedy), lambda scaled: greedy_tokens.astype(jnp.int32), draw,
+        logits / temperature[:, None])
+    tokens = jnp.where(is_greedy, greedy_tokens, sampled_tokens).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)     # [B, N]
+    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _gumbel(seed: jax.Array, num_generated: jax.Array, vocab_size: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+    key = jax.random.fold_in(key, num_generated)
+    return jax.random.gumbel(key, (vocab_size,), jnp.float32)             # [V]
+
+
+def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Repetition penalty over prompt + output ids, then frequency and presence over outputs."""
+    batch, vocab = logits.shape
+    ids = arrays.history.token_ids                                        # [B, H]
+    ids = jnp.where(ids >= 0, ids, vocab)  # an out-of-range id: the scatters drop it
+    is_output = jnp.arange(ids.shape[1])[None, :] >= arrays.history.num_prompt[:, None]  # [B, H]
+    rows = jnp.arange(batch)[:, None]
+    output_counts = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(
+        is_output.astype(jnp.float32), mode="drop")                       # [B, V]
+    seen = jnp.zeros((batch, vocab), bool).at[rows, ids].set(True, mode="drop")  # [B, V]
+    rep = arrays.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - arrays.frequency_penalty[:, None] * output_counts
+    return logits - arrays.presence_penalty[:, None] * (output_counts > 0)
+
+
+def mask_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                min_p: jax.Array) -> jax.Array:
+    """Sets tokens outside top-k, then top-p, then min-p to -inf (temperature already applied)."""
+    vocab = logits.shape[-1]
+    needs_sort = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    logits = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, p: x, logits, top_k, top_p)
+    top = jnp.max(logits, axis=-1, keepdims=True)                         # [B, 1]
+    # p_i >= min_p * p_max  <=>  logit_i - max >= log(min_p); min_p = 0 keeps everything
+    keep = logits - top >= jnp.log(min_p)[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    vocab = logits.shape[-1]
+    sorted_logits = -jnp.sort(-logits, axis=-1)                           # [B, V] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, k[:, None] - 1, axis=-1)     # [B, 1]
+    sorted_logits = jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)                        # [B, V]
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)       # a prefix of the sort
+    num_keep = jnp.sum(keep, axis=-1, keepdims=True)                      # [B, 1] >= 1
+    pth = jnp.take_along_axis(sorted_logits, num_keep - 1, axis=-1)       # [B, 1]
+    return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
