@@ -8,6 +8,7 @@ the secret. A refused call ends with UNAUTHENTICATED before its handler runs.
 from __future__ import annotations
 
 import hmac
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -31,7 +32,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
         self._open_prefixes = open_prefixes
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         if handler is None or details.method.startswith(self._open_prefixes):
             return handler
@@ -48,7 +51,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape that ends the call with UNAUTHENTICATED."""
-    async def refuse(request_or_iterator, context):
+    async def refuse(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     kwargs = dict(request_deserializer=handler.request_deserializer,

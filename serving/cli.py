@@ -19,11 +19,16 @@ import json
 import os
 import signal
 import sys
+from typing import Callable
 
 TOKEN_ENV = "JAXINFER_AUTH_TOKEN"
 
 
-def register(subparsers, add_engine_args, add_sampling_args) -> None:
+AddArgs = Callable[[argparse.ArgumentParser], None]
+
+
+def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
+             add_sampling_args: AddArgs) -> None:
     serve = subparsers.add_parser("serve", help="run the gRPC batching server")
     add_engine_args(serve)
     g = serve.add_argument_group("server")
@@ -75,8 +80,8 @@ def register(subparsers, add_engine_args, add_sampling_args) -> None:
 
 
 # --- serve --------------------------------------------------------------------------------------
-def cmd_serve(args) -> int:
-    from jaxinfer.cli import make_llm
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.cli.args import make_llm
     from serving.auth import read_token
     from serving.server import ServerOptions
 
@@ -124,7 +129,7 @@ async def _serve(engine, options) -> int:
 
 
 # --- client -------------------------------------------------------------------------------------
-def cmd_client(args) -> int:
+def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
     from serving.auth import read_token

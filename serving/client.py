@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving.proto import jaxinfer_pb2 as pb
 from serving.proto import jaxinfer_pb2_grpc as pb_grpc
 
+Prompt = str | Sequence[int]  # text, or token ids
 _SAMPLING_FIELDS = frozenset(f.name for f in pb.SamplingOptions.DESCRIPTOR.fields)
 
 
@@ -50,9 +51,9 @@ class GenerateResult:
         return self.outputs[0].token_ids
 
 
-def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterable[dict] | None = None,
+def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | None = None,
                   request_id: str = "", priority: int = 0, add_generation_prompt: bool = True,
-                  **sampling) -> pb.GenerateRequest:
+                  **sampling: object) -> pb.GenerateRequest:
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling options {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
@@ -139,20 +140,23 @@ class Client(_Base):
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    def stream(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Iterator[pb.GenerateResponse]:
+    def stream(self, prompt: Prompt | None = None, *, timeout: float | None = None,
+               **kwargs: object) -> Iterator[pb.GenerateResponse]:
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
         try:
             yield from call
         finally:
             call.cancel()  # a no-op once finished; aborts the request when the caller stops early
 
-    def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> GenerateResult:
+    def generate(self, prompt: Prompt | None = None, *, timeout: float | None = None,
+                 **kwargs: object) -> GenerateResult:
         acc = Accumulator()
         for msg in self.stream(prompt, timeout=timeout, **kwargs):
             acc.add(msg)
         return acc.result()
 
-    def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool = True,
+    def tokenize(self, text: str | None = None, *, messages: Iterable[dict] | None = None,
+                 add_special_tokens: bool = True,
                  timeout: float | None = None) -> list[int]:
         request = _tokenize_request(text, messages, add_special_tokens)
         return list(self.stub.Tokenize(request, timeout=timeout, metadata=self._metadata).token_ids)
@@ -171,9 +175,6 @@ class Client(_Base):
     def health(self, service: str = "", timeout: float | None = None) -> str:
         reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        grpc.channel_ready_future(self.channel).result(timeout=timeout)
 
     def close(self) -> None:
         self.channel.close()
@@ -195,8 +196,8 @@ class AsyncClient(_Base):
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    async def stream(self, prompt=None, *, timeout: float | None = None,
-                     **kwargs) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, prompt: Prompt | None = None, *, timeout: float | None = None,
+                     **kwargs: object) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
         try:
             async for msg in call:
@@ -204,13 +205,15 @@ class AsyncClient(_Base):
         finally:
             call.cancel()
 
-    async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> GenerateResult:
+    async def generate(self, prompt: Prompt | None = None, *, timeout: float | None = None,
+                       **kwargs: object) -> GenerateResult:
         acc = Accumulator()
         async for msg in self.stream(prompt, timeout=timeout, **kwargs):
             acc.add(msg)
         return acc.result()
 
-    async def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool = True,
+    async def tokenize(self, text: str | None = None, *, messages: Iterable[dict] | None = None,
+                       add_special_tokens: bool = True,
                        timeout: float | None = None) -> list[int]:
         request = _tokenize_request(text, messages, add_special_tokens)
         reply = await self.stub.Tokenize(request, timeout=timeout, metadata=self._metadata)

@@ -8,6 +8,7 @@ import dataclasses
 
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.tokenizer import Tokenizer
 from serving.proto import jaxinfer_pb2 as pb
 
 # SamplingOptions fields that are `optional` scalars and map 1:1 onto SamplingParams.
@@ -38,7 +39,7 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
         raise RequestError(f"sampling.{str(e).removeprefix('SamplingParams.')}") from None
 
 
-def render_chat(tokenizer, chat: pb.Chat) -> list[int]:
+def render_chat(tokenizer: Tokenizer, chat: pb.Chat) -> list[int]:
     """Chat template -> token ids, exactly as LLM.render_chat does it."""
     if not chat.messages:
         raise RequestError("chat.messages: empty")
@@ -53,7 +54,7 @@ def render_chat(tokenizer, chat: pb.Chat) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer, limits: ModelLimits) -> list[int]:
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[int]:
     """The prompt as token ids, checked against the vocabulary and the context length."""
     kind = request.WhichOneof("prompt")
     if kind is None:

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import TYPE_CHECKING
 
 import prometheus_client as prom
+
+if TYPE_CHECKING:  # the engine imports JAX; metrics are host-side
+    from jaxinfer.engine import Engine
+    from jaxinfer.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _THROUGHPUT_WINDOW_S = 10.0
@@ -59,7 +64,7 @@ class ServerMetrics:
             self._window.popleft()
         self.throughput.set(sum(c for _, c in self._window) / _THROUGHPUT_WINDOW_S)
 
-    def on_finished(self, out) -> None:
+    def on_finished(self, out: RequestOutput) -> None:
         for c in out.outputs:
             self.requests.labels(finish_reason=c.finish_reason or "unknown").inc()
         if any(c.finish_reason == "abort" for c in out.outputs):
@@ -73,7 +78,7 @@ class ServerMetrics:
             self.itl.observe(gap)
         self.prompt_tokens.inc(out.usage.prompt_tokens)
 
-    def on_step(self, engine) -> None:
+    def on_step(self, engine: Engine) -> None:
         stats = engine.stats()
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])

@@ -19,6 +19,7 @@ import functools
 import logging
 import time
 import uuid
+from typing import AsyncIterator
 
 import grpc
 import jax
@@ -63,13 +64,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _in_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
-    async def _refuse(self, context, code: grpc.StatusCode, details: str):
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
         if self._metrics is not None:
             self._metrics.rejected.labels(code=code.name).inc()
         await context.abort(code, details)
 
     # --- Generate -------------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         arrival_time = time.monotonic()  # TTFT and queue time count tokenization and queueing too
         request_id = request.request_id or uuid.uuid4().hex
         if self.draining:
@@ -127,7 +129,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return ids, params
 
     # --- unary RPCs -----------------------------------------------------------------------------
-    async def Tokenize(self, request: pb.TokenizeRequest, context):
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         if self._tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
         kind = request.WhichOneof("input")
@@ -143,7 +146,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
 
-    async def Detokenize(self, request: pb.DetokenizeRequest, context):
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         if self._tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
         vocab = self._limits.vocab_size
@@ -155,10 +159,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         text = await self._in_worker(self._tokenizer.decode, list(request.token_ids), skip)
         return pb.DetokenizeResponse(text=text)
 
-    async def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
         return self._model_info
 
-    async def GetServerStats(self, request, context):
+    async def GetServerStats(self, request: pb.GetServerStatsRequest,
+                             context: grpc.aio.ServicerContext) -> pb.GetServerStatsResponse:
         try:
             stats, steps = await asyncio.wrap_future(
                 self._engine_loop.call(lambda engine: (engine.stats(), self._engine_loop.num_steps)))
