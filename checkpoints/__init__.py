@@ -1,4 +1,6 @@
 """Checkpoint readers and writers: HF safetensors, GGUF, orbax. They know formats, not models."""
+from __future__ import annotations
+
 from checkpoints.errors import CheckpointError
 from checkpoints.gguf_io import GGUFCheckpoint
 from checkpoints.safetensors_io import SafetensorsCheckpoint, SafetensorsFile

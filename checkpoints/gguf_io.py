@@ -1,12 +1,13 @@
 """GGUF reading with the `gguf` package: metadata as plain values, tensors dequantized lazily.
 
-Tensors come back in HF's row-major shapes ([out, in] for projections) as float32 (F16/BF16 kept
-as stored), dequantized one at a time from the memory-mapped file: F32, F16, BF16, Q8_0, Q4_0,
+Tensors come back in HF's row-major shapes ([out, in] for projections): F32 and F16 as stored,
+everything else (BF16 and the quantized types) dequantized to float32, one at a time from the memory-mapped file: F32, F16, BF16, Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1 and the K-quants that `gguf.quants` can dequantize.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -14,7 +15,10 @@ from checkpoints.errors import CheckpointError
 
 
 class GGUFCheckpoint:
-    def __init__(self, path: str | Path):
+    """One .gguf file: `metadata` (key -> value), `keys()`, `shape(name)`, `quant_type(name)`,
+    `get(name) -> np.ndarray` (dequantized, in HF's shape)."""
+
+    def __init__(self, path: str | Path) -> None:
         import gguf
 
         self.path = Path(path)
@@ -25,7 +29,7 @@ class GGUFCheckpoint:
         except Exception as e:  # gguf raises ValueError/struct.error/IndexError on bad files
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
         self._tensors = {t.name: t for t in self._reader.tensors}
-        self.metadata = {}
+        self.metadata: dict[str, Any] = {}  # values are whatever each GGUF field holds
         for key, field in self._reader.fields.items():
             try:
                 self.metadata[key] = field.contents()

@@ -27,7 +27,7 @@ INDEX_NAME = "model.safetensors.index.json"
 class SafetensorsFile:
     """One .safetensors file: `keys()`, `shape(name)`, `get(name) -> np.ndarray` (a view)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"safetensors file not found: {self.path}")
@@ -45,9 +45,9 @@ class SafetensorsFile:
                 header = json.loads(f.read(header_len))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{self.path}: unreadable safetensors header: {e}") from e
-        self.metadata = header.pop("__metadata__", None) or {}
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._data_start = 8 + header_len
-        self._entries = {}
+        self._entries: dict[str, tuple[type, tuple[int, ...], int, int]] = {}  # dtype, shape, span
         for name, info in header.items():
             dtype = _DTYPES.get(info.get("dtype"))
             if dtype is None:
@@ -83,7 +83,7 @@ class SafetensorsFile:
 class SafetensorsCheckpoint:
     """A directory holding model.safetensors, or shards listed in model.safetensors.index.json."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path) -> None:
         directory = Path(directory)
         index = directory / INDEX_NAME
         if index.is_file():
@@ -92,7 +92,7 @@ class SafetensorsCheckpoint:
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
             files = {fname: SafetensorsFile(directory / fname) for fname in sorted(set(weight_map.values()))}
-            self._where = {}
+            self._where: dict[str, SafetensorsFile] = {}
             for name, fname in weight_map.items():
                 if name not in files[fname].keys():
                     raise CheckpointError(f"{index}: lists {name!r} in {fname}, which does not hold it")

@@ -5,24 +5,37 @@ before anything is lowered, and hold the online-softmax math both kernels trace.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 # Finite stand-in for -inf in kernels: exp(MASK - MASK) is 1, not NaN, and any real score wipes
 # what a fully masked block added (exp(MASK - real) == 0 exactly in float32).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+# Running (max, sum, acc) of an online softmax.
+SoftmaxCarry = tuple[jax.Array, jax.Array, jax.Array]
+# A kernel's limits: unsupported_reason(q, kv_cache, page_indices) -> why not, or None.
+ReasonFn = Callable[[jax.Array, jax.Array, jax.Array], str | None]
+
+
 class UnsupportedShape(ValueError):
     """A kernel cannot take these shapes/options; the reason names the offending value."""
 
 
-def is_quantized(dtype) -> bool:
+def is_quantized(dtype: DTypeLike) -> bool:
     return jnp.dtype(dtype).itemsize == 1
 
 
-def check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
+def check_contract(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
+                   kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+                   num_seqs: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
+                   ) -> None:
     """Shape/dtype checks every implementation shares; raises ValueError naming the bad value."""
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or kv_cache.ndim != 4:
         raise ValueError(f"expected q, k, v 3-D and kv_cache 4-D; got q{q.shape} k{k.shape} "
@@ -46,8 +59,11 @@ def check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is quantized: k_scale and v_scale are required")
 
 
-def validate_kernel_call(kernel_name, unsupported_reason, q, k, v, kv_cache, kv_lens, page_indices,
-                         cu_q_lens, num_seqs, k_scale, v_scale, sliding_window, soft_cap):
+def validate_kernel_call(kernel_name: str, unsupported_reason: ReasonFn, q: jax.Array,
+                         k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                         page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+                         k_scale: jax.Array | None, v_scale: jax.Array | None,
+                         sliding_window: int | None, soft_cap: float | None) -> None:
     """A kernel's entry check: the contract, the options, then the kernel's own limits
     (`unsupported_reason(q, kv_cache, page_indices)`), raising UnsupportedShape for those."""
     check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
@@ -57,7 +73,8 @@ def validate_kernel_call(kernel_name, unsupported_reason, q, k, v, kv_cache, kv_
         raise UnsupportedShape(f"{kernel_name} cannot take {reason}")
 
 
-def dtype_mismatch(q, kv_cache, supported) -> str | None:
+def dtype_mismatch(q: jax.Array, kv_cache: jax.Array, supported: Sequence[DTypeLike]
+                   ) -> str | None:
     """Why q / kv_cache dtypes don't suit a kernel that takes `supported` query dtypes, or None."""
     if q.dtype not in supported:
         names = " or ".join(str(jnp.dtype(d)) for d in supported)
@@ -67,14 +84,15 @@ def dtype_mismatch(q, kv_cache, supported) -> str | None:
     return None
 
 
-def check_options(sliding_window, soft_cap):
+def check_options(sliding_window: int | None, soft_cap: float | None) -> None:
     if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be None or a positive integer")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap={soft_cap!r} must be None or a positive number")
 
 
-def kv_scales(kv_cache, k_scale, v_scale):
+def kv_scales(kv_cache: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
+              ) -> jax.Array:
     """float32 [Hkv, 2]: (k_scale, v_scale) per kv head; ones for an unquantized cache."""
     num_kv_heads = kv_cache.shape[2] // 2
     if not is_quantized(kv_cache.dtype):
@@ -84,11 +102,12 @@ def kv_scales(kv_cache, k_scale, v_scale):
     return jnp.stack([k_scale, v_scale], axis=1)
 
 
-def scalar_num_seqs(num_seqs):
+def scalar_num_seqs(num_seqs: jax.Array | int) -> jax.Array:
+    """i32[1]: the real sequence count, from an array of one value (or a Python int)."""
     return jnp.asarray(num_seqs, jnp.int32).reshape(-1)[:1]
 
 
-def real_q_lens(cu_q_lens, num_seqs):
+def real_q_lens(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
     """i32[S]: query tokens per sequence, 0 for padding sequences (s >= num_seqs)."""
     num_seqs_max = cu_q_lens.shape[0] - 1
     real = jnp.arange(num_seqs_max, dtype=jnp.int32) < scalar_num_seqs(num_seqs)[0]
@@ -101,7 +120,8 @@ def next_pow2(x: int) -> int:
 
 # --- in-kernel math shared by the GPU and TPU kernels (traced inside pallas_call) ---
 
-def block_scores(q, k, *, scale, soft_cap, precision):
+def block_scores(q: jax.Array, k: jax.Array, *, scale: float | jax.Array, soft_cap: float | None,
+                 precision: lax.Precision | None) -> jax.Array:
     """q [M, D] . k [N, D] -> float32 scores [M, N], scaled (and soft-capped)."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)
@@ -111,7 +131,8 @@ def block_scores(q, k, *, scale, soft_cap, precision):
     return s
 
 
-def online_softmax_update(carry, s, v, *, precision, keepdims):
+def online_softmax_update(carry: SoftmaxCarry, s: jax.Array, v: jax.Array, *,
+                          precision: lax.Precision | None, keepdims: bool) -> SoftmaxCarry:
     """One KV block of the float32 online softmax.
 
     carry (m, l, acc): running max and sum ([M] or [M, 1] with keepdims) and acc [M, D];

@@ -9,11 +9,15 @@ warning.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import jax
 
 from pallas_kernels import common, gpu, tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
+
+if TYPE_CHECKING:
+    from jax.experimental.pallas.tpu import InterpretParams
 
 IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
 _KERNELS = {"pallas_gpu": (gpu, "gpu"), "pallas_tpu": (tpu, "tpu")}
@@ -37,7 +41,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     return _AUTO.get(backend or jax.default_backend(), "reference")
 
 
-def _interpret_flag(impl: str, backend: str):
+def _interpret_flag(impl: str, backend: str) -> bool | InterpretParams:
     """False on the kernel's own platform; interpret-mode settings elsewhere."""
     _, platform = _KERNELS[impl]
     if backend == platform or (platform == "gpu" and backend in ("cuda", "rocm")):
@@ -50,9 +54,11 @@ def _interpret_flag(impl: str, backend: str):
 
 
 def ragged_paged_attention(
-    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-    *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, impl="auto",
-):
+    q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
     """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache)."""
     backend = jax.default_backend()
     chosen = resolve_impl(impl, backend)

@@ -33,10 +33,11 @@ One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cac
 
 Supports bf16/f16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
 scales, head_dim a power of two in [16, 256], page_size a power of two, sliding window, soft cap.
+The shape limits, block sizes and split count (`unsupported_reason`, `GpuConfig`,
+`default_config`) live in gpu_config.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -46,55 +47,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from pallas_kernels.gpu_config import (
+    GpuConfig,
+    check_config,
+    default_config,
+    unsupported_reason,
+)
 from pallas_kernels.reference import stored_kv, token_positions
-
-_NUM_SMS = 132  # H100 SXM; only steers the split-K heuristic.
-_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuConfig:
-    block_q: int     # query tokens per work item (power of two)
-    block_kv: int    # keys per online-softmax step (power of two >= 16)
-    num_splits: int  # KV splits per work item (1 = no combine step)
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def unsupported_reason(q, kv_cache, page_indices) -> str | None:
-    """None if the kernel takes these shapes, else why not (names the value)."""
-    head_dim = q.shape[-1]
-    page_size = kv_cache.shape[1]
-    if (reason := common.dtype_mismatch(q, kv_cache, _FLOAT_DTYPES)) is not None:
-        return reason
-    if head_dim not in (16, 32, 64, 128, 256):
-        return f"head_dim={head_dim} (want a power of two in [16, 256])"
-    if page_size & (page_size - 1):
-        return f"page_size={page_size} (want a power of two)"
-    return None
-
-
-def default_config(num_tokens, num_seqs, group, num_kv_heads, head_dim, page_size, pages_per_seq):
-    gp = common.next_pow2(group)
-    decode_like = num_tokens <= 2 * num_seqs
-    rows = 16 if decode_like else (128 if head_dim <= 128 else 64)
-    block_q = max(1, rows // gp)
-    max_kv = pages_per_seq * page_size
-    block_kv = 128 if decode_like and head_dim <= 128 else 64
-    block_kv = max(16, min(block_kv, common.next_pow2(max_kv)))
-    num_splits = 1
-    if decode_like:
-        programs = num_seqs * num_kv_heads
-        kv_blocks = -(-max_kv // block_kv)
-        num_splits = max(1, min(16, kv_blocks, common.next_pow2(-(-2 * _NUM_SMS // programs))))
-    num_warps = 8 if block_q * gp >= 128 else 4
-    return GpuConfig(block_q, block_kv, num_splits, num_warps, 2)
-
 
 META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, 3 x unused (power of two)
 
 
-def _work_list(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q, pages_per_seq):
+def _work_list(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
+               block_q: int, pages_per_seq: int) -> tuple[jax.Array, ...]:
     """Per work item: meta [W, 8] = (rows, first row's position, page-table offset, cached
     context length, token index minus position, 0, 0, 0); per token t: (item, row, is-real)."""
     num_seqs_max = kv_lens.shape[0]
@@ -212,7 +177,7 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
         l_ref[...] = l
 
 
-def _combine(o, m, l):
+def _combine(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """Merge C partial softmaxes: o [C, ..., D] unnormalised, m/l [C, ...] -> [..., D]."""
     m_max = jnp.max(m, axis=0)
     a = jnp.exp(m - m_max[None])
@@ -221,7 +186,8 @@ def _combine(o, m, l):
     return o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
-def _q_blocks(q, meta, num_kv_heads, block_q, gp):
+def _q_blocks(q: jax.Array, meta: jax.Array, num_kv_heads: int, block_q: int, gp: int
+              ) -> jax.Array:
     """q [T, Hq, D] -> [W, Hkv, bq * Gp, D]; row r of a block is token r // Gp, head r % Gp."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_items = meta.shape[0]
@@ -236,8 +202,9 @@ def _q_blocks(q, meta, num_kv_heads, block_q, gp):
     return blocks.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * gp, head_dim)
 
 
-def _call_kernel(meta, flat_pages, scales, q_blocks, kv_new, kv_cache, *, config, gp, interpret,
-                 **opts):
+def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_blocks: jax.Array,
+                 kv_new: jax.Array, kv_cache: jax.Array, *, config: GpuConfig, gp: int,
+                 interpret: bool, **opts: object) -> tuple[jax.Array, jax.Array]:
     """The pallas_call over grid (W, Hkv, C) -> (out blocks [W, Hkv, M, D], kv_cache written)."""
     num_items, num_kv_heads, rows_m, head_dim = q_blocks.shape
     num_pages, page_size, two_hkv, _ = kv_cache.shape
@@ -282,10 +249,12 @@ def _call_kernel(meta, flat_pages, scales, q_blocks, kv_new, kv_cache, *, config
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
 def ragged_paged_attention_gpu(
-    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-    *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+    q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
     config: GpuConfig | None = None, interpret: bool = False,
-):
+) -> tuple[jax.Array, jax.Array]:
     """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache).
 
     `config` overrides the block sizes / splits chosen by `default_config`; `interpret=True`
@@ -301,10 +270,8 @@ def ragged_paged_attention_gpu(
     if config is None:
         config = default_config(num_tokens, num_seqs_max, group, num_kv_heads, head_dim,
                                 page_size, pages_per_seq)
-    bq, bkv, gp = config.block_q, config.block_kv, common.next_pow2(group)
-    if bq * gp < 16 or bkv < 16 or bq & (bq - 1) or bkv & (bkv - 1):
-        raise common.UnsupportedShape(f"pallas_gpu config {config}: block_q * Gp and block_kv "
-                                      "must be powers of two >= 16")
+    bq, gp = config.block_q, common.next_pow2(group)
+    check_config(config, gp)
 
     meta, token_item, token_row, tvalid = _work_list(
         cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)

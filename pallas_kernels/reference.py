@@ -19,10 +19,13 @@ O(T * block + T^2), decode costs O(context) per token, and a prompt's first chun
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
-from pallas_kernels.common import is_quantized
+from pallas_kernels.common import SoftmaxCarry, is_quantized
 
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
 _BLOCK_ELEMENTS = 1 << 18
@@ -31,11 +34,13 @@ _BLOCK_ELEMENTS = 1 << 18
 _MAX_BLOCK_TOKENS = 512
 
 
-def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
+                   ) -> tuple[int, int, int, int]:
     return (num_pages, page_size, 2 * num_kv_heads, head_dim)
 
 
-def token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
+def token_positions(kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array | int,
+                    num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per query token: (sequence index, absolute position, is-real-token), each [T]."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = jnp.asarray(num_seqs).reshape(-1)[0]
@@ -47,7 +52,7 @@ def token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
     return seq, jnp.where(valid, pos, 0), valid
 
 
-def quantize_kv(x, scale, dtype):
+def quantize_kv(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
     """x: [T, Hkv, D] float -> dtype, dividing by the per-head scale [Hkv]."""
     y = x.astype(jnp.float32) / scale[None, :, None]
     if jnp.issubdtype(dtype, jnp.integer):
@@ -59,7 +64,8 @@ def quantize_kv(x, scale, dtype):
     return y.astype(dtype)
 
 
-def stored_kv(k, v, cache_dtype, k_scale=None, v_scale=None):
+def stored_kv(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, k_scale: jax.Array | None = None,
+              v_scale: jax.Array | None = None) -> jax.Array:
     """This step's K/V as the cache stores them: [T, 2 * Hkv, D] in `cache_dtype`, K of head h
     at 2h and V at 2h + 1 (quantized with the per-head scales for an int8/fp8 cache)."""
     num_tokens, num_kv_heads, d = k.shape
@@ -69,7 +75,9 @@ def stored_kv(k, v, cache_dtype, k_scale=None, v_scale=None):
     return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, d).astype(cache_dtype)
 
 
-def write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale=None, v_scale=None):
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array,
+             page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+             k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
     """Scatter this step's new K/V ([T, Hkv, D]) into their slots; padding tokens are dropped."""
     num_pages, page_size, two_hkv, d = kv_cache.shape
     seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, k.shape[0])
@@ -81,21 +89,23 @@ def write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale
     return flat.reshape(kv_cache.shape)
 
 
-def _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq):
+def _pages_per_block(num_tokens: int, page_size: int, two_hkv: int, d: int, pages_per_seq: int
+                     ) -> int:
     per_page = max(1, num_tokens * page_size * two_hkv * d)
     ppb = max(1, min(_BLOCK_ELEMENTS // per_page, _MAX_BLOCK_TOKENS // page_size))
     ppb = 1 << (ppb.bit_length() - 1)  # power of two
     return min(ppb, pages_per_seq)
 
 
-def _stored(x, scale, dtype):
+def _stored(x: jax.Array, scale: jax.Array | None, dtype: DTypeLike) -> jax.Array:
     """x [T, K, D] as the cache holds it (rounded to its dtype, or quantized), read back in f32."""
     if is_quantized(dtype):
         return quantize_kv(x, scale, dtype).astype(jnp.float32) * scale[None, :, None]
     return x.astype(dtype).astype(jnp.float32)
 
 
-def _merge(carry, s, pv):
+def _merge(carry: SoftmaxCarry, s: jax.Array, pv: Callable[[jax.Array], jax.Array]
+           ) -> SoftmaxCarry:
     """Online-softmax update of (m, l, acc) with masked scores s [T, K, G, N]; pv(p) -> [T, K, G, D]."""
     m, l, acc = carry
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -105,35 +115,16 @@ def _merge(carry, s, pv):
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv(p)
 
 
-def _cap(s, soft_cap):
+def _cap(s: jax.Array, soft_cap: float | None) -> jax.Array:
     return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
-def ragged_paged_attention_reference(
-    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-    *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-):
-    """Writes k/v into kv_cache, then attends. Returns (out [T, Hq, D] in q.dtype, kv_cache).
-
-    Each token attends to (1) the tokens of its sequence in this step, densely from k/v as the
-    cache stores them, and (2) its sequence's earlier context, page block by page block. Part (2)
-    runs zero blocks for a first prefill chunk, so a prompt never re-reads its own pages per token.
-    """
-    kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
-    num_tokens, num_q_heads, d = q.shape
-    _, page_size, two_hkv, _ = kv_cache.shape
-    num_kv_heads = two_hkv // 2
-    group = num_q_heads // num_kv_heads
-    pages_per_seq = page_indices.shape[1]
-
-    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    ctx_len = jnp.where(valid, kv_lens[seq] - q_len, 0)  # [T] cached tokens before this step
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, d) * sm_scale
-
-    # (1) this step's tokens of the same sequence, causally.
-    k_new = _stored(k, k_scale, kv_cache.dtype)  # [T, K, D]
-    v_new = _stored(v, v_scale, kv_cache.dtype)
+def _attend_step_tokens(qg: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: jax.Array,
+                        pos: jax.Array, valid: jax.Array, *, sliding_window: int | None,
+                        soft_cap: float | None) -> SoftmaxCarry:
+    """Part (1): qg [T, K, G, D] over this step's tokens of the same sequence, causally, with
+    k_new / v_new [T, K, D] as the cache stores them. Returns the online-softmax carry."""
+    num_tokens, num_kv_heads, group, d = qg.shape
     s = _cap(jnp.einsum("tkgd,ukd->tkgu", qg, k_new), soft_cap)  # [T, K, G, T]
     mask = valid[:, None] & valid[None, :] & (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
     if sliding_window is not None:
@@ -142,18 +133,31 @@ def ragged_paged_attention_reference(
     init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group, d), jnp.float32))
-    carry = _merge(init, s, lambda p: jnp.einsum("tkgu,ukd->tkgd", p, v_new))
+    return _merge(init, s, lambda p: jnp.einsum("tkgu,ukd->tkgd", p, v_new))
 
-    # (2) the earlier context from the pages, a block of pages at a time.
+
+def _cache_scales(kv_cache: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
+                  ) -> jax.Array:
+    """float32 [2K]: the scale of each entry of the cache's third axis (ones if unquantized)."""
+    two_hkv = kv_cache.shape[2]
+    if is_quantized(kv_cache.dtype):
+        return jnp.stack([k_scale, v_scale], axis=1).reshape(two_hkv).astype(jnp.float32)
+    return jnp.ones((two_hkv,), jnp.float32)
+
+
+def _attend_context(carry: SoftmaxCarry, qg: jax.Array, kv_cache: jax.Array, scales: jax.Array,
+                    token_pages: jax.Array, pos: jax.Array, ctx_len: jax.Array, *,
+                    sliding_window: int | None, soft_cap: float | None) -> SoftmaxCarry:
+    """Part (2): qg [T, K, G, D] over each token's cached context [0, ctx_len), reading its
+    sequence's pages (token_pages [T, pages_per_seq]) a block of pages at a time."""
+    num_tokens, _, _, d = qg.shape
+    _, page_size, two_hkv, _ = kv_cache.shape
+    pages_per_seq = token_pages.shape[1]
     ppb = _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq)
     block = ppb * page_size
-    token_pages = jnp.pad(page_indices[seq], ((0, 0), (0, (-pages_per_seq) % ppb)))  # [T, >= pages_per_seq]
-    if is_quantized(kv_cache.dtype):
-        scales = jnp.stack([k_scale, v_scale], axis=1).reshape(two_hkv).astype(jnp.float32)
-    else:
-        scales = jnp.ones((two_hkv,), jnp.float32)
+    token_pages = jnp.pad(token_pages, ((0, 0), (0, (-pages_per_seq) % ppb)))  # [T, >= pages_per_seq]
 
-    def body(j, carry):
+    def body(j: jax.Array, carry: SoftmaxCarry) -> SoftmaxCarry:
         pages = jax.lax.dynamic_slice_in_dim(token_pages, j * ppb, ppb, axis=1)  # [T, ppb]
         kv = kv_cache[pages].reshape(num_tokens, block, two_hkv, d)
         kv = kv.astype(jnp.float32) * scales[None, None, :, None]
@@ -171,7 +175,38 @@ def ragged_paged_attention_reference(
         return _merge(carry, s, lambda p: jnp.einsum("tkgb,tbkd->tkgd", p, vb))
 
     num_blocks = (jnp.max(ctx_len) + block - 1) // block
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, carry)
+    return jax.lax.fori_loop(0, num_blocks, body, carry)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Writes k/v into kv_cache, then attends. Returns (out [T, Hq, D] in q.dtype, kv_cache).
+
+    Each token attends to (1) the tokens of its sequence in this step, densely from k/v as the
+    cache stores them, and (2) its sequence's earlier context, page block by page block. Part (2)
+    runs zero blocks for a first prefill chunk, so a prompt never re-reads its own pages per token.
+    """
+    kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+    num_tokens, num_q_heads, d = q.shape
+    num_kv_heads = kv_cache.shape[2] // 2
+    group = num_q_heads // num_kv_heads
+
+    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    ctx_len = jnp.where(valid, kv_lens[seq] - q_len, 0)  # [T] cached tokens before this step
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, d) * sm_scale
+
+    k_new = _stored(k, k_scale, kv_cache.dtype)  # [T, K, D]
+    v_new = _stored(v, v_scale, kv_cache.dtype)
+    carry = _attend_step_tokens(qg, k_new, v_new, seq, pos, valid,
+                                sliding_window=sliding_window, soft_cap=soft_cap)
+    _, l, acc = _attend_context(carry, qg, kv_cache, _cache_scales(kv_cache, k_scale, v_scale),
+                                page_indices[seq], pos, ctx_len,
+                                sliding_window=sliding_window, soft_cap=soft_cap)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, d).astype(q.dtype), kv_cache

@@ -37,10 +37,11 @@ sublane packing, sliding window, soft cap. Runs under TPU interpret mode on the 
 reshapes, no strided ref loads, static DMA shapes) and lowers for TPU from the CPU. No real TPU
 has compiled it yet; the open risks are the per-head DMAs (`.at[rows, 2h, :]` slices the
 second-minor axis of a tiled HBM array) and the SMEM size of the flattened page table.
+The shape limits and block sizes (`unsupported_reason`, `TpuConfig`, `default_config`) live in
+tpu_config.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -51,42 +52,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 from pallas_kernels.reference import stored_kv
-
-_FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class TpuConfig:
-    block_q: int          # query tokens per block over the flattened T axis (power of two >= 16)
-    pages_per_block: int  # pages per KV step; block_kv = pages_per_block * page_size
-    vmem_limit_bytes: int | None = None
-
-
-def _sublane_rows(dtype) -> int:
-    return 32 // jnp.dtype(dtype).itemsize  # rows per (sublane) tile: 8 for 32-bit, 16, 32
-
-
-def unsupported_reason(q, kv_cache, page_indices) -> str | None:
-    head_dim = q.shape[-1]
-    page_size = kv_cache.shape[1]
-    if (reason := common.dtype_mismatch(q, kv_cache, _FLOAT_DTYPES)) is not None:
-        return reason
-    if head_dim not in (64, 128, 256):
-        return f"head_dim={head_dim} (want 64, 128 or 256)"
-    if page_size % _sublane_rows(kv_cache.dtype):
-        return (f"page_size={page_size} (want a multiple of {_sublane_rows(kv_cache.dtype)} "
-                f"for {jnp.dtype(kv_cache.dtype).name})")
-    return None
-
-
-def default_config(num_tokens, num_seqs, group, page_size, pages_per_seq):
-    if num_tokens <= 2 * num_seqs:  # decode-like: one token per sequence, keep wasted rows few
-        block_q = 16
-    else:
-        block_q = max(16, min(256, common.next_pow2(-(-256 // group))))
-    block_q = min(block_q, max(16, common.next_pow2(num_tokens)))
-    pages_per_block = max(1, min(pages_per_seq, 512 // page_size))
-    return TpuConfig(block_q, pages_per_block)
+from pallas_kernels.tpu_config import (
+    TpuConfig,
+    check_config,
+    default_config,
+    unsupported_reason,
+)
 
 
 def _attention_kernel(
@@ -214,7 +185,8 @@ def _attention_kernel(
         lax.fori_loop(0, written, lambda _, c: (done.wait(), c)[1], None)
 
 
-def _block_sequences(cu_q_lens, num_seqs, num_blocks, block_q):
+def _block_sequences(cu_q_lens: jax.Array, num_seqs: jax.Array, num_blocks: int, block_q: int
+                     ) -> tuple[jax.Array, jax.Array]:
     """First and last sequence touching each query block ([nqb] each; last < first if none)."""
     n = common.scalar_num_seqs(num_seqs)[0]
     starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
@@ -225,52 +197,39 @@ def _block_sequences(cu_q_lens, num_seqs, num_blocks, block_q):
     return jnp.minimum(first, jnp.maximum(n - 1, 0)), last
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
-def ragged_paged_attention_tpu(
-    q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-    *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-    config: TpuConfig | None = None, interpret=None,
-):
-    """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache).
-
-    `interpret`: None/False compiles for the TPU; a `pltpu.InterpretParams` runs the TPU
-    interpreter (so does an enclosing `pltpu.force_tpu_interpret_mode`)."""
-    common.validate_kernel_call("pallas_tpu", unsupported_reason, q, k, v, kv_cache, kv_lens,
-                                page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
-                                sliding_window, soft_cap)
+def _q_blocks(q: jax.Array, num_kv_heads: int, block_q: int) -> jax.Array:
+    """q [T, Hq, D] -> [Hkv, nqb, G * bq, D], T padded to nqb * bq; row g * bq + i of a block is
+    token i of the block, query head g of kv head h's group."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, two_hkv, _ = kv_cache.shape
-    num_kv_heads = two_hkv // 2
     group = num_q_heads // num_kv_heads
-    num_seqs_max, pages_per_seq = page_indices.shape
-    if config is None:
-        config = default_config(num_tokens, num_seqs_max, group, page_size, pages_per_seq)
-    bq, ppb = config.block_q, config.pages_per_block
-    if bq < 16 or bq & (bq - 1):
-        raise common.UnsupportedShape(f"pallas_tpu block_q={bq} must be a power of two >= 16")
-    num_blocks = pl.cdiv(num_tokens, bq)
-    rows_m = group * bq
-    block_kv = ppb * page_size
+    num_blocks = pl.cdiv(num_tokens, block_q)
+    q_blocks = jnp.pad(q, ((0, num_blocks * block_q - num_tokens), (0, 0), (0, 0)))
+    q_blocks = q_blocks.reshape(num_blocks, block_q, num_kv_heads, group, head_dim)
+    return q_blocks.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_blocks, group * block_q,
+                                                     head_dim)
 
-    t_pad = num_blocks * bq - num_tokens
-    q_blocks = jnp.pad(q, ((0, t_pad), (0, 0), (0, 0)))
-    q_blocks = q_blocks.reshape(num_blocks, bq, num_kv_heads, group, head_dim)
-    q_blocks = q_blocks.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_blocks, rows_m, head_dim)
-    first_seq, last_seq = _block_sequences(cu_q_lens, num_seqs, num_blocks, bq)
-    scalars = (kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
-               cu_q_lens.astype(jnp.int32), common.scalar_num_seqs(num_seqs), first_seq, last_seq)
-    scales = common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1)  # [2 * Hkv]
-    # Stored rows with a page of padding at each end: a page-sized chunk of this step's keys
-    # may start up to a page before a sequence's first token or end a page after its last.
-    new_rows = jnp.pad(stored_kv(k, v, kv_cache.dtype, k_scale, v_scale),
-                       ((page_size, page_size), (0, 0), (0, 0)))
+
+def _token_rows(out_blocks: jax.Array, num_tokens: int, group: int) -> jax.Array:
+    """The inverse of `_q_blocks`: [Hkv, nqb, G * bq, D] -> [T, Hq, D]."""
+    num_kv_heads, num_blocks, rows_m, head_dim = out_blocks.shape
+    bq = rows_m // group
+    out = out_blocks.reshape(num_kv_heads, num_blocks, group, bq, head_dim)
+    out = out.transpose(1, 3, 0, 2, 4).reshape(num_blocks * bq, num_kv_heads * group, head_dim)
+    return out[:num_tokens]
+
+
+def _call_kernel(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.Array,
+                 new_rows: jax.Array, kv_cache: jax.Array, *, config: TpuConfig,
+                 pages_per_seq: int, interpret: bool | pltpu.InterpretParams | None,
+                 **opts: object) -> tuple[jax.Array, jax.Array]:
+    """The pallas_call over grid (Hkv, nqb) -> (out blocks like q_blocks, kv_cache written)."""
+    num_kv_heads, num_blocks, rows_m, head_dim = q_blocks.shape
+    num_pages, page_size, two_hkv, _ = kv_cache.shape
+    block_kv = config.pages_per_block * page_size
     flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
-
     kernel = functools.partial(
-        _attention_kernel, block_q=bq, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+        _attention_kernel, block_q=config.block_q, pages_per_block=config.pages_per_block,
+        pages_per_seq=pages_per_seq, **opts)
     block = pl.BlockSpec((None, None, rows_m, head_dim), lambda h, b, *_: (h, b, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -283,14 +242,53 @@ def ragged_paged_attention_tpu(
     )
     out_blocks, flat_cache = pl.pallas_call(
         kernel, grid_spec=grid_spec, name="ragged_paged_attention_tpu",
-        out_shape=[jax.ShapeDtypeStruct((num_kv_heads, num_blocks, rows_m, head_dim), q.dtype),
+        out_shape=[jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
                    jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
         input_output_aliases={len(scalars) + 3: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=config.vmem_limit_bytes),
         interpret=interpret or False,
     )(*scalars, scales, q_blocks, new_rows, flat_cache)
+    return out_blocks, flat_cache.reshape(kv_cache.shape)
 
-    out = out_blocks.reshape(num_kv_heads, num_blocks, group, bq, head_dim)
-    out = out.transpose(1, 3, 0, 2, 4).reshape(num_blocks * bq, num_q_heads, head_dim)
-    return out[:num_tokens], flat_cache.reshape(kv_cache.shape)
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
+def ragged_paged_attention_tpu(
+    q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+    config: TpuConfig | None = None, interpret: bool | pltpu.InterpretParams | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache).
+
+    `interpret`: None/False compiles for the TPU; a `pltpu.InterpretParams` runs the TPU
+    interpreter (so does an enclosing `pltpu.force_tpu_interpret_mode`)."""
+    common.validate_kernel_call("pallas_tpu", unsupported_reason, q, k, v, kv_cache, kv_lens,
+                                page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
+                                sliding_window, soft_cap)
+    num_tokens, num_q_heads, _ = q.shape
+    page_size, two_hkv = kv_cache.shape[1:3]
+    num_kv_heads = two_hkv // 2
+    group = num_q_heads // num_kv_heads
+    num_seqs_max, pages_per_seq = page_indices.shape
+    if config is None:
+        config = default_config(num_tokens, num_seqs_max, group, page_size, pages_per_seq)
+    check_config(config)
+    bq = config.block_q
+
+    first_seq, last_seq = _block_sequences(cu_q_lens, num_seqs, pl.cdiv(num_tokens, bq), bq)
+    scalars = (kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
+               cu_q_lens.astype(jnp.int32), common.scalar_num_seqs(num_seqs), first_seq, last_seq)
+    scales = common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1)  # [2 * Hkv]
+    # Stored rows with a page of padding at each end: a page-sized chunk of this step's keys
+    # may start up to a page before a sequence's first token or end a page after its last.
+    new_rows = jnp.pad(stored_kv(k, v, kv_cache.dtype, k_scale, v_scale),
+                       ((page_size, page_size), (0, 0), (0, 0)))
+    out_blocks, kv_cache = _call_kernel(
+        scalars, scales, _q_blocks(q, num_kv_heads, bq), new_rows, kv_cache, config=config,
+        pages_per_seq=pages_per_seq, interpret=interpret, sm_scale=float(sm_scale),
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+    return _token_rows(out_blocks, num_tokens, group), kv_cache

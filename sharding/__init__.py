@@ -7,6 +7,8 @@
 
 Never imports jaxinfer (the engine imports this package).
 """
+from __future__ import annotations
+
 from sharding.attention import local_metadata, shard_paged_attention
 from sharding.mesh import (AXES, DATA, SEQUENCE, TENSOR, axis_size, current_mesh, format_mesh,
                            make_mesh, parse_mesh_spec)

@@ -14,7 +14,7 @@ against ring attention (ppermute of K/V blocks) and kept; see sharding/context_p
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,15 @@ from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import SEQUENCE, TENSOR, axis_size, current_mesh
 
+# The kernel contract: (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) ->
+# (out, kv_cache), every argument a jax.Array.
+Attend = Callable[..., tuple[jax.Array, jax.Array]]
+# Writes new K/V only: (kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs) -> kv_cache.
+WriteKv = Callable[..., jax.Array]
 
-def local_metadata(kv_lens, cu_q_lens, offset, num_local: int):
+
+def local_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, offset: jax.Array | int,
+                   num_local: int) -> tuple[jax.Array, jax.Array]:
     """Metadata of the query tokens [offset, offset + num_local) of a ragged batch.
 
     Sequence s keeps the rows of its tokens that fall in the chunk; its kv_len becomes the
@@ -39,8 +46,10 @@ def local_metadata(kv_lens, cu_q_lens, offset, num_local: int):
     return kv_local, cu_local.astype(cu_q_lens.dtype)
 
 
-def shard_paged_attention(attend: Callable, write_kv: Callable, q, k, v, kv_cache,
-                          kv_lens, page_indices, cu_q_lens, num_seqs):
+def shard_paged_attention(attend: Attend, write_kv: WriteKv, q: jax.Array, k: jax.Array,
+                          v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+                          page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array
+                          ) -> tuple[jax.Array, jax.Array]:
     """attend(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> (out, cache) is
     the kernel contract; write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
     writes new K/V only. Without a mesh this is `attend` itself."""
@@ -53,7 +62,9 @@ def shard_paged_attention(attend: Callable, write_kv: Callable, q, k, v, kv_cach
     tok = P(SEQUENCE if split_seq else None, heads, None)  # q, k, v [T, heads, D]
     cache = P(None, None, heads, None)
 
-    def per_shard(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def per_shard(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
+                  kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+                  num_seqs: jax.Array) -> tuple[jax.Array, jax.Array]:
         if split_seq:
             k_all = jax.lax.all_gather(k, SEQUENCE, axis=0, tiled=True)  # [T, K'/tp, D]
             v_all = jax.lax.all_gather(v, SEQUENCE, axis=0, tiled=True)

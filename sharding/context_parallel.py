@@ -23,12 +23,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import SEQUENCE
 
+# Online softmax over a chunk of queries: running max, sum [K, G, Tq]; acc [K, G, Tq, D].
+_Carry = tuple[jax.Array, jax.Array, jax.Array]
 
-def _chunk_update(carry, q, k, v, q_pos, k_pos, scale):
+
+def _chunk_update(carry: _Carry, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                  k_pos: jax.Array, scale: float) -> _Carry:
     """One K/V chunk of an online softmax. q [Tq, K, G, D]; k, v [Tk, K, D]."""
     m, l, acc = carry  # [K, G, Tq], [K, G, Tq], [K, G, Tq, D]
     s = jnp.einsum("qkgd,tkd->kgqt", q, k) * scale  # [K, G, Tq, Tk]
@@ -40,19 +45,19 @@ def _chunk_update(carry, q, k, v, q_pos, k_pos, scale):
     return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + jnp.einsum("kgqt,tkd->kgqd", p, v)
 
 
-def _init(q):
+def _init(q: jax.Array) -> _Carry:
     tq, kh, g, d = q.shape
     return (jnp.full((kh, g, tq), -jnp.inf, jnp.float32), jnp.zeros((kh, g, tq), jnp.float32),
             jnp.zeros((kh, g, tq, d), jnp.float32))
 
 
-def _finish(carry, shape):
+def _finish(carry: _Carry, shape: tuple[int, ...]) -> jax.Array:
     _, l, acc = carry
     out = acc / l[..., None]  # [K, G, Tq, D]
     return jnp.transpose(out, (2, 0, 1, 3)).reshape(shape)
 
 
-def _per_shard(method: str, axis: str, q, k, v):
+def _per_shard(method: str, axis: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """q [Tl, H, D], k/v [Tl, K, D] of this shard's chunk -> out [Tl, H, D]."""
     tl, h, d = q.shape
     kh = k.shape[1]
@@ -82,7 +87,8 @@ def _per_shard(method: str, axis: str, q, k, v):
     return _finish(carry, q.shape).astype(q.dtype)
 
 
-def context_parallel_attention(q, k, v, mesh, method: str = "allgather", axis: str = SEQUENCE):
+def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh,
+                               method: str = "allgather", axis: str = SEQUENCE) -> jax.Array:
     """Causal attention of one sequence, q [T, H, D], k/v [T, K, D], split over `axis`."""
     if method not in ("allgather", "ring"):
         raise ValueError(f"method must be 'allgather' or 'ring', got {method!r}")
@@ -91,7 +97,7 @@ def context_parallel_attention(q, k, v, mesh, method: str = "allgather", axis: s
                          in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
 
 
-def dense_causal_attention(q, k, v):
+def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """The unsplit oracle: q [T, H, D], k/v [T, K, D] -> [T, H, D]."""
     t, h, d = q.shape
     kh = k.shape[1]

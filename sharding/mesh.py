@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 DATA, SEQUENCE, TENSOR = "data", "sequence", "tensor"
 AXES = (DATA, SEQUENCE, TENSOR)
 _ITEM = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
+# A concrete mesh, or the abstract one a function is traced under (`current_mesh()`).
+AnyMesh = Mesh | AbstractMesh
 
 
-def parse_mesh_spec(spec: str | dict) -> dict[str, int]:
+def parse_mesh_spec(spec: str | dict[str, int]) -> dict[str, int]:
     """"data=2,tensor=4" (or a dict) -> {"data": 2, "sequence": 1, "tensor": 4}."""
     if isinstance(spec, dict):
         items = list(spec.items())
@@ -52,7 +55,8 @@ def parse_mesh_spec(spec: str | dict) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(spec: str | dict | Mesh, devices=None) -> Mesh:
+def make_mesh(spec: str | dict[str, int] | Mesh, devices: Sequence[jax.Device] | None = None
+              ) -> Mesh:
     """A (data, sequence, tensor) mesh over the first prod(sizes) of `devices` (default: all).
 
     Devices are taken in jax.devices() order, which groups each host's devices together, so the
@@ -76,7 +80,7 @@ def format_mesh(sizes: dict[str, int] | Mesh) -> str:
     return ",".join(f"{a}={sizes.get(a, 1)}" for a in AXES)
 
 
-def current_mesh():
+def current_mesh() -> AbstractMesh | None:
     """The mesh the caller is traced under (jax.set_mesh), or None outside any mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(AXES) <= set(mesh.axis_names):
@@ -84,5 +88,5 @@ def current_mesh():
     return mesh
 
 
-def axis_size(mesh, name: str) -> int:
+def axis_size(mesh: AnyMesh | None, name: str) -> int:
     return 1 if mesh is None else dict(mesh.shape).get(name, 1)

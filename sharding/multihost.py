@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -30,6 +32,9 @@ logger = logging.getLogger(__name__)
 STEP, RELEASE, SHUTDOWN = 1, 2, 3
 ENV_PREFIX = "JAXINFER_"
 
+# A pytree of arrays (a step's inputs or outputs); JAX has no static type for one.
+PyTree = Any
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedArgs:
@@ -38,11 +43,13 @@ class DistributedArgs:
     process_id: int | None = None
 
     @classmethod
-    def from_env(cls, coordinator_address=None, num_processes=None, process_id=None, env=None):
+    def from_env(cls, coordinator_address: str | None = None, num_processes: int | None = None,
+                 process_id: int | None = None, env: Mapping[str, str] | None = None
+                 ) -> DistributedArgs:
         """Arguments win over JAXINFER_* environment variables."""
         env = os.environ if env is None else env
 
-        def pick(value, name, kind):
+        def pick(value: str | int | None, name: str, kind: type) -> str | int | None:
             raw = value if value is not None else env.get(ENV_PREFIX + name)
             if raw is None or raw == "":
                 return None
@@ -91,7 +98,7 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def broadcast(tree):
+def broadcast(tree: PyTree) -> PyTree:
     """Process 0's value of a tree of numpy arrays, on every process (same structure needed)."""
     from jax.experimental import multihost_utils
 
@@ -108,14 +115,15 @@ def broadcast_int(value: int) -> int:
 class StepChannel:
     """Process 0 sends each step's inputs; the others receive them (see the module docstring)."""
 
-    def send(self, token_bucket: int, with_history: bool, inputs):
+    def send(self, token_bucket: int, with_history: bool, inputs: PyTree) -> PyTree:
+        """Process 0: broadcasts one step's header, then its inputs; returns them as broadcast."""
         broadcast(np.array([STEP, token_bucket, int(with_history)], np.int64))
         return broadcast(inputs)
 
     def release(self, shutdown: bool = False) -> None:
         broadcast(np.array([SHUTDOWN if shutdown else RELEASE, 0, 0], np.int64))
 
-    def receive(self, template_for):
+    def receive(self, template_for: Callable[[int, bool], PyTree]) -> tuple[int, PyTree | None]:
         """(command, inputs): (STEP, the next step's inputs), (RELEASE, None) or (SHUTDOWN,
         None). template_for(bucket, with_history) builds an input tree of the right shapes."""
         command, token_bucket, with_history = broadcast(np.zeros(3, np.int64)).tolist()
@@ -126,7 +134,7 @@ class StepChannel:
         return STEP, broadcast(template_for(int(token_bucket), bool(with_history)))
 
 
-def put_inputs(tree, shardings):
+def put_inputs(tree: PyTree, shardings: PyTree) -> PyTree:
     """Host numpy (the same value on every process) -> jax.Arrays placed with these shardings
     (a tree like `tree`). On several processes each one fills only its own devices."""
     if not is_multiprocess():
@@ -136,7 +144,7 @@ def put_inputs(tree, shardings):
     return jax.tree.map(lambda x, s: put_sharded(np.asarray(x), s), tree, shardings)
 
 
-def fetch(tree):
+def fetch(tree: PyTree) -> PyTree:
     """Device outputs -> numpy. Outputs are replicated, so each process reads a local copy."""
     if not is_multiprocess():
         return jax.device_get(tree)

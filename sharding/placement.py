@@ -11,13 +11,23 @@ model loaded without a mesh); arrays already placed as asked are kept as they ar
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from sharding.rules import HeadLayout, _leaf_name, logical_to_spec
+from sharding.rules import HeadLayout, ParamAxes, PyTree, _leaf_name, logical_to_spec
+
+
+class FieldSpec(Protocol):
+    """What the placer reads of the loader's tensor spec: the parameter field it fills."""
+
+    field: str
+
+
+Placer = Callable[[FieldSpec, np.ndarray], jax.Array]
 
 
 def repeat_kv_heads(array: np.ndarray, axes: tuple[str, ...], repeat: int) -> np.ndarray:
@@ -32,21 +42,23 @@ def put_sharded(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def place_param(name: str, array: np.ndarray, mesh, param_axes, layout: HeadLayout) -> jax.Array:
+def place_param(name: str, array: np.ndarray, mesh: Mesh, param_axes: ParamAxes,
+                layout: HeadLayout) -> jax.Array:
+    """One parameter's host array, its KV heads repeated as the layout asks, placed on the mesh."""
     axes = param_axes[name]
     array = repeat_kv_heads(np.asarray(array), axes, layout.kv_repeat)
     return put_sharded(array, NamedSharding(mesh, logical_to_spec(axes, array.shape, mesh)))
 
 
-def make_placer(mesh, param_axes: dict, layout: HeadLayout) -> Callable:
+def make_placer(mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout) -> Placer:
     """The loader hook: place(tensor_spec, host_array) -> sharded jax.Array."""
     return lambda spec, array: place_param(spec.field, array, mesh, param_axes, layout)
 
 
-def shard_params(params, param_axes: dict, mesh, layout: HeadLayout):
+def shard_params(params: PyTree, param_axes: ParamAxes, mesh: Mesh, layout: HeadLayout) -> PyTree:
     """Places an in-memory parameter tree on the mesh (a no-op for arrays placed already)."""
 
-    def place(path, x):
+    def place(path: jax.tree_util.KeyPath, x: jax.Array | np.ndarray) -> jax.Array:
         name = _leaf_name(path)
         axes = param_axes[name]
         shape = list(x.shape)
@@ -62,9 +74,9 @@ def shard_params(params, param_axes: dict, mesh, layout: HeadLayout):
     return jax.tree_util.tree_map_with_path(place, params)
 
 
-def per_device_bytes(tree) -> dict:
+def per_device_bytes(tree: PyTree) -> dict[jax.Device, int]:
     """Bytes each device holds of a tree of arrays: {device: bytes}."""
-    out: dict = {}
+    out: dict[jax.Device, int] = {}
     for x in jax.tree.leaves(tree):
         for shard in x.addressable_shards:
             out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes

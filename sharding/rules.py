@@ -18,13 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sharding.mesh import DATA, SEQUENCE, TENSOR, axis_size
+from sharding.mesh import DATA, SEQUENCE, TENSOR, AnyMesh, axis_size
 
 logger = logging.getLogger(__name__)
+
+# A pytree (dataclasses, dicts, lists) of arrays; JAX has no static type for one.
+PyTree = Any
+# Each parameter field's logical axis names, e.g. {"wq": ("embed", "heads", "head_dim")}.
+ParamAxes = Mapping[str, tuple[str, ...]]
 
 # The rule table. None: never split (every shard holds the whole axis).
 LOGICAL_RULES: dict[str, str | None] = {
@@ -42,7 +49,7 @@ LOGICAL_RULES: dict[str, str | None] = {
 _MAY_REPLICATE = ("vocab",)
 
 
-def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh) -> P:
+def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh | None) -> P:
     """PartitionSpec of an array whose dimensions have these logical names."""
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match shape {shape}")
@@ -76,7 +83,7 @@ class HeadLayout:
     num_kv_heads: int
     tensor: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         h, k, tp = self.num_heads, self.num_kv_heads, self.tensor
         if h % tp:
             raise ValueError(f"tensor={tp} must divide the {h} attention heads")
@@ -99,11 +106,11 @@ class HeadLayout:
         return self.cache_kv_heads // self.tensor
 
 
-def head_layout(mesh, num_heads: int, num_kv_heads: int) -> HeadLayout:
+def head_layout(mesh: AnyMesh | None, num_heads: int, num_kv_heads: int) -> HeadLayout:
     return HeadLayout(num_heads, num_kv_heads, axis_size(mesh, TENSOR))
 
 
-def _leaf_name(path) -> str:
+def _leaf_name(path: jax.tree_util.KeyPath) -> str:
     """The field name a leaf sits under (its last attribute or key in the tree)."""
     for entry in reversed(path):
         name = getattr(entry, "name", None) or getattr(entry, "key", None)
@@ -112,24 +119,25 @@ def _leaf_name(path) -> str:
     raise ValueError(f"parameter at {jax.tree_util.keystr(path)} has no field name")
 
 
-def param_specs(params, param_axes: dict[str, tuple[str, ...]], mesh):
+def param_specs(params: PyTree, param_axes: ParamAxes, mesh: AnyMesh | None) -> PyTree:
     """PartitionSpec of every parameter, from the model's logical axes (a tree like params)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: logical_to_spec(param_axes[_leaf_name(path)], x.shape, mesh), params)
 
 
-def param_shardings(params, param_axes, mesh):
+def param_shardings(params: PyTree, param_axes: ParamAxes, mesh: Mesh) -> PyTree:
+    """A NamedSharding for every parameter (a tree like params), from `param_specs`."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(params, param_axes, mesh))
 
 
-def kv_cache_spec(mesh, *, replicas: bool) -> P:
+def kv_cache_spec(mesh: AnyMesh | None, *, replicas: bool) -> P:
     """A layer's cache [P, page, 2K', D] (with a leading [data] axis for replicas): split by KV
     heads over tensor; K and V of a head are neighbours on axis 2, so they stay together."""
     heads = TENSOR if axis_size(mesh, TENSOR) > 1 else None
     return P(*((DATA,) if replicas else ()), None, None, heads, None)
 
 
-def tokens_spec(mesh, *, replicas: bool) -> P:
+def tokens_spec(mesh: AnyMesh | None, *, replicas: bool) -> P:
     """Token-axis step inputs (ids, positions): split along the sequence axis."""
     seq = SEQUENCE if axis_size(mesh, SEQUENCE) > 1 else None
     return P(*((DATA,) if replicas else ()), seq)
