@@ -1,0 +1,92 @@
+"""The repository's layout rules, enforced: import contracts (import-linter, configured in
+pyproject.toml), host-side packages free of JAX, and the size limits of ARCHITECTURE.md."""
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxinfer", "serving", "pallas_kernels", "sharding", "checkpoints")
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+MAX_FILE_LINES = 300
+MAX_FUNCTION_LINES = 60
+KERNEL_BODIES = {("pallas_kernels/gpu.py", "_attention_kernel"), ("pallas_kernels/tpu.py", "_attention_kernel")}
+GENERATED = ("_pb2.py", "_pb2_grpc.py")
+
+
+def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}  # the copy under test wins
+    only = [arg for c in contracts for arg in ("--contract", c)]
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml"), *only],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_import_contracts_are_kept():
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 kept, 0 broken" in result.stdout
+
+
+# (file to edit, line appended, the contract it must break)
+BREAKAGES = {
+    "core imports jax": ("jaxinfer/core/paging.py", "import jax", "host-side"),
+    "tokenizer imports flax through a chain": ("jaxinfer/tokenizer/base.py", "import jaxinfer.models.layers",
+                                               "host-side"),
+    "a kernel imports the engine": ("pallas_kernels/common.py", "import jaxinfer.engine", "packages"),
+    "checkpoints import sharding": ("checkpoints/errors.py", "import sharding", "packages"),
+    "jaxinfer imports serving": ("jaxinfer/llm.py", "import serving.server", "packages"),
+    "the runner imports the engine": ("jaxinfer/runner.py", "import jaxinfer.engine", "jaxinfer-layers"),
+    "a cycle between siblings": ("jaxinfer/tokenizer/gguf_vocab.py", "import jaxinfer.tokenizer.load",
+                                 "acyclic"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BREAKAGES))
+def test_import_contracts_fail_when_broken(case, tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    file, line, contract = BREAKAGES[case]
+    with open(tmp_path / file, "a") as f:
+        f.write(f"\n{line}  # noqa\n")
+    assert lint_imports(tmp_path).returncode != 0
+    result = lint_imports(tmp_path, contract)  # the contract this breakage is about
+    assert result.returncode != 0 and "1 broken" in result.stdout, result.stdout
+
+
+def test_host_side_packages_do_not_import_jax():
+    """jaxinfer.core, jaxinfer.tokenizer and jaxinfer.sampling.params are host-only: a fresh
+    interpreter that imports them (and everything they import) has not loaded JAX."""
+    code = ("import sys, jaxinfer.core, jaxinfer.core.scheduler, jaxinfer.tokenizer, "
+            "jaxinfer.sampling.params; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _library_files() -> list[Path]:
+    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+            if not p.name.endswith(GENERATED)]
+
+
+def test_library_files_fit_a_screen_or_three():
+    too_long = {str(p.relative_to(ROOT)): n for p in _library_files()
+                if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not too_long, f"files over {MAX_FILE_LINES} lines: {too_long}"
+
+
+def test_functions_fit_a_screen():
+    too_long = {}
+    for path in _library_files():
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (rel, node.name) not in KERNEL_BODIES:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    too_long[f"{rel}:{node.lineno} {node.name}"] = lines
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
