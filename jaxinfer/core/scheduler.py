@@ -10,8 +10,9 @@ to its length; one step computes at most `max_num_batched_tokens` tokens over at
   3. waiting sequences, by (priority, arrival): each takes its cached prefix from the PagePool
      (never the last token) and a chunk of the rest. The head of the queue blocks the ones
      behind it when its pages do not fit (no starvation of long prompts). Siblings of an n > 1
-     request wait for their parent (see sequence.py). Nothing is admitted in a step that had to
-     preempt.
+     request enter the queue after their parent computed the prompt, at most
+     `max_seqs_per_request` of a request at a time (admission.py). Nothing is admitted in a step
+     that had to preempt.
 
 Pages are reserved for exactly the tokens a step computes. When a running sequence needs a page
 and none is free, the lowest-priority, newest running sequence (largest sort key, possibly the
@@ -25,13 +26,12 @@ conditions: eos (unless ignore_eos), stop_token_ids, the engine's `stop_checker`
 live in the detokenizer), then max_tokens / max_model_len. Finishing frees the pages; pages in the
 prefix cache stay there, free, until evicted.
 
-Requests that can never run are rejected by `add_request` with a ValueError naming the numbers:
-an empty prompt, prompt + max_tokens > max_model_len, or more pages than the pool holds. A
-sequence keeps KV for at most prompt + max_tokens - 1 tokens (the last sampled token is never
-fed back), which is what the page check counts.
+Requests that can never run are rejected by `add_request` with a ValueError naming the numbers
+(admission.check_request).
 
 `abort(request_id)` may be called between `schedule()` and `update()`: `update` skips entries
-whose sequence is no longer running.
+whose sequence is no longer running. Abort, finish and preemption cost O(the request's samples)
+plus O(log) queue work: the queue is kept sorted and searched with bisect, never scanned.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ import dataclasses
 import random
 from typing import Callable, Iterable
 
+from jaxinfer.core.admission import RequestEntry, check_request
 from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import Sequence, SequenceStatus, sample_seed
@@ -59,9 +60,11 @@ class _Step:  # the plan being built, with the budget that is left
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: Iterable[int] = (),
-                 stop_checker: StopChecker | None = None, seed: int = 0):
+                 stop_checker: StopChecker | None = None, seed: int = 0,
+                 max_seqs_per_request: int | None = None):
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                            ("max_seqs_per_request", max_seqs_per_request or 1)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
         self.pool = pool
@@ -70,9 +73,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_checker = stop_checker
+        self.max_seqs_per_request = max_seqs_per_request  # None: no window
         self.waiting: list[Sequence] = []   # sorted by sort_key
-        self.running: list[Sequence] = []   # in admission order
-        self.requests: dict[str, list[Sequence]] = {}  # unfinished requests
+        self.running: list[Sequence] = []   # in admission order (at most max_num_seqs)
+        self.requests: dict[str, RequestEntry] = {}  # unfinished requests
+        self._num_held = 0                  # siblings not yet in the queue
         self._rng = random.Random(seed)     # seeds of unseeded requests
         self._next_seq_id = 0
         self._next_arrival = 0
@@ -81,7 +86,10 @@ class Scheduler:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, *, priority: int = 0) -> list[Sequence]:
         """Queues one Sequence per sample (sampling_params.n); ValueError if it can never run."""
-        self._check_request(request_id, prompt_token_ids, sampling_params, priority)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        check_request(request_id, prompt_token_ids, sampling_params, priority,
+                      max_model_len=self.max_model_len, pool=self.pool)
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
         base_seed = (sampling_params.seed if sampling_params.seed is not None
                      else self._rng.getrandbits(64))
@@ -92,59 +100,81 @@ class Scheduler:
                            sample_index=i, parent=seqs[0] if seqs else None)
             self._next_seq_id += 1
             seqs.append(seq)
-            bisect.insort(self.waiting, seq, key=_sort_key)
-        self.requests[request_id] = seqs
+        self.requests[request_id] = entry = RequestEntry.new(seqs)
+        self._num_held += len(entry.held)
+        self._enqueue(entry, seqs[0])
         return seqs
-
-    def _check_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       priority: int) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if not isinstance(priority, int):
-            raise ValueError(f"request {request_id!r}: priority={priority!r} must be an int")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens="
-                f"{params.max_tokens} = {total} tokens exceeds max_model_len={self.max_model_len}")
-        pages = -(-(total - 1) // self.pool.page_size)
-        if pages > self.pool.num_usable_pages:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(prompt)} tokens + max_tokens="
-                f"{params.max_tokens} needs {pages} KV pages of {self.pool.page_size} tokens, "
-                f"but the pool has only {self.pool.num_usable_pages}")
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finishes every unfinished sequence of the request; unknown ids abort nothing."""
-        seqs = [s for s in self.requests.get(request_id, []) if not s.is_finished]
-        for seq in seqs:
+        entry = self.requests.get(request_id)
+        if entry is None:
+            return []
+        held = list(entry.held)
+        entry.held.clear()
+        self._num_held -= len(held)
+        for seq in held:  # never queued: nothing to remove, no pages
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        entry.num_unfinished -= len(held)
+        active = [s for s in entry.seqs if not s.is_finished]
+        for seq in active:
             self.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        return seqs
+        if entry.num_unfinished == 0:
+            self.requests.pop(request_id, None)
+        return held + active
 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None):
-        """Ends a sequence (any finished status) and returns its pages to the pool."""
+        """Ends a queued or running sequence (any finished status) and frees its pages."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self.running.remove(seq)  # at most max_num_seqs long
         else:
-            self.waiting.remove(seq)
+            self._dequeue(seq)
         self.pool.free(seq.pages)
         seq.pages = []
         seq.status, seq.stop_reason = status, stop_reason
-        if all(s.is_finished for s in self.requests[seq.request_id]):
+        entry = self.requests[seq.request_id]
+        entry.num_active -= 1
+        entry.num_unfinished -= 1
+        if entry.num_unfinished == 0:
             del self.requests[seq.request_id]
+        else:
+            self._release(entry)
+
+    def _enqueue(self, entry: RequestEntry, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_sort_key)
+        entry.num_active += 1
+
+    def _dequeue(self, seq: Sequence) -> None:
+        i = bisect.bisect_left(self.waiting, seq.sort_key, key=_sort_key)
+        while self.waiting[i] is not seq:  # sort keys are unique per sequence; this is a guard
+            i += 1
+        del self.waiting[i]
+
+    def _release(self, entry: RequestEntry) -> None:
+        """Lets held siblings into the queue as the request's window allows (admission.py)."""
+        count = entry.releasable(self.max_seqs_per_request)
+        if not count:
+            return
+        fresh = entry.num_waves > 0  # later waves queue behind the requests that came since
+        entry.num_waves += 1
+        for _ in range(count):
+            seq = entry.held.popleft()
+            if fresh:
+                seq.arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
+            self._num_held -= 1
+            self._enqueue(entry, seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._num_held)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Sequences queued or held back (siblings waiting for their parent or their turn)."""
+        return len(self.waiting) + self._num_held
 
     @property
     def num_running(self) -> int:
@@ -166,8 +196,7 @@ class Scheduler:
                 self._plan(seq, n, step)
         if not step.preempted:
             while step.budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = next((s for s in self.waiting if not s.is_waiting_for_parent), None)
-                if seq is None or not self._admit(seq, step):
+                if not self.waiting or not self._admit(self.waiting[0], step):
                     break
         return SchedulerPlan(list(step.entries.values()), step.preempted)
 
@@ -213,7 +242,7 @@ class Scheduler:
         seq.pages = pool.allocate(need, cached)
         pool.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
         seq.num_computed_tokens, seq.num_cached_pages = num_cached_tokens, len(cached)
-        self.waiting.remove(seq)
+        del self.waiting[0]  # the head of the queue
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         self._plan(seq, n, step)
@@ -241,6 +270,8 @@ class Scheduler:
                 seq.append_token(int(token))
                 self._check_stop(seq)
                 updated.append(seq)
+                if seq.sample_index == 0 and seq.num_output_tokens == 1 and not seq.is_finished:
+                    self._release(self.requests[seq.request_id])  # the prompt is computed
         return updated
 
     def _cache_computed_pages(self, seq: Sequence) -> None:

@@ -7,9 +7,9 @@ the end of the known tokens samples one new token. After a preemption `num_compu
 to 0 and the sequence recomputes prompt and outputs (much of it from the prefix cache).
 
 Parallel samples (n > 1): sample 0 is the parent. Its siblings wait until it has computed its
-prompt (it has sampled a token or finished); by then every full page of the prompt is in the
-prefix cache, so each sibling takes those pages by reference and recomputes only the partial last
-page of the prompt (fewer than page_size + 1 tokens) into pages of its own. That costs a little
+prompt (it has sampled a token or finished; core/admission.py holds them back); by then every
+full page of the prompt is in the prefix cache, so each sibling takes those pages by reference
+and recomputes only the partial last page of the prompt (fewer than page_size + 1 tokens) into pages of its own. That costs a little
 compute per sibling but needs no copy-on-write of partial pages.
 
 Random streams: every sequence has a 64-bit `seed`. With `SamplingParams.seed` set, sample 0 uses
@@ -113,12 +113,6 @@ class Sequence:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
-
-    @property
-    def is_waiting_for_parent(self) -> bool:
-        """A sibling waits until its parent has computed the prompt it will share."""
-        p = self.parent
-        return p is not None and not p.is_finished and p.num_output_tokens == 0
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
