@@ -1,7 +1,8 @@
-"""Model configuration, read from an HF `config.json` or from GGUF metadata.
+"""Model configuration, read from an HF `config.json` or from GGUF metadata; and EngineConfig.
 
 Both sources end in one `ModelConfig`: the shapes and numerics a model family needs, nothing about
 serving. Errors name the missing or unsupported field, since a wrong config is a user's mistake.
+`EngineConfig` (serving limits and static shapes) lives in engine_config.py and is exported here.
 """
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Mapping
+
+from jaxinfer.engine_config import EngineConfig
+
+__all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
 
 # HF model_type -> the model family that runs it.
 HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
@@ -54,6 +59,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -94,6 +104,13 @@ def _require(cfg: Mapping[str, Any], key: str, source: str):
     return cfg[key]
 
 
+def _split(hidden: int, heads: int, source: str) -> int:
+    """head_dim when the config gives none: hidden / heads, which must divide."""
+    if heads < 1 or hidden % heads:
+        raise ConfigError(f"{source}: hidden size {hidden} is not divisible by {heads} attention heads")
+    return hidden // heads
+
+
 def _as_id_tuple(value) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -132,7 +149,7 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
             f"{source}: unsupported model_type {model_type!r}; supported: {sorted(HF_FAMILIES)}")
     req = lambda key: _require(cfg, key, source)  # noqa: E731
     hidden, heads = int(req("hidden_size")), int(req("num_attention_heads"))
-    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = cfg.get("head_dim") or _split(hidden, heads, source)
     theta, scaling = _rope_from_hf(cfg, source)
     window = cfg.get("sliding_window")
     if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
@@ -191,7 +208,7 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
         num_layers=int(req("block_count")),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or _split(hidden, heads, source)),
         rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -202,78 +219,3 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Serving limits and the static shapes the jitted step is compiled for.
-
-    Every step is padded to a token bucket T (and a sequence bucket S = min(T, max_num_seqs)).
-    Each bucket compiles one step variant, plus one with a penalty history when `penalties` is on
-    (requests with repetition/presence/frequency penalties need it); all compile at start-up.
-    The KV pool is `num_pages` pages of `page_size` tokens per layer, or as many as fit
-    in `kv_cache_memory_fraction` of the device's free memory (`kv_cache_bytes` on the CPU).
-    `mesh` ("data=2,tensor=4", a dict of axis sizes, or a jax Mesh from sharding.make_mesh)
-    spreads the engine over devices; with data=N there are N replicas, each with its own
-    scheduler and a pool of `num_pages` pages.
-    """
-
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_cache_memory_fraction: float = 0.85
-    kv_cache_bytes: int | None = None  # overrides the fraction; default on the CPU: 1 GiB
-    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    token_buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ... up to the budget
-    penalties: bool = True  # False: one variant fewer per bucket; penalty requests are rejected
-    enable_prefix_caching: bool = True
-    attn_impl: str = "auto"
-    compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
-    seed: int = 0
-    mesh: "str | dict | object | None" = None  # None: one device
-
-    def __post_init__(self):
-        def positive(name):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-
-        for name in ("page_size", "num_pages", "kv_cache_bytes", "max_model_len",
-                     "max_num_batched_tokens", "max_num_seqs"):
-            positive(name)
-        if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"EngineConfig.num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
-        if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(
-                f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if isinstance(self.mesh, (str, dict)):
-            from sharding.mesh import format_mesh, parse_mesh_spec  # imports jax: only when asked for
-
-            object.__setattr__(self, "mesh", format_mesh(parse_mesh_spec(self.mesh)))
-        if self.token_buckets is not None:
-            buckets = tuple(self.token_buckets)
-            if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-                raise ValueError(f"EngineConfig.token_buckets must be increasing positive integers, got {buckets!r}")
-            if buckets[-1] < self.max_num_batched_tokens:
-                raise ValueError(
-                    f"EngineConfig.token_buckets {buckets!r} must reach max_num_batched_tokens="
-                    f"{self.max_num_batched_tokens}")
-
-    def buckets(self) -> tuple[int, ...]:
-        """Token buckets: the given ones, or powers of two up to max_num_batched_tokens.
-
-        Coarser steps compile fewer variants but pad more: with powers of four a 32-sequence
-        decode ran in the 64-token bucket at 0.55x HF's speed on the CPU instead of 0.7x.
-        """
-        if self.token_buckets is not None:
-            return tuple(self.token_buckets)
-        out, b = [], 1
-        while b < self.max_num_batched_tokens:
-            out.append(b)
-            b *= 2
-        return tuple(out + [self.max_num_batched_tokens])
-
-    def seq_bucket(self, token_bucket: int) -> int:
-        return min(token_bucket, self.max_num_seqs)

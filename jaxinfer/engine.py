@@ -30,6 +30,7 @@ import time
 import jax
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.core.admission import check_request
 from jaxinfer.core.paging import PagePool
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
@@ -72,7 +73,13 @@ class Engine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens computed by steps so far (prefix hits excluded)
-        self.warm_up_seconds = self.runner.warm_up() if warm_up else 0.0
+        self.warm_up_seconds = 0.0
+        if warm_up:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compiles every step variant now (else each compiles when first needed)."""
+        self.warm_up_seconds += self.runner.warm_up()
 
     def _make_replica(self, index: int) -> _Replica:
         config = self.config
@@ -82,7 +89,8 @@ class Engine:
         scheduler = Scheduler(
             pool, max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-            eos_token_ids=eos, seed=config.seed + index)
+            eos_token_ids=eos, seed=config.seed + index,
+            max_seqs_per_request=config.max_seqs_per_request)
         return _Replica(pool, scheduler)
 
     # --- requests -------------------------------------------------------------------------------
@@ -90,20 +98,10 @@ class Engine:
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> str:
         """Queues a request (text or token ids); returns its id. ValueError on bad input."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.uses_penalties and not self.config.penalties:
-            raise ValueError("repetition/presence/frequency penalties are off in this engine "
-                             "(EngineConfig.penalties=False); start it with penalties on")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {limit} tokens "
-                             "(it must leave room for at least one generated token)")
+        text, ids, params = self.check_request(prompt, params)
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
         seqs = self.replicas[replica].scheduler.add_request(request_id, ids, params, priority=priority)
         cost = (len(ids) + params.max_tokens) * params.n
@@ -113,14 +111,44 @@ class Engine:
             RequestMetrics(arrival_time=arrival_time or time.monotonic()), replica=replica, cost=cost)
         return request_id
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None
+                      ) -> tuple[str | None, list[int], SamplingParams]:
+        """Everything add_request checks, without queueing anything: ValueError naming the
+        problem. Returns (prompt text or None, prompt token ids, params)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.uses_penalties and not self.config.penalties:
+            raise ValueError("repetition/presence/frequency penalties are off in this engine "
+                             "(EngineConfig.penalties=False); start it with penalties on")
+        if params.n > self.config.max_n:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds this engine's max_n={self.config.max_n}")
+        text, ids = self._tokenize(prompt)
+        self._check_length(len(ids), params)
+        check_request(None, ids, params, 0, max_model_len=self.max_model_len, pool=self.pool)
+        return text, ids, params
+
+    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt of {num_prompt_tokens} tokens does not fit the context of "
+                             f"{self.max_model_len} tokens (it must leave room for at least one generated token)")
+        limit = self.config.max_request_tokens
+        if limit is not None and num_prompt_tokens + params.max_tokens > limit:
+            raise ValueError(f"prompt of {num_prompt_tokens} tokens + SamplingParams.max_tokens="
+                             f"{params.max_tokens} exceeds this engine's max_request_tokens={limit}")
+
+    def _tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
+        if not isinstance(prompt, (str, list, tuple)) and not hasattr(prompt, "tolist"):
+            raise ValueError(f"prompt={prompt!r:.60}: must be a string or a list of token ids")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass prompt token ids")
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
+        ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)  # numpy arrays too
+        if not isinstance(ids, list):
+            raise ValueError(f"prompt={prompt!r:.60}: must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt token ids are empty")
         vocab = self.model.config.vocab_size

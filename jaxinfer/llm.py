@@ -8,6 +8,10 @@
 returns one accumulated RequestOutput per prompt, in input order. `stream` yields the deltas of
 one prompt as they are produced; `chat` renders messages with the model's chat template first.
 
+Every step's deltas are routed to the inbox of the request they belong to, so several streams and
+`generate` calls interleaved in one thread each get exactly their own deltas, whichever of them
+happened to step the engine.
+
     llm = LLM(model, mesh="data=2,tensor=4")      # 8 devices: 2 replicas x 4-way tensor parallel
 
 On several hosts every process runs the same script (with coordinator_address, num_processes and
@@ -16,6 +20,7 @@ results; on the others `generate` and `stream` run process 0's steps and return 
 """
 from __future__ import annotations
 
+import collections
 from typing import Iterator, Sequence
 
 from tqdm import tqdm
@@ -25,7 +30,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
-from sharding import head_layout, initialize, make_mesh, make_placer
+from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -34,22 +39,26 @@ Message = dict[str, str]
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", *, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int = 16,
+                 max_n: int = 64, max_request_tokens: int | None = None, max_seqs_per_request: int = 16,
                  num_pages: int | None = None, kv_cache_memory_fraction: float = 0.85,
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  attn_impl: str = "auto", seed: int = 0, token_buckets: Sequence[int] | None = None,
                  penalties: bool = True,
                  compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
                  mesh: str | dict | None = None, coordinator_address: str | None = None,
-                 num_processes: int | None = None, process_id: int | None = None):
+                 num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default).
 
         `mesh`: e.g. "tensor=4" or "data=2,tensor=4" (sharding.make_mesh); parameters are
-        placed shard by shard as they are read."""
+        placed shard by shard as they are read. `warm_up=False` leaves compiling to
+        `llm.engine.warm_up()` (or to the first step that needs each variant); on several hosts
+        every process compiles at start-up regardless, since they must compile together."""
         initialize(coordinator_address, num_processes, process_id)  # before any device is used
         config = EngineConfig(
             page_size=page_size, num_pages=num_pages, kv_cache_memory_fraction=kv_cache_memory_fraction,
             kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens, max_n=max_n,
+            max_request_tokens=max_request_tokens, max_seqs_per_request=max_seqs_per_request,
             token_buckets=tuple(token_buckets) if token_buckets else None,
             enable_prefix_caching=enable_prefix_caching, attn_impl=attn_impl, penalties=penalties,
             compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh)
@@ -58,8 +67,10 @@ class LLM:
             device_mesh = make_mesh(config.mesh)
             place_for = lambda cfg, family: make_placer(  # noqa: E731
                 device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
-        self.engine = Engine(load_model(model, dtype, place_for=place_for), config)
+        self.engine = Engine(load_model(model, dtype, place_for=place_for), config,
+                             warm_up=warm_up or is_multiprocess())
         self.tokenizer = self.engine.tokenizer
+        self._inboxes: dict[str, collections.deque[RequestOutput]] = {}  # request id -> deltas
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -78,10 +89,11 @@ class LLM:
         ids = []
         try:
             for prompt, params, prio in zip(prompts, sampling_params, priority):
-                ids.append(self.engine.add_request(prompt, params, priority=prio))
+                ids.append(self._add(prompt, params, prio))
         except Exception:
             for rid in ids:  # a bad prompt rejects the call; nothing of it stays queued
                 self.engine.abort(rid)
+                self._inboxes.pop(rid, None)
             self.engine.release_followers()
             raise
         results = self.collect(ids, use_tqdm)
@@ -97,6 +109,9 @@ class LLM:
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """Chat template -> token ids (the template itself writes BOS and role markers)."""
+        _check_messages(messages)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send prompt token ids, not messages")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -105,19 +120,38 @@ class LLM:
         if not self.engine.is_leader:
             self.engine.follow()
             return
-        rid = self.engine.add_request(prompt, sampling_params)
+        rid = self._add(prompt, sampling_params)
         try:
             finished = False
             while not finished:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        finished = out.finished
-                        yield out
+                out = self._next_delta(rid)
+                finished = out.finished
+                yield out
         finally:
             self.engine.abort(rid)  # a no-op once finished; frees the pages if the caller stopped early
+            self._inboxes.pop(rid, None)
             self.engine.release_followers()
 
+    def _add(self, prompt: Prompt, params: SamplingParams | None, priority: int = 0) -> str:
+        rid = self.engine.add_request(prompt, params, priority=priority)
+        self._inboxes[rid] = collections.deque()
+        return rid
+
+    def _next_delta(self, rid: str) -> RequestOutput:
+        """The request's next delta, stepping the engine (for everyone) until there is one."""
+        inbox = self._inboxes[rid]
+        while not inbox:
+            for out in self.engine.step():
+                box = self._inboxes.get(out.request_id)
+                if box is not None:  # requests added to the engine directly are not ours
+                    box.append(out)
+        return inbox.popleft()
+
     def collect(self, ids: list[str], use_tqdm: bool = False) -> dict[str, RequestOutput]:
+        """Steps until every request in `ids` (added to this LLM or straight to its engine, with
+        no step in between) has finished; their accumulated outputs by id."""
+        for rid in ids:
+            self._inboxes.setdefault(rid, collections.deque())
         try:
             return self._collect(ids, use_tqdm)
         finally:
@@ -125,20 +159,33 @@ class LLM:
 
     def _collect(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while len(results) < len(ids) or any(not results[r].finished for r in results):
-                for delta in self.engine.step():
-                    if delta.request_id not in wanted:
-                        continue
-                    if delta.request_id in results:
-                        results[delta.request_id].merge(delta)
-                    else:
-                        results[delta.request_id] = delta
-                    if delta.finished:
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                for rid in ids:  # each request's deltas wait in its inbox while others are read
+                    while rid not in results or not results[rid].finished:
+                        delta = self._next_delta(rid)
+                        if rid in results:
+                            results[rid].merge(delta)
+                        else:
+                            results[rid] = delta
+                    bar.update(1)
+        finally:
+            for rid in ids:
+                self._inboxes.pop(rid, None)
         return results
 
 
 def _is_token_ids(prompts) -> bool:
     return isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+
+
+def _check_messages(messages: object) -> None:
+    """ValueError naming the first malformed part of a conversation."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages={messages!r:.80}: must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}]={m!r:.80}: must be an object with role and content")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"messages[{i}].{key}={m.get(key)!r:.80}: must be a string")

@@ -81,19 +81,21 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
 
 # --- serve --------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxinfer.cli.args import make_llm
+    from jaxinfer.cli.args import check_file, make_llm
     from serving.auth import read_token
     from serving.server import ServerOptions
 
+    for flag in ("--auth-token-file", "--tls-cert", "--tls-key"):  # before the model loads
+        check_file(flag, getattr(args, flag[2:].replace("-", "_")))
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"{flag} {port}: must be in [0, 65535]")
     options = ServerOptions(
         host=args.host, port=args.port, max_waiting=args.max_waiting,
         auth_token=read_token(os.environ.get(TOKEN_ENV) or None, args.auth_token_file),
         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, grace_period_s=args.grace_period,
         max_message_bytes=args.max_message_bytes)
-    for path in (args.tls_cert, args.tls_key):
-        if path and not os.path.isfile(path):
-            raise FileNotFoundError(f"TLS file not found: {path}")
     signal.signal(signal.SIGTERM, _terminated_while_starting)
     engine = make_llm(args, penalties=not args.no_penalties).engine
     try:
@@ -132,9 +134,12 @@ async def _serve(engine, options) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
+    from jaxinfer.cli.args import check_file
     from serving.auth import read_token
     from serving.client import Client
 
+    check_file("--auth-token-file", args.auth_token_file)
+    check_file("--tls-ca", args.tls_ca)
     token = read_token(os.environ.get(TOKEN_ENV) or None, args.auth_token_file)
     root = open(args.tls_ca, "rb").read() if args.tls_ca else None
     with Client(args.server, token=token, root_certificates=root, tls=args.tls,

@@ -27,6 +27,8 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     penalties_enabled: bool
+    max_n: int = 64
+    max_request_tokens: int | None = None  # None: max_model_len
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
@@ -81,7 +83,12 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, l
 
 
 def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int) -> None:
+    if params.n > limits.max_n:
+        raise RequestError(f"sampling.n={params.n}: exceeds this server's max_n={limits.max_n}")
     total = num_prompt_tokens + params.max_tokens
+    if limits.max_request_tokens is not None and total > limits.max_request_tokens:
+        raise RequestError(f"sampling.max_tokens={params.max_tokens}: with the prompt's {num_prompt_tokens} "
+                           f"tokens that is {total} tokens, more than max_request_tokens={limits.max_request_tokens}")
     if total > limits.max_model_len:
         raise RequestError(f"sampling.max_tokens={params.max_tokens}: with the prompt's {num_prompt_tokens} "
                            f"tokens that is {total} tokens, more than max_model_len={limits.max_model_len}")

@@ -6,6 +6,8 @@ hook, so every way in takes the same flags.
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxinfer.config import ConfigError
@@ -14,7 +16,22 @@ from jaxinfer.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM  # imports JAX: only when a command runs
 
-USER_ERRORS = (ValueError, FileNotFoundError, ConfigError)
+# A user's mistake: one `error:` line and exit 2. OSErrors of paths the user named carry the path.
+USER_ERRORS = (ValueError, ConfigError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+               PermissionError)
+
+
+def check_file(flag: str, path: str | None) -> None:
+    """ValueError naming `flag` and `path` unless it is a readable file (None: not given)."""
+    if path is None or path == "-":
+        return
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"{flag} {path}: does not exist")
+    if not p.is_file():
+        raise ValueError(f"{flag} {path}: is {'a directory' if p.is_dir() else 'not a regular file'}")
+    if not os.access(p, os.R_OK):
+        raise ValueError(f"{flag} {path}: is not readable")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-n", type=int, default=64, help="most samples (n) one request may ask for")
+    g.add_argument("--max-request-tokens", type=int, default=None,
+                   help="most prompt + max_tokens of one request (default: the context length)")
+    g.add_argument("--max-seqs-per-request", type=int, default=16,
+                   help="a request's samples queued or running at once; the rest take turns")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
     g.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: from memory)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,
@@ -75,7 +97,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 _LEADERS: list["LLM"] = []  # LLMs of process 0 whose followers must be shut down at exit
 
 
-def make_llm(args: argparse.Namespace, penalties: bool = True) -> "LLM":
+def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = True) -> "LLM":
     """The LLM of the command line. On processes other than 0 of a multi-host run it serves
     process 0's steps until told to stop, then exits: the command itself runs on process 0."""
     from jaxinfer.llm import LLM
@@ -88,11 +110,14 @@ def make_llm(args: argparse.Namespace, penalties: bool = True) -> "LLM":
             raise ValueError(f"--token-buckets {args.token_buckets!r}: expected comma-separated integers") from e
     llm = LLM(args.model, args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+              max_n=args.max_n, max_request_tokens=args.max_request_tokens,
+              max_seqs_per_request=args.max_seqs_per_request,
               num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
               mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
-              num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None))
+              num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
+              warm_up=warm_up)
     if not llm.engine.is_leader:
         while llm.engine.follow():
             pass

@@ -5,18 +5,23 @@ Each input line is one request:
     {"id": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "temperature": 0.7}
 Any SamplingParams field may be set per line; unset fields take the command line's values. Each
 output line has the request's id, its outputs (text, token ids, finish reason) and usage, in input
-order. A broken line (bad JSON, no prompt, a bad sampling value, a prompt too long) gets an output
-line with "error" naming the problem and the line number; every other line is still served.
+order. A broken line (bad JSON, no prompt, a bad sampling value, a prompt too long, messages the
+chat template rejects) gets an output line with "error" naming the problem and the line number;
+every other line is still served. Paths are checked before the model loads, and results are
+written to OUTPUT.partial and moved over OUTPUT only when complete, so an earlier result file at
+the same path is never emptied by a job that fails.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from jaxinfer.cli.args import add_engine_args, add_sampling_args, make_llm, sampling_params
+from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 from jaxinfer.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -71,8 +76,8 @@ def run_batch(llm: LLM, lines: TextIO, out: TextIO, defaults: SamplingParams,
             rid, prompt, params = parse_line(line, lineno, defaults, llm)
             requests.append((len(records), llm.engine.add_request(prompt, params)))
             records.append({"id": rid})
-        except ValueError as e:
-            records.append({"id": None, "line": lineno, "error": str(e) if str(e).startswith("line") else f"line {lineno}: {e}"})
+        except Exception as e:  # noqa: BLE001 - any failure of one line is that line's error
+            records.append({"id": None, "line": lineno, "error": _line_error(e, lineno)})
     results = llm.collect([r for _, r in requests], use_tqdm) if requests else {}
     for index, engine_id in requests:
         res = results[engine_id]
@@ -86,13 +91,33 @@ def run_batch(llm: LLM, lines: TextIO, out: TextIO, defaults: SamplingParams,
     return len(records) - failed, failed
 
 
+def _line_error(e: Exception, lineno: int) -> str:
+    message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    return message if message.startswith("line") else f"line {lineno}: {message}"
+
+
+def check_paths(input_path: str, output_path: str) -> None:
+    """ValueError naming a path that cannot work, before anything slow happens."""
+    check_file("--input", input_path)
+    if output_path != "-":
+        out = Path(output_path)
+        if out.is_dir():
+            raise ValueError(f"--output {output_path}: is a directory")
+        if not out.parent.is_dir():
+            raise ValueError(f"--output {output_path}: directory {out.parent} does not exist")
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
+    check_paths(args.input, args.output)
     defaults = sampling_params(args)
     llm = make_llm(args)
     src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
-    dst = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    partial = None if args.output == "-" else f"{args.output}.partial"
+    dst = sys.stdout if partial is None else open(partial, "w", encoding="utf-8")
     with src, dst:
         served, failed = run_batch(llm, src, dst, defaults, use_tqdm=sys.stderr.isatty())
+    if partial is not None:
+        os.replace(partial, args.output)  # the finished file appears whole, or not at all
     print(f"{served} served, {failed} failed", file=sys.stderr)
     return 0 if served or not failed else 1
 

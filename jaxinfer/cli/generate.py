@@ -5,11 +5,15 @@ import argparse
 import json
 import sys
 
-from jaxinfer.cli.args import add_engine_args, add_sampling_args, make_llm, sampling_params
+from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
+    empty = [i for i, p in enumerate(prompts, start=1) if not p.strip()]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty")
+    check_file("--prompts-file", args.prompts_file)
     if args.prompts_file:
         stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
         with stream:
@@ -22,9 +26,16 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     params = sampling_params(args)
-    llm = make_llm(args, penalties=params.uses_penalties)  # compile only the variants this job uses
+    # Compile only the variants this job uses, and only once every prompt is known to fit.
+    llm = make_llm(args, penalties=params.uses_penalties, warm_up=False)
     if args.chat:
         prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    for i, prompt in enumerate(prompts, start=1):
+        try:
+            llm.engine.check_request(prompt, params)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    llm.engine.warm_up()
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     for out in outputs:
         for completion in out.outputs:

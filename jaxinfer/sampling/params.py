@@ -7,12 +7,12 @@ here, so the host side (jaxinfer.core) can hold SamplingParams without importing
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 MAX_LOGPROBS = 20
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # float options travel to the device as float32
 
 
 def _is_int(x) -> bool:
@@ -20,7 +20,20 @@ def _is_int(x) -> bool:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+    """A real number that stays finite as float32 (1e300 would overflow on the device)."""
+    return (isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+            and abs(float(x)) <= FLOAT32_MAX)
+
+
+def _as_tuple(value: object, item_ok: type | tuple[type, ...]) -> tuple | None:
+    """A str/int or a list/tuple of them as a tuple; None when the value has another shape."""
+    if value is None:
+        return ()
+    if isinstance(value, item_ok) and not isinstance(value, bool):
+        return (value,) if isinstance(value, str) else None
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,16 +57,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if self.stop_token_ids is None:
-            object.__setattr__(self, "stop_token_ids", ())
-        else:
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name, kind, what in (("stop", str, "a string or a list of strings"),
+                                 ("stop_token_ids", int, "a list of token ids")):
+            value = _as_tuple(getattr(self, name), kind)
+            if value is None:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {what}")
+            object.__setattr__(self, name, value)
         self._validate()
 
     def _validate(self) -> None:
@@ -64,17 +73,16 @@ class SamplingParams:
             bad("n", "must be an integer >= 1")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not _is_number(self.temperature) or not self.temperature >= 0 \
-                or math.isinf(self.temperature):
-            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not _is_number(self.temperature) or not self.temperature >= 0:
+            bad("temperature", f"must be a number in [0, {FLOAT32_MAX:.3g}] (0 = greedy)")
         if not _is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be -1 or 0 (off) or an integer >= 1")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty:
+            bad("repetition_penalty", f"must be a number in (0, {FLOAT32_MAX:.3g}] (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")

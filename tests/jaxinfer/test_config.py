@@ -88,3 +88,17 @@ def test_gguf_metadata():
     del meta["llama.block_count"]
     with pytest.raises(ConfigError, match="llama.block_count"):
         ModelConfig.from_gguf_metadata(meta)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"num_attention_heads": 0}, "not divisible by 0 attention heads"),
+    ({"num_attention_heads": 5}, "hidden size 64 is not divisible by 5"),
+    ({"vocab_size": 0}, "ModelConfig.vocab_size=0 must be a positive integer"),
+    ({"num_hidden_layers": -1}, "ModelConfig.num_layers=-1 must be a positive integer"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+])
+def test_impossible_shapes_are_named_not_divided_by(change, match):
+    base = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=4, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=32)
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_dict({**base, **change})

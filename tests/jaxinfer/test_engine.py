@@ -181,3 +181,10 @@ def test_engine_config_errors(model, cache_dir):
         EngineConfig(page_size=0)
     with pytest.raises(ValueError, match="token_buckets"):
         EngineConfig(token_buckets=(8, 16), max_num_batched_tokens=32)
+    for bad, match in ((dict(attn_impl="flash"), "attn_impl='flash': expected one of"),
+                       (dict(kv_cache_dtype="int7"), "kv_cache_dtype='int7': expected one of"),
+                       (dict(max_n=0), "max_n must be a positive integer"),
+                       (dict(max_seqs_per_request=True), "max_seqs_per_request must be a positive integer"),
+                       (dict(max_request_tokens=-5), "max_request_tokens must be a positive integer")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)

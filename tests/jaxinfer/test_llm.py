@@ -83,6 +83,35 @@ def test_stopping_a_stream_early_frees_its_pages(llm):
     assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
 
 
+def test_a_stream_left_open_while_generate_runs_gets_all_its_tokens(llm):
+    params = greedy(max_tokens=10, ignore_eos=True)
+    expected = llm.generate("The quick brown fox", params, use_tqdm=False)[0].outputs[0]
+    stream = llm.stream("The quick brown fox", params)
+    first = next(stream)
+    other = llm.generate(["def fibonacci(n):", "1, 2, 3,"], greedy(max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)  # steps the engine past the stream's last token
+    assert all(o.finished and len(o.outputs[0].token_ids) == 16 for o in other)
+    rest = list(stream)
+    assert rest and rest[-1].finished
+    assert first.outputs[0].token_ids + [t for d in rest for t in d.outputs[0].token_ids] == expected.token_ids
+    assert "".join(d.outputs[0].text for d in [first, *rest]) == expected.text
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+
+
+def test_two_zipped_streams_each_get_exactly_their_own_tokens(llm):
+    short, long = greedy(max_tokens=4, ignore_eos=True), greedy(max_tokens=9, ignore_eos=True)
+    want = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids
+            for p, sp in (("Once upon a time", short), ("1, 2, 3,", long))]
+    a, b = llm.stream("Once upon a time", short), llm.stream("1, 2, 3,", long)
+    got = [[], []]
+    for da, db in zip(a, b):  # zip stops with the shorter stream: read the rest of the other
+        got[0] += da.outputs[0].token_ids
+        got[1] += db.outputs[0].token_ids
+    got[1] += [t for d in b for t in d.outputs[0].token_ids]
+    assert got == want
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+
+
 @pytest.mark.parametrize("prompt,match", [("", "empty"), ("word " * 600, "does not fit the context of 512")])
 def test_bad_prompts_fail_the_call_only(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
@@ -99,17 +128,36 @@ def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
         json.dumps({"id": "d", "prompt": ""}),
         json.dumps({"id": "e", "prompt_token_ids": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}),
         json.dumps({"id": "f", "prompt": "x", "bogus": 1}),
+        json.dumps({"id": "m8", "messages": [{"role": "user", "content": 42}]}),
+        json.dumps({"id": "g", "messages": "hello"}),
+        json.dumps({"id": "h", "prompt": "Hi", "stop": 5}),
     ])
     out = io.StringIO()
     served, failed = run_batch(llm, io.StringIO(lines), out, greedy())
     records = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert (served, failed) == (2, 4) and len(records) == 6
+    assert failed >= 6 and served + failed == len(records) == 9
     assert records[0]["id"] == "a" and records[0]["outputs"][0]["text"] == "The capital of France is Paris."
     assert "line 2: not valid JSON" in records[1]["error"]
     assert "line 3" in records[2]["error"] and "temperature" in records[2]["error"]
     assert "line 4" in records[3]["error"] and "empty" in records[3]["error"]
     assert len(records[4]["outputs"][0]["token_ids"]) == 3
     assert "unknown fields ['bogus']" in records[5]["error"]
+    for record, lineno in zip(records[6:], (7, 8, 9)):  # served, or refused with its line named
+        assert "outputs" in record or f"line {lineno}" in record["error"]
+    assert "line 8" in records[7]["error"] and "stop=5" in records[8]["error"]
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+
+
+def test_cli_batch_checks_paths_first_and_never_empties_old_results(capsys, tmp_path):
+    old = tmp_path / "results.jsonl"
+    old.write_text('{"id": "kept"}\n')
+    for argv, match in ((["--input", str(tmp_path / "missing.jsonl"), "--output", str(old)], "does not exist"),
+                        (["--input", str(old), "--output", str(tmp_path)], "is a directory"),
+                        (["--input", str(tmp_path), "--output", str(old)], "is a directory")):
+        assert cli.main(["batch", *argv, "--model", "/no/such/model"]) == 2  # before any loading
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and match in err and "/no/such/model" not in err
+    assert old.read_text() == '{"id": "kept"}\n'
 
 
 def test_cli_generate_prints_only_the_text(capsys, tmp_path):
@@ -126,6 +174,8 @@ def test_cli_generate_prints_only_the_text(capsys, tmp_path):
     (["generate", "hi", "--model", "/no/such/model"], "/no/such/model"),
     (["generate"], "no prompt given"),
     (["generate", "hi", "--token-buckets", "8,x"], "--token-buckets"),
+    (["generate", "", "--model", "/no/such/model"], "prompt 1 is empty"),
+    (["generate", "--prompts-file", "/", "--model", "/no/such/model"], "--prompts-file /: is a directory"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(capsys, argv, match):
     assert cli.main(argv) == 2
@@ -148,3 +198,16 @@ def test_cli_chat_streams_replies_and_exits(capsys, monkeypatch):
             "--max-model-len", "512"]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
+
+
+def test_cli_refuses_a_too_long_prompt_before_compiling(capsys, monkeypatch):
+    from jaxinfer.engine import Engine
+
+    def no_compiling(self):
+        raise AssertionError("compiled before the prompts were checked")
+
+    monkeypatch.setattr(Engine, "warm_up", no_compiling)
+    assert cli.main(["generate", "ok", "word " * 100, "--max-model-len", "64", "--max-tokens", "8", "--token-buckets", "16,64",
+                     "--max-num-batched-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: prompt 2: prompt of") and "does not fit the context of 64 tokens" in err

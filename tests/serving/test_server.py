@@ -172,6 +172,8 @@ def test_backpressure_resource_exhausted(serve):
     (dict(messages=[{"role": "user", "content": "hi"}]), "chat"),
     (dict(prompt=list(range(1, 300))), "token_ids"),  # longer than max_model_len=256
     (dict(prompt=list(range(1, 200)), max_tokens=100), "sampling.max_tokens"),  # together too long
+    (dict(prompt=[1, 2], n=65), "sampling.n=65: exceeds this server's max_n=64"),
+    (dict(prompt=[1, 2], temperature=1e300), "sampling.temperature"),
 ])
 def test_invalid_argument_names_the_field(serve, kwargs, field):
     server = serve()

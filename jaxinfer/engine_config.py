@@ -1,0 +1,98 @@
+"""EngineConfig: serving limits and the static shapes the jitted step is compiled for.
+
+Validated when built, before any model is loaded: a bad value is named with what it may be.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "float16")  # "auto" = the model dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Serving limits and the static shapes the jitted step is compiled for.
+
+    Every step is padded to a token bucket T (and a sequence bucket S = min(T, max_num_seqs)).
+    Each bucket compiles one step variant, plus one with a penalty history when `penalties` is on
+    (requests with repetition/presence/frequency penalties need it); all compile at start-up.
+    The KV pool is `num_pages` pages of `page_size` tokens per layer, or as many as fit
+    in `kv_cache_memory_fraction` of the device's free memory (`kv_cache_bytes` on the CPU).
+    `mesh` ("data=2,tensor=4", a dict of axis sizes, or a jax Mesh from sharding.make_mesh)
+    spreads the engine over devices; with data=N there are N replicas, each with its own
+    scheduler and a pool of `num_pages` pages.
+
+    Per-request limits (a request past them is refused with the field and the limit named):
+    `max_n` samples, `max_request_tokens` of prompt + max_tokens (default: max_model_len), and
+    `max_seqs_per_request` of its samples queued or running at once (the rest take turns).
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory_fraction: float = 0.85
+    kv_cache_bytes: int | None = None  # overrides the fraction; default on the CPU: 1 GiB
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_n: int = 64
+    max_request_tokens: int | None = None
+    max_seqs_per_request: int = 16
+    token_buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ... up to the budget
+    penalties: bool = True  # False: one variant fewer per bucket; penalty requests are rejected
+    enable_prefix_caching: bool = True
+    attn_impl: str = "auto"
+    compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
+    seed: int = 0
+    mesh: "str | dict | object | None" = None  # None: one device
+
+    def __post_init__(self):
+        def positive(name):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+
+        for name in ("page_size", "num_pages", "kv_cache_bytes", "max_model_len",
+                     "max_num_batched_tokens", "max_num_seqs", "max_n", "max_request_tokens",
+                     "max_seqs_per_request"):
+            positive(name)
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"EngineConfig.num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+        from pallas_kernels.dispatch import IMPLS  # imports jax: only when an engine is configured
+
+        if self.attn_impl not in IMPLS:
+            raise ValueError(f"EngineConfig.attn_impl={self.attn_impl!r}: expected one of {IMPLS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if isinstance(self.mesh, (str, dict)):
+            from sharding.mesh import format_mesh, parse_mesh_spec  # imports jax: only when asked for
+
+            object.__setattr__(self, "mesh", format_mesh(parse_mesh_spec(self.mesh)))
+        if self.token_buckets is not None:
+            buckets = tuple(self.token_buckets)
+            if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"EngineConfig.token_buckets must be increasing positive integers, got {buckets!r}")
+            if buckets[-1] < self.max_num_batched_tokens:
+                raise ValueError(
+                    f"EngineConfig.token_buckets {buckets!r} must reach max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens}")
+
+    def buckets(self) -> tuple[int, ...]:
+        """Token buckets: the given ones, or powers of two up to max_num_batched_tokens.
+
+        Coarser steps compile fewer variants but pad more: with powers of four a 32-sequence
+        decode ran in the 64-token bucket at 0.55x HF's speed on the CPU instead of 0.7x.
+        """
+        if self.token_buckets is not None:
+            return tuple(self.token_buckets)
+        out, b = [], 1
+        while b < self.max_num_batched_tokens:
+            out.append(b)
+            b *= 2
+        return tuple(out + [self.max_num_batched_tokens])
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        return min(token_bucket, self.max_num_seqs)
