@@ -84,6 +84,12 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array
     page = page_indices[seq, pos // page_size]
     slot = jnp.where(valid, page * page_size + pos % page_size, num_pages * page_size)
     kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)
+    if k.shape[0] == 1:
+        # XLA turns a one-row scatter into read-old-slot / select / dynamic-update-slice, and
+        # reading the donated cache before writing it makes XLA copy the whole layer's cache on
+        # every decode step. A second, dropped row keeps it a scatter, which is done in place.
+        slot = jnp.concatenate([slot, jnp.full((1,), num_pages * page_size, slot.dtype)])
+        kv_new = jnp.concatenate([kv_new, jnp.zeros_like(kv_new)])
     flat = kv_cache.reshape(num_pages * page_size, two_hkv, d)
     flat = flat.at[slot].set(kv_new, mode="drop")
     return flat.reshape(kv_cache.shape)
