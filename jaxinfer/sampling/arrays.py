@@ -56,6 +56,7 @@ class SamplingArrays:
     frequency_penalty: jax.Array   # f32[B] 0 = off
     seeds: jax.Array               # u32[B, 2] the sequence's 64-bit seed as (low, high) words
     num_generated: jax.Array       # i32[B] output tokens so far: which draw of the stream this is
+    num_top_logprobs: jax.Array    # i32[B] top-N logprobs asked for (0: none; no row >0: no top-k)
     history: PenaltyHistory | None = None  # None: no row uses penalties (static structure)
 
 
@@ -100,6 +101,7 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
         frequency_penalty=col([p.frequency_penalty for p in params], 0.0, np.float32),
         seeds=np.asarray(seed_words + [(0, 0)] * pad, dtype=np.uint32).reshape(batch_size, 2),
         num_generated=col(num_generated, 0, np.int32),
+        num_top_logprobs=col([p.logprobs or 0 for p in params], 0, np.int32),
         history=_penalty_history(params, prompt_token_ids, output_token_ids, batch_size,
                                  history_len))
 

@@ -14,7 +14,10 @@ What `sample` does to one row (the order matters and the numpy reference in the 
      num_generated): the same sequence draws the same noise whatever batch or row it is in.
 
 Penalty histories (arrays.PenaltyHistory) are scatter-added into a [B, V] count array here, on
-the device. `num_top_logprobs` is a static argument.
+the device. Nothing sorts the vocabulary unless a row needs it: the top-N logprobs (N static,
+the most any request may ask for) are computed under a conditional taken only when some row asked
+for them, and top-k / top-p masking only when some row samples with them; an all-greedy batch
+without logprobs runs neither (tests/jaxinfer/test_step_hlo.py reads the compiled step).
 """
 from __future__ import annotations
 
@@ -55,7 +58,11 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
         logits / temperature[:, None])
     tokens = jnp.where(is_greedy, greedy_tokens, sampled_tokens).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)     # [B, N]
+    top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(arrays.num_top_logprobs > 0), lambda lp: tuple(jax.lax.top_k(lp, num_top_logprobs)),
+        lambda lp: (jnp.zeros((lp.shape[0], num_top_logprobs), lp.dtype),
+                    jnp.zeros((lp.shape[0], num_top_logprobs), jnp.int32)),
+        logprobs)                                                         # [B, N] each
     return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 

@@ -50,3 +50,50 @@ def test_the_step_never_copies_a_layers_cache(model, max_model_len, bucket):
     contexts, not the pool (a one-token write used to copy every layer's cache each step)."""
     hlo, runner = compiled_step(model, bucket, max_model_len=max_model_len, num_pages=300)
     assert not cache_copies(hlo, runner.kv_caches[0].shape)
+
+
+def split_computations(hlo: str) -> tuple[dict[str, str], str]:
+    """{computation name: body} and the entry computation's name."""
+    bodies, entry, name, lines = {}, None, None, []
+    for line in hlo.splitlines():
+        header = re.match(r"(ENTRY )?(%[\w.\-]+) .*\{$", line)
+        if header and not line.startswith(" "):
+            name, lines = header.group(2), []
+            entry = name if header.group(1) else entry
+        elif line == "}" and name is not None:
+            bodies[name], name = "\n".join(lines), None
+        elif name is not None:
+            lines.append(line)
+    return bodies, entry
+
+
+def always_run(bodies: dict[str, str], entry: str) -> set[str]:
+    """Computations the entry runs on every call: called, fused, looped, reduced, but not the
+    branches of a conditional (those run only when taken)."""
+    seen, todo = set(), [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        body = re.sub(r"branch_computations=\{[^}]*\}|(true|false)_computation=%[\w.\-]+", "", bodies[name])
+        todo += re.findall(r"(?:calls|to_apply|body|condition)=(%[\w.\-]+)", body)
+        todo += [c for group in re.findall(r"calls=\{([^}]*)\}", body) for c in re.findall(r"%[\w.\-]+", group)]
+    return seen
+
+
+def vocab_sorts(body: str) -> list[str]:
+    """Sorts of [B, V] rows, and top-k (the step's only top-k is over the vocabulary; XLA's TopK
+    custom call shows only its [B, N] results on its line)."""
+    vocab = CONFIG.vocab_size
+    return [line.strip()[:120] for line in body.splitlines()
+            if re.search(r'custom_call_target="TopK"|\btopk\(', line)
+            or (re.search(r"\bsort\(", line) and re.search(rf"\[\d+,{vocab}\]", line))]
+
+
+def test_an_all_greedy_batch_without_logprobs_sorts_nothing(model):
+    hlo, _ = compiled_step(model, 8, max_model_len=512, num_pages=64)
+    bodies, entry = split_computations(hlo)
+    assert any(vocab_sorts(body) for body in bodies.values())  # they exist, for rows that need them
+    on_every_step = {name: vocab_sorts(bodies[name]) for name in always_run(bodies, entry)}
+    assert not {name: found for name, found in on_every_step.items() if found}
