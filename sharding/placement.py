@@ -31,10 +31,31 @@ Placer = Callable[[FieldSpec, np.ndarray], jax.Array]
 
 
 def repeat_kv_heads(array: np.ndarray, axes: tuple[str, ...], repeat: int) -> np.ndarray:
-    """Each KV head `repeat` times in a row, so head j' of the result is head j' // repeat."""
+    """Each KV head `repeat` times in a row, so head j' of the result is head j' // repeat.
+
+    A fused [.., K, G+2, ..] weight (axes kv_heads, qkv) becomes [.., K*r, G/r+2, ..]: copy i of
+    KV head j takes query heads i*G/r .. (i+1)*G/r of its group, and K and V whole."""
     if repeat == 1 or "kv_heads" not in axes:
         return array
-    return np.repeat(array, repeat, axis=axes.index("kv_heads"))
+    kv_axis = axes.index("kv_heads")
+    if "qkv" not in axes:
+        return np.repeat(array, repeat, axis=kv_axis)
+    groups = np.moveaxis(array, (kv_axis, axes.index("qkv")), (0, 1))  # [K, G+2, ...]
+    k, g = groups.shape[0], groups.shape[1] - 2
+    queries = groups[:, :g].reshape(k * repeat, g // repeat, *groups.shape[2:])
+    kv = np.repeat(groups[:, g:], repeat, axis=0)  # [K*r, 2, ...]
+    fused = np.concatenate([queries, kv], axis=1)
+    return np.moveaxis(fused, (0, 1), (kv_axis, axes.index("qkv")))
+
+
+def repeated_shape(shape: tuple[int, ...], axes: tuple[str, ...], layout: HeadLayout) -> tuple[int, ...]:
+    """The shape `repeat_kv_heads` gives an array of this shape."""
+    out = list(shape)
+    if "kv_heads" in axes:
+        out[axes.index("kv_heads")] = layout.cache_kv_heads
+        if "qkv" in axes:
+            out[axes.index("qkv")] = (shape[axes.index("qkv")] - 2) // layout.kv_repeat + 2
+    return tuple(out)
 
 
 def put_sharded(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -61,13 +82,12 @@ def shard_params(params: PyTree, param_axes: ParamAxes, mesh: Mesh, layout: Head
     def place(path: jax.tree_util.KeyPath, x: jax.Array | np.ndarray) -> jax.Array:
         name = _leaf_name(path)
         axes = param_axes[name]
-        shape = list(x.shape)
-        if "kv_heads" in axes:
-            shape[axes.index("kv_heads")] = layout.cache_kv_heads
-        target = NamedSharding(mesh, logical_to_spec(axes, tuple(shape), mesh))
-        if tuple(shape) == x.shape and isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+        repeated = "kv_heads" not in axes or x.shape[axes.index("kv_heads")] == layout.cache_kv_heads
+        shape = tuple(x.shape) if repeated else repeated_shape(x.shape, axes, layout)
+        target = NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
+        if shape == x.shape and isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
             return x
-        if tuple(shape) == x.shape:  # only the placement differs: device to device
+        if shape == x.shape:  # only the placement differs: device to device
             return jax.device_put(x, target)
         return place_param(name, np.asarray(x), mesh, param_axes, layout)
 

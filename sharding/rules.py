@@ -13,6 +13,10 @@ so each KV head is stored r = tp / K times (wk, wv, their biases and the KV cach
 K' = K * r = tp heads) and each shard holds exactly one. The alternative, a replicated cache that
 each shard slices, costs every device the whole cache (K heads) instead of one head; see
 README.md "Sharding and multi-host".
+
+Fused q|k|v weights ([E, K, G+2, D] on axes embed, kv_heads, qkv, head_dim) split like wk: by KV
+head, each shard holding whole groups. With replicated KV heads a group's G query heads are dealt
+out among its r copies (G/r each) while K and V are repeated (placement.repeat_kv_heads).
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ LOGICAL_RULES: dict[str, str | None] = {
     "vocab": TENSOR,
     "embed": None,
     "head_dim": None,
+    "qkv": None,      # a KV head's group: its query heads, then K and V (fused projections)
+    "gate_up": None,  # gate | up of a fused MLP projection
 }
 # Axes a model may leave unsplit when its size does not divide the mesh axis (with a warning);
 # any other indivisible axis is a configuration error.

@@ -1,13 +1,21 @@
 """The Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5, SmolLM2 (one decoder, config-driven).
 
-Data flow of `forward`: token ids -> embedding -> for each layer [RMSNorm -> q/k/v projections
+Data flow of `forward`: token ids -> embedding -> for each layer [RMSNorm -> one q|k|v projection
 (+ bias for Qwen2) -> RoPE -> ragged paged attention (writes this step's K/V into the layer's
-pages, then attends) -> output projection -> residual -> RMSNorm -> gated MLP -> residual] ->
+pages, then attends) -> output projection -> residual -> RMSNorm -> one gate|up projection ->
+SiLU-gated product -> down projection -> residual] ->
 final RMSNorm -> hidden states. `compute_logits` applies the LM head (tied or not) to the rows
 the caller selects, so a step computes logits only for the tokens it samples.
 
 Layers are unrolled in Python and each layer's KV cache is its own array, so every layer's
 cache is updated in place when the caller donates the tuple.
+
+Fused projections: a checkpoint's q, k, v (and gate, up) tensors are loaded, and placed, one by
+one under their own names; `assemble` then fuses them once into `w_qkv` [E, K, G+2, D] (for each
+KV head its G = H/K query heads, then its K and V) and `w_gate_up` [E, 2, F], so a layer runs one
+matmul for each instead of three and two (and XLA never concatenates weights inside the step).
+Splitting the KV-head axis over `tensor` gives each shard whole groups with their own q|k|v
+columns; K here is the KV heads the cache carries (see sharding/rules.py on replicated heads).
 """
 from __future__ import annotations
 
@@ -22,17 +30,12 @@ from jaxinfer.models import layers as L
 @flax.struct.dataclass
 class LlamaLayer:
     attn_norm: jax.Array  # [E]
-    wq: jax.Array  # [E, H, D]
-    wk: jax.Array  # [E, K, D]
-    wv: jax.Array  # [E, K, D]
+    w_qkv: jax.Array  # [E, K, G+2, D]: per KV head, its G query heads, then K, then V
     wo: jax.Array  # [H, D, E]
     mlp_norm: jax.Array  # [E]
-    w_gate: jax.Array  # [E, F]
-    w_up: jax.Array  # [E, F]
+    w_gate_up: jax.Array  # [E, 2, F]: gate, then up
     w_down: jax.Array  # [F, E]
-    bq: jax.Array | None = None  # [H, D]
-    bk: jax.Array | None = None  # [K, D]
-    bv: jax.Array | None = None  # [K, D]
+    b_qkv: jax.Array | None = None  # [K, G+2, D]
     bo: jax.Array | None = None  # [E]
 
 
@@ -45,7 +48,12 @@ class LlamaParams:
 
 
 # Logical axis names of every parameter (for sharding rules); "layers" params repeat per layer.
+# The checkpoint's separate q/k/v and gate/up tensors are placed under their own names before
+# `assemble` fuses them, so both forms are here.
 PARAM_AXES = {
+    "w_qkv": ("embed", "kv_heads", "qkv", "head_dim"),
+    "b_qkv": ("kv_heads", "qkv", "head_dim"),
+    "w_gate_up": ("embed", "gate_up", "mlp"),
     "embed": ("vocab", "embed"),
     "final_norm": ("embed",),
     "lm_head": ("embed", "vocab"),
@@ -74,12 +82,14 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn_norm": (e,), "wq": (e, h, d), "wk": (e, k, d), "wv": (e, k, d), "wo": (h, d, e),
         "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
         "bq": (h, d), "bk": (k, d), "bv": (k, d), "bo": (e,),
+        "w_qkv": (e, k, h // k + 2, d), "b_qkv": (k, h // k + 2, d), "w_gate_up": (e, 2, f),
     }
     return shapes
 
 
 def layer_fields(config: ModelConfig) -> list[str]:
-    """The LlamaLayer fields this config has (biases only where the checkpoint has them)."""
+    """The per-layer tensors a checkpoint of this config has, by our field names (before
+    `assemble` fuses q/k/v and gate/up; biases only where the checkpoint has them)."""
     fields = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
     if config.qkv_bias:
         fields += ["bq", "bk", "bv"]
@@ -92,11 +102,26 @@ def top_fields(config: ModelConfig) -> list[str]:
     return ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
 
 
-def assemble(config: ModelConfig, top: dict, per_layer: list[dict]) -> LlamaParams:
-    """Builds the parameter tree from arrays keyed by field name."""
+def assemble(config: ModelConfig, top: dict[str, jax.Array],
+             per_layer: list[dict[str, jax.Array]]) -> LlamaParams:
+    """Builds the parameter tree from arrays keyed by field name, fusing q|k|v and gate|up."""
     return LlamaParams(
         embed=top["embed"], final_norm=top["final_norm"], lm_head=top.get("lm_head"),
-        layers=tuple(LlamaLayer(**fields) for fields in per_layer))
+        layers=tuple(LlamaLayer(**_fuse(dict(fields))) for fields in per_layer))
+
+
+def _fuse(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """wq [E, H, D], wk / wv [E, K, D] -> w_qkv [E, K, H/K + 2, D] (biases alike); w_gate,
+    w_up [E, F] -> w_gate_up [E, 2, F]. Query head h belongs to KV head h // (H/K)."""
+    wq, wk, wv = fields.pop("wq"), fields.pop("wk"), fields.pop("wv")
+    e, h, d = wq.shape
+    k = wk.shape[1]
+    fields["w_qkv"] = jnp.concatenate([wq.reshape(e, k, h // k, d), wk[:, :, None], wv[:, :, None]], axis=2)
+    if "bq" in fields:
+        bq, bk, bv = fields.pop("bq"), fields.pop("bk"), fields.pop("bv")
+        fields["b_qkv"] = jnp.concatenate([bq.reshape(k, h // k, d), bk[:, None], bv[:, None]], axis=1)
+    fields["w_gate_up"] = jnp.stack([fields.pop("w_gate"), fields.pop("w_up")], axis=1)
+    return fields
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> LlamaParams:
@@ -117,11 +142,12 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
 
 def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
     h = L.rms_norm(x, p.attn_norm, config.rms_norm_eps)  # [T, E]
-    q = jnp.einsum("te,ehd->thd", h, p.wq)  # [T, H, D]
-    k = jnp.einsum("te,ekd->tkd", h, p.wk)  # [T, K, D]
-    v = jnp.einsum("te,ekd->tkd", h, p.wv)  # [T, K, D]
-    if p.bq is not None:
-        q, k, v = q + p.bq, k + p.bk, v + p.bv
+    qkv = jnp.einsum("te,ekjd->tkjd", h, p.w_qkv)  # [T, K, G+2, D]
+    if p.b_qkv is not None:
+        qkv = qkv + p.b_qkv
+    t, kv_heads, group, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
+    q = qkv[:, :, :group].reshape(t, kv_heads * group, d)  # [T, H, D]
+    k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, K, D] each
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     attn, kv_cache = L.paged_attention(q, k, v, kv_cache, meta, config, attn_impl)
     out = jnp.einsum("thd,hde->te", attn, p.wo)  # [T, E]
@@ -129,7 +155,7 @@ def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn
         out = out + p.bo
     x = x + out
     h = L.rms_norm(x, p.mlp_norm, config.rms_norm_eps)
-    x = x + L.gated_mlp(h, p.w_gate, p.w_up, p.w_down)
+    x = x + L.gated_mlp(h, p.w_gate_up, p.w_down)
     return x, kv_cache
 
 

@@ -109,7 +109,8 @@ def test_quantized_gguf_loads_close(tmp_path):
     names = {f"blk.{i}.{n}": Q.Q8_0 for i in range(2) for n in ("attn_q.weight", "ffn_up.weight")}
     gguf_path, _ = _llama_as_gguf(tmp_path, names)
     m = _load(gguf_path)
-    assert m.params.layers[0].wq.shape == (64, 8, 16)
+    layer = m.params.layers[0]  # 8 query heads in 2 groups of 4, each followed by its K and V
+    assert layer.w_qkv.shape == (64, 2, 4 + 2, 16) and layer.w_gate_up.shape == (64, 2, 128)
     prompt = np.load(LLAMA / "golden.npz")["input_ids"][:16]
     assert np.isfinite(SingleSequence(m.family, m.config, m.params, 16).feed(prompt)).all()
 

@@ -97,3 +97,29 @@ def test_an_all_greedy_batch_without_logprobs_sorts_nothing(model):
     assert any(vocab_sorts(body) for body in bodies.values())  # they exist, for rows that need them
     on_every_step = {name: vocab_sorts(bodies[name]) for name in always_run(bodies, entry)}
     assert not {name: found for name, found in on_every_step.items() if found}
+
+
+def weight_dots(model) -> dict[str, int]:
+    """How many dot_generals of the lowered step read each parameter, by its path."""
+    config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
+                          penalties=False, compilation_cache_dir=None, num_pages=64, max_model_len=512)
+    runner = ModelRunner(model, config, 512)
+    text = runner._step.lower(runner.params, runner.kv_caches, runner.padding_inputs(8, False)).as_text()
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(runner.params)[0]]
+    counts = dict.fromkeys(paths, 0)
+    for arg in re.findall(r"stablehlo\.dot_general [^,]+, %arg(\d+)", text):
+        counts[paths[int(arg)]] += 1  # the parameters are the step's first arguments
+    return counts
+
+
+def test_one_matmul_for_qkv_and_one_for_gate_up_per_layer(model):
+    counts = weight_dots(model)
+    for i in range(CONFIG.num_layers):
+        layer = {path.split(".")[-1]: n for path, n in counts.items() if f".layers[{i}]." in path}
+        assert layer == {"attn_norm": 0, "w_qkv": 1, "wo": 1, "mlp_norm": 0, "w_gate_up": 1, "w_down": 1}
+    hlo, runner = compiled_step(model, 8, max_model_len=512, num_pages=64)
+    sizes = {int(np.prod(x.shape)) for x in jax.tree.leaves(runner.params) if x.ndim > 1}
+    entry = hlo[hlo.index("\nENTRY"):]
+    for line in entry.splitlines():  # no weight is concatenated or copied inside the step
+        m = re.search(r"= \w+\[([\d,]+)\]\S* (concatenate|copy)\(", line)
+        assert not (m and int(np.prod([int(d) for d in m.group(1).split(",")])) in sizes), line.strip()[:120]

@@ -50,6 +50,9 @@ def test_param_specs_follow_the_rule_table():
     assert specs["wq"] == P(None, "tensor", None) and specs["wk"] == P(None, "tensor", None)
     assert specs["wo"] == P("tensor", None, None)
     assert specs["w_gate"] == specs["w_up"] == P(None, "tensor") and specs["w_down"] == P("tensor", None)
+    # Fused weights split like their parts: q|k|v groups by KV head, gate|up by MLP column.
+    assert specs["w_qkv"] == P(None, "tensor", None, None) and specs["b_qkv"] == P("tensor", None, None)
+    assert specs["w_gate_up"] == P(None, None, "tensor")
     assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
     assert specs["attn_norm"] == specs["final_norm"] == P(None)
     # Without a tensor axis nothing is split.
@@ -140,3 +143,16 @@ def _config():
     return ModelConfig(model_type="llama", family="llama", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
                        rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256)
+
+
+def test_replicated_kv_heads_deal_out_each_groups_query_heads():
+    """tensor=4 over 2 KV heads: a fused [E, 2, 4+2, D] weight becomes [E, 4, 2+2, D], the same
+    layout as fusing the placed parts (query heads in KV-head order, K and V repeated)."""
+    from sharding.placement import repeat_kv_heads
+
+    rng = np.random.default_rng(0)
+    wq, wk, wv = rng.normal(size=(3, 8, 5)), rng.normal(size=(3, 2, 5)), rng.normal(size=(3, 2, 5))
+    fused = np.concatenate([wq.reshape(3, 2, 4, 5), wk[:, :, None], wv[:, :, None]], axis=2)
+    wk4, wv4 = np.repeat(wk, 2, axis=1), np.repeat(wv, 2, axis=1)
+    expected = np.concatenate([wq.reshape(3, 4, 2, 5), wk4[:, :, None], wv4[:, :, None]], axis=2)
+    np.testing.assert_array_equal(repeat_kv_heads(fused, PARAM_AXES["w_qkv"], 2), expected)
