@@ -90,7 +90,7 @@ def step_inputs(runner: ModelRunner, lens: list[int], new: list[int], t_bucket: 
                                     batch_size=s_bucket, seeds=list(range(len(lens))))
     meta = AttentionMetadata(kv_lens, pages, cu, np.array([len(lens)], np.int32))
     tokens = rng.integers(0, MODEL.vocab_size, t_bucket).astype(np.int32)
-    return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling)
+    return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, np.full(t_bucket, -1, np.int32))
 
 
 def bench_tensor(repeats: int) -> str:

@@ -32,16 +32,25 @@ import jax
 from jaxinfer.config import EngineConfig
 from jaxinfer.core.admission import check_request
 from jaxinfer.core.paging import PagePool
+from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.runner import ModelRunner, enable_compilation_cache
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.sampler import SamplerOutput
 from sharding import StepChannel, is_leader, is_multiprocess
-from sharding.multihost import SHUTDOWN
+from sharding.multihost import SHUTDOWN, fetch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A dispatched step whose tokens have not reached the host yet."""
+    plans: list[SchedulerPlan]  # one per data replica
+    out: SamplerOutput  # on the device
 
 
 @dataclasses.dataclass
@@ -70,6 +79,7 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
+        self._flight: _Flight | None = None  # the step dispatched last, tokens not fetched yet
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens computed by steps so far (prefix hits excluded)
@@ -167,43 +177,68 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._pending) or self._flight is not None
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one jitted step; returns deltas of the requests that advanced or ended."""
+        """Dispatches one jitted step; returns the deltas of the requests that advanced or ended.
+
+        With async scheduling (the default) the step is dispatched before the previous one's
+        tokens are fetched, and the deltas returned are the previous step's: the host plans and
+        prepares step N+1 while the device runs step N. Rows with penalties need every earlier
+        token id on the host, so while any runs, the previous step lands before the plan."""
         outputs, self._pending = self._pending, []
+        previous, self._flight = self._flight, None
+        if previous is not None and self._needs_known_tokens():
+            outputs += self._land(previous)
+            previous = None
         plans = [replica.scheduler.schedule() for replica in self.replicas]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         self.num_scheduled_tokens += sum(plan.num_batched_tokens for plan in plans)
-        if not any(plan.seqs for plan in plans):
-            return outputs
+        flight = self._dispatch(plans, previous) if any(plan.seqs for plan in plans) else None
+        if previous is not None:
+            outputs += self._land(previous)
+        if flight is not None and not self.config.async_scheduling:
+            outputs += self._land(flight)
+            flight = None
+        self._flight = flight
+        return outputs
+
+    def _needs_known_tokens(self) -> bool:
+        return any(s.sampling_params.uses_penalties for r in self.replicas for s in r.scheduler.running)
+
+    def _dispatch(self, plans: list[SchedulerPlan], previous: _Flight | None) -> _Flight:
         start = time.monotonic()
         for entry in (entry for plan in plans for entry in plan.seqs):
             state = self._requests[entry.seq.request_id]
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = start
                 state.cached_prompt_tokens = entry.start
-        inputs = self.runner.prepare(plans if len(plans) > 1 else plans[0])
+        inputs = self.runner.prepare(plans if len(plans) > 1 else plans[0],
+                                     previous.plans if previous is not None else None)
+        for replica, plan in zip(self.replicas, plans):
+            replica.scheduler.advance(plan)
         if self._channel is not None:
             self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs)
-        out = self.runner.execute(inputs)
+        return _Flight(plans, self.runner.dispatch(inputs))
+
+    def _land(self, flight: _Flight) -> list[RequestOutput]:
+        """Fetches a dispatched step's tokens, resolves them and builds the deltas."""
+        out = fetch(flight.out)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
-        for r, plan in enumerate(plans):
-            out_r = out if len(plans) == 1 else jax.tree.map(lambda a: a[r], out)
-            updated = {s.seq_id for s in self.replicas[r].scheduler.update(plan, out_r.tokens)}
+        for r, plan in enumerate(flight.plans):
+            out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a: a[r], out)
+            scheduler = self.replicas[r].scheduler
+            updated = {s.seq_id for s in scheduler.resolve(plan, out_r.tokens)}
             for row, entry in enumerate(plan.seqs):
                 seq = entry.seq
                 state = self._requests.get(seq.request_id)
                 if seq.seq_id not in updated or state is None:
                     continue
-                self.outputs.on_token(state, state.samples[seq.sample_index], out_r, row,
-                                      self.replicas[r].scheduler)
+                self.outputs.on_token(state, state.samples[seq.sample_index], out_r, row, scheduler)
                 touched[seq.request_id] = state
-        for state in touched.values():
-            outputs.append(self._delta(state, now))
-        return outputs
+        return [self._delta(state, now) for state in touched.values()]
 
     # --- several hosts --------------------------------------------------------------------------
     def follow(self) -> bool:

@@ -41,6 +41,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ... up to the budget
     penalties: bool = True  # False: one variant fewer per bucket; penalty requests are rejected
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True  # plan step N+1 while step N runs; False: the synchronous loop
     attn_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
     seed: int = 0

@@ -6,6 +6,10 @@
         each sequence's last token [S], sampling arrays [S]; T is the smallest token bucket that
         holds the plan and S = EngineConfig.seq_bucket(T)
 
+A sequence whose newest token was sampled by the step still in flight (async scheduling) has a
+PLACEHOLDER there: its input id is taken on the device from that step's sampled tokens, at the
+row `prev_rows` names (-1: the id in token_ids is the input).
+
 Padding is harmless by construction: padding tokens belong to no sequence (cu_q_lens stops at
 the real count), padding sequences have kv_len 0 and page-table rows of the null page 0, which no
 sequence owns; nothing ever indexes page -1. With data replicas every replica's inputs are built
@@ -20,6 +24,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.core.paging import NULL_PAGE
 from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.core.sequence import PLACEHOLDER
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, sampling_arrays_for_sequences
 from jaxinfer.sampling.params import SamplingParams
@@ -32,6 +37,7 @@ class StepInputs:
     meta: AttentionMetadata  # kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]
     logits_indices: jax.Array  # i32[S] row of each sequence's last token in the batch
     sampling: SamplingArrays  # one row per sequence slot
+    prev_rows: jax.Array  # i32[T] row of the previous step's sampled tokens that is this token; -1: none
 
 
 class InputBuilder:
@@ -51,18 +57,22 @@ class InputBuilder:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
-    def prepare(self, plan: SchedulerPlan | list[SchedulerPlan]) -> StepInputs:
+    def prepare(self, plan: SchedulerPlan | list[SchedulerPlan],
+                previous: list[SchedulerPlan] | None = None) -> StepInputs:
         """Host-side arrays for one step, padded to the plan's bucket. With data replicas, one
-        plan per replica (an empty plan is all padding) stacked along a leading axis."""
+        plan per replica (an empty plan is all padding) stacked along a leading axis.
+        `previous`: the plans of the step in flight, whose sampled tokens fill placeholders."""
         plans = [plan] if isinstance(plan, SchedulerPlan) else list(plan)
+        previous = previous or [None] * len(plans)
         if len(plans) != self.num_replicas:
             raise ValueError(f"{len(plans)} plans for {self.num_replicas} data replicas")
         t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
         penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
-        rows = [self._prepare_one(p, t_bucket, penalties) for p in plans]
+        rows = [self._prepare_one(p, t_bucket, penalties, prev) for p, prev in zip(plans, previous)]
         return rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
 
-    def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool) -> StepInputs:
+    def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool,
+                     previous: SchedulerPlan | None) -> StepInputs:
         if not plan.seqs:  # an idle data replica: all padding
             return self._dummy_one(t_bucket, penalties)
         s_bucket = self.engine.seq_bucket(t_bucket)
@@ -72,11 +82,19 @@ class InputBuilder:
         page_indices = np.full((s_bucket, self.pages_per_seq), NULL_PAGE, np.int32)
         cu = np.zeros(s_bucket + 1, np.int32)
         kv_lens = np.zeros(s_bucket, np.int32)
+        prev_rows = np.full(t_bucket, -1, np.int32)
+        sampled_row = {} if previous is None else {
+            e.seq.seq_id: row for row, e in enumerate(previous.seqs) if e.sample}
         offset = 0
         for i, s in enumerate(plan.seqs):
             if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.page_size:
                 raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
             tokens[offset:offset + s.num_new_tokens] = s.token_ids
+            if s.token_ids[-1] == PLACEHOLDER:  # a decode of a token still in flight
+                if s.seq.seq_id not in sampled_row:
+                    raise RuntimeError(f"sequence {s.seq.request_id}: a placeholder no step in flight samples")
+                tokens[offset + s.num_new_tokens - 1] = 0
+                prev_rows[offset + s.num_new_tokens - 1] = sampled_row[s.seq.seq_id]
             positions[offset:offset + s.num_new_tokens] = np.arange(s.start, s.kv_len)
             page_indices[i, :len(s.pages)] = s.pages
             kv_lens[i] = s.kv_len
@@ -88,7 +106,7 @@ class InputBuilder:
             seqs, s_bucket, history_len=self.max_model_len if penalties else None)
         meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
                                  num_seqs=np.array([n], np.int32))
-        return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling)
+        return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, prev_rows)
 
     def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
         """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
@@ -109,4 +127,4 @@ class InputBuilder:
             page_indices=np.zeros((s_bucket, self.pages_per_seq), np.int32),
             cu_q_lens=np.zeros(s_bucket + 1, np.int32), num_seqs=np.zeros(1, np.int32))
         return StepInputs(np.zeros(t_bucket, np.int32), np.zeros(t_bucket, np.int32), meta,
-                          np.zeros(s_bucket, np.int32), sampling)
+                          np.zeros(s_bucket, np.int32), sampling, np.full(t_bucket, -1, np.int32))

@@ -72,15 +72,15 @@ class OutputProcessor:
 
     def on_token(self, state: RequestState, sample: SampleState, out: SamplerOutput, row: int,
                  scheduler: Scheduler) -> None:
-        """Records the token the scheduler just appended to `sample.seq` (row `row` of `out`)."""
-        seq, params = sample.seq, state.params
+        """Records the token the scheduler just put into `sample.seq` (row `row` of `out`)."""
+        seq, params, token = sample.seq, state.params, int(out.tokens[row])
         if params.logprobs is not None:
             n = params.logprobs
             top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:n], out.top_logprobs[row][:n])}
-            sample.logprobs.append(Logprob(seq.last_token_id, float(out.logprobs[row]), top))
+            sample.logprobs.append(Logprob(token, float(out.logprobs[row]), top))
         if sample.detok is None:
             return
-        sample.text += sample.detok.step([seq.last_token_id])
+        sample.text += sample.detok.step([token])
         if seq.is_finished:
             sample.text += sample.detok.flush()
         if params.stop and seq.status is not SequenceStatus.FINISHED_STOPPED:
@@ -100,7 +100,7 @@ class OutputProcessor:
         if finished:
             m.finished_time = now
         usage = Usage(prompt_tokens=len(state.prompt_token_ids),
-                      completion_tokens=sum(s.seq.num_output_tokens for s in state.samples),
+                      completion_tokens=sum(len(s.seq.known_output_ids) for s in state.samples),
                       cached_prompt_tokens=state.cached_prompt_tokens)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished, usage, m)
@@ -129,8 +129,8 @@ def _completion_delta(index: int, s: SampleState, params: SamplingParams) -> Com
     upto = max(s.emitted_chars, len(s.text) - hold)
     out = CompletionOutput(
         index=index, text=s.text[s.emitted_chars:upto],
-        token_ids=seq.output_token_ids[s.emitted_tokens:],
+        token_ids=seq.known_output_ids[s.emitted_tokens:],  # never a placeholder of a step in flight
         logprobs=s.logprobs[s.emitted_logprobs:] if params.logprobs is not None else None,
         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-    s.emitted_chars, s.emitted_tokens, s.emitted_logprobs = upto, seq.num_output_tokens, len(s.logprobs)
+    s.emitted_chars, s.emitted_tokens, s.emitted_logprobs = upto, len(seq.known_output_ids), len(s.logprobs)
     return out

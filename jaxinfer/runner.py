@@ -6,6 +6,11 @@ Data flow of a step:
     new K/V into the paged cache and attends) -> logits of each sequence's last token -> in-jit
     sampling -> int32 tokens and logprobs back to the host.
 
+`dispatch` returns the step's outputs still on the device, so the engine can plan and dispatch the
+next step before they arrive (async scheduling): each step also hands the next one its sampled
+tokens (padded to the largest sequence bucket, so no new variants), which fill the next step's
+placeholder input ids inside the jit (StepInputs.prev_rows). `execute` is dispatch + fetch.
+
 Every bucket is compiled in `warm_up`; JAX's persistent compilation cache makes later start-ups
 cheap. The KV cache is donated to the step, so each layer's pages are updated in place. Padding
 rows write nowhere (their K/V writes are dropped by the kernel) and their page-table rows point at
@@ -101,12 +106,16 @@ class ModelRunner:
         self.buckets = tuple(sorted({-(-b // sp) * sp for b in engine.buckets()}))
         self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=self.pages_per_seq,
                                    max_model_len=max_model_len, num_replicas=self.num_replicas)
-        step = functools.partial(_step, self.family, self.config, engine.attn_impl)
+        max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
+        step = functools.partial(_step, self.family, self.config, engine.attn_impl, max_seqs)
+        prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)
         if self.num_replicas > 1:
-            step = jax.vmap(step, in_axes=(None, 0, 0), spmd_axis_name=DATA)
-        out_shardings = None
+            step = jax.vmap(step, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA)
+        out_shardings, self._prev_tokens = None, jnp.zeros(prev_shape, jnp.int32)
         if self.mesh is not None:
-            out_shardings = (NamedSharding(self.mesh, P()), tuple(c.sharding for c in self.kv_caches))
+            replicated = NamedSharding(self.mesh, P())
+            out_shardings = (replicated, tuple(c.sharding for c in self.kv_caches), replicated)
+            self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
         self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
 
     def _allocate_kv_caches(self) -> tuple[jax.Array, ...]:
@@ -127,29 +136,44 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.kv_caches)
 
-    def prepare(self, plan: SchedulerPlan | list[SchedulerPlan]) -> StepInputs:
-        """Padded numpy inputs of one step (one plan per data replica)."""
-        return self.inputs.prepare(plan)
+    def prepare(self, plan: SchedulerPlan | list[SchedulerPlan],
+                previous: list[SchedulerPlan] | None = None) -> StepInputs:
+        """Padded numpy inputs of one step (one plan per data replica); `previous`: the plans of
+        the step in flight, whose sampled tokens the placeholders of this one stand for."""
+        return self.inputs.prepare(plan, previous)
 
     def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
         return self.inputs.padding_inputs(t_bucket, with_history)
 
     def execute(self, inputs: StepInputs) -> SamplerOutput:
-        """Runs the step; the KV cache is donated and replaced. Returns numpy outputs (with a
-        leading [data] axis when there are several replicas)."""
+        """Runs the step and waits for it. Returns numpy outputs (with a leading [data] axis when
+        there are several replicas)."""
+        return fetch(self.dispatch(inputs))
+
+    def dispatch(self, inputs: StepInputs) -> SamplerOutput:
+        """Starts the step; the KV cache is donated and replaced. Returns the outputs on the
+        device (jax.Arrays that are ready once the step is done)."""
         if self.mesh is not None:
             inputs = put_inputs(inputs, self._input_shardings(inputs))
         with self._mesh_context():
-            out, self.kv_caches = self._step(self.params, self.kv_caches, inputs)
-        return fetch(out)
+            out, self.kv_caches, self._prev_tokens = self._step(self.params, self.kv_caches, inputs,
+                                                                self._prev_tokens)
+        return out
+
+    def lower(self, inputs: StepInputs) -> jax.stages.Lowered:
+        """The step lowered for these inputs' shapes (to read its HLO; nothing runs)."""
+        if self.mesh is not None:
+            inputs = put_inputs(inputs, self._input_shardings(inputs))
+        with self._mesh_context():
+            return self._step.lower(self.params, self.kv_caches, inputs, self._prev_tokens)
 
     def _input_shardings(self, inputs: StepInputs):
         replicas = self.num_replicas > 1
         tokens = NamedSharding(self.mesh, tokens_spec(self.mesh, replicas=replicas))
         other = NamedSharding(self.mesh, replicated_spec(replicas=replicas))
         return inputs.replace(
-            token_ids=tokens, positions=tokens,
+            token_ids=tokens, positions=tokens, prev_rows=tokens,
             meta=jax.tree.map(lambda _: other, inputs.meta),
             logits_indices=other, sampling=jax.tree.map(lambda _: other, inputs.sampling))
 
@@ -168,9 +192,15 @@ class ModelRunner:
         return self._step._cache_size()
 
 
-def _step(family: ModelFamily, config: ModelConfig, attn_impl: str, params: ModelParams,
-          kv_caches: KVCaches, inputs: StepInputs) -> tuple[SamplerOutput, KVCaches]:
-    hidden, kv_caches = family.forward(params, config, inputs.token_ids, inputs.positions, kv_caches,
+def _step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int, params: ModelParams,
+          kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array
+          ) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+    """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here."""
+    from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
+    token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
+    hidden, kv_caches = family.forward(params, config, token_ids, inputs.positions, kv_caches,
                                        inputs.meta, attn_impl=attn_impl)
     logits = family.compute_logits(params, hidden[inputs.logits_indices])  # [S, V]
-    return sample(logits, inputs.sampling, num_top_logprobs=MAX_LOGPROBS), kv_caches
+    out = sample(logits, inputs.sampling, num_top_logprobs=MAX_LOGPROBS)
+    sampled = jnp.zeros((max_seqs,), jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+    return out, kv_caches, sampled

@@ -1,53 +1,43 @@
 """Scheduler: which sequences run in the next step, and how many tokens of each (plain Python).
 
-There are no prefill and decode phases. Every sequence has `num_computed_tokens` and catches up
-to its length; one step computes at most `max_num_batched_tokens` tokens over at most
-`max_num_seqs` running sequences. `schedule()` fills that budget in this order:
+There are no prefill and decode phases: every sequence has `num_computed_tokens` and catches up
+to its length. `schedule()` fills a budget of `max_num_batched_tokens` over at most
+`max_num_seqs` running sequences: (1) running sequences that decode, by (priority, arrival);
+(2) running sequences part-way through their prompt (chunked prefill), taking what budget they
+need; (3) waiting sequences, by (priority, arrival), each taking its cached prefix from the
+PagePool (never the last token) and a chunk of the rest; the head of the queue blocks those behind
+it when its pages do not fit, and nothing is admitted in a step that had to preempt. Siblings of
+an n > 1 request queue as admission.py lets them. Requests that can never run are refused by
+`add_request` (admission.check_request).
 
-  1. running sequences that decode (one token left to compute), by (priority, arrival);
-  2. running sequences part-way through their prompt (chunked prefill), same order, each taking
-     as much of the remaining budget as it needs;
-  3. waiting sequences, by (priority, arrival): each takes its cached prefix from the PagePool
-     (never the last token) and a chunk of the rest. The head of the queue blocks the ones
-     behind it when its pages do not fit (no starvation of long prompts). Siblings of an n > 1
-     request enter the queue after their parent computed the prompt, at most
-     `max_seqs_per_request` of a request at a time (admission.py). Nothing is admitted in a step
-     that had to preempt.
+Pages are reserved for exactly the tokens a step computes. When none is free, the lowest-priority,
+newest running sequence (possibly the one asking) is preempted: pages freed, back to its place in
+the queue, recomputed later (mostly from the prefix cache); if already planned, its tokens go back
+to the budget.
 
-Pages are reserved for exactly the tokens a step computes. When a running sequence needs a page
-and none is free, the lowest-priority, newest running sequence (largest sort key, possibly the
-one asking) is preempted: its pages are freed, it returns to the waiting queue in its original
-place and later recomputes (mostly from the prefix cache). A victim already planned for this step
-is taken out of the plan and its tokens go back to the budget.
-
-`update(plan, sampled)` runs after the step: it advances `num_computed_tokens`, caches the pages
-that became full, appends the sampled token of each entry with `sample=True`, and checks stop
-conditions: eos (unless ignore_eos), stop_token_ids, the engine's `stop_checker` (stop strings
-live in the detokenizer), then max_tokens / max_model_len. Finishing frees the pages; pages in the
-prefix cache stay there, free, until evicted.
-
-Requests that can never run are rejected by `add_request` with a ValueError naming the numbers
-(admission.check_request).
-
-`abort(request_id)` may be called between `schedule()` and `update()`: `update` skips entries
-whose sequence is no longer running. Abort, finish and preemption cost O(the request's samples)
-plus O(log) queue work: the queue is kept sorted and searched with bisect, never scanned.
+`advance(plan)` (at dispatch) moves `num_computed_tokens` on and appends a PLACEHOLDER for each
+token the step samples; `resolve(plan, sampled)` (when the tokens reach the host) fills them in,
+caches pages full of known tokens and checks stops (stops.py); `update` is both (the synchronous
+loop). With async scheduling the next step is planned between the two: a placeholder's sequence
+decodes again with its input token filled in on the device, one whose placeholders already reach
+max_tokens or the context is not planned again, and a stop drops the placeholders after it (their
+tokens are overrun, never emitted). `abort` may come between any of these; entries of finished
+sequences are skipped. Abort, finish and preemption cost O(the request's samples) plus bisect
+work on the sorted queue, never a scan of it.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
 import random
-from typing import Callable, Iterable
+from typing import Iterable
 
 from jaxinfer.core.admission import RequestEntry, check_request
 from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
-from jaxinfer.core.sequence import Sequence, SequenceStatus, sample_seed
+from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, sample_seed
+from jaxinfer.core.stops import StopChecker, is_awaiting_results, stop_decision
 from jaxinfer.sampling.params import SamplingParams
-
-# Called after a token is appended; returns a stop reason (e.g. the matched stop string) or None.
-StopChecker = Callable[[Sequence], "int | str | None"]
 
 
 @dataclasses.dataclass
@@ -135,6 +125,9 @@ class Scheduler:
             self._dequeue(seq)
         self.pool.free(seq.pages)
         seq.pages = []
+        if seq.num_pending:  # tokens of steps in flight past the end: overrun, never emitted
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
         seq.status, seq.stop_reason = status, stop_reason
         entry = self.requests[seq.request_id]
         entry.num_active -= 1
@@ -183,7 +176,8 @@ class Scheduler:
     # --- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerPlan:
         step = _Step({}, self.max_num_batched_tokens, [])
-        by_priority = sorted(self.running, key=_sort_key)
+        by_priority = sorted((s for s in self.running if not is_awaiting_results(s, self.max_model_len)),
+                             key=_sort_key)
         decodes = [s for s in by_priority if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in by_priority if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decodes + prefills:
@@ -251,48 +245,55 @@ class Scheduler:
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.page_size)
 
-    # --- update -----------------------------------------------------------------------------------
+    # --- after the step -------------------------------------------------------------------------
     def update(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
-        """Applies a finished step. `sampled_token_ids[i]` belongs to `plan.seqs[i]` (ignored
-        where `sample` is False; extra padding rows are ignored). Returns the sequences that got a
-        new token, in plan order; those that finished have a finished status and no pages."""
+        """advance + resolve: applies a step whose tokens are already known."""
+        self.advance(plan)
+        return self.resolve(plan, sampled_token_ids)
+
+    def advance(self, plan: SchedulerPlan) -> None:
+        """At dispatch: the step's tokens count as computed; placeholders for what it samples."""
+        for entry in plan.seqs:
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:  # aborted since schedule()
+                continue
+            seq.num_computed_tokens = entry.kv_len
+            if entry.sample:
+                seq.append_token(PLACEHOLDER)
+                seq.num_pending += 1
+
+    def resolve(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
+        """The step's tokens are known (row i for plan.seqs[i]; rows past the plan are padding).
+        Returns the sequences that got a token, in plan order (finished ones have no pages)."""
         if len(sampled_token_ids) < len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a plan of "
                              f"{len(plan.seqs)} sequences")
         updated = []
         for entry, token in zip(plan.seqs, sampled_token_ids):
             seq = entry.seq
-            if seq.status is not SequenceStatus.RUNNING:  # aborted since schedule()
+            if not entry.sample or seq.is_finished or not seq.num_pending:  # aborted or overrun
                 continue
-            seq.num_computed_tokens = entry.kv_len
-            self._cache_computed_pages(seq)
-            if entry.sample:
-                seq.append_token(int(token))
-                self._check_stop(seq)
-                updated.append(seq)
-                if seq.sample_index == 0 and seq.num_output_tokens == 1 and not seq.is_finished:
-                    self._release(self.requests[seq.request_id])  # the prompt is computed
+            seq.token_ids[entry.kv_len] = int(token)  # steps land in order: the first placeholder
+            seq.num_pending -= 1
+            if seq.status is SequenceStatus.RUNNING:
+                self._cache_computed_pages(seq)
+            if (decision := stop_decision(seq, self.eos_token_ids, self.max_model_len, self.stop_checker)):
+                self.finish(seq, *decision)
+            updated.append(seq)
+            if seq.sample_index == 0 and seq.num_known_tokens - seq.num_prompt_tokens == 1 and not seq.is_finished:
+                self._release(self.requests[seq.request_id])  # the prompt is computed
         return updated
 
     def _cache_computed_pages(self, seq: Sequence) -> None:
+        """Registers the pages full of computed tokens whose ids are all known."""
         pool = self.pool
-        num_full = seq.num_computed_tokens // pool.page_size
+        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // pool.page_size
         if not pool.enable_prefix_caching or num_full <= seq.num_cached_pages:
             return
-        pool.extend_page_hashes(seq.page_hashes, seq.token_ids)
-        pool.cache_pages(seq.pages, seq.page_hashes, seq.token_ids, seq.num_cached_pages, num_full)
+        known = seq.token_ids[:seq.num_known_tokens]
+        pool.extend_page_hashes(seq.page_hashes, known)
+        pool.cache_pages(seq.pages, seq.page_hashes, known, seq.num_cached_pages, num_full)
         seq.num_cached_pages = num_full
-
-    def _check_stop(self, seq: Sequence) -> None:
-        params, token = seq.sampling_params, seq.last_token_id
-        if not params.ignore_eos and token in self.eos_token_ids:
-            self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        elif token in params.stop_token_ids:
-            self.finish(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=token)
-        elif self.stop_checker is not None and (reason := self.stop_checker(seq)) is not None:
-            self.finish(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=reason)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, SequenceStatus.FINISHED_LENGTH)
 
 
 def _sort_key(seq: Sequence) -> tuple[int, int, int]:

@@ -26,6 +26,7 @@ import hashlib
 from jaxinfer.sampling.params import SamplingParams
 
 SEED_MASK = (1 << 64) - 1
+PLACEHOLDER = -1  # a token sampled by a step still in flight (async scheduling), not yet known
 
 
 class SequenceStatus(enum.Enum):
@@ -75,6 +76,7 @@ class Sequence:
         self.num_preemptions = 0
 
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs
+        self.num_pending = 0              # trailing PLACEHOLDERs: tokens of steps in flight
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.pages: list[int] = []        # block table: page i holds tokens [i*ps, (i+1)*ps)
@@ -103,8 +105,18 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known (all but the placeholders of steps in flight)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def known_output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
+
+    @property
     def last_token_id(self) -> int:
-        return self.token_ids[-1]
+        """The newest known token (placeholders of steps in flight aside)."""
+        return self.token_ids[self.num_known_tokens - 1]
 
     @property
     def is_finished(self) -> bool:

@@ -28,7 +28,7 @@ def compiled_step(model, bucket: int, **engine) -> tuple[str, ModelRunner]:
                           penalties=False, compilation_cache_dir=None, **engine)
     runner = ModelRunner(model, config, config.max_model_len)
     inputs = runner.padding_inputs(bucket, False)
-    return runner._step.lower(runner.params, runner.kv_caches, inputs).compile().as_text(), runner
+    return runner.lower(inputs).compile().as_text(), runner
 
 
 def cache_copies(hlo: str, cache_shape: tuple[int, ...]) -> list[str]:
@@ -104,7 +104,7 @@ def weight_dots(model) -> dict[str, int]:
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                           penalties=False, compilation_cache_dir=None, num_pages=64, max_model_len=512)
     runner = ModelRunner(model, config, 512)
-    text = runner._step.lower(runner.params, runner.kv_caches, runner.padding_inputs(8, False)).as_text()
+    text = runner.lower(runner.padding_inputs(8, False)).as_text()
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(runner.params)[0]]
     counts = dict.fromkeys(paths, 0)
     for arg in re.findall(r"stablehlo\.dot_general [^,]+, %arg(\d+)", text):

@@ -150,10 +150,7 @@ def scenario_hlo(name: str, mesh: str) -> dict:
     model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
     engine = Engine(model, EngineConfig(**ENGINE, mesh=mesh), warm_up=False)
     runner = engine.runner
-    inputs = runner.padding_inputs(8, False)
-    inputs = put_inputs(inputs, runner._input_shardings(inputs))
-    with jax.set_mesh(runner.mesh):
-        text = runner._step.lower(runner.params, runner.kv_caches, inputs).compile().as_text()
+    text = runner.lower(runner.padding_inputs(8, False)).compile().as_text()
     collectives = [(kind, shape.split("{")[0]) for shape, kind in _COLLECTIVE.findall(text)]
     specs = jax.tree.leaves(param_specs(runner.params, model.family.param_axes, runner.mesh),
                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
