@@ -1,6 +1,13 @@
 """Engine throughput and latency on the default model, beside HF transformers in the same run.
 
     .venv/bin/python benchmarks/bench_engine.py [--hf-python /path/to/python-with-torch]
+    python benchmarks/bench_engine.py --shape llama-3.2-1b|llama-3.1-8b|smollm2 [--startup]
+
+--shape: random weights of that model's real shape built on the device (benchmarks/shapes.py; no
+download, no transformers), bfloat16 on accelerators. Reports decode tokens/s at each batch and
+prompt length and a 2048-token prefill, each beside its floor (weight + KV bytes over the measured
+copy rate; FLOPs over the measured matmul rate; benchmarks/ceilings.py), and with --startup the
+engine's cold (empty compilation cache) and warm start-up.
 
 Measures (medians over repeats, after warm-up; nothing may compile during the timed part):
   prefill tokens/s for a 256-token prompt (from time to first token with max_tokens=1),
@@ -13,6 +20,7 @@ transformers), so torch never enters this project's environment. Prints a markdo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -88,6 +96,84 @@ def run_hf(python, batches, rates, num_requests):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_engine_decode(engine, batch, prompt_len, new_tokens, seed=0):
+    """Median steady-state inter-token latency of `batch` greedy requests decoding together."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(rng.integers(1, vocab, prompt_len).tolist(), params) for _ in range(batch)]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return statistics.median(x for rid in ids for x in done[rid].metrics.inter_token_latencies[2:])
+
+
+def run_engine_prefill(engine, prompt_len, seed=1):
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, engine.model.config.vocab_size, prompt_len).tolist()
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                ttft = out.metrics.time_to_first_token
+    return ttft
+
+
+def bench_shape(args):
+    import ceilings
+    from shapes import decode_floor_s, param_bytes, prefill_floor_s, random_model
+
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine import Engine
+
+    cpu = jax.default_backend() == "cpu"
+    batches = args.batches if args.batches != [1, 8, 32] or cpu else [1, 16, 64, 256]
+    ceil = ceilings.describe()
+    model = random_model(args.shape, args.dtype)
+    budget = max(args.prefill_len, max(batches))
+    config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=budget,
+                          max_model_len=max(4096, args.prefill_len + 1, max(args.prompt_lens) + args.new_tokens),
+                          penalties=False, compilation_cache_dir=args.cache_dir,
+                          async_scheduling=not args.no_async_scheduling)
+    startup = {}
+    if args.startup:
+        import tempfile
+        with tempfile.TemporaryDirectory() as cold_dir:
+            for kind in ("cold", "warm"):
+                start = time.perf_counter()
+                engine = Engine(model, dataclasses.replace(config, compilation_cache_dir=cold_dir))
+                startup[kind] = time.perf_counter() - start
+                del engine
+    engine = Engine(model, config)
+    variants = engine.runner.num_compiled()
+    rows = []
+    for prompt_len in args.prompt_lens:
+        for b in batches:
+            itl = run_engine_decode(engine, b, prompt_len, args.new_tokens)
+            floor = decode_floor_s(model, b, prompt_len + args.new_tokens // 2, ceil["copy_bytes_per_s"])
+            rows.append((f"decode, batch {b} x {prompt_len}-token prompt", b / itl, itl, floor))
+    ttft = run_engine_prefill(engine, args.prefill_len)
+    rows.append((f"prefill, one {args.prefill_len}-token prompt", args.prefill_len / ttft, ttft,
+                 prefill_floor_s(model, args.prefill_len, ceil["matmul_flops_per_s"])))
+    assert engine.runner.num_compiled() == variants, "a step compiled after warm-up"
+    dtype = model.params.embed.dtype
+    print(f"Device: {ceil['device']}; jax {jax.__version__}; shape {args.shape} ({dtype}, "
+          f"{param_bytes(model) / 2**30:.2f} GiB of weights); async scheduling "
+          f"{'off' if args.no_async_scheduling else 'on'}; {variants} variants")
+    rated = (f" (rated {ceil['rated_bytes_per_s'] / 1e12:.2f} TB/s, {ceil['rated_flops_per_s'] / 1e12:.0f} "
+             f"TFLOP/s)" if ceil["rated_bytes_per_s"] else "")
+    print(f"Measured ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
+          f"{ceil['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s{rated}")
+    if startup:
+        print(f"Start-up: cold {startup['cold']:.1f} s, warm {startup['warm']:.1f} s")
+    print("\n| run | tok/s | time per step (ms) | floor (ms) | % of floor |\n|---|---|---|---|---|")
+    for name, rate, t, floor in rows:
+        print(f"| {name} | {rate:.1f} | {1e3 * t:.2f} | {1e3 * floor:.2f} | {100 * floor / t:.0f}% |")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers for the baseline")
@@ -95,7 +181,17 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-rates", type=float, nargs="+", default=[0.5, 1.0])
     ap.add_argument("--stream-requests", type=int, default=16)
+    ap.add_argument("--shape", default=None, help="random weights of this shape: smollm2, llama-3.2-1b, llama-3.1-8b")
+    ap.add_argument("--dtype", default="auto", help="with --shape (auto: bfloat16 on accelerators, float32 on the CPU)")
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024], help="with --shape")
+    ap.add_argument("--new-tokens", type=int, default=32, help="with --shape: tokens decoded per request")
+    ap.add_argument("--prefill-len", type=int, default=2048, help="with --shape: the prefill prompt's length")
+    ap.add_argument("--startup", action="store_true", help="with --shape: time cold and warm start-up too")
+    ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache (with --shape)")
+    ap.add_argument("--no-async-scheduling", action="store_true")
     args = ap.parse_args()
+    if args.shape:
+        return bench_shape(args)
 
     llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048, penalties=False)
     variants = llm.engine.runner.num_compiled()
