@@ -30,13 +30,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = make_llm(args, penalties=params.uses_penalties, warm_up=False)
     if args.chat:
         prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    token_ids = []  # each prompt tokenized once: checked here, then generated from the ids
     for i, prompt in enumerate(prompts, start=1):
         try:
-            llm.engine.check_request(prompt, params)
+            token_ids.append(llm.engine.check_request(prompt, params)[1])
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     llm.engine.warm_up()
-    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    outputs = llm.generate(token_ids, params, use_tqdm=sys.stderr.isatty())
     for out in outputs:
         for completion in out.outputs:
             if args.output_format == "jsonl":
