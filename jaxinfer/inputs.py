@@ -89,8 +89,9 @@ class InputBuilder:
         for i, s in enumerate(plan.seqs):
             if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.page_size:
                 raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
-            tokens[offset:offset + s.num_new_tokens] = s.token_ids
-            if s.token_ids[-1] == PLACEHOLDER:  # a decode of a token still in flight
+            ids = s.token_ids  # a slice of the sequence's tokens, built once
+            tokens[offset:offset + s.num_new_tokens] = ids
+            if ids[-1] == PLACEHOLDER:  # a decode of a token still in flight
                 if s.seq.seq_id not in sampled_row:
                     raise RuntimeError(f"sequence {s.seq.request_id}: a placeholder no step in flight samples")
                 tokens[offset + s.num_new_tokens - 1] = 0

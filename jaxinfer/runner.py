@@ -154,8 +154,7 @@ class ModelRunner:
     def dispatch(self, inputs: StepInputs) -> SamplerOutput:
         """Starts the step; the KV cache is donated and replaced. Returns the outputs on the
         device (jax.Arrays that are ready once the step is done)."""
-        if self.mesh is not None:
-            inputs = put_inputs(inputs, self._input_shardings(inputs))
+        inputs = self._placed(inputs)
         with self._mesh_context():
             out, self.kv_caches, self._prev_tokens = self._step(self.params, self.kv_caches, inputs,
                                                                 self._prev_tokens)
@@ -163,10 +162,13 @@ class ModelRunner:
 
     def lower(self, inputs: StepInputs) -> jax.stages.Lowered:
         """The step lowered for these inputs' shapes (to read its HLO; nothing runs)."""
-        if self.mesh is not None:
-            inputs = put_inputs(inputs, self._input_shardings(inputs))
+        inputs = self._placed(inputs)
         with self._mesh_context():
             return self._step.lower(self.params, self.kv_caches, inputs, self._prev_tokens)
+
+    def _placed(self, inputs: StepInputs) -> StepInputs:
+        """Host inputs on the mesh (each array split or replicated as the step expects)."""
+        return inputs if self.mesh is None else put_inputs(inputs, self._input_shardings(inputs))
 
     def _input_shardings(self, inputs: StepInputs):
         replicas = self.num_replicas > 1
