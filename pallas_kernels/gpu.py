@@ -32,7 +32,8 @@ One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cac
 6. The item blocks are gathered back to [T, Hq, D]; padding tokens get zeros.
 
 Supports bf16/f16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
-scales, head_dim a power of two in [16, 256], page_size a power of two, sliding window, soft cap.
+scales, head_dim a multiple of 8 up to 256 (padded to a power of two inside the kernel, the
+padding masked), page_size a power of two, sliding window, soft cap.
 The shape limits, block sizes and split count (`unsupported_reason`, `GpuConfig`,
 `default_config`) live in gpu_config.py.
 """
@@ -51,6 +52,7 @@ from pallas_kernels.gpu_config import (
     GpuConfig,
     check_config,
     default_config,
+    padded_head_dim,
     unsupported_reason,
 )
 from pallas_kernels.reference import stored_kv, token_positions
@@ -90,7 +92,7 @@ def _work_list(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, nu
 
 def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref, *out_refs,
                       page_size, block_kv, gp, num_splits, sm_scale, sliding_window, soft_cap,
-                      precision):
+                      precision, real_dim):
     *o_refs, cache_out = out_refs
     rows_m, head_dim = q_ref.shape  # M = bq * Gp
     block_q = rows_m // gp
@@ -126,7 +128,13 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
 
     def cached_keys(first):  # positions past the context repeat its last one
         slot = slots(jnp.minimum(first + key, ctx_len - 1))  # [N]
-        return cache_ref[slot, 0, :], cache_ref[slot, 1, :]
+        k, v = cache_ref[slot, 0, :], cache_ref[slot, 1, :]
+        if real_dim == head_dim:
+            return k, v
+        # The block overhangs the cache row: the lowering masks the load to the real columns,
+        # whose rest is undefined; zero it (q's padding is zero, but 0 * NaN would not be).
+        real = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 1) < real_dim
+        return jnp.where(real, k, 0), jnp.where(real, v, 0)
 
     def new_keys(first):  # positions outside [ctx_len, kv_end) repeat its nearest end
         token = jnp.clip(first + key, ctx_len, kv_end - 1) + token_base  # [N]
@@ -186,9 +194,10 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     return o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
-def _q_blocks(q: jax.Array, meta: jax.Array, num_kv_heads: int, block_q: int, gp: int
-              ) -> jax.Array:
-    """q [T, Hq, D] -> [W, Hkv, bq * Gp, D]; row r of a block is token r // Gp, head r % Gp."""
+def _q_blocks(q: jax.Array, meta: jax.Array, num_kv_heads: int, block_q: int, gp: int,
+              padded_dim: int) -> jax.Array:
+    """q [T, Hq, D] -> [W, Hkv, bq * Gp, Dp]; row r of a block is token r // Gp, head r % Gp;
+    columns past D are zeros."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_items = meta.shape[0]
     group = num_q_heads // num_kv_heads
@@ -198,20 +207,22 @@ def _q_blocks(q: jax.Array, meta: jax.Array, num_kv_heads: int, block_q: int, gp
                           num_tokens)  # [W, bq]; empty rows read the zero row
     blocks = jnp.concatenate([q, jnp.zeros((1, num_q_heads, head_dim), q.dtype)])[row_token]
     blocks = blocks.reshape(num_items, block_q, num_kv_heads, group, head_dim)
-    blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
-    return blocks.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * gp, head_dim)
+    blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, padded_dim - head_dim)))
+    return blocks.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * gp, padded_dim)
 
 
 def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_blocks: jax.Array,
                  kv_new: jax.Array, kv_cache: jax.Array, *, config: GpuConfig, gp: int,
                  interpret: bool, **opts: object) -> tuple[jax.Array, jax.Array]:
     """The pallas_call over grid (W, Hkv, C) -> (out blocks [W, Hkv, M, D], kv_cache written)."""
-    num_items, num_kv_heads, rows_m, head_dim = q_blocks.shape
-    num_pages, page_size, two_hkv, _ = kv_cache.shape
+    num_items, num_kv_heads, rows_m, head_dim = q_blocks.shape  # head_dim padded to a power of 2
+    num_pages, page_size, two_hkv, real_head_dim = kv_cache.shape
     splits = config.num_splits
     kernel = functools.partial(_attention_kernel, page_size=page_size, gp=gp, num_splits=splits,
-                               block_kv=config.block_kv, **opts)
-    flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
+                               block_kv=config.block_kv, real_dim=real_head_dim, **opts)
+    # A cache row narrower than head_dim: the BlockSpec's last dim overhangs the array, and the
+    # Triton lowering masks every load and store of it to the real columns.
+    flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, real_head_dim)
     head_kv = lambda rows: pl.BlockSpec((rows, 2, head_dim), lambda w, h, c: (0, h, 0))  # noqa: E731
     in_specs = [
         pl.BlockSpec((None, META_WIDTH), lambda w, h, c: (w, 0)),  # meta
@@ -269,20 +280,22 @@ def ragged_paged_attention_gpu(
     num_seqs_max, pages_per_seq = page_indices.shape
     if config is None:
         config = default_config(num_tokens, num_seqs_max, group, num_kv_heads, head_dim,
-                                page_size, pages_per_seq)
-    bq, gp = config.block_q, common.next_pow2(group)
+                                page_size, pages_per_seq, q.dtype)
+    bq, gp, dp = config.block_q, common.next_pow2(group), padded_head_dim(head_dim)
     check_config(config, gp)
 
     meta, token_item, token_row, tvalid = _work_list(
         cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)
+    kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)  # [T, 2Hkv, D]
+    kv_new = jnp.pad(kv_new, ((0, 0), (0, 0), (0, dp - head_dim)))
     out_blocks, kv_cache = _call_kernel(
         meta, page_indices.reshape(-1).astype(jnp.int32),
-        common.kv_scales(kv_cache, k_scale, v_scale), _q_blocks(q, meta, num_kv_heads, bq, gp),
-        stored_kv(k, v, kv_cache.dtype, k_scale, v_scale), kv_cache, config=config, gp=gp,
+        common.kv_scales(kv_cache, k_scale, v_scale), _q_blocks(q, meta, num_kv_heads, bq, gp, dp),
+        kv_new, kv_cache, config=config, gp=gp,
         interpret=interpret, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=soft_cap, precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
 
-    out_blocks = out_blocks.reshape(meta.shape[0], num_kv_heads, bq, gp, head_dim)
-    out = out_blocks[token_item, :, token_row][:, :, :group]  # [T, Hkv, G, D]
+    out_blocks = out_blocks.reshape(meta.shape[0], num_kv_heads, bq, gp, dp)
+    out = out_blocks[token_item, :, token_row][:, :, :group, :head_dim]  # [T, Hkv, G, D]
     out = jnp.where(tvalid[:, None, None, None], out.astype(q.dtype), 0)
     return out.reshape(num_tokens, num_q_heads, head_dim), kv_cache

@@ -3,9 +3,13 @@
 `unsupported_reason` names the first shape or dtype the kernel cannot take (dispatch.py falls
 back to the reference on it). `default_config` picks the block sizes and split count from the
 batch's shape alone (all static under jit): a decode-like batch (at most two tokens per sequence)
-gets query blocks of 16 rows, wide KV blocks and up to 16 KV splits, aiming at two programs per
-SM; a prefill-like batch gets blocks of 64-128 rows and no split. `check_config` rejects a config
-the kernel cannot lower (Triton needs power-of-two dots of at least 16 rows and columns).
+gets query blocks of 16 rows, wide KV blocks and KV splits sized to fill the SMs; a prefill-like
+batch gets blocks of 64-128 rows and no split. Every choice fits the device's shared memory:
+`smem_bytes` is the footprint of a config (calibrated against Triton's own report on an H100:
+f32, head_dim 256, 16 x 64 blocks, 2 stages asked for 348,224 bytes) and `default_config` shrinks
+the KV block, then the pipeline depth, then the query block until it fits `smem_budget`.
+`check_config` rejects a config the kernel cannot lower (Triton needs power-of-two dots of at
+least 16 rows and columns).
 """
 from __future__ import annotations
 
@@ -13,11 +17,21 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from pallas_kernels import common
 
-_NUM_SMS = 132  # H100 SXM; only steers the split-K heuristic.
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_HEAD_DIM = 256
+
+# Opt-in shared memory per thread block (bytes) and SM count, by device kind (prefix match).
+# Hopper 227 KiB, Ampere A100 163 KiB, Ada / consumer Ampere 99 KiB.
+_DEVICES = (
+    ("NVIDIA H100", 232448, 132), ("NVIDIA H200", 232448, 132), ("NVIDIA H20", 232448, 78),
+    ("NVIDIA GH200", 232448, 132), ("NVIDIA A100", 166912, 108), ("NVIDIA A800", 166912, 108),
+    ("NVIDIA L4", 101376, 58), ("NVIDIA L40", 101376, 142), ("NVIDIA RTX", 101376, 84),
+)
+_FALLBACK = (101376, 108)  # an unknown GPU: the smallest budget above
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,35 +43,79 @@ class GpuConfig:
     num_stages: int = 2
 
 
+def device_limits(device_kind: str | None = None) -> tuple[int, int]:
+    """(shared memory bytes per block, SM count) of a GPU kind; the default device's if None."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "NVIDIA H100"
+    for prefix, smem, sms in _DEVICES:
+        if device_kind.startswith(prefix):
+            return smem, sms
+    return _FALLBACK
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernel works on head_dim rounded up to a power of two >= 16 (padding is masked)."""
+    return max(16, common.next_pow2(head_dim))
+
+
+def smem_bytes(config: GpuConfig, gp: int, head_dim: int, dtype: DTypeLike) -> int:
+    """Shared memory one program of `config` needs: num_stages pipelined K and V tiles plus one
+    K tile for the transposed dot operand, the q tile and the probabilities tile, all in the
+    compute dtype (a quantized cache is converted before the dots)."""
+    item = jnp.dtype(dtype).itemsize
+    d = padded_head_dim(head_dim)
+    rows = config.block_q * gp
+    kv_tiles = (2 * config.num_stages + 1) * config.block_kv * d
+    return item * (kv_tiles + rows * d + rows * config.block_kv) + 64
+
+
 def unsupported_reason(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Array) -> str | None:
     """None if the kernel takes these shapes, else why not (names the value)."""
     head_dim = q.shape[-1]
     page_size = kv_cache.shape[1]
     if (reason := common.dtype_mismatch(q, kv_cache, _FLOAT_DTYPES)) is not None:
         return reason
-    if head_dim not in (16, 32, 64, 128, 256):
-        return f"head_dim={head_dim} (want a power of two in [16, 256])"
+    if not 8 <= head_dim <= MAX_HEAD_DIM or head_dim % 8:
+        return f"head_dim={head_dim} (want a multiple of 8 in [8, {MAX_HEAD_DIM}])"
     if page_size & (page_size - 1):
         return f"page_size={page_size} (want a power of two)"
     return None
 
 
+def _fit(config: GpuConfig, gp: int, head_dim: int, dtype: DTypeLike, budget: int) -> GpuConfig:
+    """Shrink block_kv (to 32), then num_stages (to 1), then block_q, then block_kv (to 16)."""
+    fits = lambda c: smem_bytes(c, gp, head_dim, dtype) <= budget  # noqa: E731
+    while not fits(config) and config.block_kv > 32:
+        config = dataclasses.replace(config, block_kv=config.block_kv // 2)
+    if not fits(config):
+        config = dataclasses.replace(config, num_stages=1)
+    while not fits(config) and config.block_q * gp > 16:
+        config = dataclasses.replace(config, block_q=config.block_q // 2)
+    while not fits(config) and config.block_kv > 16:
+        config = dataclasses.replace(config, block_kv=config.block_kv // 2)
+    return config
+
+
 def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int,
-                   head_dim: int, page_size: int, pages_per_seq: int) -> GpuConfig:
+                   head_dim: int, page_size: int, pages_per_seq: int,
+                   dtype: DTypeLike = jnp.bfloat16, device_kind: str | None = None) -> GpuConfig:
+    budget, num_sms = device_limits(device_kind)
     gp = common.next_pow2(group)
+    d = padded_head_dim(head_dim)
     decode_like = num_tokens <= 2 * num_seqs
-    rows = 16 if decode_like else (128 if head_dim <= 128 else 64)
+    rows = 16 if decode_like else (128 if d <= 128 else 64)
     block_q = max(1, rows // gp)
     max_kv = pages_per_seq * page_size
-    block_kv = 128 if decode_like and head_dim <= 128 else 64
+    block_kv = 128 if decode_like and d <= 128 else 64
     block_kv = max(16, min(block_kv, common.next_pow2(max_kv)))
-    num_splits = 1
+    num_warps = 8 if block_q * gp >= 128 else 4
+    config = _fit(GpuConfig(block_q, block_kv, 1, num_warps, 2), gp, head_dim, dtype, budget)
     if decode_like:
         programs = num_seqs * num_kv_heads
-        kv_blocks = -(-max_kv // block_kv)
-        num_splits = max(1, min(16, kv_blocks, common.next_pow2(-(-2 * _NUM_SMS // programs))))
-    num_warps = 8 if block_q * gp >= 128 else 4
-    return GpuConfig(block_q, block_kv, num_splits, num_warps, 2)
+        kv_blocks = -(-max_kv // config.block_kv)
+        splits = max(1, min(16, kv_blocks, common.next_pow2(-(-2 * num_sms // programs))))
+        config = dataclasses.replace(config, num_splits=splits)
+    return config
 
 
 def check_config(config: GpuConfig, gp: int) -> None:

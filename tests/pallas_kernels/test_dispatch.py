@@ -49,26 +49,32 @@ def test_explicit_kernel_off_platform_runs_interpreted(impl, caplog):
     assert any("interpret mode" in r.message for r in caplog.records)
 
 
+# Head dims each kernel cannot take: the GPU kernel wants multiples of 8, the TPU kernel 64/128/256.
+UNSUPPORTED_HEAD_DIMS = {"pallas_gpu": (36, 12), "pallas_tpu": (80, 48)}
+
+
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_explicit_kernel_on_unsupported_shape_raises(impl):
-    case = make_case(q_lens=[2], kv_lens=[5], head_dim=80)
-    with pytest.raises(ValueError, match="head_dim=80"):
+    head_dim = UNSUPPORTED_HEAD_DIMS[impl][0]
+    case = make_case(q_lens=[2], kv_lens=[5], head_dim=head_dim)
+    with pytest.raises(ValueError, match=f"head_dim={head_dim}"):
         _call(case, impl=impl)
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_auto_falls_back_with_one_warning_per_cause(backend, monkeypatch, caplog):
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: backend)
-    case80 = make_case(q_lens=[2], kv_lens=[5], head_dim=80)
-    case48 = make_case(q_lens=[2], kv_lens=[5], head_dim=48)
+    first, second = UNSUPPORTED_HEAD_DIMS[f"pallas_{backend}"]
+    case_a = make_case(q_lens=[2], kv_lens=[5], head_dim=first)
+    case_b = make_case(q_lens=[2], kv_lens=[5], head_dim=second)
     with caplog.at_level(logging.WARNING, logger="pallas_kernels.dispatch"):
-        for case in (case80, case80, case48, case48):
+        for case in (case_a, case_a, case_b, case_b):
             out, _ = _call(case)
             want, _ = ragged_paged_attention_reference(*case.args(), sm_scale=0.1)
             np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     messages = [r.message for r in caplog.records]
     assert len(messages) == 2, messages
-    assert "head_dim=80" in messages[0] and "head_dim=48" in messages[1]
+    assert f"head_dim={first}" in messages[0] and f"head_dim={second}" in messages[1]
 
 
 def test_bad_arguments_are_value_errors():

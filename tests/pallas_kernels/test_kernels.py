@@ -14,22 +14,25 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import gpu, tpu
+from pallas_kernels import common, gpu, tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
+import kernel_mode
 from rpa_cases import make_case
 
 TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 3e-2}
+# Compiled float32: full-precision dots, but the device's exp and reciprocal are approximate.
+COMPILED_TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 3e-2}
 
 
 def run_gpu(case, config=None, **opts):
     return gpu.ragged_paged_attention_gpu(*case.args(), **case.scales(), **opts, config=config,
-                                          interpret=True)
+                                          interpret=not kernel_mode.compiled("gpu"))
 
 
 def run_tpu(case, config=None, interpret=None, **opts):
-    if interpret is not None:
+    if interpret is not None or kernel_mode.compiled("tpu"):
         return tpu.ragged_paged_attention_tpu(*case.args(), **case.scales(), **opts,
-                                              config=config, interpret=interpret)
+                                              config=config, interpret=interpret or False)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):  # as a user would
         return tpu.ragged_paged_attention_tpu(*case.args(), **case.scales(), **opts, config=config)
 
@@ -43,14 +46,20 @@ def _reference(sm_scale, sliding_window, soft_cap):
                                      sliding_window=sliding_window, soft_cap=soft_cap))
 
 
+def reference(case, sm_scale=0.125, sliding_window=None, soft_cap=None):
+    with jax.default_matmul_precision("highest"):  # no TF32 in the oracle of a compiled kernel
+        return _reference(sm_scale, sliding_window, soft_cap)(*case.args(), **case.scales())
+
+
 def check(kernel, case, *, config=None, sm_scale=0.125, sliding_window=None, soft_cap=None):
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    want_out, want_cache = _reference(sm_scale, sliding_window, soft_cap)(*case.args(), **case.scales())
+    compiled = kernel_mode.compiled(kernel)
+    want_out, want_cache = reference(case, **opts)
     out, cache = KERNELS[kernel](case, config=config, **opts)
     out = np.asarray(jnp.asarray(out, jnp.float32))
     want_out = np.asarray(jnp.asarray(want_out, jnp.float32))
     assert out.shape == case.q.shape and not np.isnan(out).any()
-    tol = TOL[jnp.dtype(case.q.dtype)]
+    tol = (COMPILED_TOL if compiled else TOL)[jnp.dtype(case.q.dtype)]
     np.testing.assert_allclose(out, want_out, atol=tol, rtol=tol)
     num_real = int(case.cu_q_lens[int(case.num_seqs[0])])
     assert not out[num_real:].any(), "padding tokens must get zeros"
@@ -114,12 +123,29 @@ def test_dtypes(kernel, dtypes):
     check(kernel, case, sliding_window=50)
 
 
-@pytest.mark.parametrize("kernel", KERNEL_IDS)
-@pytest.mark.parametrize("head_dim", [128, 256])
+HEAD_DIMS = [("gpu", 80), ("gpu", 96), ("gpu", 128), ("gpu", 192), ("gpu", 256),
+             ("tpu", 128), ("tpu", 256)]
+
+
+@pytest.mark.parametrize(("kernel", "head_dim"), HEAD_DIMS)
 def test_head_dims(kernel, head_dim):
     case = make_case(q_lens=[3, 1], kv_lens=[20, 41], head_dim=head_dim, num_kv_heads=1, group=4,
                      seed=head_dim)
     check(kernel, case, sm_scale=head_dim ** -0.5)
+
+
+def test_gpu_head_dim_prefill_blocks():
+    """head_dim 256 with a prefill-sized query block (64 rows) and a padded head_dim 80."""
+    for head_dim in (80, 256):
+        case = make_case(q_lens=[70, 2], kv_lens=[90, 50], head_dim=head_dim, num_kv_heads=1,
+                         group=2, seed=head_dim + 1)
+        check("gpu", case, sm_scale=head_dim ** -0.5)
+
+
+def test_tpu_rejects_unaligned_head_dim():
+    case = make_case(q_lens=[1], kv_lens=[4], head_dim=80)
+    with pytest.raises(common.UnsupportedShape, match="head_dim=80"):
+        run_tpu(case, sm_scale=0.1)
 
 
 GPU_CONFIGS = {
@@ -154,10 +180,11 @@ def test_tpu_configs(name):
 
 def test_tpu_dma_races_and_order():
     """The TPU interpreter with race detection and DMAs executed eagerly at start()."""
+    kernel_mode.interpret_only()
     case = make_case(q_lens=[5, 1, 20], kv_lens=[40, 70, 20], page_size=8, seed=17)
     for params in (pltpu.InterpretParams(detect_races=True),
                    pltpu.InterpretParams(dma_execution_mode="eager")):
-        want, _ = _reference(0.125, None, None)(*case.args())
+        want, _ = reference(case)
         out, _ = run_tpu(case, config=tpu.TpuConfig(16, 2), interpret=params, sm_scale=0.125)
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
 
@@ -171,31 +198,15 @@ def test_poison_is_where_it_must_be():
     assert not np.isnan(case.kv_cache[page, slot - 1]).any()  # position 6 is context
 
 
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-on_tpu = pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
-
-
-@pytest.mark.gpu
-@on_gpu
-@pytest.mark.parametrize("dtypes", sorted(DTYPES))
-def test_gpu_compiled(dtypes):
-    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 70, 20, 1], page_size=32, seed=3,
-                     **DTYPES[dtypes])
-    want, _ = _reference(0.125, None, None)(*case.args(), **case.scales())
-    out, _ = gpu.ragged_paged_attention_gpu(*case.args(), **case.scales(), sm_scale=0.125)
-    tol = 3e-2 if case.q.dtype != np.float32 else 2e-3  # TF32-free f32 dots; keep margin
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
-                               atol=tol, rtol=tol)
-
-
-@pytest.mark.tpu
-@on_tpu
-@pytest.mark.parametrize("dtypes", sorted(DTYPES))
-def test_tpu_compiled(dtypes):
-    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 70, 20, 1], page_size=32, seed=3,
-                     **DTYPES[dtypes])
-    want, _ = _reference(0.125, None, None)(*case.args(), **case.scales())
-    out, _ = tpu.ragged_paged_attention_tpu(*case.args(), **case.scales(), sm_scale=0.125)
-    tol = 3e-2 if case.q.dtype != np.float32 else 2e-3
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
-                               atol=tol, rtol=tol)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_default_configs(head_dim, dtype):
+    """The default config of a decode batch and of a prefill chunk at this head_dim: lowers,
+    compiles (within the device's shared memory, on a GPU) and matches the reference."""
+    dtype = jnp.dtype(dtype)
+    decode = make_case(q_lens=[1] * 6, kv_lens=[5, 40, 90, 130, 17, 64], head_dim=head_dim,
+                       group=4, dtype=dtype, seed=head_dim)
+    prefill = make_case(q_lens=[130, 3], kv_lens=[150, 3], head_dim=head_dim, group=4,
+                        dtype=dtype, seed=head_dim + 1)
+    for case in (decode, prefill):
+        check("gpu", case, sm_scale=head_dim ** -0.5)

@@ -1,0 +1,51 @@
+"""The GPU kernel's block sizes fit the device's shared memory for every head_dim it takes."""
+import itertools
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import common
+from pallas_kernels.gpu_config import (
+    GpuConfig,
+    check_config,
+    default_config,
+    device_limits,
+    smem_bytes,
+)
+
+HEAD_DIMS = [64, 80, 96, 128, 192, 256]
+DEVICES = ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L4"]
+# (num_tokens, num_seqs, pages_per_seq): decode at short and long context, a prefill chunk, mixed
+BATCHES = [(64, 64, 64), (1, 1, 2048), (2048, 1, 256), (2112, 65, 256)]
+
+
+def test_footprint_matches_what_triton_reported():
+    """On an H100, Triton asked for 348,224 bytes for this config (f32, head_dim 256)."""
+    assert smem_bytes(GpuConfig(block_q=4, block_kv=64, num_splits=1), 4, 256, jnp.float32) == 348224
+
+
+def test_known_devices():
+    assert device_limits("NVIDIA H100 80GB HBM3") == (232448, 132)
+    assert device_limits("NVIDIA A100-SXM4-40GB")[0] == 166912
+    assert device_limits("Some Future GPU")[0] <= 166912  # unknown: the smallest budget
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_default_config_fits(device, head_dim, dtype):
+    budget, _ = device_limits(device)
+    for (tokens, seqs, pages), group in itertools.product(BATCHES, [1, 4, 8]):
+        config = default_config(tokens, seqs, group, 8, head_dim, 16, pages, dtype, device)
+        gp = common.next_pow2(group)
+        check_config(config, gp)
+        used = smem_bytes(config, gp, head_dim, dtype)
+        assert used <= budget, f"{config} needs {used} B of shared memory; {device} has {budget}"
+
+
+def test_budget_shrinks_only_what_it_must():
+    h100 = "NVIDIA H100 80GB HBM3"
+    small = default_config(64, 64, 4, 8, 128, 16, 64, jnp.bfloat16, h100)
+    assert (small.block_kv, small.num_stages) == (128, 2)  # 128-dim bf16 decode fits as is
+    big = default_config(64, 64, 4, 8, 256, 16, 64, jnp.float32, h100)
+    assert big.block_kv < 64 and big.block_q * 4 >= 16
