@@ -7,7 +7,8 @@
 download, no transformers), bfloat16 on accelerators. Reports decode tokens/s at each batch and
 prompt length and a 2048-token prefill, each beside its floor (weight + KV bytes over the measured
 copy rate; FLOPs over the measured matmul rate; benchmarks/ceilings.py), and with --startup the
-engine's cold (empty compilation cache) and warm start-up.
+engine's cold (empty compilation cache) and warm start-up; with --profile, the fraction of
+each decode step the device sits idle (from a jax.profiler trace) and its costliest kernels.
 
 Measures (medians over repeats, after warm-up; nothing may compile during the timed part):
   prefill tokens/s for a 256-token prompt (from time to first token with max_tokens=1),
@@ -154,6 +155,7 @@ def bench_shape(args):
             itl = run_engine_decode(engine, b, prompt_len, args.new_tokens)
             floor = decode_floor_s(model, b, prompt_len + args.new_tokens // 2, ceil["copy_bytes_per_s"])
             rows.append((f"decode, batch {b} x {prompt_len}-token prompt", b / itl, itl, floor))
+    idle = [profile_decode(engine, b, args) for b in args.profile_batches] if args.profile else []
     ttft = run_engine_prefill(engine, args.prefill_len)
     rows.append((f"prefill, one {args.prefill_len}-token prompt", args.prefill_len / ttft, ttft,
                  prefill_floor_s(model, args.prefill_len, ceil["matmul_flops_per_s"])))
@@ -171,7 +173,29 @@ def bench_shape(args):
     print("\n| run | tok/s | time per step (ms) | floor (ms) | % of floor |\n|---|---|---|---|---|")
     for name, rate, t, floor in rows:
         print(f"| {name} | {rate:.1f} | {1e3 * t:.2f} | {1e3 * floor:.2f} | {100 * floor / t:.0f}% |")
+    if idle:
+        print("\n| profiled decode | ITL (ms) | device busy per step (ms) | device idle | top kernels (ms per step) |"
+              "\n|---|---|---|---|---|")
+    for b, itl, rep, steps in idle:
+        if rep is None:
+            print(f"| batch {b} | {1e3 * itl:.2f} | - | - | no device events in the trace |")
+            continue
+        top = ", ".join(f"{name[:40]} {1e3 * t / steps:.3f}" for name, t in rep["top"][:4])
+        print(f"| batch {b} | {1e3 * itl:.2f} | {1e3 * rep['busy_s'] / steps:.2f} | "
+              f"{100 * rep['idle_fraction']:.1f}% | {top} |")
     return 0
+
+
+def profile_decode(engine, batch, args):
+    """One decode run of `batch` requests under jax.profiler: (batch, ITL, idle report, steps)."""
+    import tempfile
+
+    import profile_idle
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            itl = run_engine_decode(engine, batch, args.prompt_lens[0], args.new_tokens, seed=7)
+        report = profile_idle.device_idle(trace_dir)
+    return batch, itl, report, args.new_tokens
 
 
 def main():
@@ -189,6 +213,10 @@ def main():
     ap.add_argument("--startup", action="store_true", help="with --shape: time cold and warm start-up too")
     ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache (with --shape)")
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --shape: trace a decode run per --profile-batches and report the "
+                         "device's idle fraction and top kernels (benchmarks/profile_idle.py)")
+    ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 64])
     args = ap.parse_args()
     if args.shape:
         return bench_shape(args)

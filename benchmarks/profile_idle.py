@@ -1,0 +1,52 @@
+"""How much of a run the device spent idle, from a `jax.profiler` trace.
+
+    with jax.profiler.trace(dir, create_perfetto_trace=True):
+        ...  # the steps to look at
+    report = device_idle(dir)   # {'busy_s', 'window_s', 'idle_fraction', 'kernels', 'top'}
+
+The trace's `perfetto_trace.json.gz` lists every device kernel as a complete event ("ph": "X")
+under a process named like "/device:GPU:0". Busy time is the union of those intervals (kernels
+on several streams overlap); the window runs from the first kernel's start to the last one's end;
+`top` names the kernels that took most of the busy time.
+"""
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+from pathlib import Path
+
+
+def _load(trace_dir: str | Path) -> dict:
+    files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        return json.load(f)
+
+
+def device_idle(trace_dir: str | Path, device_prefix: str = "/device:GPU") -> dict | None:
+    """Busy and idle time of the device processes; None if the trace has no device events."""
+    events = _load(trace_dir)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and str(e.get("args", {}).get("name", "")).startswith(device_prefix)}
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
+                   for e in events if e.get("ph") == "X" and e.get("pid") in device_pids)
+    if not spans:
+        return None
+    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+    by_name: dict[str, float] = collections.defaultdict(float)
+    for start, end, name in spans:
+        by_name[name] += end - start
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    window = max(end for _, end, _ in spans) - spans[0][0]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    return {"busy_s": busy * 1e-6, "window_s": window * 1e-6,
+            "idle_fraction": 1.0 - busy / window if window > 0 else 0.0,
+            "kernels": len(spans), "top": [(name, t * 1e-6) for name, t in top]}
