@@ -46,6 +46,6 @@ def test_default_config_fits(device, head_dim, dtype):
 def test_budget_shrinks_only_what_it_must():
     h100 = "NVIDIA H100 80GB HBM3"
     small = default_config(64, 64, 4, 8, 128, 16, 64, jnp.bfloat16, h100)
-    assert (small.block_kv, small.num_stages) == (128, 2)  # 128-dim bf16 decode fits as is
-    big = default_config(64, 64, 4, 8, 256, 16, 64, jnp.float32, h100)
-    assert big.block_kv < 64 and big.block_q * 4 >= 16
+    assert (small.block_kv, small.num_stages) == (128, 1)  # 128-dim bf16 decode fits as is
+    big = default_config(2048, 1, 4, 8, 256, 16, 256, jnp.float32, h100)  # f32 prefill, D=256
+    assert (big.block_q * 4, big.block_kv, big.num_stages) == (64, 32, 1)
