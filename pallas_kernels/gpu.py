@@ -25,7 +25,9 @@ One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cac
    viewed as [P * page, 2Hkv, D] with a BlockSpec holding K and V of head h.
 4. KV write, fused: the split-0 program of each (item, head) stores its rows' K and V into their
    slots of the cache, which is an input/output alias (in place under donation). Rows past the
-   item's count repeat row 0's slot and value, so no store needs a mask.
+   item's count repeat row 0's slot and value, so no store needs a mask. A head_dim that is not
+   a power of two is padded inside the kernel; then XLA writes the K/V (in place) and the kernel
+   only reads the cache.
 5. Split-K (flash-decoding): with few programs and long contexts, C > 1 programs share one
    item's KV blocks, a contiguous run each; each writes unnormalised (acc, m, l) and an XLA
    combine merges them.
@@ -55,7 +57,7 @@ from pallas_kernels.gpu_config import (
     padded_head_dim,
     unsupported_reason,
 )
-from pallas_kernels.reference import stored_kv, token_positions
+from pallas_kernels.reference import stored_kv, token_positions, write_kv
 
 META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, 3 x unused (power of two)
 
@@ -93,7 +95,7 @@ def _work_list(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, nu
 def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref, *out_refs,
                       page_size, block_kv, gp, num_splits, sm_scale, sliding_window, soft_cap,
                       precision, real_dim):
-    *o_refs, cache_out = out_refs
+    *o_refs, cache_out = out_refs if real_dim == q_ref.shape[1] else (*out_refs, None)
     rows_m, head_dim = q_ref.shape  # M = bq * Gp
     block_q = rows_m // gp
     rows, pos0, table_base = meta_ref[0], meta_ref[1], meta_ref[2]
@@ -166,13 +168,14 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
     carry = lax.fori_loop(jnp.maximum(lo, full), jnp.minimum(hi, mixed_end), block(mixed_keys), carry)
     m, l, acc = lax.fori_loop(jnp.maximum(lo, mixed_end), hi, block(new_keys), carry)
 
-    @pl.when(live & (pl.program_id(2) == 0))
-    def _write():
-        i = lax.iota(jnp.int32, block_q)
-        pos = pos0 + jnp.where(i < rows, i, 0)  # rows past the count repeat row 0
-        slot = slots(pos)
-        cache_out[slot, 0, :] = new_ref[pos + token_base, 0, :]
-        cache_out[slot, 1, :] = new_ref[pos + token_base, 1, :]
+    if cache_out is not None:  # the fused KV write (see _call_kernel)
+        @pl.when(live & (pl.program_id(2) == 0))
+        def _write():
+            i = lax.iota(jnp.int32, block_q)
+            pos = pos0 + jnp.where(i < rows, i, 0)  # rows past the count repeat row 0
+            slot = slots(pos)
+            cache_out[slot, 0, :] = new_ref[pos + token_base, 0, :]
+            cache_out[slot, 1, :] = new_ref[pos + token_base, 1, :]
 
     if num_splits == 1:
         (o_ref,) = o_refs
@@ -220,8 +223,11 @@ def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_bl
     splits = config.num_splits
     kernel = functools.partial(_attention_kernel, page_size=page_size, gp=gp, num_splits=splits,
                                block_kv=config.block_kv, real_dim=real_head_dim, **opts)
-    # A cache row narrower than head_dim: the BlockSpec's last dim overhangs the array, and the
-    # Triton lowering masks every load and store of it to the real columns.
+    # A cache row narrower than head_dim (not a power of two): the BlockSpec's last dim
+    # overhangs the array and the lowering masks its loads to the real columns. The kernel then
+    # only reads the cache; the caller writes this step's K/V with XLA (compiled on an H100, the
+    # fused write of an overhanging block corrupted neighbouring slots).
+    fused_write = real_head_dim == head_dim
     flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, real_head_dim)
     head_kv = lambda rows: pl.BlockSpec((rows, 2, head_dim), lambda w, h, c: (0, h, 0))  # noqa: E731
     in_specs = [
@@ -244,15 +250,19 @@ def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_bl
         ]
         out_shape = [jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
-    *result, flat_cache = pl.pallas_call(
+    if fused_write:
+        out_specs.append(head_kv(flat_cache.shape[0]))
+        out_shape.append(jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype))
+    result = pl.pallas_call(
         kernel, grid=(num_items, num_kv_heads, splits), in_specs=in_specs,
-        out_specs=out_specs + [head_kv(flat_cache.shape[0])],
-        out_shape=out_shape + [jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
-        input_output_aliases={5: len(out_shape)}, interpret=interpret,
+        out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases={5: len(out_shape) - 1} if fused_write else {}, interpret=interpret,
         name="ragged_paged_attention_gpu",
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
     )(meta, flat_pages, scales, q_blocks, kv_new, flat_cache)
+    if fused_write:
+        *result, flat_cache = result
     out = result[0] if splits == 1 else _combine(*result)
     return out, flat_cache.reshape(kv_cache.shape)
 
@@ -287,6 +297,9 @@ def ragged_paged_attention_gpu(
     meta, token_item, token_row, tvalid = _work_list(
         cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)
     kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)  # [T, 2Hkv, D]
+    if dp != head_dim:  # the kernel cannot write an overhanging block: XLA writes, in place
+        kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,
+                            k_scale, v_scale)
     kv_new = jnp.pad(kv_new, ((0, 0), (0, 0), (0, dp - head_dim)))
     out_blocks, kv_cache = _call_kernel(
         meta, page_indices.reshape(-1).astype(jnp.int32),
