@@ -156,6 +156,9 @@ def bench_shape(args):
             floor = decode_floor_s(model, b, prompt_len + args.new_tokens // 2, ceil["copy_bytes_per_s"])
             rows.append((f"decode, batch {b} x {prompt_len}-token prompt", b / itl, itl, floor))
     idle = [profile_decode(engine, b, args) for b in args.profile_batches] if args.profile else []
+    if args.host_profile:
+        for b in args.profile_batches:
+            host_profile(engine, b, args)
     ttft = run_engine_prefill(engine, args.prefill_len)
     rows.append((f"prefill, one {args.prefill_len}-token prompt", args.prefill_len / ttft, ttft,
                  prefill_floor_s(model, args.prefill_len, ceil["matmul_flops_per_s"])))
@@ -184,6 +187,23 @@ def bench_shape(args):
         print(f"| batch {b} | {1e3 * itl:.2f} | {1e3 * rep['busy_s'] / steps:.2f} | "
               f"{100 * rep['idle_fraction']:.1f}% | {top} |")
     return 0
+
+
+def host_profile(engine, batch, args):
+    """cProfile of one decode run: where the host's time per step goes (top functions)."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    itl = run_engine_decode(engine, batch, args.prompt_lens[0], args.new_tokens, seed=9)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(18)
+    stats.sort_stats("cumulative").print_stats(22)
+    print(f"\n## Host profile, decode batch {batch} ({args.new_tokens} steps, ITL {1e3 * itl:.2f} ms "
+          f"under cProfile)\n```\n{out.getvalue()}```")
 
 
 def profile_decode(engine, batch, args):
@@ -217,6 +237,8 @@ def main():
                     help="with --shape: trace a decode run per --profile-batches and report the "
                          "device's idle fraction and top kernels (benchmarks/profile_idle.py)")
     ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--host-profile", action="store_true",
+                    help="with --shape: cProfile a decode run per --profile-batches (host time)")
     args = ap.parse_args()
     if args.shape:
         return bench_shape(args)
