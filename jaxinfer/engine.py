@@ -192,7 +192,7 @@ class Engine:
         if previous is not None and self._needs_known_tokens():
             outputs += self._land(previous)
             previous = None
-        plans = [replica.scheduler.schedule() for replica in self.replicas]
+        plans = [replica.scheduler.schedule(self.runner.num_decode_steps) for replica in self.replicas]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         self.num_scheduled_tokens += sum(plan.num_batched_tokens for plan in plans)
         flight = self._dispatch(plans, previous) if any(plan.seqs for plan in plans) else None
@@ -220,7 +220,7 @@ class Engine:
             replica.scheduler.advance(plan)
         if self._channel is not None:
             self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs)
-        return _Flight(plans, self.runner.dispatch(inputs))
+        return _Flight(plans, self.runner.dispatch(inputs, plans[0].num_steps))
 
     def _land(self, flight: _Flight) -> list[RequestOutput]:
         """Fetches a dispatched step's tokens, resolves them and builds the deltas."""
@@ -229,16 +229,24 @@ class Engine:
         touched: dict[str, RequestState] = {}
         for r, plan in enumerate(flight.plans):
             out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a: a[r], out)
-            scheduler = self.replicas[r].scheduler
-            updated = {s.seq_id for s in scheduler.resolve(plan, out_r.tokens)}
-            for row, entry in enumerate(plan.seqs):
-                seq = entry.seq
-                state = self._requests.get(seq.request_id)
-                if seq.seq_id not in updated or state is None:
-                    continue
-                self.outputs.on_token(state, state.samples[seq.sample_index], out_r, row, scheduler)
-                touched[seq.request_id] = state
+            if plan.num_steps == 1:
+                self._land_step(plan, out_r, self.replicas[r].scheduler, touched)
+                continue
+            for i in range(plan.num_steps):  # a decode window: its steps in order
+                out_i = jax.tree.map(lambda a: a[i], out_r)  # noqa: B023 - used at once
+                self._land_step(plan, out_i, self.replicas[r].scheduler, touched, i)
         return [self._delta(state, now) for state in touched.values()]
+
+    def _land_step(self, plan: SchedulerPlan, out: SamplerOutput, scheduler: Scheduler,
+                   touched: dict[str, RequestState], step: int = 0) -> None:
+        updated = {s.seq_id for s in scheduler.resolve(plan, out.tokens, step)}
+        for row, entry in enumerate(plan.seqs):
+            seq = entry.seq
+            state = self._requests.get(seq.request_id)
+            if seq.seq_id not in updated or state is None:
+                continue
+            self.outputs.on_token(state, state.samples[seq.sample_index], out, row, scheduler)
+            touched[seq.request_id] = state
 
     # --- several hosts --------------------------------------------------------------------------
     def follow(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "float16")  # "auto" = the model dtype
+MAX_DECODE_STEPS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class EngineConfig:
     penalties: bool = True  # False: one variant fewer per bucket; penalty requests are rejected
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # plan step N+1 while step N runs; False: the synchronous loop
+    # Decode windows: when every running sequence decodes, run this many steps per jitted call
+    # (sampler inside; the host checks stops afterwards). None: 1 on the CPU, 4 on accelerators.
+    num_decode_steps: int | None = None
     attn_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
     seed: int = 0
@@ -55,8 +59,11 @@ class EngineConfig:
 
         for name in ("page_size", "num_pages", "kv_cache_bytes", "max_model_len",
                      "max_num_batched_tokens", "max_num_seqs", "max_n", "max_request_tokens",
-                     "max_seqs_per_request"):
+                     "max_seqs_per_request", "num_decode_steps"):
             positive(name)
+        if self.num_decode_steps is not None and self.num_decode_steps > MAX_DECODE_STEPS:
+            raise ValueError(f"EngineConfig.num_decode_steps must be at most {MAX_DECODE_STEPS}, "
+                             f"got {self.num_decode_steps}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"EngineConfig.num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
         from pallas_kernels.dispatch import IMPLS  # imports jax: only when an engine is configured

@@ -42,6 +42,7 @@ class LLM:
                  max_n: int = 64, max_request_tokens: int | None = None, max_seqs_per_request: int = 16,
                  num_pages: int | None = None, kv_cache_memory_fraction: float = 0.85,
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True, async_scheduling: bool = True,
+                 num_decode_steps: int | None = None,
                  attn_impl: str = "auto", seed: int = 0, token_buckets: Sequence[int] | None = None,
                  penalties: bool = True,
                  compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
@@ -61,6 +62,7 @@ class LLM:
             max_request_tokens=max_request_tokens, max_seqs_per_request=max_seqs_per_request,
             token_buckets=tuple(token_buckets) if token_buckets else None,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
+            num_decode_steps=num_decode_steps,
             attn_impl=attn_impl, penalties=penalties,
             compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh)
         place_for = None

@@ -90,11 +90,12 @@ class OutputProcessor:
         """What is new for the request since its last delta; marks its timings."""
         completions = [_completion_delta(i, s, state.params) for i, s in enumerate(state.samples)]
         m = state.metrics
-        if any(c.token_ids for c in completions):
+        if new := max((len(c.token_ids) for c in completions), default=0):
             if m.first_token_time is None:
-                m.first_token_time = now
-            else:
-                m.inter_token_latencies.append(now - m.last_token_time)
+                m.first_token_time = m.last_token_time = now
+                new -= 1
+            if new:  # tokens that came together (a decode window) share the gap evenly
+                m.inter_token_latencies += [(now - m.last_token_time) / new] * new
             m.last_token_time = now
         finished = state.finished
         if finished:

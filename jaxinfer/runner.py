@@ -107,16 +107,25 @@ class ModelRunner:
         self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=self.pages_per_seq,
                                    max_model_len=max_model_len, num_replicas=self.num_replicas)
         max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
-        step = functools.partial(_step, self.family, self.config, engine.attn_impl, max_seqs)
+        parts = (self.family, self.config, engine.attn_impl, max_seqs)
         prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)
-        if self.num_replicas > 1:
-            step = jax.vmap(step, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA)
         out_shardings, self._prev_tokens = None, jnp.zeros(prev_shape, jnp.int32)
         if self.mesh is not None:
             replicated = NamedSharding(self.mesh, P())
             out_shardings = (replicated, tuple(c.sharding for c in self.kv_caches), replicated)
             self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
-        self._step = jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
+        self._step = self._jit(functools.partial(_step, *parts), out_shardings)
+        # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
+        self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
+        self._window = self._jit(functools.partial(_decode_window, *parts, self.num_decode_steps),
+                                 out_shardings)
+        self.window_buckets = tuple(b for b in self.buckets if b <= self.inputs.bucket_for(
+            min(engine.max_num_seqs, self.buckets[-1]))) if self.num_decode_steps > 1 else ()
+
+    def _jit(self, step, out_shardings):
+        if self.num_replicas > 1:
+            step = jax.vmap(step, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA)
+        return jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
 
     def _allocate_kv_caches(self) -> tuple[jax.Array, ...]:
         shape = kv_cache_shape(self.num_pages, self.engine.page_size, self.layout.cache_kv_heads,
@@ -146,25 +155,35 @@ class ModelRunner:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
         return self.inputs.padding_inputs(t_bucket, with_history)
 
-    def execute(self, inputs: StepInputs) -> SamplerOutput:
+    def execute(self, inputs: StepInputs, num_steps: int = 1) -> SamplerOutput:
         """Runs the step and waits for it. Returns numpy outputs (with a leading [data] axis when
-        there are several replicas)."""
-        return fetch(self.dispatch(inputs))
+        there are several replicas; a decode window's have a leading [num_steps] axis)."""
+        return fetch(self.dispatch(inputs, num_steps))
 
-    def dispatch(self, inputs: StepInputs) -> SamplerOutput:
-        """Starts the step; the KV cache is donated and replaced. Returns the outputs on the
-        device (jax.Arrays that are ready once the step is done)."""
+    def dispatch(self, inputs: StepInputs, num_steps: int = 1) -> SamplerOutput:
+        """Starts the step (num_steps > 1: the decode window of a decode-only plan); the KV cache
+        is donated and replaced. Returns the outputs on the device (ready once it is done)."""
+        fn = self._variant(num_steps)
         inputs = self._placed(inputs)
         with self._mesh_context():
-            out, self.kv_caches, self._prev_tokens = self._step(self.params, self.kv_caches, inputs,
-                                                                self._prev_tokens)
+            out, self.kv_caches, self._prev_tokens = fn(self.params, self.kv_caches, inputs,
+                                                        self._prev_tokens)
         return out
 
-    def lower(self, inputs: StepInputs) -> jax.stages.Lowered:
+    def lower(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Lowered:
         """The step lowered for these inputs' shapes (to read its HLO; nothing runs)."""
+        fn = self._variant(num_steps)
         inputs = self._placed(inputs)
         with self._mesh_context():
-            return self._step.lower(self.params, self.kv_caches, inputs, self._prev_tokens)
+            return fn.lower(self.params, self.kv_caches, inputs, self._prev_tokens)
+
+    def _variant(self, num_steps: int):
+        if num_steps == 1:
+            return self._step
+        if num_steps != self.num_decode_steps:
+            raise ValueError(f"num_steps={num_steps}: this runner compiles windows of "
+                             f"{self.num_decode_steps} steps")
+        return self._window
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
         """Host inputs on the mesh (each array split or replicated as the step expects)."""
@@ -185,13 +204,15 @@ class ModelRunner:
         for t_bucket in self.buckets:
             for with_history in (False, True) if self.engine.penalties else (False,):
                 self.execute(self.padding_inputs(t_bucket, with_history))
+        for t_bucket in self.window_buckets:
+            self.execute(self.padding_inputs(t_bucket, False), self.num_decode_steps)
         elapsed = time.perf_counter() - start
         logger.info("compiled %d step variants in %.1fs", self.num_compiled(), elapsed)
         return elapsed
 
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
-        return self._step._cache_size()
+        return self._step._cache_size() + self._window._cache_size()
 
 
 def _step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int, params: ModelParams,
@@ -206,3 +227,45 @@ def _step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: in
     out = sample(logits, inputs.sampling, num_top_logprobs=MAX_LOGPROBS)
     sampled = jnp.zeros((max_seqs,), jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
     return out, kv_caches, sampled
+
+
+def decode_steps(setting: int | None, num_replicas: int = 1) -> int:
+    """Steps per decode window: the setting, or by default 1 on the CPU (measured no faster) and
+    4 on accelerators (where a step's fixed host cost rivals its device time). One step with
+    data replicas or several hosts, whose plans and channel carry single steps."""
+    from sharding import is_multiprocess
+    if num_replicas > 1 or is_multiprocess():
+        return 1
+    if setting is not None:
+        return setting
+    return 1 if jax.default_backend() == "cpu" else 4
+
+
+def _decode_window(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int,
+                   num_steps: int, params: ModelParams, kv_caches: KVCaches, inputs: StepInputs,
+                   prev_tokens: jax.Array) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+    """`num_steps` decode steps of a decode-only batch (token t is sequence t) in one call.
+
+    Step i feeds each sequence the token it sampled at step i - 1 (step 0: the inputs' own ids and
+    placeholders), one position further, with one more key in the cache and one more draw of its
+    random stream. Outputs are stacked: [num_steps, S, ...]; the sampled tokens handed on are
+    the last step's."""
+    meta, sampling = inputs.meta, inputs.sampling
+    t = jnp.arange(inputs.token_ids.shape[0], dtype=jnp.int32)
+    real = t < meta.num_seqs[0]
+    own_row = jnp.where(real, t, -1)
+
+    def body(carry, i):
+        caches, prev = carry
+        step_inputs = inputs.replace(
+            positions=jnp.where(real, inputs.positions + i, inputs.positions),
+            meta=meta.replace(kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + i, 0)),
+            sampling=sampling.replace(num_generated=sampling.num_generated + i),
+            prev_rows=jnp.where(i == 0, inputs.prev_rows, own_row))
+        out, caches, sampled = _step(family, config, attn_impl, max_seqs, params, caches,
+                                     step_inputs, prev)
+        return (caches, sampled), out
+
+    (kv_caches, sampled), outs = jax.lax.scan(body, (kv_caches, prev_tokens),
+                                              jnp.arange(num_steps, dtype=jnp.int32))
+    return outs, kv_caches, sampled

@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before planning the next (the synchronous loop)")
+    g.add_argument("--num-decode-steps", type=int, default=None,
+                   help="decode steps per jitted call when every running sequence decodes "
+                        "(default: 1 on the CPU, 4 on accelerators)")
     g.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "pallas_gpu", "pallas_tpu"])
     g.add_argument("--token-buckets", default=None,
                    help="comma-separated step sizes to compile (default: powers of two up to the budget)")
@@ -116,7 +119,7 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               max_seqs_per_request=args.max_seqs_per_request,
               num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
-              async_scheduling=not args.no_async_scheduling,
+              async_scheduling=not args.no_async_scheduling, num_decode_steps=args.num_decode_steps,
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
               mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
               num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),

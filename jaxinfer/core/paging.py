@@ -147,6 +147,17 @@ class PagePool:
             pages.append(entry.page_id)
         return pages
 
+    def cache_computed_pages(self, seq) -> None:
+        """Registers the pages of `seq` (a core Sequence) full of computed tokens whose ids are
+        all known (placeholders of steps in flight are not)."""
+        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.page_size
+        if not self.enable_prefix_caching or num_full <= seq.num_cached_pages:
+            return
+        known = seq.token_ids[:seq.num_known_tokens]
+        self.extend_page_hashes(seq.page_hashes, known)
+        self.cache_pages(seq.pages, seq.page_hashes, known, seq.num_cached_pages, num_full)
+        seq.num_cached_pages = num_full
+
     def cache_pages(self, page_ids: Sequence[int], hashes: Sequence[PageHash],
                     token_ids: Sequence[int], start: int, stop: int) -> None:
         """Caches full pages `page_ids[start:stop]` of `token_ids` once their KV has been written.

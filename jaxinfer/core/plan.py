@@ -35,6 +35,9 @@ class ScheduledSeq:
 class SchedulerPlan:
     seqs: list[ScheduledSeq]              # in batch order: decodes, prefill chunks, new admissions
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    # > 1: a decode window (core/multistep.py): every entry decodes this many tokens, one per
+    # step, in one jitted call; pages for all of them are in `pages`.
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:

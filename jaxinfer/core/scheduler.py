@@ -17,27 +17,31 @@ to the budget.
 
 `advance(plan)` (at dispatch) moves `num_computed_tokens` on and appends a PLACEHOLDER for each
 token the step samples; `resolve(plan, sampled)` (when the tokens reach the host) fills them in,
-caches pages full of known tokens and checks stops (stops.py); `update` is both (the synchronous
-loop). With async scheduling the next step is planned between the two: a placeholder's sequence
-decodes again with its input token filled in on the device, one whose placeholders already reach
-max_tokens or the context is not planned again, and a stop drops the placeholders after it (their
-tokens are overrun, never emitted). `abort` may come between any of these; entries of finished
-sequences are skipped. Abort, finish and preemption cost O(the request's samples) plus bisect
-work on the sorted queue, never a scan of it.
+caches pages full of known tokens and checks stops (stops.py); `update` is both. With async
+scheduling the next step is planned between the two: a placeholder's sequence decodes again with
+its input filled in on the device, one whose placeholders reach max_tokens or the context is not
+planned again, and a stop drops the placeholders after it (overrun, never emitted). A decode
+window (multistep.py) samples k tokens per sequence and resolves step by step. Abort, finish and
+preemption cost O(the request's samples) plus bisect work on the sorted queue, never a scan.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 import random
 from typing import Iterable
 
 from jaxinfer.core.admission import RequestEntry, check_request
+from jaxinfer.core.multistep import decode_window
 from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, sample_seed
 from jaxinfer.core.stops import StopChecker, is_awaiting_results, stop_decision
 from jaxinfer.sampling.params import SamplingParams
+
+
+_sort_key = operator.attrgetter("sort_key")  # (priority, arrival, sample index)
 
 
 @dataclasses.dataclass
@@ -174,7 +178,9 @@ class Scheduler:
         return len(self.running)
 
     # --- schedule ---------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerPlan:
+    def schedule(self, num_steps: int = 1) -> SchedulerPlan:
+        if num_steps > 1 and (window := decode_window(self, num_steps)) is not None:
+            return window
         step = _Step({}, self.max_num_batched_tokens, [])
         by_priority = sorted((s for s in self.running if not is_awaiting_results(s, self.max_model_len)),
                              key=_sort_key)
@@ -247,23 +253,25 @@ class Scheduler:
 
     # --- after the step -------------------------------------------------------------------------
     def update(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
-        """advance + resolve: applies a step whose tokens are already known."""
+        """advance + resolve: applies a one-step plan whose tokens are already known."""
         self.advance(plan)
         return self.resolve(plan, sampled_token_ids)
 
     def advance(self, plan: SchedulerPlan) -> None:
         """At dispatch: the step's tokens count as computed; placeholders for what it samples."""
+        extra = plan.num_steps - 1  # a decode window computes its first k - 1 samples too
         for entry in plan.seqs:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted since schedule()
                 continue
-            seq.num_computed_tokens = entry.kv_len
+            seq.num_computed_tokens = entry.kv_len + extra
             if entry.sample:
-                seq.append_token(PLACEHOLDER)
-                seq.num_pending += 1
+                seq.token_ids += [PLACEHOLDER] * plan.num_steps
+                seq.num_pending += plan.num_steps
 
-    def resolve(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
-        """The step's tokens are known (row i for plan.seqs[i]; rows past the plan are padding).
+    def resolve(self, plan: SchedulerPlan, sampled_token_ids, step: int = 0) -> list[Sequence]:
+        """The step's tokens are known (row i for plan.seqs[i]; rows past the plan are padding);
+        `step`: which step of a decode window they come from (windows resolve step by step).
         Returns the sequences that got a token, in plan order (finished ones have no pages)."""
         if len(sampled_token_ids) < len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a plan of "
@@ -273,28 +281,13 @@ class Scheduler:
             seq = entry.seq
             if not entry.sample or seq.is_finished or not seq.num_pending:  # aborted or overrun
                 continue
-            seq.token_ids[entry.kv_len] = int(token)  # steps land in order: the first placeholder
+            seq.token_ids[entry.kv_len + step] = int(token)  # the first placeholder left
             seq.num_pending -= 1
             if seq.status is SequenceStatus.RUNNING:
-                self._cache_computed_pages(seq)
+                self.pool.cache_computed_pages(seq)
             if (decision := stop_decision(seq, self.eos_token_ids, self.max_model_len, self.stop_checker)):
                 self.finish(seq, *decision)
             updated.append(seq)
             if seq.sample_index == 0 and seq.num_known_tokens - seq.num_prompt_tokens == 1 and not seq.is_finished:
                 self._release(self.requests[seq.request_id])  # the prompt is computed
         return updated
-
-    def _cache_computed_pages(self, seq: Sequence) -> None:
-        """Registers the pages full of computed tokens whose ids are all known."""
-        pool = self.pool
-        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // pool.page_size
-        if not pool.enable_prefix_caching or num_full <= seq.num_cached_pages:
-            return
-        known = seq.token_ids[:seq.num_known_tokens]
-        pool.extend_page_hashes(seq.page_hashes, known)
-        pool.cache_pages(seq.pages, seq.page_hashes, known, seq.num_cached_pages, num_full)
-        seq.num_cached_pages = num_full
-
-
-def _sort_key(seq: Sequence) -> tuple[int, int, int]:
-    return seq.sort_key

@@ -1,0 +1,48 @@
+"""Multi-step decode: one plan whose sequences each decode `k` tokens in one jitted call.
+
+When every sequence the scheduler would run is a plain decode (one token to compute, nothing
+waiting to be admitted, no penalty history to keep on the host), the step loop can run k decode
+steps on the device with the sampler inside, paying the host's dispatch, transfer and planning
+costs once per k tokens. `decode_window` reserves pages for all k tokens first (never preempting:
+if they do not fit, it declines and the scheduler plans one step as usual), and every sequence
+must have room for k more positions within max_model_len.
+
+Tokens past a stop (eos, stop ids or strings, max_tokens) inside the window are overrun: the
+scheduler's `finish` drops them (they are never emitted) and frees the pages, as for async
+scheduling. The host sees the k tokens of each sequence in order, so stops, logprobs and stream
+deltas are those of k single steps; per-request seeds fold in the token's index, so sampled
+outputs are identical too.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
+from jaxinfer.core.stops import is_awaiting_results
+
+if TYPE_CHECKING:
+    from jaxinfer.core.scheduler import Scheduler
+
+
+def decode_window(scheduler: Scheduler, num_steps: int) -> SchedulerPlan | None:
+    """A plan of `num_steps` decode steps for every running sequence, or None if the next step
+    must be an ordinary one (a prefill, an admission, penalties, no room, or no pages)."""
+    if num_steps < 2 or scheduler.num_waiting:
+        return None
+    seqs = sorted((s for s in scheduler.running
+                   if not is_awaiting_results(s, scheduler.max_model_len)), key=lambda s: s.sort_key)
+    if not seqs or len(seqs) > scheduler.max_num_batched_tokens:
+        return None
+    for seq in seqs:
+        if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.sampling_params.uses_penalties
+                or seq.num_tokens + num_steps - 1 > scheduler.max_model_len):
+            return None
+    page_size = scheduler.pool.page_size
+    need = [max(0, -(-(s.num_computed_tokens + num_steps) // page_size) - len(s.pages)) for s in seqs]
+    if not scheduler.pool.can_allocate(sum(need)):
+        return None
+    entries = []
+    for seq, n in zip(seqs, need):
+        seq.pages += scheduler.pool.allocate(n)
+        entries.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, tuple(seq.pages), sample=True))
+    return SchedulerPlan(entries, num_steps=num_steps)
