@@ -137,7 +137,8 @@ def bench_shape(args):
     config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=budget,
                           max_model_len=max(4096, args.prefill_len + 1, max(args.prompt_lens) + args.new_tokens),
                           penalties=False, compilation_cache_dir=args.cache_dir,
-                          async_scheduling=not args.no_async_scheduling)
+                          async_scheduling=not args.no_async_scheduling,
+                          num_decode_steps=args.num_decode_steps)
     startup = {}
     if args.startup:
         import tempfile
@@ -166,7 +167,8 @@ def bench_shape(args):
     dtype = model.params.embed.dtype
     print(f"Device: {ceil['device']}; jax {jax.__version__}; shape {args.shape} ({dtype}, "
           f"{param_bytes(model) / 2**30:.2f} GiB of weights); async scheduling "
-          f"{'off' if args.no_async_scheduling else 'on'}; {variants} variants")
+          f"{'off' if args.no_async_scheduling else 'on'}; decode windows of "
+          f"{engine.runner.num_decode_steps} steps; {variants} variants")
     rated = (f" (rated {ceil['rated_bytes_per_s'] / 1e12:.2f} TB/s, {ceil['rated_flops_per_s'] / 1e12:.0f} "
              f"TFLOP/s)" if ceil["rated_bytes_per_s"] else "")
     print(f"Measured ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
@@ -233,6 +235,8 @@ def main():
     ap.add_argument("--startup", action="store_true", help="with --shape: time cold and warm start-up too")
     ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache (with --shape)")
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--num-decode-steps", type=int, default=None,
+                    help="with --shape: decode steps per jitted call (default: the engine's)")
     ap.add_argument("--profile", action="store_true",
                     help="with --shape: trace a decode run per --profile-batches and report the "
                          "device's idle fraction and top kernels (benchmarks/profile_idle.py)")

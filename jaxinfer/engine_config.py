@@ -44,7 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # plan step N+1 while step N runs; False: the synchronous loop
     # Decode windows: when every running sequence decodes, run this many steps per jitted call
-    # (sampler inside; the host checks stops afterwards). None: 1 on the CPU, 4 on accelerators.
+    # (sampler inside; the host checks stops afterwards). None: 4 (1 with data replicas).
     num_decode_steps: int | None = None
     attn_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"

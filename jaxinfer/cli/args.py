@@ -59,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before planning the next (the synchronous loop)")
     g.add_argument("--num-decode-steps", type=int, default=None,
                    help="decode steps per jitted call when every running sequence decodes "
-                        "(default: 1 on the CPU, 4 on accelerators)")
+                        "(default 4; 1 = a host round trip per token)")
     g.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "pallas_gpu", "pallas_tpu"])
     g.add_argument("--token-buckets", default=None,
                    help="comma-separated step sizes to compile (default: powers of two up to the budget)")

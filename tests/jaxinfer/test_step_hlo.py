@@ -23,18 +23,20 @@ def model():
     return LoadedModel(CONFIG, params, None, family, Path("random"))
 
 
-def compiled_step(model, bucket: int, **engine) -> tuple[str, ModelRunner]:
+def compiled_step(model, bucket: int, num_steps: int = 1, **engine) -> tuple[str, ModelRunner]:
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
-                          penalties=False, compilation_cache_dir=None, **engine)
+                          penalties=False, compilation_cache_dir=None, num_decode_steps=num_steps,
+                          **engine)
     runner = ModelRunner(model, config, config.max_model_len)
     inputs = runner.padding_inputs(bucket, False)
-    return runner.lower(inputs).compile().as_text(), runner
+    return runner.lower(inputs, num_steps).compile().as_text(), runner
 
 
-def cache_copies(hlo: str, cache_shape: tuple[int, ...]) -> list[str]:
-    """Copies (or copy-starts) in the entry computation of an array as large as a layer's cache."""
+def cache_copies(hlo: str, cache_shape: tuple[int, ...], entry_only: bool = True) -> list[str]:
+    """Copies (or copy-starts) of an array as large as a layer's cache: in the entry computation,
+    or (entry_only=False) anywhere, loop bodies included."""
     size = int(np.prod(cache_shape))
-    entry = hlo[hlo.index("\nENTRY"):]
+    entry = hlo[hlo.index("\nENTRY"):] if entry_only else hlo
     found = []
     for line in entry.splitlines():
         m = re.search(r"= \w+\[([\d,]*)\]\S* (copy|copy-start)\(", line)
@@ -50,6 +52,14 @@ def test_the_step_never_copies_a_layers_cache(model, max_model_len, bucket):
     contexts, not the pool (a one-token write used to copy every layer's cache each step)."""
     hlo, runner = compiled_step(model, bucket, max_model_len=max_model_len, num_pages=300)
     assert not cache_copies(hlo, runner.kv_caches[0].shape)
+
+
+@pytest.mark.parametrize("max_model_len", [512, 8192])
+def test_a_decode_window_never_copies_a_layers_cache(model, max_model_len):
+    """Four decode steps in one call: the cache is carried through the loop and updated in place."""
+    hlo, runner = compiled_step(model, 8, num_steps=4, max_model_len=max_model_len, num_pages=300)
+    assert "while(" in hlo or "while (" in hlo
+    assert not cache_copies(hlo, runner.kv_caches[0].shape, entry_only=False)
 
 
 def split_computations(hlo: str) -> tuple[dict[str, str], str]:
@@ -95,6 +105,13 @@ def test_an_all_greedy_batch_without_logprobs_sorts_nothing(model):
     hlo, _ = compiled_step(model, 8, max_model_len=512, num_pages=64)
     bodies, entry = split_computations(hlo)
     assert any(vocab_sorts(body) for body in bodies.values())  # they exist, for rows that need them
+    on_every_step = {name: vocab_sorts(bodies[name]) for name in always_run(bodies, entry)}
+    assert not {name: found for name, found in on_every_step.items() if found}
+
+
+def test_an_all_greedy_decode_window_sorts_nothing(model):
+    hlo, _ = compiled_step(model, 8, num_steps=4, max_model_len=512, num_pages=64)
+    bodies, entry = split_computations(hlo)
     on_every_step = {name: vocab_sorts(bodies[name]) for name in always_run(bodies, entry)}
     assert not {name: found for name, found in on_every_step.items() if found}
 
