@@ -194,7 +194,7 @@ class Engine:
             previous = None
         plans = [replica.scheduler.schedule(self.runner.num_decode_steps) for replica in self.replicas]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
-        self.num_scheduled_tokens += sum(plan.num_batched_tokens for plan in plans)
+        self.num_scheduled_tokens += sum(plan.num_batched_tokens * plan.num_steps for plan in plans)
         flight = self._dispatch(plans, previous) if any(plan.seqs for plan in plans) else None
         if previous is not None:
             outputs += self._land(previous)

@@ -57,40 +57,8 @@ from pallas_kernels.gpu_config import (
     padded_head_dim,
     unsupported_reason,
 )
-from pallas_kernels.reference import stored_kv, token_positions, write_kv
-
-META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, 3 x unused (power of two)
-
-
-def _work_list(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
-               block_q: int, pages_per_seq: int) -> tuple[jax.Array, ...]:
-    """Per work item: meta [W, 8] = (rows, first row's position, page-table offset, cached
-    context length, token index minus position, 0, 0, 0); per token t: (item, row, is-real)."""
-    num_seqs_max = kv_lens.shape[0]
-    q_lens = common.real_q_lens(cu_q_lens, num_seqs)  # [S]
-    blocks = (q_lens + block_q - 1) // block_q
-    cu_blocks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks, dtype=jnp.int32)])
-    num_items = pl.cdiv(num_tokens, block_q) + num_seqs_max
-    w = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_blocks[1:], w, side="right").astype(jnp.int32)
-    seq = jnp.minimum(seq, num_seqs_max - 1)
-    live = w < cu_blocks[num_seqs_max]
-    first = (w - cu_blocks[seq]) * block_q  # offset of row 0 inside its sequence
-    rows = jnp.where(live, jnp.clip(q_lens[seq] - first, 0, block_q), 0)
-    ctx_len = jnp.where(live, kv_lens[seq] - q_lens[seq], 0)
-    pos0 = ctx_len + jnp.where(live, first, 0)
-    token_base = jnp.where(live, cu_q_lens[seq] - ctx_len, 0)  # token index = position + this
-    zero = jnp.zeros_like(rows)
-    meta = jnp.stack([rows, pos0, seq * pages_per_seq, ctx_len, token_base, zero, zero, zero],
-                     axis=1)
-
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    tseq, _, tvalid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
-    offset = t - cu_q_lens[tseq]
-    token_item = jnp.where(tvalid, cu_blocks[tseq] + offset // block_q, 0)
-    token_row = jnp.where(tvalid, offset % block_q, 0)
-    return meta, token_item, token_row, tvalid
-
+from pallas_kernels.gpu_work import META_WIDTH, combine, q_blocks, work_list
+from pallas_kernels.reference import stored_kv, write_kv
 
 def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref, *out_refs,
                       page_size, block_kv, gp, num_splits, sm_scale, sliding_window, soft_cap,
@@ -188,32 +156,6 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
         l_ref[...] = l
 
 
-def _combine(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Merge C partial softmaxes: o [C, ..., D] unnormalised, m/l [C, ...] -> [..., D]."""
-    m_max = jnp.max(m, axis=0)
-    a = jnp.exp(m - m_max[None])
-    l_tot = jnp.sum(a * l, axis=0)
-    o = jnp.sum(a[..., None] * o, axis=0)
-    return o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
-
-
-def _q_blocks(q: jax.Array, meta: jax.Array, num_kv_heads: int, block_q: int, gp: int,
-              padded_dim: int) -> jax.Array:
-    """q [T, Hq, D] -> [W, Hkv, bq * Gp, Dp]; row r of a block is token r // Gp, head r % Gp;
-    columns past D are zeros."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_items = meta.shape[0]
-    group = num_q_heads // num_kv_heads
-    i = jnp.arange(block_q, dtype=jnp.int32)
-    rows, first_token = meta[:, 0], meta[:, 1] + meta[:, 4]
-    row_token = jnp.where(i[None, :] < rows[:, None], first_token[:, None] + i[None, :],
-                          num_tokens)  # [W, bq]; empty rows read the zero row
-    blocks = jnp.concatenate([q, jnp.zeros((1, num_q_heads, head_dim), q.dtype)])[row_token]
-    blocks = blocks.reshape(num_items, block_q, num_kv_heads, group, head_dim)
-    blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, padded_dim - head_dim)))
-    return blocks.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * gp, padded_dim)
-
-
 def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_blocks: jax.Array,
                  kv_new: jax.Array, kv_cache: jax.Array, *, config: GpuConfig, gp: int,
                  interpret: bool, **opts: object) -> tuple[jax.Array, jax.Array]:
@@ -263,7 +205,7 @@ def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_bl
     )(meta, flat_pages, scales, q_blocks, kv_new, flat_cache)
     if fused_write:
         *result, flat_cache = result
-    out = result[0] if splits == 1 else _combine(*result)
+    out = result[0] if splits == 1 else combine(*result)
     return out, flat_cache.reshape(kv_cache.shape)
 
 
@@ -294,7 +236,7 @@ def ragged_paged_attention_gpu(
     bq, gp, dp = config.block_q, common.next_pow2(group), padded_head_dim(head_dim)
     check_config(config, gp)
 
-    meta, token_item, token_row, tvalid = _work_list(
+    meta, token_item, token_row, tvalid = work_list(
         cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)
     kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)  # [T, 2Hkv, D]
     if dp != head_dim:  # the kernel cannot write an overhanging block: XLA writes, in place
@@ -303,7 +245,7 @@ def ragged_paged_attention_gpu(
     kv_new = jnp.pad(kv_new, ((0, 0), (0, 0), (0, dp - head_dim)))
     out_blocks, kv_cache = _call_kernel(
         meta, page_indices.reshape(-1).astype(jnp.int32),
-        common.kv_scales(kv_cache, k_scale, v_scale), _q_blocks(q, meta, num_kv_heads, bq, gp, dp),
+        common.kv_scales(kv_cache, k_scale, v_scale), q_blocks(q, meta, num_kv_heads, bq, gp, dp),
         kv_new, kv_cache, config=config, gp=gp,
         interpret=interpret, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=soft_cap, precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)

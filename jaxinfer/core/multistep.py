@@ -15,16 +15,25 @@ outputs are identical too.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
+from jaxinfer.core.sequence import Sequence
 from jaxinfer.core.stops import is_awaiting_results
 
-if TYPE_CHECKING:
-    from jaxinfer.core.scheduler import Scheduler
+
+class _SchedulerState(Protocol):  # what a window reads of the Scheduler (no import cycle)
+    pool: PagePool
+    running: list[Sequence]
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    @property
+    def num_waiting(self) -> int: ...
 
 
-def decode_window(scheduler: Scheduler, num_steps: int) -> SchedulerPlan | None:
+def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan | None:
     """A plan of `num_steps` decode steps for every running sequence, or None if the next step
     must be an ordinary one (a prefill, an admission, penalties, no room, or no pages)."""
     if num_steps < 2 or scheduler.num_waiting:

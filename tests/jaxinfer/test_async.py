@@ -1,6 +1,7 @@
 """Async scheduling (step N+1 planned and dispatched before step N's tokens reach the host) gives
 exactly the synchronous engine's tokens: chunked prefill, preemption under a tiny pool, seeded
-sampling, stop ids and max_tokens, n > 1, prefix-cache hits, penalties, aborts; every page free."""
+sampling, stop ids and max_tokens, n > 1, prefix-cache hits, penalties, aborts; every page free.
+Single steps here (num_decode_steps=1); test_decode_window.py runs windows sync and async."""
 import dataclasses
 
 import pytest
@@ -16,7 +17,7 @@ from jaxinfer.sampling import SamplingParams
 def engine(tmp_path_factory):
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=6,
-                          max_model_len=128, token_buckets=(8, 32),
+                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=1,
                           compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
     return Engine(model, config)
 
@@ -58,7 +59,7 @@ def test_greedy_with_chunked_prefill_and_preemption(engine, monkeypatch):
     filled_on_device = []  # input tokens per step taken from the step in flight
     dispatch = engine.runner.dispatch
     monkeypatch.setattr(engine.runner, "dispatch",
-                        lambda inputs: filled_on_device.append(int((inputs.prev_rows >= 0).sum())) or dispatch(inputs))
+                        lambda inputs, n=1: filled_on_device.append(int((inputs.prev_rows >= 0).sum())) or dispatch(inputs, n))
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     requests = {str(i): (prompt(i, 5 + 9 * i), greedy) for i in range(5)}  # 14 pages: preemptions
     before = engine.num_preemptions

@@ -94,7 +94,7 @@ def test_prefix_cache_computes_only_new_tokens(model, cache_dir):
     prefix = list(range(100, 164))  # 64 tokens = 4 full pages
     first, second = prefix + [7, 8, 9], prefix + [10, 11, 12, 13, 14]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    cached = make_engine(model, cache_dir, num_pages=64)
+    cached = make_engine(model, cache_dir, num_pages=64, num_decode_steps=1)  # one token a step
     cached.add_request(first, params, request_id="a")
     run_all(cached)
     before = cached.num_scheduled_tokens

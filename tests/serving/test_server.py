@@ -304,7 +304,8 @@ def test_health_model_info_and_stats(serve):
         info = client.model_info()
         assert (info.vocab_size, info.max_model_len, info.has_tokenizer) == (512, 256, False)
         assert info.kv_pages_total == 47 and info.max_num_seqs == 8 and info.penalties_enabled
-        assert client.server_stats().compiled_variants == 4
+        # 2 buckets x (with, without penalty history) + the decode window of the 8-token bucket
+        assert client.server_stats().compiled_variants == 5
         err = rpc_error(client.tokenize, "hello")
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
 
