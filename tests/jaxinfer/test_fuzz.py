@@ -113,7 +113,8 @@ batch_lines = st.lists(st.one_of(
 @given(lines=batch_lines)
 def test_batch_lines_each_get_a_result_or_their_own_error(llm, lines):
     out = io.StringIO()
-    served, failed = run_batch(llm, io.StringIO("\n".join(lines)), out, SamplingParams(max_tokens=3))
+    stats = run_batch(llm, io.StringIO("\n".join(lines)), out, SamplingParams(max_tokens=3))
+    served, failed = stats.served, stats.failed
     records = [json.loads(line) for line in out.getvalue().splitlines()]
     nonblank = [i for i, line in enumerate(lines, start=1) if line.strip()]
     assert len(records) == len(nonblank) == served + failed

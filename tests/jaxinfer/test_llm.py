@@ -133,9 +133,9 @@ def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
         json.dumps({"id": "h", "prompt": "Hi", "stop": 5}),
     ])
     out = io.StringIO()
-    served, failed = run_batch(llm, io.StringIO(lines), out, greedy())
+    stats = run_batch(llm, io.StringIO(lines), out, greedy())
     records = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert failed >= 6 and served + failed == len(records) == 9
+    assert stats.failed >= 6 and stats.served + stats.failed == len(records) == 9
     assert records[0]["id"] == "a" and records[0]["outputs"][0]["text"] == "The capital of France is Paris."
     assert "line 2: not valid JSON" in records[1]["error"]
     assert "line 3" in records[2]["error"] and "temperature" in records[2]["error"]
