@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import common, gpu  # noqa: E402
+from pallas_kernels import common, gpu, gpu_tuned  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -217,9 +217,29 @@ def run_batch(batch: Batch, model: Model, args) -> list[dict]:
         rows.insert(1, _row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
     if args.sweep:
         for config in sweep_configs(batch, model):
-            rows.append(_row_with_cache(f"pallas_gpu {_config_name(config)}",
-                                        _ours(model, args.smoke, config), batch, want, tol, args))
+            row = _row_with_cache(f"pallas_gpu {_config_name(config)}",
+                                  _ours(model, args.smoke, config), batch, want, tol, args)
+            rows.append({**row, "config": config})
     return rows
+
+
+def tuned_entry(batch: Batch, model: Model, rows: list[dict], device_kind: str) -> dict | None:
+    """A tuned-table entry (pallas_kernels/gpu_tuned.py) if a swept config beat the default."""
+    default = next((r for r in rows if r["impl"] == "pallas_gpu" and "t" in r), None)
+    swept = [r for r in rows if "config" in r and "t" in r and not str(r.get("err", "")).startswith("FAIL")]
+    if default is None or not swept:
+        return None
+    best = min(swept, key=lambda r: r["t"])
+    if best["t"] >= default["t"]:
+        return None
+    q, page_indices = batch.args[0], batch.args[5]
+    decode_like = q.shape[0] <= 2 * page_indices.shape[0]
+    return {"device": device_kind, "head_dim": model.head_dim, "group": model.q_heads // model.kv_heads,
+            "page_size": model.page_size, "dtype": jnp.dtype(model.dtype).name,
+            "mode": "decode" if decode_like else "prefill", "num_seqs": int(page_indices.shape[0]),
+            "max_kv": int(page_indices.shape[1]) * model.page_size,
+            "config": dataclasses.asdict(best["config"]), "ms": round(best["t"] * 1e3, 5),
+            "default_ms": round(default["t"] * 1e3, 5), "measured": f"jax {jax.__version__}"}
 
 
 def _config_name(c: gpu.GpuConfig) -> str:
@@ -305,6 +325,9 @@ def main(argv=None):
     p.add_argument("--skip-jax", action="store_true")
     p.add_argument("--sweep", action="store_true",
                    help="also time the default GpuConfig's neighbours (tuning default_config)")
+    p.add_argument("--write-table", nargs="?", const=str(gpu_tuned.TABLE), default=None,
+                   help="with --sweep: add each row's fastest config, where it beat the default, "
+                        "to the tuned table (default: the package's gpu_tuned.json)")
     args = p.parse_args(argv)
     if args.smoke:
         model = Model(4, 2, 64, 16, jnp.float32)
@@ -329,9 +352,13 @@ def main(argv=None):
           f"jax paged_attention {'available' if jax_paged else 'not importable'}\n")
     print("| scenario | impl | median ms | GB/s | % BW | TFLOP/s | % FLOP/s | max err vs ref | note |")
     print("|---|---|---|---|---|---|---|---|---|")
+    tuned = []
     for i, (name, q_lens, kv_lens) in enumerate(scenarios(args)):
         batch = make_batch(name, q_lens, kv_lens, model, seed=i)
-        for row in run_batch(batch, model, args):
+        rows = run_batch(batch, model, args)
+        if args.write_table and (entry := tuned_entry(batch, model, rows, device.device_kind)):
+            tuned.append(entry)
+        for row in rows:
             t = row.get("t")
             gbs = batch.kv_bytes / t / 1e9 if t else None
             tfs = batch.flops / t / 1e12 if t else None
@@ -344,6 +371,9 @@ def main(argv=None):
                   f"| {row['err'] if isinstance(row.get('err'), str) else _fmt(row.get('err'), 2)} "
                   f"| {row.get('error', '')} |", flush=True)
         del batch
+    if tuned:
+        gpu_tuned.merge(tuned, args.write_table)
+        print(f"\n{len(tuned)} tuned entries written to {args.write_table}")
 
 
 if __name__ == "__main__":

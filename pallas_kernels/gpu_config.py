@@ -8,8 +8,9 @@ batch gets blocks of 64-128 rows and no split. Every choice fits the device's sh
 `smem_bytes` is the footprint of a config (calibrated against Triton's own report on an H100:
 f32, head_dim 256, 16 x 64 blocks, 2 stages asked for 348,224 bytes) and `default_config` shrinks
 the KV block, then the pipeline depth, then the query block until it fits `smem_budget`.
-`check_config` rejects a config the kernel cannot lower (Triton needs power-of-two dots of at
-least 16 rows and columns).
+A measured config from the tuned table (gpu_tuned.py) wins over the heuristic where one matches
+the shape and fits. `check_config` rejects a config the kernel cannot lower (Triton needs
+power-of-two dots of at least 16 rows and columns).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from pallas_kernels import common
+from pallas_kernels import common, gpu_tuned
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_HEAD_DIM = 256
@@ -43,10 +44,14 @@ class GpuConfig:
     num_stages: int = 2
 
 
+def current_device_kind() -> str:
+    """The default GPU's kind; off a GPU (lowering for CUDA from the CPU), an H100's."""
+    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "NVIDIA H100 80GB HBM3"
+
+
 def device_limits(device_kind: str | None = None) -> tuple[int, int]:
     """(shared memory bytes per block, SM count) of a GPU kind; the default device's if None."""
-    if device_kind is None:
-        device_kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "NVIDIA H100"
+    device_kind = device_kind or current_device_kind()
     for prefix, smem, sms in _DEVICES:
         if device_kind.startswith(prefix):
             return smem, sms
@@ -99,6 +104,7 @@ def _fit(config: GpuConfig, gp: int, head_dim: int, dtype: DTypeLike, budget: in
 def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int,
                    head_dim: int, page_size: int, pages_per_seq: int,
                    dtype: DTypeLike = jnp.bfloat16, device_kind: str | None = None) -> GpuConfig:
+    device_kind = device_kind or current_device_kind()
     budget, num_sms = device_limits(device_kind)
     gp = common.next_pow2(group)
     d = padded_head_dim(head_dim)
@@ -118,7 +124,21 @@ def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int
         kv_blocks = -(-max_kv // config.block_kv)
         splits = max(1, min(16, kv_blocks, common.next_pow2(-(-2 * num_sms // programs))))
         config = dataclasses.replace(config, num_splits=splits)
+    tuned = gpu_tuned.lookup(device_kind, head_dim, group, page_size, jnp.dtype(dtype).name,
+                             "decode" if decode_like else "prefill", num_seqs, max_kv)
+    if tuned is not None:  # a measured config, if it fits this device and lowers
+        candidate = GpuConfig(**tuned)
+        if smem_bytes(candidate, gp, head_dim, dtype) <= budget and _lowers(candidate, gp):
+            return candidate
     return config
+
+
+def _lowers(config: GpuConfig, gp: int) -> bool:
+    try:
+        check_config(config, gp)
+    except common.UnsupportedShape:
+        return False
+    return True
 
 
 def check_config(config: GpuConfig, gp: int) -> None:

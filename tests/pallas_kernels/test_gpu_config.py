@@ -4,7 +4,7 @@ import itertools
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import common
+from pallas_kernels import common, gpu_tuned
 from pallas_kernels.gpu_config import (
     GpuConfig,
     check_config,
@@ -49,3 +49,34 @@ def test_budget_shrinks_only_what_it_must():
     assert (small.block_kv, small.num_stages) == (128, 1)  # 128-dim bf16 decode fits as is
     big = default_config(2048, 1, 4, 8, 256, 16, 256, jnp.float32, h100)  # f32 prefill, D=256
     assert (big.block_q * 4, big.block_kv, big.num_stages) == (64, 32, 1)
+
+
+def test_tuned_table_is_valid_and_fits():
+    """Every shipped entry lowers and fits its device's shared memory."""
+    entries = gpu_tuned.load()
+    assert entries, "the package ships a tuned table"
+    for e in entries:
+        config = GpuConfig(**e["config"])
+        gp = common.next_pow2(e["group"])
+        check_config(config, gp)
+        assert smem_bytes(config, gp, e["head_dim"], e["dtype"]) <= device_limits(e["device"])[0]
+
+
+def test_default_config_takes_the_nearest_tuned_entry(tmp_path, monkeypatch):
+    table = tmp_path / "tuned.json"
+    entry = {"device": "NVIDIA H100 80GB HBM3", "head_dim": 128, "group": 4, "page_size": 16,
+             "dtype": "bfloat16", "mode": "decode", "num_seqs": 64, "max_kv": 1024,
+             "config": {"block_q": 4, "block_kv": 64, "num_splits": 2, "num_warps": 8, "num_stages": 1}}
+    gpu_tuned.merge([entry], str(table))
+    gpu_tuned.merge([{**entry, "num_seqs": 256}], str(table))  # a second shape
+    gpu_tuned.merge([{**entry, "config": {**entry["config"], "num_splits": 4}}], str(table))  # replaces
+    assert len(gpu_tuned.load(str(table))) == 2
+    monkeypatch.setattr(gpu_tuned, "TABLE", table)
+    h100 = "NVIDIA H100 80GB HBM3"
+    near = default_config(96, 96, 4, 8, 128, 16, 80, jnp.bfloat16, h100)  # 96 seqs, 1280 keys
+    assert (near.block_kv, near.num_splits, near.num_warps) == (64, 4, 8)
+    for other in (default_config(96, 96, 4, 8, 128, 16, 80, jnp.float32, h100),  # dtype differs
+                  default_config(1, 1, 4, 8, 128, 16, 80, jnp.bfloat16, h100),  # 96x fewer seqs
+                  default_config(96, 96, 4, 8, 128, 16, 80, jnp.bfloat16, "NVIDIA A100-SXM4-80GB")):
+        assert (other.block_kv, other.num_warps) != (64, 8)
+    assert gpu_tuned.lookup(h100, 128, 4, 16, "bfloat16", "prefill", 96, 1280, str(table)) is None
