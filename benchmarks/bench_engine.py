@@ -4,7 +4,8 @@
     python benchmarks/bench_engine.py --shape llama-3.2-1b|llama-3.1-8b|smollm2 [--startup]
 
 --shape: random weights of that model's real shape built on the device (benchmarks/shapes.py; no
-download, no transformers), bfloat16 on accelerators. Reports decode tokens/s at each batch and
+download, no transformers; with --hf-python, HF transformers builds them and runs beside the
+engine on the same weights), bfloat16 on accelerators. Reports decode tokens/s at each batch and
 prompt length and a 2048-token prefill, each beside its floor (weight + KV bytes over the measured
 copy rate; FLOPs over the measured matmul rate; benchmarks/ceilings.py), and with --startup the
 engine's cold (empty compilation cache) and warm start-up; with --profile, the fraction of
@@ -132,7 +133,15 @@ def bench_shape(args):
     cpu = jax.default_backend() == "cpu"
     batches = args.batches if args.batches != [1, 8, 32] or cpu else [1, 16, 64, 256]
     ceil = ceilings.describe()
-    model = random_model(args.shape, args.dtype)
+    hf, weights = run_hf_shape(args, batches) if args.hf_python else (None, None)
+    if weights is not None:  # the weights HF made and saved: both sides run the same model
+        import shutil
+
+        from jaxinfer.loader import load_model
+        model = load_model(weights, args.dtype, with_tokenizer=False)
+        shutil.rmtree(weights.parent, ignore_errors=True)  # 16 GB for the 8B shape
+    else:
+        model = random_model(args.shape, args.dtype)
     budget = max(args.prefill_len, max(batches))
     config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=budget,
                           max_model_len=max(4096, args.prefill_len + 1, max(args.prompt_lens) + args.new_tokens),
@@ -155,14 +164,16 @@ def bench_shape(args):
         for b in batches:
             itl = run_engine_decode(engine, b, prompt_len, args.new_tokens)
             floor = decode_floor_s(model, b, prompt_len + args.new_tokens // 2, ceil["copy_bytes_per_s"])
-            rows.append((f"decode, batch {b} x {prompt_len}-token prompt", b / itl, itl, floor))
+            theirs = hf and prompt_len == args.prompt_lens[0] and hf["decode"].get(str(b))
+            rows.append((f"decode, batch {b} x {prompt_len}-token prompt", b / itl, itl, floor, theirs))
     idle = [profile_decode(engine, b, args) for b in args.profile_batches] if args.profile else []
     if args.host_profile:
         for b in args.profile_batches:
             host_profile(engine, b, args)
     ttft = run_engine_prefill(engine, args.prefill_len)
     rows.append((f"prefill, one {args.prefill_len}-token prompt", args.prefill_len / ttft, ttft,
-                 prefill_floor_s(model, args.prefill_len, ceil["matmul_flops_per_s"])))
+                 prefill_floor_s(model, args.prefill_len, ceil["matmul_flops_per_s"]),
+                 hf and hf["prefill_tokens_per_s"]))
     assert engine.runner.num_compiled() == variants, "a step compiled after warm-up"
     dtype = model.params.embed.dtype
     print(f"Device: {ceil['device']}; jax {jax.__version__}; shape {args.shape} ({dtype}, "
@@ -175,9 +186,13 @@ def bench_shape(args):
           f"{ceil['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s{rated}")
     if startup:
         print(f"Start-up: cold {startup['cold']:.1f} s, warm {startup['warm']:.1f} s")
-    print("\n| run | tok/s | time per step (ms) | floor (ms) | % of floor |\n|---|---|---|---|---|")
-    for name, rate, t, floor in rows:
-        print(f"| {name} | {rate:.1f} | {1e3 * t:.2f} | {1e3 * floor:.2f} | {100 * floor / t:.0f}% |")
+    if hf:
+        print(f"HF transformers {hf.get('transformers', '')} (torch {hf['torch']}) on the same weights")
+    print("\n| run | tok/s | time per step (ms) | floor (ms) | % of floor | HF tok/s | vs HF |"
+          "\n|---|---|---|---|---|---|---|")
+    for name, rate, t, floor, theirs in rows:
+        vs = f"| {theirs:.1f} | {rate / theirs:.2f}x |" if theirs else "| - | - |"
+        print(f"| {name} | {rate:.1f} | {1e3 * t:.2f} | {1e3 * floor:.2f} | {100 * floor / t:.0f}% {vs}")
     if idle:
         print("\n| profiled decode | ITL (ms) | device busy per step (ms) | device idle | top kernels (ms per step) |"
               "\n|---|---|---|---|---|")
@@ -189,6 +204,23 @@ def bench_shape(args):
         print(f"| batch {b} | {1e3 * itl:.2f} | {1e3 * rep['busy_s'] / steps:.2f} | "
               f"{100 * rep['idle_fraction']:.1f}% | {top} |")
     return 0
+
+
+def run_hf_shape(args, batches):
+    """HF transformers on random weights of the shape (benchmarks/hf_baseline.py under
+    --hf-python), saved to a temporary directory: (its JSON result, the weights' directory)."""
+    import tempfile
+
+    from shapes import hf_config
+    workdir = Path(tempfile.mkdtemp(prefix=f"hf-{args.shape}-"))
+    (workdir / "shape.json").write_text(json.dumps(hf_config(args.shape)))
+    cmd = [args.hf_python, str(Path(__file__).with_name("hf_baseline.py")),
+           "--shape-config", str(workdir / "shape.json"), "--save-dir", str(workdir / "weights"),
+           "--batches", *map(str, batches), "--decode-prompt-len", str(args.prompt_lens[0]),
+           "--decode-tokens", str(args.new_tokens), "--prompt-len", str(args.prefill_len),
+           "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1]), workdir / "weights"
 
 
 def host_profile(engine, batch, args):
@@ -222,7 +254,8 @@ def profile_decode(engine, batch, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers for the baseline")
+    ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers for the baseline "
+                    "(with --shape: HF builds the random weights and both sides run them)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-rates", type=float, nargs="+", default=[0.5, 1.0])

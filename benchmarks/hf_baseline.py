@@ -1,8 +1,12 @@
 """HF transformers baseline for bench_engine.py, run in a separate Python with torch installed.
 
     /path/to/python-with-torch benchmarks/hf_baseline.py GGUF_PATH --batches 1 8 32
+    /path/to/python-with-torch benchmarks/hf_baseline.py --shape-config CONFIG.json --save-dir DIR
 
-Prints one JSON object: prefill tokens/s and decode tokens/s per batch size, float32, on the CPU.
+Prints one JSON object: prefill tokens/s and decode tokens/s per batch size (float32 on the CPU,
+bfloat16 on a GPU). With --shape-config it first builds random weights of that HF LlamaConfig and
+saves them to --save-dir as safetensors, so bench_engine.py --shape runs the engine on the same
+weights; decode then uses --prompt-len-token prompts.
 """
 import argparse
 import json
@@ -52,9 +56,30 @@ def serve_stream(model, rate, num_requests):
     return summarize(ttft, itl, num_requests, tokens, time.monotonic() - start, rate)
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _random_model(config_path, save_dir, device):
+    """Random weights of a HF LlamaConfig, saved as safetensors for the engine to load."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(**json.loads(Path(config_path).read_text()))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    if save_dir:
+        model.save_pretrained(save_dir, safe_serialization=True)
+    return model
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("gguf")
+    ap.add_argument("gguf", nargs="?", default=None)
+    ap.add_argument("--shape-config", default=None, help="a HF LlamaConfig JSON: random weights")
+    ap.add_argument("--save-dir", default=None, help="with --shape-config: where to save them")
+    ap.add_argument("--decode-prompt-len", type=int, default=16)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -63,31 +88,43 @@ def main():
     ap.add_argument("--stream-requests", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count())
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf), torch_dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.shape_config:
+        model = _random_model(args.shape_config, args.save_dir, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf), torch_dtype=torch.float32)
     model.eval()
+    vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    result = {"torch": torch.__version__, "threads": torch.get_num_threads(), "decode": {}}
+    import transformers
+    result = {"torch": torch.__version__, "transformers": transformers.__version__,
+              "threads": torch.get_num_threads(), "decode": {}}
     with torch.no_grad():
-        prompt = torch.randint(100, 40000, (1, args.prompt_len), generator=gen)
+        prompt = torch.randint(1, min(40000, vocab), (1, args.prompt_len), generator=gen).to(model.device)
         model(prompt)  # warm-up
         times = []
         for _ in range(args.repeats):
+            _sync()
             t = time.perf_counter()
             model(prompt)
+            _sync()
             times.append(time.perf_counter() - t)
         result["prefill_tokens_per_s"] = args.prompt_len / statistics.median(times)
         for b in args.batches:
-            ids = torch.randint(100, 40000, (b, 16), generator=gen)
+            ids = torch.randint(1, min(40000, vocab), (b, args.decode_prompt_len), generator=gen).to(model.device)
             kw = dict(max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, do_sample=False,
                       pad_token_id=0)
             model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
             runs = []
             for _ in range(args.repeats):
+                _sync()
                 t0 = time.perf_counter()
                 model.generate(ids, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
+                _sync()
                 t1 = time.perf_counter()
                 model.generate(ids, **kw)
+                _sync()
                 t2 = time.perf_counter()
                 # decode-only time: the full run minus a prefill-plus-one-token run
                 runs.append(b * (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0)))

@@ -1,6 +1,7 @@
 """Real model shapes with random weights, built on the device (no download, no transformers).
 
     model = random_model("llama-3.1-8b", dtype="bfloat16")   # a LoadedModel for Engine / LLM
+    hf_config("llama-3.2-1b")   # the same shape for HF transformers (bench_engine --hf-python)
 
 Weights are normal(0, 0.02) drawn by the family's init_params (fused q|k|v and gate|up as the
 loader builds them); outputs are meaningless, speeds are not. Token-id prompts only (no tokenizer).
@@ -40,6 +41,24 @@ def random_model(shape: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
     config, family = SHAPES[shape], get_family("llama")
     init = jax.jit(lambda key: family.init_params(config, key, resolve_dtype(dtype)))
     return LoadedModel(config, init(jax.random.key(seed)), None, family, Path(f"random:{shape}"))
+
+
+def hf_config(shape: str) -> dict:
+    """The shape as a HF `LlamaConfig` dict (for benchmarks/hf_baseline.py --shape-config)."""
+    c = SHAPES[shape]
+    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+           "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+           "max_position_embeddings": c.max_position_embeddings,
+           "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2}
+    if c.rope_scaling is not None:
+        r = c.rope_scaling
+        out["rope_scaling"] = {"rope_type": r.rope_type, "factor": r.factor,
+                               "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
+                               "original_max_position_embeddings": r.original_max_position_embeddings}
+    return out
 
 
 def param_bytes(model: LoadedModel) -> int:
