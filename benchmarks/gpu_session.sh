@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The attention kernels' work on a lent GPU (H100/H200), in parts that each fit one 10-minute
-# device command. Run from the repository root on the GPU machine, whose image already has
-# jax (CUDA), flax and pytest; nothing is installed. Run with PYTHONPATH=$PWD. Tables and logs go to OUTDIR (default $OUT).
+# The kernels' and the step loop's work on a lent GPU (H100/H200), in parts that each fit one
+# 10-minute device command. Run from the repository root on the GPU machine, whose image already
+# has jax (CUDA), flax and pytest; nothing is installed. Run with PYTHONPATH=$PWD (a call that
+# runs several parts saves machine start-ups). Tables and logs go to OUTDIR (default $OUT).
 #
 #   bash benchmarks/gpu_session.sh check   # compiled kernel tests (-m gpu), first half
 #   bash benchmarks/gpu_session.sh check2  # the other half + a small bench
 #   bash benchmarks/gpu_session.sh decode  # decode batch 1..256 x context 1k..32k
 #   bash benchmarks/gpu_session.sh prefill # prefill chunks 512..8k and the mixed batch
 #   bash benchmarks/gpu_session.sh sweep   # the default config's neighbours, for tuning
+#   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
+#   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context
 #
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -euo pipefail
-part=${1:?usage: gpu_session.sh check|check2|decode|prefill|sweep [OUTDIR]}
+part=${1:?usage: gpu_session.sh check|check2|decode|prefill|sweep|engine|engine8b [OUTDIR]}
 out=${2:-${OUT:-.}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -35,6 +38,16 @@ case $part in
   sweep)
     $py "${bench[@]}" --sweep --skip-reference --skip-jax --scenarios decode,prefill \
         --batches 1,64,256 --contexts 4096,32768 --chunks 2048 | tee "$out/attention_sweep.md" ;;
+  engine)  # the step loop, 1B shape: decode windows of 4 vs single steps, with the device profile
+    for k in 4 1; do
+      $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
+          --new-tokens 48 --num-decode-steps "$k" --profile --profile-batches 1 64 \
+          | tee "$out/engine_1b_k$k.md"
+    done ;;
+  engine8b)  # the 8B shape at ~1k context (cold start ~2 min)
+    $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 64 256 \
+        --new-tokens 32 --profile --profile-batches 1 | tee "$out/engine_8b.md" ;;
   *)
-    echo "unknown part: $part (want check, check2, decode, prefill or sweep)" >&2; exit 2 ;;
+    echo "unknown part: $part (want check, check2, decode, prefill, sweep, engine or engine8b)" >&2
+    exit 2 ;;
 esac
