@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import common, gpu, gpu_tuned  # noqa: E402
+from pallas_kernels import common, gpu, gpu_config, gpu_tuned  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -233,7 +233,7 @@ def tuned_entry(batch: Batch, model: Model, rows: list[dict], device_kind: str) 
     if best["t"] >= default["t"]:
         return None
     q, page_indices = batch.args[0], batch.args[5]
-    decode_like = q.shape[0] <= 2 * page_indices.shape[0]
+    decode_like = gpu_config.is_decode_like(q.shape[0], page_indices.shape[0])
     return {"device": device_kind, "head_dim": model.head_dim, "group": model.q_heads // model.kv_heads,
             "page_size": model.page_size, "dtype": jnp.dtype(model.dtype).name,
             "mode": "decode" if decode_like else "prefill", "num_seqs": int(page_indices.shape[0]),

@@ -45,8 +45,8 @@ from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
 from jaxinfer.sampling.params import MAX_LOGPROBS
 from jaxinfer.sampling.sampler import SamplerOutput, sample
 from pallas_kernels import kv_cache_shape
-from sharding import (DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, replicated_spec,
-                      shard_params, tokens_spec)
+from sharding import (DATA, SEQUENCE, axis_size, head_layout, is_multiprocess, kv_cache_spec, make_mesh,
+                      replicated_spec, shard_params, tokens_spec)
 from sharding.multihost import broadcast_int, fetch, put_inputs
 
 logger = logging.getLogger(__name__)
@@ -235,7 +235,6 @@ def decode_steps(setting: int | None, num_replicas: int = 1) -> int:
     the tokens/s of single steps at batch 1, 1.06x at batch 8; 8 steps measured the same as 4;
     on an H100 the dispatch alone took 2.6x a 1B-shape step's device time). One step with data
     replicas or several hosts, whose plans and step channel carry single steps."""
-    from sharding import is_multiprocess
     if num_replicas > 1 or is_multiprocess():
         return 1
     return DEFAULT_DECODE_STEPS if setting is None else setting

@@ -87,6 +87,11 @@ def unsupported_reason(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Arra
     return None
 
 
+def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
+    """A batch of at most two query tokens per sequence slot: the decode block sizes suit it."""
+    return num_tokens <= 2 * num_seqs
+
+
 def _fit(config: GpuConfig, gp: int, head_dim: int, dtype: DTypeLike, budget: int) -> GpuConfig:
     """Shrink block_kv (to 32), then num_stages (to 1), then block_q, then block_kv (to 16)."""
     fits = lambda c: smem_bytes(c, gp, head_dim, dtype) <= budget  # noqa: E731
@@ -108,7 +113,7 @@ def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int
     budget, num_sms = device_limits(device_kind)
     gp = common.next_pow2(group)
     d = padded_head_dim(head_dim)
-    decode_like = num_tokens <= 2 * num_seqs
+    decode_like = is_decode_like(num_tokens, num_seqs)
     rows = 16 if decode_like else (128 if d <= 128 else 64)
     block_q = max(1, rows // gp)
     max_kv = pages_per_seq * page_size

@@ -62,7 +62,7 @@ def check_request(request_id: str | None, prompt: list[int], params: SamplingPar
         raise ValueError(
             f"{who}prompt of {len(prompt)} tokens + max_tokens="
             f"{params.max_tokens} = {total} tokens exceeds max_model_len={max_model_len}")
-    pages = -(-(total - 1) // pool.page_size)
+    pages = pool.pages_for(total - 1)
     if pages > pool.num_usable_pages:
         raise ValueError(
             f"{who}prompt of {len(prompt)} tokens + max_tokens="

@@ -46,12 +46,12 @@ def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan |
         if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.sampling_params.uses_penalties
                 or seq.num_tokens + num_steps - 1 > scheduler.max_model_len):
             return None
-    page_size = scheduler.pool.page_size
-    need = [max(0, -(-(s.num_computed_tokens + num_steps) // page_size) - len(s.pages)) for s in seqs]
-    if not scheduler.pool.can_allocate(sum(need)):
+    pool = scheduler.pool
+    need = [max(0, pool.pages_for(s.num_computed_tokens + num_steps) - len(s.pages)) for s in seqs]
+    if not pool.can_allocate(sum(need)):
         return None
     entries = []
     for seq, n in zip(seqs, need):
-        seq.pages += scheduler.pool.allocate(n)
+        seq.pages += pool.allocate(n)
         entries.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, tuple(seq.pages), sample=True))
     return SchedulerPlan(entries, num_steps=num_steps)

@@ -35,7 +35,10 @@ import collections
 import dataclasses
 import hashlib
 import struct
-from typing import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Sequence
+
+if TYPE_CHECKING:
+    from jaxinfer.core.sequence import Sequence as SequenceState
 
 NULL_PAGE = 0
 
@@ -147,9 +150,13 @@ class PagePool:
             pages.append(entry.page_id)
         return pages
 
-    def cache_computed_pages(self, seq) -> None:
-        """Registers the pages of `seq` (a core Sequence) full of computed tokens whose ids are
-        all known (placeholders of steps in flight are not)."""
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def cache_computed_pages(self, seq: SequenceState) -> None:
+        """Registers the pages of `seq` full of computed tokens whose ids are all known
+        (placeholders of steps in flight are not)."""
         num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.page_size
         if not self.enable_prefix_caching or num_full <= seq.num_cached_pages:
             return

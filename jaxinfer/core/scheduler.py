@@ -208,7 +208,7 @@ class Scheduler:
 
     def _reserve_pages(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
         """Gives `seq` pages for `num_tokens`, preempting others; False if `seq` itself was."""
-        need = max(0, self._pages_for(num_tokens) - len(seq.pages))
+        need = max(0, self.pool.pages_for(num_tokens) - len(seq.pages))
         while not self.pool.can_allocate(need):
             victim = max(self.running, key=_sort_key)
             self._preempt(victim, step)
@@ -236,7 +236,7 @@ class Scheduler:
         cached = pool.match_prefix(seq.page_hashes, seq.token_ids)
         num_cached_tokens = len(cached) * pool.page_size
         n = min(seq.num_tokens - num_cached_tokens, step.budget)
-        need = self._pages_for(num_cached_tokens + n) - len(cached)
+        need = self.pool.pages_for(num_cached_tokens + n) - len(cached)
         if not pool.can_allocate(need, cached):
             return False
         seq.pages = pool.allocate(need, cached)
@@ -247,9 +247,6 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self._plan(seq, n, step)
         return True
-
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.pool.page_size)
 
     # --- after the step -------------------------------------------------------------------------
     def update(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
