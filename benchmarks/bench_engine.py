@@ -166,10 +166,14 @@ def bench_shape(args):
             floor = decode_floor_s(model, b, prompt_len + args.new_tokens // 2, ceil["copy_bytes_per_s"])
             theirs = hf and prompt_len == args.prompt_lens[0] and hf["decode"].get(str(b))
             rows.append((f"decode, batch {b} x {prompt_len}-token prompt", b / itl, itl, floor, theirs))
-    idle = [profile_decode(engine, b, args) for b in args.profile_batches] if args.profile else []
-    if args.host_profile:
-        for b in args.profile_batches:
-            host_profile(engine, b, args)
+    import profile_idle
+    decode = lambda b, seed: run_engine_decode(engine, b, args.prompt_lens[0], args.new_tokens, seed)  # noqa: E731
+    idle = [(b, *profile_idle.traced(lambda: decode(b, 7)), args.new_tokens)
+            for b in args.profile_batches] if args.profile else []
+    for b in args.profile_batches if args.host_profile else ():
+        itl, stats = profile_idle.host_profile(lambda: decode(b, 9))
+        print(f"\n## Host profile, decode batch {b} ({args.new_tokens} steps, ITL {1e3 * itl:.2f} ms "
+              f"under cProfile)\n```\n{stats}```")
     ttft = run_engine_prefill(engine, args.prefill_len)
     rows.append((f"prefill, one {args.prefill_len}-token prompt", args.prefill_len / ttft, ttft,
                  prefill_floor_s(model, args.prefill_len, ceil["matmul_flops_per_s"]),
@@ -221,35 +225,6 @@ def run_hf_shape(args, batches):
            "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1]), workdir / "weights"
-
-
-def host_profile(engine, batch, args):
-    """cProfile of one decode run: where the host's time per step goes (top functions)."""
-    import cProfile
-    import io
-    import pstats
-    profiler = cProfile.Profile()
-    profiler.enable()
-    itl = run_engine_decode(engine, batch, args.prompt_lens[0], args.new_tokens, seed=9)
-    profiler.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(18)
-    stats.sort_stats("cumulative").print_stats(22)
-    print(f"\n## Host profile, decode batch {batch} ({args.new_tokens} steps, ITL {1e3 * itl:.2f} ms "
-          f"under cProfile)\n```\n{out.getvalue()}```")
-
-
-def profile_decode(engine, batch, args):
-    """One decode run of `batch` requests under jax.profiler: (batch, ITL, idle report, steps)."""
-    import tempfile
-
-    import profile_idle
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            itl = run_engine_decode(engine, batch, args.prompt_lens[0], args.new_tokens, seed=7)
-        report = profile_idle.device_idle(trace_dir)
-    return batch, itl, report, args.new_tokens
 
 
 def main():

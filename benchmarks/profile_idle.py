@@ -1,4 +1,5 @@
-"""How much of a run the device spent idle, from a `jax.profiler` trace.
+"""How much of a run the device spent idle, from a `jax.profiler` trace; and where the host's
+time goes, from cProfile (`traced` and `host_profile` wrap a run for bench_engine.py).
 
     with jax.profiler.trace(dir, create_perfetto_trace=True):
         ...  # the steps to look at
@@ -12,8 +13,12 @@ on several streams overlap); the window runs from the first kernel's start to th
 from __future__ import annotations
 
 import collections
+import cProfile
 import gzip
+import io
 import json
+import pstats
+import tempfile
 from pathlib import Path
 
 
@@ -50,3 +55,25 @@ def device_idle(trace_dir: str | Path, device_prefix: str = "/device:GPU") -> di
     return {"busy_s": busy * 1e-6, "window_s": window * 1e-6,
             "idle_fraction": 1.0 - busy / window if window > 0 else 0.0,
             "kernels": len(spans), "top": [(name, t * 1e-6) for name, t in top]}
+
+
+def traced(run) -> tuple[object, dict | None]:
+    """(run(), device_idle report) of `run` under jax.profiler."""
+    import jax
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            result = run()
+        return result, device_idle(trace_dir)
+
+
+def host_profile(run) -> tuple[object, str]:
+    """(run(), its cProfile top functions by own time and by cumulative time, as text)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    result = run()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(18)
+    stats.sort_stats("cumulative").print_stats(22)
+    return result, out.getvalue()

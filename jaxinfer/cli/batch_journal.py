@@ -32,6 +32,7 @@ class Journal:
         if self.path.exists():
             self._load()
         self._file = open(self.path, "ab")
+        self._reader = open(self.path, "rb")  # one handle for every resumed record
 
     def _load(self) -> None:
         data = self.path.read_bytes()
@@ -59,9 +60,8 @@ class Journal:
 
     def record(self, lineno: int) -> dict:
         _, offset, length = self._index[lineno]
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            return json.loads(f.read(length))["record"]
+        self._reader.seek(offset)
+        return json.loads(self._reader.read(length))["record"]
 
     def append(self, lineno: int, key: str, record: dict) -> None:
         raw = (json.dumps({"line": lineno, "sha": key, "record": record}, ensure_ascii=False)
@@ -74,5 +74,6 @@ class Journal:
 
     def close(self, remove: bool = False) -> None:
         self._file.close()
+        self._reader.close()
         if remove:
             self.path.unlink(missing_ok=True)
