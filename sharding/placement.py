@@ -6,17 +6,24 @@ then `jax.make_array_from_callback` copies to each device only the slice that de
 device ever holds a whole unsharded tensor, and on several hosts each process fills only its own
 devices (every process reads the checkpoint itself).
 
+Checkpoints that read straight onto devices (orbax) ask the placer instead for a `target` (shape,
+dtype and the sharding to read each array under; every process then reads only its own shards)
+and hand the restored array to `finish`, which repeats KV heads on the devices when the layout
+asks for it: those arrays are read with the KV-head axis whole, since K heads do not split over
+tp > K shards.
+
 `shard_params` does the same for a parameter tree that is already in memory (an Engine given a
 model loaded without a mesh); arrays already placed as asked are kept as they are.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from sharding.rules import HeadLayout, ParamAxes, PyTree, _leaf_name, logical_to_spec
 
@@ -27,7 +34,17 @@ class FieldSpec(Protocol):
     field: str
 
 
-Placer = Callable[[FieldSpec, np.ndarray], jax.Array]
+class Placer(Protocol):
+    """The loader's placement hook (see the module docstring)."""
+
+    def __call__(self, spec: FieldSpec, array: np.ndarray) -> jax.Array:
+        """A host array read from a checkpoint -> the array on its device(s)."""
+
+    def target(self, field: str, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """What to read a saved array of this field as: shape, dtype and sharding."""
+
+    def finish(self, field: str, array: jax.Array) -> jax.Array:
+        """An array read as `target` said -> its final placement."""
 
 
 def repeat_kv_heads(array: np.ndarray, axes: tuple[str, ...], repeat: int) -> np.ndarray:
@@ -71,9 +88,59 @@ def place_param(name: str, array: np.ndarray, mesh: Mesh, param_axes: ParamAxes,
     return put_sharded(array, NamedSharding(mesh, logical_to_spec(axes, array.shape, mesh)))
 
 
-def make_placer(mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout) -> Placer:
-    """The loader hook: place(tensor_spec, host_array) -> sharded jax.Array."""
-    return lambda spec, array: place_param(spec.field, array, mesh, param_axes, layout)
+class DevicePlacer:
+    """Every parameter whole on one device (the default device when none is given)."""
+
+    def __init__(self, device: jax.Device | None = None) -> None:
+        self.device = device or jax.devices()[0]
+
+    def __call__(self, spec: FieldSpec, array: np.ndarray) -> jax.Array:
+        return jax.device_put(array, self.device)
+
+    def target(self, field: str, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(self.device))
+
+    def finish(self, field: str, array: jax.Array) -> jax.Array:
+        return array
+
+
+class MeshPlacer:
+    """Every parameter split over the mesh by its logical axes, KV heads repeated as `layout` asks;
+    with `repeat_kv=False` KV heads stay as the checkpoint has them (kept whole where they do not
+    split), the layout `jaxinfer convert` saves."""
+
+    def __init__(self, mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout,
+                 repeat_kv: bool = True) -> None:
+        self.mesh, self.param_axes, self.layout, self.repeat_kv = mesh, param_axes, layout, repeat_kv
+
+    def __call__(self, spec: FieldSpec, array: np.ndarray) -> jax.Array:
+        if not self.repeat_kv:
+            return put_sharded(array, self.target(spec.field, array.shape, array.dtype).sharding)
+        return place_param(spec.field, array, self.mesh, self.param_axes, self.layout)
+
+    def _repeats(self, field: str) -> bool:
+        return self.layout.kv_repeat > 1 and "kv_heads" in self.param_axes[field]
+
+    def target(self, field: str, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        axes = self.param_axes[field]
+        spec = logical_to_spec(axes, shape, self.mesh, strict=not self._repeats(field))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
+
+    def finish(self, field: str, array: jax.Array) -> jax.Array:
+        if not (self.repeat_kv and self._repeats(field)):
+            return array
+        axes = self.param_axes[field]
+        if "qkv" in axes:
+            raise ValueError(f"{field}: fused q|k|v weights are saved unfused; cannot repeat KV heads")
+        shape = repeated_shape(tuple(array.shape), axes, self.layout)
+        out = NamedSharding(self.mesh, logical_to_spec(axes, shape, self.mesh))
+        repeat = functools.partial(jnp.repeat, repeats=self.layout.kv_repeat, axis=axes.index("kv_heads"))
+        return jax.jit(repeat, out_shardings=out)(array)
+
+
+def make_placer(mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout) -> MeshPlacer:
+    """The loader hook for a mesh: place(tensor_spec, host_array) -> sharded jax.Array."""
+    return MeshPlacer(mesh, param_axes, layout)
 
 
 def shard_params(params: PyTree, param_axes: ParamAxes, mesh: Mesh, layout: HeadLayout) -> PyTree:

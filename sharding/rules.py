@@ -55,8 +55,11 @@ LOGICAL_RULES: dict[str, str | None] = {
 _MAY_REPLICATE = ("vocab",)
 
 
-def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh | None) -> P:
-    """PartitionSpec of an array whose dimensions have these logical names."""
+def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh | None,
+                    strict: bool = True) -> P:
+    """PartitionSpec of an array whose dimensions have these logical names. `strict=False` keeps
+    any axis whose size does not divide its mesh axis whole, silently: the sharding a checkpoint's
+    array is read under before `finish` gives it its final placement (e.g. unrepeated KV heads)."""
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match shape {shape}")
     out, used = [], set()
@@ -69,6 +72,9 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh
             out.append(None)
             continue
         if dim % size:
+            if not strict:
+                out.append(None)
+                continue
             if name not in _MAY_REPLICATE:
                 raise ValueError(f"logical axis {name!r} of size {dim} cannot be split over "
                                  f"mesh axis {mesh_axis!r} of size {size}")

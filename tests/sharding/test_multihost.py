@@ -2,6 +2,9 @@
 schedules and broadcasts each step, and its tokens equal the single-process run's (which the
 llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it)."""
 import pytest
+from testpaths import FIXTURES
+
+from jaxinfer.convert import convert
 
 
 @pytest.mark.parametrize("mesh,devices", [("tensor=2", 1), ("data=2,tensor=2", 2)],
@@ -14,3 +17,13 @@ def test_two_processes_match_one(processes, port, mesh, devices):
     assert leader["local_devices"] == devices
     assert leader["outputs"] == leader["expected"]
     assert follower["outputs"] == []  # followers run the steps; process 0 returns the results
+
+
+def test_two_processes_restore_an_orbax_checkpoint(processes, port, tmp_path):
+    """Each process restores its own shards of a converted checkpoint; the outputs are the
+    single-process run's."""
+    convert(FIXTURES / "hf" / "llama3", tmp_path / "ckpt", dtype="float32", progress=False)
+    leader, follower = processes(
+        [["multihost", str(i), str(port), "tensor=2", str(tmp_path / "ckpt")] for i in range(2)], devices=1)
+    assert leader["outputs"] == leader["expected"]
+    assert follower["outputs"] == []
