@@ -35,7 +35,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.core.plan import SchedulerPlan
@@ -110,8 +110,13 @@ class ModelRunner:
         max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
         parts = (self.family, self.config, engine.attn_impl, max_seqs)
         prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)
+        # Every array the step carries over (KV caches, sampled tokens) is committed to the
+        # params' device(s) from the start: an uncommitted first value would give the step a
+        # second signature (and a compile after warm-up) once its committed outputs come back.
         out_shardings, self._prev_tokens = None, jnp.zeros(prev_shape, jnp.int32)
-        if self.mesh is not None:
+        if self.mesh is None:
+            self._prev_tokens = jax.device_put(self._prev_tokens, self._home)
+        else:
             replicated = NamedSharding(self.mesh, P())
             out_shardings = (replicated, tuple(c.sharding for c in self.kv_caches), replicated)
             self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
@@ -133,11 +138,16 @@ class ModelRunner:
                                self.config.head_dim)
         if self.num_replicas > 1:
             shape = (self.num_replicas, *shape)
-        sharding = None
+        sharding = self._home
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
         zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=sharding)
         return tuple(zeros() for _ in range(self.config.num_layers))
+
+    @property
+    def _home(self) -> SingleDeviceSharding:
+        """The device of a model without a mesh: where its embedding table is."""
+        return SingleDeviceSharding(next(iter(self.params.embed.devices())))
 
     def _mesh_context(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()

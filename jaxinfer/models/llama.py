@@ -104,10 +104,12 @@ def top_fields(config: ModelConfig) -> list[str]:
 
 def assemble(config: ModelConfig, top: dict[str, jax.Array],
              per_layer: list[dict[str, jax.Array]]) -> LlamaParams:
-    """Builds the parameter tree from arrays keyed by field name, fusing q|k|v and gate|up."""
+    """Builds the parameter tree from arrays keyed by field name, fusing q|k|v and gate|up. Each
+    layer's dict is consumed (its unfused arrays popped) as the layer is built, so a load never
+    holds the unfused and the fused copies of every layer at once."""
     return LlamaParams(
         embed=top["embed"], final_norm=top["final_norm"], lm_head=top.get("lm_head"),
-        layers=tuple(LlamaLayer(**_fuse(dict(fields))) for fields in per_layer))
+        layers=tuple(LlamaLayer(**_fuse(fields)) for fields in per_layer))
 
 
 def _fuse(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -48,7 +48,8 @@ class InitParamsFn(Protocol):
 class AssembleFn(Protocol):
     def __call__(self, config: ModelConfig, top: dict[str, jax.Array],
                  per_layer: list[dict[str, jax.Array]]) -> ModelParams:
-        """The parameter tree from loaded arrays keyed by field name."""
+        """The parameter tree from loaded arrays keyed by field name (it may empty `per_layer`
+        dicts as it goes, freeing arrays it has fused)."""
 
 
 class CheckpointSpecsFn(Protocol):
