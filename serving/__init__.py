@@ -1,4 +1,5 @@
-"""serving: the gRPC batching server around one jaxinfer Engine (threads and queues live here only).
+"""serving: the gRPC batching server and the OpenAI-compatible HTTP API around one jaxinfer Engine
+(threads and queues live here only).
 
     client ──gRPC──► grpc.aio event loop (servicer.py)           engine thread (engine_loop.py)
                       Generate: validate, tokenize (worker)  ──►  commands: SimpleQueue
@@ -14,6 +15,7 @@
     metrics.py  Prometheus metrics on their own port
     client.py   Client / AsyncClient
     cli.py      `jaxinfer serve` / `jaxinfer client` (entry point group "jaxinfer.cli")
+    openai/     the OpenAI-compatible HTTP API (Starlette on uvicorn, same event loop and EngineLoop)
 
 The import direction is serving -> jaxinfer; jaxinfer never imports serving.
 """

@@ -2,13 +2,16 @@
 
     jaxinfer serve [--model PATH] [--port 50051] [--metrics-port 9090] [--tls-cert C --tls-key K]
     JAXINFER_AUTH_TOKEN=secret jaxinfer serve          # or --auth-token-file FILE
+    jaxinfer serve --http-port 8000 [--no-grpc]        # + the OpenAI-compatible HTTP API (only)
+    JAXINFER_API_KEYS=k1,k2 jaxinfer serve --http-port 8000   # or --api-keys-file FILE
     jaxinfer client generate "Hello" --max-tokens 32  # streams text to stdout
     jaxinfer client generate --chat "Hi there"         # through the chat template
     jaxinfer client generate --token-ids 1,2,3         # token ids in, token ids printed
     jaxinfer client tokenize "Hello" | detokenize 1 2 3 | info | stats | health
 
-`serve` prints one line "listening on HOST:PORT" on stdout once it accepts calls and exits 0
-after SIGTERM or SIGINT (in-flight calls get --grace-period seconds to finish). A client call that
+`serve` prints one line "listening on HOST:PORT" on stdout once it accepts calls (with the HTTP
+API: "listening on HOST:PORT (http://HOST:PORT)", or "listening on http://HOST:PORT" with
+--no-grpc) and exits 0 after SIGTERM or SIGINT (in-flight calls get --grace-period seconds). A client call that
 fails prints "error: CODE: message" on stderr and exits 1.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ import os
 import signal
 import sys
 from typing import Callable
+
+from serving.openai.auth import API_KEYS_ENV
 
 TOKEN_ENV = "JAXINFER_AUTH_TOKEN"
 
@@ -49,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
     g.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     g.add_argument("--no-penalties", action="store_true",
                    help="compile no penalty variants (faster start); penalty requests are refused")
+    _add_http_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     client = subparsers.add_parser("client", help="call a running jaxinfer server")
@@ -79,23 +85,46 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
     client.set_defaults(func=cmd_client)
 
 
+def _add_http_args(serve: argparse.ArgumentParser) -> None:
+    h = serve.add_argument_group("OpenAI-compatible HTTP API")
+    h.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API on this port too (0 = any free port; default: off)")
+    h.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
+    h.add_argument("--no-grpc", action="store_true", help="serve only the HTTP API (needs --http-port)")
+    h.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model path's basename)")
+    h.add_argument("--api-keys-file", default=None,
+                   help=f"require 'Authorization: Bearer <key>': keys one per line, # comments (or ${API_KEYS_ENV}, "
+                        "comma-separated; without either, the gRPC token if one is set)")
+    h.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest HTTP request body; larger ones get 413 (default 4 MiB)")
+
+
 # --- serve --------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxinfer.cli.args import check_file, make_llm
     from serving.auth import read_token
+    from serving.openai.auth import read_api_keys
     from serving.server import ServerOptions
 
-    for flag in ("--auth-token-file", "--tls-cert", "--tls-key"):  # before the model loads
+    for flag in ("--auth-token-file", "--tls-cert", "--tls-key", "--api-keys-file"):  # before the model loads
         check_file(flag, getattr(args, flag[2:].replace("-", "_")))
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port),
+                       ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"{flag} {port}: must be in [0, 65535]")
+    if args.no_grpc and args.http_port is None:
+        raise ValueError("--no-grpc: needs --http-port (there would be nothing to serve)")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be >= 1")
     options = ServerOptions(
-        host=args.host, port=args.port, max_waiting=args.max_waiting,
+        host=args.host, port=None if args.no_grpc else args.port, max_waiting=args.max_waiting,
         auth_token=read_token(os.environ.get(TOKEN_ENV) or None, args.auth_token_file),
         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, grace_period_s=args.grace_period,
-        max_message_bytes=args.max_message_bytes)
+        max_message_bytes=args.max_message_bytes, http_port=args.http_port, http_host=args.http_host,
+        served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+        api_keys=tuple(read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV) or None)))
     signal.signal(signal.SIGTERM, _terminated_while_starting)
     engine = make_llm(args, penalties=not args.no_penalties).engine
     try:
@@ -123,7 +152,12 @@ async def _serve(engine, options) -> int:
         await asyncio.to_thread(server.engine_loop.stop)
         raise
     metrics = f" (metrics on {options.metrics_host}:{server.metrics_port})" if server.metrics_port else ""
-    print(f"listening on {server.address}{metrics}", flush=True)
+    if server.http is None:
+        print(f"listening on {server.address}{metrics}", flush=True)
+    elif options.port is None:
+        print(f"listening on {server.http.url}{metrics}", flush=True)
+    else:
+        print(f"listening on {server.address} ({server.http.url}){metrics}", flush=True)
     await stop.wait()
     print(f"shutting down (grace period {options.grace_period_s:g} s)", file=sys.stderr, flush=True)
     await server.stop()

@@ -1,5 +1,5 @@
 """Prometheus metrics of one server, in their own registry (several servers can share a process,
-as in the tests) and served over HTTP on their own port.
+as in the tests), served over HTTP on their own port and at the HTTP API's /metrics.
 
 Written by the engine thread only: per-step gauges from `Engine.stats()`, per-request histograms
 when a request finishes. prometheus_client's metrics are thread-safe; scrapes read them from the
@@ -39,6 +39,8 @@ class ServerMetrics:
                                      ["finish_reason"], registry=r)
         self.rejected = prom.Counter("jaxinfer_rejected_requests", "requests refused by status code",
                                      ["code"], registry=r)
+        self.http_requests = prom.Counter("jaxinfer_http_requests", "HTTP API responses by route and status",
+                                          ["route", "status"], registry=r)
         self.throughput = prom.Gauge("jaxinfer_generation_tokens_per_second",
                                      f"generated tokens per second over the last {_THROUGHPUT_WINDOW_S:g} s",
                                      registry=r)
@@ -93,6 +95,10 @@ class ServerMetrics:
             self._seen[key] = value
 
     # --- HTTP -----------------------------------------------------------------------------------
+    def exposition(self) -> tuple[bytes, str]:
+        """The Prometheus text of this registry and its content type (for the HTTP API's /metrics)."""
+        return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Starts the /metrics HTTP server (port 0 = any free port); returns the port."""
         self._http, _ = prom.start_http_server(port, addr=host, registry=self.registry)

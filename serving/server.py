@@ -1,11 +1,17 @@
-"""InferenceServer: one grpc.aio server around one Engine, and its life cycle.
+"""InferenceServer: one Engine behind a grpc.aio server and/or the OpenAI-compatible HTTP API
+(serving.openai, uvicorn on the same event loop), and their life cycle.
 
-    start():  EngineLoop thread up -> grpc.aio server with InferenceService, the standard health
-              service and server reflection (bearer-token interceptor and TLS when configured)
-              -> health SERVING -> Prometheus /metrics on its own port when asked for
-    stop():   health NOT_SERVING and new calls refused (UNAVAILABLE) -> in-flight calls get
-              `grace_period_s` to finish -> the engine loop stops, ending what is left with
-              UNAVAILABLE -> the grpc server closes.
+    start():  sockets bound -> EngineLoop thread up -> grpc.aio server with InferenceService, the
+              standard health service and server reflection (bearer-token interceptor and TLS
+              when configured) -> the HTTP API -> health SERVING -> Prometheus /metrics on its
+              own port when asked for
+    stop():   health NOT_SERVING, new gRPC calls refused (UNAVAILABLE), new HTTP requests 503
+              -> in-flight calls and requests of both get `grace_period_s` to finish -> the
+              engine loop stops, ending what is left (UNAVAILABLE / 503 / an error event)
+              -> the grpc server and the HTTP server close.
+
+Both transports admit generation requests against one in-flight limit (max_num_seqs +
+max_waiting).
 
 BackgroundServer runs the same on an event loop of its own thread, for synchronous programs,
 benchmarks and tests.
@@ -26,6 +32,8 @@ from jaxinfer.engine import Engine
 from serving.auth import BearerTokenInterceptor
 from serving.engine_loop import EngineLoop
 from serving.metrics import ServerMetrics
+from serving.openai.admission import Admission
+from serving.openai.server import DEFAULT_MAX_BODY_BYTES, HttpOptions, HttpServer
 from serving.proto import jaxinfer_pb2 as pb
 from serving.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.servicer import InferenceServicer
@@ -38,7 +46,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name  # j
 @dataclasses.dataclass
 class ServerOptions:
     host: str = "127.0.0.1"
-    port: int = 50051                  # 0: any free port (see InferenceServer.port)
+    port: int | None = 50051           # 0: any free port (see InferenceServer.port); None: no gRPC
     max_waiting: int = 256             # calls admitted beyond max_num_seqs; past it RESOURCE_EXHAUSTED
     auth_token: str | None = None      # bearer token every call but health checks must carry
     tls_cert_file: str | None = None   # PEM certificate chain and key: serve TLS instead of plaintext
@@ -47,8 +55,16 @@ class ServerOptions:
     metrics_host: str = "127.0.0.1"
     grace_period_s: float = 10.0       # how long stop() lets in-flight calls finish
     max_message_bytes: int = 4 * 1024 * 1024
+    # The OpenAI-compatible HTTP API (serving.openai): off unless http_port is set (0: any free port).
+    http_port: int | None = None
+    http_host: str = "127.0.0.1"
+    served_model_name: str | None = None  # None: the model path's basename
+    api_keys: tuple[str, ...] = ()     # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self):
+        if self.port is None and self.http_port is None:
+            raise ValueError("nothing to serve: set a gRPC port, an HTTP port, or both")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -66,15 +82,53 @@ class InferenceServer:
         self.servicer = InferenceServicer(self.engine_loop, max_waiting=self.options.max_waiting,
                                           metrics=self.metrics, executor=self._executor)
         self.health = health.aio.HealthServicer()
+        self.http = self._http_server() if self.options.http_port is not None else None
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._started = False
+
+    def _http_server(self) -> HttpServer:
+        opts = self.options
+        admission = Admission(self.servicer.max_in_flight, lambda: self.servicer.num_streams)
+        self.servicer.in_flight_elsewhere = lambda: admission.in_flight
+        keys = opts.api_keys or ((opts.auth_token,) if opts.auth_token else ())
+        return HttpServer(self.engine_loop, self.servicer.limits, HttpOptions(
+            host=opts.http_host, port=opts.http_port, served_model_name=opts.served_model_name, api_keys=keys,
+            max_body_bytes=opts.max_body_bytes, tls_cert_file=opts.tls_cert_file, tls_key_file=opts.tls_key_file),
+            admission=admission, metrics=self.metrics, executor=self._executor)
 
     @property
     def address(self) -> str:
+        """The gRPC address, or the HTTP one when there is no gRPC server."""
+        if self.options.port is None:
+            return self.http.address
         return f"{self.options.host}:{self.port}"
 
     async def start(self) -> "InferenceServer":
+        opts = self.options
+        server = self._grpc_server() if opts.port is not None else None
+        if server is not None:
+            self.port = self._bind(server)
+        if self.http is not None:
+            self.http.bind()
+        self.engine_loop.start()
+        self._started = True
+        if server is not None:
+            await server.start()
+            self._server = server
+        if self.http is not None:
+            await self.http.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if opts.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_host)
+        logger.info("serving on %s (%s)%s%s", self.address, "TLS" if opts.tls_cert_file else "plaintext",
+                    f", HTTP API on {self.http.url}" if self.http else "",
+                    f", metrics on :{self.metrics_port}" if self.metrics_port else "")
+        return self
+
+    def _grpc_server(self) -> grpc.aio.Server:
         opts = self.options
         interceptors = [BearerTokenInterceptor(opts.auth_token)] if opts.auth_token else []
         server = grpc.aio.server(interceptors=interceptors, options=[
@@ -85,17 +139,7 @@ class InferenceServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = self._bind(server)
-        self.engine_loop.start()
-        await server.start()
-        self._server = server
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if opts.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_host)
-        logger.info("serving on %s (%s)%s", self.address, "TLS" if opts.tls_cert_file else "plaintext",
-                    f", metrics on :{self.metrics_port}" if self.metrics_port else "")
-        return self
+        return server
 
     def _bind(self, server: grpc.aio.Server) -> int:
         opts = self.options
@@ -113,22 +157,34 @@ class InferenceServer:
             raise OSError(f"cannot listen on {address}")
         return port
 
+    @property
+    def num_in_flight(self) -> int:
+        return self.servicer.num_streams + (self.http.num_in_flight if self.http else 0)
+
     async def stop(self, grace: float | None = None) -> None:
         """Stops accepting calls, lets in-flight ones finish within the grace period, ends the rest."""
-        if self._server is None:
+        if not self._started:
             return
+        self._started = False
         grace = self.options.grace_period_s if grace is None else grace
         self.servicer.draining = True
+        if self.http is not None:
+            self.http.begin_draining()
         await self.health.enter_graceful_shutdown()
-        closing = asyncio.create_task(self._server.stop(grace + 5.0))  # refuses new calls at once
+        closing = None
+        if self._server is not None:
+            closing = asyncio.create_task(self._server.stop(grace + 5.0))  # refuses new calls at once
         loop = asyncio.get_running_loop()
         end = loop.time() + grace
-        while self.servicer.num_streams and loop.time() < end:
+        while self.num_in_flight and loop.time() < end:
             await asyncio.sleep(0.02)
-        if self.servicer.num_streams:
-            logger.warning("grace period over: ending %d calls with UNAVAILABLE", self.servicer.num_streams)
+        if self.num_in_flight:
+            logger.warning("grace period over: ending %d calls/requests", self.num_in_flight)
         await asyncio.to_thread(self.engine_loop.stop)
-        await closing
+        if closing is not None:
+            await closing
+        if self.http is not None:
+            await self.http.stop()
         self._server = None
         self.metrics.close()
         self._executor.shutdown(wait=False)
@@ -154,6 +210,10 @@ class BackgroundServer:
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def http_port(self) -> int | None:
+        return self.server.http.port if self.server.http else None
 
     @property
     def address(self) -> str:

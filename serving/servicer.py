@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 import jax
@@ -57,6 +57,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._streams: dict[str, asyncio.Queue] = {}
         self._model_info = _model_info(engine)
         self.draining = False
+        self.in_flight_elsewhere: Callable[[], int] = lambda: 0  # the HTTP API's admitted requests
+
+    @property
+    def limits(self) -> ModelLimits:
+        return self._limits
 
     @property
     def num_streams(self) -> int:
@@ -77,9 +82,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if self.draining:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if len(self._streams) >= self.max_in_flight:
+        if (in_flight := len(self._streams) + self.in_flight_elsewhere()) >= self.max_in_flight:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server busy: {len(self._streams)} requests in flight (limit "
+                               f"server busy: {in_flight} requests in flight (limit "
                                f"{self.max_in_flight}); retry later")
         if request_id in self._streams:
             await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS,

@@ -1,0 +1,16 @@
+"""The OpenAI-compatible HTTP API, on the same EngineLoop as the gRPC server (one engine, both
+transports, one event loop, one shutdown).
+
+    client ──HTTP──► uvicorn (a task of the grpc.aio event loop)
+                     Gate (middleware.py): draining 503, API key 401, body size 413, admission
+                     app.py routes ──► handlers.py: parse -> inputs.py (SamplingParams; 400 naming
+                        the field) -> generation.EngineRequests: EngineLoop.submit, deltas,
+                        abort when the client leaves -> outputs.py (OpenAI JSON) / sse.py (chunks)
+
+    protocol.py   request bodies (pydantic)         errors.py   OpenAI's error JSON, status codes
+    inputs.py     body -> prompt ids + SamplingParams outputs.py RequestOutput -> responses, chunks
+    sse.py        `data: ...` events, disconnect-aware streaming response
+    generation.py one request's engine requests     admission.py in-flight limit (rate limits later)
+    auth.py       API keys (sha256, constant time)  middleware.py  the Gate
+    app.py        routes, error handlers            server.py   HttpServer (uvicorn) life cycle
+"""

@@ -1,0 +1,118 @@
+"""The ASGI app of the OpenAI-compatible API: its routes and how errors become OpenAI's JSON.
+
+    POST /v1/completions, /v1/chat/completions   handlers.py (streamed or not)
+    GET  /v1/models, /v1/models/{model}          the one served model
+    POST /tokenize, /detokenize                   vLLM's shapes
+    GET  /health, /metrics                        open (no API key); /metrics is the gRPC server's registry
+
+Every error, including unknown routes (404) and a bug in a handler (500), answers
+`{"error": {"message", "type", "param", "code"}}`. The Gate middleware (middleware.py) wraps it.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serving.metrics import ServerMetrics
+from serving.openai import handlers
+from serving.openai.errors import APIError, bad_request, not_found_route
+from serving.openai.handlers import ApiContext, parse
+from serving.openai.inputs import render_messages
+from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
+
+logger = logging.getLogger(__name__)
+
+
+class _Endpoints:
+    def __init__(self, ctx: ApiContext, metrics: ServerMetrics | None):
+        self.ctx, self.metrics = ctx, metrics
+
+    def _model_card(self) -> dict:
+        return {"id": self.ctx.model_name, "object": "model", "created": self.ctx.created, "owned_by": "jaxinfer",
+                "max_model_len": self.ctx.limits.max_model_len}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self.ctx.check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})  # while draining the middleware answers 503
+
+    async def prometheus(self, request: Request) -> Response:
+        if self.metrics is None:
+            raise not_found_route(request.url.path)
+        body, content_type = self.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    async def _tokenizer_request(self, request: Request, model_cls):
+        """The parsed body of a /tokenize or /detokenize call, for a model with a tokenizer."""
+        req = await parse(request, model_cls)
+        self.ctx.check_model(req.model)
+        if self.ctx.tokenizer is None:
+            raise bad_request(None, "this model has no tokenizer")
+        return req, self.ctx
+
+    async def tokenize(self, request: Request) -> Response:
+        req, ctx = await self._tokenizer_request(request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("prompt", "prompt: send exactly one of prompt and messages")
+        if req.messages is not None:
+            # the chat template writes its own special tokens, exactly as for a chat completion
+            ids = await ctx.in_worker(render_messages, req.messages, ctx.tokenizer, req.add_generation_prompt)
+        else:
+            ids = await ctx.in_worker(ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        req, ctx = await self._tokenizer_request(request, DetokenizeRequest)
+        vocab = ctx.limits.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request("tokens", f"tokens: ids out of range [0, {vocab}): {bad[:5]}")
+        text = await ctx.in_worker(ctx.tokenizer.decode, req.tokens, True)
+        return JSONResponse({"prompt": text})
+
+
+def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None) -> Starlette:
+    ep = _Endpoints(ctx, metrics)
+    routes = [
+        Route("/v1/completions", functools.partial(handlers.completions, ctx), methods=["POST"]),
+        Route("/v1/chat/completions", functools.partial(handlers.chat_completions, ctx), methods=["POST"]),
+        Route("/v1/models", ep.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", ep.model, methods=["GET"]),
+        Route("/tokenize", ep.tokenize, methods=["POST"]),
+        Route("/detokenize", ep.detokenize, methods=["POST"]),
+        Route("/health", ep.health, methods=["GET"]),
+        Route("/metrics", ep.prometheus, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal})
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        return not_found_route(request.url.path).response()
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    logger.info("%s: the client went away; its requests were aborted", request.url.path)
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    logger.error("%s failed", request.url.path, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()

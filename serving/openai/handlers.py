@@ -1,0 +1,142 @@
+"""The generation endpoints, /v1/completions and /v1/chat/completions, kept thin:
+
+    parse the body (400 naming the field) -> the model must be ours (404)
+    -> request -> prompts + SamplingParams on a worker thread (inputs.py; 400 naming the field)
+    -> stream: SSEResponse over the engine's deltas as chunks (outputs.ChunkWriter), `[DONE]` last;
+       an error after the first byte is one `data: {"error": ...}` event before `[DONE]`
+    -> not streamed: the whole outputs, unless the client disconnects first (then aborted)
+Admission (in-flight limit, later per-key limits) happened in the middleware, before any of this.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, TypeVar
+
+import pydantic
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxinfer.tokenizer import Tokenizer
+from serving.convert import ModelLimits
+from serving.engine_loop import EngineLoop
+from serving.openai import outputs, sse
+from serving.openai.errors import APIError, bad_request, from_validation, unknown_model
+from serving.openai.generation import EngineRequests, unless_disconnected
+from serving.openai.inputs import EngineInputs, chat_inputs, completion_inputs
+from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+Body = TypeVar("Body", bound=pydantic.BaseModel)
+
+
+@dataclasses.dataclass
+class ApiContext:
+    """What every endpoint shares: the engine loop, the model's facts, a worker pool."""
+    engine_loop: EngineLoop
+    tokenizer: Tokenizer | None
+    limits: ModelLimits
+    model_name: str
+    executor: concurrent.futures.Executor
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.texts = outputs.TokenTexts(self.tokenizer)
+
+    async def in_worker(self, fn, *args):
+        """CPU work (tokenizing, chat templates) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise unknown_model(model, self.model_name)
+
+
+async def parse(request: Request, model: type[Body]) -> Body:
+    try:
+        data = json.loads(await request.body())
+    except ValueError as e:
+        raise bad_request(None, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(None, "the body must be a JSON object")
+    try:
+        body = model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise from_validation(e) from None
+    if body.model_extra:
+        logger.debug("%s: ignoring fields %s", request.url.path, sorted(body.model_extra))
+    return body
+
+
+async def completions(ctx: ApiContext, request: Request) -> Response:
+    arrival = time.monotonic()
+    req = await parse(request, CompletionRequest)
+    ctx.check_model(req.model)
+    inputs = await ctx.in_worker(completion_inputs, req, ctx.tokenizer, ctx.limits)
+    head = outputs.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), ctx.model_name)
+    _log(request, head.id, req.user, inputs)
+    if req.stream:
+        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), inputs.echo_texts)
+        return sse.SSEResponse(_events(ctx, inputs, writer, arrival))
+    requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival)
+    results = await unless_disconnected(request.receive, _collect(requests))
+    return JSONResponse(outputs.completion_response(head, results, inputs.params.n, ctx.texts, inputs.echo_texts))
+
+
+async def chat_completions(ctx: ApiContext, request: Request) -> Response:
+    arrival = time.monotonic()
+    req = await parse(request, ChatCompletionRequest)
+    ctx.check_model(req.model)
+    inputs = await ctx.in_worker(chat_inputs, req, ctx.tokenizer, ctx.limits)
+    head = outputs.ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()),
+                                  ctx.model_name)
+    _log(request, head.id, req.user, inputs)
+    if req.stream:
+        head.object = "chat.completion.chunk"
+        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req))
+        return sse.SSEResponse(_events(ctx, inputs, writer, arrival))
+    requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival)
+    (result,) = await unless_disconnected(request.receive, _collect(requests))
+    return JSONResponse(outputs.chat_response(head, result, ctx.texts))
+
+
+async def _collect(requests: EngineRequests) -> list:
+    async with requests:
+        return await requests.collect()
+
+
+async def _events(ctx: ApiContext, inputs: EngineInputs, writer: outputs.ChunkWriter,
+                  arrival: float) -> AsyncIterator[bytes]:
+    """The SSE events of one streamed response. Submitting happens here, on the first read, so
+    a response that is never streamed (the client left at once) never reaches the engine."""
+    last: dict[int, object] = {}
+    try:
+        async with EngineRequests(ctx.engine_loop, writer.head.id, inputs, arrival) as requests:
+            for chunk in writer.opening(len(inputs.prompts)):
+                yield sse.event(chunk)
+            async for i, delta in requests.deltas():
+                last[i] = delta  # usage counts are cumulative: the last delta has the totals
+                for chunk in writer.deltas(i, delta):
+                    yield sse.event(chunk)
+        for chunk in writer.closing([last[i] for i in sorted(last)]):
+            yield sse.event(chunk)
+    except APIError as e:
+        logger.warning("stream %s failed: %s", writer.head.id, e.message)
+        yield sse.event(e.body())
+    yield sse.DONE
+
+
+def _include_usage(req) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _log(request: Request, request_id: str, user: str | None, inputs: EngineInputs) -> None:
+    key_id = request.scope.get("state", {}).get("key_id")
+    logger.info("%s key=%s user=%.64s prompts=%d prompt_tokens=%s", request_id, key_id or "-", user or "-",
+                len(inputs.prompts), [len(p) for p in inputs.prompts])

@@ -1,0 +1,204 @@
+"""OpenAI request bodies -> what the engine takes: prompt token ids and one SamplingParams.
+
+Plain functions, no I/O (tokenizing runs on a worker thread). Every user error is a 400 APIError
+naming the request's own field (`max_completion_tokens`, `top_logprobs`, `prompt[1]`), even when
+the check is SamplingParams' or serving.convert's, which name the engine's fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.tokenizer import Tokenizer
+from serving import convert
+from serving.convert import ModelLimits, RequestError
+from serving.openai.errors import bad_request
+from serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+# Request fields that are SamplingParams fields of the same name and meaning.
+_SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+              "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+_PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInputs:
+    """One HTTP request as engine requests: one per prompt, all with the same params."""
+    prompts: list[list[int]]
+    params: SamplingParams
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+
+
+def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> EngineInputs:
+    _refuse_unsupported(req)
+    if req.suffix:
+        raise bad_request("suffix", "suffix: not supported by this server")
+    if req.best_of is not None and req.best_of not in (1, req.n or 1):
+        raise bad_request("best_of", f"best_of={req.best_of}: only best_of == n is supported")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo", "echo: not supported together with logprobs (prompt logprobs are not computed)")
+    prompts = _completion_prompts(req.prompt, tokenizer, limits)
+    names = {"logprobs": "logprobs", "max_tokens": "max_tokens"}
+    kwargs = _sampling_kwargs(req, limits, logprobs=req.logprobs)
+    kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = _params(kwargs, names)
+    for ids in prompts:
+        _check(params, limits, len(ids), names)
+    echo = None
+    if req.echo:
+        if tokenizer is None:
+            raise bad_request("echo", "echo: this model has no tokenizer to write the prompt as text")
+        echo = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
+                for p, ids in zip(_as_list(req.prompt), prompts)]
+    return EngineInputs(prompts, params, echo)
+
+
+def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> EngineInputs:
+    _refuse_unsupported(req)
+    for name in ("tools", "functions", "function_call"):
+        if getattr(req, name):
+            raise bad_request(name, f"{name}: tool and function calling are not supported by this server")
+    if req.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice", "tool_choice: tool calling is not supported by this server")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs", "top_logprobs: needs logprobs=true")
+    ids = render_messages(req.messages, tokenizer, req.add_generation_prompt)
+    _check_prompt_length("messages", len(ids), limits)
+    max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    names = {"logprobs": "top_logprobs", "max_tokens": max_name}
+    kwargs = _sampling_kwargs(req, limits, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    cap = min(limits.max_request_tokens or limits.max_model_len, limits.max_model_len)
+    kwargs["max_tokens"] = cap - len(ids) if max_tokens is None else max_tokens
+    params = _params(kwargs, names)
+    _check(params, limits, len(ids), names)
+    return EngineInputs([ids], params)
+
+
+def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """The chat template's prompt as token ids (the template writes BOS and role markers)."""
+    if not messages:
+        raise bad_request("messages", "messages: empty")
+    if tokenizer is None:
+        raise bad_request("messages", "messages: this model has no tokenizer; send token ids to /v1/completions")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("messages", "messages: this model has no chat template; use /v1/completions")
+    plain = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # a template may raise on roles or orders it does not know
+        raise bad_request("messages", f"messages: the chat template rejected them: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _message_text(message: ChatMessage, i: int) -> str:
+    if message.content is None:
+        raise bad_request(f"messages[{i}].content", f"messages[{i}].content: required (tool calls are not supported)")
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{i}].content[{j}].type",
+                              f"messages[{i}].content[{j}].type={part.type!r}: only text parts are supported")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _refuse_unsupported(req: SamplingFields) -> None:
+    if req.logit_bias:
+        raise bad_request("logit_bias", "logit_bias: not supported by this server (the sampler has no logit bias)")
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type in ("json_object", "json_schema"):
+            raise bad_request("response_format", f"response_format.type={fmt.type!r}: structured output is not "
+                              "supported yet; use {\"type\": \"text\"}")
+        raise bad_request("response_format", f"response_format.type={fmt.type!r}: unknown; use \"text\"")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options", "stream_options: only allowed with stream=true")
+
+
+def _sampling_kwargs(req: SamplingFields, limits: ModelLimits, logprobs: int | None) -> dict:
+    if not limits.penalties_enabled:
+        for name in _PENALTIES:
+            value = getattr(req, name)
+            if value is not None and value != _PENALTY_OFF[name]:
+                raise bad_request(name, f"{name}={value}: penalties are off on this server "
+                                        "(started with --no-penalties)")
+    kwargs = {name: getattr(req, name) for name in _SAME_NAME if getattr(req, name) is not None}
+    if req.stop is not None:
+        kwargs["stop"] = req.stop
+    if req.stop_token_ids:
+        kwargs["stop_token_ids"] = req.stop_token_ids
+    kwargs["logprobs"] = logprobs
+    return kwargs
+
+
+def _params(kwargs: dict, names: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:  # "SamplingParams.top_p=2.0: must be in (0, 1]"
+        raise _renamed(str(e).removeprefix("SamplingParams."), names) from None
+
+
+def _check(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int, names: dict[str, str]) -> None:
+    try:
+        convert.check_params(params, limits, num_prompt_tokens)
+    except RequestError as e:  # "sampling.max_tokens=600: with the prompt's ..."
+        raise _renamed(str(e).removeprefix("sampling."), names) from None
+
+
+def _renamed(message: str, names: dict[str, str]):
+    field = re.match(r"\w+", message).group(0)
+    ours = names.get(field, field)
+    return bad_request(ours, ours + message[len(field):])
+
+
+def _as_list(prompt) -> list:
+    """The prompts of a completion request: one unless it is a list of strings or of id lists."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    return [prompt]
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[list[int]]:
+    if not (isinstance(prompt, str) or _is_ids(prompt) or (
+            isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                     or all(_is_ids(p) for p in prompt)))):
+        raise bad_request("prompt", "prompt: must be a string, a list of strings, a list of token ids or a "
+                                    "list of token-id lists (none empty)")
+    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    if len(prompts) > limits.max_n:
+        raise bad_request("prompt", f"prompt: {len(prompts)} prompts in one request; at most {limits.max_n}")
+    out = []
+    for i, p in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise bad_request(field, f"{field}: empty")
+            if tokenizer is None:
+                raise bad_request(field, f"{field}: this model has no tokenizer; send token ids")
+            ids = tokenizer.encode(p)
+        else:
+            ids = list(p)
+            bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+            if bad:
+                raise bad_request(field, f"{field}: token ids out of range [0, {limits.vocab_size}): {bad[:5]}")
+        _check_prompt_length(field, len(ids), limits)
+        out.append(ids)
+    return out
+
+
+def _check_prompt_length(field: str, num_tokens: int, limits: ModelLimits) -> None:
+    if num_tokens >= limits.max_model_len:
+        raise bad_request(field, f"{field}: the prompt has {num_tokens} tokens; the context holds "
+                                 f"{limits.max_model_len} and must keep room for one generated token")

@@ -1,0 +1,126 @@
+"""Gate: the ASGI middleware every HTTP request passes before the app sees it.
+
+    draining?            -> 503 (health checks too: a load balancer stops sending traffic;
+                            /metrics stays up to watch the drain)
+    API key (not /health, /metrics) -> 401
+    body over max_body_bytes -> 413, decided on Content-Length or while reading, before any
+                            JSON parsing; the body read here is replayed to the app
+    generation routes    -> Admission.enter(key id) (503 when busy; per-key limits later)
+    the response's status  -> jaxinfer_http_requests_total{route,status}; a log line with the
+                            key's id (never the key)
+"""
+from __future__ import annotations
+
+import logging
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serving.openai.admission import Admission
+from serving.openai.auth import APIKeys
+from serving.openai.errors import GRPC_CODES, APIError
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+ROUTES = OPEN_PATHS | GENERATION_PATHS | {"/v1/models", "/tokenize", "/detokenize"}
+
+
+class Gate:
+    def __init__(self, app: ASGIApp, *, admission: Admission, max_body_bytes: int,
+                 keys: APIKeys | None = None, metrics=None):
+        self.app, self.admission, self.keys, self.metrics = app, admission, keys, metrics
+        self.max_body_bytes = max_body_bytes
+        self.draining = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        send = self._observed(scope, send)
+        admitted = False
+        try:
+            if self.draining and path != "/metrics":
+                raise APIError(503, "the server is shutting down", code="shutting_down")
+            key_id = self._authenticate(scope, path)
+            scope.setdefault("state", {})["key_id"] = key_id
+            receive = await self._read_body(scope, receive)
+            if path in GENERATION_PATHS and scope["method"] == "POST":
+                self.admission.enter(key_id)
+                admitted = True
+        except APIError as e:
+            return await e.response()(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if admitted:
+                self.admission.leave(scope["state"]["key_id"])
+
+    def _authenticate(self, scope: Scope, path: str) -> str | None:
+        authorization = _header(scope, b"authorization")
+        if self.keys is None:
+            return None
+        accepted, key_id = self.keys.check(authorization)
+        if accepted or path in OPEN_PATHS:
+            return key_id if accepted else None
+        logger.warning("401 for %s %s: %s", scope["method"], path,
+                       f"invalid API key (id {key_id})" if key_id else "no API key")
+        raise APIError(401, "invalid API key" if key_id else
+                       "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
+        length = _header(scope, b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, f"Content-Length={length!r}: not a number")
+            if int(length) > self.max_body_bytes:
+                raise self._too_large(int(length))
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return receive
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: the app sees it too
+                return _replay([message], receive)
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                raise self._too_large(size)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+    def _too_large(self, size: int) -> APIError:
+        return APIError(413, f"request body of {size}+ bytes is over this server's limit of "
+                             f"{self.max_body_bytes} bytes (--max-body-bytes)", code="request_too_large")
+
+    def _observed(self, scope: Scope, send: Send) -> Send:
+        path = scope["path"]
+        route = path if path in ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+
+        async def observed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                key_id = scope.get("state", {}).get("key_id")
+                logger.info("%s %s %d key=%s", scope["method"], path, status, key_id or "-")
+                if self.metrics is not None:
+                    self.metrics.http_requests.labels(route=route, status=str(status)).inc()
+                    if status >= 400 and path in GENERATION_PATHS:
+                        self.metrics.rejected.labels(code=GRPC_CODES.get(status, f"HTTP_{status}")).inc()
+            await send(message)
+        return observed
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that returns `messages` first, then whatever the connection says next."""
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+    return replayed

@@ -1,0 +1,140 @@
+"""RequestOutputs -> OpenAI response bodies: whole responses, and streamed chunks.
+
+Choice indices: prompt p's sample j is choice `p * n + j` (OpenAI's order for a batch of
+prompts). A stream, per choice: (chat) a chunk with `delta.role`, then content chunks, then one
+chunk with an empty delta and the finish_reason; then, with include_usage, one chunk with no
+choices and the usage. Every chunk of a stream carries the same id and `created`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxinfer.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclasses.dataclass
+class ResponseHeader:
+    id: str        # cmpl-... / chatcmpl-...
+    object: str    # text_completion / chat.completion / chat.completion.chunk
+    created: int
+    model: str
+
+    def body(self, **fields) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, **fields}
+
+
+class TokenTexts:
+    """Token id -> its text, for logprobs (cached; `token_id:N` without a tokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self._tokenizer = tokenizer
+        self.text = functools.lru_cache(maxsize=65536)(self._text)
+
+    def _text(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}"
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat_entry(self, lp: Logprob) -> dict:
+        return {**self._entry(lp.token_id, lp.logprob),
+                "top_logprobs": [self._entry(t, v) for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.text(token_id)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+
+    def completion_logprobs(self, logprobs: list[Logprob], offset: int) -> dict:
+        """OpenAI's legacy shape; text offsets count from `offset` (the choice's text so far)."""
+        tokens, offsets = [], []
+        for lp in logprobs:
+            offsets.append(offset)
+            tokens.append(self.text(lp.token_id))
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [max(lp.logprob, MIN_LOGPROB) for lp in logprobs],
+                "top_logprobs": [{self.text(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()} for lp in logprobs],
+                "text_offset": offsets}
+
+
+def usage(results: list[RequestOutput]) -> dict:
+    prompt = sum(r.usage.prompt_tokens for r in results)
+    completion = sum(r.usage.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_prompt_tokens for r in results)}}
+
+
+def completion_response(head: ResponseHeader, results: list[RequestOutput], n: int, texts: TokenTexts,
+                        echo: list[str] | None = None) -> dict:
+    choices = []
+    for p, result in enumerate(results):
+        prefix = echo[p] if echo else ""
+        for c in result.outputs:
+            lps = None if c.logprobs is None else texts.completion_logprobs(c.logprobs, len(prefix))
+            choices.append({"index": p * n + c.index, "text": prefix + c.text, "logprobs": lps,
+                            "finish_reason": c.finish_reason})
+    return head.body(choices=choices, usage=usage(results))
+
+
+def chat_response(head: ResponseHeader, result: RequestOutput, texts: TokenTexts) -> dict:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if c.logprobs is None else {"content": [texts.chat_entry(lp) for lp in c.logprobs]},
+                "finish_reason": c.finish_reason} for c in result.outputs]
+    return head.body(choices=choices, usage=usage([result]))
+
+
+class ChunkWriter:
+    """The chunks of one streamed response, delta by delta."""
+
+    def __init__(self, head: ResponseHeader, n: int, texts: TokenTexts, include_usage: bool,
+                 echo: list[str] | None = None):
+        self.head, self.n, self.texts, self.include_usage = head, n, texts, include_usage
+        self.chat = head.object == "chat.completion.chunk"
+        self._echo = echo
+        self._offsets: dict[int, int] = {}  # choice -> characters streamed (completions' text_offset)
+        self._finished: set[int] = set()
+
+    def _chunk(self, index: int, finish_reason: str | None = None, logprobs=None, **content) -> dict:
+        choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        extra = {"usage": None} if self.include_usage else {}
+        return self.head.body(choices=[choice], **extra)
+
+    def opening(self, num_prompts: int) -> list[dict]:
+        """Chat: the assistant role of every choice; completions with echo: each prompt's text."""
+        if self.chat:
+            return [self._chunk(i, delta={"role": "assistant", "content": ""}) for i in range(self.n)]
+        if not self._echo:
+            return []
+        chunks = []
+        for p in range(num_prompts):
+            for j in range(self.n):
+                self._offsets[p * self.n + j] = len(self._echo[p])
+                chunks.append(self._chunk(p * self.n + j, text=self._echo[p]))
+        return chunks
+
+    def deltas(self, prompt: int, out: RequestOutput) -> list[dict]:
+        chunks = []
+        for c in out.outputs:
+            index = prompt * self.n + c.index
+            if index in self._finished:
+                continue
+            if c.text or c.logprobs:
+                chunks.append(self._content(index, c))
+            if c.finish_reason is not None:
+                self._finished.add(index)
+                chunks.append(self._chunk(index, c.finish_reason, **({"delta": {}} if self.chat else {"text": ""})))
+        return chunks
+
+    def _content(self, index: int, c: CompletionOutput) -> dict:
+        if self.chat:
+            lps = None if c.logprobs is None else {"content": [self.texts.chat_entry(lp) for lp in c.logprobs]}
+            return self._chunk(index, logprobs=lps, delta={"content": c.text})
+        offset = self._offsets.get(index, 0)
+        lps = None if c.logprobs is None else self.texts.completion_logprobs(c.logprobs, offset)
+        self._offsets[index] = offset + len(c.text)
+        return self._chunk(index, logprobs=lps, text=c.text)
+
+    def closing(self, results: list[RequestOutput]) -> list[dict]:
+        return [self.head.body(choices=[], usage=usage(results))] if self.include_usage else []

@@ -1,0 +1,207 @@
+"""The OpenAI-compatible HTTP API of a real `jaxinfer serve` process (the embedded SmolLM2, gRPC
+on too) driven by the official `openai` client and by raw HTTP: chat and completions streamed or
+not, n, stop, seeds, logprobs, errors with their status and field, SSE framing byte for byte,
+models / health / metrics / tokenize / detokenize, disconnects that free the KV pages, and gRPC
+beside HTTP on the same engine."""
+import json
+import socket
+import time
+
+import openai
+import pytest
+from openai_support import ServedProcess, metric, raw_request, wait_for
+
+from serving.client import Client
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = ("sk-first-key", "sk-second-key")
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
+        "--max-num-seqs", "8", "--num-pages", "128", "--no-penalties", "--port", "0", "--http-port", "0",
+        "--max-body-bytes", str(1 << 20)]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    server = ServedProcess(ARGS, tmp_path_factory.mktemp("serve") / "log", env={"JAXINFER_API_KEYS": ",".join(KEYS)})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served.http}/v1", api_key=KEYS[0], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served):
+    with Client(served.grpc) as c:
+        yield c
+
+
+def test_chat_plain_and_streamed(client):
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    assert plain.id.startswith("chatcmpl-") and plain.object == "chat.completion" and plain.model == MODEL
+    assert plain.choices[0].message.role == "assistant" and plain.choices[0].index == 0
+    assert plain.choices[0].message.content == "The capital of France is Paris."  # the chat template is used
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].logprobs is None
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and not chunks[0].choices[0].delta.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 2) + ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_stop_and_max_completion_tokens(client):
+    stopped = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, stop=["Paris"])
+    assert stopped.choices[0].message.content == "The capital of France is "
+    assert stopped.choices[0].finish_reason == "stop"
+    short = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_completion_tokens=3)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    streamed = list(client.completions.create(model=MODEL, prompt="One, two, three,", temperature=0, max_tokens=12,
+                                              stop=" five", stream=True))
+    text = "".join(c.choices[0].text for c in streamed)
+    assert text == " four," and streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions_n2_and_seed_reproducibility(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="Once upon a time", n=2, temperature=1.0, seed=seed,
+                                          max_tokens=8)
+    first, again = sample(1234), sample(1234)
+    assert first.id.startswith("cmpl-") and first.object == "text_completion"
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert all(c.text for c in first.choices) and first.usage.completion_tokens == 16
+    batch = client.completions.create(model=MODEL, prompt=[[19556], [504, 3479]], n=2, temperature=0, max_tokens=4,
+                                      echo=True)  # token-id prompts: "Hello", "The ..."
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text.startswith("Hello") and batch.choices[2].text.startswith("The")
+    assert batch.choices[0].text == batch.choices[1].text  # greedy: both samples agree
+
+
+def test_logprobs(client):
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=6,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob) and t.bytes == list(t.token.encode())
+    done = client.completions.create(model=MODEL, prompt="The three primary colors are", temperature=0,
+                                     max_tokens=5, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert "".join(lp.tokens) == done.choices[0].text and len(lp.token_logprobs) == 5
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs,
+                                                                                          lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_errors_have_openai_shape_and_status(client, served):
+    with pytest.raises(openai.AuthenticationError) as info:
+        openai.OpenAI(base_url=f"{served.http}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+    other = openai.OpenAI(base_url=f"{served.http}/v1", api_key=KEYS[1], max_retries=0)
+    assert [m.id for m in other.models.list().data] == [MODEL]  # every listed key works
+    status, _, body = raw_request(served, "GET", "/v1/models")
+    assert status == 401 and json.loads(body)["error"]["message"].startswith("missing API key")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=-1)
+    assert info.value.body["param"] == "temperature" and "temperature" in info.value.body["message"]
+    for kwargs, param in ((dict(presence_penalty=0.5), "presence_penalty"), (dict(logit_bias={"5": 1}), "logit_bias"),
+                          (dict(response_format={"type": "json_object"}), "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=QUESTION, **kwargs)
+        assert info.value.body["param"] == param, info.value.body
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="Hi")
+    assert info.value.body["code"] == "model_not_found" and MODEL in info.value.body["message"]
+    status, _, body = raw_request(served, "GET", "/v1/nothing-here", key=KEYS[0])
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+    status, _, body = raw_request(served, "POST", "/v1/completions", b"{not json", key=KEYS[0])
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+
+
+def test_oversized_bodies_get_413(client, served):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=MODEL, prompt="x" * (1 << 20))
+    assert info.value.status_code == 413 and info.value.body["code"] == "request_too_large"
+    chunks = (b" " * 65536 for _ in range(17))  # chunked: no Content-Length, counted while read
+    status, _, body = raw_request(served, "POST", "/v1/completions", chunks, key=KEYS[0])
+    assert status == 413 and "limit of 1048576 bytes" in json.loads(body)["error"]["message"]
+
+
+def test_sse_framing_byte_for_byte(served):
+    request = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 3, "stream": True,
+               "stream_options": {"include_usage": True}}
+    status, headers, body = raw_request(served, "POST", "/v1/chat/completions", request, key=KEYS[0])
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert body.endswith(b"\n\ndata: [DONE]\n\n")
+    events = body.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    assert all(e.startswith(b"data: {") and b"\n" not in e for e in events[:-2])
+    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-2]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert body == b"".join(b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+                            for c in chunks) + b"data: [DONE]\n\n"
+
+
+def test_models_health_metrics_tokenize(client, served, grpc_client):
+    models = client.models.list().data
+    assert [(m.id, m.object, m.owned_by) for m in models] == [(MODEL, "model", "jaxinfer")]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert raw_request(served, "GET", "/health")[0] == 200  # open: no key
+    status, headers, body = raw_request(served, "GET", "/metrics")
+    text = body.decode()
+    for name in ("jaxinfer_generation_tokens_total", "jaxinfer_time_to_first_token_seconds_bucket",
+                 "jaxinfer_kv_cache_free_pages", 'jaxinfer_http_requests_total{route="/v1/chat/completions"'):
+        assert name in text
+    status, _, body = raw_request(served, "POST", "/tokenize", {"model": MODEL, "prompt": "Hello, world!"}, key=KEYS[0])
+    tokens = json.loads(body)
+    assert status == 200 and tokens["tokens"] == grpc_client.tokenize("Hello, world!")
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    status, _, body = raw_request(served, "POST", "/detokenize", {"tokens": tokens["tokens"]}, key=KEYS[0])
+    assert status == 200 and json.loads(body) == {"prompt": "Hello, world!"}
+    status, _, body = raw_request(served, "POST", "/tokenize", {"messages": QUESTION}, key=KEYS[0])
+    prompt_tokens = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1).usage.prompt_tokens
+    assert json.loads(body)["count"] == prompt_tokens == len(grpc_client.tokenize(messages=QUESTION))
+
+
+def test_grpc_beside_http_on_one_engine(client, grpc_client):
+    over_grpc = grpc_client.generate("Once upon a time", max_tokens=8, temperature=0, ignore_eos=True, timeout=120)
+    over_http = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert over_http.choices[0].text == over_grpc.text and over_http.usage.completion_tokens == 8
+    assert grpc_client.health() == "SERVING"
+
+
+def _open_request(served, body: dict) -> socket.socket:
+    sock = socket.create_connection((served.host, int(served.port)), timeout=60)
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_pages(served, grpc_client, stream):
+    aborted = metric(served, "jaxinfer_requests_total", 'finish_reason="abort"')
+    sock = _open_request(served, {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400,
+                                  "ignore_eos": True, "stream": stream})
+    if stream:
+        assert b"data: {" in sock.recv(65536) + sock.recv(65536)  # headers, then the first chunk
+    stats = wait_for(lambda: (s := grpc_client.server_stats()).running == 1 and s)
+    assert stats.kv_pages_free < stats.kv_pages_total  # the request holds pages now
+    sock.close()  # 400 tokens take ~30 s: only an abort ends it within the wait below
+    started = time.monotonic()
+    wait_for(lambda: metric(served, "jaxinfer_requests_total", 'finish_reason="abort"') == aborted + 1, timeout=10)
+    stats = wait_for(lambda: (s := grpc_client.server_stats()).running == 0 and s, timeout=10)
+    assert stats.waiting == 0 and stats.kv_pages_free == stats.kv_pages_total
+    assert time.monotonic() - started < 10
