@@ -1,9 +1,9 @@
 """Prometheus metrics of one server, in their own registry (several servers can share a process,
 as in the tests), served over HTTP on their own port and at the HTTP API's /metrics.
 
-Written by the engine thread only: per-step gauges from `Engine.stats()`, per-request histograms
-when a request finishes. prometheus_client's metrics are thread-safe; scrapes read them from the
-HTTP server's thread.
+Written by the engine thread (per-step gauges from `Engine.stats()`, per-request histograms when a
+request finishes) and by the event loop (refusals: rejected requests, rate limits, HTTP statuses).
+prometheus_client's metrics are thread-safe; scrapes read them from the HTTP server's thread.
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ class ServerMetrics:
                                      ["finish_reason"], registry=r)
         self.rejected = prom.Counter("jaxinfer_rejected_requests", "requests refused by status code",
                                      ["code"], registry=r)
+        self.rate_limited = prom.Counter("jaxinfer_rate_limited", "requests refused by a per-key rate limit "
+                                         "(limit: rpm, tpm, concurrent)", ["limit"], registry=r)
         self.http_requests = prom.Counter("jaxinfer_http_requests", "HTTP API responses by route and status",
                                           ["route", "status"], registry=r)
         self.throughput = prom.Gauge("jaxinfer_generation_tokens_per_second",

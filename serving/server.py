@@ -11,7 +11,9 @@
               -> the grpc server and the HTTP server close.
 
 Both transports admit generation requests against one in-flight limit (max_num_seqs +
-max_waiting).
+max_waiting) and one RateLimiter (per-key requests / tokens per minute, concurrency; the key is
+the sha256 prefix of the HTTP API key or of the gRPC token, so a gRPC token that is also an API
+key shares that key's budgets), and write finished requests to one request log.
 
 BackgroundServer runs the same on an event loop of its own thread, for synchronous programs,
 benchmarks and tests.
@@ -31,11 +33,14 @@ from grpc_reflection.v1alpha import reflection
 from jaxinfer.engine import Engine
 from serving.auth import BearerTokenInterceptor
 from serving.engine_loop import EngineLoop
+from serving.limits import RateLimiter, RateLimits
 from serving.metrics import ServerMetrics
 from serving.openai.admission import Admission
-from serving.openai.server import DEFAULT_MAX_BODY_BYTES, HttpOptions, HttpServer
+from serving.openai.auth import key_id
+from serving.openai.server import DEFAULT_MAX_BODY_BYTES, HttpOptions, HttpServer, served_model_name
 from serving.proto import jaxinfer_pb2 as pb
 from serving.proto import jaxinfer_pb2_grpc as pb_grpc
+from serving.request_log import RequestLog
 from serving.servicer import InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -61,6 +66,9 @@ class ServerOptions:
     served_model_name: str | None = None  # None: the model path's basename
     api_keys: tuple[str, ...] = ()     # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    rate_limits: RateLimits = RateLimits()  # per key, both transports; default: none
+    request_log: str | None = None     # a JSON line per finished generation request: FILE, "-": stderr
+    log_prompts: bool = False          # the request log includes prompts and outputs
 
     def __post_init__(self):
         if self.port is None and self.http_port is None:
@@ -79,8 +87,14 @@ class InferenceServer:
         self.metrics = ServerMetrics()
         self.engine_loop = EngineLoop(engine, self.metrics)
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-tok")
-        self.servicer = InferenceServicer(self.engine_loop, max_waiting=self.options.max_waiting,
-                                          metrics=self.metrics, executor=self._executor)
+        opts = self.options
+        self.limiter = RateLimiter(opts.rate_limits,
+                                   on_limited=lambda limit: self.metrics.rate_limited.labels(limit=limit).inc())
+        self.request_log = RequestLog(opts.request_log, opts.log_prompts,
+                                      opts.served_model_name or served_model_name(engine.model.path))
+        self.servicer = InferenceServicer(self.engine_loop, max_waiting=opts.max_waiting, metrics=self.metrics,
+                                          executor=self._executor, limiter=self.limiter, request_log=self.request_log,
+                                          key_id=key_id(opts.auth_token) if opts.auth_token else None)
         self.health = health.aio.HealthServicer()
         self.http = self._http_server() if self.options.http_port is not None else None
         self.port: int | None = None
@@ -90,13 +104,13 @@ class InferenceServer:
 
     def _http_server(self) -> HttpServer:
         opts = self.options
-        admission = Admission(self.servicer.max_in_flight, lambda: self.servicer.num_streams)
+        admission = Admission(self.servicer.max_in_flight, lambda: self.servicer.num_streams, self.limiter)
         self.servicer.in_flight_elsewhere = lambda: admission.in_flight
         keys = opts.api_keys or ((opts.auth_token,) if opts.auth_token else ())
         return HttpServer(self.engine_loop, self.servicer.limits, HttpOptions(
             host=opts.http_host, port=opts.http_port, served_model_name=opts.served_model_name, api_keys=keys,
             max_body_bytes=opts.max_body_bytes, tls_cert_file=opts.tls_cert_file, tls_key_file=opts.tls_key_file),
-            admission=admission, metrics=self.metrics, executor=self._executor)
+            admission=admission, metrics=self.metrics, executor=self._executor, request_log=self.request_log)
 
     @property
     def address(self) -> str:
@@ -187,6 +201,7 @@ class InferenceServer:
             await self.http.stop()
         self._server = None
         self.metrics.close()
+        self.request_log.close()
         self._executor.shutdown(wait=False)
 
     async def wait_for_termination(self) -> None:
@@ -241,6 +256,7 @@ class BackgroundServer:
             self._error = e
             self._ready.set()
             await asyncio.to_thread(self.server.engine_loop.stop)
+            self.server.request_log.close()
             return
         self._ready.set()
         await self._stop.wait()

@@ -1,20 +1,25 @@
 """The jaxinfer.v1.InferenceService handlers, on the asyncio event loop.
 
 Generate, for one call:
-    reserve a slot (RESOURCE_EXHAUSTED past the in-flight limit; UNAVAILABLE while draining)
+    reserve a slot (UNAVAILABLE while draining; RESOURCE_EXHAUSTED past the in-flight limit, or
+       past the key's requests per minute / concurrency cap, with `retry-after` trailing metadata)
     -> tokenize / render the chat / validate on a worker thread (INVALID_ARGUMENT naming the field)
+    -> charge the key's tokens per minute: prompt + max_tokens x n (RESOURCE_EXHAUSTED past them)
     -> EngineLoop.submit(ids, params, sink) where sink puts into this call's asyncio.Queue through
        loop.call_soon_threadsafe (the engine thread never touches asyncio objects directly)
     -> await deltas until finished, merging whatever queued up while the client was slow,
        each wait bounded by the call's deadline (DEADLINE_EXCEEDED)
     -> finally, when the call ended early (cancel, disconnect, deadline, error): EngineLoop.abort,
-       which frees the request's pages before the next step.
+       which frees the request's pages before the next step; always: the key's slot back, unused
+       tokens refunded, one request-log line.
 An exception while serving one call ends that call with INTERNAL; nothing else is affected.
+The key of every call is the bearer token's id (one shared token); without a token, anonymous.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import time
@@ -23,26 +28,31 @@ from typing import AsyncIterator, Callable
 
 import grpc
 import jax
+from google.protobuf import json_format
 
 from jaxinfer.sampling import MAX_LOGPROBS
 from serving import convert
 from serving.convert import ModelLimits, RequestError
 from serving.engine_loop import EngineLoop, RequestRejected, ServerShuttingDown
+from serving.limits import Grant, RateLimited, RateLimiter, token_cost
 from serving.proto import jaxinfer_pb2 as pb
 from serving.proto import jaxinfer_pb2_grpc as pb_grpc
+from serving.request_log import RequestLog, RequestRecord
 
 logger = logging.getLogger(__name__)
+GENERATE = "/jaxinfer.v1.InferenceService/Generate"
 
 
 class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, metadata: tuple = ()):
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.metadata = code, details, metadata
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(self, engine_loop: EngineLoop, *, max_waiting: int, metrics=None,
-                 executor: concurrent.futures.Executor | None = None):
+                 executor: concurrent.futures.Executor | None = None, limiter: RateLimiter | None = None,
+                 request_log: RequestLog | None = None, key_id: str | None = None):
         engine = engine_loop.engine
         self._engine_loop = engine_loop
         self._tokenizer = engine.tokenizer
@@ -58,6 +68,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._model_info = _model_info(engine)
         self.draining = False
         self.in_flight_elsewhere: Callable[[], int] = lambda: 0  # the HTTP API's admitted requests
+        self.limiter = limiter or RateLimiter()  # per-key limits, shared with the HTTP API
+        self.request_log = request_log or RequestLog()
+        self.key_id = key_id  # every call's key: the bearer token's id (one shared token), None: anonymous
 
     @property
     def limits(self) -> ModelLimits:
@@ -70,25 +83,61 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _in_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, refused: _Refused) -> None:
         if self._metrics is not None:
-            self._metrics.rejected.labels(code=code.name).inc()
-        await context.abort(code, details)
+            self._metrics.rejected.labels(code=refused.code.name).inc()
+        await context.abort(refused.code, refused.details, trailing_metadata=refused.metadata)
 
     # --- Generate -------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         arrival_time = time.monotonic()  # TTFT and queue time count tokenization and queueing too
         request_id = request.request_id or uuid.uuid4().hex
+        record = self.request_log.start("grpc", GENERATE, self.key_id)
+        record.request_id = request_id
+        if record.keep_text:
+            record.prompt = _prompt_of(request)
+        grant, status = None, "OK"
+        try:
+            grant = self._admit(request_id)
+            async with contextlib.aclosing(self._generate(request, request_id, context, arrival_time,
+                                                          record, grant)) as responses:
+                async for response in responses:
+                    yield response
+        except _Refused as e:
+            status, record.error = e.code.name, e.details
+            await self._refuse(context, e)
+        except grpc.aio.AbortError:
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "CANCELLED"
+            raise
+        except Exception as e:  # a bug while serving this call: fail it alone
+            logger.exception("request %s failed", request_id)
+            status, record.error = "INTERNAL", f"request failed: {type(e).__name__}: {e}"
+            await self._refuse(context, _Refused(grpc.StatusCode.INTERNAL, record.error))
+        finally:
+            if grant is not None:
+                grant.release(record.total_tokens)  # the unused part of max_tokens goes back
+            self.request_log.finish(record, status)
+
+    def _admit(self, request_id: str) -> Grant:
+        """Draining, the in-flight limit of both transports, a duplicate id, the key's limits."""
         if self.draining:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if (in_flight := len(self._streams) + self.in_flight_elsewhere()) >= self.max_in_flight:
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server busy: {in_flight} requests in flight (limit "
-                               f"{self.max_in_flight}); retry later")
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {in_flight} requests in flight "
+                           f"(limit {self.max_in_flight}); retry later")
         if request_id in self._streams:
-            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id: {request_id!r} is already in flight")
+            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in flight")
+        try:
+            return self.limiter.admit(self.key_id)
+        except RateLimited as e:
+            raise _rate_limited(e) from None
+
+    async def _generate(self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext,
+                        arrival_time: float, record: RequestRecord, grant: Grant):
+        """The call's responses; refusals raise _Refused. Ended early: the request is aborted."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         submitted = finished = False
@@ -97,6 +146,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 ids, params = await self._in_worker(self._prepare, request)
             except RequestError as e:
                 raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            record.prompt_tokens = len(ids)
+            _charge(grant, len(ids), params)
             loop = asyncio.get_running_loop()
             deadline = _deadline(context, loop)
             self._engine_loop.submit(request_id, ids, params, request.priority,
@@ -107,21 +158,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 deltas, error = await _next_items(queue, deadline, loop)
                 if deltas:
                     out = convert.merge_deltas(deltas)
+                    record.observe(0, out)
                     finished = out.finished
                     yield convert.response(out)
                 if error is not None:
                     finished = True  # the engine loop has already let go of it
                     raise _status_of(error)
-        except _Refused as e:
-            await self._refuse(context, e.code, e.details)
-        except TimeoutError:
-            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                               "deadline exceeded before the request finished")
-        except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
-            raise
-        except Exception as e:  # a bug while serving this call: fail it alone
-            logger.exception("request %s failed", request_id)
-            await self._refuse(context, grpc.StatusCode.INTERNAL, f"request failed: {type(e).__name__}: {e}")
         finally:
             self._streams.pop(request_id, None)
             if submitted and not finished:
@@ -188,8 +230,11 @@ async def _next_items(queue: asyncio.Queue, deadline: float | None, loop) -> tup
     if deadline is None:
         items = [await queue.get()]
     else:
-        async with asyncio.timeout_at(deadline):
-            items = [await queue.get()]
+        try:
+            async with asyncio.timeout_at(deadline):
+                items = [await queue.get()]
+        except TimeoutError:
+            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished") from None
     while not queue.empty():
         items.append(queue.get_nowait())
     deltas = []
@@ -203,6 +248,26 @@ async def _next_items(queue: asyncio.Queue, deadline: float | None, loop) -> tup
 def _deadline(context, loop) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else loop.time() + max(0.0, remaining)
+
+
+def _charge(grant: Grant, num_prompt_tokens: int, params) -> None:
+    """The key's tokens per minute: the prompt + max_tokens x n (RESOURCE_EXHAUSTED past them)."""
+    try:
+        grant.charge(token_cost([num_prompt_tokens], params.max_tokens, params.n),
+                     f"{num_prompt_tokens} prompt tokens + max_tokens {params.max_tokens} x n {params.n}")
+    except RateLimited as e:
+        raise _rate_limited(e) from None
+
+
+def _rate_limited(e: RateLimited) -> _Refused:
+    metadata = (("retry-after", str(e.retry_after_s)),) if e.retry_after_s is not None else ()
+    return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, metadata)
+
+
+def _prompt_of(request: pb.GenerateRequest):
+    """The prompt as sent (for a request log with prompts): text, {"ids": [...]} or {"messages": [...]}."""
+    kind = request.WhichOneof("prompt")
+    return json_format.MessageToDict(request, preserving_proto_field_name=True).get(kind) if kind else None
 
 
 def _status_of(error: BaseException) -> _Refused:

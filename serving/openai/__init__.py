@@ -8,9 +8,10 @@ transports, one event loop, one shutdown).
                         abort when the client leaves -> outputs.py (OpenAI JSON) / sse.py (chunks)
 
     protocol.py   request bodies (pydantic)         errors.py   OpenAI's error JSON, status codes
-    inputs.py     body -> prompt ids + SamplingParams outputs.py RequestOutput -> responses, chunks
+    inputs.py     body -> prompt ids + SamplingParams (response_format / guided_* -> StructuredOutput)
+    outputs.py    RequestOutput -> responses, chunks
     sse.py        `data: ...` events, disconnect-aware streaming response
-    generation.py one request's engine requests     admission.py in-flight limit (rate limits later)
+    generation.py one request's engine requests     admission.py in-flight limit + per-key rate limits
     auth.py       API keys (sha256, constant time)  middleware.py  the Gate
     app.py        routes, error handlers            server.py   HttpServer (uvicorn) life cycle
 """

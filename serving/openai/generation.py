@@ -5,6 +5,7 @@
     # leaving the block early (error, client gone, cancelled) aborts what has not finished:
     # EngineLoop.abort frees the pages before the next engine step
 
+Each merged delta is also shown to the request's record (request log, tokens-per-minute settling).
 The engine thread hands each delta (or one exception instead of the last) to a sink that moves
 it onto this event loop (call_soon_threadsafe); nothing here touches the Engine.
 """
@@ -22,14 +23,15 @@ from serving import convert
 from serving.engine_loop import EngineLoop
 from serving.openai.errors import from_engine
 from serving.openai.inputs import EngineInputs
+from serving.request_log import RequestRecord
 
 T = TypeVar("T")
 
 
 class EngineRequests:
     def __init__(self, engine_loop: EngineLoop, base_id: str, inputs: EngineInputs,
-                 arrival_time: float | None = None):
-        self._engine_loop, self._inputs = engine_loop, inputs
+                 arrival_time: float | None = None, record: RequestRecord | None = None):
+        self._engine_loop, self._inputs, self._record = engine_loop, inputs, record
         self._ids = [f"{base_id}-{i}" for i in range(len(inputs.prompts))]
         self._arrival = time.monotonic() if arrival_time is None else arrival_time
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -62,6 +64,8 @@ class EngineRequests:
                 by_prompt.setdefault(i, []).append(item)
             for i, deltas in by_prompt.items():
                 merged = convert.merge_deltas(deltas)
+                if self._record is not None:
+                    self._record.observe(i, merged)
                 if merged.finished:
                     self._done.add(i)
                 yield i, merged

@@ -5,7 +5,10 @@
     -> stream: SSEResponse over the engine's deltas as chunks (outputs.ChunkWriter), `[DONE]` last;
        an error after the first byte is one `data: {"error": ...}` event before `[DONE]`
     -> not streamed: the whole outputs, unless the client disconnects first (then aborted)
-Admission (in-flight limit, later per-key limits) happened in the middleware, before any of this.
+Admission (in-flight limit, the key's requests per minute and concurrency) happened in the
+middleware, before any of this; the key's tokens per minute are charged here, once the prompts and
+max_tokens are known (429). The request's record (request log) is filled in on the way: id, user,
+prompt tokens, each delta, the message of an error.
 """
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ from jaxinfer.tokenizer import Tokenizer
 from serving.convert import ModelLimits
 from serving.engine_loop import EngineLoop
 from serving.openai import outputs, sse
+from serving.openai.admission import charge_tokens
 from serving.openai.errors import APIError, bad_request, from_validation, unknown_model
 from serving.openai.generation import EngineRequests, unless_disconnected
 from serving.openai.inputs import EngineInputs, chat_inputs, completion_inputs
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+from serving.request_log import RequestRecord
 
 logger = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=pydantic.BaseModel)
@@ -74,21 +79,36 @@ async def parse(request: Request, model: type[Body]) -> Body:
     return body
 
 
+def _noting_errors(handler):
+    """The handler, writing the message of an APIError it raises into the request's record."""
+    @functools.wraps(handler)
+    async def noting(ctx: ApiContext, request: Request) -> Response:
+        try:
+            return await handler(ctx, request)
+        except APIError as e:
+            if (record := _record(request)) is not None:
+                record.error = e.message
+            raise
+    return noting
+
+
+@_noting_errors
 async def completions(ctx: ApiContext, request: Request) -> Response:
     arrival = time.monotonic()
     req = await parse(request, CompletionRequest)
     ctx.check_model(req.model)
     inputs = await ctx.in_worker(completion_inputs, req, ctx.tokenizer, ctx.limits)
     head = outputs.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), ctx.model_name)
-    _log(request, head.id, req.user, inputs)
+    record = _admitted(request, head.id, req, inputs, lambda: req.prompt)
     if req.stream:
         writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), inputs.echo_texts)
-        return sse.SSEResponse(_events(ctx, inputs, writer, arrival))
-    requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival)
+        return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
+    requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     results = await unless_disconnected(request.receive, _collect(requests))
     return JSONResponse(outputs.completion_response(head, results, inputs.params.n, ctx.texts, inputs.echo_texts))
 
 
+@_noting_errors
 async def chat_completions(ctx: ApiContext, request: Request) -> Response:
     arrival = time.monotonic()
     req = await parse(request, ChatCompletionRequest)
@@ -96,12 +116,13 @@ async def chat_completions(ctx: ApiContext, request: Request) -> Response:
     inputs = await ctx.in_worker(chat_inputs, req, ctx.tokenizer, ctx.limits)
     head = outputs.ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()),
                                   ctx.model_name)
-    _log(request, head.id, req.user, inputs)
+    record = _admitted(request, head.id, req, inputs,
+                       lambda: [m.model_dump(exclude_none=True) for m in req.messages])
     if req.stream:
         head.object = "chat.completion.chunk"
         writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req))
-        return sse.SSEResponse(_events(ctx, inputs, writer, arrival))
-    requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival)
+        return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
+    requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     (result,) = await unless_disconnected(request.receive, _collect(requests))
     return JSONResponse(outputs.chat_response(head, result, ctx.texts))
 
@@ -112,12 +133,12 @@ async def _collect(requests: EngineRequests) -> list:
 
 
 async def _events(ctx: ApiContext, inputs: EngineInputs, writer: outputs.ChunkWriter,
-                  arrival: float) -> AsyncIterator[bytes]:
+                  arrival: float, record: RequestRecord | None = None) -> AsyncIterator[bytes]:
     """The SSE events of one streamed response. Submitting happens here, on the first read, so
     a response that is never streamed (the client left at once) never reaches the engine."""
     last: dict[int, object] = {}
     try:
-        async with EngineRequests(ctx.engine_loop, writer.head.id, inputs, arrival) as requests:
+        async with EngineRequests(ctx.engine_loop, writer.head.id, inputs, arrival, record) as requests:
             for chunk in writer.opening(len(inputs.prompts)):
                 yield sse.event(chunk)
             async for i, delta in requests.deltas():
@@ -128,6 +149,8 @@ async def _events(ctx: ApiContext, inputs: EngineInputs, writer: outputs.ChunkWr
             yield sse.event(chunk)
     except APIError as e:
         logger.warning("stream %s failed: %s", writer.head.id, e.message)
+        if record is not None:
+            record.error = e.message
         yield sse.event(e.body())
     yield sse.DONE
 
@@ -136,7 +159,21 @@ def _include_usage(req) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-def _log(request: Request, request_id: str, user: str | None, inputs: EngineInputs) -> None:
-    key_id = request.scope.get("state", {}).get("key_id")
-    logger.info("%s key=%s user=%.64s prompts=%d prompt_tokens=%s", request_id, key_id or "-", user or "-",
-                len(inputs.prompts), [len(p) for p in inputs.prompts])
+def _record(request: Request) -> RequestRecord | None:
+    return request.scope.get("state", {}).get("record")
+
+
+def _admitted(request: Request, request_id: str, req, inputs: EngineInputs, prompt) -> RequestRecord | None:
+    """Logs the request, fills in its record and charges its tokens to its key (429 past the key's
+    tokens per minute). `prompt()` is the prompt as sent, for a request log with prompts."""
+    state = request.scope.get("state", {})
+    logger.info("%s key=%s user=%.64s prompts=%d prompt_tokens=%s", request_id, state.get("key_id") or "-",
+                req.user or "-", len(inputs.prompts), [len(p) for p in inputs.prompts])
+    record = state.get("record")
+    if record is not None:
+        record.request_id, record.user = request_id, req.user
+        record.prompt_tokens = sum(len(p) for p in inputs.prompts)
+        if record.keep_text:
+            record.prompt = prompt()
+    charge_tokens(state.get("grant"), inputs.prompts, inputs.params)
+    return record

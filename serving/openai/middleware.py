@@ -5,9 +5,12 @@
     API key (not /health, /metrics) -> 401
     body over max_body_bytes -> 413, decided on Content-Length or while reading, before any
                             JSON parsing; the body read here is replayed to the app
-    generation routes    -> Admission.enter(key id) (503 when busy; per-key limits later)
+    generation routes    -> Admission.enter(key id): 503 when busy, 429 past the key's requests
+                            per minute or concurrency cap (its tokens per minute: in the handler)
     the response's status  -> jaxinfer_http_requests_total{route,status}; a log line with the
                             key's id (never the key)
+    a generation request's end -> Admission.leave (tokens not used are refunded) and its line in
+                            the request log (record: scope["state"]["record"], filled by handlers)
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serving.openai.admission import Admission
 from serving.openai.auth import APIKeys
 from serving.openai.errors import GRPC_CODES, APIError
+from serving.request_log import RequestLog
 
 logger = logging.getLogger(__name__)
 
@@ -28,33 +32,41 @@ ROUTES = OPEN_PATHS | GENERATION_PATHS | {"/v1/models", "/tokenize", "/detokeniz
 
 class Gate:
     def __init__(self, app: ASGIApp, *, admission: Admission, max_body_bytes: int,
-                 keys: APIKeys | None = None, metrics=None):
+                 keys: APIKeys | None = None, metrics=None, request_log: RequestLog | None = None):
         self.app, self.admission, self.keys, self.metrics = app, admission, keys, metrics
         self.max_body_bytes = max_body_bytes
+        self.request_log = request_log or RequestLog()
         self.draining = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
+        state = scope.setdefault("state", {})
+        generation = path in GENERATION_PATHS and scope["method"] == "POST"
+        record = state["record"] = self.request_log.start("http", path) if generation else None
         send = self._observed(scope, send)
-        admitted = False
+        grant = None
         try:
-            if self.draining and path != "/metrics":
-                raise APIError(503, "the server is shutting down", code="shutting_down")
-            key_id = self._authenticate(scope, path)
-            scope.setdefault("state", {})["key_id"] = key_id
-            receive = await self._read_body(scope, receive)
-            if path in GENERATION_PATHS and scope["method"] == "POST":
-                self.admission.enter(key_id)
-                admitted = True
-        except APIError as e:
-            return await e.response()(scope, receive, send)
-        try:
+            try:
+                if self.draining and path != "/metrics":
+                    raise APIError(503, "the server is shutting down", code="shutting_down")
+                key_id = state["key_id"] = self._authenticate(scope, path)
+                if record is not None:
+                    record.key_id = key_id
+                receive = await self._read_body(scope, receive)
+                if generation:
+                    grant = state["grant"] = self.admission.enter(key_id)
+            except APIError as e:
+                if record is not None:
+                    record.error = e.message
+                return await e.response()(scope, receive, send)
             await self.app(scope, receive, send)
         finally:
-            if admitted:
-                self.admission.leave(scope["state"]["key_id"])
+            if grant is not None:
+                self.admission.leave(grant, record.total_tokens)
+            if record is not None:
+                self.request_log.finish(record, record.status)
 
     def _authenticate(self, scope: Scope, path: str) -> str | None:
         authorization = _header(scope, b"authorization")
@@ -100,7 +112,10 @@ class Gate:
         async def observed(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status = message["status"]
-                key_id = scope.get("state", {}).get("key_id")
+                state = scope.get("state", {})
+                key_id = state.get("key_id")
+                if state.get("record") is not None:
+                    state["record"].status = status
                 logger.info("%s %s %d key=%s", scope["method"], path, status, key_id or "-")
                 if self.metrics is not None:
                     self.metrics.http_requests.labels(route=route, status=str(status)).inc()

@@ -6,8 +6,9 @@
     draining: new requests get 503 (health too); admitted ones go on (num_in_flight)
     stop():   uvicorn closes the socket and its idle connections and waits a little for the rest
 
-It serves the EngineLoop, metrics and worker pool that InferenceServer owns (one engine, both
-transports); InferenceServer decides when to drain and when to stop.
+It serves the EngineLoop, metrics, worker pool, rate limiter (inside Admission) and request log
+that InferenceServer owns (one engine, both transports); InferenceServer decides when to drain
+and when to stop.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from serving.openai.app import build_app
 from serving.openai.auth import APIKeys, key_id
 from serving.openai.handlers import ApiContext
 from serving.openai.middleware import Gate
+from serving.request_log import RequestLog
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class _Server(uvicorn.Server):
 class HttpServer:
     def __init__(self, engine_loop: EngineLoop, limits: ModelLimits, options: HttpOptions, *,
                  admission: Admission, metrics: ServerMetrics | None = None,
-                 executor: concurrent.futures.Executor | None = None):
+                 executor: concurrent.futures.Executor | None = None, request_log: RequestLog | None = None):
         engine = engine_loop.engine
         self.options = options
         self.model_name = options.served_model_name or served_model_name(engine.model.path)
@@ -74,7 +76,7 @@ class HttpServer:
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
         self.gate = Gate(build_app(ctx, metrics), admission=admission, max_body_bytes=options.max_body_bytes,
-                         keys=keys, metrics=metrics)
+                         keys=keys, metrics=metrics, request_log=request_log)
         self.port: int | None = None
         self._socket: socket.socket | None = None
         self._server: _Server | None = None
