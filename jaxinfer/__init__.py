@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxinfer.llm",
     "SamplingParams": "jaxinfer.sampling.params",
+    "StructuredOutput": "jaxinfer.sampling.params",
     "Engine": "jaxinfer.engine",
     "EngineConfig": "jaxinfer.config",
     "ModelConfig": "jaxinfer.config",

@@ -40,6 +40,7 @@ from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.runner import ModelRunner, enable_compilation_cache
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.sampler import SamplerOutput
+from jaxinfer.structured import GrammarBackend, grammar_for
 from sharding import StepChannel, is_leader, is_multiprocess
 from sharding.multihost import SHUTDOWN, fetch
 
@@ -77,6 +78,8 @@ class Engine:
         self.is_leader = is_leader()
         self._channel = StepChannel() if is_multiprocess() else None
         self.outputs = OutputProcessor(self.tokenizer)
+        # Structured output (SamplingParams.structured_output): llguidance over this vocabulary.
+        self.grammars = None if self.tokenizer is None else GrammarBackend(self.tokenizer, model.config.vocab_size)
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
         self._flight: _Flight | None = None  # the step dispatched last, tokens not fetched yet
@@ -113,7 +116,10 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, params = self.check_request(prompt, params)
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
+        grammar = grammar_for(self.grammars, params)
         seqs = self.replicas[replica].scheduler.add_request(request_id, ids, params, priority=priority)
+        for seq in seqs if grammar is not None else ():
+            seq.grammar = grammar.matcher()
         cost = (len(ids) + params.max_tokens) * params.n
         self.replicas[replica].load += cost
         self._requests[request_id] = self.outputs.new_request(
@@ -136,6 +142,7 @@ class Engine:
         text, ids = self._tokenize(prompt)
         self._check_length(len(ids), params)
         check_request(None, ids, params, 0, max_model_len=self.max_model_len, pool=self.pool)
+        grammar_for(self.grammars, params)
         return text, ids, params
 
     def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -186,7 +193,8 @@ class Engine:
         With async scheduling (the default) the step is dispatched before the previous one's
         tokens are fetched, and the deltas returned are the previous step's: the host plans and
         prepares step N+1 while the device runs step N. Rows with penalties need every earlier
-        token id on the host, so while any runs, the previous step lands before the plan."""
+        token id on the host, and rows with a grammar a mask that follows the token before, so
+        while any runs, the previous step lands before the plan."""
         outputs, self._pending = self._pending, []
         previous, self._flight = self._flight, None
         if previous is not None and self._needs_known_tokens():
@@ -205,7 +213,10 @@ class Engine:
         return outputs
 
     def _needs_known_tokens(self) -> bool:
-        return any(s.sampling_params.uses_penalties for r in self.replicas for s in r.scheduler.running)
+        """Rows with penalties need every earlier token on the host, rows with a grammar need
+        their matcher advanced past it before their next mask."""
+        return any(s.sampling_params.uses_penalties or s.grammar is not None
+                   for r in self.replicas for s in r.scheduler.running)
 
     def _dispatch(self, plans: list[SchedulerPlan], previous: _Flight | None) -> _Flight:
         start = time.monotonic()
@@ -245,6 +256,9 @@ class Engine:
             state = self._requests.get(seq.request_id)
             if seq.seq_id not in updated or state is None:
                 continue
+            if seq.grammar is not None and not seq.grammar.consume(int(out.tokens[row])):
+                logger.warning("request %s: the grammar rejected token %d (%s)", seq.request_id,
+                               int(out.tokens[row]), seq.grammar.error)
             self.outputs.on_token(state, state.samples[seq.sample_index], out, row, scheduler)
             touched[seq.request_id] = state
 

@@ -3,7 +3,8 @@
     SchedulerPlan (host, jaxinfer.core)
       --InputBuilder.prepare--> StepInputs: token ids and positions [T], attention metadata
         (kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]), the row of
-        each sequence's last token [S], sampling arrays [S]; T is the smallest token bucket that
+        each sequence's last token [S], sampling arrays [S] (with the allowed-token bits of the
+        sequences that have a grammar, from their matchers); T is the smallest token bucket that
         holds the plan and S = EngineConfig.seq_bucket(T)
 
 A sequence whose newest token was sampled by the step still in flight (async scheduling) has a
@@ -28,6 +29,7 @@ from jaxinfer.core.sequence import PLACEHOLDER
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, sampling_arrays_for_sequences
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.structured import fill_bitmask
 
 
 @flax.struct.dataclass
@@ -44,8 +46,9 @@ class InputBuilder:
     """Builds the padded inputs of the runner's compiled step variants."""
 
     def __init__(self, engine: EngineConfig, buckets: tuple[int, ...], *, pages_per_seq: int,
-                 max_model_len: int, num_replicas: int = 1):
+                 max_model_len: int, vocab_size: int, num_replicas: int = 1):
         self.engine = engine
+        self.vocab_size = vocab_size  # the width of the allowed-token bits (structured output)
         self.buckets = buckets
         self.pages_per_seq = pages_per_seq
         self.max_model_len = max_model_len  # the penalty-history width
@@ -104,7 +107,11 @@ class InputBuilder:
         cu[n + 1:] = offset
         seqs = [s.seq for s in plan.seqs]
         sampling = sampling_arrays_for_sequences(
-            seqs, s_bucket, history_len=self.max_model_len if penalties else None)
+            seqs, s_bucket, history_len=self.max_model_len if penalties else None,
+            vocab_size=self.vocab_size)
+        grammars = [(s.grammar, row) for row, s in enumerate(seqs) if s.grammar is not None]
+        if grammars:  # their matchers have consumed every earlier token (the engine made sure)
+            fill_bitmask(grammars, sampling.allowed)
         meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
                                  num_seqs=np.array([n], np.int32))
         return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, prev_rows)
@@ -122,7 +129,7 @@ class InputBuilder:
         params = [SamplingParams(repetition_penalty=1.1 if with_history else 1.0)]
         sampling = make_sampling_arrays(
             params, [0], batch_size=s_bucket, seeds=[0], prompt_token_ids=[[0]], output_token_ids=[[]],
-            history_len=self.max_model_len if with_history else None)
+            history_len=self.max_model_len if with_history else None, vocab_size=self.vocab_size)
         meta = AttentionMetadata(
             kv_lens=np.zeros(s_bucket, np.int32),
             page_indices=np.zeros((s_bucket, self.pages_per_seq), np.int32),

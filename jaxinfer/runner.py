@@ -106,7 +106,8 @@ class ModelRunner:
         sp = axis_size(self.mesh, SEQUENCE)
         self.buckets = tuple(sorted({-(-b // sp) * sp for b in engine.buckets()}))
         self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=self.pages_per_seq,
-                                   max_model_len=max_model_len, num_replicas=self.num_replicas)
+                                   max_model_len=max_model_len, vocab_size=self.config.vocab_size,
+                                   num_replicas=self.num_replicas)
         max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
         parts = (self.family, self.config, engine.attn_impl, max_seqs)
         prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)

@@ -4,6 +4,8 @@
     JAXINFER_AUTH_TOKEN=secret jaxinfer serve          # or --auth-token-file FILE
     jaxinfer serve --http-port 8000 [--no-grpc]        # + the OpenAI-compatible HTTP API (only)
     JAXINFER_API_KEYS=k1,k2 jaxinfer serve --http-port 8000   # or --api-keys-file FILE
+    jaxinfer serve --rate-limit-rpm 60 --rate-limit-tpm 100000 --max-concurrent-per-key 4 \
+        --request-log requests.jsonl [--log-prompts]    # per-key limits (both transports), JSON lines
     jaxinfer client generate "Hello" --max-tokens 32  # streams text to stdout
     jaxinfer client generate --chat "Hi there"         # through the chat template
     jaxinfer client generate --token-ids 1,2,3         # token ids in, token ids printed
@@ -55,6 +57,7 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
     g.add_argument("--no-penalties", action="store_true",
                    help="compile no penalty variants (faster start); penalty requests are refused")
     _add_http_args(serve)
+    _add_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     client = subparsers.add_parser("client", help="call a running jaxinfer server")
@@ -100,6 +103,41 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
                    help="largest HTTP request body; larger ones get 413 (default 4 MiB)")
 
 
+def _add_limit_args(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("per-key rate limits and request log (both transports)",
+                                 "A key is an HTTP API key or the gRPC token (the same secret is one key on both); "
+                                 "without auth, all requests share one anonymous key. Past a limit: HTTP 429 / "
+                                 "gRPC RESOURCE_EXHAUSTED with Retry-After. All off by default.")
+    g.add_argument("--rate-limit-rpm", type=int, default=None, metavar="N", help="requests per minute per key")
+    g.add_argument("--rate-limit-tpm", type=int, default=None, metavar="N",
+                   help="tokens per minute per key: prompt + max_tokens x n charged at admission, "
+                        "what was not generated refunded at the end")
+    g.add_argument("--max-concurrent-per-key", type=int, default=None, metavar="N",
+                   help="generation requests in flight per key")
+    g.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append a JSON line per finished generation request to FILE ('-': stderr)")
+    g.add_argument("--log-prompts", action="store_true", help="--request-log includes prompts and outputs")
+
+
+def _limit_options(args: argparse.Namespace) -> dict:
+    """ServerOptions' rate_limits / request_log / log_prompts, checked before the model loads."""
+    from serving.limits import RateLimits
+
+    for flag in ("--rate-limit-rpm", "--rate-limit-tpm", "--max-concurrent-per-key"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
+    if args.log_prompts and args.request_log is None:
+        raise ValueError("--log-prompts: needs --request-log")
+    if args.request_log not in (None, "-"):
+        try:
+            open(args.request_log, "a", encoding="utf-8").close()
+        except OSError as e:
+            raise ValueError(f"--request-log {args.request_log}: {e.strerror or e}") from None
+    limits = RateLimits(args.rate_limit_rpm, args.rate_limit_tpm, args.max_concurrent_per_key)
+    return dict(rate_limits=limits, request_log=args.request_log, log_prompts=args.log_prompts)
+
+
 # --- serve --------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxinfer.cli.args import check_file, make_llm
@@ -124,7 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host, grace_period_s=args.grace_period,
         max_message_bytes=args.max_message_bytes, http_port=args.http_port, http_host=args.http_host,
         served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-        api_keys=tuple(read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV) or None)))
+        api_keys=tuple(read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV) or None)),
+        **_limit_options(args))
     signal.signal(signal.SIGTERM, _terminated_while_starting)
     engine = make_llm(args, penalties=not args.no_penalties).engine
     try:
@@ -150,6 +189,7 @@ async def _serve(engine, options) -> int:
         await server.start()
     except BaseException:
         await asyncio.to_thread(server.engine_loop.stop)
+        server.request_log.close()
         raise
     metrics = f" (metrics on {options.metrics_host}:{server.metrics_port})" if server.metrics_port else ""
     if server.http is None:
@@ -186,6 +226,9 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def _generate(client, args) -> int:
+    from jaxinfer.cli.args import structured_output
+    from serving.convert import structured_message
+
     if args.token_ids is not None:
         try:
             prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
@@ -201,6 +244,9 @@ def _generate(client, args) -> int:
     for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
         if getattr(args, name) != off:  # unset stays unset: servers started --no-penalties accept it
             kwargs[name] = getattr(args, name)
+    structured = structured_output(args)
+    if structured is not None:
+        kwargs["structured_output"] = structured_message(structured)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": args.prompt}]

@@ -5,9 +5,10 @@ names the request field, which the servicer returns as INVALID_ARGUMENT.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.tokenizer import Tokenizer
 from serving.proto import jaxinfer_pb2 as pb
 
@@ -36,9 +37,35 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
     kwargs["stop"] = tuple(options.stop)
     kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
     try:
+        if options.HasField("structured_output"):
+            kwargs["structured_output"] = _structured(options.structured_output)
         return SamplingParams(**kwargs)
     except ValueError as e:  # SamplingParams names the field: "SamplingParams.top_p=2.0: ..."
         raise RequestError(f"sampling.{str(e).removeprefix('SamplingParams.')}") from None
+
+
+def _structured(message: pb.StructuredOutput) -> StructuredOutput:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("SamplingParams.structured_output: set one of json_schema, json_object, "
+                         "regex, choice, grammar")
+    try:
+        if kind == "json_schema":
+            return StructuredOutput(json=message.json_schema)
+        if kind == "choice":
+            return StructuredOutput(choice=tuple(message.choice.choices))
+        return StructuredOutput(**{kind: getattr(message, kind)})
+    except ValueError as e:  # "StructuredOutput.regex=...: ..." -> the request's field name
+        raise ValueError(f"SamplingParams.structured_output.{str(e).removeprefix('StructuredOutput.')}") from None
+
+
+def structured_message(spec: StructuredOutput) -> pb.StructuredOutput:
+    """The request message of a StructuredOutput (clients)."""
+    if spec.json is not None:
+        return pb.StructuredOutput(json_schema=json.dumps(spec.json))
+    if spec.choice is not None:
+        return pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choices=list(spec.choice)))
+    return pb.StructuredOutput(**{spec.kind: getattr(spec, spec.kind)})
 
 
 def render_chat(tokenizer: Tokenizer, chat: pb.Chat) -> list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxinfer.config import ConfigError
-from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM  # imports JAX: only when a command runs
@@ -90,6 +90,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("-n", type=int, default=1, help="samples per prompt")
+    so = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    so.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                    help="the output is JSON this schema accepts (a file, or the schema's JSON text)")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", default=None, help="the whole output matches this regular expression")
+    so.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    so.add_argument("--grammar", default=None, metavar="FILE", help="a Lark grammar (llguidance's dialect)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -97,7 +104,23 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos)
+        seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos,
+        structured_output=structured_output(args))
+
+
+def structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if not schema.lstrip().startswith("{"):
+            check_file("--json-schema", schema)
+            schema = Path(schema).read_text(encoding="utf-8")
+        return StructuredOutput(json=schema)
+    if args.grammar is not None:
+        check_file("--grammar", args.grammar)
+        return StructuredOutput(grammar=Path(args.grammar).read_text(encoding="utf-8"))
+    if args.json_object or args.regex is not None or args.choice:
+        return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice)
+    return None
 
 
 _LEADERS: list["LLM"] = []  # LLMs of process 0 whose followers must be shut down at exit

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 from jaxinfer.cli.batch_journal import Journal, line_key
-from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
@@ -71,6 +71,8 @@ def parse_line(line: str, lineno: int, defaults: SamplingParams,
             raise ValueError(f"line {lineno}: prompt_token_ids must be a list of integers")
     overrides = {k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items() if k in _FIELDS}
     try:
+        if isinstance(overrides.get("structured_output"), dict):  # {"json": {...}} / {"regex": "..."} ...
+            overrides["structured_output"] = StructuredOutput(**overrides["structured_output"])
         params = dataclasses.replace(defaults, **overrides)
     except (ValueError, TypeError) as e:
         raise ValueError(f"line {lineno}: {e}") from None

@@ -1,7 +1,8 @@
 """Multi-step decode: one plan whose sequences each decode `k` tokens in one jitted call.
 
 When every sequence the scheduler would run is a plain decode (one token to compute, nothing
-waiting to be admitted, no penalty history to keep on the host), the step loop can run k decode
+waiting to be admitted, no penalty history to keep on the host, no grammar whose next mask
+needs the token before it), the step loop can run k decode
 steps on the device with the sampler inside, paying the host's dispatch, transfer and planning
 costs once per k tokens. `decode_window` reserves pages for all k tokens first (never preempting:
 if they do not fit, it declines and the scheduler plans one step as usual), and every sequence
@@ -35,7 +36,7 @@ class _SchedulerState(Protocol):  # what a window reads of the Scheduler (no imp
 
 def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan | None:
     """A plan of `num_steps` decode steps for every running sequence, or None if the next step
-    must be an ordinary one (a prefill, an admission, penalties, no room, or no pages)."""
+    must be an ordinary one (a prefill, an admission, penalties, a grammar, no room, or no pages)."""
     if num_steps < 2 or scheduler.num_waiting:
         return None
     seqs = sorted((s for s in scheduler.running
@@ -44,7 +45,7 @@ def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan |
         return None
     for seq in seqs:
         if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.sampling_params.uses_penalties
-                or seq.num_tokens + num_steps - 1 > scheduler.max_model_len):
+                or seq.grammar is not None or seq.num_tokens + num_steps - 1 > scheduler.max_model_len):
             return None
     pool = scheduler.pool
     need = [max(0, pool.pages_for(s.num_computed_tokens + num_steps) - len(s.pages)) for s in seqs]

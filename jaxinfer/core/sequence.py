@@ -82,6 +82,8 @@ class Sequence:
         self.pages: list[int] = []        # block table: page i holds tokens [i*ps, (i+1)*ps)
         self.page_hashes: list = []       # chained hashes of the full pages of token_ids
         self.num_cached_pages = 0         # leading pages registered in the prefix cache
+        # Structured output: a jaxinfer.structured.RowMatcher the engine attaches (None: free).
+        self.grammar: object | None = None
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

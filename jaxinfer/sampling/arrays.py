@@ -7,6 +7,12 @@
 Every per-request option is an array row, so a new mix of options never recompiles; only the
 batch bucket and the penalty-history width (or its absence) are static structure.
 
+Structured output: `allowed` holds each row's allowed tokens as packed bits (llguidance's layout:
+bit j of word w allows token 32*w + j; -1 = every token), filled on the host by
+jaxinfer.structured for the rows with a grammar and applied by the sampler. Its width is static
+(ceil(vocab / 32) when the vocabulary size is given, else 1: no masking at all), so a batch with
+or without constrained rows runs the same compiled step.
+
 Penalty histories: a row's prompt ids (only when its repetition penalty is on) then its output
 ids, padded with -1 to a width H. The transfer is B*H int32 per step instead of B*V; the [B, V]
 counts are built on the device (sampler.apply_penalties). When no row of a batch uses penalties
@@ -57,6 +63,7 @@ class SamplingArrays:
     seeds: jax.Array               # u32[B, 2] the sequence's 64-bit seed as (low, high) words
     num_generated: jax.Array       # i32[B] output tokens so far: which draw of the stream this is
     num_top_logprobs: jax.Array    # i32[B] top-N logprobs asked for (0: none; no row >0: no top-k)
+    allowed: jax.Array             # i32[B, W] packed allowed-token bits, -1 = all (W = 1: no masking)
     history: PenaltyHistory | None = None  # None: no row uses penalties (static structure)
 
 
@@ -65,7 +72,7 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
                          batch_size: int, seeds: Sequence[int] | None = None,
                          prompt_token_ids: Sequence[Sequence[int]] | None = None,
                          output_token_ids: Sequence[Sequence[int]] | None = None,
-                         history_len: int | None = None) -> SamplingArrays:
+                         history_len: int | None = None, vocab_size: int | None = None) -> SamplingArrays:
     """Numpy SamplingArrays for `params[i]` in row i, padded to `batch_size` rows.
 
     seeds: each row's 64-bit stream seed (Sequence.seed); defaults to params.seed, which then
@@ -74,6 +81,8 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
     history_len: the static width H of the penalty history. None picks a power of two (>= 16)
       that fits, or no history at all when no row uses penalties; pass a fixed value to keep the
       compiled variants fixed.
+    vocab_size: the width of the allowed-token bits (ceil(vocab_size / 32) words, all set); None
+      gives width 1, which the sampler never applies.
     """
     rows = len(params)
     if rows > batch_size or len(num_generated) != rows:
@@ -102,20 +111,23 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
         seeds=np.asarray(seed_words + [(0, 0)] * pad, dtype=np.uint32).reshape(batch_size, 2),
         num_generated=col(num_generated, 0, np.int32),
         num_top_logprobs=col([p.logprobs or 0 for p in params], 0, np.int32),
+        allowed=np.full((batch_size, 1 if vocab_size is None else -(-vocab_size // 32)), -1, np.int32),
         history=_penalty_history(params, prompt_token_ids, output_token_ids, batch_size,
                                  history_len))
 
 
 def sampling_arrays_for_sequences(seqs: Sequence[SequenceLike], batch_size: int, *,
-                                  history_len: int | None = None) -> SamplingArrays:
-    """make_sampling_arrays for scheduler sequences, one row each."""
+                                  history_len: int | None = None,
+                                  vocab_size: int | None = None) -> SamplingArrays:
+    """make_sampling_arrays for scheduler sequences, one row each (`allowed` all set: the caller
+    fills the rows of sequences with a grammar)."""
     penalties = any(s.sampling_params.uses_penalties for s in seqs)
     return make_sampling_arrays(
         [s.sampling_params for s in seqs], [s.num_output_tokens for s in seqs],
         batch_size=batch_size, seeds=[s.seed for s in seqs],
         prompt_token_ids=[s.prompt_token_ids for s in seqs] if penalties else None,
         output_token_ids=[s.output_token_ids for s in seqs] if penalties else None,
-        history_len=history_len)
+        history_len=history_len, vocab_size=vocab_size)
 
 
 def _penalty_history(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]] | None,

@@ -7,6 +7,7 @@ here, so the host side (jaxinfer.core) can hold SamplingParams without importing
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 
@@ -37,6 +38,53 @@ def _as_tuple(value: object, item_ok: type | tuple[type, ...]) -> tuple | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """Constrains a request's output; exactly one field is set (vLLM's guided decoding):
+    `json` a JSON schema (dict or JSON text; the output is one JSON value it accepts),
+    `json_object` any JSON object, `regex` a regular expression the whole output matches,
+    `choice` one of these strings, `grammar` a Lark grammar (llguidance's dialect)."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice) if isinstance(self.choice, (list, tuple))
+                               else self.choice)
+        set_ = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("StructuredOutput: set exactly one of json, json_object, regex, choice, "
+                             f"grammar (got {set_ or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"StructuredOutput.json: not valid JSON ({e})") from e
+            object.__setattr__(self, "json", schema)
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"StructuredOutput.json: a JSON schema must be an object, got {self.json!r:.60}")
+        if self.json_object is not False and self.json_object is not True:
+            raise ValueError(f"StructuredOutput.json_object={self.json_object!r}: must be a bool")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutput.{name}={value!r:.60}: must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"StructuredOutput.choice={self.choice!r:.60}: must be a non-empty list "
+                             "of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False))
+
+    def __hash__(self) -> int:  # a schema dict is not hashable; its canonical text is
+        return hash(json.dumps(dataclasses.asdict(self), sort_keys=True, default=str))
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. Validated at construction; the bad value is named."""
     n: int = 1
@@ -55,6 +103,7 @@ class SamplingParams:
     logprobs: int | None = None        # top-N logprobs per token, 0..MAX_LOGPROBS
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # constrain the output (JSON, regex, ...)
 
     def __post_init__(self):
         for name, kind, what in (("stop", str, "a string or a list of strings"),
@@ -98,6 +147,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            bad("structured_output", "must be a StructuredOutput or None")
 
     @property
     def is_greedy(self) -> bool:

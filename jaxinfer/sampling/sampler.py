@@ -6,6 +6,8 @@ What `sample` does to one row (the order matters and the numpy reference in the 
   2. penalties (only when a history is given): repetition penalty over tokens seen in prompt or
      output (positive logits divided, negative multiplied), then frequency (times the output
      count) and presence (once per token seen in the output) subtracted.
+  2b. structured output: tokens outside a row's allowed bits (SamplingArrays.allowed) are set to
+     -inf, under a conditional taken only when some row has a grammar.
   3. greedy rows (temperature 0) take argmax of the penalized logits; nothing below affects them.
   4. temperature scaling, then top-k (ties with the k-th value kept), then top-p over what top-k
      left (the smallest set of tokens whose probability reaches top_p, ties with its last kept),
@@ -43,6 +45,7 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
     logprobs = jax.nn.log_softmax(logits, axis=-1)                        # [B, V]
     if arrays.history is not None:
         logits = apply_penalties(logits, arrays)
+    logits = apply_allowed(logits, arrays.allowed)
     greedy_tokens = jnp.argmax(logits, axis=-1)                           # [B]
     is_greedy = arrays.temperature < GREEDY_EPS
     temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
@@ -86,6 +89,20 @@ def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - arrays.frequency_penalty[:, None] * output_counts
     return logits - arrays.presence_penalty[:, None] * (output_counts > 0)
+
+
+def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """-inf outside each row's allowed-token bits [B, W]; a no-op (statically) when W * 32 cannot
+    cover the vocabulary, and (at run time) when every bit is set."""
+    batch, vocab = logits.shape
+    if allowed.shape[-1] * 32 < vocab:
+        return logits
+
+    def mask(x):
+        bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1      # [B, W, 32]
+        return jnp.where(bits.reshape(batch, -1)[:, :vocab] != 0, x, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(allowed != -1), mask, lambda x: x, logits)
 
 
 def mask_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,

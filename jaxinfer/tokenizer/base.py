@@ -117,6 +117,10 @@ class HFTokenizer(_Base):
     def _save_backend(self, directory: Path) -> None:
         self._tk.save(str(directory / "tokenizer.json"))
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as tokenizer.json text (grammar engines read it)."""
+        return self._tk.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._wrap(self._tk.encode(text, add_special_tokens=False).ids, add_special_tokens)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.tokenizer import Tokenizer
 from serving import convert
 from serving.convert import ModelLimits, RequestError
@@ -113,11 +113,9 @@ def _refuse_unsupported(req: SamplingFields) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias", "logit_bias: not supported by this server (the sampler has no logit bias)")
     fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        if fmt.type in ("json_object", "json_schema"):
-            raise bad_request("response_format", f"response_format.type={fmt.type!r}: structured output is not "
-                              "supported yet; use {\"type\": \"text\"}")
-        raise bad_request("response_format", f"response_format.type={fmt.type!r}: unknown; use \"text\"")
+    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
+        raise bad_request("response_format", f"response_format.type={fmt.type!r}: unknown; use \"text\", "
+                                             "\"json_object\" or \"json_schema\"")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options", "stream_options: only allowed with stream=true")
 
@@ -135,7 +133,37 @@ def _sampling_kwargs(req: SamplingFields, limits: ModelLimits, logprobs: int | N
     if req.stop_token_ids:
         kwargs["stop_token_ids"] = req.stop_token_ids
     kwargs["logprobs"] = logprobs
+    kwargs["structured_output"] = _structured_output(req)
     return kwargs
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_output(req: SamplingFields) -> StructuredOutput | None:
+    """response_format json_object / json_schema, or one guided_* field (vLLM's extras)."""
+    asked = {name: getattr(req, name) for name in _GUIDED if getattr(req, name) is not None}
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        asked["response_format"] = fmt
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = sorted(asked)
+        raise bad_request(names[1], f"{names[1]}: only one of {', '.join(names)} may be given")
+    (field, value), = asked.items()
+    try:
+        if field != "response_format":
+            return StructuredOutput(**{_GUIDED[field]: value})
+        if value.type == "json_object":
+            return StructuredOutput(json_object=True)
+        schema = (value.json_schema or {}).get("schema")
+        if schema is None:
+            raise bad_request("response_format", "response_format.json_schema.schema: required for "
+                                                 "type \"json_schema\"")
+        return StructuredOutput(json=schema)
+    except ValueError as e:  # "StructuredOutput.regex=...: must be ..."
+        raise bad_request(field, f"{field}: {str(e).split(': ', 1)[-1]}") from None
 
 
 def _params(kwargs: dict, names: dict[str, str]) -> SamplingParams:

@@ -4,7 +4,9 @@ Values are checked where they are used: SamplingParams checks sampling values, i
 prompts and the fields this server does not support. Fields a client may send that change
 nothing here (`store`, `metadata`, `service_tier`, ...) are accepted and ignored, as OpenAI-
 compatible servers do; those that would change the answer and are not supported (`tools`,
-`logit_bias`, `suffix`, a JSON `response_format`) are refused with a 400 naming them.
+`logit_bias`, `suffix`) are refused with a 400 naming them. Structured output comes as OpenAI's
+`response_format` (json_object, json_schema) or vLLM's `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`.
 """
 from __future__ import annotations
 
@@ -51,6 +53,10 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    guided_json: Any = None  # a JSON schema (object or JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark (llguidance's dialect)
 
 
 class CompletionRequest(SamplingFields):

@@ -4,14 +4,17 @@ not, n, stop, seeds, logprobs, errors with their status and field, SSE framing b
 models / health / metrics / tokenize / detokenize, disconnects that free the KV pages, and gRPC
 beside HTTP on the same engine."""
 import json
+import re
 import socket
 import time
 
+import jsonschema
 import openai
 import pytest
 from openai_support import ServedProcess, metric, raw_request, wait_for
 
 from serving.client import Client
+from serving.proto import jaxinfer_pb2 as pb
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = ("sk-first-key", "sk-second-key")
@@ -114,7 +117,7 @@ def test_errors_have_openai_shape_and_status(client, served):
         client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=-1)
     assert info.value.body["param"] == "temperature" and "temperature" in info.value.body["message"]
     for kwargs, param in ((dict(presence_penalty=0.5), "presence_penalty"), (dict(logit_bias={"5": 1}), "logit_bias"),
-                          (dict(response_format={"type": "json_object"}), "response_format")):
+                          (dict(response_format={"type": "xml"}), "response_format")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=QUESTION, **kwargs)
         assert info.value.body["param"] == param, info.value.body
@@ -205,3 +208,59 @@ def test_client_disconnect_aborts_and_frees_pages(served, grpc_client, stream):
     stats = wait_for(lambda: (s := grpc_client.server_stats()).running == 0 and s, timeout=10)
     assert stats.waiting == 0 and stats.kv_pages_free == stats.kv_pages_total
     assert time.monotonic() - started < 10
+
+
+# --- structured output (HTTP and gRPC) ------------------------------------------------------------
+SCHEMAS = {
+    "person": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+               "properties": {"name": {"type": "string", "maxLength": 16},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+    "list": {"type": "object", "additionalProperties": False, "required": ["items", "kind"],
+             "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                      "minItems": 1, "maxItems": 3},
+                            "kind": {"enum": ["fruit", "tool", "animal"]}}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_strict_json_schema_reply_validates(client, name):
+    schema = SCHEMAS[name]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Reply in JSON."}], max_tokens=120, temperature=0.7,
+        seed=5, response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+
+
+def test_json_object_regex_and_choice_over_http(client):
+    obj = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    regex = client.completions.create(model=MODEL, prompt="The code is", max_tokens=12, temperature=0.5, seed=1,
+                                      extra_body={"guided_regex": r"[A-Z]{3}-[0-9]{2}"})
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", regex.choices[0].text)
+    choice = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0,
+                                            extra_body={"guided_choice": ["Paris", "Rome"]})
+    assert choice.choices[0].message.content == "Paris"
+
+
+def test_bad_structured_requests_name_the_field(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"guided_regex": ""})
+    assert err.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, response_format={"type": "json_schema"})
+    assert "response_format.json_schema.schema" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"guided_regex": "(open"})
+    assert "StructuredOutput.regex" in err.value.body["message"]
+
+
+def test_structured_output_over_grpc(grpc_client):
+    out = grpc_client.generate(messages=QUESTION, max_tokens=60, temperature=0, timeout=120,
+                               structured_output=pb.StructuredOutput(json_schema=json.dumps(SCHEMAS["person"])))
+    jsonschema.validate(json.loads(out.text), SCHEMAS["person"])
+    choice = grpc_client.generate(messages=QUESTION, max_tokens=8, temperature=0, timeout=120,
+                                  structured_output=pb.StructuredOutput(
+                                      choice=pb.StructuredOutput.Choices(choices=["Paris", "Rome"])))
+    assert choice.text == "Paris"

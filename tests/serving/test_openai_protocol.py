@@ -100,8 +100,10 @@ def test_chat_uses_the_chat_template(tok):
     (dict(stop=["ok", 3]), "stop", "strings"),
     (dict(presence_penalty=0.5), "presence_penalty", "--no-penalties"),
     (dict(logit_bias={"50256": -100}), "logit_bias", "not supported"),
-    (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "not supported yet"),
-    (dict(response_format={"type": "json_object"}), "response_format", "not supported yet"),
+    (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "schema: required"),
+    (dict(response_format={"type": "xml"}), "response_format", "unknown"),
+    (dict(guided_regex="a+", guided_choice=["a"]), "guided_regex", "only one of guided_choice, guided_regex"),
+    (dict(guided_choice=[]), "guided_choice", "non-empty list"),
     (dict(stream_options={"include_usage": True}), "stream_options", "stream=true"),
     (dict(tools=[{"type": "function"}]), "tools", "not supported"),
     (dict(messages=[]), "messages", "empty"),
@@ -208,3 +210,17 @@ def test_served_model_name():
     assert served_model_name("/m/model.Q4.gguf") == "model.Q4"
     assert served_model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
     assert served_model_name("gs://bucket/llama-70b") == "llama-70b"
+
+
+def test_structured_output_fields_become_the_spec(tok):
+    from jaxinfer.sampling import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert chat(tok, response_format=fmt).params.structured_output == StructuredOutput(json=schema)
+    assert chat(tok, response_format={"type": "json_object"}).params.structured_output.json_object
+    assert chat(tok, response_format={"type": "text"}).params.structured_output is None
+    assert completion(tok, prompt="x", guided_regex="[0-9]+").params.structured_output.regex == "[0-9]+"
+    assert completion(tok, prompt="x", guided_choice=["a", "b"]).params.structured_output.choice == ("a", "b")
+    assert completion(tok, prompt="x", guided_json=json.dumps(schema)).params.structured_output.json == schema
+    assert chat(tok, guided_grammar='start: "x"').params.structured_output.grammar == 'start: "x"'

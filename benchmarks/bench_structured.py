@@ -1,0 +1,93 @@
+"""What structured output costs: decode throughput with and without a grammar, and mask time.
+
+    python benchmarks/bench_structured.py                # SmolLM2 (embedded), batch 32, 64 tokens
+    python benchmarks/bench_structured.py --batch 8 --max-tokens 128 --repeats 5
+
+One engine serves four runs of `--batch` requests side by side, each `--repeats` times (medians):
+  free      unconstrained, the default loop (async scheduling, decode windows)
+  sync      unconstrained, one step at a time with every token on the host first (the loop a
+            constrained batch runs: its masks need the token before)
+  regex     every request constrained by a regex of exactly N letters (no early end)
+  json      every request constrained by a JSON schema (nested object, array, enum)
+Output tokens per second for each, and the host time spent filling masks per constrained token
+(llguidance's fill_next_token_bitmask, measured around jaxinfer.inputs' call).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "tags", "meta"],
+          "properties": {"title": {"type": "string"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
+                         "meta": {"type": "object", "properties": {"n": {"type": "integer"}}}}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--runs", default="free,sync,regex,json", help="which runs, in this order")
+    args = p.parse_args(argv)
+
+    import jaxinfer.inputs as inputs_module
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling import SamplingParams, StructuredOutput
+
+    mask = {"seconds": 0.0, "rows": 0}
+    fill = inputs_module.fill_bitmask
+
+    def timed_fill(rows, allowed):
+        start = time.perf_counter()
+        fill(rows, allowed)
+        mask["seconds"] += time.perf_counter() - start
+        mask["rows"] += len(rows)
+
+    inputs_module.fill_bitmask = timed_fill
+    llm = LLM(max_model_len=1024, max_num_seqs=args.batch, max_num_batched_tokens=max(256, args.batch))
+    prompt = [{"role": "user", "content": "Write a short note about the sea."}]
+    runs = {
+        "free": (SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.8, seed=1), {}),
+        "sync": (SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.8, seed=1),
+                 {"async_scheduling": False, "num_decode_steps": 1}),
+        "regex": (SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1, structured_output=
+                                 StructuredOutput(regex=f"[a-z ]{{{args.max_tokens * 4}}}")), {}),
+        "json": (SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1,
+                                structured_output=StructuredOutput(json=SCHEMA)), {}),
+    }
+    engine = llm.engine
+    defaults = (engine.config, engine.runner.num_decode_steps)
+    print("| run | output tok/s (median) | tokens | mask ms/token | vs the first run |")
+    print("|---|---|---|---|---|")
+    rates_by_run = {}
+    for name in args.runs.split(","):
+        params, loop = runs[name]
+        rates, mask_per_token = [], []
+        for _ in range(args.repeats):
+            _set_loop(engine, defaults, loop)
+            mask.update(seconds=0.0, rows=0)
+            start = time.perf_counter()
+            outs = llm.chat([prompt] * args.batch, [params] * args.batch, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            rates.append(tokens / seconds)
+            mask_per_token.append(1e3 * mask["seconds"] / max(mask["rows"], 1))
+        rate = rates_by_run[name] = statistics.median(rates)
+        first = next(iter(rates_by_run.values()))
+        print(f"| {name} | {rate:.1f} | {tokens} | {statistics.median(mask_per_token):.3f} | "
+              f"{rate / first:.2f}x |", flush=True)
+    return 0
+
+
+def _set_loop(engine, defaults, loop: dict) -> None:
+    import dataclasses
+
+    config, steps = defaults
+    engine.config = dataclasses.replace(config, async_scheduling=loop.get("async_scheduling", config.async_scheduling))
+    engine.runner.num_decode_steps = loop.get("num_decode_steps", steps)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

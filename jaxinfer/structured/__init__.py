@@ -1,0 +1,15 @@
+"""Structured output on the host (no JAX): response formats -> grammars -> per-row token bitmasks.
+
+    backend = GrammarBackend(tokenizer, vocab_size)      # llguidance's view of the vocabulary
+    grammar = backend.compile(StructuredOutput(json=schema))   # ValueError naming a bad spec
+    matcher = grammar.matcher()                           # one per sequence
+    fill_bitmask([(matcher, row), ...], allowed)          # rows of SamplingArrays.allowed
+    matcher.consume(token)                                # after each sampled token
+
+The grammar engine is llguidance (a Rust library; packed bitmasks in the layout the sampler
+reads). xgrammar needs torch, which this project's Python 3.12 environments do not have.
+"""
+from jaxinfer.structured.backend import Grammar, GrammarBackend, RowMatcher, fill_bitmask, grammar_for
+from jaxinfer.structured.grammar import grammar_text
+
+__all__ = ["Grammar", "GrammarBackend", "RowMatcher", "fill_bitmask", "grammar_for", "grammar_text"]

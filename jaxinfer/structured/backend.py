@@ -1,0 +1,150 @@
+"""llguidance matchers over our tokenizers, and the packed bitmasks the sampler applies.
+
+The vocabulary llguidance sees is built once per engine, lazily (on the first constrained
+request): an HF `tokenizers` tokenizer is handed over as its JSON; a sentencepiece one as the
+byte string of every piece. Its size is the model's vocabulary (the logits' width), which may be
+larger than the tokenizer's; ids the tokenizer lacks are never allowed. Compiled grammars are
+cached by spec, so a schema sent with every request is compiled once.
+"""
+from __future__ import annotations
+
+import collections
+import re
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from jaxinfer.sampling.params import StructuredOutput
+from jaxinfer.structured.grammar import grammar_text
+
+_CACHE_SIZE = 128
+
+
+class RowMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def consume(self, token: int) -> bool:
+        """Advances past a sampled token; False if the grammar rejects it (then the matcher is
+        in an error state and allows only what llguidance allows in one: end of sequence)."""
+        return bool(self._m.consume_token(int(token)))
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete: only end of sequence remains allowed."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def fill(self, row: np.ndarray) -> None:
+        """Writes the allowed-token bits of the next token into one row of `allowed`."""
+        import llguidance.numpy as lln
+
+        lln.fill_next_token_bitmask(self._m, row[None], 0)
+
+
+class Grammar:
+    """A compiled, validated grammar: makes one RowMatcher per sequence."""
+
+    def __init__(self, tokenizer, text: str, spec: StructuredOutput) -> None:
+        self._tokenizer, self.text, self.spec = tokenizer, text, spec
+
+    def matcher(self) -> RowMatcher:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._tokenizer, self.text, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"StructuredOutput.{self.spec.kind}: {matcher.get_error()}")
+        return RowMatcher(matcher)
+
+
+class GrammarBackend:
+    """llguidance's tokenizer for one engine's vocabulary, and a cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll = None
+        self._cache: collections.OrderedDict[StructuredOutput, Grammar] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput) -> Grammar:
+        """ValueError "StructuredOutput.<field>: ..." for a spec llguidance cannot compile."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        grammar = Grammar(self._ll_tokenizer(), grammar_text(spec), spec)
+        grammar.matcher()  # compiles it once: errors surface here, at the request
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _ll_tokenizer(self):
+        with self._lock:
+            if self._ll is None:
+                self._ll = _build_ll_tokenizer(self.tokenizer, self.vocab_size)
+            return self._ll
+
+
+def grammar_for(backend: GrammarBackend | None, params) -> Grammar | None:
+    """The compiled grammar of a request's SamplingParams (None when unconstrained)."""
+    if params.structured_output is None:
+        return None
+    if backend is None:
+        raise ValueError("SamplingParams.structured_output needs a tokenizer; this engine has none")
+    return backend.compile(params.structured_output)
+
+
+def fill_bitmask(rows: Sequence[tuple[RowMatcher, int]], allowed: np.ndarray) -> None:
+    """Fills the rows of `allowed` [B, W] (int32, C-contiguous) of the matchers given."""
+    for matcher, row in rows:
+        matcher.fill(allowed[row])
+
+
+def _build_ll_tokenizer(tokenizer, vocab_size: int):
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    eos = list(tokenizer.eos_token_ids) or None
+    backend_json = getattr(tokenizer, "backend_json", None)
+    if backend_json is not None:
+        return LLTokenizer(backend_json(), n_vocab=vocab_size, eos_token=eos)
+    return LLTokenizer(TokenizerWrapper(_PieceVocabulary(tokenizer, vocab_size)), n_vocab=vocab_size,
+                       eos_token=eos)
+
+
+class _PieceVocabulary:
+    """What llguidance's TokenizerWrapper reads of a sentencepiece vocabulary: every id's bytes."""
+
+    _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)]
+        self.tokens = [self._bytes(i) if i < tokenizer.vocab_size else b"" for i in range(vocab_size)]
+        self._newline = tokenizer.encode("\n", add_special_tokens=False)
+
+    def _bytes(self, i: int) -> bytes:
+        piece = self._tokenizer.id_to_token(i)
+        if self._tokenizer.is_special(i):
+            return piece.encode()
+        byte = self._BYTE_PIECE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        """Token ids of `text` exactly, without sentencepiece's dummy-prefix space: the text is
+        encoded after a newline, whose tokens are then dropped."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        ids = self._tokenizer.encode("\n" + text, add_special_tokens=False)
+        return ids[len(self._newline):] if ids[:len(self._newline)] == self._newline else ids
