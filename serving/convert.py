@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams, StructuredOutput
@@ -30,6 +31,9 @@ class ModelLimits:
     penalties_enabled: bool
     max_n: int = 64
     max_request_tokens: int | None = None  # None: max_model_len
+    # The engine's GrammarBackend: structured-output specs are compiled (and cached) by
+    # check_params on a worker thread, so the engine thread never waits for a schema.
+    grammars: Any = None
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
@@ -122,6 +126,13 @@ def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens:
     if params.uses_penalties and not limits.penalties_enabled:
         raise RequestError("sampling.repetition_penalty/presence_penalty/frequency_penalty: penalties "
                            "are off on this server (started with --no-penalties)")
+    if params.structured_output is not None:
+        if limits.grammars is None:
+            raise RequestError("sampling.structured_output: this model has no tokenizer to constrain")
+        try:
+            limits.grammars.compile(params.structured_output)
+        except ValueError as e:  # "StructuredOutput.regex: invalid regex ..."
+            raise RequestError(f"sampling.structured_output: {str(e).removeprefix('StructuredOutput.')}") from None
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:

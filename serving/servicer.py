@@ -59,7 +59,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._limits = ModelLimits(vocab_size=engine.model.config.vocab_size,
                                    max_model_len=engine.max_model_len,
                                    penalties_enabled=engine.config.penalties, max_n=engine.config.max_n,
-                                   max_request_tokens=engine.config.max_request_tokens)
+                                   max_request_tokens=engine.config.max_request_tokens, grammars=engine.grammars)
         # At most max_num_seqs running plus max_waiting queued calls are admitted at once.
         self.max_in_flight = engine.config.max_num_seqs + max_waiting
         self._metrics = metrics

@@ -102,10 +102,23 @@ def grammar_for(backend: GrammarBackend | None, params) -> Grammar | None:
     return backend.compile(params.structured_output)
 
 
+_EXECUTOR = None
+
+
 def fill_bitmask(rows: Sequence[tuple[RowMatcher, int]], allowed: np.ndarray) -> None:
-    """Fills the rows of `allowed` [B, W] (int32, C-contiguous) of the matchers given."""
-    for matcher, row in rows:
+    """Fills the rows of `allowed` [B, W] (int32, C-contiguous) of the matchers given; several
+    rows are computed in parallel by llguidance's thread pool."""
+    global _EXECUTOR
+    if len(rows) == 1:
+        matcher, row = rows[0]
         matcher.fill(allowed[row])
+        return
+    import llguidance
+    import llguidance.numpy as lln
+
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    lln.fill_next_token_bitmask_par(_EXECUTOR, [(m._m, row) for m, row in rows], allowed)
 
 
 def _build_ll_tokenizer(tokenizer, vocab_size: int):

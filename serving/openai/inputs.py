@@ -41,7 +41,7 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
     if req.echo and req.logprobs is not None:
         raise bad_request("echo", "echo: not supported together with logprobs (prompt logprobs are not computed)")
     prompts = _completion_prompts(req.prompt, tokenizer, limits)
-    names = {"logprobs": "logprobs", "max_tokens": "max_tokens"}
+    names = {"logprobs": "logprobs", "max_tokens": "max_tokens", "structured_output": _structured_field(req)}
     kwargs = _sampling_kwargs(req, limits, logprobs=req.logprobs)
     kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _params(kwargs, names)
@@ -69,7 +69,7 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
     _check_prompt_length("messages", len(ids), limits)
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    names = {"logprobs": "top_logprobs", "max_tokens": max_name}
+    names = {"logprobs": "top_logprobs", "max_tokens": max_name, "structured_output": _structured_field(req)}
     kwargs = _sampling_kwargs(req, limits, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     cap = min(limits.max_request_tokens or limits.max_model_len, limits.max_model_len)
     kwargs["max_tokens"] = cap - len(ids) if max_tokens is None else max_tokens
@@ -138,6 +138,12 @@ def _sampling_kwargs(req: SamplingFields, limits: ModelLimits, logprobs: int | N
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_field(req: SamplingFields) -> str:
+    """The request field that asked for structured output (for error messages)."""
+    asked = [name for name in _GUIDED if getattr(req, name) is not None]
+    return asked[0] if asked else "response_format"
 
 
 def _structured_output(req: SamplingFields) -> StructuredOutput | None:

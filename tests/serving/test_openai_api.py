@@ -8,6 +8,7 @@ import re
 import socket
 import time
 
+import grpc
 import jsonschema
 import openai
 import pytest
@@ -253,7 +254,7 @@ def test_bad_structured_requests_name_the_field(client):
     assert "response_format.json_schema.schema" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"guided_regex": "(open"})
-    assert "StructuredOutput.regex" in err.value.body["message"]
+    assert err.value.body["param"] == "guided_regex" and "regex" in err.value.body["message"]
 
 
 def test_structured_output_over_grpc(grpc_client):
@@ -264,3 +265,7 @@ def test_structured_output_over_grpc(grpc_client):
                                   structured_output=pb.StructuredOutput(
                                       choice=pb.StructuredOutput.Choices(choices=["Paris", "Rome"])))
     assert choice.text == "Paris"
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_client.generate("Hi", max_tokens=4, timeout=60, structured_output=pb.StructuredOutput(regex="(open"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("sampling.structured_output: regex:"), err.value.details()

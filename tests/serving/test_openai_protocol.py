@@ -213,14 +213,25 @@ def test_served_model_name():
 
 
 def test_structured_output_fields_become_the_spec(tok):
-    from jaxinfer.sampling import StructuredOutput
+    import dataclasses
 
+    from jaxinfer.sampling import StructuredOutput
+    from jaxinfer.structured import GrammarBackend
+
+    limits = dataclasses.replace(LIMITS, grammars=GrammarBackend(tok, 49152))
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    assert chat(tok, response_format=fmt).params.structured_output == StructuredOutput(json=schema)
-    assert chat(tok, response_format={"type": "json_object"}).params.structured_output.json_object
-    assert chat(tok, response_format={"type": "text"}).params.structured_output is None
-    assert completion(tok, prompt="x", guided_regex="[0-9]+").params.structured_output.regex == "[0-9]+"
-    assert completion(tok, prompt="x", guided_choice=["a", "b"]).params.structured_output.choice == ("a", "b")
-    assert completion(tok, prompt="x", guided_json=json.dumps(schema)).params.structured_output.json == schema
-    assert chat(tok, guided_grammar='start: "x"').params.structured_output.grammar == 'start: "x"'
+    assert chat(tok, limits, response_format=fmt).params.structured_output == StructuredOutput(json=schema)
+    assert chat(tok, limits, response_format={"type": "json_object"}).params.structured_output.json_object
+    assert chat(tok, limits, response_format={"type": "text"}).params.structured_output is None
+    assert completion(tok, limits, prompt="x", guided_regex="[0-9]+").params.structured_output.regex == "[0-9]+"
+    assert completion(tok, limits, prompt="x", guided_choice=["a", "b"]).params.structured_output.choice == ("a", "b")
+    assert completion(tok, limits, prompt="x", guided_json=json.dumps(schema)).params.structured_output.json == schema
+    assert chat(tok, limits, guided_grammar='start: "x"').params.structured_output.grammar == 'start: "x"'
+    # compiled on the caller's (worker) thread: a bad pattern is a 400 naming the request's field
+    error = refused(chat, tok, limits, guided_regex="(open")
+    assert error.param == "guided_regex" and error.message.startswith("guided_regex: regex:"), error.message
+    error = refused(chat, tok, limits, response_format={"type": "json_schema", "json_schema": {
+        "schema": {"type": "no-such-type"}}})
+    assert error.param == "response_format" and "json" in error.message
+    assert refused(chat, tok, LIMITS, guided_regex="a").message.endswith("no tokenizer to constrain")
