@@ -92,12 +92,18 @@ def _noting_errors(handler):
     return noting
 
 
+async def _prepared(ctx: ApiContext, request: Request, body_cls, to_inputs):
+    """(arrival time, parsed body, EngineInputs) of a generation request; the prompt is
+    tokenized and the sampling values checked on a worker thread."""
+    arrival = time.monotonic()
+    req = await parse(request, body_cls)
+    ctx.check_model(req.model)
+    return arrival, req, await ctx.in_worker(to_inputs, req, ctx.tokenizer, ctx.limits)
+
+
 @_noting_errors
 async def completions(ctx: ApiContext, request: Request) -> Response:
-    arrival = time.monotonic()
-    req = await parse(request, CompletionRequest)
-    ctx.check_model(req.model)
-    inputs = await ctx.in_worker(completion_inputs, req, ctx.tokenizer, ctx.limits)
+    arrival, req, inputs = await _prepared(ctx, request, CompletionRequest, completion_inputs)
     head = outputs.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), ctx.model_name)
     record = _admitted(request, head.id, req, inputs, lambda: req.prompt)
     if req.stream:
@@ -110,10 +116,7 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
 
 @_noting_errors
 async def chat_completions(ctx: ApiContext, request: Request) -> Response:
-    arrival = time.monotonic()
-    req = await parse(request, ChatCompletionRequest)
-    ctx.check_model(req.model)
-    inputs = await ctx.in_worker(chat_inputs, req, ctx.tokenizer, ctx.limits)
+    arrival, req, inputs = await _prepared(ctx, request, ChatCompletionRequest, chat_inputs)
     head = outputs.ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()),
                                   ctx.model_name)
     record = _admitted(request, head.id, req, inputs,
