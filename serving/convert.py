@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams, StructuredOutput
+from jaxinfer.structured import GrammarBackend
 from jaxinfer.tokenizer import Tokenizer
 from serving.proto import jaxinfer_pb2 as pb
 
@@ -33,7 +33,7 @@ class ModelLimits:
     max_request_tokens: int | None = None  # None: max_model_len
     # The engine's GrammarBackend: structured-output specs are compiled (and cached) by
     # check_params on a worker thread, so the engine thread never waits for a schema.
-    grammars: Any = None
+    grammars: GrammarBackend | None = None
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:

@@ -10,6 +10,7 @@ business.
 """
 from __future__ import annotations
 
+import abc
 import json
 import re
 from pathlib import Path
@@ -45,7 +46,7 @@ class Tokenizer(Protocol):
                             **kwargs: Any) -> str: ...
 
 
-class _Base:
+class _Base(abc.ABC):
     """What every backend shares once it knows its special ids and the checkpoint's settings."""
 
     def _init_common(self, name: str, vocab_size: int, special_ids: set[int],
@@ -84,8 +85,9 @@ class _Base:
             (directory / name).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n",
                                           encoding="utf-8")
 
+    @abc.abstractmethod
     def _save_backend(self, directory: Path) -> None:
-        raise NotImplementedError
+        """Writes the backend's own file (tokenizer.json or tokenizer.model) into `directory`."""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

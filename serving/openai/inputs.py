@@ -142,16 +142,20 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 def _structured_field(req: SamplingFields) -> str:
     """The request field that asked for structured output (for error messages)."""
-    asked = [name for name in _GUIDED if getattr(req, name) is not None]
-    return asked[0] if asked else "response_format"
+    return next(iter(_structured_asked(req)), "response_format")
+
+
+def _structured_asked(req: SamplingFields) -> dict:
+    """{field: value} of every guided_* field set, and response_format when it is not text."""
+    asked = {name: getattr(req, name) for name in _GUIDED if getattr(req, name) is not None}
+    if req.response_format is not None and req.response_format.type != "text":
+        asked["response_format"] = req.response_format
+    return asked
 
 
 def _structured_output(req: SamplingFields) -> StructuredOutput | None:
     """response_format json_object / json_schema, or one guided_* field (vLLM's extras)."""
-    asked = {name: getattr(req, name) for name in _GUIDED if getattr(req, name) is not None}
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        asked["response_format"] = fmt
+    asked = _structured_asked(req)
     if not asked:
         return None
     if len(asked) > 1:
