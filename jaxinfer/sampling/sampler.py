@@ -2,7 +2,8 @@
 
 What `sample` does to one row (the order matters and the numpy reference in the tests mirrors it):
   1. logprobs: log_softmax of the raw logits (before penalties and temperature, like vLLM's
-     default); the chosen token's logprob and the top-N are read from these.
+     default); the chosen token's logprob and the top-N are read from these, as the raw logit
+     minus the row's logsumexp (no [B, V] array of logprobs is written).
   2. penalties (only when a history is given): repetition penalty over tokens seen in prompt or
      output (positive logits divided, negative multiplied), then frequency (times the output
      count) and presence (once per token seen in the output) subtracted.
@@ -42,7 +43,8 @@ class SamplerOutput:
 def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0) -> SamplerOutput:
     """Samples one token per row of `logits` [B, V]. Pure; `num_top_logprobs` must be static."""
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)                        # [B, V]
+    raw = logits
+    log_norm = jax.nn.logsumexp(raw, axis=-1)                             # [B]: no [B, V] written
     if arrays.history is not None:
         logits = apply_penalties(logits, arrays)
     logits = apply_allowed(logits, arrays.allowed)
@@ -60,12 +62,17 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
         jnp.all(is_greedy), lambda scaled: greedy_tokens.astype(jnp.int32), draw,
         logits / temperature[:, None])
     tokens = jnp.where(is_greedy, greedy_tokens, sampled_tokens).astype(jnp.int32)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_norm
+
+    def top(x):  # sorted by raw logit, the same order as by logprob
+        values, ids = jax.lax.top_k(x, num_top_logprobs)
+        return values - log_norm[:, None], ids
+
     top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(arrays.num_top_logprobs > 0), lambda lp: tuple(jax.lax.top_k(lp, num_top_logprobs)),
-        lambda lp: (jnp.zeros((lp.shape[0], num_top_logprobs), lp.dtype),
-                    jnp.zeros((lp.shape[0], num_top_logprobs), jnp.int32)),
-        logprobs)                                                         # [B, N] each
+        jnp.any(arrays.num_top_logprobs > 0), top,
+        lambda x: (jnp.zeros((x.shape[0], num_top_logprobs), x.dtype),
+                   jnp.zeros((x.shape[0], num_top_logprobs), jnp.int32)),
+        raw)                                                              # [B, N] each
     return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 

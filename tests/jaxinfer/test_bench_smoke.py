@@ -20,7 +20,7 @@ def test_bench_engine_shape_smoke(tmp_path):
         # The floor comes from a copy rate measured on a busy 2-core CPU (noisy): a sanity bound.
         assert float(rate) > 0 and float(step_ms) > 0.5 * float(floor_ms) > 0 and pct.endswith("%")
     assert "Measured ceilings: copy" in out.stdout and "0.50 GiB of weights" in out.stdout
-    assert "decode windows of 4 steps" in out.stdout
+    assert "decode windows of 8 steps" in out.stdout
     # --profile: the CPU trace has no device kernels, which the row says; --host-profile: cProfile.
     assert "| batch 2 |" in out.stdout and "no device events in the trace" in out.stdout
     assert "## Host profile, decode batch 2" in out.stdout and "run_engine_decode" in out.stdout
