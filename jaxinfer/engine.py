@@ -8,17 +8,15 @@
         scheduler.update(plan, out.tokens)    # append tokens, stop on eos / stop ids / length
         outputs.on_token / outputs.delta      # detokenize, stop strings -> RequestOutput deltas
 
-Output building (text, stop strings, logprobs, deltas, timings) is the OutputProcessor's
-(output_processor.py); the engine keeps the registry of unfinished requests and which replica
-serves each. Bad requests raise ValueError at add_request and leave every other request untouched.
+Output building is the OutputProcessor's; the engine keeps the unfinished requests and their
+replicas. Bad requests raise ValueError at add_request and leave every other request untouched.
 
 Data parallelism (a mesh with data=N): N replicas, each with its own PagePool and Scheduler. A
 new request goes to the replica with the least outstanding work (prompt + max_tokens of its
 unfinished requests); each step schedules every replica and runs all N plans in one jitted call.
 
-Several hosts: only process 0 schedules. Each step's padded inputs are broadcast before the
-call (sharding.StepChannel); the other processes sit in `follow()`, running the same steps,
-until process 0 calls `release_followers()` (LLM does so after each generate).
+Several hosts: only process 0 schedules; each step's padded inputs are broadcast before the
+call (sharding.StepChannel) to the other processes, which run the same steps in `follow()`.
 """
 from __future__ import annotations
 
@@ -33,6 +31,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.core.admission import check_request
 from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.core.prompts import check_prompt_length, tokenize_prompt
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
@@ -139,40 +138,12 @@ class Engine:
                              "(EngineConfig.penalties=False); start it with penalties on")
         if params.n > self.config.max_n:
             raise ValueError(f"SamplingParams.n={params.n} exceeds this engine's max_n={self.config.max_n}")
-        text, ids = self._tokenize(prompt)
-        self._check_length(len(ids), params)
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
+        check_prompt_length(len(ids), params, max_model_len=self.max_model_len,
+                            max_request_tokens=self.config.max_request_tokens)
         check_request(None, ids, params, 0, max_model_len=self.max_model_len, pool=self.pool)
         grammar_for(self.grammars, params)
         return text, ids, params
-
-    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt of {num_prompt_tokens} tokens does not fit the context of "
-                             f"{self.max_model_len} tokens (it must leave room for at least one generated token)")
-        limit = self.config.max_request_tokens
-        if limit is not None and num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(f"prompt of {num_prompt_tokens} tokens + SamplingParams.max_tokens="
-                             f"{params.max_tokens} exceeds this engine's max_request_tokens={limit}")
-
-    def _tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
-        if not isinstance(prompt, (str, list, tuple)) and not hasattr(prompt, "tolist"):
-            raise ValueError(f"prompt={prompt!r:.60}: must be a string or a list of token ids")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompt token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)  # numpy arrays too
-        if not isinstance(ids, list):
-            raise ValueError(f"prompt={prompt!r:.60}: must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("prompt token ids are empty")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        return None, ids
 
     def abort(self, request_id: str) -> bool:
         """Ends a request now and frees its pages; its final output comes with the next step."""
@@ -191,47 +162,77 @@ class Engine:
         """Dispatches one jitted step; returns the deltas of the requests that advanced or ended.
 
         With async scheduling (the default) the step is dispatched before the previous one's
-        tokens are fetched, and the deltas returned are the previous step's: the host plans and
-        prepares step N+1 while the device runs step N. Rows with penalties need every earlier
-        token id on the host, and rows with a grammar a mask that follows the token before, so
-        while any runs, the previous step lands before the plan."""
+        tokens are fetched, and the deltas returned are the previous step's. Rows with penalties
+        need every earlier token on the host, so the previous step lands first; rows with a
+        grammar need their mask to follow the token before: either the same, or (runner's split
+        step) the mask is filled after the landing, while this step's forward runs."""
         outputs, self._pending = self._pending, []
         previous, self._flight = self._flight, None
-        if previous is not None and self._needs_known_tokens():
+        landing = self._landing() if previous is not None else None
+        if landing == "first":
             outputs += self._land(previous)
             previous = None
         plans = [replica.scheduler.schedule(self.runner.num_decode_steps) for replica in self.replicas]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         self.num_scheduled_tokens += sum(plan.num_batched_tokens * plan.num_steps for plan in plans)
-        flight = self._dispatch(plans, previous) if any(plan.seqs for plan in plans) else None
-        if previous is not None:
-            outputs += self._land(previous)
+        flight = None
+        if landing == "late":
+            flight, landed = self._dispatch_late(plans[0], previous)
+            outputs += landed
+        else:
+            if any(plan.seqs for plan in plans):
+                flight = self._dispatch(plans, previous)
+            if previous is not None:
+                outputs += self._land(previous)
         if flight is not None and not self.config.async_scheduling:
             outputs += self._land(flight)
             flight = None
         self._flight = flight
         return outputs
 
-    def _needs_known_tokens(self) -> bool:
-        """Rows with penalties need every earlier token on the host, rows with a grammar need
-        their matcher advanced past it before their next mask."""
-        return any(s.sampling_params.uses_penalties or s.grammar is not None
-                   for r in self.replicas for s in r.scheduler.running)
+    def _landing(self) -> str | None:
+        """"first": rows with penalties need every earlier token on the host (and grammar rows
+        their matcher advanced past it), so the step in flight lands before the plan; "late":
+        grammar rows' masks are filled after it lands, while the next forward runs (the runner's
+        split step); None: plain async scheduling."""
+        running = [s for r in self.replicas for s in r.scheduler.running]
+        penalties = any(s.sampling_params.uses_penalties for s in running)
+        grammar = any(s.grammar is not None for s in running)
+        if grammar and not penalties and self.runner.split_buckets and self.config.async_scheduling:
+            return "late"
+        return "first" if penalties or grammar else None
 
     def _dispatch(self, plans: list[SchedulerPlan], previous: _Flight | None) -> _Flight:
+        inputs = self._prepare(plans, previous)
+        if self._channel is not None:
+            self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs)
+        return _Flight(plans, self.runner.dispatch(inputs, plans[0].num_steps))
+
+    def _dispatch_late(self, plan: SchedulerPlan, previous: _Flight) -> tuple[_Flight | None, list[RequestOutput]]:
+        """Step N+1 prepared and (split step) its forward dispatched, then step N landed (each
+        grammar advanced past its token), then N+1's allowed-token bits and its sampling."""
+        if not plan.seqs or plan.num_steps > 1:  # a window has no grammar row
+            return self._dispatch([plan], previous) if plan.seqs else None, self._land(previous)
+        inputs = self._prepare([plan], previous, masks=False)
+        split = (plan.num_batched_tokens <= self.runner.split_buckets[-1]
+                 and inputs.sampling.history is None)  # else the fused step, after the landing
+        hidden = self.runner.dispatch_forward(inputs) if split else None
+        landed = self._land(previous)
+        self.runner.inputs.fill_masks(plan, inputs)
+        out = self.runner.dispatch_sample(hidden, inputs) if split else self.runner.dispatch(inputs)
+        return _Flight([plan], out), landed
+
+    def _prepare(self, plans: list[SchedulerPlan], previous: _Flight | None, masks: bool = True):
         start = time.monotonic()
         for entry in (entry for plan in plans for entry in plan.seqs):
             state = self._requests[entry.seq.request_id]
             if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = start
-                state.cached_prompt_tokens = entry.start
+                state.metrics.first_scheduled_time, state.cached_prompt_tokens = start, entry.start
         inputs = self.runner.prepare(plans if len(plans) > 1 else plans[0],
-                                     previous.plans if previous is not None else None)
+                                     previous.plans if previous is not None else None, masks=masks)
         for replica, plan in zip(self.replicas, plans):
             replica.scheduler.advance(plan)
-        if self._channel is not None:
-            self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs)
-        return _Flight(plans, self.runner.dispatch(inputs, plans[0].num_steps))
+        return inputs
 
     def _land(self, flight: _Flight) -> list[RequestOutput]:
         """Fetches a dispatched step's tokens, resolves them and builds the deltas."""
@@ -286,7 +287,6 @@ class Engine:
             self.replicas[state.replica].load -= state.cost
         return out
 
-    # --- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:
         pools = [r.pool for r in self.replicas]  # summed over data replicas
         total, free = sum(p.num_usable_pages for p in pools), sum(p.num_free_pages for p in pools)

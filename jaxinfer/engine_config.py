@@ -44,8 +44,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # plan step N+1 while step N runs; False: the synchronous loop
     # Decode windows: when every running sequence decodes, run this many steps per jitted call
-    # (sampler inside; the host checks stops afterwards). None: 4 (1 with data replicas).
+    # (sampler inside; the host checks stops afterwards). None: 8 (1 with data replicas).
     num_decode_steps: int | None = None
+    # Structured output: compile the step split in two, so a grammar's mask for step N+1 is
+    # filled while the device runs step N+1's forward (after step N's tokens land) instead of
+    # before it is dispatched. None: on accelerators only.
+    structured_output_overlap: bool | None = None
     attn_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
     seed: int = 0

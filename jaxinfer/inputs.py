@@ -61,7 +61,7 @@ class InputBuilder:
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
     def prepare(self, plan: SchedulerPlan | list[SchedulerPlan],
-                previous: list[SchedulerPlan] | None = None) -> StepInputs:
+                previous: list[SchedulerPlan] | None = None, masks: bool = True) -> StepInputs:
         """Host-side arrays for one step, padded to the plan's bucket. With data replicas, one
         plan per replica (an empty plan is all padding) stacked along a leading axis.
         `previous`: the plans of the step in flight, whose sampled tokens fill placeholders."""
@@ -72,7 +72,18 @@ class InputBuilder:
         t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
         penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
         rows = [self._prepare_one(p, t_bucket, penalties, prev) for p, prev in zip(plans, previous)]
+        if masks:
+            for plan_i, row in zip(plans, rows):
+                self.fill_masks(plan_i, row)
         return rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
+
+    @staticmethod
+    def fill_masks(plan: SchedulerPlan, inputs: StepInputs) -> None:
+        """Fills the allowed-token bits of the plan's grammar rows, whose matchers must have
+        consumed every earlier token of their sequence."""
+        grammars = [(e.seq.grammar, row) for row, e in enumerate(plan.seqs) if e.seq.grammar is not None]
+        if grammars:
+            fill_bitmask(grammars, inputs.sampling.allowed)
 
     def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool,
                      previous: SchedulerPlan | None) -> StepInputs:
@@ -109,9 +120,6 @@ class InputBuilder:
         sampling = sampling_arrays_for_sequences(
             seqs, s_bucket, history_len=self.max_model_len if penalties else None,
             vocab_size=self.vocab_size)
-        grammars = [(s.grammar, row) for row, s in enumerate(seqs) if s.grammar is not None]
-        if grammars:  # their matchers have consumed every earlier token (the engine made sure)
-            fill_bitmask(grammars, sampling.allowed)
         meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
                                  num_seqs=np.array([n], np.int32))
         return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, prev_rows)

@@ -30,6 +30,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.params import check_logit_bias_vocab
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
 Prompt = str | list[int]
@@ -42,7 +43,7 @@ class LLM:
                  max_n: int = 64, max_request_tokens: int | None = None, max_seqs_per_request: int = 16,
                  num_pages: int | None = None, kv_cache_memory_fraction: float = 0.85,
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True, async_scheduling: bool = True,
-                 num_decode_steps: int | None = None,
+                 num_decode_steps: int | None = None, structured_output_overlap: bool | None = None,
                  attn_impl: str = "auto", seed: int = 0, token_buckets: Sequence[int] | None = None,
                  penalties: bool = True,
                  compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
@@ -62,7 +63,7 @@ class LLM:
             max_request_tokens=max_request_tokens, max_seqs_per_request=max_seqs_per_request,
             token_buckets=tuple(token_buckets) if token_buckets else None,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-            num_decode_steps=num_decode_steps,
+            num_decode_steps=num_decode_steps, structured_output_overlap=structured_output_overlap,
             attn_impl=attn_impl, penalties=penalties,
             compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh)
         place_for = None
@@ -136,6 +137,8 @@ class LLM:
             self.engine.release_followers()
 
     def _add(self, prompt: Prompt, params: SamplingParams | None, priority: int = 0) -> str:
+        if isinstance(params, SamplingParams):  # the vocabulary is the model's (the engine checks the rest)
+            check_logit_bias_vocab(params, self.engine.model.config.vocab_size)
         rid = self.engine.add_request(prompt, params, priority=priority)
         self._inboxes[rid] = collections.deque()
         return rid

@@ -41,9 +41,8 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.inputs import InputBuilder, StepInputs
 from jaxinfer.loader import LoadedModel, resolve_dtype
-from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
-from jaxinfer.sampling.params import MAX_LOGPROBS
-from jaxinfer.sampling.sampler import SamplerOutput, sample
+from jaxinfer.sampling.sampler import SamplerOutput
+from jaxinfer.step import decode_window, forward_part, sample_part, step
 from pallas_kernels import kv_cache_shape
 from sharding import (DATA, SEQUENCE, axis_size, head_layout, is_multiprocess, kv_cache_spec, make_mesh,
                       replicated_spec, shard_params, tokens_spec)
@@ -121,13 +120,21 @@ class ModelRunner:
             replicated = NamedSharding(self.mesh, P())
             out_shardings = (replicated, tuple(c.sharding for c in self.kv_caches), replicated)
             self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
-        self._step = self._jit(functools.partial(_step, *parts), out_shardings)
+        self._step = self._jit(functools.partial(step, *parts), out_shardings)
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
         self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
-        self._window = self._jit(functools.partial(_decode_window, *parts, self.num_decode_steps),
+        self._window = self._jit(functools.partial(decode_window, *parts, self.num_decode_steps),
                                  out_shardings)
-        self.window_buckets = tuple(b for b in self.buckets if b <= self.inputs.bucket_for(
-            min(engine.max_num_seqs, self.buckets[-1]))) if self.num_decode_steps > 1 else ()
+        decode_sized = tuple(b for b in self.buckets if b <= self.inputs.bucket_for(
+            min(engine.max_num_seqs, self.buckets[-1])))
+        self.window_buckets = decode_sized if self.num_decode_steps > 1 else ()
+        # The step split in two (structured output: masks filled while the forward runs).
+        self.split_buckets = decode_sized if split_step_enabled(
+            engine.structured_output_overlap, self.num_replicas) else ()
+        self._forward = jax.jit(functools.partial(forward_part, *parts[:3]), donate_argnums=(1,),
+                                out_shardings=out_shardings and (out_shardings[0], out_shardings[1]))
+        self._sample = jax.jit(functools.partial(sample_part, self.family, max_seqs),
+                               out_shardings=out_shardings and (out_shardings[0], out_shardings[2]))
 
     def _jit(self, step, out_shardings):
         if self.num_replicas > 1:
@@ -158,10 +165,11 @@ class ModelRunner:
         return sum(c.nbytes for c in self.kv_caches)
 
     def prepare(self, plan: SchedulerPlan | list[SchedulerPlan],
-                previous: list[SchedulerPlan] | None = None) -> StepInputs:
+                previous: list[SchedulerPlan] | None = None, masks: bool = True) -> StepInputs:
         """Padded numpy inputs of one step (one plan per data replica); `previous`: the plans of
-        the step in flight, whose sampled tokens the placeholders of this one stand for."""
-        return self.inputs.prepare(plan, previous)
+        the step in flight, whose sampled tokens the placeholders of this one stand for;
+        `masks=False` leaves grammar rows' allowed bits for `inputs.fill_masks` (split step)."""
+        return self.inputs.prepare(plan, previous, masks)
 
     def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
@@ -180,6 +188,23 @@ class ModelRunner:
         with self._mesh_context():
             out, self.kv_caches, self._prev_tokens = fn(self.params, self.kv_caches, inputs,
                                                         self._prev_tokens)
+        return out
+
+    def dispatch_forward(self, inputs: StepInputs) -> jax.Array:
+        """The first half of a split step (a bucket in `split_buckets`): the forward, K/V
+        written. Returns the last tokens' hidden rows on the device, for `dispatch_sample`."""
+        inputs = self._placed(inputs.replace(sampling=None))
+        with self._mesh_context():
+            hidden, self.kv_caches = self._forward(self.params, self.kv_caches, inputs, self._prev_tokens)
+        return hidden
+
+    def dispatch_sample(self, hidden: jax.Array, inputs: StepInputs) -> SamplerOutput:
+        """The second half: LM head and sampling with `inputs.sampling` as it is now (its
+        allowed-token bits may have been filled after `dispatch_forward`)."""
+        sampling = inputs.sampling if self.mesh is None else put_inputs(
+            inputs.sampling, self._input_shardings(inputs).sampling)
+        with self._mesh_context():
+            out, self._prev_tokens = self._sample(self.params, hidden, sampling)
         return out
 
     def lower(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Lowered:
@@ -218,27 +243,25 @@ class ModelRunner:
                 self.execute(self.padding_inputs(t_bucket, with_history))
         for t_bucket in self.window_buckets:
             self.execute(self.padding_inputs(t_bucket, False), self.num_decode_steps)
+        for t_bucket in self.split_buckets:
+            inputs = self.padding_inputs(t_bucket, False)
+            fetch(self.dispatch_sample(self.dispatch_forward(inputs), inputs))
         elapsed = time.perf_counter() - start
         logger.info("compiled %d step variants in %.1fs", self.num_compiled(), elapsed)
         return elapsed
 
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
-        return self._step._cache_size() + self._window._cache_size()
+        return sum(f._cache_size() for f in (self._step, self._window, self._forward, self._sample))
 
 
-def _step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int, params: ModelParams,
-          kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array
-          ) -> tuple[SamplerOutput, KVCaches, jax.Array]:
-    """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here."""
-    from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
-    token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
-    hidden, kv_caches = family.forward(params, config, token_ids, inputs.positions, kv_caches,
-                                       inputs.meta, attn_impl=attn_impl)
-    logits = family.compute_logits(params, hidden[inputs.logits_indices])  # [S, V]
-    out = sample(logits, inputs.sampling, num_top_logprobs=MAX_LOGPROBS)
-    sampled = jnp.zeros((max_seqs,), jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
-    return out, kv_caches, sampled
+def split_step_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
+    """Whether the split step is compiled (EngineConfig.structured_output_overlap): the setting,
+    by default on accelerators only (on the CPU the host and the step share the same cores, so
+    the overlap has nothing to gain); never with data replicas or several hosts."""
+    if num_replicas > 1 or is_multiprocess():
+        return False
+    return jax.default_backend() != "cpu" if setting is None else setting
 
 
 def decode_steps(setting: int | None, num_replicas: int = 1) -> int:
@@ -250,33 +273,3 @@ def decode_steps(setting: int | None, num_replicas: int = 1) -> int:
     if num_replicas > 1 or is_multiprocess():
         return 1
     return DEFAULT_DECODE_STEPS if setting is None else setting
-
-
-def _decode_window(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int,
-                   num_steps: int, params: ModelParams, kv_caches: KVCaches, inputs: StepInputs,
-                   prev_tokens: jax.Array) -> tuple[SamplerOutput, KVCaches, jax.Array]:
-    """`num_steps` decode steps of a decode-only batch (token t is sequence t) in one call.
-
-    Step i feeds each sequence the token it sampled at step i - 1 (step 0: the inputs' own ids and
-    placeholders), one position further, with one more key in the cache and one more draw of its
-    random stream. Outputs are stacked: [num_steps, S, ...]; the sampled tokens handed on are
-    the last step's."""
-    meta, sampling = inputs.meta, inputs.sampling
-    t = jnp.arange(inputs.token_ids.shape[0], dtype=jnp.int32)
-    real = t < meta.num_seqs[0]
-    own_row = jnp.where(real, t, -1)
-
-    def body(carry, i):
-        caches, prev = carry
-        step_inputs = inputs.replace(
-            positions=jnp.where(real, inputs.positions + i, inputs.positions),
-            meta=meta.replace(kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + i, 0)),
-            sampling=sampling.replace(num_generated=sampling.num_generated + i),
-            prev_rows=jnp.where(i == 0, inputs.prev_rows, own_row))
-        out, caches, sampled = _step(family, config, attn_impl, max_seqs, params, caches,
-                                     step_inputs, prev)
-        return (caches, sampled), out
-
-    (kv_caches, sampled), outs = jax.lax.scan(body, (kv_caches, prev_tokens),
-                                              jnp.arange(num_steps, dtype=jnp.int32))
-    return outs, kv_caches, sampled

@@ -94,10 +94,17 @@ def test_sentencepiece_vocabulary_masks_follow_the_text():
     assert all(bits[e] for e in tok.eos_token_ids)  # complete: end of sequence is allowed
 
 
+ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], num_pages=96)
+
+
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    return LLM(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64],
-               num_pages=96, compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla"))
+
+
+@pytest.fixture(scope="module")
+def llm(cache_dir):  # on the CPU masks are filled before the step is dispatched
+    return LLM(**ENGINE, compilation_cache_dir=cache_dir)
 
 
 def _chat(llm, content, params):
@@ -174,3 +181,28 @@ def test_command_line_flags_and_batch_lines(tmp_path):
     assert params.structured_output == StructuredOutput(choice=("x", "y"))
     with pytest.raises(ValueError, match="line 3: StructuredOutput.regex"):
         parse_line('{"prompt": "hi", "structured_output": {"regex": 5}}', 3, SamplingParams(), llm=None)
+
+
+def test_masks_filled_while_the_forward_runs_give_the_same_tokens(llm, cache_dir):
+    """The split step (forward dispatched, then the step before lands, then the masks and the
+    sampling call) yields the tokens of the engine that fills masks before dispatching."""
+    overlapped = LLM(**ENGINE, compilation_cache_dir=cache_dir, structured_output_overlap=True)
+    runner = overlapped.engine.runner
+    assert runner.split_buckets == (16,) and not llm.engine.runner.split_buckets
+    compiled, split_calls = runner.num_compiled(), []
+    sample = runner.dispatch_sample
+    runner.dispatch_sample = lambda hidden, inputs: split_calls.append(1) or sample(hidden, inputs)
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_output=StructuredOutput(json=PERSON)),
+              SamplingParams(max_tokens=60, temperature=0.9, seed=3, structured_output=StructuredOutput(json=ENUM)),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=5, n=2,
+                             structured_output=StructuredOutput(regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}")),
+              SamplingParams(max_tokens=20, temperature=0.0, structured_output=StructuredOutput(choice=["red", "blue"])),
+              SamplingParams(max_tokens=30, temperature=0.7, seed=9)]  # unconstrained beside them
+    want = _chat(llm, "Describe a person as JSON.", params)
+    got = _chat(overlapped, "Describe a person as JSON.", params)
+    for w, g in zip(want, got):
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs], g.outputs[0].text
+    jsonschema.validate(json.loads(got[0].outputs[0].text), PERSON)
+    assert len(split_calls) >= 5, "the split step was not taken"
+    assert runner.num_compiled() == compiled, "the split step compiled after warm-up"
+    assert overlapped.engine.pool.num_free_pages == overlapped.engine.pool.num_usable_pages

@@ -1,0 +1,83 @@
+"""The pure functions the runner jits: one step, a decode window, and the step split in two.
+
+    step          = forward_part + sample_part in one call (the usual variant)
+    decode_window = `num_steps` steps of a decode-only batch in one call (lax.scan)
+    forward_part  -> the hidden state of each sequence's last token [S, E] and the updated caches
+    sample_part   -> LM head + in-jit sampling over those rows
+
+The split pair serves structured output: the forward of step N+1 is dispatched before step N's
+tokens reach the host, and the sampling call follows once the host has advanced each grammar
+past them and filled the allowed-token bits (EngineConfig.structured_output_overlap).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.inputs import StepInputs
+from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
+from jaxinfer.sampling.arrays import SamplingArrays
+from jaxinfer.sampling.params import MAX_LOGPROBS
+from jaxinfer.sampling.sampler import SamplerOutput, sample
+
+
+def step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int, params: ModelParams,
+         kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array
+         ) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+    """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here."""
+    hidden, kv_caches = forward_part(family, config, attn_impl, params, kv_caches, inputs, prev_tokens)
+    out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampling)
+    return out, kv_caches, sampled
+
+
+def forward_part(family: ModelFamily, config: ModelConfig, attn_impl: str, params: ModelParams,
+                 kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array
+                 ) -> tuple[jax.Array, KVCaches]:
+    """The forward over the ragged batch (K/V written into the pages); returns the hidden rows
+    of each sequence's last token [S, E]. `inputs.sampling` is not read."""
+    from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
+    token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
+    hidden, kv_caches = family.forward(params, config, token_ids, inputs.positions, kv_caches,
+                                       inputs.meta, attn_impl=attn_impl)
+    return hidden[inputs.logits_indices], kv_caches
+
+
+def sample_part(family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array,
+                sampling: SamplingArrays) -> tuple[SamplerOutput, jax.Array]:
+    """Logits of the rows [S, E] and one token each; the tokens also padded to [max_seqs] for
+    the next step's placeholders."""
+    logits = family.compute_logits(params, hidden)  # [S, V]
+    out = sample(logits, sampling, num_top_logprobs=MAX_LOGPROBS)
+    sampled = jnp.zeros((max_seqs,), jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+    return out, sampled
+
+
+def decode_window(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int,
+                  num_steps: int, params: ModelParams, kv_caches: KVCaches, inputs: StepInputs,
+                  prev_tokens: jax.Array) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+    """`num_steps` decode steps of a decode-only batch (token t is sequence t) in one call.
+
+    Step i feeds each sequence the token it sampled at step i - 1 (step 0: the inputs' own ids and
+    placeholders), one position further, with one more key in the cache and one more draw of its
+    random stream. Outputs are stacked: [num_steps, S, ...]; the sampled tokens handed on are
+    the last step's."""
+    meta, sampling = inputs.meta, inputs.sampling
+    t = jnp.arange(inputs.token_ids.shape[0], dtype=jnp.int32)
+    real = t < meta.num_seqs[0]
+    own_row = jnp.where(real, t, -1)
+
+    def body(carry, i):
+        caches, prev = carry
+        step_inputs = inputs.replace(
+            positions=jnp.where(real, inputs.positions + i, inputs.positions),
+            meta=meta.replace(kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + i, 0)),
+            sampling=sampling.replace(num_generated=sampling.num_generated + i),
+            prev_rows=jnp.where(i == 0, inputs.prev_rows, own_row))
+        out, caches, sampled = step(family, config, attn_impl, max_seqs, params, caches,
+                                    step_inputs, prev)
+        return (caches, sampled), out
+
+    (kv_caches, sampled), outs = jax.lax.scan(body, (kv_caches, prev_tokens),
+                                              jnp.arange(num_steps, dtype=jnp.int32))
+    return outs, kv_caches, sampled
