@@ -16,10 +16,12 @@ from jaxinfer.engine_config import EngineConfig
 __all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
 
 # HF model_type -> the model family that runs it.
-HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
-GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama"}
+HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}
+_QK_NORM_TYPES = ("qwen3",)  # an RMSNorm over head_dim on every query and key head, before RoPE
 
 
 class ConfigError(ValueError):
@@ -37,7 +39,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # checkpoint's own name: "llama", "mistral", "qwen2"
+    model_type: str  # checkpoint's own name: "llama", "mistral", "qwen2", "qwen3"
     family: str  # model code that runs it: "llama"
     vocab_size: int
     hidden_size: int
@@ -54,6 +56,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm (weights [D]) on each query and key head before RoPE
     sliding_window: int | None = None
     rope_freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: inv_freq divisors [D/2]
     bos_token_id: int | None = None
@@ -105,7 +108,8 @@ class ModelConfig:
         if self.model_type != "qwen2":
             cfg["attention_bias"] = self.qkv_bias
         if self.sliding_window is not None:
-            cfg.update(sliding_window=self.sliding_window, use_sliding_window=True)
+            # max_window_layers 0: Qwen2/3 slide every layer from it on, as this config does.
+            cfg.update(sliding_window=self.sliding_window, use_sliding_window=True, max_window_layers=0)
         if self.rope_freq_factors is not None:
             cfg["rope_freq_factors"] = list(self.rope_freq_factors)
         return cfg
@@ -168,6 +172,26 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, RopeScali
     )
 
 
+def _sliding_window(cfg: Mapping[str, Any], model_type: str, source: str) -> int | None:
+    """Mistral slides every layer; Qwen2/3 only with use_sliding_window, and Qwen3 then only the
+    layers its layer_types call "sliding_attention" (by default those from max_window_layers on):
+    one window for the whole model holds only when every layer or none slides."""
+    window = cfg.get("sliding_window")
+    if not window or (model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False)):
+        return None
+    if model_type == "qwen3":
+        first = int(cfg.get("max_window_layers", 28))
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                           for i in range(int(cfg.get("num_hidden_layers") or 0))]
+        sliding = sum(t == "sliding_attention" for t in types)
+        if 0 < sliding < len(types):
+            raise ConfigError(f"{source}: sliding_window in {sliding} of {len(types)} layers "
+                              "(use_sliding_window with max_window_layers / layer_types) is not supported")
+        if not sliding:
+            return None
+    return int(window)
+
+
 def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
     model_type = _require(cfg, "model_type", source)
     if model_type not in HF_FAMILIES:
@@ -177,9 +201,7 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
     hidden, heads = int(req("hidden_size")), int(req("num_attention_heads"))
     head_dim = cfg.get("head_dim") or _split(hidden, heads, source)
     theta, scaling = _rope_from_hf(cfg, source)
-    window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-        window = None
+    window = _sliding_window(cfg, model_type, source)
     hidden_act = cfg.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ConfigError(f"{source}: unsupported hidden_act {hidden_act!r}; supported: 'silu'")
@@ -201,7 +223,8 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        sliding_window=int(window) if window else None,
+        qk_norm=model_type in _QK_NORM_TYPES,
+        sliding_window=window,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         rope_freq_factors=tuple(float(f) for f in cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
@@ -242,6 +265,7 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
         max_position_embeddings=int(req("context_length")),
         tie_word_embeddings=not has_output_weight,
         qkv_bias=arch == "qwen2",
+        qk_norm=arch in _QK_NORM_TYPES,
         sliding_window=int(window) if window else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),

@@ -2,12 +2,13 @@
 
 Run it in its own Python 3.11 environment (torch CPU + transformers; see tools/README.md):
 
-    /work/refenv/bin/python tools/make_reference.py
+    /work/refenv/bin/python tools/make_reference.py [NAME ...]
 
+With NAMEs (e.g. `qwen3 qwen3_tied`) it writes only those tiny checkpoints and their goldens.
 What it writes, all deterministic (fixed torch and numpy seeds):
   tests/fixtures/hf/<name>/{config.json, model.safetensors, golden.npz}
-      tiny random float32 checkpoints (llama3, mistral, qwen2, tied_gqa3) with one forward
-      pass's logits over a 64-token prompt and a 32-token greedy continuation.
+      tiny random float32 checkpoints (llama3, mistral, qwen2, tied_gqa3, qwen3, qwen3_tied)
+      with one forward pass's logits over a 64-token prompt and a 32-token greedy continuation.
   tests/fixtures/hf/legacy_config.json
       the llama3 config written in the pre-transformers-5 style (top-level rope_theta and
       rope_scaling), to check both forms parse to the same ModelConfig.
@@ -31,6 +32,7 @@ import importlib.util
 import json
 import math
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -39,7 +41,7 @@ import torch
 import transformers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -76,6 +78,18 @@ TINY_MODELS = {
         tie_word_embeddings=False)),
     "tied_gqa3": (LlamaConfig, LlamaForCausalLM, 1004, dict(
         COMMON, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        tie_word_embeddings=True, attention_bias=False)),
+    # Qwen3: QK-norm (random weights around 1, like every norm here); head_dim 24 with 6 heads
+    # (144 != hidden 64), GQA ratio 3.
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, 1005, dict(
+        COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=24, use_sliding_window=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        tie_word_embeddings=False, attention_bias=False)),
+    # One KV head, head_dim 32 (4 x 32 != hidden 48), tied embeddings.
+    "qwen3_tied": (Qwen3Config, Qwen3ForCausalLM, 1006, dict(
+        COMMON, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, use_sliding_window=False,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         tie_word_embeddings=True, attention_bias=False)),
 }
@@ -154,17 +168,24 @@ CHAT_CASES = [
 ]
 
 
-def main() -> None:
+def main(only: list[str]) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     torch.use_deterministic_algorithms(True)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    unknown = sorted(set(only) - set(TINY_MODELS))
+    if unknown:
+        raise SystemExit(f"unknown tiny models {unknown}; known: {sorted(TINY_MODELS)}")
     HF_DIR.mkdir(parents=True, exist_ok=True)
     SMOL_DIR.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     models = {}
     for name, (config_cls, model_cls, seed, kwargs) in TINY_MODELS.items():
+        if only and name not in only:
+            continue
         models[name], files = make_tiny(name, config_cls, model_cls, seed, kwargs)
         written += files
+    if only:
+        return report(written)
     check_llama3_rope_regions(models["llama3"].config)
     check_mistral_window(models["mistral"])
     written.append(write_legacy_config(models["llama3"].config))
@@ -172,6 +193,10 @@ def main() -> None:
     written.append(write_json(FIXTURES / "tokenizer_texts.json", TOKENIZER_TEXTS))
     written += make_smollm2()
     written.append(write_sentencepiece_golden())
+    report(written)
+
+
+def report(written: list[Path]) -> None:
     print("\nwrote:")
     for path in written:
         print(f"  {path.relative_to(ROOT)}  ({path.stat().st_size:,} bytes)")
@@ -475,4 +500,4 @@ def _dumps(obj, depth: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

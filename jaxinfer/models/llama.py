@@ -1,11 +1,12 @@
-"""The Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5, SmolLM2 (one decoder, config-driven).
+"""The Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2 (one decoder, config-driven).
 
 Data flow of `forward`: token ids -> embedding -> for each layer [RMSNorm -> one q|k|v projection
-(+ bias for Qwen2) -> RoPE -> ragged paged attention (writes this step's K/V into the layer's
-pages, then attends) -> output projection -> residual -> RMSNorm -> one gate|up projection ->
-SiLU-gated product -> down projection -> residual] ->
-final RMSNorm -> hidden states. `compute_logits` applies the LM head (tied or not) to the rows
-the caller selects, so a step computes logits only for the tokens it samples.
+(+ bias for Qwen2) -> RMSNorm of each q and k head over head_dim (Qwen3's QK-norm) -> RoPE ->
+ragged paged attention (writes this step's K/V into the layer's pages, then attends) -> output
+projection -> residual -> RMSNorm -> one gate|up projection -> SiLU-gated product -> down
+projection -> residual] -> final RMSNorm -> hidden states. `compute_logits` applies the LM head
+(tied or not) to the rows the caller selects, so a step computes logits only for the tokens it
+samples.
 
 Layers are unrolled in Python and each layer's KV cache is its own array, so every layer's
 cache is updated in place when the caller donates the tuple.
@@ -37,6 +38,8 @@ class LlamaLayer:
     w_down: jax.Array  # [F, E]
     b_qkv: jax.Array | None = None  # [K, G+2, D]
     bo: jax.Array | None = None  # [E]
+    q_norm: jax.Array | None = None  # [D]: QK-norm weights, shared by every query head
+    k_norm: jax.Array | None = None  # [D]: ... and by every KV head
 
 
 @flax.struct.dataclass
@@ -70,6 +73,8 @@ PARAM_AXES = {
     "bk": ("kv_heads", "head_dim"),
     "bv": ("kv_heads", "head_dim"),
     "bo": ("embed",),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
 }
 
 
@@ -81,7 +86,7 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "embed": (v, e), "final_norm": (e,), "lm_head": (e, v),
         "attn_norm": (e,), "wq": (e, h, d), "wk": (e, k, d), "wv": (e, k, d), "wo": (h, d, e),
         "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
-        "bq": (h, d), "bk": (k, d), "bv": (k, d), "bo": (e,),
+        "bq": (h, d), "bk": (k, d), "bv": (k, d), "bo": (e,), "q_norm": (d,), "k_norm": (d,),
         "w_qkv": (e, k, h // k + 2, d), "b_qkv": (k, h // k + 2, d), "w_gate_up": (e, 2, f),
     }
     return shapes
@@ -95,6 +100,8 @@ def layer_fields(config: ModelConfig) -> list[str]:
         fields += ["bq", "bk", "bv"]
     if config.o_bias:
         fields += ["bo"]
+    if config.qk_norm:
+        fields += ["q_norm", "k_norm"]
     return fields
 
 
@@ -150,6 +157,8 @@ def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn
     t, kv_heads, group, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
     q = qkv[:, :, :group].reshape(t, kv_heads * group, d)  # [T, H, D]
     k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, K, D] each
+    if p.q_norm is not None:  # over head_dim, one weight for all heads (as HF Qwen3)
+        q, k = L.rms_norm(q, p.q_norm, config.rms_norm_eps), L.rms_norm(k, p.k_norm, config.rms_norm_eps)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     attn, kv_cache = L.paged_attention(q, k, v, kv_cache, meta, config, attn_impl)
     out = jnp.einsum("thd,hde->te", attn, p.wo)  # [T, E]

@@ -21,7 +21,7 @@ _HF_LAYER = {
     "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
     "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
     "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
-    "bo": "self_attn.o_proj.bias",
+    "bo": "self_attn.o_proj.bias", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
 }
 _GGUF_TOP = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
@@ -30,6 +30,7 @@ _GGUF_LAYER = {
     "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
     "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "wo": "attn_output.weight",
     "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias", "bo": "attn_output.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
 }
 # Tensors a checkpoint may carry that the model recomputes (inv_freq) or reads into its config
@@ -53,7 +54,7 @@ def _hf_layout(config: ModelConfig) -> dict:
         "bq": ((h * d,), lambda b: b.reshape(h, d)),
         "bk": ((k * d,), lambda b: b.reshape(k, d)),
         "bv": ((k * d,), lambda b: b.reshape(k, d)),
-        "bo": ((e,), same),
+        "bo": ((e,), same), "q_norm": ((d,), same), "k_norm": ((d,), same),
         "w_gate": ((f, e), t), "w_up": ((f, e), t), "w_down": ((e, f), t),
     }
 

@@ -59,6 +59,24 @@ def test_qwen2_biases_and_window_flag():
     assert cfg.qkv_bias and not cfg.o_bias and cfg.sliding_window is None
 
 
+def test_qwen3_qk_norm_head_dim_and_window():
+    qwen3 = {**BASE, "model_type": "qwen3", "rope_theta": 1e6, "head_dim": 24, "sliding_window": 32,
+             "use_sliding_window": False, "max_window_layers": 1}
+    cfg = ModelConfig.from_hf_dict(qwen3)
+    assert cfg.qk_norm and cfg.head_dim == 24 and not (cfg.qkv_bias or cfg.o_bias)
+    assert cfg.family == "llama" and cfg.sliding_window is None
+    assert ModelConfig.from_hf_dict({**qwen3, "attention_bias": True}).o_bias  # all four biases, as Llama
+    assert not ModelConfig.from_hf_dict({**BASE, "rope_theta": 1e4}).qk_norm
+    # use_sliding_window slides the layers from max_window_layers on: all, none, or some.
+    sliding = {**qwen3, "use_sliding_window": True}
+    assert ModelConfig.from_hf_dict({**sliding, "max_window_layers": 0}).sliding_window == 32
+    assert ModelConfig.from_hf_dict({**sliding, "max_window_layers": 2}).sliding_window is None
+    with pytest.raises(ConfigError, match="sliding_window in 1 of 2 layers"):
+        ModelConfig.from_hf_dict(sliding)
+    windowed = ModelConfig.from_hf_dict({**sliding, "max_window_layers": 0})
+    assert ModelConfig.from_hf_dict(windowed.to_hf_dict()) == windowed
+
+
 def test_mistral_window_and_eos_list():
     cfg = ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "rope_theta": 1e4,
                                     "sliding_window": 16, "eos_token_id": [2, 7]})

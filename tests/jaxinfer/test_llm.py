@@ -192,6 +192,15 @@ def test_cli_info_reports_kv_capacity(capsys):
     assert info["kv_cache"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 4
 
 
+def test_cli_info_names_the_family_and_its_features(capsys):
+    model = str(FIXTURES / "hf" / "qwen3_tied")
+    assert cli.main(["info", "--model", model, "--dtype", "float32", "--num-pages", "8"]) == 0
+    info = json.loads(capsys.readouterr().out)["model"]
+    assert info["model_type"] == "qwen3" and info["family"] == "llama"
+    assert info["qk_norm"] and info["tie_word_embeddings"] and not info["qkv_bias"]
+    assert (info["num_heads"], info["num_kv_heads"], info["head_dim"], info["hidden_size"]) == (4, 1, 32, 48)
+
+
 def test_cli_chat_streams_replies_and_exits(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(QUESTION[0]["content"] + "\n/exit\n"))
     argv = ["chat", "--max-tokens", "32", "--token-buckets", "16,64", "--max-num-batched-tokens", "64",

@@ -1,4 +1,5 @@
 """Loading models: name/shape checks, bad inputs, and GGUF vs safetensors of the same weights."""
+import dataclasses
 import json
 import shutil
 
@@ -11,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 from testpaths import FIXTURES
 
 from checkpoints import CheckpointError
-from jaxinfer.config import ConfigError
+from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.loader import load_model
 
 LLAMA = FIXTURES / "hf" / "llama3"
@@ -118,9 +119,6 @@ def test_quantized_gguf_loads_close(tmp_path):
 def test_gguf_rope_freqs_reproduce_llama3_scaling(tmp_path):
     """llama.cpp stores llama3 rope scaling as per-frequency divisors (rope_freqs.weight); the
     GGUF of the llama3 fixture with those divisors must give HF's llama3-scaled logits."""
-    import dataclasses
-
-    from jaxinfer.config import ModelConfig
     from jaxinfer.models.layers import rope_inv_freq
 
     scaled = ModelConfig.from_hf_file(LLAMA / "config.json")
@@ -134,3 +132,20 @@ def test_gguf_rope_freqs_reproduce_llama3_scaling(tmp_path):
     golden = np.load(LLAMA / "golden.npz")
     logits = SingleSequence(m.family, m.config, m.params, 64).feed(golden["input_ids"])
     assert np.abs(logits - golden["logits"]).max() < 1e-3
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_tied"])
+def test_qwen3_gguf_reproduces_hf_golden(tmp_path, name):
+    """llama.cpp's qwen3 architecture: no rotary permutation, QK-norm as attn_q_norm /
+    attn_k_norm, tied when there is no output.weight; HF's logits (greedy: test_model_parity)."""
+    src = FIXTURES / "hf" / name
+    config = json.loads((src / "config.json").read_text())
+    meta, tensors = llama_hf_to_gguf(config, load_file(str(src / "model.safetensors")), arch="qwen3")
+    m = _load(write_gguf(tmp_path / f"{name}.gguf", "qwen3", meta, tensors))
+    hf = ModelConfig.from_hf_file(src / "config.json")
+    assert dataclasses.replace(m.config, rms_norm_eps=hf.rms_norm_eps) == hf  # GGUF's eps is float32
+    assert m.config.qk_norm and m.config.tie_word_embeddings == config["tie_word_embeddings"]
+    golden = np.load(src / "golden.npz")
+    logits = SingleSequence(m.family, m.config, m.params, 64).feed(golden["input_ids"])
+    assert np.abs(logits - golden["logits"]).max() < 1e-3
+    np.testing.assert_array_equal(logits.argmax(-1), golden["logits"].argmax(-1))

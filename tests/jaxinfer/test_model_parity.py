@@ -1,4 +1,5 @@
-"""Our Llama-family forward pass against HF transformers' golden logits and greedy tokens."""
+"""Our Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3) against HF transformers' golden
+logits and greedy tokens."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.loader import load_model
 from model_harness import SingleSequence
 
-HF_MODELS = ["llama3", "mistral", "qwen2", "tied_gqa3"]
+HF_MODELS = ["llama3", "mistral", "qwen2", "tied_gqa3", "qwen3", "qwen3_tied"]
 
 
 def _load(name: str):

@@ -11,6 +11,7 @@ CASES = [
     "mistral:tensor=4",        # 1 KV head, repeated 4 times
     "qwen2:tensor=2",          # q/k/v biases
     "tied_gqa3:tensor=2",      # a tied LM head
+    "qwen3_tied:tensor=2",     # QK-norm weights (replicated); 1 KV head repeated on device
 ]
 
 

@@ -55,6 +55,7 @@ def test_param_specs_follow_the_rule_table():
     assert specs["w_gate_up"] == P(None, None, "tensor")
     assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
     assert specs["attn_norm"] == specs["final_norm"] == P(None)
+    assert specs["q_norm"] == specs["k_norm"] == P(None)  # Qwen3's QK-norm: [D], on every shard
     # Without a tensor axis nothing is split.
     assert logical_to_spec(PARAM_AXES["wq"], shapes["wq"], mesh(data=2)) == P(None, None, None)
 

@@ -43,38 +43,41 @@ def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndar
     return path
 
 
-def llama_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray]) -> tuple[dict, dict]:
-    """Metadata and GGUF-named tensors for an HF Llama checkpoint (as llama.cpp converts it)."""
+def llama_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray], arch: str = "llama") -> tuple[dict, dict]:
+    """Metadata and GGUF-named tensors for an HF Llama-like checkpoint (as llama.cpp converts it:
+    q/k rows permuted into interleaved rotary pairs for the "llama" architecture only; Qwen3's
+    QK-norm weights as attn_q_norm / attn_k_norm)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
-    meta = {
-        "llama.block_count": config["num_hidden_layers"],
-        "llama.context_length": config["max_position_embeddings"],
-        "llama.embedding_length": config["hidden_size"],
-        "llama.feed_forward_length": config["intermediate_size"],
-        "llama.attention.head_count": heads,
-        "llama.attention.head_count_kv": kv_heads,
-        "llama.attention.key_length": config.get("head_dim") or config["hidden_size"] // heads,
-        "llama.rope.freq_base": float(rope["rope_theta"]),
-        "llama.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
-        "llama.vocab_size": config["vocab_size"],
-    }
+    meta = {f"{arch}.{key}": value for key, value in {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads,
+        "attention.key_length": config.get("head_dim") or config["hidden_size"] // heads,
+        "rope.freq_base": float(rope["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "vocab_size": config["vocab_size"],
+    }.items()}
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
+             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+             "self_attn.k_norm.weight": "attn_k_norm.weight"}
     out = {}
     for name, w in hf_tensors.items():
         if name in names:
             out[names[name]] = w
             continue
         i, rest = name.removeprefix("model.layers.").split(".", 1)
-        if rest == "self_attn.q_proj.weight":
+        if arch == "llama" and rest == "self_attn.q_proj.weight":
             w = permute_rope(w, heads)
-        elif rest == "self_attn.k_proj.weight":
+        elif arch == "llama" and rest == "self_attn.k_proj.weight":
             w = permute_rope(w, kv_heads)
         out[f"blk.{i}.{layer[rest]}"] = w
     return meta, out
