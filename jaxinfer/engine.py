@@ -37,7 +37,7 @@ from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.runner import ModelRunner, enable_compilation_cache
-from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.structured import GrammarBackend, grammar_for
 from sharding import StepChannel, is_leader, is_multiprocess
@@ -143,6 +143,7 @@ class Engine:
                             max_request_tokens=self.config.max_request_tokens)
         check_request(None, ids, params, 0, max_model_len=self.max_model_len, pool=self.pool)
         grammar_for(self.grammars, params)
+        check_logit_bias_vocab(params, self.model.config.vocab_size)
         return text, ids, params
 
     def abort(self, request_id: str) -> bool:
@@ -263,7 +264,6 @@ class Engine:
             self.outputs.on_token(state, state.samples[seq.sample_index], out, row, scheduler)
             touched[seq.request_id] = state
 
-    # --- several hosts --------------------------------------------------------------------------
     def follow(self) -> bool:
         """On processes other than 0: runs process 0's steps until it releases this process.
         False when process 0 shut the followers down (no more steps will come)."""

@@ -30,7 +30,6 @@ from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.sampling.params import check_logit_bias_vocab
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
 Prompt = str | list[int]
@@ -137,8 +136,6 @@ class LLM:
             self.engine.release_followers()
 
     def _add(self, prompt: Prompt, params: SamplingParams | None, priority: int = 0) -> str:
-        if isinstance(params, SamplingParams):  # the vocabulary is the model's (the engine checks the rest)
-            check_logit_bias_vocab(params, self.engine.model.config.vocab_size)
         rid = self.engine.add_request(prompt, params, priority=priority)
         self._inboxes[rid] = collections.deque()
         return rid

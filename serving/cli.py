@@ -226,7 +226,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def _generate(client, args) -> int:
-    from jaxinfer.cli.args import structured_output
+    from jaxinfer.cli.args import logit_bias, structured_output
     from serving.convert import structured_message
 
     if args.token_ids is not None:
@@ -247,6 +247,7 @@ def _generate(client, args) -> int:
     structured = structured_output(args)
     if structured is not None:
         kwargs["structured_output"] = structured_message(structured)
+    kwargs["logit_bias"] = logit_bias(args)  # the server checks the values and the vocabulary
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": args.prompt}]

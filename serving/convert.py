@@ -9,6 +9,7 @@ import json
 
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams, StructuredOutput
+from jaxinfer.sampling.params import check_logit_bias_vocab
 from jaxinfer.structured import GrammarBackend
 from jaxinfer.tokenizer import Tokenizer
 from serving.proto import jaxinfer_pb2 as pb
@@ -40,12 +41,24 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
     kwargs = {name: getattr(options, name) for name in _SCALAR_FIELDS if options.HasField(name)}
     kwargs["stop"] = tuple(options.stop)
     kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
+    kwargs["logit_bias"] = dict(options.logit_bias) or None
     try:
         if options.HasField("structured_output"):
             kwargs["structured_output"] = _structured(options.structured_output)
         return SamplingParams(**kwargs)
     except ValueError as e:  # SamplingParams names the field: "SamplingParams.top_p=2.0: ..."
         raise RequestError(f"sampling.{str(e).removeprefix('SamplingParams.')}") from None
+
+
+def sampling_options(params: SamplingParams) -> pb.SamplingOptions:
+    """The request message of a SamplingParams (clients): sampling_params() gives it back."""
+    options = pb.SamplingOptions(**{name: getattr(params, name) for name in _SCALAR_FIELDS
+                                    if getattr(params, name) is not None},
+                                 stop=params.stop, stop_token_ids=params.stop_token_ids,
+                                 logit_bias=params.logit_bias or {})
+    if params.structured_output is not None:
+        options.structured_output.CopyFrom(structured_message(params.structured_output))
+    return options
 
 
 def _structured(message: pb.StructuredOutput) -> StructuredOutput:
@@ -123,6 +136,10 @@ def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens:
     if total > limits.max_model_len:
         raise RequestError(f"sampling.max_tokens={params.max_tokens}: with the prompt's {num_prompt_tokens} "
                            f"tokens that is {total} tokens, more than max_model_len={limits.max_model_len}")
+    try:
+        check_logit_bias_vocab(params, limits.vocab_size)
+    except ValueError as e:  # "SamplingParams.logit_bias[50257]: token ids out of ..."
+        raise RequestError(f"sampling.{str(e).removeprefix('SamplingParams.')}") from None
     if params.uses_penalties and not limits.penalties_enabled:
         raise RequestError("sampling.repetition_penalty/presence_penalty/frequency_penalty: penalties "
                            "are off on this server (started with --no-penalties)")

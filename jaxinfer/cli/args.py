@@ -6,12 +6,13 @@ hook, so every way in takes the same flags.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxinfer.config import ConfigError
-from jaxinfer.sampling.params import SamplingParams, StructuredOutput
+from jaxinfer.sampling.params import SamplingParams, StructuredOutput, logit_bias_from_json
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM  # imports JAX: only when a command runs
@@ -60,7 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before planning the next (the synchronous loop)")
     g.add_argument("--num-decode-steps", type=int, default=None,
                    help="decode steps per jitted call when every running sequence decodes "
-                        "(default 4; 1 = a host round trip per token)")
+                        "(default 8; 1 = a host round trip per token)")
+    g.add_argument("--structured-output-overlap", choices=["auto", "on", "off"], default="auto",
+                   help="fill grammar masks while the step's forward runs (a split step; auto: on "
+                        "accelerators only)")
     g.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "pallas_gpu", "pallas_tpu"])
     g.add_argument("--token-buckets", default=None,
                    help="comma-separated step sizes to compile (default: powers of two up to the budget)")
@@ -90,6 +94,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("-n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logit-bias", default=None, metavar="JSON",
+                   help='token id -> bias added to its logit, e.g. \'{"123": 5.0}\' (each in [-100, 100]: '
+                        '-100 bans the token, 100 all but forces it)')
     so = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
     so.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
                     help="the output is JSON this schema accepts (a file, or the schema's JSON text)")
@@ -105,7 +112,18 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos,
-        structured_output=structured_output(args))
+        structured_output=structured_output(args), logit_bias=logit_bias(args))
+
+
+def logit_bias(args: argparse.Namespace) -> dict[int, float] | None:
+    """--logit-bias JSON as {token id: bias} (its values are checked by SamplingParams)."""
+    if args.logit_bias is None:
+        return None
+    try:
+        value = json.loads(args.logit_bias)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--logit-bias {args.logit_bias!r}: not valid JSON ({e.msg})") from None
+    return logit_bias_from_json(value, "--logit-bias")
 
 
 def structured_output(args: argparse.Namespace) -> StructuredOutput | None:
@@ -144,6 +162,7 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
               async_scheduling=not args.no_async_scheduling, num_decode_steps=args.num_decode_steps,
+              structured_output_overlap={"on": True, "off": False}.get(args.structured_output_overlap),
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
               mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
               num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),

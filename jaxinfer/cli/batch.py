@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 from jaxinfer.cli.batch_journal import Journal, line_key
-from jaxinfer.sampling.params import SamplingParams, StructuredOutput
+from jaxinfer.sampling.params import (SamplingParams, StructuredOutput, check_logit_bias_vocab,
+                                      logit_bias_from_json)
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
@@ -73,7 +74,11 @@ def parse_line(line: str, lineno: int, defaults: SamplingParams,
     try:
         if isinstance(overrides.get("structured_output"), dict):  # {"json": {...}} / {"regex": "..."} ...
             overrides["structured_output"] = StructuredOutput(**overrides["structured_output"])
+        if "logit_bias" in overrides:  # {"50256": -100}: JSON keys are strings
+            overrides["logit_bias"] = logit_bias_from_json(overrides["logit_bias"])
         params = dataclasses.replace(defaults, **overrides)
+        if llm is not None:  # ids against the vocabulary, before the line is read ahead
+            check_logit_bias_vocab(params, llm.engine.model.config.vocab_size)
     except (ValueError, TypeError) as e:
         raise ValueError(f"line {lineno}: {e}") from None
     return rid, prompt, params

@@ -7,11 +7,18 @@ here, so the host side (jaxinfer.core) can hold SamplingParams without importing
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import re
+from collections.abc import Mapping
 
 import numpy as np
 
 MAX_LOGPROBS = 20
+# logit_bias: at most this many tokens a request (300, OpenAI's cap; also the static width L of
+# SamplingArrays.bias_ids), each biased by a number in [-MAX_BIAS, MAX_BIAS] (OpenAI's range).
+MAX_LOGIT_BIAS = 300
+MAX_BIAS = 100.0
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # float options travel to the device as float32
 
@@ -35,6 +42,71 @@ def _as_tuple(value: object, item_ok: type | tuple[type, ...]) -> tuple | None:
     if isinstance(value, (list, tuple)):
         return tuple(value)
     return None
+
+
+class LogitBias(dict):
+    """SamplingParams.logit_bias once checked: {token id: bias}, read-only and hashable."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("SamplingParams.logit_bias is read-only (build new SamplingParams)")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self):  # copy / pickle without __setitem__
+        return LogitBias, (dict(self),)
+
+    @functools.cached_property
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids i32[n], biases f32[n]), built once: a batch row is two slice copies."""
+        ids = np.fromiter(self.keys(), np.int32, len(self))
+        values = np.fromiter(self.values(), np.float32, len(self))
+        ids.flags.writeable = values.flags.writeable = False
+        return ids, values
+
+
+def _logit_bias(value: object) -> LogitBias | None:
+    """The checked bias of SamplingParams (None for none or {}); ValueError naming the bad entry."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"SamplingParams.logit_bias={value!r:.60}: must be a dict of token id -> bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"SamplingParams.logit_bias: {len(value)} tokens; at most {MAX_LOGIT_BIAS}")
+    checked = {}
+    for token, bias in value.items():
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"SamplingParams.logit_bias[{token!r}]: a token id must be an integer >= 0")
+        if not _is_number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise ValueError(f"SamplingParams.logit_bias[{token}]={bias!r}: must be a number in "
+                             f"[{-MAX_BIAS:g}, {MAX_BIAS:g}]")
+        checked[int(token)] = float(bias)
+    return LogitBias(checked) if checked else None
+
+
+def logit_bias_from_json(value: object, name: str = "logit_bias") -> dict[int, object] | None:
+    """OpenAI's JSON form, whose keys are strings ({"50256": -100}), as {50256: -100}; the
+    values are left to SamplingParams. ValueError naming `name` and what is not a token id."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name}={value!r:.60}: must be an object of token id -> bias")
+    out = {}
+    for key, bias in value.items():
+        if not (_is_int(key) or isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key)):
+            raise ValueError(f"{name}[{key!r}]: keys must be token ids (integers, as strings in JSON)")
+        out[int(key)] = bias
+    return out
+
+
+def check_logit_bias_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the ids of params.logit_bias outside the model's vocabulary [0, V)."""
+    bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
+    if bad:
+        raise ValueError(f"SamplingParams.logit_bias[{bad[0]}]: token ids out of the vocabulary "
+                         f"[0, {vocab_size}): {bad[:5]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +176,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # constrain the output (JSON, regex, ...)
+    # {token id: bias} added to those tokens' logits after the penalties, before the structured-
+    # output mask and before greedy or sampled choice (not to logprobs, which read the raw
+    # logits); -100 bans a token, +100 all but forces it. At most MAX_LOGIT_BIAS entries.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         for name, kind, what in (("stop", str, "a string or a list of strings"),
@@ -112,6 +188,7 @@ class SamplingParams:
             if value is None:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {what}")
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:

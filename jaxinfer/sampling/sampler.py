@@ -7,9 +7,12 @@ What `sample` does to one row (the order matters and the numpy reference in the 
   2. penalties (only when a history is given): repetition penalty over tokens seen in prompt or
      output (positive logits divided, negative multiplied), then frequency (times the output
      count) and presence (once per token seen in the output) subtracted.
-  2b. structured output: tokens outside a row's allowed bits (SamplingArrays.allowed) are set to
+  2b. logit bias: each row's biases (SamplingArrays.bias_ids / bias_values) are added to its
+     logits, under a conditional taken only when some row has a bias.
+  2c. structured output: tokens outside a row's allowed bits (SamplingArrays.allowed) are set to
      -inf, under a conditional taken only when some row has a grammar.
-  3. greedy rows (temperature 0) take argmax of the penalized logits; nothing below affects them.
+  3. greedy rows (temperature 0) take argmax of the penalized, biased and masked logits; nothing
+     below affects them.
   4. temperature scaling, then top-k (ties with the k-th value kept), then top-p over what top-k
      left (the smallest set of tokens whose probability reaches top_p, ties with its last kept),
      then min-p (drop tokens whose probability is below min_p * the highest probability).
@@ -47,6 +50,7 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
     log_norm = jax.nn.logsumexp(raw, axis=-1)                             # [B]: no [B, V] written
     if arrays.history is not None:
         logits = apply_penalties(logits, arrays)
+    logits = apply_logit_bias(logits, arrays.bias_ids, arrays.bias_values)
     logits = apply_allowed(logits, arrays.allowed)
     greedy_tokens = jnp.argmax(logits, axis=-1)                           # [B]
     is_greedy = arrays.temperature < GREEDY_EPS
@@ -96,6 +100,18 @@ def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - arrays.frequency_penalty[:, None] * output_counts
     return logits - arrays.presence_penalty[:, None] * (output_counts > 0)
+
+
+def apply_logit_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
+    """Adds bias_values [B, L] to the logits of bias_ids [B, L] (packed at the front of each row,
+    -1 pads); the [B, V] scatter runs only when some row has a bias (its first id is set)."""
+    batch, vocab = logits.shape
+
+    def add(x):
+        ids = jnp.where(bias_ids >= 0, bias_ids, vocab)  # pads (and ids past V): the scatter drops them
+        return x.at[jnp.arange(batch)[:, None], ids].add(bias_values.astype(x.dtype), mode="drop")
+
+    return jax.lax.cond(jnp.any(bias_ids[:, 0] >= 0), add, lambda x: x, logits)
 
 
 def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:

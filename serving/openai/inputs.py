@@ -10,6 +10,7 @@ import dataclasses
 import re
 
 from jaxinfer.sampling import SamplingParams, StructuredOutput
+from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
 from serving import convert
 from serving.convert import ModelLimits, RequestError
@@ -110,8 +111,6 @@ def _message_text(message: ChatMessage, i: int) -> str:
 
 
 def _refuse_unsupported(req: SamplingFields) -> None:
-    if req.logit_bias:
-        raise bad_request("logit_bias", "logit_bias: not supported by this server (the sampler has no logit bias)")
     fmt = req.response_format
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
         raise bad_request("response_format", f"response_format.type={fmt.type!r}: unknown; use \"text\", "
@@ -134,6 +133,10 @@ def _sampling_kwargs(req: SamplingFields, limits: ModelLimits, logprobs: int | N
         kwargs["stop_token_ids"] = req.stop_token_ids
     kwargs["logprobs"] = logprobs
     kwargs["structured_output"] = _structured_output(req)
+    try:
+        kwargs["logit_bias"] = logit_bias_from_json(req.logit_bias)  # {"50256": -100}: string keys
+    except ValueError as e:
+        raise bad_request("logit_bias", str(e)) from None
     return kwargs
 
 

@@ -4,7 +4,8 @@ Values are checked where they are used: SamplingParams checks sampling values, i
 prompts and the fields this server does not support. Fields a client may send that change
 nothing here (`store`, `metadata`, `service_tier`, ...) are accepted and ignored, as OpenAI-
 compatible servers do; those that would change the answer and are not supported (`tools`,
-`logit_bias`, `suffix`) are refused with a 400 naming them. Structured output comes as OpenAI's
+`suffix`) are refused with a 400 naming them. `logit_bias` keys are token ids written as strings
+(inputs.py converts them). Structured output comes as OpenAI's
 `response_format` (json_object, json_schema) or vLLM's `guided_json` / `guided_regex` /
 `guided_choice` / `guided_grammar`.
 """
@@ -40,7 +41,7 @@ class SamplingFields(_Body):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {"50256": -100}: token id -> bias in [-100, 100]
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cserving/proto/jaxinfer.proto\x12\x0bjaxinfer.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xc1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x04 \x01(\x0b\x32%.jaxinfer.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xbf\x05\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.jaxinfer.v1.StructuredOutputB\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.jaxinfer.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.jaxinfer.v1.SamplingOptions\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"\xc4\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"y\n\x07Timings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x15\n\re2e_latency_s\x18\x03 \x01(\x01\x12\"\n\x1amean_inter_token_latency_s\x18\x04 \x01(\x01\"\xb1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.jaxinfer.v1.CompletionDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.jaxinfer.v1.Timings\"\x85\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.jaxinfer.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xce\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\n \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\x05\x12\x19\n\x11penalties_enabled\x18\r \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\x05\"\x17\n\x15GetServerStatsRequest\"\xf7\x01\n\x16GetServerStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x16\n\x0e\x61\x63tive_streams\x18\x03 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x05\x12\x15\n\rkv_pages_free\x18\x05 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x08 \x01(\x03\x12\x19\n\x11\x63ompiled_variants\x18\t \x01(\x05\x12\r\n\x05steps\x18\n \x01(\x03\x32\xa5\x03\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12S\n\x0cGetModelInfo\x12 .jaxinfer.v1.GetModelInfoRequest\x1a!.jaxinfer.v1.GetModelInfoResponse\x12Y\n\x0eGetServerStats\x12\".jaxinfer.v1.GetServerStatsRequest\x1a#.jaxinfer.v1.GetServerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cserving/proto/jaxinfer.proto\x12\x0bjaxinfer.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xc1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x04 \x01(\x0b\x32%.jaxinfer.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xb2\x06\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.jaxinfer.v1.StructuredOutput\x12?\n\nlogit_bias\x18\x12 \x03(\x0b\x32+.jaxinfer.v1.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.jaxinfer.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.jaxinfer.v1.SamplingOptions\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"\xc4\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"y\n\x07Timings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x15\n\re2e_latency_s\x18\x03 \x01(\x01\x12\"\n\x1amean_inter_token_latency_s\x18\x04 \x01(\x01\"\xb1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.jaxinfer.v1.CompletionDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.jaxinfer.v1.Timings\"\x85\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.jaxinfer.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xce\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\n \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\x05\x12\x19\n\x11penalties_enabled\x18\r \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\x05\"\x17\n\x15GetServerStatsRequest\"\xf7\x01\n\x16GetServerStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x16\n\x0e\x61\x63tive_streams\x18\x03 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x05\x12\x15\n\rkv_pages_free\x18\x05 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x08 \x01(\x03\x12\x19\n\x11\x63ompiled_variants\x18\t \x01(\x05\x12\r\n\x05steps\x18\n \x01(\x03\x32\xa5\x03\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12S\n\x0cGetModelInfo\x12 .jaxinfer.v1.GetModelInfoRequest\x1a!.jaxinfer.v1.GetModelInfoResponse\x12Y\n\x0eGetServerStats\x12\".jaxinfer.v1.GetServerStatsRequest\x1a#.jaxinfer.v1.GetServerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.proto.jaxinfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=45
   _globals['_TOKENIDS']._serialized_end=68
   _globals['_CHATMESSAGE']._serialized_start=70
@@ -42,37 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=390
   _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=416
   _globals['_SAMPLINGOPTIONS']._serialized_start=427
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1130
-  _globals['_GENERATEREQUEST']._serialized_start=1133
-  _globals['_GENERATEREQUEST']._serialized_end=1341
-  _globals['_TOPLOGPROB']._serialized_start=1343
-  _globals['_TOPLOGPROB']._serialized_end=1390
-  _globals['_TOKENLOGPROB']._serialized_start=1392
-  _globals['_TOKENLOGPROB']._serialized_end=1479
-  _globals['_COMPLETIONDELTA']._serialized_start=1482
-  _globals['_COMPLETIONDELTA']._serialized_end=1678
-  _globals['_USAGE']._serialized_start=1680
-  _globals['_USAGE']._serialized_end=1767
-  _globals['_TIMINGS']._serialized_start=1769
-  _globals['_TIMINGS']._serialized_end=1890
-  _globals['_GENERATERESPONSE']._serialized_start=1893
-  _globals['_GENERATERESPONSE']._serialized_end=2070
-  _globals['_TOKENIZEREQUEST']._serialized_start=2073
-  _globals['_TOKENIZEREQUEST']._serialized_end=2206
-  _globals['_TOKENIZERESPONSE']._serialized_start=2208
-  _globals['_TOKENIZERESPONSE']._serialized_end=2245
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2247
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2343
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2345
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2379
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2381
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2402
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2405
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2739
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2741
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2764
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=2767
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=3014
-  _globals['_INFERENCESERVICE']._serialized_start=3017
-  _globals['_INFERENCESERVICE']._serialized_end=3438
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1245
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=972
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1020
+  _globals['_GENERATEREQUEST']._serialized_start=1248
+  _globals['_GENERATEREQUEST']._serialized_end=1456
+  _globals['_TOPLOGPROB']._serialized_start=1458
+  _globals['_TOPLOGPROB']._serialized_end=1505
+  _globals['_TOKENLOGPROB']._serialized_start=1507
+  _globals['_TOKENLOGPROB']._serialized_end=1594
+  _globals['_COMPLETIONDELTA']._serialized_start=1597
+  _globals['_COMPLETIONDELTA']._serialized_end=1793
+  _globals['_USAGE']._serialized_start=1795
+  _globals['_USAGE']._serialized_end=1882
+  _globals['_TIMINGS']._serialized_start=1884
+  _globals['_TIMINGS']._serialized_end=2005
+  _globals['_GENERATERESPONSE']._serialized_start=2008
+  _globals['_GENERATERESPONSE']._serialized_end=2185
+  _globals['_TOKENIZEREQUEST']._serialized_start=2188
+  _globals['_TOKENIZEREQUEST']._serialized_end=2321
+  _globals['_TOKENIZERESPONSE']._serialized_start=2323
+  _globals['_TOKENIZERESPONSE']._serialized_end=2360
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2362
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2458
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2460
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2494
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2496
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2517
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2520
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2854
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2856
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2879
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=2882
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=3129
+  _globals['_INFERENCESERVICE']._serialized_start=3132
+  _globals['_INFERENCESERVICE']._serialized_end=3553
 # @@protoc_insertion_point(module_scope)

@@ -81,7 +81,8 @@ def test_nothing_compiles_after_warm_up(engine):
               SamplingParams(temperature=1.0, min_p=0.1, seed=2, max_tokens=5, logprobs=3),
               SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5,
                              frequency_penalty=0.3, seed=3, max_tokens=7, n=2),
-              SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[5])]
+              SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[5]),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=6, logit_bias={5: 3.0, 11: -100.0})]
     for i in range(12):
         prompt = rng.integers(0, 512, size=int(rng.integers(1, 90))).tolist()
         engine.add_request(prompt, params[i % len(params)])

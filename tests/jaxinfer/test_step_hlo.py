@@ -116,6 +116,22 @@ def test_an_all_greedy_decode_window_sorts_nothing(model):
     assert not {name: found for name, found in on_every_step.items() if found}
 
 
+def vocab_scatters(body: str) -> list[str]:
+    """Scatters into a [B, V] array (the step's are the logit bias's; penalties are off here)."""
+    return [line.strip()[:120] for line in body.splitlines()
+            if re.search(r"\bscatter\(", line) and re.search(rf"\[\d+,{CONFIG.vocab_size}\]", line)]
+
+
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_an_unbiased_batch_pays_nothing_for_logit_bias(model, num_steps):
+    """The logit bias's [B, V] scatter is inside a conditional, taken only when a row has a bias."""
+    hlo, _ = compiled_step(model, 8, num_steps=num_steps, max_model_len=512, num_pages=64)
+    bodies, entry = split_computations(hlo)
+    assert any(vocab_scatters(body) for body in bodies.values())  # it exists, for biased rows
+    on_every_step = {name: vocab_scatters(bodies[name]) for name in always_run(bodies, entry)}
+    assert not {name: found for name, found in on_every_step.items() if found}
+
+
 def weight_dots(model) -> dict[str, int]:
     """How many dot_generals of the lowered step read each parameter, by its path."""
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),

@@ -117,7 +117,7 @@ def test_errors_have_openai_shape_and_status(client, served):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=-1)
     assert info.value.body["param"] == "temperature" and "temperature" in info.value.body["message"]
-    for kwargs, param in ((dict(presence_penalty=0.5), "presence_penalty"), (dict(logit_bias={"5": 1}), "logit_bias"),
+    for kwargs, param in ((dict(presence_penalty=0.5), "presence_penalty"), (dict(logit_bias={"abc": 1}), "logit_bias"),
                           (dict(response_format={"type": "xml"}), "response_format")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=QUESTION, **kwargs)
@@ -129,6 +129,31 @@ def test_errors_have_openai_shape_and_status(client, served):
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
     status, _, body = raw_request(served, "POST", "/v1/completions", b"{not json", key=KEYS[0])
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+
+
+def test_logit_bias_forces_and_bans_tokens(client, grpc_client):
+    paris = grpc_client.tokenize(" Paris")[-1]
+    forced = grpc_client.detokenize([paris] * 4)
+    for sampling in (dict(temperature=0), dict(temperature=1.0, seed=7)):  # greedy rows see the bias too
+        out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, logit_bias={str(paris): 100},
+                                        extra_body={"ignore_eos": True}, **sampling)
+        assert out.choices[0].text == forced, sampling
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
+                                          logit_bias={str(paris): 100})
+    assert chat.choices[0].message.content == forced
+    greedy = grpc_client.generate("Once upon a time", max_tokens=1, temperature=0, timeout=120).token_ids[0]
+    banned = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0,
+                                       logit_bias={str(greedy): -100})
+    assert banned.choices[0].text != grpc_client.detokenize([greedy])
+    over_grpc = grpc_client.generate("Once upon a time", max_tokens=1, temperature=0, timeout=120,
+                                     logit_bias={greedy: -100})
+    assert over_grpc.text == banned.choices[0].text and over_grpc.token_ids[0] != greedy
+    for bias, words in (({"abc": 1}, "logit_bias['abc']: keys must be token ids"),
+                        ({"49152": 1}, "logit_bias[49152]: token ids out of the vocabulary [0, 49152)"),
+                        ({str(paris): 101}, f"logit_bias[{paris}]=101.0: must be a number in [-100, 100]")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logit_bias=bias)
+        assert info.value.body["param"] == "logit_bias" and info.value.body["message"].startswith(words), info.value.body
 
 
 def test_oversized_bodies_get_413(client, served):

@@ -99,7 +99,12 @@ def test_chat_uses_the_chat_template(tok):
     (dict(top_logprobs=2), "top_logprobs", "needs logprobs=true"),
     (dict(stop=["ok", 3]), "stop", "strings"),
     (dict(presence_penalty=0.5), "presence_penalty", "--no-penalties"),
-    (dict(logit_bias={"50256": -100}), "logit_bias", "not supported"),
+    (dict(logit_bias={"50256": -100}), "logit_bias", "logit_bias[50256]: token ids out of the vocabulary [0, 49152)"),
+    (dict(logit_bias={"abc": 1}), "logit_bias", "logit_bias['abc']: keys must be token ids"),
+    (dict(logit_bias={"1.5": 1}), "logit_bias", "keys must be token ids"),
+    (dict(logit_bias={"-2": 1}), "logit_bias", "logit_bias[-2]: a token id must be an integer >= 0"),
+    (dict(logit_bias={"5": 100.5}), "logit_bias", "logit_bias[5]=100.5: must be a number in [-100, 100]"),
+    (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "301 tokens; at most 300"),
     (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "schema: required"),
     (dict(response_format={"type": "xml"}), "response_format", "unknown"),
     (dict(guided_regex="a+", guided_choice=["a"]), "guided_regex", "only one of guided_choice, guided_regex"),
@@ -116,6 +121,14 @@ def test_chat_errors_name_the_request_field(tok, body, param, words):
                                      "code": None}
 
 
+def test_logit_bias_keys_become_token_ids(tok):
+    body = {"logit_bias": {"5": 2, "49151": -100, "7": 0.5}}
+    want = {5: 2.0, 49151: -100.0, 7: 0.5}
+    assert completion(tok, prompt="x", **body).params.logit_bias == want
+    assert chat(tok, **body).params.logit_bias == want
+    assert chat(tok).params.logit_bias is None and chat(tok, logit_bias=None).params.logit_bias is None
+
+
 def test_completion_only_errors(tok):
     assert refused(completion, tok, prompt="x", logprobs=21).param == "logprobs"
     assert refused(completion, tok, prompt="x", suffix="end").param == "suffix"
@@ -130,6 +143,8 @@ def test_completion_only_errors(tok):
     ({"messages": USER}, "model"),
     ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"model": "m", "messages": USER, "temperature": "hot"}, "temperature"),
+    ({"model": "m", "messages": USER, "logit_bias": {"5": "much"}}, "logit_bias"),
+    ({"model": "m", "messages": USER, "logit_bias": [5]}, "logit_bias"),
     ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
 ])
 def test_validation_errors_name_the_field(body, param):

@@ -42,3 +42,45 @@ def test_bad_option_names_the_field():
         convert.sampling_params(pb.SamplingOptions(min_p=2.0))
     with pytest.raises(convert.RequestError, match=r"^sampling\.stop_token_ids"):
         convert.sampling_params(pb.SamplingOptions(stop_token_ids=[-1]))
+
+
+def test_logit_bias_round_trips_and_is_checked():
+    from jaxinfer.sampling import StructuredOutput
+
+    params = SamplingParams(n=2, temperature=0.5, seed=3, stop=("x",), logprobs=2, logit_bias={5: -100, 7: 0.1},
+                            structured_output=StructuredOutput(regex="a+"))
+    options = convert.sampling_options(params)
+    assert dict(options.logit_bias) == {5: -100.0, 7: 0.1}
+    assert convert.sampling_params(options) == params
+    assert pb.SamplingOptions.FromString(options.SerializeToString()) == options
+    assert convert.sampling_params(convert.sampling_options(SamplingParams())) == SamplingParams()
+    assert convert.sampling_params(pb.SamplingOptions(logit_bias={})).logit_bias is None
+    with pytest.raises(convert.RequestError, match=r"^sampling\.logit_bias\[5\]=200\.0: must be a number in"):
+        convert.sampling_params(pb.SamplingOptions(logit_bias={5: 200}))
+    with pytest.raises(convert.RequestError, match=r"^sampling\.logit_bias\[-1\]: a token id"):
+        convert.sampling_params(pb.SamplingOptions(logit_bias={-1: 1}))
+    limits = convert.ModelLimits(vocab_size=100, max_model_len=64, penalties_enabled=False)
+    convert.check_params(SamplingParams(logit_bias={99: 1.0}), limits, 3)
+    with pytest.raises(convert.RequestError, match=r"^sampling\.logit_bias\[100\]: token ids out of the "
+                                                   r"vocabulary \[0, 100\): \[100\]"):
+        convert.check_params(SamplingParams(logit_bias={100: 1.0, 5: 2.0}), limits, 3)
+
+
+def test_client_command_sends_logit_bias():
+    from jaxinfer.cli import build_parser
+    from serving.cli import _generate
+    from serving.client import build_request
+
+    sent = {}
+
+    class FakeClient:
+        def stream(self, prompt=None, **kwargs):
+            sent["request"] = build_request(prompt, **{k: v for k, v in kwargs.items() if k != "timeout"})
+            return []
+
+    args = build_parser().parse_args(["client", "generate", "hi", "--logit-bias", '{"17": -100, "3": 2.5}'])
+    assert _generate(FakeClient(), args) == 0
+    assert dict(sent["request"].sampling.logit_bias) == {17: -100.0, 3: 2.5}
+    args = build_parser().parse_args(["client", "generate", "hi"])
+    _generate(FakeClient(), args)
+    assert not sent["request"].sampling.logit_bias

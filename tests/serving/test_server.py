@@ -174,6 +174,8 @@ def test_backpressure_resource_exhausted(serve):
     (dict(prompt=list(range(1, 200)), max_tokens=100), "sampling.max_tokens"),  # together too long
     (dict(prompt=[1, 2], n=65), "sampling.n=65: exceeds this server's max_n=64"),
     (dict(prompt=[1, 2], temperature=1e300), "sampling.temperature"),
+    (dict(prompt=[1, 2], logit_bias={9999: 1.0}), "sampling.logit_bias[9999]: token ids out of the vocabulary"),
+    (dict(prompt=[1, 2], logit_bias={5: -100.5}), "sampling.logit_bias[5]=-100.5"),
 ])
 def test_invalid_argument_names_the_field(serve, kwargs, field):
     server = serve()
@@ -283,12 +285,12 @@ def test_graceful_stop_lets_requests_finish_or_ends_them_unavailable(serve):
         except grpc.RpcError as e:
             outcome[name] = e
 
-    with slow_steps(engine, 0.02):
+    with slow_steps(engine, 0.1):  # a step may be a decode window of 8 tokens
         threads = [threading.Thread(target=run, args=("short", 10)), threading.Thread(target=run, args=("long", 250))]
         for t in threads:
             t.start()
         wait_for(lambda: server.server.servicer.num_streams == 2)
-        server.stop(grace=1.0)  # "short" needs ~0.2 s, "long" ~5 s
+        server.stop(grace=1.0)  # "short" needs ~0.3 s (3 steps), "long" over 3 s (32 steps)
         for t in threads:
             t.join(30)
     assert len(outcome["short"].token_ids) == 10
