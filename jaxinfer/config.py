@@ -16,12 +16,13 @@ from jaxinfer.engine_config import EngineConfig
 __all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
 
 # HF model_type -> the model family that runs it.
-HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "mixtral": "moe", "qwen3_moe": "moe"}
 GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM"}
-_QK_NORM_TYPES = ("qwen3",)  # an RMSNorm over head_dim on every query and key head, before RoPE
+                     "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                     "qwen3_moe": "Qwen3MoeForCausalLM"}
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over head_dim on every query and key head, before RoPE
 
 
 class ConfigError(ValueError):
@@ -39,8 +40,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # checkpoint's own name: "llama", "mistral", "qwen2", "qwen3"
-    family: str  # model code that runs it: "llama"
+    model_type: str  # checkpoint's own name: "llama", "mistral", "qwen2", "qwen3", "mixtral", ...
+    family: str  # model code that runs it: "llama" or "moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,6 +62,17 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: inv_freq divisors [D/2]
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixtures of experts (family "moe"): a token's MLP is the router-weighted sum of its top-k experts'
+    # (width moe_intermediate_size); layers `is_moe_layer` rejects keep a dense MLP (intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -112,6 +124,10 @@ class ModelConfig:
             cfg.update(sliding_window=self.sliding_window, use_sliding_window=True, max_window_layers=0)
         if self.rope_freq_factors is not None:
             cfg["rope_freq_factors"] = list(self.rope_freq_factors)
+        if self.num_experts:
+            cfg.update(num_local_experts=self.num_experts, mlp_only_layers=list(self.mlp_only_layers), **{
+                k: getattr(self, k) for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                                              "decoder_sparse_step")})
         return cfg
 
     @classmethod
@@ -142,11 +158,7 @@ def _split(hidden: int, heads: int, source: str) -> int:
 
 
 def _as_id_tuple(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    return () if value is None else tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
 
 
 def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
@@ -177,7 +189,7 @@ def _sliding_window(cfg: Mapping[str, Any], model_type: str, source: str) -> int
     layers its layer_types call "sliding_attention" (by default those from max_window_layers on):
     one window for the whole model holds only when every layer or none slides."""
     window = cfg.get("sliding_window")
-    if not window or (model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False)):
+    if not window or (model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False)):
         return None
     if model_type == "qwen3":
         first = int(cfg.get("max_window_layers", 28))
@@ -228,7 +240,23 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         rope_freq_factors=tuple(float(f) for f in cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
+        **_moe_from_hf(cfg, model_type, source),
     )
+
+
+def _moe_from_hf(cfg: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The MoE fields: Mixtral routes every layer and renormalises its top-k always; Qwen3-MoE
+    says which layers route (mlp_only_layers, decoder_sparse_step) and whether to renormalise."""
+    if HF_FAMILIES[model_type] != "moe":
+        return {}
+    experts, top_k = cfg.get("num_experts") or cfg.get("num_local_experts"), _require(cfg, "num_experts_per_tok", source)
+    if not experts or not 1 <= int(top_k) <= int(experts):
+        raise ConfigError(f"{source}: num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(top_k),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
 
 
 def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:

@@ -1,6 +1,7 @@
 """HF safetensors directories and GGUF files -> jaxinfer orbax checkpoints (`jaxinfer convert`).
 
-    DST/params/                   our fields in our layout ("embed", "layers.3.wq", ...), orbax
+    DST/params/                   our fields in our layout ("embed", "layers.3.wq", ...), orbax;
+                                  quantized weights as "layers.3.wq.values", ".scales", ".zeros"
     DST/config.json               the source's own (HF), or written from the GGUF's metadata
     DST/tokenizer.json | .model   copied (HF), or exported from the GGUF's vocabulary
     DST/tokenizer_config.json ... the special tokens and the chat template beside them
@@ -28,6 +29,7 @@ from checkpoints.orbax_io import epath
 from jaxinfer.config import ModelConfig
 from jaxinfer.loader import ORBAX_FORMAT, open_checkpoint, read_fields, resolve_dtype
 from jaxinfer.models.registry import get_family
+from jaxinfer.quant import QuantConfig, flat_arrays
 from jaxinfer.tokenizer import TokenizerError, from_gguf_metadata
 from sharding import DevicePlacer, MeshPlacer, head_layout, make_mesh
 
@@ -49,9 +51,11 @@ class ConvertStats:
 
 
 def convert(src: str | Path, dst: str | Path, dtype: str = "auto", mesh: str | None = None,
-            progress: bool = True) -> ConvertStats:
+            progress: bool = True, quantization: QuantConfig | None = None) -> ConvertStats:
     """Converts `src` into a new orbax checkpoint directory `dst` (which must not exist, or be
-    empty). dtype "auto" keeps an HF checkpoint's floating dtype and gives a GGUF bfloat16."""
+    empty). dtype "auto" keeps an HF checkpoint's floating dtype and gives a GGUF bfloat16.
+    `quantization`: linear weights are saved quantized (NAME.values, NAME.scales, NAME.zeros)
+    and load as saved."""
     start = time.perf_counter()
     dst_path = epath(dst)
     if dst_path.exists() and (not dst_path.is_dir() or any(dst_path.iterdir())):
@@ -69,15 +73,17 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", mesh: str | N
     specs = family.checkpoint_specs(config, ORBAX_FORMAT)
     bar = _bar(len(specs), progress)
     try:
-        top, per_layer = read_fields(reader, config, fmt, dtype, place, str(src), bar.update)
+        top, per_layer = read_fields(reader, config, fmt, dtype, place, str(src), bar.update,
+                                     quantization=quantization)
     finally:
         bar.close()
-    arrays = {s.name: (top if s.layer is None else per_layer[s.layer])[s.field] for s in specs}
+    arrays = {name: array for s in specs
+              for name, array in flat_arrays(s.name, (top if s.layer is None else per_layer[s.layer])[s.field]).items()}
     save_arrays(dst_path, arrays)
     files = _side_files(src, fmt, reader, config, dst_path)
     write_metadata(dst_path, {
         "family": config.family, "model_type": config.model_type, "dtype": np.dtype(dtype).name,
-        "quantization": None, "source": str(src), "source_format": fmt, "tensors": len(arrays),
+        "quantization": quantization and quantization.to_metadata(), "source": str(src), "source_format": fmt, "tensors": len(arrays),
         **files})
     return ConvertStats(tensors=len(arrays), parameters=sum(int(a.size) for a in arrays.values()),
                         bytes=sum(int(a.nbytes) for a in arrays.values()), dtype=np.dtype(dtype).name,

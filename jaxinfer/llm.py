@@ -29,6 +29,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.quant import QuantConfig
 from jaxinfer.sampling import SamplingParams
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
@@ -47,13 +48,18 @@ class LLM:
                  penalties: bool = True,
                  compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
                  mesh: str | dict | None = None, coordinator_address: str | None = None,
-                 num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True):
+                 num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
+                 quantization: str | None = None, quantization_group_size: int | None = None):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default).
 
         `mesh`: e.g. "tensor=4" or "data=2,tensor=4" (sharding.make_mesh); parameters are
         placed shard by shard as they are read. `warm_up=False` leaves compiling to
         `llm.engine.warm_up()` (or to the first step that needs each variant); on several hosts
-        every process compiles at start-up regardless, since they must compile together."""
+        every process compiles at start-up regardless, since they must compile together.
+        `quantization`: "int8" (per output channel) or "int4" (groups of `quantization_group_size`
+        inputs, default 64, with zero points) weight-only quantization of every linear layer,
+        applied at load; a checkpoint converted with a quantization loads as saved."""
+        quant = QuantConfig.parse(quantization, quantization_group_size)
         initialize(coordinator_address, num_processes, process_id)  # before any device is used
         config = EngineConfig(
             page_size=page_size, num_pages=num_pages, kv_cache_memory_fraction=kv_cache_memory_fraction,
@@ -70,7 +76,7 @@ class LLM:
             device_mesh = make_mesh(config.mesh)
             place_for = lambda cfg, family: make_placer(  # noqa: E731
                 device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
-        self.engine = Engine(load_model(model, dtype, place_for=place_for), config,
+        self.engine = Engine(load_model(model, dtype, place_for=place_for, quantization=quant), config,
                              warm_up=warm_up or is_multiprocess())
         self.tokenizer = self.engine.tokenizer
         self._inboxes: dict[str, collections.deque[RequestOutput]] = {}  # request id -> deltas

@@ -5,7 +5,8 @@ The family's checkpoint specs say which tensors must exist and how each becomes 
 loader reads them one at a time, checks names and shapes (every missing, unexpected or misshaped
 tensor is named in the error), converts to the requested dtype and hands each to `place`, which
 puts it on a device (the default device, or shards of a mesh), so host memory holds at most one
-converted tensor beyond the memory-mapped file. An orbax checkpoint is restored straight onto the
+converted tensor beyond the memory-mapped file. With a quantization (jaxinfer.quant) each linear
+weight is quantized on the host before it is placed, from any format. An orbax checkpoint is restored straight onto the
 devices instead: `place.target` says how each array is split, and every process reads only its
 own shards.
 """
@@ -29,6 +30,7 @@ from checkpoints import (CheckpointError, GGUFCheckpoint, OrbaxCheckpoint, Safet
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
 from jaxinfer.models.specs import TensorSpec
+from jaxinfer.quant import QuantConfig, component_specs, join_components, quantize_field
 from jaxinfer.tokenizer import Tokenizer, from_gguf_metadata, load_tokenizer
 from sharding import DevicePlacer, Placer
 
@@ -149,38 +151,78 @@ def _check_tensors(reader, specs: list[TensorSpec], ignored: tuple[str, ...], wh
 
 
 def load_params(reader, config: ModelConfig, fmt: str, dtype, place: Placer | None = None,
-                where: str = "checkpoint"):
+                where: str = "checkpoint", quantization: QuantConfig | None = None):
     """Reads, checks and converts every tensor; `place` puts each on its device(s)."""
     family = get_family(config.family)
-    top, per_layer = read_fields(reader, config, fmt, dtype, place, where)
+    top, per_layer = read_fields(reader, config, fmt, dtype, place, where, quantization=quantization)
     return family.assemble(config, top, per_layer)
 
 
+def checkpoint_quantization(reader, fmt: str, asked: QuantConfig | None, where: str) -> QuantConfig | None:
+    """The quantization a load ends with: an orbax checkpoint saved quantized keeps its own (asking
+    for another is an error); any other checkpoint gets what was asked."""
+    saved = QuantConfig.from_metadata(reader.metadata.get("quantization")) if fmt == ORBAX_FORMAT else None
+    if saved is not None and asked is not None and asked != saved:
+        raise ValueError(f"{where}: the checkpoint is quantized as {saved.to_metadata()}; cannot load it "
+                         f"as quantization={asked.method!r} (group size {asked.group_size})")
+    return saved or asked
+
+
 def read_fields(reader, config: ModelConfig, fmt: str, dtype, place: Placer | None = None,
-                where: str = "checkpoint", progress: Callable[[int], None] | None = None):
+                where: str = "checkpoint", progress: Callable[[int], None] | None = None,
+                quantization: QuantConfig | None = None):
     """Every checkpoint tensor as our field, placed: (top fields, one dict per layer), before the
-    family assembles them. `progress(n)` is told of each n tensors done."""
+    family assembles them; linear weights quantized when `quantization` (or the checkpoint) says
+    so. `progress(n)` is told of each n tensors done."""
     family = get_family(config.family)
     dtype = resolve_dtype(dtype)
+    quant = checkpoint_quantization(reader, fmt, quantization, where)
+    if quant is not None and not family.linear_inputs:
+        raise ValueError(f"model family {family.name!r} does not support quantization={quant.method!r} yet")
     specs = family.checkpoint_specs(config, fmt)
-    _check_tensors(reader, specs, () if fmt == ORBAX_FORMAT else family.ignored_tensors, where)
     place = place or DevicePlacer()
     top: dict = {}
     per_layer: list[dict] = [{} for _ in range(config.num_layers)]
     if fmt == ORBAX_FORMAT:
-        arrays = _restore(reader, specs, dtype, place)
-        for spec in specs:
-            (top if spec.layer is None else per_layer[spec.layer])[spec.field] = arrays[spec.name]
+        for field, value, layer in _restore_fields(reader, specs, dtype, place, quant, family, where):
+            (top if layer is None else per_layer[layer])[field] = value
         if progress:
             progress(len(specs))
         return top, per_layer
+    _check_tensors(reader, specs, family.ignored_tensors, where)
     for spec in specs:
         array = spec.to_ours(np.asarray(reader.get(spec.name)))
-        array = np.ascontiguousarray(array.astype(dtype))
-        (top if spec.layer is None else per_layer[spec.layer])[spec.field] = place(spec, array)
+        inputs = family.linear_inputs.get(spec.field)
+        if quant is not None and inputs is not None:
+            value = quantize_field(array, spec.field, inputs, quant, dtype).map(lambda a: place(spec, a))
+        else:
+            value = place(spec, np.ascontiguousarray(array.astype(dtype)))
+        (top if spec.layer is None else per_layer[spec.layer])[spec.field] = value
         if progress:
             progress(1)
     return top, per_layer
+
+
+def _restore_fields(reader, specs: list[TensorSpec], dtype, place: Placer, quant: QuantConfig | None,
+                    family: ModelFamily, where: str):
+    """(field, value, layer) of every spec, restored from an orbax checkpoint; a quantized
+    checkpoint's linear weights from their stored arrays, a float one's quantized if asked."""
+    saved = QuantConfig.from_metadata(reader.metadata.get("quantization"))
+    linear = {s.name: family.linear_inputs[s.field] for s in specs if s.field in family.linear_inputs}
+    requantize = quant is not None and saved is None
+    stored = [part for s in specs for part in
+              (component_specs(s, linear[s.name], saved, dtype) if saved and s.name in linear else [s])]
+    _check_tensors(reader, stored, (), where)
+    arrays = _restore(reader, [s for s in stored if not (requantize and s.name in linear)], dtype, place)
+    for spec in specs:
+        if saved is not None and spec.name in linear:
+            value = join_components(arrays, spec.name, linear[spec.name], saved)
+        elif requantize and spec.name in linear:  # read whole on this host, quantized, then placed
+            value = quantize_field(np.asarray(reader.get(spec.name)), spec.field, linear[spec.name], quant,
+                                   dtype).map(lambda a, s=spec: place(s, a))
+        else:
+            value = arrays[spec.name]
+        yield spec.field, value, spec.layer
 
 
 def _restore(reader: OrbaxCheckpoint, specs: list[TensorSpec], dtype, place: Placer) -> dict:
@@ -196,26 +238,29 @@ def _restore(reader: OrbaxCheckpoint, specs: list[TensorSpec], dtype, place: Pla
 
 
 def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: bool = True,
-               place_for: Callable[[ModelConfig, ModelFamily], Placer] | None = None) -> LoadedModel:
+               place_for: Callable[[ModelConfig, ModelFamily], Placer] | None = None,
+               quantization: QuantConfig | None = None) -> LoadedModel:
     """Loads a model directory, GGUF file or orbax checkpoint directory (local or gs://; default:
     the embedded SmolLM2-135M-Instruct).
 
     `place_for(config, family)` builds the place hook once the config is read (a mesh placer
-    needs the head counts); without it every tensor goes to the default device."""
+    needs the head counts); without it every tensor goes to the default device. `quantization`:
+    weight-only int8 / int4 of every linear layer, applied as each weight is read."""
     path = path if is_remote(path) else Path(path) if path is not None else default_model_path()
     start = time.perf_counter()
     files = side_files(path)
     try:
-        return _load(path, files, dtype, with_tokenizer, place_for, start)
+        return _load(path, files, dtype, with_tokenizer, place_for, start, quantization)
     finally:
         if files != path:
             shutil.rmtree(files, ignore_errors=True)
 
 
-def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: float) -> LoadedModel:
+def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: float,
+          quantization: QuantConfig | None) -> LoadedModel:
     config, reader, fmt = open_checkpoint(path, files)
     place = place_for(config, get_family(config.family)) if place_for is not None else None
-    params = load_params(reader, config, fmt, dtype, place, where=str(path))
+    params = load_params(reader, config, fmt, dtype, place, where=str(path), quantization=quantization)
     tokenizer = None
     if with_tokenizer:
         # A GGUF carries its vocabulary in the metadata already read; a directory its own files.

@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 DATA, SEQUENCE, TENSOR = "data", "sequence", "tensor"
 AXES = (DATA, SEQUENCE, TENSOR)
+EXPERT = "expert"  # the rules' axis for a mixture's experts; not a mesh axis yet (size 1 everywhere)
 _ITEM = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
 # A concrete mesh, or the abstract one a function is traced under (`current_mesh()`).
 AnyMesh = Mesh | AbstractMesh

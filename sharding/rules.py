@@ -28,7 +28,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sharding.mesh import DATA, SEQUENCE, TENSOR, AnyMesh, axis_size
+from sharding.mesh import DATA, EXPERT, SEQUENCE, TENSOR, AnyMesh, axis_size
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "head_dim": None,
     "qkv": None,      # a KV head's group: its query heads, then K and V (fused projections)
     "gate_up": None,  # gate | up of a fused MLP projection
+    "experts": EXPERT,  # a mixture's experts; whole on every device while meshes have no expert axis
 }
 # Axes a model may leave unsplit when its size does not divide the mesh axis (with a warning);
 # any other indivisible axis is a configuration error.
@@ -68,7 +69,7 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh
             raise ValueError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_RULES)}")
         mesh_axis = LOGICAL_RULES[name]
         size = axis_size(mesh, mesh_axis) if mesh_axis else 1
-        if size == 1 or mesh_axis in used:
+        if size == 1 or mesh_axis in used or dim == 1:  # size 1: e.g. a per-channel scale's input axis
             out.append(None)
             continue
         if dim % size:

@@ -7,7 +7,8 @@ Run it in its own Python 3.11 environment (torch CPU + transformers; see tools/R
 With NAMEs (e.g. `qwen3 qwen3_tied`) it writes only those tiny checkpoints and their goldens.
 What it writes, all deterministic (fixed torch and numpy seeds):
   tests/fixtures/hf/<name>/{config.json, model.safetensors, golden.npz}
-      tiny random float32 checkpoints (llama3, mistral, qwen2, tied_gqa3, qwen3, qwen3_tied)
+      tiny random float32 checkpoints (llama3, mistral, qwen2, tied_gqa3, qwen3, qwen3_tied,
+      mixtral, qwen3_moe)
       with one forward pass's logits over a 64-token prompt and a 32-token greedy continuation.
   tests/fixtures/hf/legacy_config.json
       the llama3 config written in the pre-transformers-5 style (top-level rope_theta and
@@ -40,8 +41,9 @@ import numpy as np
 import torch
 import transformers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -92,7 +94,21 @@ TINY_MODELS = {
         head_dim=32, use_sliding_window=False,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         tie_word_embeddings=True, attention_bias=False)),
+    # Mixtral: 4 experts, top-2 (renormalised), expert hidden 40, 1 KV head.
+    "mixtral": (MixtralConfig, MixtralForCausalLM, 1007, dict(
+        COMMON, intermediate_size=40, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), tie_word_embeddings=False)),
+    # Qwen3-MoE: 8 experts, top-2 NOT renormalised, QK-norm, 3 layers of which layer 1 is a dense
+    # MLP (mlp_only_layers) of another width (72) than the experts (24); hidden 48, GQA 3.
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, 1008, dict(
+        COMMON, hidden_size=48, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1,
+        use_sliding_window=False, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        tie_word_embeddings=False, attention_bias=False)),
 }
+ROUTER_STD = 1.0  # router weights this wide make expert choices decisive (no near-ties in top-k)
 
 # The llama3 config as a pre-transformers-5 checkpoint writes it (cf. Meta-Llama-3.1 config.json).
 LEGACY_LLAMA3_CONFIG = {
@@ -243,6 +259,8 @@ def randomize_norms_and_biases(model) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif pname.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+            elif pname.endswith(".gate.weight"):  # an MoE router
+                p.normal_(0.0, ROUTER_STD)
 
 
 def forward_logits(model, ids: np.ndarray) -> np.ndarray:

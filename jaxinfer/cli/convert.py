@@ -7,8 +7,11 @@ import sys
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.convert import convert
+    from jaxinfer.quant import QuantConfig
 
-    stats = convert(args.src, args.dst, dtype=args.dtype, mesh=args.mesh, progress=not args.quiet)
+    quant = QuantConfig.parse(args.quantization, args.quantization_group_size)
+    stats = convert(args.src, args.dst, dtype=args.dtype, mesh=args.mesh, progress=not args.quiet,
+                    quantization=quant)
     print(f"converted {args.src} -> {args.dst}: {stats.tensors} tensors, "
           f"{stats.parameters / 1e6:.1f}M parameters, {stats.bytes / 2**30:.2f} GiB {stats.dtype}, "
           f"in {stats.seconds:.1f} s", file=sys.stderr)
@@ -29,5 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh", default=None,
                    help="split the arrays over these devices while converting (e.g. tensor=8), so a "
                         "model larger than one device converts; the checkpoint itself fits any mesh")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="save every linear weight quantized (int8 per output channel, int4 group-wise)")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="int4: inputs sharing one scale and zero point (default 64)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)

@@ -15,7 +15,10 @@ def describe(args: argparse.Namespace) -> dict:
     from jaxinfer.loader import load_model
     from jaxinfer.runner import ModelRunner, kv_page_bytes
 
-    model = load_model(args.model, args.dtype)
+    from jaxinfer.quant import QuantConfig, param_bytes, param_count, quantization_of
+
+    quant = QuantConfig.parse(args.quantization, args.quantization_group_size)
+    model = load_model(args.model, args.dtype, quantization=quant)
     engine = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
@@ -23,11 +26,12 @@ def describe(args: argparse.Namespace) -> dict:
                           mesh=args.mesh)
     max_len = engine.max_model_len or model.config.max_position_embeddings
     runner = ModelRunner(model, engine, max_len)
-    num_params = sum(x.size for x in jax.tree.leaves(model.params))
+    num_params = param_count(model.params)
     usable = runner.num_pages - 1  # page 0 is the null page
     return {
         "model": {"path": str(model.path), **{k: v for k, v in dataclasses.asdict(model.config).items()},
                   "parameters": int(num_params), "dtype": str(model.params.embed.dtype),
+                  "quantization": quantization_of(model.params), "param_bytes": param_bytes(runner.params),
                   "tokenizer": repr(model.tokenizer)},
         "devices": [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
         "backend": jax.default_backend(),

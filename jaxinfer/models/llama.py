@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
+from jaxinfer.quant import einsum
 
 
 @flax.struct.dataclass
@@ -78,6 +79,12 @@ PARAM_AXES = {
 }
 
 
+# The input (contracted) axes of each linear weight: weight-only quantization (jaxinfer.quant)
+# keeps one scale per output channel over them, or groups along the last of them.
+LINEAR_INPUTS = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,), "w_up": (0,),
+                 "w_down": (0,)}
+
+
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every parameter of one layer and of the top level, by field name."""
     e, h, k, d, f, v = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
@@ -116,20 +123,27 @@ def assemble(config: ModelConfig, top: dict[str, jax.Array],
     holds the unfused and the fused copies of every layer at once."""
     return LlamaParams(
         embed=top["embed"], final_norm=top["final_norm"], lm_head=top.get("lm_head"),
-        layers=tuple(LlamaLayer(**_fuse(fields)) for fields in per_layer))
+        layers=tuple(LlamaLayer(**fuse_gate_up(fuse_qkv(fields))) for fields in per_layer))
 
 
-def _fuse(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """wq [E, H, D], wk / wv [E, K, D] -> w_qkv [E, K, H/K + 2, D] (biases alike); w_gate,
-    w_up [E, F] -> w_gate_up [E, 2, F]. Query head h belongs to KV head h // (H/K)."""
+def fuse_qkv(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """wq [E, H, D], wk / wv [E, K, D] -> w_qkv [E, K, H/K + 2, D] (biases alike), in place.
+    Query head h belongs to KV head h // (H/K)."""
     wq, wk, wv = fields.pop("wq"), fields.pop("wk"), fields.pop("wv")
-    e, h, d = wq.shape
     k = wk.shape[1]
-    fields["w_qkv"] = jnp.concatenate([wq.reshape(e, k, h // k, d), wk[:, :, None], wv[:, :, None]], axis=2)
+    fields["w_qkv"] = jax.tree.map(  # a quantized weight's scales [1|E/g, H, D] fuse alike
+        lambda q, kk, v: jnp.concatenate([q.reshape(q.shape[0], k, -1, q.shape[2]), kk[:, :, None],
+                                          v[:, :, None]], axis=2), wq, wk, wv)
     if "bq" in fields:
         bq, bk, bv = fields.pop("bq"), fields.pop("bk"), fields.pop("bv")
-        fields["b_qkv"] = jnp.concatenate([bq.reshape(k, h // k, d), bk[:, None], bv[:, None]], axis=1)
-    fields["w_gate_up"] = jnp.stack([fields.pop("w_gate"), fields.pop("w_up")], axis=1)
+        fields["b_qkv"] = jnp.concatenate([bq.reshape(k, -1, bq.shape[1]), bk[:, None], bv[:, None]], axis=1)
+    return fields
+
+
+def fuse_gate_up(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """w_gate, w_up [E, F] -> w_gate_up [E, 2, F], in place."""
+    fields["w_gate_up"] = jax.tree.map(lambda g, u: jnp.stack([g, u], axis=1), fields.pop("w_gate"),
+                                       fields.pop("w_up"))
     return fields
 
 
@@ -149,9 +163,11 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return assemble(config, top, per_layer)
 
 
-def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
+def attention_block(x, p, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
+    """x [T, E] -> x + attention(norm(x)), and the layer's updated cache. `p` is any layer with
+    LlamaLayer's attention fields (attn_norm, w_qkv, wo and the optional b_qkv, bo, q/k_norm)."""
     h = L.rms_norm(x, p.attn_norm, config.rms_norm_eps)  # [T, E]
-    qkv = jnp.einsum("te,ekjd->tkjd", h, p.w_qkv)  # [T, K, G+2, D]
+    qkv = einsum("te,ekjd->tkjd", h, p.w_qkv)  # [T, K, G+2, D]
     if p.b_qkv is not None:
         qkv = qkv + p.b_qkv
     t, kv_heads, group, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
@@ -161,10 +177,14 @@ def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn
         q, k = L.rms_norm(q, p.q_norm, config.rms_norm_eps), L.rms_norm(k, p.k_norm, config.rms_norm_eps)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     attn, kv_cache = L.paged_attention(q, k, v, kv_cache, meta, config, attn_impl)
-    out = jnp.einsum("thd,hde->te", attn, p.wo)  # [T, E]
+    out = einsum("thd,hde->te", attn, p.wo)  # [T, E]
     if p.bo is not None:
         out = out + p.bo
-    x = x + out
+    return x + out, kv_cache
+
+
+def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
+    x, kv_cache = attention_block(x, p, kv_cache, cos, sin, meta, config, attn_impl)
     h = L.rms_norm(x, p.mlp_norm, config.rms_norm_eps)
     x = x + L.gated_mlp(h, p.w_gate_up, p.w_down)
     return x, kv_cache
@@ -176,13 +196,7 @@ def forward(params: LlamaParams, config: ModelConfig, tokens, positions, kv_cach
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple).
     """
-    x = params.embed[tokens]  # [T, E]
-    cos, sin = L.rope_cos_sin(positions, L.rope_inv_freq(config))
-    new_caches = []
-    for layer, kv_cache in zip(params.layers, kv_caches):
-        x, kv_cache = _layer(x, layer, kv_cache, cos, sin, meta, config, attn_impl)
-        new_caches.append(kv_cache)
-    return L.rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(new_caches)
+    return L.decoder_stack(_layer, params, config, tokens, positions, kv_caches, meta, attn_impl)
 
 
 def compute_logits(params: LlamaParams, hidden):

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import llama, llama_names
+from jaxinfer.models import llama, llama_names, moe, moe_names
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.models.specs import TensorSpec
 
@@ -67,6 +67,8 @@ class ModelFamily:
     checkpoint_specs: CheckpointSpecsFn
     ignored_tensors: tuple[str, ...]  # checkpoint name suffixes that may be present and unused
     param_axes: Mapping[str, tuple[str, ...]]  # field name -> logical axis names
+    # Linear weights weight-only quantization may replace (jaxinfer.quant): field -> input axes.
+    linear_inputs: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 _FAMILIES: dict[str, ModelFamily] = {
@@ -74,7 +76,12 @@ _FAMILIES: dict[str, ModelFamily] = {
         name="llama", forward=llama.forward, compute_logits=llama.compute_logits,
         init_params=llama.init_params, assemble=llama.assemble,
         checkpoint_specs=llama_names.checkpoint_specs, ignored_tensors=llama_names.IGNORED,
-        param_axes=llama.PARAM_AXES),
+        param_axes=llama.PARAM_AXES, linear_inputs=llama.LINEAR_INPUTS),
+    "moe": ModelFamily(
+        name="moe", forward=moe.forward, compute_logits=moe.compute_logits,
+        init_params=moe.init_params, assemble=moe.assemble,
+        checkpoint_specs=moe_names.checkpoint_specs, ignored_tensors=moe_names.IGNORED,
+        param_axes=moe.PARAM_AXES),
 }
 
 

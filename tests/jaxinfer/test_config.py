@@ -77,6 +77,24 @@ def test_qwen3_qk_norm_head_dim_and_window():
     assert ModelConfig.from_hf_dict(windowed.to_hf_dict()) == windowed
 
 
+def test_moe_fields_and_sparse_layers():
+    mixtral = ModelConfig.from_hf_dict({**BASE, "model_type": "mixtral", "rope_theta": 1e6, "num_local_experts": 8,
+                                        "num_experts_per_tok": 2, "sliding_window": None})
+    assert mixtral.family == "moe" and mixtral.norm_topk_prob and not mixtral.qk_norm
+    assert mixtral.moe_intermediate_size == mixtral.intermediate_size and mixtral.num_experts == 8
+    assert all(mixtral.is_moe_layer(i) for i in range(mixtral.num_layers))
+    qwen = {**BASE, "model_type": "qwen3_moe", "rope_theta": 1e6, "num_hidden_layers": 6, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 2,
+            "mlp_only_layers": [3], "sliding_window": 32, "use_sliding_window": False}
+    cfg = ModelConfig.from_hf_dict(qwen)
+    assert cfg.qk_norm and not cfg.norm_topk_prob and cfg.sliding_window is None
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    with pytest.raises(ConfigError, match="num_experts_per_tok=5"):
+        ModelConfig.from_hf_dict({**qwen, "num_experts_per_tok": 5})
+    assert ModelConfig.from_hf_dict({**BASE, "rope_theta": 1e4}).num_experts == 0  # dense: no experts
+
+
 def test_mistral_window_and_eos_list():
     cfg = ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "rope_theta": 1e4,
                                     "sliding_window": 16, "eos_token_id": [2, 7]})

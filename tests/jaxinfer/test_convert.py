@@ -30,7 +30,7 @@ def _leaves_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "tied_gqa3", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "tied_gqa3", "qwen3", "qwen3_moe"])
 def test_hf_directory_converts_to_equal_params(tmp_path, name):
     stats = convert(FIXTURES / "hf" / name, tmp_path / "ckpt", progress=False)
     meta = json.loads((tmp_path / "ckpt" / METADATA_FILE).read_text())
@@ -79,7 +79,7 @@ def test_gguf_converts_with_config_and_tokenizer(tmp_path):
 
 
 def test_config_round_trips_through_hf_dict():
-    for name in ("llama3", "mistral", "qwen2", "tied_gqa3", "qwen3", "qwen3_tied"):
+    for name in ("llama3", "mistral", "qwen2", "tied_gqa3", "qwen3", "qwen3_tied", "mixtral", "qwen3_moe"):
         config = ModelConfig.from_hf_file(FIXTURES / "hf" / name / "config.json")
         assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config, name
     config = ModelConfig.from_hf_file(LLAMA / "config.json")

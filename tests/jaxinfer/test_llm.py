@@ -201,6 +201,15 @@ def test_cli_info_names_the_family_and_its_features(capsys):
     assert (info["num_heads"], info["num_kv_heads"], info["head_dim"], info["hidden_size"]) == (4, 1, 32, 48)
 
 
+def test_cli_info_shows_a_mixture_of_experts(capsys):
+    model = str(FIXTURES / "hf" / "qwen3_moe")
+    assert cli.main(["info", "--model", model, "--dtype", "float32", "--num-pages", "8"]) == 0
+    info = json.loads(capsys.readouterr().out)["model"]
+    assert info["model_type"] == "qwen3_moe" and info["family"] == "moe" and info["qk_norm"]
+    assert (info["num_experts"], info["num_experts_per_tok"], info["moe_intermediate_size"]) == (8, 2, 24)
+    assert info["mlp_only_layers"] == [1] and not info["norm_topk_prob"]
+
+
 def test_cli_chat_streams_replies_and_exits(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(QUESTION[0]["content"] + "\n/exit\n"))
     argv = ["chat", "--max-tokens", "32", "--token-buckets", "16,64", "--max-num-batched-tokens", "64",

@@ -1,15 +1,17 @@
-"""Our Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3) against HF transformers' golden
-logits and greedy tokens."""
+"""Our Llama-family (Llama, Mistral, Qwen2, Qwen3) and MoE-family (Mixtral, Qwen3-MoE) forward
+passes against HF transformers' golden logits and greedy tokens."""
 
+import jax
 import numpy as np
 import pytest
 from testpaths import FIXTURES
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.loader import load_model
+from jaxinfer.models import layers
 from model_harness import SingleSequence
 
-HF_MODELS = ["llama3", "mistral", "qwen2", "tied_gqa3", "qwen3", "qwen3_tied"]
+HF_MODELS = ["llama3", "mistral", "qwen2", "tied_gqa3", "qwen3", "qwen3_tied", "mixtral", "qwen3_moe"]
 
 
 def _load(name: str):
@@ -39,6 +41,21 @@ def test_prefill_then_decode_equals_full_forward(name):
     parts = [seq.feed(prompt[:20]), seq.feed(prompt[20:37])]
     parts += [seq.feed(prompt[i:i + 1]) for i in range(37, 64)]
     np.testing.assert_allclose(np.concatenate(parts), full, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_grouped_matmuls_equal_the_dense_form(renormalize):
+    """moe_mlp's "ragged" path (tokens sorted by expert, lax.ragged_dot) against its "dense" one
+    (every expert on every token, zero weight off the top k), on an odd token count."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(keys[0], (37, 48))
+    router = jax.random.normal(keys[1], (48, 8))
+    w_gate_up, w_down = 0.1 * jax.random.normal(keys[2], (8, 48, 2, 24)), 0.1 * jax.random.normal(keys[3], (8, 24, 48))
+    out = {impl: layers.moe_mlp(x, router, w_gate_up, w_down, top_k=3, renormalize=renormalize, impl=impl)
+           for impl in ("dense", "ragged")}
+    np.testing.assert_allclose(out["ragged"], out["dense"], atol=1e-5, rtol=0)
+    weights, _ = layers.route(x, router, 3, renormalize)
+    assert np.allclose(weights.sum(-1), 1.0) == renormalize
 
 
 def test_legacy_config_matches_new_form():

@@ -12,6 +12,7 @@ CASES = [
     "qwen2:tensor=2",          # q/k/v biases
     "tied_gqa3:tensor=2",      # a tied LM head
     "qwen3_tied:tensor=2",     # QK-norm weights (replicated); 1 KV head repeated on device
+    "qwen3_moe:tensor=2",      # per-expert tensors split by their MLP width, a dense layer
 ]
 
 

@@ -7,6 +7,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from jaxinfer.cli import build_parser
 from jaxinfer.config import EngineConfig
 from jaxinfer.models.llama import PARAM_AXES, param_shapes
+from jaxinfer.models.moe import PARAM_AXES as MOE_AXES
 from sharding import AXES, HeadLayout, local_metadata, logical_to_spec, make_mesh, parse_mesh_spec
 from sharding.multihost import DistributedArgs, initialize
 from sharding.placement import repeat_kv_heads
@@ -56,6 +57,11 @@ def test_param_specs_follow_the_rule_table():
     assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
     assert specs["attn_norm"] == specs["final_norm"] == P(None)
     assert specs["q_norm"] == specs["k_norm"] == P(None)  # Qwen3's QK-norm: [D], on every shard
+    # Stacked experts [X, E, 2, F] / [X, F, E]: F over tensor like a dense MLP; X whole while
+    # meshes have no expert axis.
+    assert logical_to_spec(MOE_AXES["experts_gate_up"], (4, 64, 2, 32), m) == P(None, None, None, "tensor")
+    assert logical_to_spec(MOE_AXES["experts_down"], (4, 32, 64), m) == P(None, "tensor", None)
+    assert MOE_AXES["expert_up.3"] == PARAM_AXES["w_up"] and MOE_AXES["router"] == ("embed", "experts")
     # Without a tensor axis nothing is split.
     assert logical_to_spec(PARAM_AXES["wq"], shapes["wq"], mesh(data=2)) == P(None, None, None)
 

@@ -15,6 +15,7 @@ ENGINE_CASES = [
     ("llama3", "data=2,sequence=2,tensor=2"),  # all three axes at once
     ("mistral", "tensor=4"),            # 1 KV head, sliding window
     ("qwen3_tied", "tensor=2"),         # QK-norm, 1 KV head stored twice, tied LM head
+    ("mixtral", "tensor=2"),            # experts' F split over tensor, 1 KV head stored twice
 ]
 
 
@@ -27,7 +28,7 @@ def test_greedy_outputs_equal_single_device(scenario, name, mesh):
         assert r["preemptions"] > 0  # the 24-page pool forces preemption (as in test_engine)
     sizes = dict(item.split("=") for item in mesh.split(","))
     tp, dp = int(sizes.get("tensor", 1)), int(sizes.get("data", 1))
-    kv_heads = {"llama3": 2, "mistral": 1, "qwen3_tied": 1}[name]
+    kv_heads = {"llama3": 2, "mistral": 1, "qwen3_tied": 1, "mixtral": 1}[name]
     # The cache is split by KV heads: each shard holds max(1, K / tp) heads (K and V).
     assert r["cache_shard_shape"][-2] == 2 * max(1, kv_heads // tp)
     if dp > 1:
@@ -36,7 +37,8 @@ def test_greedy_outputs_equal_single_device(scenario, name, mesh):
 
 
 LOGIT_CASES = ["llama3:tensor=8", "mistral:tensor=4", "qwen2:tensor=4", "tied_gqa3:tensor=2",
-               "llama3:sequence=4", "qwen2:sequence=2,tensor=2", "qwen3:tensor=2", "qwen3_tied:tensor=2"]
+               "llama3:sequence=4", "qwen2:sequence=2,tensor=2", "qwen3:tensor=2", "qwen3_tied:tensor=2",
+               "mixtral:tensor=4", "qwen3_moe:tensor=2"]
 
 
 @pytest.fixture(scope="module")

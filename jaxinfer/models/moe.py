@@ -1,0 +1,156 @@
+"""Mixtures of experts: Mixtral and Qwen3-MoE (one decoder, config-driven), on Llama's attention.
+
+Data flow of `forward`: token ids -> embedding -> for each layer [Llama's attention block (RMSNorm,
+fused q|k|v, Qwen3-MoE's QK-norm, RoPE, ragged paged attention, output projection, residual) ->
+RMSNorm -> the layer's MLP -> residual] -> final RMSNorm -> hidden states. A sparse layer's MLP
+routes each token (float32 softmax over the X router logits, top k, renormalised for Mixtral and
+for Qwen3-MoE with norm_topk_prob) to k of its X experts and sums their gated MLPs weighted by
+the router (layers.moe_mlp); a dense layer (Qwen3-MoE's mlp_only_layers, decoder_sparse_step)
+runs Llama's gated MLP. `compute_logits` is Llama's.
+
+Expert weights are stacked: `experts_gate_up` [X, E, 2, F] (gate | up fused as in Llama's dense
+MLP) and `experts_down` [X, F, E]. A checkpoint holds one tensor per expert; each is loaded and
+placed under its own field ("expert_gate.3" for expert 3) and `assemble` stacks them once. Under a
+tensor mesh F splits like a dense MLP's columns (each shard computes every expert's slice of F
+and XLA all-reduces once after the MLP); the expert axis is named "experts" in the rules, for an
+expert mesh axis to split.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import layers as L
+from jaxinfer.models import llama
+
+compute_logits = llama.compute_logits
+_DENSE_MLP = ("w_gate", "w_up", "w_down")
+_PER_EXPERT = ("expert_gate", "expert_up", "expert_down")
+
+
+@flax.struct.dataclass
+class MoeLayer:
+    attn_norm: jax.Array  # [E]
+    w_qkv: jax.Array  # [E, K, G+2, D] as in LlamaLayer
+    wo: jax.Array  # [H, D, E]
+    mlp_norm: jax.Array  # [E]
+    router: jax.Array | None = None  # [E, X]: sparse layers only
+    experts_gate_up: jax.Array | None = None  # [X, E, 2, F]
+    experts_down: jax.Array | None = None  # [X, F, E]
+    w_gate_up: jax.Array | None = None  # [E, 2, F]: dense layers only
+    w_down: jax.Array | None = None  # [F, E]
+    b_qkv: jax.Array | None = None  # [K, G+2, D]
+    bo: jax.Array | None = None  # [E]
+    q_norm: jax.Array | None = None  # [D]
+    k_norm: jax.Array | None = None  # [D]
+
+
+@flax.struct.dataclass
+class MoeParams:
+    embed: jax.Array  # [V, E]
+    layers: tuple[MoeLayer, ...]
+    final_norm: jax.Array  # [E]
+    lm_head: jax.Array | None = None  # [E, V]; None when tied to `embed`
+
+
+def _base_field(field: str) -> str:
+    """"expert_gate.3" -> "expert_gate"; any other field name as it is."""
+    return re.sub(r"\.\d+$", "", field)
+
+
+_AXES = {**llama.PARAM_AXES, "router": ("embed", "experts"),
+         "experts_gate_up": ("experts", "embed", "gate_up", "mlp"), "experts_down": ("experts", "mlp", "embed"),
+         "expert_gate": ("embed", "mlp"), "expert_up": ("embed", "mlp"), "expert_down": ("mlp", "embed")}
+
+
+class _ParamAxes(Mapping):
+    """Llama's axes plus the experts'; a per-expert field ("expert_up.7") has its kind's axes."""
+
+    def __getitem__(self, field: str) -> tuple[str, ...]:
+        return _AXES[_base_field(field)]
+
+    def __iter__(self):
+        return iter(_AXES)
+
+    def __len__(self) -> int:
+        return len(_AXES)
+
+
+PARAM_AXES = _ParamAxes()
+
+
+def field_shape(config: ModelConfig, field: str) -> tuple[int, ...]:
+    e, f, x = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    shapes = {"router": (e, x), "expert_gate": (e, f), "expert_up": (e, f), "expert_down": (f, e),
+              "experts_gate_up": (x, e, 2, f), "experts_down": (x, f, e)}
+    base = _base_field(field)
+    return shapes[base] if base in shapes else llama.param_shapes(config)[base]
+
+
+def layer_fields(config: ModelConfig, i: int) -> list[str]:
+    """Layer i's tensors in a checkpoint, by our field names (before `assemble` fuses them)."""
+    fields = [f for f in llama.layer_fields(config) if f not in _DENSE_MLP]
+    if not config.is_moe_layer(i):
+        return fields + list(_DENSE_MLP)
+    return fields + ["router"] + [f"{kind}.{j}" for j in range(config.num_experts) for kind in _PER_EXPERT]
+
+
+top_fields = llama.top_fields
+
+
+def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dict[str, jax.Array]]) -> MoeParams:
+    """The parameter tree from arrays keyed by field name: q|k|v fused, dense gate|up fused, each
+    sparse layer's per-expert tensors stacked (popped from the layer's dict as they are used)."""
+    return MoeParams(embed=top["embed"], final_norm=top["final_norm"], lm_head=top.get("lm_head"),
+                     layers=tuple(MoeLayer(**_fuse(config, fields)) for fields in per_layer))
+
+
+def _fuse(config: ModelConfig, fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    llama.fuse_qkv(fields)
+    if "w_gate" in fields:
+        return llama.fuse_gate_up(fields)
+    pop = lambda kind: [fields.pop(f"{kind}.{j}") for j in range(config.num_experts)]  # noqa: E731
+    gate, up = jnp.stack(pop("expert_gate")), jnp.stack(pop("expert_up"))  # [X, E, F] each
+    fields["experts_gate_up"] = jnp.stack([gate, up], axis=2)  # [X, E, 2, F]
+    fields["experts_down"] = jnp.stack(pop("expert_down"))  # [X, F, E]
+    return fields
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> MoeParams:
+    """Random parameters (for tests and benchmarks): normal(0, scale), norms at 1; the router
+    normal(0, 1) so expert choices are decisive."""
+    def make(name, k):
+        shape = field_shape(config, name)
+        if name.endswith("norm"):
+            return jnp.ones(shape, dtype)
+        std = 1.0 if name == "router" else scale
+        return (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    fields = [layer_fields(config, i) for i in range(config.num_layers)]
+    keys = iter(jax.random.split(key, 3 + sum(map(len, fields))))
+    top = {name: make(name, next(keys)) for name in top_fields(config)}
+    per_layer = [{name: make(name, next(keys)) for name in names} for names in fields]
+    return assemble(config, top, per_layer)
+
+
+def _layer(x, p: MoeLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
+    x, kv_cache = llama.attention_block(x, p, kv_cache, cos, sin, meta, config, attn_impl)
+    h = L.rms_norm(x, p.mlp_norm, config.rms_norm_eps)  # [T, E]
+    if p.router is None:
+        return x + L.gated_mlp(h, p.w_gate_up, p.w_down), kv_cache
+    out = L.moe_mlp(h, p.router, p.experts_gate_up, p.experts_down, top_k=config.num_experts_per_tok,
+                    renormalize=config.norm_topk_prob)
+    return x + out, kv_cache
+
+
+def forward(params: MoeParams, config: ModelConfig, tokens, positions, kv_caches,
+            meta: L.AttentionMetadata, *, attn_impl: str = "auto"):
+    """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
+
+    Returns (hidden [T, E] after the final norm, new kv_caches tuple)."""
+    return L.decoder_stack(_layer, params, config, tokens, positions, kv_caches, meta, attn_impl)
