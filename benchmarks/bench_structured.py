@@ -6,7 +6,7 @@
 One engine serves four runs of `--batch` requests side by side, each `--repeats` times (medians):
   free      unconstrained, the default loop (async scheduling, decode windows)
   sync      unconstrained, one step at a time with every token on the host first (the loop a
-            constrained batch runs: its masks need the token before)
+            constrained batch runs without the split step: its masks need the token before)
   regex     every request constrained by a regex of exactly N letters (no early end)
   json      every request constrained by a JSON schema (nested object, array, enum)
 Output tokens per second for each, and the host time spent filling masks per constrained token
@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runs", default="free,sync,regex,json", help="which runs, in this order")
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="structured_output_overlap: fill masks while the step's forward runs "
+                        "(the split step; auto: on accelerators only)")
     args = p.parse_args(argv)
 
     import jaxinfer.inputs as inputs_module
@@ -46,7 +49,8 @@ def main(argv=None) -> int:
         mask["rows"] += len(rows)
 
     inputs_module.fill_bitmask = timed_fill
-    llm = LLM(max_model_len=1024, max_num_seqs=args.batch, max_num_batched_tokens=max(256, args.batch))
+    llm = LLM(max_model_len=1024, max_num_seqs=args.batch, max_num_batched_tokens=max(256, args.batch),
+              structured_output_overlap={"on": True, "off": False}.get(args.overlap))
     prompt = [{"role": "user", "content": "Write a short note about the sea."}]
     runs = {
         "free": (SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.8, seed=1), {}),
@@ -59,6 +63,9 @@ def main(argv=None) -> int:
     }
     engine = llm.engine
     defaults = (engine.config, engine.runner.num_decode_steps)
+    split = bool(engine.runner.split_buckets)
+    print(f"batch {args.batch}, {args.max_tokens} tokens, decode windows of {engine.runner.num_decode_steps}; "
+          f"constrained rows {'fill masks while the forward runs (split step)' if split else 'land each step first'}\n")
     print("| run | output tok/s (median) | tokens | mask ms/token | vs the first run |")
     print("|---|---|---|---|---|")
     rates_by_run = {}

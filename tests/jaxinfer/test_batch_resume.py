@@ -65,7 +65,7 @@ def run_killed_at(inp, out, cache, threshold, timeout=180):
 def test_sigkill_and_resume_is_exactly_once(tmp_path):
     cache = tmp_path / "xla"
     inp = tmp_path / "in.jsonl"
-    lines = write_input(inp, 14)
+    write_input(inp, 14)
     want_out = tmp_path / "want.jsonl"
     subprocess.run(batch_cmd(inp, want_out, cache), env=env(cache), check=True, capture_output=True)
     want = want_out.read_text().splitlines()

@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
