@@ -39,7 +39,7 @@ from jaxinfer.loader import default_model_path
 from jaxinfer.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from workload import make_workload, summarize  # noqa: E402
+from workload import make_workload, steady_itl, summarize  # noqa: E402
 
 
 def bench_prefill(llm, prompt_len, repeats):
@@ -110,26 +110,6 @@ def run_engine_decode(engine, batch, prompt_len, new_tokens, seed=0):
             if out.finished:
                 done[out.request_id] = out
     return steady_itl([done[rid].metrics for rid in ids])
-
-
-def steady_itl(metrics) -> float:
-    """Median inter-token latency while the whole batch decodes: the gaps between the last
-    request's first token (before it, decodes share steps with other prompts' prefill) and the
-    first request's last token (after it, the batch shrinks). A run too short to have such a
-    stretch is refused: ask for more new tokens."""
-    start = max(m.first_token_time for m in metrics)
-    end = min(m.last_token_time for m in metrics)
-    steady = []
-    for m in metrics:
-        t = m.first_token_time
-        for gap in m.inter_token_latencies:
-            if t >= start and t + gap <= end + 1e-9:
-                steady.append(gap)
-            t += gap
-    if not steady:
-        raise SystemExit(f"no stretch where all {len(metrics)} requests decode together: "
-                         "raise --new-tokens (prefill of the batch outlasts the first requests)")
-    return statistics.median(steady)
 
 
 def run_engine_prefill(engine, prompt_len, seed=1):
