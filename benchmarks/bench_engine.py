@@ -1,7 +1,7 @@
 """Engine throughput and latency on the default model, beside HF transformers in the same run.
 
     .venv/bin/python benchmarks/bench_engine.py [--hf-python /path/to/python-with-torch]
-    python benchmarks/bench_engine.py --shape llama-3.2-1b|llama-3.1-8b|smollm2 [--startup]
+    python benchmarks/bench_engine.py --shape llama-3.2-1b|llama-3.1-8b|qwen3-30b-a3b|smollm2 [--startup]
 
 --shape: random weights of that model's real shape built on the device (benchmarks/shapes.py; no
 download, no transformers; with --hf-python, HF transformers builds them and runs beside the
@@ -141,7 +141,7 @@ def bench_shape(args):
         model = load_model(weights, args.dtype, with_tokenizer=False)
         shutil.rmtree(weights.parent, ignore_errors=True)  # 16 GB for the 8B shape
     else:
-        model = random_model(args.shape, args.dtype)
+        model = random_model(args.shape, args.dtype, quantization=args.quantization)
     budget = max(args.prefill_len, max(batches))
     config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=budget,
                           max_model_len=max(4096, args.prefill_len + 1, max(args.prompt_lens) + args.new_tokens),
@@ -180,7 +180,8 @@ def bench_shape(args):
                  hf and hf["prefill_tokens_per_s"]))
     assert engine.runner.num_compiled() == variants, "a step compiled after warm-up"
     dtype = model.params.embed.dtype
-    print(f"Device: {ceil['device']}; jax {jax.__version__}; shape {args.shape} ({dtype}, "
+    print(f"Device: {ceil['device']}; jax {jax.__version__}; shape {args.shape} ({dtype}"
+          f"{', weights ' + args.quantization if args.quantization else ''}, "
           f"{param_bytes(model) / 2**30:.2f} GiB of weights); async scheduling "
           f"{'off' if args.no_async_scheduling else 'on'}; decode windows of "
           f"{engine.runner.num_decode_steps} steps; {variants} variants")
@@ -235,7 +236,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-rates", type=float, nargs="+", default=[0.5, 1.0])
     ap.add_argument("--stream-requests", type=int, default=16)
-    ap.add_argument("--shape", default=None, help="random weights of this shape: smollm2, llama-3.2-1b, llama-3.1-8b")
+    ap.add_argument("--shape", default=None, help="random weights of this shape: smollm2, llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                    help="with --shape: weight-only quantization of the random weights (made on the device)")
     ap.add_argument("--dtype", default="auto", help="with --shape (auto: bfloat16 on accelerators, float32 on the CPU)")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024], help="with --shape")
     ap.add_argument("--new-tokens", type=int, default=32, help="with --shape: tokens decoded per request")

@@ -8,15 +8,18 @@ loader builds them); outputs are meaningless, speeds are not. Token-id prompts o
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.loader import LoadedModel, resolve_dtype
 from jaxinfer.models.registry import get_family
+from jaxinfer.quant.config import param_bytes as quant_param_bytes
+from jaxinfer.quant.config import param_count
+from jaxinfer.quant.weights import QuantizedWeight
 
 _LLAMA3_ROPE = dict(rope_theta=500000.0, max_position_embeddings=131072)
 SHAPES = {
@@ -28,6 +31,11 @@ SHAPES = {
                                 intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                                 head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                 rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192), **_LLAMA3_ROPE),
+    "qwen3-30b-a3b": ModelConfig(model_type="qwen3_moe", family="moe", vocab_size=151936, hidden_size=2048,
+                                 intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+                                 head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                 max_position_embeddings=40960, qk_norm=True, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
     "llama-3.1-8b": ModelConfig(model_type="llama", family="llama", vocab_size=128256, hidden_size=4096,
                                 intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                                 head_dim=128, rms_norm_eps=1e-5,
@@ -35,12 +43,61 @@ SHAPES = {
 }
 
 
-def random_model(shape: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
+def random_model(shape: str, dtype: str = "auto", seed: int = 0, quantization: str | None = None,
+                 group_size: int = 64) -> LoadedModel:
+    """`quantization` "int8" | "int4" quantizes every fused linear weight on the device (the layout
+    the loader makes from a checkpoint with `quantization=`), without a float copy on the host."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
-    config, family = SHAPES[shape], get_family("llama")
+    config = SHAPES[shape]
+    family = get_family(config.family)
     init = jax.jit(lambda key: family.init_params(config, key, resolve_dtype(dtype)))
-    return LoadedModel(config, init(jax.random.key(seed)), None, family, Path(f"random:{shape}"))
+    params = init(jax.random.key(seed))
+    if quantization not in (None, "none"):
+        params = _quantize_layers(params, quantization, group_size)
+    return LoadedModel(config, params, None, family, Path(f"random:{shape}"))
+
+
+# The fused linear fields of a layer and their input (contracted) axes.
+_FUSED_INPUTS = {"w_qkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
+
+
+def _quantize_layers(params, method: str, group: int):
+    if method not in ("int8", "int4"):
+        raise ValueError(f"quantization={method!r}: expected int8, int4 or none")
+
+    def one(w, inputs):
+        fn = jax.jit(_int8 if method == "int8" else functools.partial(_int4, group=group),
+                     static_argnums=1)
+        return fn(w, inputs)
+
+    layers = []
+    for layer in params.layers:
+        fields = {f: one(getattr(layer, f), ins) for f, ins in _FUSED_INPUTS.items()
+                  if getattr(layer, f, None) is not None}
+        layers.append(layer.replace(**fields))
+    return params.replace(layers=tuple(layers))
+
+
+def _int8(w, inputs):
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=inputs, keepdims=True)
+    scales = jnp.where(amax > 0, amax / 127.0, 1.0)
+    values = jnp.clip(jnp.rint(w / scales), -127, 127).astype(jnp.int8)
+    return QuantizedWeight(values, scales.astype(w.dtype), None, "int8", inputs)
+
+
+def _int4(w, inputs, group):
+    axis, n = inputs[-1], w.shape[inputs[-1]]
+    grouped = w.astype(jnp.float32).reshape(w.shape[:axis] + (n // group, group) + w.shape[axis + 1:])
+    lo = jnp.minimum(grouped.min(axis=axis + 1, keepdims=True), 0.0)
+    hi = jnp.maximum(grouped.max(axis=axis + 1, keepdims=True), 0.0)
+    scales = jnp.where(hi > lo, (hi - lo) / 15, 1.0)
+    zeros = jnp.clip(jnp.rint(-lo / scales), 0, 15)
+    q = jnp.clip(jnp.rint(grouped / scales) + zeros, 0, 15).astype(jnp.uint8).reshape(w.shape)
+    q = jnp.moveaxis(q, axis, 0)
+    packed = jnp.moveaxis(q[0::2] | (q[1::2] << 4), 0, axis)  # the even input in the low nibble
+    squeeze = lambda a: jnp.squeeze(a, axis + 1).astype(w.dtype)  # noqa: E731
+    return QuantizedWeight(packed, squeeze(scales), squeeze(zeros), "int4", inputs, group)
 
 
 def hf_config(shape: str) -> dict:
@@ -62,7 +119,7 @@ def hf_config(shape: str) -> dict:
 
 
 def param_bytes(model: LoadedModel) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(model.params))
+    return quant_param_bytes(model.params)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
@@ -76,6 +133,11 @@ def decode_floor_s(model: LoadedModel, batch: int, context: int, copy_rate: floa
 
 
 def prefill_floor_s(model: LoadedModel, tokens: int, matmul_rate: float) -> float:
-    """2 FLOPs per parameter per token (attention's own FLOPs aside)."""
-    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params))
+    """2 FLOPs per active parameter per token (attention's own FLOPs aside): a mixture of experts
+    runs num_experts_per_tok of its num_experts expert MLPs per token."""
+    params, c = param_count(model.params), model.config
+    if c.num_experts:
+        experts = sum(param_count((getattr(layer, "experts_gate_up", None), getattr(layer, "experts_down", None)))
+                      for layer in model.params.layers)
+        params -= experts * (1 - c.num_experts_per_tok / c.num_experts)
     return 2 * params * tokens / matmul_rate
