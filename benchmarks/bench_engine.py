@@ -159,6 +159,7 @@ def bench_shape(args):
                 del engine
     engine = Engine(model, config)
     variants = engine.runner.num_compiled()
+    print(f"[{time.strftime('%H:%M:%S')}] engine ready ({variants} variants)", file=sys.stderr, flush=True)
     rows = []
     for prompt_len in args.prompt_lens:
         for b in batches:
@@ -166,6 +167,8 @@ def bench_shape(args):
             floor = decode_floor_s(model, b, prompt_len + args.new_tokens // 2, ceil["copy_bytes_per_s"])
             theirs = hf and prompt_len == args.prompt_lens[0] and hf["decode"].get(str(b))
             rows.append((f"decode, batch {b} x {prompt_len}-token prompt", b / itl, itl, floor, theirs))
+            print(f"[{time.strftime('%H:%M:%S')}] {rows[-1][0]}: {1e3 * itl:.2f} ms per step",
+                  file=sys.stderr, flush=True)  # progress, for runs cut short by a time limit
     import profile_idle
     decode = lambda b, seed: run_engine_decode(engine, b, args.prompt_lens[0], args.new_tokens, seed)  # noqa: E731
     idle = [(b, *profile_idle.traced(lambda: decode(b, 7)), args.new_tokens)
