@@ -142,6 +142,8 @@ def bench_shape(args):
         shutil.rmtree(weights.parent, ignore_errors=True)  # 16 GB for the 8B shape
     else:
         model = random_model(args.shape, args.dtype, quantization=args.quantization)
+        jax.block_until_ready(model.params)
+        print(f"[{time.strftime('%H:%M:%S')}] random weights ready", file=sys.stderr, flush=True)
     budget = max(args.prefill_len, max(batches))
     config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=budget,
                           max_model_len=max(4096, args.prefill_len + 1, max(args.prompt_lens) + args.new_tokens),
