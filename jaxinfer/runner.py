@@ -46,6 +46,7 @@ from jaxinfer.step import decode_window, forward_part, sample_part, step
 from pallas_kernels import kv_cache_shape
 from sharding import (DATA, SEQUENCE, axis_size, head_layout, is_multiprocess, kv_cache_spec, make_mesh,
                       replicated_spec, shard_params, tokens_spec)
+from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int, fetch, put_inputs
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // engine.page_size)
         self.mesh = make_mesh(engine.mesh) if engine.mesh is not None else None
+        check_expert_axis(self.mesh, self.config.num_experts)
         self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         self.num_replicas = axis_size(self.mesh, DATA)
         self.params = model.params if self.mesh is None else shard_params(

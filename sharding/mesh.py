@@ -1,11 +1,13 @@
 """Device meshes from a spec string, and the mesh a traced function runs under.
 
-Every mesh has the same three axes, in this order: `data` (independent replicas, outermost),
-`sequence` (tokens of a step split for context-parallel prefill) and `tensor` (heads and MLP
+Every mesh has the same four axes, in this order: `data` (independent replicas, outermost),
+`sequence` (tokens of a step split for context-parallel prefill), `expert` (a mixture's experts
+split between devices; everything else is replicated over it) and `tensor` (heads and MLP
 columns, innermost so its collectives stay between neighbouring devices). A spec names only the
-axes it uses; the others have size 1, so partition specs can always name all three.
+axes it uses; the others have size 1, so partition specs can always name all four.
 
     make_mesh("data=2,tensor=4")   # 8 devices: 2 replicas of a 4-way tensor-parallel model
+    make_mesh("expert=4,tensor=2") # 8 devices: each holds a quarter of the experts, half of each
 
 Axis types are Auto: `with_sharding_constraint`, sharded `jit` and `jax.shard_map` all work.
 The runner traces its step under `jax.set_mesh(mesh)`, and layers read it back with
@@ -21,16 +23,15 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-DATA, SEQUENCE, TENSOR = "data", "sequence", "tensor"
-AXES = (DATA, SEQUENCE, TENSOR)
-EXPERT = "expert"  # the rules' axis for a mixture's experts; not a mesh axis yet (size 1 everywhere)
+DATA, SEQUENCE, EXPERT, TENSOR = "data", "sequence", "expert", "tensor"
+AXES = (DATA, SEQUENCE, EXPERT, TENSOR)
 _ITEM = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
 # A concrete mesh, or the abstract one a function is traced under (`current_mesh()`).
 AnyMesh = Mesh | AbstractMesh
 
 
 def parse_mesh_spec(spec: str | dict[str, int]) -> dict[str, int]:
-    """"data=2,tensor=4" (or a dict) -> {"data": 2, "sequence": 1, "tensor": 4}."""
+    """"data=2,tensor=4" (or a dict) -> {"data": 2, "sequence": 1, "expert": 1, "tensor": 4}."""
     if isinstance(spec, dict):
         items = list(spec.items())
     else:
@@ -58,7 +59,7 @@ def parse_mesh_spec(spec: str | dict[str, int]) -> dict[str, int]:
 
 def make_mesh(spec: str | dict[str, int] | Mesh, devices: Sequence[jax.Device] | None = None
               ) -> Mesh:
-    """A (data, sequence, tensor) mesh over the first prod(sizes) of `devices` (default: all).
+    """A (data, sequence, expert, tensor) mesh over the first prod(sizes) of `devices` (default: all).
 
     Devices are taken in jax.devices() order, which groups each host's devices together, so the
     tensor axis (innermost) never crosses hosts unless it is larger than one host.

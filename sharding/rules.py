@@ -49,7 +49,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "head_dim": None,
     "qkv": None,      # a KV head's group: its query heads, then K and V (fused projections)
     "gate_up": None,  # gate | up of a fused MLP projection
-    "experts": EXPERT,  # a mixture's experts; whole on every device while meshes have no expert axis
+    "experts": EXPERT,  # a mixture's stacked experts (sharding/experts.py computes each shard's own)
 }
 # Axes a model may leave unsplit when its size does not divide the mesh axis (with a warning);
 # any other indivisible axis is a configuration error.

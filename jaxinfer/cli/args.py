@@ -76,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr")
     d = p.add_argument_group("devices and hosts")
     d.add_argument("--mesh", default=None,
-                   help="device mesh, e.g. tensor=4 or data=2,tensor=4 (axes: data, sequence, tensor); "
+                   help="device mesh, e.g. tensor=4 or data=2,tensor=4 (axes: data, sequence, expert, tensor); "
                         "default: one device")
     d.add_argument("--coordinator-address", default=None,
                    help="HOST:PORT of process 0 for multi-host runs ('auto' on TPU pods); "

@@ -99,46 +99,6 @@ def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Arra
     return einsum("tf,fe->te", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """x [T, E], router [E, X] -> (weights [T, k] in x's dtype, expert ids i32[T, k]): softmax over
-    all X router logits in float32, the top k kept, renormalised to sum to 1 if asked (Mixtral
-    always: the same as a softmax over the top-k logits; Qwen3-MoE per norm_topk_prob)."""
-    logits = jnp.einsum("te,ex->tx", x.astype(jnp.float32), router.astype(jnp.float32))  # [T, X]
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # [T, k] each
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights.astype(x.dtype), experts
-
-
-def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
-            renormalize: bool, impl: str = "auto") -> jax.Array:
-    """x [T, E] -> [T, E]: each token's top-k experts' gated MLPs (w_gate_up [X, E, 2, F], w_down
-    [X, F, E]) summed with the router's weights. impl "ragged": tokens sorted by expert, grouped
-    matmuls (`lax.ragged_dot`) doing k/X of the dense work; "dense": every expert on every token,
-    weighted by a [T, X] matrix that is zero off the top k (on the CPU ragged_dot is lowered to
-    about that dense work plus masking and measured ~2x slower); "auto": dense on the CPU."""
-    weights, experts = route(x, router, top_k, renormalize)
-    if impl == "auto":
-        impl = "dense" if jax.default_backend() == "cpu" else "ragged"
-    if impl == "dense":
-        combine = jnp.einsum("tkx,tk->tx", jax.nn.one_hot(experts, router.shape[1], dtype=x.dtype), weights)
-        gate_up = jnp.einsum("te,xecf->txcf", x, w_gate_up)  # [T, X, 2, F]
-        hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [T, X, F]
-        return jnp.einsum("txf,xfe,tx->te", hidden, w_down, combine)
-    if impl != "ragged":
-        raise ValueError(f"unknown MoE impl {impl!r}; known: 'auto', 'dense', 'ragged'")
-    t, num_experts = x.shape[0], router.shape[1]
-    flat = experts.reshape(-1)  # [T*k]: row j is token j // k's (j % k)-th choice
-    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [X]
-    xs = x[order // top_k]  # [T*k, E]
-    gate = jax.lax.ragged_dot(xs, w_gate_up[:, :, 0], group_sizes)  # [T*k, F]
-    up = jax.lax.ragged_dot(xs, w_gate_up[:, :, 1], group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, E], sorted
-    out = jnp.zeros_like(out).at[order].set(out).reshape(t, top_k, -1)  # back to token order
-    return jnp.einsum("tke,tk->te", out, weights)
-
-
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata,
                     config: ModelConfig, impl: str) -> tuple[jax.Array, jax.Array]:
     """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel.

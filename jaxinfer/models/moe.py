@@ -5,15 +5,15 @@ fused q|k|v, Qwen3-MoE's QK-norm, RoPE, ragged paged attention, output projectio
 RMSNorm -> the layer's MLP -> residual] -> final RMSNorm -> hidden states. A sparse layer's MLP
 routes each token (float32 softmax over the X router logits, top k, renormalised for Mixtral and
 for Qwen3-MoE with norm_topk_prob) to k of its X experts and sums their gated MLPs weighted by
-the router (layers.moe_mlp); a dense layer (Qwen3-MoE's mlp_only_layers, decoder_sparse_step)
+the router (experts.moe_mlp); a dense layer (Qwen3-MoE's mlp_only_layers, decoder_sparse_step)
 runs Llama's gated MLP. `compute_logits` is Llama's.
 
 Expert weights are stacked: `experts_gate_up` [X, E, 2, F] (gate | up fused as in Llama's dense
 MLP) and `experts_down` [X, F, E]. A checkpoint holds one tensor per expert; each is loaded and
-placed under its own field ("expert_gate.3" for expert 3) and `assemble` stacks them once. Under a
-tensor mesh F splits like a dense MLP's columns (each shard computes every expert's slice of F
-and XLA all-reduces once after the MLP); the expert axis is named "experts" in the rules, for an
-expert mesh axis to split.
+placed under its own field ("expert_gate.3" for expert 3) and `assemble` stacks them once. The
+logical axis "experts" maps to the mesh axis `expert` (each device holds whole experts) and F to
+`tensor` like a dense MLP's columns; sharding/experts.py runs each device's part and sums them
+with one all-reduce after the MLP.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
 from jaxinfer.models import llama
+from jaxinfer.models.experts import moe_mlp
 
 compute_logits = llama.compute_logits
 _DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -143,8 +144,8 @@ def _layer(x, p: MoeLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_i
     h = L.rms_norm(x, p.mlp_norm, config.rms_norm_eps)  # [T, E]
     if p.router is None:
         return x + L.gated_mlp(h, p.w_gate_up, p.w_down), kv_cache
-    out = L.moe_mlp(h, p.router, p.experts_gate_up, p.experts_down, top_k=config.num_experts_per_tok,
-                    renormalize=config.norm_topk_prob)
+    out = moe_mlp(h, p.router, p.experts_gate_up, p.experts_down, top_k=config.num_experts_per_tok,
+                  renormalize=config.norm_topk_prob)
     return x + out, kv_cache
 
 

@@ -8,7 +8,7 @@ from testpaths import FIXTURES
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.loader import load_model
-from jaxinfer.models import layers
+from jaxinfer.models import experts
 from model_harness import SingleSequence
 
 HF_MODELS = ["llama3", "mistral", "qwen2", "tied_gqa3", "qwen3", "qwen3_tied", "mixtral", "qwen3_moe"]
@@ -51,10 +51,10 @@ def test_moe_grouped_matmuls_equal_the_dense_form(renormalize):
     x = jax.random.normal(keys[0], (37, 48))
     router = jax.random.normal(keys[1], (48, 8))
     w_gate_up, w_down = 0.1 * jax.random.normal(keys[2], (8, 48, 2, 24)), 0.1 * jax.random.normal(keys[3], (8, 24, 48))
-    out = {impl: layers.moe_mlp(x, router, w_gate_up, w_down, top_k=3, renormalize=renormalize, impl=impl)
+    out = {impl: experts.moe_mlp(x, router, w_gate_up, w_down, top_k=3, renormalize=renormalize, impl=impl)
            for impl in ("dense", "ragged")}
     np.testing.assert_allclose(out["ragged"], out["dense"], atol=1e-5, rtol=0)
-    weights, _ = layers.route(x, router, 3, renormalize)
+    weights, _ = experts.route(x, router, 3, renormalize)
     assert np.allclose(weights.sum(-1), 1.0) == renormalize
 
 

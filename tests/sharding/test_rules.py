@@ -13,14 +13,15 @@ from sharding.multihost import DistributedArgs, initialize
 from sharding.placement import repeat_kv_heads
 
 
-def mesh(data=1, sequence=1, tensor=1):
-    return AbstractMesh((data, sequence, tensor), AXES)
+def mesh(data=1, sequence=1, tensor=1, expert=1):
+    return AbstractMesh((data, sequence, expert, tensor), AXES)
 
 
 def test_parse_mesh_spec():
-    assert parse_mesh_spec("data=2,tensor=4") == {"data": 2, "sequence": 1, "tensor": 4}
-    assert parse_mesh_spec(" tensor = 8 ") == {"data": 1, "sequence": 1, "tensor": 8}
-    assert parse_mesh_spec({"sequence": 4}) == {"data": 1, "sequence": 4, "tensor": 1}
+    assert parse_mesh_spec("data=2,tensor=4") == {"data": 2, "sequence": 1, "expert": 1, "tensor": 4}
+    assert parse_mesh_spec(" tensor = 8 ") == {"data": 1, "sequence": 1, "expert": 1, "tensor": 8}
+    assert parse_mesh_spec({"sequence": 4}) == {"data": 1, "sequence": 4, "expert": 1, "tensor": 1}
+    assert parse_mesh_spec("expert=4,tensor=2") == {"data": 1, "sequence": 1, "expert": 4, "tensor": 2}
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -38,8 +39,8 @@ def test_mesh_needing_more_devices_than_exist():
 
 
 def test_engine_config_mesh_is_validated_and_normalised():
-    assert EngineConfig(mesh="tensor=2").mesh == "data=1,sequence=1,tensor=2"
-    assert EngineConfig(mesh={"data": 2}).mesh == "data=2,sequence=1,tensor=1"
+    assert EngineConfig(mesh="tensor=2").mesh == "data=1,sequence=1,expert=1,tensor=2"
+    assert EngineConfig(mesh={"data": 2}).mesh == "data=2,sequence=1,expert=1,tensor=1"
     with pytest.raises(ValueError, match="unknown axis"):
         EngineConfig(mesh="pipeline=2")
 
@@ -57,10 +58,14 @@ def test_param_specs_follow_the_rule_table():
     assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
     assert specs["attn_norm"] == specs["final_norm"] == P(None)
     assert specs["q_norm"] == specs["k_norm"] == P(None)  # Qwen3's QK-norm: [D], on every shard
-    # Stacked experts [X, E, 2, F] / [X, F, E]: F over tensor like a dense MLP; X whole while
-    # meshes have no expert axis.
+    # Stacked experts [X, E, 2, F] / [X, F, E]: F over tensor like a dense MLP; X whole without
+    # an expert axis, split over it with one.
     assert logical_to_spec(MOE_AXES["experts_gate_up"], (4, 64, 2, 32), m) == P(None, None, None, "tensor")
     assert logical_to_spec(MOE_AXES["experts_down"], (4, 32, 64), m) == P(None, "tensor", None)
+    ep = mesh(expert=4, tensor=2)
+    assert logical_to_spec(MOE_AXES["experts_gate_up"], (4, 64, 2, 32), ep) == P("expert", None, None, "tensor")
+    assert logical_to_spec(MOE_AXES["experts_down"], (4, 32, 64), ep) == P("expert", "tensor", None)
+    assert logical_to_spec(PARAM_AXES["wq"], shapes["wq"], ep)[1] == "tensor"  # attention: by heads only
     assert MOE_AXES["expert_up.3"] == PARAM_AXES["w_up"] and MOE_AXES["router"] == ("embed", "experts")
     # Without a tensor axis nothing is split.
     assert logical_to_spec(PARAM_AXES["wq"], shapes["wq"], mesh(data=2)) == P(None, None, None)
@@ -163,3 +168,13 @@ def test_replicated_kv_heads_deal_out_each_groups_query_heads():
     wk4, wv4 = np.repeat(wk, 2, axis=1), np.repeat(wv, 2, axis=1)
     expected = np.concatenate([wq.reshape(3, 4, 2, 5), wk4[:, :, None], wv4[:, :, None]], axis=2)
     np.testing.assert_array_equal(repeat_kv_heads(fused, PARAM_AXES["w_qkv"], 2), expected)
+
+
+def test_expert_axis_must_divide_the_experts():
+    from sharding.experts import check_expert_axis
+    check_expert_axis(mesh(expert=4, tensor=2), 8)
+    check_expert_axis(mesh(tensor=2), 0)  # no expert axis: any model
+    with pytest.raises(ValueError, match="expert=4 cannot split 6 experts"):
+        check_expert_axis(mesh(expert=4), 6)
+    with pytest.raises(ValueError, match="expert=2 cannot split a model without experts"):
+        check_expert_axis(mesh(expert=2), 0)

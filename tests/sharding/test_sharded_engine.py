@@ -16,6 +16,8 @@ ENGINE_CASES = [
     ("mistral", "tensor=4"),            # 1 KV head, sliding window
     ("qwen3_tied", "tensor=2"),         # QK-norm, 1 KV head stored twice, tied LM head
     ("mixtral", "tensor=2"),            # experts' F split over tensor, 1 KV head stored twice
+    ("mixtral", "expert=4,tensor=2"),   # one whole expert per expert shard, its F split in two
+    ("qwen3_moe", "data=2,expert=2,tensor=2"),  # replicas x experts x tensor
 ]
 
 
@@ -28,17 +30,18 @@ def test_greedy_outputs_equal_single_device(scenario, name, mesh):
         assert r["preemptions"] > 0  # the 24-page pool forces preemption (as in test_engine)
     sizes = dict(item.split("=") for item in mesh.split(","))
     tp, dp = int(sizes.get("tensor", 1)), int(sizes.get("data", 1))
-    kv_heads = {"llama3": 2, "mistral": 1, "qwen3_tied": 1, "mixtral": 1}[name]
+    kv_heads = {"llama3": 2, "mistral": 1, "qwen3_tied": 1, "mixtral": 1, "qwen3_moe": 2}[name]
     # The cache is split by KV heads: each shard holds max(1, K / tp) heads (K and V).
     assert r["cache_shard_shape"][-2] == 2 * max(1, kv_heads // tp)
     if dp > 1:
         assert r["cache_shape"][0] == dp and r["cache_shard_shape"][0] == 1
-        assert r["requests_per_replica"] == [r["num_prompts"] // dp] * dp  # balanced
+        counts = r["requests_per_replica"]
+        assert sum(counts) == r["num_prompts"] and max(counts) - min(counts) <= 1  # balanced
 
 
 LOGIT_CASES = ["llama3:tensor=8", "mistral:tensor=4", "qwen2:tensor=4", "tied_gqa3:tensor=2",
                "llama3:sequence=4", "qwen2:sequence=2,tensor=2", "qwen3:tensor=2", "qwen3_tied:tensor=2",
-               "mixtral:tensor=4", "qwen3_moe:tensor=2"]
+               "mixtral:tensor=4", "qwen3_moe:tensor=2", "mixtral:expert=4,tensor=2", "qwen3_moe:expert=8"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,21 @@ def test_logits_within_float32_tolerance(logits, case):
     r = logits[case]
     assert r["max_diff_single"] < 1e-4, r
     assert r["max_diff_hf"] < 1e-3 and r["argmax_equal"], r
+
+
+EXPERT_MESHES = ["expert=4,tensor=2", "expert=8", "expert=2", "tensor=4", "sequence=2,expert=4"]
+
+
+def test_expert_parallel_mlp_matches_one_device(scenario):
+    """Both forms of the MoE MLP (dense; ragged: grouped matmuls) with the stacked experts split
+    over `expert` (whole experts per device) and their MLP width over `tensor`."""
+    r = scenario("experts", ";".join(EXPERT_MESHES))
+    for mesh in EXPERT_MESHES:
+        sizes = dict(item.split("=") for item in mesh.split(","))
+        ep, tp = int(sizes.get("expert", 1)), int(sizes.get("tensor", 1))
+        assert max(r[mesh]["max_diff"].values()) < 1e-5, (mesh, r[mesh])
+        assert r[mesh]["gate_up_shard"] == [8 // ep, 48, 2, 32 // tp], (mesh, r[mesh])
+        assert r[mesh]["down_shard"] == [8 // ep, 32 // tp, 48], (mesh, r[mesh])
 
 
 def _shape(text: str) -> list[int]:
