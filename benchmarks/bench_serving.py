@@ -42,6 +42,7 @@ import shlex
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving_transports import GrpcTransport, HttpTransport, RequestResult, RequestSpec
+from serving_transports import GrpcTransport, HttpTransport, RequestResult, RequestSpec, ttft_overheads
 
 # No prefix caching: the same requests are replayed at every rate and on every transport, so a
 # cache would serve the later runs' prompts from the earlier ones' pages (an HTTP run after a
@@ -102,7 +103,8 @@ async def run_rate(transport, specs: list[RequestSpec], rate: float, seed: int, 
     return results, time.perf_counter() - start
 
 
-def summarize(transport: str, rate: float, results: list[RequestResult], duration: float) -> dict:
+def summarize(transport: str, rate: float, results: list[RequestResult], duration: float,
+              overheads: list[float] = ()) -> dict:
     ok = [r for r in results if r.ok]
     pct = lambda values, q: float(np.percentile(values, q)) * 1000 if len(values) else math.nan
     ttft = [r.ttft for r in ok]
@@ -118,6 +120,8 @@ def summarize(transport: str, rate: float, results: list[RequestResult], duratio
         "total_tokens_per_s": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
         "ttft_ms": {q: pct(ttft, q) for q in (50, 90, 99)}, "itl_ms": {q: pct(itl, q) for q in (50, 90, 99)},
         "tpot_ms": {q: pct(tpot, q) for q in (50, 90)}, "e2e_ms": {q: pct(e2e, q) for q in (50, 99)},
+        # client TTFT - the server's (request log), per request: what the transport itself costs
+        "ttft_overhead_ms": {q: pct(overheads, q) for q in (50, 90)}, "overhead_samples": len(overheads),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
     }
 
@@ -134,44 +138,53 @@ def compare(rows: list[dict]) -> list[dict]:
         g, h = pair["grpc"], pair["http"]
         itl_ratio = h["itl_ms"][50] / g["itl_ms"][50] if g["itl_ms"][50] else math.nan
         ttft_diff = h["ttft_ms"][50] - g["ttft_ms"][50]
+        overhead_diff = h["ttft_overhead_ms"][50] - g["ttft_overhead_ms"][50]  # nan without a log
+        # what HTTP adds to TTFT: the overheads' difference where the log gave them, else the raw TTFTs'
+        added = ttft_diff if math.isnan(overhead_diff) else overhead_diff
         same_work = g["failed"] == h["failed"] == 0 and g["output_tokens"] == h["output_tokens"]
         out.append({"rate": rate, "itl_p50_ratio": itl_ratio, "ttft_p50_diff_ms": ttft_diff,
+                    "ttft_overhead_p50_diff_ms": overhead_diff, "ttft_added_ms": added,
                     "same_work": same_work, "output_tokens": {"grpc": g["output_tokens"], "http": h["output_tokens"]},
                     "messages": {"grpc": g["messages"], "http": h["messages"]},
-                    "within_goal": same_work and itl_ratio < GOAL_ITL_RATIO and ttft_diff < GOAL_TTFT_MS})
+                    "within_goal": same_work and itl_ratio < GOAL_ITL_RATIO and added < GOAL_TTFT_MS})
     return out
 
 
 def markdown(rows: list[dict]) -> str:
     head = ("| rate (req/s) | transport | req | failed | req/s | out tok/s | TTFT p50 / p90 / p99 (ms) "
-            "| ITL p50 / p90 / p99 (ms) | TPOT p50 (ms) | E2E p50 / p99 (s) |")
-    lines = [head, "|" + "---|" * 10]
+            "| ITL p50 / p90 / p99 (ms) | TPOT p50 (ms) | E2E p50 / p99 (s) | TTFT overhead p50 / p90 (ms) |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         t, i = r["ttft_ms"], r["itl_ms"]
         lines.append(f"| {r['rate']:g} | {r['transport']} | {r['requests']} | {r['failed']} | "
                      f"{r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f} | "
                      f"{t[50]:.0f} / {t[90]:.0f} / {t[99]:.0f} | {i[50]:.0f} / {i[90]:.0f} / {i[99]:.0f} | "
-                     f"{r['tpot_ms'][50]:.0f} | {r['e2e_ms'][50] / 1000:.1f} / {r['e2e_ms'][99] / 1000:.1f} |")
+                     f"{r['tpot_ms'][50]:.0f} | {r['e2e_ms'][50] / 1000:.1f} / {r['e2e_ms'][99] / 1000:.1f} | "
+                     f"{r['ttft_overhead_ms'][50]:.1f} / {r['ttft_overhead_ms'][90]:.1f} |")
     return "\n".join(lines)
 
 
 def markdown_comparison(comparison: list[dict]) -> str:
-    head = (f"| rate (req/s) | ITL p50 HTTP / gRPC | TTFT p50 HTTP - gRPC (ms) | output tokens gRPC / HTTP "
-            f"| token messages gRPC / HTTP | within goal (< {GOAL_ITL_RATIO - 1:.0%}, < {GOAL_TTFT_MS:g} ms) |")
-    lines = [head, "|" + "---|" * 6]
+    head = (f"| rate (req/s) | ITL p50 HTTP / gRPC | TTFT p50 HTTP - gRPC (ms) | TTFT overhead p50 HTTP - gRPC "
+            f"(ms) | output tokens gRPC / HTTP | token messages gRPC / HTTP "
+            f"| within goal (< {GOAL_ITL_RATIO - 1:.0%}, < {GOAL_TTFT_MS:g} ms) |")
+    lines = [head, "|" + "---|" * 7]
     for c in comparison:
         tokens, messages = c["output_tokens"], c["messages"]
         goal = "yes" if c["within_goal"] else ("no" if c["same_work"] else "no: different work (failed requests)")
         lines.append(f"| {c['rate']:g} | {c['itl_p50_ratio']:.3f} | {c['ttft_p50_diff_ms']:+.1f} | "
+                     f"{c['ttft_overhead_p50_diff_ms']:+.1f} | "
                      f"{tokens['grpc']} / {tokens['http']} | {messages['grpc']} / {messages['http']} | {goal} |")
     return "\n".join(lines)
 
 
-def start_server(serve_args: str, transports: list[str]) -> tuple[subprocess.Popen, str | None, str | None]:
-    """`jaxinfer serve` on free ports (gRPC, and HTTP too when asked) -> (process, gRPC address, HTTP URL)."""
+def start_server(serve_args: str, transports: list[str], request_log: str
+                 ) -> tuple[subprocess.Popen, str | None, str | None]:
+    """`jaxinfer serve` on free ports (gRPC, and HTTP too when asked), writing its request log to
+    `request_log` -> (process, gRPC address, HTTP URL)."""
     http = "http" in transports
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", *(["--http-port", "0"] if http else []),
-           *shlex.split(serve_args)]
+           "--request-log", request_log, *shlex.split(serve_args)]
     print("starting:", " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     line = proc.stdout.readline()
@@ -209,7 +222,8 @@ async def bench(args, token: str | None) -> list[dict]:
         for k, rate in enumerate(args.rates):
             for t in transports:  # one after another, the same requests and arrival times
                 results, duration = await run_rate(t, specs, rate, args.seed + k, args.timeout)
-                rows.append(summarize(t.name, rate, results, duration))
+                overheads = ttft_overheads(results, args.request_log) if args.request_log else []
+                rows.append(summarize(t.name, rate, results, duration, overheads))
                 print(markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         return rows
     finally:
@@ -222,6 +236,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server", default=None, help="HOST:PORT of a running server's gRPC (default: start one)")
     p.add_argument("--http-server", default=None, help="http://HOST:PORT of a running server's HTTP API")
     p.add_argument("--token-file", default=None, help="bearer token file of --server (and of --http-server)")
+    p.add_argument("--request-log", default=None, help="the request log of --server (its --request-log file), "
+                   "for the transport overhead; the server this starts writes one to a temporary file")
     p.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS, help="extra `jaxinfer serve` arguments")
     p.add_argument("--transports", default="grpc", help="comma-separated, run in this order: grpc, http")
     p.add_argument("--http", action="store_true", help="the same as --transports grpc,http")
@@ -253,7 +269,9 @@ def main(argv=None) -> int:
     token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("JAXINFER_AUTH_TOKEN")
     proc = None
     if args.server is None and args.http_server is None:
-        proc, args.server, args.http_server = start_server(args.serve_args, args.transports)
+        log_dir = tempfile.mkdtemp(prefix="bench-serving-")
+        args.request_log = os.path.join(log_dir, "requests.jsonl")
+        proc, args.server, args.http_server = start_server(args.serve_args, args.transports, args.request_log)
     try:
         rows = asyncio.run(bench(args, token))
     finally:

@@ -10,6 +10,14 @@ time the same things on the client, with time.perf_counter():
     ITL    the gaps between consecutive messages carrying tokens (`messages` counts them)
     E2E    sent -> the end of the stream (gRPC: the last response; HTTP: `data: [DONE]`)
 
+Transport overhead: the server's request log (`jaxinfer serve --request-log`) records each
+request's TTFT from the moment its handler starts to the moment the handler sees its first
+token (`ttft_s`). The client's TTFT minus that, matched by request id (gRPC: the responses'
+request_id; HTTP: the chunks' `id`), is what the transport itself costs the request: connection,
+serialisation, parsing and the wire, both ways. Engine-side noise (which step a request lands
+in, decode-window alignment) is in both terms and cancels, so this resolves milliseconds where
+the raw TTFTs of two runs differ by tens.
+
 Output tokens: gRPC counts the token ids the responses carry; an SSE chunk carries text, not
 ids, so HTTP asks for `stream_options.include_usage` and takes the final chunk's
 usage.completion_tokens. Either way a request that did not produce exactly max_tokens tokens is
@@ -23,6 +31,7 @@ import dataclasses
 import json
 import math
 import time
+from pathlib import Path
 
 from serving.client import AsyncClient
 
@@ -44,6 +53,7 @@ class RequestResult:
     e2e: float = math.nan
     itls: list[float] = dataclasses.field(default_factory=list)
     error: str = ""
+    request_id: str = ""  # the server's id for it (gRPC responses' request_id, HTTP chunks' id)
 
 
 class _Clock:
@@ -90,6 +100,7 @@ class GrpcTransport:
         try:
             async for msg in self.client.stream(spec.prompt, max_tokens=spec.max_tokens, temperature=0.0,
                                                 ignore_eos=True, timeout=timeout):
+                result.request_id = result.request_id or msg.request_id
                 n = sum(len(d.token_ids) for d in msg.outputs)
                 if n:
                     clock.tokens_arrived()
@@ -162,6 +173,7 @@ class HttpTransport:
                 chunk = json.loads(line[len("data: "):])
                 if "error" in chunk:
                     raise HttpError(chunk["error"].get("message", chunk["error"]))
+                clock.result.request_id = clock.result.request_id or chunk.get("id", "")
                 if any(choice.get("text") for choice in chunk.get("choices") or ()):
                     clock.tokens_arrived()
                 if chunk.get("usage"):
@@ -170,3 +182,29 @@ class HttpTransport:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def server_ttfts(request_log: str | Path, request_ids: set[str], wait_s: float = 10.0) -> dict[str, float]:
+    """{request id: the server's ttft_s} for these ids from a request log (JSON lines); waits up to
+    `wait_s` for the last ones (a record is written when its handler finishes, just after the
+    client has read the end of its stream)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = {}
+        for line in Path(request_log).read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("request_id") in request_ids and record.get("ttft_s") is not None:
+                found[record["request_id"]] = float(record["ttft_s"])
+        if len(found) == len(request_ids) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def ttft_overheads(results: list[RequestResult], request_log: str | Path) -> list[float]:
+    """Client TTFT minus the server's, per successful request found in the log (seconds)."""
+    ok = [r for r in results if r.ok and r.request_id]
+    server = server_ttfts(request_log, {r.request_id for r in ok})
+    return [r.ttft - server[r.request_id] for r in ok if r.request_id in server]

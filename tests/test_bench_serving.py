@@ -9,7 +9,7 @@ import httpx2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_serving
-from serving_transports import HttpTransport, RequestSpec
+from serving_transports import HttpTransport, RequestResult, RequestSpec, ttft_overheads
 
 
 def _chunk(text=None, finish=None, usage=None) -> bytes:
@@ -46,6 +46,7 @@ def test_http_stream_is_timed_per_chunk_with_text_and_counted_by_usage():
     assert result.ok and not result.error, result.error
     assert (result.output_tokens, result.messages, len(result.itls)) == (4, 3, 2)  # empty texts carry no tokens
     assert 0 <= result.ttft <= result.e2e
+    assert result.request_id == "cmpl-1"  # the chunks' id: matched against the server's request log
     assert sent == [{"model": "m", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
                      "stream": True, "stream_options": {"include_usage": True}}]
 
@@ -64,16 +65,33 @@ def test_http_requests_with_other_work_or_errors_fail():
 
 
 def test_comparison_rows_and_arguments():
-    def row(transport, itl, ttft, tokens=40, failed=0):
+    def row(transport, itl, ttft, tokens=40, failed=0, overhead=float("nan")):
         return {"transport": transport, "rate": 2.0, "failed": failed, "output_tokens": tokens, "messages": 9,
-                "itl_ms": {50: itl}, "ttft_ms": {50: ttft}}
+                "itl_ms": {50: itl}, "ttft_ms": {50: ttft}, "ttft_overhead_ms": {50: overhead}}
 
     (c,) = bench_serving.compare([row("grpc", 100.0, 50.0), row("http", 104.0, 58.0)])
     assert abs(c["itl_p50_ratio"] - 1.04) < 1e-9 and c["ttft_p50_diff_ms"] == 8.0 and c["within_goal"]
+    # With the request log's overheads, they decide: raw TTFTs 30 ms apart, overheads 2 ms apart.
+    (c,) = bench_serving.compare([row("grpc", 100.0, 50.0, overhead=1.0), row("http", 100.0, 80.0, overhead=3.0)])
+    assert c["ttft_added_ms"] == 2.0 and c["within_goal"]
+    (c,) = bench_serving.compare([row("grpc", 100.0, 50.0, overhead=1.0), row("http", 100.0, 51.0, overhead=12.0)])
+    assert c["ttft_added_ms"] == 11.0 and not c["within_goal"]
     (c,) = bench_serving.compare([row("grpc", 100.0, 50.0), row("http", 100.0, 50.0, tokens=39, failed=1)])
     assert not c["same_work"] and not c["within_goal"]
-    assert "| 2 | 1.000 | +0.0 | 40 / 39 | 9 / 9 | no: different work" in bench_serving.markdown_comparison([c])
+    assert "| 2 | 1.000 | +0.0 | +nan | 40 / 39 | 9 / 9 | no: different work" in bench_serving.markdown_comparison([c])
     assert bench_serving.listening_addresses("listening on 127.0.0.1:5 (http://127.0.0.1:6)\n") == \
         ("127.0.0.1:5", "http://127.0.0.1:6")
     assert bench_serving.parse_args(["--http"]).transports == ["grpc", "http"]
     assert bench_serving.parse_args([]).transports == ["grpc"]
+
+
+def test_ttft_overhead_is_client_minus_server_per_request(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    records = [{"request_id": "a", "ttft_s": 0.100}, {"request_id": "b", "ttft_s": 0.200},
+               {"request_id": "c", "ttft_s": None}, {"request_id": "other", "ttft_s": 9.0}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n")
+    results = [RequestResult(ok=True, prompt_tokens=1, ttft=0.104, request_id="a"),
+               RequestResult(ok=True, prompt_tokens=1, ttft=0.207, request_id="b"),
+               RequestResult(ok=False, prompt_tokens=1, ttft=0.5, request_id="c")]  # failed: not counted
+    overheads = ttft_overheads(results, log)
+    assert [round(x, 6) for x in overheads] == [0.004, 0.007]
