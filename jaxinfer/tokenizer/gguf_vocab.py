@@ -8,8 +8,11 @@ A GGUF has no tokenizer.json: llama.cpp stores the pieces (`tokenizer.ggml.token
            pieces are spelled in the GPT-2 byte alphabet, the merges are given, and the split
            regex comes from `pre`. CONTROL pieces become special added tokens and USER_DEFINED
            pieces plain added tokens, so both are matched whole in text, as llama.cpp does.
-  "llama"  sentencepiece BPE (Llama 2, Mistral) -> a sentencepiece model proto: pieces, scores
-           and types map one to one onto sentencepiece's own model, so sentencepiece tokenizes.
+  "llama"  sentencepiece BPE (Llama 2, Mistral, Gemma) -> a sentencepiece model proto: pieces,
+           scores and types map one to one onto sentencepiece's own model, so sentencepiece
+           tokenizes. llama.cpp writes user-defined runs of spaces (Gemma's "  ", "   ", ...) with
+           real spaces; sentencepiece matches text whose spaces are already "▁", so those pieces
+           are spelled with "▁" again.
 """
 from __future__ import annotations
 
@@ -108,6 +111,8 @@ def sentencepiece_model_proto(metadata: Mapping[str, Any]) -> bytes:
     scores = list(field_value(metadata, "tokenizer.ggml.scores") or [0.0] * len(tokens))
     types = list(field_value(metadata, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     add_space = bool(field_value(metadata, "tokenizer.ggml.add_space_prefix", True))
+    tokens = ["▁" * len(t) if kind == USER_DEFINED and t and not t.strip(" ") else t
+              for t, kind in zip(tokens, types)]
     pieces = b"".join(
         _message(1, _string(1, token.encode("utf-8")) + _float(2, score) + _varint_field(3, kind))
         for token, score, kind in zip(tokens, scores, types))
