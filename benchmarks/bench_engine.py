@@ -242,8 +242,9 @@ def main():
     ap.add_argument("--stream-rates", type=float, nargs="+", default=[0.5, 1.0])
     ap.add_argument("--stream-requests", type=int, default=16)
     ap.add_argument("--shape", default=None, help="random weights of this shape: smollm2, llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                    help="with --shape: weight-only quantization of the random weights (made on the device)")
+    ap.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "int8", "int4"],
+                    help="the default model: as LLM(quantization=...) (gguf: its own quantized blocks); "
+                         "with --shape: int8 or int4 of the random weights (made on the device)")
     ap.add_argument("--dtype", default="auto", help="with --shape (auto: bfloat16 on accelerators, float32 on the CPU)")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024], help="with --shape")
     ap.add_argument("--new-tokens", type=int, default=32, help="with --shape: tokens decoded per request")
@@ -263,7 +264,8 @@ def main():
     if args.shape:
         return bench_shape(args)
 
-    llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048, penalties=False)
+    llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048, penalties=False,
+              **({"quantization": args.quantization} if args.quantization else {}))
     variants = llm.engine.runner.num_compiled()
     ours = {"prefill_tokens_per_s": bench_prefill(llm, 256, args.repeats), "decode": {}}
     for b in args.batches:

@@ -106,18 +106,17 @@ def _int8(w, inputs):
     return QuantizedWeight(values, scales.astype(w.dtype), None, "int8", inputs)
 
 
-def _int4(w, inputs, group):
+def _int4(w, inputs, group):  # as quant.weights.quantize_int4: w ~ q * s + group minimum
     axis, n = inputs[-1], w.shape[inputs[-1]]
     grouped = w.astype(jnp.float32).reshape(w.shape[:axis] + (n // group, group) + w.shape[axis + 1:])
-    lo = jnp.minimum(grouped.min(axis=axis + 1, keepdims=True), 0.0)
-    hi = jnp.maximum(grouped.max(axis=axis + 1, keepdims=True), 0.0)
+    lo = grouped.min(axis=axis + 1, keepdims=True)
+    hi = grouped.max(axis=axis + 1, keepdims=True)
     scales = jnp.where(hi > lo, (hi - lo) / 15, 1.0)
-    zeros = jnp.clip(jnp.rint(-lo / scales), 0, 15)
-    q = jnp.clip(jnp.rint(grouped / scales) + zeros, 0, 15).astype(jnp.uint8).reshape(w.shape)
+    q = jnp.clip(jnp.rint((grouped - lo) / scales), 0, 15).astype(jnp.uint8).reshape(w.shape)
     q = jnp.moveaxis(q, axis, 0)
     packed = jnp.moveaxis(q[0::2] | (q[1::2] << 4), 0, axis)  # the even input in the low nibble
     squeeze = lambda a: jnp.squeeze(a, axis + 1).astype(w.dtype)  # noqa: E731
-    return QuantizedWeight(packed, squeeze(scales), squeeze(zeros), "int4", inputs, group)
+    return QuantizedWeight(packed, squeeze(scales), None, "int4", inputs, group, offsets=squeeze(lo))
 
 
 def hf_config(shape: str) -> dict:

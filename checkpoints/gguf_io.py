@@ -1,8 +1,10 @@
 """GGUF reading with the `gguf` package: metadata as plain values, tensors dequantized lazily.
 
 Tensors come back in HF's row-major shapes ([out, in] for projections): F32 and F16 as stored,
-everything else (BF16 and the quantized types) dequantized to float32, one at a time from the memory-mapped file: F32, F16, BF16, Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1 and the K-quants that `gguf.quants` can dequantize.
+everything else (BF16 and the quantized types) dequantized to float32, one at a time from the
+memory-mapped file: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants that
+`gguf.quants` can dequantize. `raw(name)` gives a tensor's stored bytes instead (its blocks, for
+a reader that keeps them quantized), `quant_type(name)` their type.
 """
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ class GGUFCheckpoint:
 
     def quant_type(self, name: str) -> str:
         return self._tensors[name].tensor_type.name
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored (a memory-mapped uint8 view), [rows..., bytes per row]."""
+        if name not in self._tensors:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        return np.asarray(self._tensors[name].data).view(np.uint8)
 
     def get(self, name: str) -> np.ndarray:
         from gguf import GGMLQuantizationType, quants

@@ -1,7 +1,7 @@
 """HF safetensors directories and GGUF files -> jaxinfer orbax checkpoints (`jaxinfer convert`).
 
     DST/params/                   our fields in our layout ("embed", "layers.3.wq", ...), orbax;
-                                  quantized weights as "layers.3.wq.values", ".scales", ".zeros"
+                                  quantized weights as "layers.3.wq.values", ".scales", ".offsets"
     DST/config.json               the source's own (HF), or written from the GGUF's metadata
     DST/tokenizer.json | .model   copied (HF), or exported from the GGUF's vocabulary
     DST/tokenizer_config.json ... the special tokens and the chat template beside them
@@ -11,7 +11,8 @@ Tensors are read, converted and placed one at a time, as the loader does, then s
 (each process writes its own shards). With `mesh` the arrays are split over its devices while
 converting, so no device holds more than its share; KV heads are saved unrepeated (a checkpoint
 does not depend on the mesh it was converted on). `LLM(DST)` / `--model DST` restore it straight
-onto any mesh. Quantized GGUF tensors are dequantized to `dtype`.
+onto any mesh. Quantized GGUF tensors are dequantized to `dtype` (kept as their blocks with
+quantization "gguf").
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import numpy as np
 from checkpoints import CheckpointError, save_arrays, write_metadata
 from checkpoints.orbax_io import epath
 from jaxinfer.config import ModelConfig
-from jaxinfer.loader import ORBAX_FORMAT, open_checkpoint, read_fields, resolve_dtype
+from jaxinfer.loader import ORBAX_FORMAT, checkpoint_quantization, open_checkpoint, read_fields, resolve_dtype
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import QuantConfig, flat_arrays
 from jaxinfer.tokenizer import TokenizerError, from_gguf_metadata
@@ -54,8 +55,9 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", mesh: str | N
             progress: bool = True, quantization: QuantConfig | None = None) -> ConvertStats:
     """Converts `src` into a new orbax checkpoint directory `dst` (which must not exist, or be
     empty). dtype "auto" keeps an HF checkpoint's floating dtype and gives a GGUF bfloat16.
-    `quantization`: linear weights are saved quantized (NAME.values, NAME.scales, NAME.zeros)
-    and load as saved."""
+    `quantization`: linear weights are saved quantized (NAME.values, NAME.scales, NAME.offsets;
+    "gguf": a GGUF file's own blocks repacked, with NAME.offsets where they have them) and load
+    as saved."""
     start = time.perf_counter()
     dst_path = epath(dst)
     if dst_path.exists() and (not dst_path.is_dir() or any(dst_path.iterdir())):
@@ -65,6 +67,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", mesh: str | N
         raise CheckpointError(f"{src} is a jaxinfer orbax checkpoint already")
     dtype = _convert_dtype(dtype, reader, fmt)
     family = get_family(config.family)
+    quantization = checkpoint_quantization(reader, fmt, quantization, str(src), family)  # "auto" resolved
     place = DevicePlacer()
     if mesh is not None:
         device_mesh = make_mesh(mesh)

@@ -32,6 +32,7 @@ from jaxinfer.core.admission import check_request
 from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.prompts import check_prompt_length, tokenize_prompt
+from jaxinfer.core.replica import Replica, replica_stats
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
@@ -39,6 +40,7 @@ from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.runner import ModelRunner, enable_compilation_cache
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 from jaxinfer.sampling.sampler import SamplerOutput
+from jaxinfer.spec_decode import build_speculator
 from jaxinfer.structured import GrammarBackend, grammar_for
 from sharding import StepChannel, is_leader, is_multiprocess
 from sharding.multihost import SHUTDOWN, fetch
@@ -51,13 +53,6 @@ class _Flight:
     """A dispatched step whose tokens have not reached the host yet."""
     plans: list[SchedulerPlan]  # one per data replica
     out: SamplerOutput  # on the device
-
-
-@dataclasses.dataclass
-class _Replica:
-    pool: PagePool
-    scheduler: Scheduler
-    load: int = 0  # cost of its unfinished requests
 
 
 class Engine:
@@ -84,6 +79,7 @@ class Engine:
         self._flight: _Flight | None = None  # the step dispatched last, tokens not fetched yet
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.speculator = build_speculator(config, model, self.runner, self.max_model_len)  # None: off
         self.num_scheduled_tokens = 0  # tokens computed by steps so far (prefix hits excluded)
         self.warm_up_seconds = 0.0
         if warm_up:
@@ -91,9 +87,9 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compiles every step variant now (else each compiles when first needed)."""
-        self.warm_up_seconds += self.runner.warm_up()
+        self.warm_up_seconds += self.runner.warm_up() + (self.speculator.warm_up() if self.speculator else 0.0)
 
-    def _make_replica(self, index: int) -> _Replica:
+    def _make_replica(self, index: int) -> Replica:
         config = self.config
         pool = PagePool(self.runner.num_pages, config.page_size,
                         enable_prefix_caching=config.enable_prefix_caching)
@@ -103,7 +99,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             eos_token_ids=eos, seed=config.seed + index,
             max_seqs_per_request=config.max_seqs_per_request)
-        return _Replica(pool, scheduler)
+        return Replica(pool, scheduler)
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -169,10 +165,12 @@ class Engine:
         step) the mask is filled after the landing, while this step's forward runs."""
         outputs, self._pending = self._pending, []
         previous, self._flight = self._flight, None
-        landing = self._landing() if previous is not None else None
+        landing = self._landing(previous) if previous is not None else None
         if landing == "first":
             outputs += self._land(previous)
             previous = None
+        if self.speculator is not None:  # drafts of the sequences that speculate (spec_decode/)
+            self.speculator.propose(self.scheduler)
         plans = [replica.scheduler.schedule(self.runner.num_decode_steps) for replica in self.replicas]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         self.num_scheduled_tokens += sum(plan.num_batched_tokens * plan.num_steps for plan in plans)
@@ -191,11 +189,14 @@ class Engine:
         self._flight = flight
         return outputs
 
-    def _landing(self) -> str | None:
+    def _landing(self, previous: _Flight) -> str | None:
         """"first": rows with penalties need every earlier token on the host (and grammar rows
-        their matcher advanced past it), so the step in flight lands before the plan; "late":
-        grammar rows' masks are filled after it lands, while the next forward runs (the runner's
-        split step); None: plain async scheduling."""
+        their matcher advanced past it), so the step in flight lands before the plan (so do
+        speculating rows: Speculator.must_land_first); "late": grammar rows' masks are filled
+        after it lands, while the next forward runs (the runner's split step); None: plain
+        async scheduling."""
+        if self.speculator is not None and self.speculator.must_land_first(self.scheduler, previous.plans):
+            return "first"
         running = [s for r in self.replicas for s in r.scheduler.running]
         penalties = any(s.sampling_params.uses_penalties for s in running)
         grammar = any(s.grammar is not None for s in running)
@@ -242,17 +243,23 @@ class Engine:
         touched: dict[str, RequestState] = {}
         for r, plan in enumerate(flight.plans):
             out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a: a[r], out)
-            if plan.num_steps == 1:
-                self._land_step(plan, out_r, self.replicas[r].scheduler, touched)
-                continue
-            for i in range(plan.num_steps):  # a decode window: its steps in order
-                out_i = jax.tree.map(lambda a: a[i], out_r)  # noqa: B023 - used at once
-                self._land_step(plan, out_i, self.replicas[r].scheduler, touched, i)
+            scheduler = self.replicas[r].scheduler
+            steps = (self.speculator.resolve(plan, out_r, scheduler) if plan.verifies  # position by position
+                     else self._steps(plan, out_r, scheduler))
+            for out_i, updated in steps:  # each emitted (stop strings found) before the next resolves
+                self._emit(plan, out_i, updated, scheduler, touched)
         return [self._delta(state, now) for state in touched.values()]
 
-    def _land_step(self, plan: SchedulerPlan, out: SamplerOutput, scheduler: Scheduler,
-                   touched: dict[str, RequestState], step: int = 0) -> None:
-        updated = {s.seq_id for s in scheduler.resolve(plan, out.tokens, step)}
+    @staticmethod
+    def _steps(plan: SchedulerPlan, out: SamplerOutput, scheduler: Scheduler):
+        """(outputs, ids of the sequences that got a token) of a step, or of a window's steps in order."""
+        for i in range(plan.num_steps):
+            out_i = out if plan.num_steps == 1 else jax.tree.map(lambda a: a[i], out)  # noqa: B023
+            yield out_i, {s.seq_id for s in scheduler.resolve(plan, out_i.tokens, i)}
+
+    def _emit(self, plan: SchedulerPlan, out: SamplerOutput, updated: set[int], scheduler: Scheduler,
+              touched: dict[str, RequestState]) -> None:
+        """Output processing of the tokens the scheduler just gave the `updated` sequences."""
         for row, entry in enumerate(plan.seqs):
             seq = entry.seq
             state = self._requests.get(seq.request_id)
@@ -288,13 +295,6 @@ class Engine:
         return out
 
     def stats(self) -> dict:
-        pools = [r.pool for r in self.replicas]  # summed over data replicas
-        total, free = sum(p.num_usable_pages for p in pools), sum(p.num_free_pages for p in pools)
-        queries = sum(p.prefix_cache_queries for p in pools)
-        return {
-            "running": sum(r.scheduler.num_running for r in self.replicas),
-            "waiting": sum(r.scheduler.num_waiting for r in self.replicas),
-            "kv_pages_total": total, "kv_pages_free": free, "kv_cache_usage": 1.0 - free / total,
-            "prefix_cache_hit_rate": sum(p.prefix_cache_hits for p in pools) / queries if queries else 0.0,
-            "preemptions": self.num_preemptions, "compiled_variants": self.runner.num_compiled(),
-        }
+        return {**replica_stats(self.replicas), "preemptions": self.num_preemptions,
+                "compiled_variants": self.runner.num_compiled(),
+                **(self.speculator.stats() if self.speculator is not None else {})}

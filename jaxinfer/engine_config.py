@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "float16")  # "auto" = the model dtype
+from jaxinfer.spec_config import SpeculativeConfig
+
+# "auto" = the model dtype; int8 and fp8 (e4m3; "fp8_e4m3" is the same) store K/V with static
+# per-head scales calibrated at start-up and hold 2x the pages of bfloat16 in the same bytes.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "float16", "int8", "fp8", "fp8_e4m3")
 MAX_DECODE_STEPS = 64
 
 
@@ -32,7 +36,7 @@ class EngineConfig:
     num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.85
     kv_cache_bytes: int | None = None  # overrides the fraction; default on the CPU: 1 GiB
-    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; or bfloat16, float32, float16, int8, fp8
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -54,6 +58,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
     seed: int = 0
     mesh: "str | dict | object | None" = None  # None: one device
+    # Speculative decoding (spec_config.py): a dict such as {"method": "ngram",
+    # "num_speculative_tokens": 4}, its JSON text, or a SpeculativeConfig. None: off.
+    speculative_config: "SpeculativeConfig | dict | str | None" = None
 
     def __post_init__(self):
         def positive(name):
@@ -79,6 +86,7 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(
                 f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if isinstance(self.mesh, (str, dict)):
             from sharding.mesh import format_mesh, parse_mesh_spec  # imports jax: only when asked for
 

@@ -7,6 +7,11 @@
         sequences that have a grammar, from their matchers); T is the smallest token bucket that
         holds the plan and S = EngineConfig.seq_bucket(T)
 
+Speculative decoding: when the plan has drafts, `spec` holds them ([S, K], K the static
+num_speculative_tokens) and `logits_indices` names K + 1 rows per sequence [S*(K+1)]: its last
+known token and each draft (a sequence with fewer repeats its last row); None otherwise (another
+compiled variant).
+
 A sequence whose newest token was sampled by the step still in flight (async scheduling) has a
 PLACEHOLDER there: its input id is taken on the device from that step's sampled tokens, at the
 row `prev_rows` names (-1: the id in token_ids is the input).
@@ -29,6 +34,7 @@ from jaxinfer.core.sequence import PLACEHOLDER
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, sampling_arrays_for_sequences
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.rejection import SpecInputs
 from jaxinfer.structured import fill_bitmask
 
 
@@ -37,17 +43,20 @@ class StepInputs:
     token_ids: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
     meta: AttentionMetadata  # kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]
-    logits_indices: jax.Array  # i32[S] row of each sequence's last token in the batch
+    logits_indices: jax.Array  # i32[S] row of each sequence's last token in the batch ([S*(K+1)]: spec)
     sampling: SamplingArrays  # one row per sequence slot
     prev_rows: jax.Array  # i32[T] row of the previous step's sampled tokens that is this token; -1: none
+    spec: SpecInputs | None = None  # draft tokens to verify (speculative decoding); None: none
 
 
 class InputBuilder:
     """Builds the padded inputs of the runner's compiled step variants."""
 
     def __init__(self, engine: EngineConfig, buckets: tuple[int, ...], *, pages_per_seq: int,
-                 max_model_len: int, vocab_size: int, num_replicas: int = 1):
+                 max_model_len: int, vocab_size: int, num_replicas: int = 1,
+                 num_speculative_tokens: int = 0):
         self.engine = engine
+        self.num_speculative_tokens = num_speculative_tokens  # K: the width of verify steps' drafts
         self.vocab_size = vocab_size  # the width of the allowed-token bits (structured output)
         self.buckets = buckets
         self.pages_per_seq = pages_per_seq
@@ -122,12 +131,33 @@ class InputBuilder:
             vocab_size=self.vocab_size)
         meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
                                  num_seqs=np.array([n], np.int32))
+        if plan.verifies:
+            rows, spec = self._spec_rows(plan, cu)
+            return StepInputs(tokens, positions, meta, rows, sampling, prev_rows, spec)
         return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, prev_rows)
 
-    def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
+    def _spec_rows(self, plan: SchedulerPlan, cu: np.ndarray) -> tuple[np.ndarray, SpecInputs]:
+        """A verify step's logits rows [S*(K+1)] and drafts [S, K] (module docstring)."""
+        k, n, s_bucket = self.num_speculative_tokens, len(plan.seqs), len(cu) - 1
+        spec = _no_drafts(s_bucket, k)
+        counts = np.array([len(e.drafts) for e in plan.seqs], np.int32)
+        if counts.max() > k:
+            raise RuntimeError(f"{counts.max()} drafts for a verify step of width {k}")
+        for i, e in enumerate(plan.seqs):
+            spec.draft_ids[i, :counts[i]] = e.drafts
+        spec.num_drafts[:n] = counts
+        rows = np.zeros((s_bucket, k + 1), np.int32)
+        rows[:n] = (cu[1:n + 1] - 1 - counts)[:, None] + np.minimum(np.arange(k + 1), counts[:, None])
+        return rows.reshape(-1), spec
+
+    def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False) -> StepInputs:
         """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
-        the null page."""
+        the null page. `spec`: of the verify variant."""
         one = self._dummy_one(t_bucket, with_history)
+        if spec:
+            s_bucket = self.engine.seq_bucket(t_bucket)
+            one = one.replace(logits_indices=np.zeros(s_bucket * (self.num_speculative_tokens + 1), np.int32),
+                              spec=_no_drafts(s_bucket, self.num_speculative_tokens))
         if self.num_replicas == 1:
             return one
         return jax.tree.map(lambda x: np.stack([x] * self.num_replicas), one)
@@ -144,3 +174,7 @@ class InputBuilder:
             cu_q_lens=np.zeros(s_bucket + 1, np.int32), num_seqs=np.zeros(1, np.int32))
         return StepInputs(np.zeros(t_bucket, np.int32), np.zeros(t_bucket, np.int32), meta,
                           np.zeros(s_bucket, np.int32), sampling, np.full(t_bucket, -1, np.int32))
+
+
+def _no_drafts(s_bucket: int, k: int) -> SpecInputs:
+    return SpecInputs(np.full((s_bucket, k), -1, np.int32), np.zeros(s_bucket, np.int32))

@@ -45,21 +45,30 @@ class LLM:
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  num_decode_steps: int | None = None, structured_output_overlap: bool | None = None,
                  attn_impl: str = "auto", seed: int = 0, token_buckets: Sequence[int] | None = None,
-                 penalties: bool = True,
+                 penalties: bool = True, speculative_config: dict | str | None = None,
                  compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
                  mesh: str | dict | None = None, coordinator_address: str | None = None,
                  num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
-                 quantization: str | None = None, quantization_group_size: int | None = None):
+                 quantization: str | None = "auto", quantization_group_size: int | None = None,
+                 quantize_embedding: bool = False):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default).
 
+        `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
+        4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH,
+        "num_speculative_tokens": 4} (jaxinfer/spec_config.py); off per request with
+        SamplingParams(speculative=False).
         `mesh`: e.g. "tensor=4" or "data=2,tensor=4" (sharding.make_mesh); parameters are
         placed shard by shard as they are read. `warm_up=False` leaves compiling to
         `llm.engine.warm_up()` (or to the first step that needs each variant); on several hosts
         every process compiles at start-up regardless, since they must compile together.
-        `quantization`: "int8" (per output channel) or "int4" (groups of `quantization_group_size`
-        inputs, default 64, with zero points) weight-only quantization of every linear layer,
-        applied at load; a checkpoint converted with a quantization loads as saved."""
-        quant = QuantConfig.parse(quantization, quantization_group_size)
+        `quantization`: "int8" (per output channel, or per `quantization_group_size` inputs if
+        given) or "int4" (groups of `quantization_group_size` inputs, default 64, with offsets) weight-only quantization of every linear layer,
+        applied at load (`quantize_embedding=True`: the embedding and LM head too); "gguf" keeps
+        a GGUF file's own quantized blocks (repacked, dequantized inside the step); "none"
+        dequantizes them at load; "auto" (default) is "gguf" for a GGUF file on an accelerator and
+        "none" on the CPU, where native blocks decode slower. A checkpoint converted with a
+        quantization loads as saved."""
+        quant = QuantConfig.parse(quantization, quantization_group_size, quantize_embedding)
         initialize(coordinator_address, num_processes, process_id)  # before any device is used
         config = EngineConfig(
             page_size=page_size, num_pages=num_pages, kv_cache_memory_fraction=kv_cache_memory_fraction,
@@ -70,7 +79,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             num_decode_steps=num_decode_steps, structured_output_overlap=structured_output_overlap,
             attn_impl=attn_impl, penalties=penalties,
-            compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh)
+            compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh,
+            speculative_config=speculative_config)
         place_for = None
         if config.mesh is not None:
             device_mesh = make_mesh(config.mesh)

@@ -6,9 +6,12 @@ loader reads them one at a time, checks names and shapes (every missing, unexpec
 tensor is named in the error), converts to the requested dtype and hands each to `place`, which
 puts it on a device (the default device, or shards of a mesh), so host memory holds at most one
 converted tensor beyond the memory-mapped file. With a quantization (jaxinfer.quant) each linear
-weight is quantized on the host before it is placed, from any format. An orbax checkpoint is restored straight onto the
-devices instead: `place.target` says how each array is split, and every process reads only its
-own shards.
+weight (and with `embedding`, the embedding and LM head) is quantized on the host before it is
+placed, from any format; quantization "gguf" instead repacks a GGUF file's own quantized blocks
+(linear weights, embedding, LM head) into the engine's layout, bit-exact to gguf's dequantizer,
+and "auto" does that on accelerators only (jaxinfer.quant.config says why). An orbax checkpoint
+is restored straight onto the devices instead: `place.target` says how each array is split, and
+every process reads only its own shards.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from checkpoints import (CheckpointError, GGUFCheckpoint, OrbaxCheckpoint, Safet
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
 from jaxinfer.models.specs import TensorSpec
-from jaxinfer.quant import QuantConfig, component_specs, join_components, quantize_field
+from jaxinfer.quant import QuantConfig, join_components, quantize_field, resolve, stored_components
+from jaxinfer.quant.gguf import native_weight
 from jaxinfer.tokenizer import Tokenizer, from_gguf_metadata, load_tokenizer
 from sharding import DevicePlacer, Placer
 
@@ -50,6 +54,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None when not asked for, or when a directory has none
     family: ModelFamily
     path: Path | str  # a str for gs:// checkpoints
+    quantization: QuantConfig | None = None  # what the load ended with ("auto" resolved)
 
 
 def default_model_path() -> Path:
@@ -158,14 +163,13 @@ def load_params(reader, config: ModelConfig, fmt: str, dtype, place: Placer | No
     return family.assemble(config, top, per_layer)
 
 
-def checkpoint_quantization(reader, fmt: str, asked: QuantConfig | None, where: str) -> QuantConfig | None:
-    """The quantization a load ends with: an orbax checkpoint saved quantized keeps its own (asking
-    for another is an error); any other checkpoint gets what was asked."""
+def checkpoint_quantization(reader, fmt: str, asked: QuantConfig | None, where: str,
+                            family: ModelFamily | None = None) -> QuantConfig | None:
+    """The quantization a load ends with (jaxinfer.quant.resolve): an orbax checkpoint saved
+    quantized keeps its own; "auto" keeps a GGUF file's blocks on accelerators."""
     saved = QuantConfig.from_metadata(reader.metadata.get("quantization")) if fmt == ORBAX_FORMAT else None
-    if saved is not None and asked is not None and asked != saved:
-        raise ValueError(f"{where}: the checkpoint is quantized as {saved.to_metadata()}; cannot load it "
-                         f"as quantization={asked.method!r} (group size {asked.group_size})")
-    return saved or asked
+    has_linear = family is None or bool(family.linear_inputs)
+    return resolve(asked, fmt, saved, has_linear, jax.default_backend(), where)
 
 
 def read_fields(reader, config: ModelConfig, fmt: str, dtype, place: Placer | None = None,
@@ -176,7 +180,7 @@ def read_fields(reader, config: ModelConfig, fmt: str, dtype, place: Placer | No
     so. `progress(n)` is told of each n tensors done."""
     family = get_family(config.family)
     dtype = resolve_dtype(dtype)
-    quant = checkpoint_quantization(reader, fmt, quantization, where)
+    quant = checkpoint_quantization(reader, fmt, quantization, where, family)
     if quant is not None and not family.linear_inputs:
         raise ValueError(f"model family {family.name!r} does not support quantization={quant.method!r} yet")
     specs = family.checkpoint_specs(config, fmt)
@@ -191,47 +195,64 @@ def read_fields(reader, config: ModelConfig, fmt: str, dtype, place: Placer | No
         return top, per_layer
     _check_tensors(reader, specs, family.ignored_tensors, where)
     for spec in specs:
-        array = spec.to_ours(np.asarray(reader.get(spec.name)))
-        inputs = family.linear_inputs.get(spec.field)
-        if quant is not None and inputs is not None:
-            value = quantize_field(array, spec.field, inputs, quant, dtype).map(lambda a: place(spec, a))
-        else:
-            value = place(spec, np.ascontiguousarray(array.astype(dtype)))
+        inputs = quant.inputs(spec.field, family.linear_inputs) if quant is not None else None
+        value = _read_field(reader, spec, inputs, quant, dtype, place)
         (top if spec.layer is None else per_layer[spec.layer])[spec.field] = value
         if progress:
             progress(1)
     return top, per_layer
 
 
+def _read_field(reader, spec: TensorSpec, inputs: tuple[int, ...] | None, quant: QuantConfig | None,
+                dtype, place: Placer):
+    """One tensor of an HF or GGUF checkpoint as our field, placed: GGUF blocks repacked (quant
+    "gguf"; a tensor whose blocks do not fit stays float), quantized, or float."""
+    if inputs is not None and quant.method == "gguf":
+        weight = native_weight(reader, spec, inputs, dtype)
+        if weight is not None:
+            return weight.map(lambda a: place(spec, a))
+        logger.info("%s (%s) stays float", spec.name, reader.quant_type(spec.name))
+        inputs = None
+    array = spec.to_ours(np.asarray(reader.get(spec.name)))
+    if inputs is not None:
+        return quantize_field(array, spec.field, inputs, quant, dtype).map(lambda a: place(spec, a))
+    return place(spec, np.ascontiguousarray(array.astype(dtype)))
+
+
 def _restore_fields(reader, specs: list[TensorSpec], dtype, place: Placer, quant: QuantConfig | None,
                     family: ModelFamily, where: str):
     """(field, value, layer) of every spec, restored from an orbax checkpoint; a quantized
-    checkpoint's linear weights from their stored arrays, a float one's quantized if asked."""
+    checkpoint's weights from their stored arrays, a float one's quantized if asked."""
     saved = QuantConfig.from_metadata(reader.metadata.get("quantization"))
-    linear = {s.name: family.linear_inputs[s.field] for s in specs if s.field in family.linear_inputs}
+    quant_of = saved or quant
+    inputs = {s.name: i for s in specs
+              if quant_of is not None and (i := quant_of.inputs(s.field, family.linear_inputs)) is not None}
+    stored = {s.name: stored_components(reader, s, inputs[s.name], saved, dtype) if saved and s.name in inputs
+              else [s] for s in specs}
     requantize = quant is not None and saved is None
-    stored = [part for s in specs for part in
-              (component_specs(s, linear[s.name], saved, dtype) if saved and s.name in linear else [s])]
-    _check_tensors(reader, stored, (), where)
-    arrays = _restore(reader, [s for s in stored if not (requantize and s.name in linear)], dtype, place)
+    _check_tensors(reader, [part for parts in stored.values() for part in parts], (), where)
+    keep = {p.name for parts in stored.values() if len(parts) > 1 for p in parts} \
+        if saved is not None and saved.method == "gguf" else set()  # GGUF scales keep their dtype
+    arrays = _restore(reader, [p for s in specs if not (requantize and s.name in inputs) for p in stored[s.name]],
+                      dtype, place, keep)
     for spec in specs:
-        if saved is not None and spec.name in linear:
-            value = join_components(arrays, spec.name, linear[spec.name], saved)
-        elif requantize and spec.name in linear:  # read whole on this host, quantized, then placed
-            value = quantize_field(np.asarray(reader.get(spec.name)), spec.field, linear[spec.name], quant,
+        if len(stored[spec.name]) > 1:
+            value = join_components(arrays, spec.name, inputs[spec.name], saved, dtype)
+        elif requantize and spec.name in inputs:  # read whole on this host, quantized, then placed
+            value = quantize_field(np.asarray(reader.get(spec.name)), spec.field, inputs[spec.name], quant,
                                    dtype).map(lambda a, s=spec: place(s, a))
         else:
             value = arrays[spec.name]
         yield spec.field, value, spec.layer
 
 
-def _restore(reader: OrbaxCheckpoint, specs: list[TensorSpec], dtype, place: Placer) -> dict:
-    """Every array read straight onto its devices; floating arrays cast to `dtype`, others (the
-    integers of a quantized model) kept as saved."""
+def _restore(reader: OrbaxCheckpoint, specs: list[TensorSpec], dtype, place: Placer, keep=frozenset()) -> dict:
+    """Every array read straight onto its devices; floating arrays cast to `dtype` (except those
+    named in `keep`), others (the integers of a quantized model) kept as saved."""
     def target(spec: TensorSpec):
         saved = reader.dtype(spec.name)
         return place.target(spec.field, spec.ckpt_shape,
-                            dtype if jnp.issubdtype(saved, jnp.floating) else saved)
+                            dtype if jnp.issubdtype(saved, jnp.floating) and spec.name not in keep else saved)
 
     arrays = reader.restore({spec.name: target(spec) for spec in specs})
     return {spec.name: place.finish(spec.field, arrays[spec.name]) for spec in specs}
@@ -245,7 +266,9 @@ def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: 
 
     `place_for(config, family)` builds the place hook once the config is read (a mesh placer
     needs the head counts); without it every tensor goes to the default device. `quantization`:
-    weight-only int8 / int4 of every linear layer, applied as each weight is read."""
+    weight-only int8 / int4 of every linear layer, applied as each weight is read; "gguf" keeps
+    a GGUF file's quantized blocks; "auto" is "gguf" for a GGUF file on an accelerator and none
+    elsewhere; None or "none" dequantizes."""
     path = path if is_remote(path) else Path(path) if path is not None else default_model_path()
     start = time.perf_counter()
     files = side_files(path)
@@ -260,7 +283,9 @@ def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: floa
           quantization: QuantConfig | None) -> LoadedModel:
     config, reader, fmt = open_checkpoint(path, files)
     place = place_for(config, get_family(config.family)) if place_for is not None else None
-    params = load_params(reader, config, fmt, dtype, place, where=str(path), quantization=quantization)
+    family = get_family(config.family)
+    quant = checkpoint_quantization(reader, fmt, quantization, str(path), family)
+    params = load_params(reader, config, fmt, dtype, place, where=str(path), quantization=quant)
     tokenizer = None
     if with_tokenizer:
         # A GGUF carries its vocabulary in the metadata already read; a directory its own files.
@@ -272,4 +297,4 @@ def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: floa
             logger.warning("%s has no tokenizer files: prompts must be token ids", path)
     logger.info("loaded %s (%s, %d layers) in %.1fs", path, config.model_type, config.num_layers,
                 time.perf_counter() - start)
-    return LoadedModel(config, params, tokenizer, get_family(config.family), path)
+    return LoadedModel(config, params, tokenizer, family, path, quant)

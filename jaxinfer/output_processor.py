@@ -97,6 +97,10 @@ class OutputProcessor:
             if new:  # tokens that came together (a decode window) share the gap evenly
                 m.inter_token_latencies += [(now - m.last_token_time) / new] * new
             m.last_token_time = now
+        seqs = [s.seq for s in state.samples]
+        m.num_draft_tokens = sum(s.num_draft_tokens for s in seqs)
+        m.num_accepted_tokens = sum(s.num_accepted_tokens for s in seqs)
+        m.num_verify_steps = sum(s.num_verify_steps for s in seqs)
         finished = state.finished
         if finished:
             m.finished_time = now

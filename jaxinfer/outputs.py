@@ -37,6 +37,21 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
+    # Speculative decoding, summed over the request's samples: draft tokens verified, how many of
+    # them the target accepted, and in how many verify steps.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens (None: nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verify step emitted on average: its accepted drafts plus the one it samples."""
+        return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
 
     @property
     def queue_time(self) -> float | None:

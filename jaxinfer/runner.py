@@ -40,7 +40,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.inputs import InputBuilder, StepInputs
-from jaxinfer.loader import LoadedModel, resolve_dtype
+from jaxinfer.kv_calibration import calibrated_caches
+from jaxinfer.loader import LoadedModel
+from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.step import decode_window, forward_part, sample_part, step
 from pallas_kernels import kv_cache_shape
@@ -97,8 +99,7 @@ class ModelRunner:
         self.num_replicas = axis_size(self.mesh, DATA)
         self.params = model.params if self.mesh is None else shard_params(
             model.params, self.family.param_axes, self.mesh, self.layout)
-        kv_dtype = model.params.embed.dtype if engine.kv_cache_dtype == "auto" else resolve_dtype(engine.kv_cache_dtype)
-        self.kv_dtype = jnp.dtype(kv_dtype)
+        self.kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, model.params.embed.dtype)
         # Every host must allocate the same pool: process 0's number wins.
         self.num_pages = broadcast_int(
             plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device))
@@ -108,7 +109,9 @@ class ModelRunner:
         self.buckets = tuple(sorted({-(-b // sp) * sp for b in engine.buckets()}))
         self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=self.pages_per_seq,
                                    max_model_len=max_model_len, vocab_size=self.config.vocab_size,
-                                   num_replicas=self.num_replicas)
+                                   num_replicas=self.num_replicas, num_speculative_tokens=(
+                                       engine.speculative_config.num_speculative_tokens
+                                       if engine.speculative_config is not None else 0))
         max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
         parts = (self.family, self.config, engine.attn_impl, max_seqs)
         prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)
@@ -120,7 +123,7 @@ class ModelRunner:
             self._prev_tokens = jax.device_put(self._prev_tokens, self._home)
         else:
             replicated = NamedSharding(self.mesh, P())
-            out_shardings = (replicated, tuple(c.sharding for c in self.kv_caches), replicated)
+            out_shardings = (replicated, jax.tree.map(lambda c: c.sharding, self.kv_caches), replicated)
             self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
         self._step = self._jit(functools.partial(step, *parts), out_shardings)
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
@@ -143,7 +146,7 @@ class ModelRunner:
             step = jax.vmap(step, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA)
         return jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
 
-    def _allocate_kv_caches(self) -> tuple[jax.Array, ...]:
+    def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
         shape = kv_cache_shape(self.num_pages, self.engine.page_size, self.layout.cache_kv_heads,
                                self.config.head_dim)
         if self.num_replicas > 1:
@@ -152,7 +155,11 @@ class ModelRunner:
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
         zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=sharding)
-        return tuple(zeros() for _ in range(self.config.num_layers))
+        caches = tuple(zeros() for _ in range(self.config.num_layers))
+        if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
+            caches = calibrated_caches(caches, self.model, self.params, self.layout.cache_kv_heads,
+                                       self.engine.attn_impl, self.mesh)
+        return caches
 
     @property
     def _home(self) -> SingleDeviceSharding:
@@ -164,7 +171,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(c.nbytes for c in self.kv_caches)
+        return sum(c.nbytes for c in jax.tree.leaves(self.kv_caches))
 
     def prepare(self, plan: SchedulerPlan | list[SchedulerPlan],
                 previous: list[SchedulerPlan] | None = None, masks: bool = True) -> StepInputs:
@@ -173,9 +180,9 @@ class ModelRunner:
         `masks=False` leaves grammar rows' allowed bits for `inputs.fill_masks` (split step)."""
         return self.inputs.prepare(plan, previous, masks)
 
-    def padding_inputs(self, t_bucket: int, with_history: bool) -> StepInputs:
+    def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False) -> StepInputs:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
-        return self.inputs.padding_inputs(t_bucket, with_history)
+        return self.inputs.padding_inputs(t_bucket, with_history, spec)
 
     def execute(self, inputs: StepInputs, num_steps: int = 1) -> SamplerOutput:
         """Runs the step and waits for it. Returns numpy outputs (with a leading [data] axis when
@@ -235,7 +242,8 @@ class ModelRunner:
         return inputs.replace(
             token_ids=tokens, positions=tokens, prev_rows=tokens,
             meta=jax.tree.map(lambda _: other, inputs.meta),
-            logits_indices=other, sampling=jax.tree.map(lambda _: other, inputs.sampling))
+            logits_indices=other, sampling=jax.tree.map(lambda _: other, inputs.sampling),
+            spec=jax.tree.map(lambda _: other, inputs.spec))
 
     def warm_up(self) -> float:
         """Compiles every (bucket, penalty-history) variant; returns the seconds it took."""
@@ -243,6 +251,8 @@ class ModelRunner:
         for t_bucket in self.buckets:
             for with_history in (False, True) if self.engine.penalties else (False,):
                 self.execute(self.padding_inputs(t_bucket, with_history))
+            if self.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
+                self.execute(self.padding_inputs(t_bucket, False, spec=True))
         for t_bucket in self.window_buckets:
             self.execute(self.padding_inputs(t_bucket, False), self.num_decode_steps)
         for t_bucket in self.split_buckets:

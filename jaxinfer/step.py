@@ -4,6 +4,10 @@
     decode_window = `num_steps` steps of a decode-only batch in one call (lax.scan)
     forward_part  -> the hidden state of each sequence's last token [S, E] and the updated caches
     sample_part   -> LM head + in-jit sampling over those rows
+    verify_part   -> (inputs with drafts: speculative decoding) LM head over each sequence's
+                     last known token and its drafts, sampling at every position and the
+                     accepted count (sampling/rejection.py); the tokens handed on are each
+                     row's last emitted one
 
 The split pair serves structured output: the forward of step N+1 is dispatched before step N's
 tokens reach the host, and the sampling call follows once the host has advanced each grammar
@@ -19,6 +23,7 @@ from jaxinfer.inputs import StepInputs
 from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.params import MAX_LOGPROBS
+from jaxinfer.sampling.rejection import SpecInputs, VerifyOutput, last_tokens, verify
 from jaxinfer.sampling.sampler import SamplerOutput, sample
 
 
@@ -27,7 +32,10 @@ def step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int
          ) -> tuple[SamplerOutput, KVCaches, jax.Array]:
     """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here."""
     hidden, kv_caches = forward_part(family, config, attn_impl, params, kv_caches, inputs, prev_tokens)
-    out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampling)
+    if inputs.spec is not None:
+        out, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampling, inputs.spec)
+    else:
+        out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampling)
     return out, kv_caches, sampled
 
 
@@ -51,6 +59,15 @@ def sample_part(family: ModelFamily, max_seqs: int, params: ModelParams, hidden:
     out = sample(logits, sampling, num_top_logprobs=MAX_LOGPROBS)
     sampled = jnp.zeros((max_seqs,), jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
     return out, sampled
+
+
+def verify_part(family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array,
+                sampling: SamplingArrays, spec: SpecInputs) -> tuple[VerifyOutput, jax.Array]:
+    """hidden [S*(K+1), E]: each sequence's last known token and drafts -> VerifyOutput [S, K+1]."""
+    logits = family.compute_logits(params, hidden)  # [S*(K+1), V]
+    out = verify(logits, sampling, spec, num_top_logprobs=MAX_LOGPROBS)
+    last = last_tokens(out)  # [S]
+    return out, jnp.zeros((max_seqs,), jnp.int32).at[:last.shape[0]].set(last)
 
 
 def decode_window(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int,

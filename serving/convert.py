@@ -17,7 +17,7 @@ from serving.proto import jaxinfer_pb2 as pb
 # SamplingOptions fields that are `optional` scalars and map 1:1 onto SamplingParams.
 _SCALAR_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
-                  "include_stop_str_in_output", "skip_special_tokens")
+                  "include_stop_str_in_output", "skip_special_tokens", "speculative")
 
 
 class RequestError(ValueError):
@@ -168,7 +168,9 @@ def response(out: RequestOutput) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=out.request_id, finished=out.finished,
                               usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens,
                                              completion_tokens=out.usage.completion_tokens,
-                                             cached_prompt_tokens=out.usage.cached_prompt_tokens))
+                                             cached_prompt_tokens=out.usage.cached_prompt_tokens,
+                                             draft_tokens=out.metrics.num_draft_tokens,
+                                             accepted_draft_tokens=out.metrics.num_accepted_tokens))
     for c in out.outputs:
         delta = msg.outputs.add(index=c.index, text=c.text, token_ids=c.token_ids,
                                 finish_reason=c.finish_reason or "")

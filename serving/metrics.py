@@ -54,8 +54,18 @@ class ServerMetrics:
         self.prefix_queries = prom.Counter("jaxinfer_prefix_cache_queries", "prompt tokens looked up", registry=r)
         self.prefix_hits = prom.Counter("jaxinfer_prefix_cache_hits", "prompt tokens served from the cache",
                                         registry=r)
+        # Speculative decoding (when the engine has it on): totals since start-up.
+        self.spec_counters = {
+            key: prom.Counter(f"jaxinfer_spec_decode_{name}", doc, registry=r) for key, name, doc in (
+                ("spec_draft_tokens", "draft_tokens", "draft tokens verified"),
+                ("spec_accepted_tokens", "accepted_tokens", "draft tokens the target accepted"),
+                ("spec_verify_steps", "verify_steps", "verify steps, counted per sequence with drafts"))}
+        self.spec_acceptance = prom.Gauge("jaxinfer_spec_decode_acceptance_rate",
+                                          "accepted / draft tokens since start-up", registry=r)
+        self.spec_mean_length = prom.Gauge("jaxinfer_spec_decode_mean_accepted_length", "tokens emitted "
+                                           "per verify step (accepted drafts + 1) since start-up", registry=r)
         self._window: collections.deque[tuple[float, int]] = collections.deque()
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, **dict.fromkeys(self.spec_counters, 0)}
         self._http = None
 
     # --- engine thread --------------------------------------------------------------------------
@@ -95,6 +105,12 @@ class ServerMetrics:
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
             self._seen[key] = value
+        if "spec_draft_tokens" in stats:
+            for key, counter in self.spec_counters.items():
+                counter.inc(max(0, stats[key] - self._seen[key]))
+                self._seen[key] = stats[key]
+            self.spec_acceptance.set(stats["spec_acceptance_rate"])
+            self.spec_mean_length.set(stats["spec_mean_accepted_length"])
 
     # --- HTTP -----------------------------------------------------------------------------------
     def exposition(self) -> tuple[bytes, str]:

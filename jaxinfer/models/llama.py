@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
-from jaxinfer.quant import einsum
+from jaxinfer.quant import einsum, fuse
 
 
 @flax.struct.dataclass
@@ -131,7 +131,7 @@ def fuse_qkv(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
     Query head h belongs to KV head h // (H/K)."""
     wq, wk, wv = fields.pop("wq"), fields.pop("wk"), fields.pop("wv")
     k = wk.shape[1]
-    fields["w_qkv"] = jax.tree.map(  # a quantized weight's scales [1|E/g, H, D] fuse alike
+    fields["w_qkv"] = fuse(  # a quantized weight's scales [1|E/g, H, D] fuse alike
         lambda q, kk, v: jnp.concatenate([q.reshape(q.shape[0], k, -1, q.shape[2]), kk[:, :, None],
                                           v[:, :, None]], axis=2), wq, wk, wv)
     if "bq" in fields:
@@ -142,7 +142,7 @@ def fuse_qkv(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 def fuse_gate_up(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """w_gate, w_up [E, F] -> w_gate_up [E, 2, F], in place."""
-    fields["w_gate_up"] = jax.tree.map(lambda g, u: jnp.stack([g, u], axis=1), fields.pop("w_gate"),
+    fields["w_gate_up"] = fuse(lambda g, u: jnp.stack([g, u], axis=1), fields.pop("w_gate"),
                                        fields.pop("w_up"))
     return fields
 
@@ -202,7 +202,7 @@ def forward(params: LlamaParams, config: ModelConfig, tokens, positions, kv_cach
 def compute_logits(params: LlamaParams, hidden):
     """hidden [N, E] -> logits f32[N, V]."""
     if params.lm_head is None:
-        logits = jnp.einsum("ne,ve->nv", hidden, params.embed)
+        logits = einsum("ne,ve->nv", hidden, params.embed)
     else:
-        logits = jnp.einsum("ne,ev->nv", hidden, params.lm_head)
+        logits = einsum("ne,ev->nv", hidden, params.lm_head)
     return logits.astype(jnp.float32)

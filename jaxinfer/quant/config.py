@@ -3,7 +3,7 @@
 `QuantConfig` is checked where the user names it (LLM, the CLI, `jaxinfer convert`); the loader
 calls `quantize_field` on each linear weight as it is read (on the host, before it is placed, so
 no device ever holds the float weight). An orbax checkpoint saved quantized stores each weight's
-arrays as NAME.values, NAME.scales (and NAME.zeros); `component_specs` names and shapes them so
+arrays as NAME.values, NAME.scales (and NAME.offsets or NAME.zeros); `component_specs` names and shapes them so
 a load restores them as saved, and its metadata carries `QuantConfig.to_metadata()`.
 """
 from __future__ import annotations
@@ -17,46 +17,99 @@ import numpy as np
 
 from jaxinfer.quant.weights import QuantizedWeight, quantize_int4, quantize_int8
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "gguf")
+CHOICES = ("auto", "none", *METHODS)  # what the API and the CLI accept
 DEFAULT_GROUP_SIZE = 64
+PARTS = ("values", "scales", "zeros", "offsets")  # a quantized weight's arrays, NAME.values, ...
+# The embedding [V, E] and an untied LM head [E, V], by their input (contracted) axes: every
+# family names them so (ModelParams), and a tied LM head contracts the embedding over E.
+EMBEDDING_INPUTS = {"embed": (1,), "lm_head": (0,)}
+# quantization="auto" on a GGUF file: keep its quantized blocks on these backends, dequantize
+# them at load elsewhere. On the CPU native blocks decode slower (SmolLM2-135M Q4_1, LLM
+# defaults, 2-core x86_64 shared with other jobs, 2026-11-23: 5.0 vs 9.4 tok/s at batch 1, 26.3
+# vs 32.6 at batch 8): its float32 matmuls are compute-bound and every step re-expands the
+# integers. Accelerators decode memory-bound, where reading 4.5-8.5 bits a weight beats 16-32.
+GGUF_NATIVE_BACKENDS = ("gpu", "tpu", "cuda", "rocm")
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    method: str  # "int8" (per output channel) or "int4" (group-wise, with zero points)
-    group_size: int = DEFAULT_GROUP_SIZE  # int4 only: inputs sharing one scale and zero point
+    """method: "int8" (per output channel, or per group of inputs), "int4" (group-wise, with float
+    offsets), "gguf" (a GGUF file's own quantized blocks kept), or "auto" (resolved per checkpoint
+    by `resolve`)."""
+    method: str
+    # Inputs sharing one scale: int4 default 64; int8 default 0 = one scale per output channel.
+    group_size: int | None = None
+    embedding: bool = False  # int8 / int4: the embedding and LM head quantized too
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown quantization {self.method!r}; choose one of {list(METHODS)} "
-                             "(or none)")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
-                or self.group_size < 2 or self.group_size % 2:
+        if self.method not in METHODS + ("auto",):
+            raise ValueError(f"unknown quantization {self.method!r}; choose one of {list(CHOICES)}")
+        if self.group_size is None:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE if self.method == "int4" else 0)
+        per_channel = self.group_size == 0 and self.method != "int4" and not isinstance(self.group_size, bool)
+        if not per_channel and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                or self.group_size < 2 or self.group_size % 2):
             raise ValueError(f"quantization_group_size={self.group_size!r}: expected an even integer "
                              ">= 2 (e.g. 32, 64 or 128)")
+        if self.embedding and self.method not in ("int8", "int4"):
+            raise ValueError(f"quantize_embedding=True needs quantization int8 or int4, not {self.method!r} "
+                             "(a GGUF file's quantized embedding is kept by quantization='gguf')")
 
     @classmethod
-    def parse(cls, method: str | None, group_size: int | None = None) -> "QuantConfig | None":
+    def parse(cls, method: str | None, group_size: int | None = None,
+              embedding: bool = False) -> "QuantConfig | None":
         """None or "none" -> None; otherwise a checked QuantConfig."""
         if method is None or method == "none":
+            if embedding:
+                raise ValueError("quantize_embedding=True needs quantization int8 or int4, not none")
             return None
-        return cls(method, DEFAULT_GROUP_SIZE if group_size is None else group_size)
+        return cls(method, group_size, bool(embedding))
 
     def to_metadata(self) -> dict[str, Any]:
-        return {"method": self.method, "group_size": self.group_size if self.method == "int4" else None}
+        return {"method": self.method, "group_size": self.group_size or None, "embedding": self.embedding}
 
     @classmethod
     def from_metadata(cls, record: Mapping[str, Any] | None) -> "QuantConfig | None":
         if not record:
             return None
-        return cls(record["method"], record.get("group_size") or DEFAULT_GROUP_SIZE)
+        return cls(record["method"], record.get("group_size"), bool(record.get("embedding", False)))
+
+    def inputs(self, field: str, linear_inputs: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+        """The input axes of `field` if this quantization replaces it, else None."""
+        if field in linear_inputs:
+            return linear_inputs[field]
+        if self.method == "gguf" or self.embedding:
+            return EMBEDDING_INPUTS.get(field)
+        return None
+
+
+def resolve(asked: QuantConfig | None, fmt: str, saved: QuantConfig | None, has_linear: bool,
+            backend: str, where: str) -> QuantConfig | None:
+    """The quantization a load ends with. `fmt`: "hf", "gguf" or "ours" (orbax, `saved` its own:
+    kept, and asking for another is an error); "auto" keeps a GGUF file's blocks on
+    GGUF_NATIVE_BACKENDS when the family can take quantized linear weights, else it is none."""
+    if saved is not None:
+        if asked is not None and asked.method != "auto" and asked != saved:
+            raise ValueError(f"{where}: the checkpoint is quantized as {saved.to_metadata()}; cannot load "
+                             f"it as quantization={asked.method!r} (group size {asked.group_size})")
+        return saved
+    if asked is None:
+        return None
+    if asked.method == "auto":
+        native = fmt == "gguf" and has_linear and backend in GGUF_NATIVE_BACKENDS
+        return QuantConfig("gguf") if native else None
+    if asked.method == "gguf" and fmt != "gguf":
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks, but {where} is "
+                         f"not a GGUF file; use int8 or int4 to quantize it")
+    return asked
 
 
 def quantize_field(array: np.ndarray, field: str, inputs: tuple[int, ...], quant: QuantConfig,
                    scale_dtype) -> QuantizedWeight:
     """One linear weight in our layout (`inputs`: its input axes) -> its host QuantizedWeight."""
     if quant.method == "int8":
-        return quantize_int8(array, inputs, scale_dtype)
+        return quantize_int8(array, inputs, scale_dtype, quant.group_size, name=field)
     return quantize_int4(array, inputs, quant.group_size, scale_dtype, name=field)
 
 
@@ -64,14 +117,17 @@ def component_shapes(shape: tuple[int, ...], inputs: tuple[int, ...], quant: Qua
                      scale_dtype) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The arrays a weight of this float shape is stored as: {component: (shape, dtype)}."""
     if quant.method == "int8":
-        scales = tuple(1 if i in inputs else n for i, n in enumerate(shape))
-        return {"values": (tuple(shape), np.dtype(np.int8)), "scales": (scales, np.dtype(scale_dtype))}
+        scales = [1 if i in inputs else n for i, n in enumerate(shape)]
+        if quant.group_size:  # grouped along the last input axis, varying over the others
+            scales = [n for n in shape]
+            scales[inputs[-1]] //= quant.group_size
+        return {"values": (tuple(shape), np.dtype(np.int8)), "scales": (tuple(scales), np.dtype(scale_dtype))}
     axis = inputs[-1]
     values, scales = list(shape), list(shape)
     values[axis] //= 2
     scales[axis] //= quant.group_size
     return {"values": (tuple(values), np.dtype(np.uint8)), "scales": (tuple(scales), np.dtype(scale_dtype)),
-            "zeros": (tuple(scales), np.dtype(scale_dtype))}
+            "offsets": (tuple(scales), np.dtype(scale_dtype))}
 
 
 def component_specs(spec, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype) -> list:
@@ -81,12 +137,34 @@ def component_specs(spec, inputs: tuple[int, ...], quant: QuantConfig, scale_dty
             for part, (shape, _) in shapes.items()]
 
 
+def stored_components(reader, spec, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype) -> list:
+    """The checkpoint specs a quantized orbax checkpoint stores `spec` as: our int8 / int4 by
+    `component_specs`; a GGUF-native one as the arrays it holds (a tensor GGUF kept float, or
+    whose blocks did not fit our layout, is stored float under its own name)."""
+    if quant.method != "gguf":
+        specs = component_specs(spec, inputs, quant, scale_dtype)
+        if quant.method == "int4" and f"{spec.name}.zeros" in set(reader.keys()):  # saved with zero points
+            specs = [dataclasses.replace(s, name=f"{spec.name}.zeros") if s.name.endswith(".offsets") else s
+                     for s in specs]
+        return specs
+    names = set(reader.keys())
+    parts = [f"{spec.name}.{part}" for part in PARTS if f"{spec.name}.{part}" in names]
+    if not parts:
+        return [spec]
+    return [dataclasses.replace(spec, name=name, ckpt_shape=tuple(reader.shape(name))) for name in parts]
+
+
 def join_components(arrays: Mapping[str, Any], name: str, inputs: tuple[int, ...],
-                    quant: QuantConfig) -> QuantizedWeight:
-    """The QuantizedWeight restored as NAME.values, NAME.scales (and NAME.zeros)."""
-    zeros = arrays.get(f"{name}.zeros")
-    return QuantizedWeight(arrays[f"{name}.values"], arrays[f"{name}.scales"], zeros, quant.method,
-                           inputs, quant.group_size if quant.method == "int4" else 0)
+                    quant: QuantConfig, dtype=None) -> QuantizedWeight:
+    """The QuantizedWeight restored as NAME.values, NAME.scales (, NAME.zeros, NAME.offsets)."""
+    values, scales = arrays[f"{name}.values"], arrays[f"{name}.scales"]
+    method = "int4" if values.dtype == np.uint8 else "int8"
+    if quant.method == "gguf":
+        group = values.shape[inputs[-1]] * (2 if method == "int4" else 1) // scales.shape[inputs[-1]]
+    else:
+        group = quant.group_size
+    return QuantizedWeight(values, scales, arrays.get(f"{name}.zeros"), method, inputs, group,
+                           arrays.get(f"{name}.offsets"), dtype)
 
 
 def flat_arrays(name: str, value) -> dict[str, Any]:
@@ -108,7 +186,21 @@ def param_count(params) -> int:
 
 
 def quantization_of(params) -> str | None:
-    """"int8", "int4" or None: the method of the tree's quantized weights."""
+    """"int8", "int4", "mixed" (GGUF blocks of several layouts) or None: how the tree's quantized
+    weights store their integers."""
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     methods = {x.method for x in jax.tree.leaves(params, is_leaf=is_weight) if is_weight(x)}
-    return next(iter(methods)) if methods else None
+    return None if not methods else methods.pop() if len(methods) == 1 else "mixed"
+
+
+def quantized_tensors(params) -> dict[str, dict[str, int]]:
+    """{field: {layout: how many}} of the tree's quantized weights, e.g. {"w_qkv": {"int4 g32
+    +offsets": 30}, "embed": {"int8 g32": 1}} (a field repeats once per layer)."""
+    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    found: dict[str, dict[str, int]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_weight)[0]:
+        if is_weight(leaf):
+            field = next((k.name for k in reversed(path) if isinstance(k, jax.tree_util.GetAttrKey)), str(path))
+            counts = found.setdefault(field, {})
+            counts[leaf.layout()] = counts.get(leaf.layout(), 0) + 1
+    return found

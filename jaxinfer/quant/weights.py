@@ -1,23 +1,31 @@
 """Weight-only quantized linear weights: the pytree, host-side quantizers, and the in-jit einsum.
 
-    int8: symmetric, one scale per output channel: w ~ q * s, q in [-127, 127].
-    int4: asymmetric, one scale and one integer zero point per group of `group` consecutive
-          inputs (along the weight's last input axis) and output channel: w ~ (q - z) * s,
-          q in [0, 15]; two q per byte (uint8), the even input index in the low nibble.
+    int8: integers q (int8), one scale per output channel (group 0) or per group of `group`
+          consecutive inputs: w ~ q * s; our int8 method uses q in [-127, 127].
+    int4: q in [0, 15], two per byte (uint8), the even input index in the low nibble, one scale
+          per group of `group` consecutive inputs (along the weight's last input axis).
+    Either may carry integer zero points, w ~ (q - z) * s (GGUF Q4_0's constant 8; int4 checkpoints
+    saved before offsets), or float offsets added after scaling, w ~ q * s + o (our int4: o is the
+    group's minimum; GGUF Q4_1 / Q5_1 mins, the K-quants' -dmin * m); GGUF's blocks are repacked
+    into these layouts by quant/gguf.py.
 
 Weights keep our layout [in axes..., out axes...] and `inputs` says which axes are inputs (the
-contracted ones). Scales and zero points keep the weight's rank: size 1 on the axes they do not
-vary over (int8: every input axis), the group count on the grouped axis (int4). So they share
-their weight's logical axis names and split over a mesh like it, and fusing q|k|v or gate|up
-along output axes is the same concatenation on every array (`jax.tree.map`).
+contracted ones). Scales, zero points and offsets keep the weight's rank: size 1 on the axes they
+do not vary over (per-channel int8: every input axis), the group count on the grouped axis. So
+they share their weight's logical axis names and split over a mesh like it, and fusing q|k|v or
+gate|up along output axes is the same concatenation on every array (quant/fuse.py).
 
 A QuantizedWeight's arrays sit in the tree under index keys, not names: a sharding rule, which
 looks up the nearest name on a leaf's path, finds the field the weight fills (e.g. "w_qkv").
+`dtype` is the float dtype the weight stands for (the model's): dequantizing computes in the
+wider of it and the scales' dtype (GGUF scales are float16 / float32), then casts to it.
 
 `einsum` is the one matmul every linear layer calls. Plain arrays pass straight to jnp.einsum;
-int8 runs the dot on the integers converted to the activation dtype and scales its output
-columns; int4 is dequantized first (its scales vary along the contraction). Inside the jitted step
-XLA fuses the conversion into the dot's operand on GPU/TPU; the weights stay quantized in memory.
+per-channel int8 runs the dot on the integers converted to the activation dtype and scales its
+output columns; every other layout is dequantized first (its scales vary along the contraction).
+Inside the jitted step XLA fuses the conversion into the dot's operand on GPU/TPU; the weights
+stay quantized in memory. `embedding_rows` gathers rows of a (quantized) embedding, then
+dequantizes only those.
 """
 from __future__ import annotations
 
@@ -29,11 +37,13 @@ INT4_LEVELS = 15
 
 
 class QuantizedWeight:
-    """values (int8, or uint8 holding two int4), scales, zeros (int4 only) + static layout."""
+    """values (int8, or uint8 holding two int4), scales, optional zeros / offsets + static layout."""
 
-    def __init__(self, values, scales, zeros, method: str, inputs: tuple[int, ...], group: int = 0):
-        self.values, self.scales, self.zeros = values, scales, zeros
+    def __init__(self, values, scales, zeros, method: str, inputs: tuple[int, ...], group: int = 0,
+                 offsets=None, dtype=None):
+        self.values, self.scales, self.zeros, self.offsets = values, scales, zeros, offsets
         self.method, self.inputs, self.group = method, tuple(inputs), group
+        self.dtype = np.dtype(scales.dtype if dtype is None else dtype)
 
     @property
     def axis(self) -> int:
@@ -48,63 +58,101 @@ class QuantizedWeight:
             shape[self.axis] *= 2
         return tuple(shape)
 
+    def layout(self) -> str:
+        """E.g. "int4 g32 +offsets", "int8 per-channel": how the weight is stored."""
+        parts = [self.method, f"g{self.group}" if self.group else "per-channel"]
+        parts += [] if self.zeros is None else ["+zeros"]
+        return " ".join(parts + ([] if self.offsets is None else ["+offsets"]))
+
     def arrays(self) -> dict[str, jax.Array | np.ndarray]:
         """Its arrays by component name (how a checkpoint stores them)."""
-        named = {"values": self.values, "scales": self.scales}
-        return named if self.zeros is None else {**named, "zeros": self.zeros}
+        named = {"values": self.values, "scales": self.scales, "zeros": self.zeros, "offsets": self.offsets}
+        return {name: array for name, array in named.items() if array is not None}
+
+    def devices(self):
+        return self.values.devices()
+
+    def __getitem__(self, rows) -> jax.Array:
+        """`embed[tokens]` of a quantized embedding [V, E]: the rows gathered, then dequantized."""
+        if 0 in self.inputs:
+            raise TypeError(f"{self!r}: rows of a weight are gathered only along a non-input first axis")
+        return dequantize(self.map(lambda a: a[rows]))
 
     def map(self, fn) -> "QuantizedWeight":
         """fn applied to each array (e.g. placing each on its devices)."""
-        zeros = None if self.zeros is None else fn(self.zeros)
-        return QuantizedWeight(fn(self.values), fn(self.scales), zeros, self.method, self.inputs, self.group)
+        maybe = lambda a: None if a is None else fn(a)  # noqa: E731
+        return QuantizedWeight(fn(self.values), fn(self.scales), maybe(self.zeros), self.method, self.inputs,
+                               self.group, maybe(self.offsets), self.dtype)
 
     def __repr__(self) -> str:
-        return f"QuantizedWeight({self.method}, shape={self.shape}, inputs={self.inputs}, group={self.group})"
+        return f"QuantizedWeight({self.layout()}, shape={self.shape}, inputs={self.inputs}, dtype={self.dtype})"
 
 
 def _flatten_with_keys(w: QuantizedWeight):
-    children = (w.values, w.scales, w.zeros)
-    keys = [jax.tree_util.FlattenedIndexKey(i) for i in range(3)]
-    return list(zip(keys, children)), (w.method, w.inputs, w.group)
+    children = (w.values, w.scales, w.zeros, w.offsets)
+    keys = [jax.tree_util.FlattenedIndexKey(i) for i in range(4)]
+    return list(zip(keys, children)), (w.method, w.inputs, w.group, w.dtype)
 
 
 def _unflatten(aux, children) -> QuantizedWeight:
-    return QuantizedWeight(*children, *aux)
+    values, scales, zeros, offsets = children
+    method, inputs, group, dtype = aux
+    return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype)
 
 
 jax.tree_util.register_pytree_with_keys(
     QuantizedWeight, _flatten_with_keys, _unflatten,
-    lambda w: ((w.values, w.scales, w.zeros), (w.method, w.inputs, w.group)))
+    lambda w: ((w.values, w.scales, w.zeros, w.offsets), (w.method, w.inputs, w.group, w.dtype)))
 
 
-def quantize_int8(w: np.ndarray, inputs: tuple[int, ...], scale_dtype) -> QuantizedWeight:
-    """Per output channel: the largest |w| over the input axes maps to 127."""
-    w32 = np.asarray(w, np.float32)
-    amax = np.max(np.abs(w32), axis=inputs, keepdims=True)
-    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    values = np.clip(np.rint(w32 / scales), -127, 127).astype(np.int8)
-    return QuantizedWeight(values, scales.astype(scale_dtype), None, "int8", inputs)
-
-
-def quantize_int4(w: np.ndarray, inputs: tuple[int, ...], group: int, scale_dtype,
+def quantize_int8(w: np.ndarray, inputs: tuple[int, ...], scale_dtype, group: int = 0,
                   name: str = "weight") -> QuantizedWeight:
-    """Groups of `group` inputs along the last input axis, each mapped onto 0..15 by its min/max."""
+    """Symmetric: the largest |w| maps to 127, per output channel (group 0: over all input axes)
+    or per group of `group` consecutive inputs along the last input axis."""
     w32 = np.asarray(w, np.float32)
+    if not group:
+        amax = np.max(np.abs(w32), axis=inputs, keepdims=True)
+        scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+        values = np.clip(np.rint(w32 / scales), -127, 127).astype(np.int8)
+        return QuantizedWeight(values, scales.astype(scale_dtype), None, "int8", inputs)
+    grouped, axis = _grouped(w32, inputs, group, name)
+    amax = np.max(np.abs(grouped), axis=axis + 1, keepdims=True)
+    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    values = np.clip(np.rint(grouped / scales), -127, 127).astype(np.int8).reshape(w32.shape)
+    return QuantizedWeight(values, np.squeeze(scales, axis + 1).astype(scale_dtype), None, "int8", inputs, group)
+
+
+def _grouped(w32: np.ndarray, inputs: tuple[int, ...], group: int, name: str) -> tuple[np.ndarray, int]:
+    """w with its last input axis split into (n / group, group), and that axis."""
     axis, n = inputs[-1], w32.shape[inputs[-1]]
     if n % group:
         raise ValueError(f"quantization_group_size={group} does not divide the input dimension {n} "
                          f"of {name} {tuple(w32.shape)}; choose a group size that divides it")
-    grouped = w32.reshape(w32.shape[:axis] + (n // group, group) + w32.shape[axis + 1:])
-    lo = np.minimum(grouped.min(axis=axis + 1, keepdims=True), 0.0)
-    hi = np.maximum(grouped.max(axis=axis + 1, keepdims=True), 0.0)
+    return w32.reshape(w32.shape[:axis] + (n // group, group) + w32.shape[axis + 1:]), axis
+
+
+def quantize_int4(w: np.ndarray, inputs: tuple[int, ...], group: int, scale_dtype,
+                  name: str = "weight") -> QuantizedWeight:
+    """Groups of `group` inputs along the last input axis, each mapped onto 0..15 by its own min
+    and max: w ~ q * s + o with o the group's minimum (a float offset, so a group of one sign
+    keeps all 16 levels inside its range; an integer zero point would have to reach 0)."""
+    w32 = np.asarray(w, np.float32)
+    grouped, axis = _grouped(w32, inputs, group, name)
+    lo = grouped.min(axis=axis + 1, keepdims=True)
+    hi = grouped.max(axis=axis + 1, keepdims=True)
     scales = np.where(hi > lo, (hi - lo) / INT4_LEVELS, 1.0).astype(np.float32)
-    zeros = np.clip(np.rint(-lo / scales), 0, INT4_LEVELS)
-    q = np.clip(np.rint(grouped / scales) + zeros, 0, INT4_LEVELS).astype(np.uint8).reshape(w32.shape)
-    even, odd = np.split(np.moveaxis(q, axis, 0).reshape(n // 2, 2, -1), 2, axis=1)
-    packed = (even | (odd << 4)).reshape((n // 2,) + tuple(np.delete(w32.shape, axis)))
-    values = np.ascontiguousarray(np.moveaxis(packed, 0, axis))
-    return QuantizedWeight(values, np.squeeze(scales, axis + 1).astype(scale_dtype),
-                           np.squeeze(zeros, axis + 1).astype(scale_dtype), "int4", inputs, group)
+    q = np.clip(np.rint((grouped - lo) / scales), 0, INT4_LEVELS).astype(np.uint8).reshape(w32.shape)
+    values = pack_int4(q, axis)
+    return QuantizedWeight(values, np.squeeze(scales, axis + 1).astype(scale_dtype), None, "int4", inputs,
+                           group, offsets=np.squeeze(lo, axis + 1).astype(scale_dtype))
+
+
+def pack_int4(q: np.ndarray, axis: int) -> np.ndarray:
+    """uint8 [.., n, ..] in 0..15 -> uint8 [.., n/2, ..]: each pair along `axis` in one byte, the
+    even index in the low nibble."""
+    q = np.moveaxis(np.asarray(q, np.uint8), axis, 0)
+    packed = q[0::2] | (q[1::2] << 4)
+    return np.ascontiguousarray(np.moveaxis(packed, 0, axis))
 
 
 def unpack_int4(values: jax.Array, axis: int) -> jax.Array:
@@ -115,25 +163,46 @@ def unpack_int4(values: jax.Array, axis: int) -> jax.Array:
     return pairs.reshape(shape)
 
 
-def dequantize(w: QuantizedWeight | jax.Array, dtype) -> jax.Array:
-    """The float weight (in `dtype`) a QuantizedWeight stands for; plain arrays pass through."""
+def integers(w: QuantizedWeight) -> jax.Array:
+    """The weight's integers q, one per weight (int4 unpacked)."""
+    return unpack_int4(w.values, w.axis) if w.method == "int4" else w.values
+
+
+def per_weight(w: QuantizedWeight, array: jax.Array) -> jax.Array:
+    """A scale-shaped array [.., n/group, ..] repeated over each group: [.., n, ..] (per-channel
+    arrays, of size 1 on the inputs, pass as they are and broadcast)."""
+    if not w.group:
+        return array
+    return jnp.repeat(array, w.group, axis=w.axis)
+
+
+def dequantize(w: QuantizedWeight | jax.Array, dtype=None) -> jax.Array:
+    """The float weight a QuantizedWeight stands for, in `dtype` (default: its own); plain arrays
+    pass through. Computed in the wider of `dtype` and the scales' dtype."""
     if not isinstance(w, QuantizedWeight):
         return w
-    if w.method == "int8":
-        return w.values.astype(dtype) * w.scales.astype(dtype)
-    axis, shape = w.axis, w.shape
-    q = unpack_int4(w.values, axis).astype(dtype)
-    grouped = q.reshape(shape[:axis] + (shape[axis] // w.group, w.group) + shape[axis + 1:])
-    scales = jnp.expand_dims(w.scales.astype(dtype), axis + 1)
-    zeros = jnp.expand_dims(w.zeros.astype(dtype), axis + 1)
-    return ((grouped - zeros) * scales).reshape(shape)
+    dtype = w.dtype if dtype is None else dtype
+    compute = jnp.promote_types(w.scales.dtype, dtype)
+    q = integers(w).astype(compute)
+    if w.zeros is not None:
+        q = q - per_weight(w, w.zeros.astype(compute))
+    out = q * per_weight(w, w.scales.astype(compute))
+    if w.offsets is not None:
+        out = out + per_weight(w, w.offsets.astype(compute))
+    return out.astype(dtype)
+
+
+def embedding_rows(embed: QuantizedWeight | jax.Array, tokens: jax.Array) -> jax.Array:
+    """embed [V, E] (rows are not an input axis), tokens i32[T] -> rows [T, E] in the model dtype;
+    a quantized embedding gathers its integers and scales first and dequantizes only those rows."""
+    return embed[tokens]  # QuantizedWeight.__getitem__ gathers, then dequantizes
 
 
 def einsum(spec: str, x: jax.Array, w: QuantizedWeight | jax.Array) -> jax.Array:
     """jnp.einsum(spec, x, w) for a float or quantized weight `w` (the linear layers' matmul)."""
     if not isinstance(w, QuantizedWeight):
         return jnp.einsum(spec, x, w)
-    if w.method != "int8":
+    if w.method != "int8" or w.group or w.zeros is not None or w.offsets is not None:
         return jnp.einsum(spec, x, dequantize(w, x.dtype))
     operands, out = spec.split("->")
     w_letters = operands.split(",")[1]

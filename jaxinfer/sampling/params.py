@@ -180,6 +180,10 @@ class SamplingParams:
     # output mask and before greedy or sampled choice (not to logprobs, which read the raw
     # logits); -100 bans a token, +100 all but forces it. At most MAX_LOGIT_BIAS entries.
     logit_bias: dict[int, float] | None = None
+    # Speculative decoding, when the engine has it on: False runs this request without drafts.
+    # Requests with penalties or structured output never speculate (nor does a batch holding one
+    # with penalties).
+    speculative: bool = True
 
     def __post_init__(self):
         for name, kind, what in (("stop", str, "a string or a list of strings"),
@@ -221,7 +225,7 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):

@@ -19,7 +19,8 @@ from serving.openai.protocol import ChatCompletionRequest, ChatMessage, Completi
 
 # Request fields that are SamplingParams fields of the same name and meaning.
 _SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-              "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+              "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+              "speculative")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left

@@ -54,6 +54,7 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    speculative: bool | None = None  # false: no speculative decoding for this request
     guided_json: Any = None  # a JSON schema (object or JSON text)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

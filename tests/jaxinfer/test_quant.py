@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from model_harness import SingleSequence
-from testpaths import FIXTURES
+from testpaths import FIXTURES, smollm2_gguf_path
 
 from checkpoints.orbax_io import METADATA_FILE
 from jaxinfer.config import EngineConfig
@@ -17,6 +17,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.quant import QuantConfig, QuantizedWeight, einsum, param_bytes, quantize_field
+from jaxinfer.quant import weights as quant_weights
 from jaxinfer.sampling import SamplingParams
 
 LLAMA = FIXTURES / "hf" / "llama3"  # E=64, F=128, head_dim=16: int4 groups of 16 divide every input axis
@@ -118,13 +119,14 @@ def test_nothing_compiles_after_warm_up(models, tmp_path):
     assert engine.runner.num_compiled() == variants and compiles == []
 
 
-@pytest.mark.parametrize("quant", [QuantConfig("int8"), INT4])
+@pytest.mark.parametrize("quant", [QuantConfig("int8"), QuantConfig("int8", 16), INT4])
 def test_orbax_round_trip_restores_without_requantizing(models, tmp_path, quant):
     convert(LLAMA, tmp_path / "ckpt", dtype="float32", progress=False, quantization=quant)
     meta = json.loads((tmp_path / "ckpt" / METADATA_FILE).read_text())
     assert meta["quantization"] == quant.to_metadata()
     got = load_model(tmp_path / "ckpt", "float32", with_tokenizer=False)
-    want = models[quant.method]
+    want = models[quant.method] if quant in (QuantConfig("int8"), INT4) else \
+        load_model(LLAMA, "float32", with_tokenizer=False, quantization=quant)
     assert jax.tree.structure(got.params) == jax.tree.structure(want.params)
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
         assert a.dtype == b.dtype
@@ -144,3 +146,80 @@ def test_float_orbax_checkpoint_quantizes_on_load(models, tmp_path):
 def test_bfloat16_scales_follow_the_model_dtype():
     m = load_model(LLAMA, "bfloat16", with_tokenizer=False, quantization=QuantConfig("int8"))
     assert m.params.layers[0].wo.scales.dtype == jnp.bfloat16 and m.params.embed.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("fixture,method", [("llama3", "int8"), ("qwen3_tied", "int8"), ("qwen3_tied", "int4")])
+def test_quantized_embedding_and_lm_head(fixture, method):
+    # quantize_embedding: the embedding [V, E] quantized over E (per row, or groups of 16), read
+    # by row gathers; the LM head (tied: the same array) by the quantized einsum.
+    path = FIXTURES / "hf" / fixture
+    quant = QuantConfig(method, 16, embedding=True)
+    float_model = load_model(path, "float32", with_tokenizer=False)
+    m = load_model(path, "float32", with_tokenizer=False, quantization=quant)
+    assert isinstance(m.params.embed, QuantizedWeight) and m.params.embed.inputs == (1,)
+    assert (m.params.lm_head is None) == m.config.tie_word_embeddings
+    if m.params.lm_head is not None:
+        assert isinstance(m.params.lm_head, QuantizedWeight) and m.params.lm_head.inputs == (0,)
+    logits, ref = (SingleSequence(x.family, x.config, x.params, max_len=64).feed(PROMPT) for x in (m, float_model))
+    assert np.min(_cosine(logits, ref)) > (0.999 if method == "int8" else 0.95)
+    assert not np.array_equal(logits, ref)
+
+
+@pytest.fixture(scope="module")
+def smollm2_bytes():  # three loads of SmolLM2: ~15-30 s on a 2-core CPU
+    """SmolLM2-135M parameter bytes in bfloat16, and int8 / int4 (groups of 64) with the
+    embedding (tied LM head) quantized too, from the loaded arrays."""
+    loads = {"bf16": None, "int8": QuantConfig("int8", embedding=True),
+             "int4": QuantConfig("int4", 64, embedding=True)}
+    return {name: param_bytes(load_model(smollm2_gguf_path(), "bfloat16", with_tokenizer=False,
+                                         quantization=q).params) for name, q in loads.items()}
+
+
+@pytest.mark.slow
+def test_smollm2_param_bytes_at_int8_and_int4(smollm2_bytes):
+    v, e, h, k, d, f, n = 49152, 576, 9, 3, 64, 1536, 30
+    linear = e * (h + 2 * k) * d + h * d * e + 3 * e * f  # per layer: q|k|v, o, gate|up, down
+    norms = (n * 2 * e + e) * 2
+    assert smollm2_bytes["bf16"] == (v * e + n * linear) * 2 + norms
+    channels = (h + 2 * k) * d + e + 2 * f + e  # int8: a bfloat16 scale per output channel
+    assert smollm2_bytes["int8"] == v * e + v * 2 + n * (linear + 2 * channels) + norms
+    groups = lambda size: size // 64 * 2 * 2  # noqa: E731  int4: bfloat16 scale + zero per 64
+    assert smollm2_bytes["int4"] == v * e // 2 + groups(v * e) + n * (linear // 2 + groups(linear)) + norms
+    # The issue's goals: int8 <= 0.55x and int4 <= 0.35x of bfloat16 (measured 0.502x, 0.282x).
+    assert smollm2_bytes["int8"] / smollm2_bytes["bf16"] <= 0.55
+    assert smollm2_bytes["int4"] / smollm2_bytes["bf16"] <= 0.35
+
+
+def test_orbax_round_trip_with_quantized_embedding(tmp_path):
+    quant = QuantConfig("int4", 16, embedding=True)
+    convert(LLAMA, tmp_path / "ckpt", dtype="float32", progress=False, quantization=quant)
+    got = load_model(tmp_path / "ckpt", "float32", with_tokenizer=False)
+    want = load_model(LLAMA, "float32", with_tokenizer=False, quantization=quant)
+    assert got.quantization == quant and isinstance(got.params.embed, QuantizedWeight)
+    assert jax.tree.structure(got.params) == jax.tree.structure(want.params)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_grouped_int8_and_int4_offsets():
+    """int8 per group of inputs when a group size is given (smaller error than per channel);
+    int4 groups keep their own min as a float offset, so a one-signed group uses all 16 levels
+    and weights already on such a grid come back exactly."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(64, 3, 8)).astype(np.float32) * np.exp(rng.normal(size=(64, 1, 1)))  # uneven rows
+    per_channel = quant_weights.quantize_int8(w, (0,), np.float32)
+    grouped = quant_weights.quantize_int8(w, (0,), np.float32, group=16)
+    assert per_channel.group == 0 and grouped.group == 16 and grouped.scales.shape == (4, 3, 8)
+    err = lambda q: float(np.abs(np.asarray(quant_weights.dequantize(q, np.float32)) - w).max())  # noqa: E731
+    assert err(grouped) < err(per_channel)
+    assert QuantConfig("int8").group_size == 0 and QuantConfig("int8", 32).group_size == 32
+    assert QuantConfig("int4").group_size == 64
+    with pytest.raises(ValueError, match="quantization_group_size=0"):
+        QuantConfig("int4", 0)
+    # A grid of 16 levels per group of 32 (as a Q4_1 file dequantized), all positive.
+    levels = rng.integers(0, 16, size=(64, 5)).astype(np.float32)
+    levels[0], levels[31], levels[32], levels[63] = 0, 15, 0, 15  # each group spans its range
+    on_grid = 0.5 + levels * np.repeat(rng.uniform(0.01, 0.1, size=(2, 5)), 32, axis=0)
+    q4 = quant_weights.quantize_int4(on_grid, (0,), 32, np.float32)
+    assert q4.zeros is None and q4.offsets is not None
+    np.testing.assert_allclose(np.asarray(quant_weights.dequantize(q4, np.float32)), on_grid, rtol=0, atol=1e-6)

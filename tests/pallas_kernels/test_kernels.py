@@ -210,3 +210,20 @@ def test_gpu_default_configs(head_dim, dtype):
                         dtype=dtype, seed=head_dim + 1)
     for case in (decode, prefill):
         check("gpu", case, sm_scale=head_dim ** -0.5)
+
+
+GEMMA_CASES = {  # (shape, options): Gemma 3 (1 KV head, 4 query heads) and Gemma 2 (soft cap)
+    "gemma3": (dict(num_kv_heads=1, group=4), dict(sliding_window=24)),
+    "gemma2": (dict(num_kv_heads=2, group=2), dict(sliding_window=24, soft_cap=1.0)),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNEL_IDS)
+@pytest.mark.parametrize("model", sorted(GEMMA_CASES))
+def test_gemma_head_dim_256_with_sliding_window(kernel, model):
+    """Gemma's attention: head_dim 256, scores scaled by 256^-1/2, a window shorter than most
+    contexts (decode rows far past it, a prefill chunk that crosses its edge), Gemma 2's cap."""
+    shape, opts = GEMMA_CASES[model]
+    case = make_case(q_lens=[1, 1, 20, 5], kv_lens=[100, 30, 60, 25], head_dim=256, page_size=16,
+                     seed=256 + len(opts), **shape)
+    check(kernel, case, sm_scale=256 ** -0.5, **opts)

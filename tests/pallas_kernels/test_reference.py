@@ -39,3 +39,35 @@ def test_write_kv_writes_exactly_the_new_slots():
             expected[page, slot, 0::2] = case.k[t]
             expected[page, slot, 1::2] = case.v[t]
     np.testing.assert_array_equal(cache, expected)  # padding tokens wrote nothing
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_quantized_write_stores_x_over_scale_rounded(cache_dtype):
+    """int8: round(x / scale) clipped to [-128, 127], so |x - stored * scale| <= scale / 2 inside
+    the range; fp8 e4m3: x / scale to the nearest of 3 mantissa bits (relative error <= 2^-4),
+    clipped to +-448. K of head h at 2h, V at 2h + 1, each with its own head's scale."""
+    case = make_case(q_lens=[3, 2], kv_lens=[9, 2], page_size=4, cache_dtype=cache_dtype, seed=11)
+    k_scale = np.array([0.011, 0.023], np.float32)
+    v_scale = np.array([0.017, 0.031], np.float32)
+    args = case.args()
+    cache = write_kv(args[3], args[1], args[2], *args[4:], k_scale=jnp.asarray(k_scale),
+                     v_scale=jnp.asarray(v_scale))
+    cache = np.asarray(jnp.asarray(cache).astype(jnp.float32))
+    scales = np.stack([k_scale, v_scale], 1).reshape(-1)  # [2K]
+    for s in range(2):
+        q0, q1, kv_len = case.cu_q_lens[s], case.cu_q_lens[s + 1], case.kv_lens[s]
+        for t in range(q0, q1):
+            pos = kv_len - (q1 - q0) + (t - q0)
+            stored = cache[case.page_indices[s, pos // 4], pos % 4]  # [2K, D]
+            x = np.stack([case.k[t], case.v[t]], 1).reshape(stored.shape)  # [2K, D]
+            scale = np.broadcast_to(scales[:, None], x.shape)
+            y = x / scale
+            if cache_dtype == jnp.int8:
+                np.testing.assert_array_equal(stored, np.clip(np.round(y), -128, 127))
+                inside = np.abs(y) <= 127
+                error = np.abs(x - stored * scale)
+                assert np.all(error[inside] <= scale[inside] / 2 * (1 + 1e-6))
+            else:
+                inside = (np.abs(y) <= 448) & (np.abs(y) >= 2 ** -6)  # normal, unclipped
+                assert np.all(np.abs(stored - y)[inside] <= 2 ** -4 * np.abs(y)[inside])
+                np.testing.assert_array_equal(stored[np.abs(y) > 448], 448 * np.sign(y[np.abs(y) > 448]))

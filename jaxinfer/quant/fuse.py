@@ -1,0 +1,77 @@
+"""Fusing weights that one matmul reads together (q|k|v, gate|up) when some are quantized.
+
+`fuse(fn, *weights)` is `fn` over the weights' arrays (`jax.tree.map`), which needs every weight
+in one layout. Weights of one quantization share it; a GGUF file may not (llama.cpp's Q4_K_M
+stores V as Q6_K beside Q4_K queries and keys, Gemma's as Q8_0 beside Q5_0), so differing
+layouts are first brought to a common one that every member is exactly representable in:
+
+    int8 integers (int4 unpacked; integer zero points subtracted into them: (q - z) * s keeps
+    its value as (q - z) * s), the smallest group (coarser scales repeated over the finer
+    groups), the wider scale dtype, and offsets (zero for members without) if any member has.
+
+Every float the common layout computes is the one the member's own layout computed, so GGUF
+weights stay bit-exact against gguf's dequantizer. A float weight beside quantized ones makes
+the fused weight float (the quantized members dequantized to its dtype).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.quant.weights import QuantizedWeight, dequantize, integers, per_weight
+
+
+def fuse(fn, *weights):
+    """fn(*arrays) for each component of the weights (plain arrays: fn(*weights))."""
+    quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+    if not quantized:
+        return fn(*weights)
+    if len(quantized) < len(weights):
+        dtype = next(w.dtype for w in weights if not isinstance(w, QuantizedWeight))
+        return fn(*(dequantize(w, dtype) for w in weights))
+    if len({_signature(w) for w in quantized}) > 1:
+        weights = common_layout(quantized)
+    return jax.tree.map(fn, *weights)
+
+
+def _signature(w: QuantizedWeight) -> tuple:
+    dtypes = tuple(None if a is None else a.dtype for a in (w.values, w.scales, w.zeros, w.offsets))
+    return w.method, w.inputs, w.group, w.dtype, dtypes
+
+
+def common_layout(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """The weights (same inputs, same model dtype) in one int8 layout, values unchanged."""
+    inputs, dtype = weights[0].inputs, weights[0].dtype
+    if any(w.inputs != inputs or w.dtype != dtype for w in weights):
+        raise ValueError(f"cannot fuse weights of differing inputs or dtypes: {weights}")
+    axis = inputs[-1]
+    group = math.gcd(*(w.group or w.shape[axis] for w in weights))
+    scale_dtype = jnp.result_type(*(w.scales.dtype for w in weights))
+    with_offsets = any(w.offsets is not None for w in weights)
+    offset_dtype = jnp.result_type(*(w.offsets.dtype for w in weights if w.offsets is not None)) \
+        if with_offsets else None
+    out = []
+    for w in weights:
+        q = integers(w).astype(jnp.int16)
+        if w.zeros is not None:
+            q = q - per_weight(w, w.zeros).astype(jnp.int16)
+        regroup = lambda a, w=w: _regroup(w, a, group)  # noqa: E731
+        offsets = None
+        if with_offsets:
+            offsets = regroup(w.offsets).astype(offset_dtype) if w.offsets is not None \
+                else jnp.zeros_like(regroup(w.scales), dtype=offset_dtype)
+        out.append(QuantizedWeight(q.astype(jnp.int8), regroup(w.scales).astype(scale_dtype), None, "int8",
+                                   inputs, group, offsets, dtype))
+    return out
+
+
+def _regroup(w: QuantizedWeight, array: jax.Array, group: int) -> jax.Array:
+    """A scale-shaped array of `w` -> one entry per `group` inputs along the grouped axis (every
+    other input axis at its full size, as grouped scales have it)."""
+    shape = list(w.shape)
+    shape[w.axis] //= group
+    have = array.shape[w.axis]
+    array = jnp.repeat(array, shape[w.axis] // have, axis=w.axis)
+    return jnp.broadcast_to(array, tuple(n if i in w.inputs else array.shape[i] for i, n in enumerate(shape)))
