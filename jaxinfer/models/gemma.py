@@ -87,17 +87,8 @@ def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dic
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> GemmaParams:
     """Random parameters (for tests and benchmarks): normal(0, scale); norm weights 0 (scale 1)."""
-    shapes = param_shapes(config)
-
-    def make(name, k):
-        if name.endswith("norm"):
-            return jnp.zeros(shapes[name], dtype)
-        return (scale * jax.random.normal(k, shapes[name], jnp.float32)).astype(dtype)
-
-    keys = iter(jax.random.split(key, 3 + config.num_layers * 16))
-    top = {name: make(name, next(keys)) for name in top_fields(config)}
-    per_layer = [{name: make(name, next(keys)) for name in layer_fields(config)}
-                 for _ in range(config.num_layers)]
+    top, per_layer = llama.random_fields(param_shapes(config), top_fields(config), layer_fields(config),
+                                         config.num_layers, key, dtype, scale, 0.0)
     return assemble(config, top, per_layer)
 
 

@@ -36,11 +36,8 @@ def checkpoint_specs(config: ModelConfig, fmt: str) -> list[TensorSpec]:
     """Every tensor the checkpoint must hold, in load order. fmt: "hf", "gguf", or "ours" (our own
     fields in our layout, named "embed", "layers.3.post_mlp_norm", ...: what `jaxinfer convert` saves)."""
     if fmt == "ours":
-        shapes = param_shapes(config)
-        keep = lambda w: w  # noqa: E731
-        return ([TensorSpec(f, f, None, shapes[f], keep) for f in top_fields(config)]
-                + [TensorSpec(f"layers.{i}.{f}", f, i, shapes[f], keep)
-                   for i in range(config.num_layers) for f in layer_fields(config)])
+        return llama_names.ours_specs(param_shapes(config), top_fields(config), layer_fields(config),
+                                      config.num_layers)
     if fmt not in ("hf", "gguf"):
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     # Llama's map names the projections, embeddings, final and QK norms (Gemma does not permute

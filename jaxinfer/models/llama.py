@@ -147,19 +147,25 @@ def fuse_gate_up(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return fields
 
 
-def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> LlamaParams:
-    """Random parameters (for tests and benchmarks): normal(0, scale), norms at 1."""
-    shapes = param_shapes(config)
-
+def random_fields(shapes: dict, top_names, layer_names, num_layers: int, key: jax.Array, dtype,
+                  scale: float, norm_value: float) -> tuple[dict, list[dict]]:
+    """Random arrays by field name (tests and benchmarks): normal(0, scale), norms filled with
+    `norm_value`; one key per array, in field order."""
     def make(name, k):
         if name.endswith("norm"):
-            return jnp.ones(shapes[name], dtype)
+            return jnp.full(shapes[name], norm_value, dtype)
         return (scale * jax.random.normal(k, shapes[name], jnp.float32)).astype(dtype)
 
-    keys = iter(jax.random.split(key, 3 + config.num_layers * 16))
-    top = {name: make(name, next(keys)) for name in top_fields(config)}
-    per_layer = [{name: make(name, next(keys)) for name in layer_fields(config)}
-                 for _ in range(config.num_layers)]
+    keys = iter(jax.random.split(key, 3 + num_layers * 16))
+    top = {name: make(name, next(keys)) for name in top_names}
+    per_layer = [{name: make(name, next(keys)) for name in layer_names} for _ in range(num_layers)]
+    return top, per_layer
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> LlamaParams:
+    """Random parameters (for tests and benchmarks): normal(0, scale), norms at 1."""
+    top, per_layer = random_fields(param_shapes(config), top_fields(config), layer_fields(config),
+                                   config.num_layers, key, dtype, scale, 1.0)
     return assemble(config, top, per_layer)
 
 

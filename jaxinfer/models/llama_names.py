@@ -65,15 +65,18 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def ours_specs(shapes: dict, top_names, layer_names, num_layers: int) -> list[TensorSpec]:
+    """Our own checkpoint's tensors ("embed", "layers.3.wq", ...), in our layout, in load order."""
+    keep = lambda w: w  # noqa: E731
+    return ([TensorSpec(f, f, None, shapes[f], keep) for f in top_names]
+            + [TensorSpec(f"layers.{i}.{f}", f, i, shapes[f], keep) for i in range(num_layers) for f in layer_names])
+
+
 def checkpoint_specs(config: ModelConfig, fmt: str) -> list[TensorSpec]:
     """Every tensor the checkpoint must hold, in load order. fmt: "hf", "gguf", or "ours" (our
     own fields in our layout, named "embed", "layers.3.wq", ...: what `jaxinfer convert` saves)."""
     if fmt == "ours":
-        shapes = param_shapes(config)
-        keep = lambda w: w  # noqa: E731
-        return ([TensorSpec(f, f, None, shapes[f], keep) for f in top_fields(config)]
-                + [TensorSpec(f"layers.{i}.{f}", f, i, shapes[f], keep)
-                   for i in range(config.num_layers) for f in layer_fields(config)])
+        return ours_specs(param_shapes(config), top_fields(config), layer_fields(config), config.num_layers)
     if fmt not in ("hf", "gguf"):
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     top_names, layer_names = (_HF_TOP, _HF_LAYER) if fmt == "hf" else (_GGUF_TOP, _GGUF_LAYER)
