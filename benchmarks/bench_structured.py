@@ -42,9 +42,9 @@ def main(argv=None) -> int:
     mask = {"seconds": 0.0, "rows": 0}
     fill = inputs_module.fill_bitmask
 
-    def timed_fill(rows, allowed):
+    def timed_fill(rows, allowed, *rest):
         start = time.perf_counter()
-        fill(rows, allowed)
+        fill(rows, allowed, *rest)
         mask["seconds"] += time.perf_counter() - start
         mask["rows"] += len(rows)
 

@@ -220,7 +220,7 @@ class Engine:
                  and inputs.sampling.history is None)  # else the fused step, after the landing
         hidden = self.runner.dispatch_forward(inputs) if split else None
         landed = self._land(previous)
-        self.runner.inputs.fill_masks(plan, inputs)
+        self.runner.inputs.fill_masks(plan, inputs, device_busy=split)
         out = self.runner.dispatch_sample(hidden, inputs) if split else self.runner.dispatch(inputs)
         return _Flight([plan], out), landed
 

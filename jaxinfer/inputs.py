@@ -87,12 +87,12 @@ class InputBuilder:
         return rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
 
     @staticmethod
-    def fill_masks(plan: SchedulerPlan, inputs: StepInputs) -> None:
+    def fill_masks(plan: SchedulerPlan, inputs: StepInputs, device_busy: bool = False) -> None:
         """Fills the allowed-token bits of the plan's grammar rows, whose matchers must have
-        consumed every earlier token of their sequence."""
+        consumed every earlier token of their sequence (`device_busy`: a forward runs beside)."""
         grammars = [(e.seq.grammar, row) for row, e in enumerate(plan.seqs) if e.seq.grammar is not None]
         if grammars:
-            fill_bitmask(grammars, inputs.sampling.allowed)
+            fill_bitmask(grammars, inputs.sampling.allowed, device_busy)
 
     def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool,
                      previous: SchedulerPlan | None) -> StepInputs:

@@ -102,23 +102,33 @@ def grammar_for(backend: GrammarBackend | None, params) -> Grammar | None:
     return backend.compile(params.structured_output)
 
 
-_EXECUTOR = None
+_EXECUTORS: dict[bool, object] = {}
 
 
-def fill_bitmask(rows: Sequence[tuple[RowMatcher, int]], allowed: np.ndarray) -> None:
+def fill_bitmask(rows: Sequence[tuple[RowMatcher, int]], allowed: np.ndarray, device_busy: bool = False) -> None:
     """Fills the rows of `allowed` [B, W] (int32, C-contiguous) of the matchers given; several
-    rows are computed in parallel by llguidance's thread pool."""
-    global _EXECUTOR
+    rows are computed in parallel by llguidance's thread pool. While the device is idle (the step
+    before has landed and nothing runs) the pool has every core this process may use; while a
+    forward runs beside it (`device_busy`, the split step) llguidance's default, 80% of them,
+    leaves room for the runtime's own threads (and on the CPU backend, for the forward itself)."""
     if len(rows) == 1:
         matcher, row = rows[0]
         matcher.fill(allowed[row])
         return
-    import llguidance
     import llguidance.numpy as lln
 
-    if _EXECUTOR is None:
-        _EXECUTOR = llguidance.LLExecutor()
-    lln.fill_next_token_bitmask_par(_EXECUTOR, [(m._m, row) for m, row in rows], allowed)
+    lln.fill_next_token_bitmask_par(_executor(device_busy), [(m._m, row) for m, row in rows], allowed)
+
+
+def _executor(device_busy: bool):
+    import os
+
+    import llguidance
+
+    if device_busy not in _EXECUTORS:
+        threads = None if device_busy else max(1, min(32, len(os.sched_getaffinity(0))))
+        _EXECUTORS[device_busy] = llguidance.LLExecutor(threads)
+    return _EXECUTORS[device_busy]
 
 
 def _build_ll_tokenizer(tokenizer, vocab_size: int):

@@ -94,6 +94,25 @@ def test_sentencepiece_vocabulary_masks_follow_the_text():
     assert all(bits[e] for e in tok.eos_token_ids)  # complete: end of sequence is allowed
 
 
+@pytest.mark.parametrize("device_busy", [False, True])
+def test_parallel_masks_equal_one_row_at_a_time(device_busy):
+    """Several rows are filled by llguidance's pool (all cores while the device is idle, its
+    default while a forward runs beside it): bit for bit what each row alone gives."""
+    tok = load_tokenizer(sentencepiece_model_path())
+    backend = GrammarBackend(tok, tok.vocab_size)
+    specs = [StructuredOutput(regex="[a-z ]{12}"), StructuredOutput(json=PERSON), StructuredOutput(choice=["yes", "no"])]
+    matchers = [backend.compile(spec).matcher() for spec in specs]
+    words = -(-tok.vocab_size // 32)
+    together = np.zeros((len(specs) + 1, words), np.int32)  # the last row untouched
+    together[-1] = -1
+    fill_bitmask([(m, i) for i, m in enumerate(matchers)], together, device_busy)
+    for i, m in enumerate(matchers):
+        alone = np.zeros((1, words), np.int32)
+        fill_bitmask([(m, 0)], alone)
+        np.testing.assert_array_equal(together[i], alone[0])
+    assert (together[-1] == -1).all() and not (together[:-1] == -1).all()
+
+
 ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], num_pages=96)
 
 
