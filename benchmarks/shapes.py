@@ -28,6 +28,13 @@ SHAPES = {
                            intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                            head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                            max_position_embeddings=8192, tie_word_embeddings=True),
+    # SmolLM2 with Mixtral's routing: 8 experts of width 768, top 2, so the active MLP width (2 x 768)
+    # equals SmolLM2's dense 1536 (benchmarks/bench_moe.py sets the two side by side).
+    "smollm2-moe": ModelConfig(model_type="mixtral", family="moe", vocab_size=49152, hidden_size=576,
+                               intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                               head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                               max_position_embeddings=8192, tie_word_embeddings=True, num_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True),
     "llama-3.2-1b": ModelConfig(model_type="llama", family="llama", vocab_size=128256, hidden_size=2048,
                                 intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                                 head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
@@ -146,9 +153,18 @@ def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
 
 
 def decode_floor_s(model: LoadedModel, batch: int, context: int, copy_rate: float) -> float:
-    """The least time a decode step can take: every weight and every context token's K/V read once."""
+    """The least time a decode step can take: every weight a step uses and every context token's
+    K/V read once (a mixture of experts reads at most batch x top-k of its experts)."""
     kv = kv_bytes_per_token(model.config, model.params.embed.dtype) * batch * context
-    return (param_bytes(model) + kv) / copy_rate  # bytes moved per second, as copies measure it
+    weights, c = param_bytes(model), model.config
+    if c.num_experts:
+        weights -= _expert_bytes(model) * max(0.0, 1 - batch * c.num_experts_per_tok / c.num_experts)
+    return (weights + kv) / copy_rate  # bytes moved per second, as copies measure it
+
+
+def _expert_bytes(model: LoadedModel) -> int:
+    return sum(quant_param_bytes((getattr(layer, "experts_gate_up", None), getattr(layer, "experts_down", None)))
+               for layer in model.params.layers)
 
 
 def prefill_floor_s(model: LoadedModel, tokens: int, matmul_rate: float) -> float:

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from jaxinfer.config_families import (GEMMA_HF_TYPES, ConfigError, check_layer_types, gemma_from_gguf,
-                                     gemma_from_hf, gemma_rope_config, gemma_to_hf, llama_sliding_window,
-                                     moe_from_hf, require)
+from jaxinfer.config_families import (GEMMA_HF_TYPES, ConfigError, check_layer_types, gemma_from_gguf, gemma_from_hf,
+                                     gemma_rope_config, gemma_to_hf, gguf_model_type, llama_sliding_window,
+                                     moe_from_gguf, moe_from_hf, require)
 from jaxinfer.engine_config import EngineConfig
 
 __all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
@@ -22,8 +22,8 @@ __all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
 # HF model_type -> the model family that runs it.
 HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "mixtral": "moe", "qwen3_moe": "moe",
                "gemma2": "gemma", "gemma3_text": "gemma"}
-GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma2": "gemma",
-                 "gemma3": "gemma"}
+GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "qwen3moe": "moe",
+                 "gemma2": "gemma", "gemma3": "gemma"}  # "llama" with experts is Mixtral: family "moe"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -155,10 +155,13 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_weight: bool = True,
-                           rope_freq_factors: tuple[float, ...] | None = None) -> "ModelConfig":
+                           rope_freq_factors: tuple[float, ...] | None = None, tensor_names=None) -> "ModelConfig":
         """`rope_freq_factors`: the GGUF's rope_freqs tensor, where llama.cpp stores llama3-style
-        rope scaling as one divisor per frequency."""
-        cfg = _from_gguf(meta, has_output_weight)
+        rope scaling as one divisor per frequency. `tensor_names` (the file's): whether an LM head
+        is stored, and which layers of a mixture of experts route."""
+        if tensor_names is not None:
+            has_output_weight = "output.weight" in tensor_names
+        cfg = _from_gguf(meta, has_output_weight, tensor_names)
         if rope_freq_factors is None:
             return cfg
         if len(rope_freq_factors) != cfg.head_dim // 2:
@@ -248,7 +251,7 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
     return ModelConfig(**fields)
 
 
-def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
+def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool, tensor_names) -> ModelConfig:
     source = "GGUF metadata"
     arch = require(meta, "general.architecture", source)
     if arch not in GGUF_FAMILIES:
@@ -266,9 +269,10 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
     elif scaling_type not in (None, "none"):
         raise ConfigError(f"{source}: unsupported {arch}.rope.scaling.type {scaling_type!r}")
     window = meta.get(f"{arch}.attention.sliding_window")
+    model_type = gguf_model_type(meta, arch)
     fields = dict(
-        model_type=arch,
-        family=GGUF_FAMILIES[arch],
+        model_type=model_type,
+        family=HF_FAMILIES.get(model_type, GGUF_FAMILIES[arch]),
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
@@ -282,11 +286,13 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
         max_position_embeddings=int(req("context_length")),
         tie_word_embeddings=not has_output_weight,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch in _QK_NORM_TYPES,
+        qk_norm=model_type in _QK_NORM_TYPES,
         sliding_window=int(window) if window else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
     )
     if GGUF_FAMILIES[arch] == "gemma":
         fields.update(gemma_from_gguf(meta, arch, fields["num_layers"], hidden, heads, fields["head_dim"]))
+    elif fields["family"] == "moe":
+        fields.update(moe_from_gguf(meta, arch, fields["num_layers"], tensor_names, source))
     return ModelConfig(**fields)

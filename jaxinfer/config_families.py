@@ -4,7 +4,8 @@ Each function maps an HF `config.json` dict or GGUF metadata to extra `ModelConf
 arguments for one family, or back to HF keys; errors are `ConfigError`s naming the bad field.
 
   Mistral, Qwen2 / Qwen3    one sliding window for every layer, or none
-  MoE (Mixtral, Qwen3-MoE)  experts, top-k, renormalisation, which layers route
+  MoE (Mixtral, Qwen3-MoE)  experts, top-k, renormalisation, which layers route (a GGUF: the
+                            layers with a router tensor)
   Gemma 2 / Gemma 3         which layers slide (HF `layer_types`, or the older
                             `sliding_window_pattern`: every n-th layer global), the sliding layers'
                             rope base, the attention scale `query_pre_attn_scalar`, tanh soft caps
@@ -50,6 +51,31 @@ def moe_from_hf(cfg: Mapping[str, Any], model_type: str, source: str) -> dict[st
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                 mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+
+
+# GGUF architectures named apart from HF's model_type; llama.cpp stores Mixtral as "llama" with experts.
+_GGUF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+
+
+def gguf_model_type(meta: Mapping[str, Any], arch: str) -> str:
+    if arch == "llama" and meta.get("llama.expert_count"):
+        return "mixtral"
+    return _GGUF_MODEL_TYPES.get(arch, arch)
+
+
+def moe_from_gguf(meta: Mapping[str, Any], arch: str, num_layers: int, tensor_names, source: str) -> dict[str, Any]:
+    """llama.cpp's expert keys: {arch}.expert_count, expert_used_count and expert_feed_forward_length
+    (Mixtral's experts have the feed_forward_length); the top k renormalised unless
+    {arch}.expert_weights_norm is false (llama.cpp renormalises both families). A GGUF states no
+    dense layers: a layer without a router tensor (blk.N.ffn_gate_inp) keeps a dense MLP."""
+    experts, top_k = int(meta[f"{arch}.expert_count"]), int(require(meta, f"{arch}.expert_used_count", source))
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"{source}: {arch}.expert_used_count={top_k} must be in 1..expert_count={experts}")
+    width = meta.get(f"{arch}.expert_feed_forward_length") or require(meta, f"{arch}.feed_forward_length", source)
+    dense = () if tensor_names is None else tuple(
+        i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(width),
+                norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)), mlp_only_layers=dense)
 
 
 def llama_sliding_window(cfg: Mapping[str, Any], model_type: str, source: str) -> int | None:

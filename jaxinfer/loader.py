@@ -114,7 +114,7 @@ def open_checkpoint(path: str | Path, files: Path | None = None):
         reader = GGUFCheckpoint(path)
         factors = reader.get("rope_freqs.weight") if "rope_freqs.weight" in reader.keys() else None
         config = ModelConfig.from_gguf_metadata(
-            reader.metadata, has_output_weight="output.weight" in reader.keys(),
+            reader.metadata, tensor_names=set(reader.keys()),
             rope_freq_factors=None if factors is None else tuple(np.asarray(factors, np.float64).ravel()))
         return config, reader, "gguf"
     config = ModelConfig.from_hf_file(path / "config.json")

@@ -97,6 +97,8 @@ class ModelRunner:
         check_expert_axis(self.mesh, self.config.num_experts)
         self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         self.num_replicas = axis_size(self.mesh, DATA)
+        if self.family.compute_layout is not None:  # kept on the model: one copy of the weights
+            model.params = self.family.compute_layout(model.params, self.mesh)
         self.params = model.params if self.mesh is None else shard_params(
             model.params, self.family.param_axes, self.mesh, self.layout)
         self.kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, model.params.embed.dtype)

@@ -1,18 +1,30 @@
 """A mixture of experts' MLP: routing, then each token's top-k expert MLPs summed by weight.
 
-Experts are stacked (w_gate_up [X, E, 2, F], w_down [X, F, E]). Two forms compute the same sum:
-"ragged": the token-choice rows sorted by expert and run as grouped matmuls (`lax.ragged_dot`),
-k/X of the dense work; "dense": every expert on every token, weighted by a [T, X] matrix that is
-zero off the top k (on the CPU ragged_dot lowers to about that dense work plus masking and
-measured ~2x slower, so "auto" is dense there). Under a mesh with an `expert` or `tensor` axis
-each device runs the form on its own experts and MLP columns (sharding/experts.py).
+Experts are held in one of two layouts, and each has its forms:
+- **stacked** (w_gate_up [X, E, 2, F], w_down [X, F, E]; the checkpoint layout, and the one
+  sharded over the `expert` and `tensor` mesh axes by sharding/experts.py):
+  "ragged": the token-choice rows sorted by expert and run as grouped matmuls (`lax.ragged_dot`),
+  k/X of the dense work (accelerators); "dense": every expert on every token as one batched
+  matmul over X, weighted by a [X, T] matrix that is zero off the top k (the CPU, where
+  ragged_dot lowers to the dense work plus masking and measured ~2x slower).
+- **per expert** (tuples of X arrays [E, 2, F] and [F, E], made by `unstack` for one CPU device):
+  only the chosen experts' weights are read. XLA copies any slice of a stacked array before a
+  matmul, which made reading k of X stacked experts cost more than reading all X; whole arrays
+  are handed to a conditional without a copy. Under 64 tokens a loop over the token-expert
+  choices, sorted by expert (an expert chosen twice in a row is read from cache), runs each
+  one's expert under a `lax.switch` on its one row; from 64 tokens each expert runs once, under a
+  conditional taken only when some token chose it, on its tokens packed into the fewest of T/8,
+  T/4, T/2 or T rows.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.models.layers import gated_mlp
 from sharding.experts import shard_experts
+
+Experts = jax.Array | tuple[jax.Array, ...]
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -26,10 +38,13 @@ def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tup
     return weights.astype(x.dtype), experts
 
 
-def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
+def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: Experts, w_down: Experts, *, top_k: int,
             renormalize: bool, impl: str = "auto") -> jax.Array:
-    """x [T, E] -> [T, E]: each token's top-k experts' gated MLPs summed with the router's weights."""
+    """x [T, E] -> [T, E]: each token's top-k experts' gated MLPs summed with the router's weights.
+    Per-expert tuples take the per-expert forms; `impl` picks a stacked form."""
     weights, experts = route(x, router, top_k, renormalize)
+    if isinstance(w_gate_up, (tuple, list)):
+        return per_expert(x, weights, experts, tuple(w_gate_up), tuple(w_down))
     if impl == "auto":
         impl = "dense" if jax.default_backend() == "cpu" else "ragged"
     if impl not in _FORMS:
@@ -38,11 +53,15 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
 
 
 def dense_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
-    """Every expert on every token; an id past the last expert (another shard's) selects none."""
-    combine = jnp.einsum("tkx,tk->tx", jax.nn.one_hot(experts, w_gate_up.shape[0], dtype=x.dtype), weights)
-    gate_up = jnp.einsum("te,xecf->txcf", x, w_gate_up)  # [T, X, 2, F]
-    hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [T, X, F]
-    return jnp.einsum("txf,xfe,tx->te", hidden, w_down, combine)
+    """Every expert on every token, X a batch dimension of both matmuls (contracting a stacked
+    weight over its middle axis would transpose all of it first); an id past the last expert
+    (another shard's) selects none."""
+    num_experts = w_gate_up.shape[0]
+    combine = jnp.einsum("tkx,tk->xt", jax.nn.one_hot(experts, num_experts, dtype=x.dtype), weights)
+    gate_up = jnp.einsum("xte,xecf->xtcf", jnp.broadcast_to(x, (num_experts, *x.shape)), w_gate_up)
+    hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [X, T, F]
+    out = jnp.einsum("xtf,xfe->xte", hidden, w_down)
+    return jnp.einsum("xte,xt->te", out, combine)
 
 
 def ragged_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
@@ -62,3 +81,55 @@ def ragged_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
 
 
 _FORMS = {"dense": dense_experts, "ragged": ragged_experts}
+
+
+def unstack(w: jax.Array) -> tuple[jax.Array, ...]:
+    """[X, ...] -> X arrays [...] (the per-expert layout)."""
+    return tuple(w[i] for i in range(w.shape[0]))
+
+
+def per_expert(x, weights, experts, w_gate_up: tuple, w_down: tuple) -> jax.Array:
+    """The per-expert layout's forms (module docstring): under 64 tokens a loop over the choices,
+    sorted by expert, with a switch over the experts in its body; from 64 a conditional per expert."""
+    (t, top_k), num_experts = experts.shape, len(w_gate_up)
+    mlps = [lambda h, i=i: gated_mlp(h, w_gate_up[i], w_down[i]) for i in range(num_experts)]
+    if t < _FEWEST_PACKED:
+        def choice(out, c):
+            expert, weight, row = c
+            y = jax.lax.switch(expert, mlps, jax.lax.dynamic_slice_in_dim(x, row, 1))  # [1, E]
+            return out.at[row].add((y[0] * weight).astype(x.dtype)), None
+
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat)  # one expert's choices in a row: its weights stay in cache
+        rows = (jnp.arange(t * top_k) // top_k)[order]
+        out, _ = jax.lax.scan(choice, jnp.zeros_like(x), (flat[order], weights.reshape(-1)[order], rows))
+        return out
+    out = jnp.zeros_like(x)
+    for i in range(num_experts):
+        gate = jnp.sum(jnp.where(experts == i, weights, 0), axis=-1)  # [T]: token's weight on expert i
+        out = out + _chosen_rows(mlps[i], x, gate)
+    return out
+
+
+_FEWEST_PACKED = 64  # from this many tokens on, each expert runs once on its packed rows
+
+
+def _chosen_rows(mlp, x: jax.Array, gate: jax.Array) -> jax.Array:
+    """gate[:, None] * mlp(x) for the rows with a non-zero gate (others 0): the rows packed to the
+    front, the MLP run on the fewest of T/8, T/4, T/2 or T rows that holds them (one branch per
+    size), nothing run when no row has a gate."""
+    t = x.shape[0]
+    count = jnp.sum(gate != 0)
+    sizes = [t // 8, t // 4, t // 2, t]
+    order = jnp.argsort(gate == 0, stable=True)  # rows with a gate first
+
+    def rows(n):
+        def run(_):
+            picked = order[:n]
+            out = mlp(x[picked]) * gate[picked][:, None]
+            return jnp.zeros_like(x).at[picked].add(out.astype(x.dtype))
+        return run
+
+    branches = [lambda _: jnp.zeros_like(x)] + [rows(n) for n in sizes]
+    index = jnp.where(count == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), count))
+    return jax.lax.switch(index, branches, None)

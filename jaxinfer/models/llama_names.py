@@ -81,7 +81,7 @@ def checkpoint_specs(config: ModelConfig, fmt: str) -> list[TensorSpec]:
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     top_names, layer_names = (_HF_TOP, _HF_LAYER) if fmt == "hf" else (_GGUF_TOP, _GGUF_LAYER)
     layout = _hf_layout(config)
-    if fmt == "gguf" and config.model_type == "llama":
+    if fmt == "gguf" and config.model_type in ("llama", "mixtral"):  # llama.cpp's "llama" architecture
         for field, heads in (("wq", config.num_heads), ("wk", config.num_kv_heads), ("bq", config.num_heads), ("bk", config.num_kv_heads)):
             shape, to_ours = layout[field]
             layout[field] = (shape, lambda w, f=to_ours, n=heads: f(_unpermute_rope(w, n)))

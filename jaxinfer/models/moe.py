@@ -9,8 +9,9 @@ the router (experts.moe_mlp); a dense layer (Qwen3-MoE's mlp_only_layers, decode
 runs Llama's gated MLP. `compute_logits` is Llama's.
 
 Expert weights are stacked: `experts_gate_up` [X, E, 2, F] (gate | up fused as in Llama's dense
-MLP) and `experts_down` [X, F, E]. A checkpoint holds one tensor per expert; each is loaded and
-placed under its own field ("expert_gate.3" for expert 3) and `assemble` stacks them once. The
+MLP) and `experts_down` [X, F, E]. An HF checkpoint holds one tensor per expert; each is loaded
+and placed under its own field ("expert_gate.3" for expert 3) and `assemble` stacks them once (a
+GGUF's come stacked per projection: experts_gate, experts_up). The
 logical axis "experts" maps to the mesh axis `expert` (each device holds whole experts) and F to
 `tensor` like a dense MLP's columns; sharding/experts.py runs each device's part and sums them
 with one all-reduce after the MLP.
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
 from jaxinfer.models import llama
-from jaxinfer.models.experts import moe_mlp
+from jaxinfer.models.experts import Experts, moe_mlp, unstack
 
 compute_logits = llama.compute_logits
 _DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -41,8 +42,8 @@ class MoeLayer:
     wo: jax.Array  # [H, D, E]
     mlp_norm: jax.Array  # [E]
     router: jax.Array | None = None  # [E, X]: sparse layers only
-    experts_gate_up: jax.Array | None = None  # [X, E, 2, F]
-    experts_down: jax.Array | None = None  # [X, F, E]
+    experts_gate_up: Experts | None = None  # [X, E, 2, F], or X arrays [E, 2, F] (compute_layout)
+    experts_down: Experts | None = None  # [X, F, E], or X arrays [F, E]
     w_gate_up: jax.Array | None = None  # [E, 2, F]: dense layers only
     w_down: jax.Array | None = None  # [F, E]
     b_qkv: jax.Array | None = None  # [K, G+2, D]
@@ -66,6 +67,7 @@ def _base_field(field: str) -> str:
 
 _AXES = {**llama.PARAM_AXES, "router": ("embed", "experts"),
          "experts_gate_up": ("experts", "embed", "gate_up", "mlp"), "experts_down": ("experts", "mlp", "embed"),
+         "experts_gate": ("experts", "embed", "mlp"), "experts_up": ("experts", "embed", "mlp"),
          "expert_gate": ("embed", "mlp"), "expert_up": ("embed", "mlp"), "expert_down": ("mlp", "embed")}
 
 
@@ -88,7 +90,8 @@ PARAM_AXES = _ParamAxes()
 def field_shape(config: ModelConfig, field: str) -> tuple[int, ...]:
     e, f, x = config.hidden_size, config.moe_intermediate_size, config.num_experts
     shapes = {"router": (e, x), "expert_gate": (e, f), "expert_up": (e, f), "expert_down": (f, e),
-              "experts_gate_up": (x, e, 2, f), "experts_down": (x, f, e)}
+              "experts_gate_up": (x, e, 2, f), "experts_down": (x, f, e), "experts_gate": (x, e, f),
+              "experts_up": (x, e, f)}
     base = _base_field(field)
     return shapes[base] if base in shapes else llama.param_shapes(config)[base]
 
@@ -115,6 +118,9 @@ def _fuse(config: ModelConfig, fields: dict[str, jax.Array]) -> dict[str, jax.Ar
     llama.fuse_qkv(fields)
     if "w_gate" in fields:
         return llama.fuse_gate_up(fields)
+    if "experts_gate" in fields:  # a GGUF's experts come stacked
+        fields["experts_gate_up"] = jnp.stack([fields.pop("experts_gate"), fields.pop("experts_up")], axis=2)
+        return fields
     pop = lambda kind: [fields.pop(f"{kind}.{j}") for j in range(config.num_experts)]  # noqa: E731
     gate, up = jnp.stack(pop("expert_gate")), jnp.stack(pop("expert_up"))  # [X, E, F] each
     fields["experts_gate_up"] = jnp.stack([gate, up], axis=2)  # [X, E, 2, F]
@@ -137,6 +143,23 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     top = {name: make(name, next(keys)) for name in top_fields(config)}
     per_layer = [{name: make(name, next(keys)) for name in names} for names in fields]
     return assemble(config, top, per_layer)
+
+
+def compute_layout(params: MoeParams, mesh) -> MoeParams:
+    """The experts in the layout the step computes with (experts.py): per expert on one CPU
+    device without a mesh, where only the chosen experts are read; stacked on a mesh (split over
+    `expert` and `tensor`) and on accelerators (grouped matmuls). Either layout converts to the other."""
+    device = next(iter(jax.tree.leaves(params)[0].devices()))
+    per_expert = mesh is None and device.platform == "cpu"
+
+    def relayout(layer: MoeLayer) -> MoeLayer:
+        if layer.experts_gate_up is None or isinstance(layer.experts_gate_up, tuple) == per_expert:
+            return layer
+        if per_expert:
+            return layer.replace(experts_gate_up=unstack(layer.experts_gate_up), experts_down=unstack(layer.experts_down))
+        return layer.replace(experts_gate_up=jnp.stack(layer.experts_gate_up), experts_down=jnp.stack(layer.experts_down))
+
+    return params.replace(layers=tuple(relayout(layer) for layer in params.layers))
 
 
 def _layer(x, p: MoeLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):

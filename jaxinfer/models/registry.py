@@ -8,7 +8,7 @@ record, so a new family is a file pair (forward + names) and one entry in `_FAMI
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import jax
 import numpy as np
@@ -70,6 +70,8 @@ class ModelFamily:
     # Linear weights weight-only quantization may replace (jaxinfer.quant): field -> input axes.
     linear_inputs: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     traits: tuple[str, ...] = ()  # what every model of the family does (for `jaxinfer info`)
+    # (params, mesh or None) -> params in the layout the step computes with there (the runner's).
+    compute_layout: Callable[[Any, Any], Any] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {
@@ -82,7 +84,7 @@ _FAMILIES: dict[str, ModelFamily] = {
         name="moe", forward=moe.forward, compute_logits=moe.compute_logits,
         init_params=moe.init_params, assemble=moe.assemble,
         checkpoint_specs=moe_names.checkpoint_specs, ignored_tensors=moe_names.IGNORED,
-        param_axes=moe.PARAM_AXES),
+        param_axes=moe.PARAM_AXES, compute_layout=moe.compute_layout),
     "gemma": ModelFamily(
         name="gemma", forward=gemma.forward, compute_logits=gemma.compute_logits,
         init_params=gemma.init_params, assemble=gemma.assemble,

@@ -1,9 +1,14 @@
 """Our Llama-family (Llama, Mistral, Qwen2, Qwen3) and MoE-family (Mixtral, Qwen3-MoE) forward
 passes against HF transformers' golden logits and greedy tokens."""
 
+import dataclasses
+import json
+
 import jax
 import numpy as np
 import pytest
+from gguf_builder import moe_hf_to_gguf, write_gguf
+from safetensors.numpy import load_file
 from testpaths import FIXTURES
 
 from jaxinfer.config import ModelConfig
@@ -31,6 +36,41 @@ def test_logits_and_greedy_match_hf(name):
     assert greedy == golden["greedy"].tolist()
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_per_expert_layout_matches_hf(name):
+    """The layout the runner computes with on one CPU device (experts unstacked: a switch per
+    choice for the one-token steps, a conditional per expert for the prompt) against HF's goldens."""
+    model, golden = _load(name)
+    params = model.family.compute_layout(model.params, None)
+    sparse = [layer for layer in params.layers if layer.experts_gate_up is not None]
+    assert sparse and all(isinstance(layer.experts_gate_up, tuple) for layer in sparse)
+    prompt = golden["input_ids"]
+    seq = SingleSequence(model.family, model.config, params, max_len=len(prompt) + 40)
+    logits, greedy = seq.greedy(prompt, len(golden["greedy"]))
+    assert np.abs(logits - golden["logits"]).max() < 1e-3
+    assert greedy == golden["greedy"].tolist()
+    restacked = model.family.compute_layout(params, mesh="any mesh")  # a mesh computes stacked
+    for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(model.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+def test_moe_gguf_reads_as_the_hf_checkpoint(tmp_path, name, arch):
+    """Mixtral and Qwen3-MoE converted as llama.cpp does (experts stacked per projection; Mixtral as
+    architecture "llama" with rotary rows permuted; Qwen3-MoE's dense layer 1 a layer without a
+    router): the same config and HF's golden logits and tokens."""
+    cfg = json.loads((FIXTURES / "hf" / name / "config.json").read_text())
+    meta, tensors = moe_hf_to_gguf(cfg, load_file(FIXTURES / "hf" / name / "model.safetensors"), arch)
+    path = write_gguf(tmp_path / f"{name}.gguf", arch, meta, tensors)
+    model, (hf, golden) = load_model(path, dtype="float32", with_tokenizer=False), _load(name)
+    assert model.config.family == "moe" and model.config.model_type == name
+    keep = ("rms_norm_eps", "bos_token_id", "eos_token_ids", "sliding_window", "decoder_sparse_step")
+    assert dataclasses.replace(model.config, **{k: getattr(hf.config, k) for k in keep}) == hf.config
+    seq = SingleSequence(model.family, model.config, model.params, max_len=len(golden["input_ids"]) + 40)
+    logits, greedy = seq.greedy(golden["input_ids"], len(golden["greedy"]))
+    assert np.abs(logits - golden["logits"]).max() < 1e-3 and greedy == golden["greedy"].tolist()
+
+
 @pytest.mark.parametrize("name", ["llama3", "mistral"])
 def test_prefill_then_decode_equals_full_forward(name):
     model, golden = _load(name)
@@ -45,15 +85,20 @@ def test_prefill_then_decode_equals_full_forward(name):
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_moe_grouped_matmuls_equal_the_dense_form(renormalize):
-    """moe_mlp's "ragged" path (tokens sorted by expert, lax.ragged_dot) against its "dense" one
-    (every expert on every token, zero weight off the top k), on an odd token count."""
+    """moe_mlp's "ragged" path (tokens sorted by expert, lax.ragged_dot) and its per-expert forms
+    against its "dense" one (every expert on every token, zero weight off the top k), on odd token
+    counts."""
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    x = jax.random.normal(keys[0], (37, 48))
+    x = jax.random.normal(keys[0], (71, 48))
     router = jax.random.normal(keys[1], (48, 8))
     w_gate_up, w_down = 0.1 * jax.random.normal(keys[2], (8, 48, 2, 24)), 0.1 * jax.random.normal(keys[3], (8, 24, 48))
     out = {impl: experts.moe_mlp(x, router, w_gate_up, w_down, top_k=3, renormalize=renormalize, impl=impl)
            for impl in ("dense", "ragged")}
     np.testing.assert_allclose(out["ragged"], out["dense"], atol=1e-5, rtol=0)
+    for t in (1, 2, 37, 71):  # per expert: a switch per choice under 64 tokens, else conditionals
+        per_expert = jax.jit(lambda x: experts.moe_mlp(
+            x, router, experts.unstack(w_gate_up), experts.unstack(w_down), top_k=3, renormalize=renormalize))
+        np.testing.assert_allclose(per_expert(x[:t]), out["dense"][:t], atol=1e-5, rtol=0)
     weights, _ = experts.route(x, router, 3, renormalize)
     assert np.allclose(weights.sum(-1), 1.0) == renormalize
 

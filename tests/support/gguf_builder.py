@@ -81,3 +81,30 @@ def llama_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray], arch: str 
             w = permute_rope(w, kv_heads)
         out[f"blk.{i}.{layer[rest]}"] = w
     return meta, out
+
+
+# Mixtral and Qwen3-MoE per-expert HF names -> (router name, per-expert module, gate/up/down names)
+_HF_MOE = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")),
+           "qwen3_moe": ("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def moe_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray], arch: str) -> tuple[dict, dict]:
+    """As llama.cpp converts Mixtral (arch "llama") and Qwen3-MoE (arch "qwen3moe"): the router as
+    blk.N.ffn_gate_inp, each projection's experts stacked into blk.N.ffn_{gate,up,down}_exps, the
+    expert counts and width in the metadata (and expert_weights_norm, which llama.cpp assumes true)."""
+    router, experts, names = _HF_MOE[config["model_type"]]
+    moe = {name: w for name, w in hf_tensors.items() if f".{router}." in name or f".{experts}." in name}
+    meta, out = llama_hf_to_gguf(config, {n: w for n, w in hf_tensors.items() if n not in moe}, arch)
+    count = config.get("num_experts") or config["num_local_experts"]
+    meta.update({f"{arch}.expert_count": count, f"{arch}.expert_used_count": config["num_experts_per_tok"],
+                 f"{arch}.expert_feed_forward_length": config.get("moe_intermediate_size") or config["intermediate_size"],
+                 f"{arch}.expert_weights_norm": bool(config.get("norm_topk_prob", True))})
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        if prefix + router + ".weight" not in moe:
+            continue
+        out[f"blk.{i}.ffn_gate_inp.weight"] = moe[prefix + router + ".weight"]
+        for gguf_name, hf_name in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), names):
+            out[f"blk.{i}.{gguf_name}.weight"] = np.stack(
+                [moe[f"{prefix}{experts}.{j}.{hf_name}.weight"] for j in range(count)])
+    return meta, out

@@ -1,0 +1,93 @@
+"""A mixture of experts beside the dense model with the same active parameters, in one run:
+
+    .venv/bin/python benchmarks/bench_moe.py [--dense smollm2 --moe smollm2-moe] [--batches 1 8]
+
+Both are random-weight shapes from benchmarks/shapes.py (`smollm2-moe` is SmolLM2 with 8 experts
+of half its MLP width, top 2: the same active MLP width). Each runs in an Engine of the same
+settings, one after the other in this process: median steady-state decode step time per batch
+(greedy, random prompts) and the time to first token of one prompt. Prints a markdown table with
+the MoE / dense step-time ratio; the issue's goal is a ratio <= 1.5.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine import run_engine_decode, run_engine_prefill  # noqa: E402
+from shapes import SHAPES, random_model  # noqa: E402
+
+from jaxinfer.config import EngineConfig  # noqa: E402
+from jaxinfer.engine import Engine  # noqa: E402
+from jaxinfer.quant.config import param_count  # noqa: E402
+
+
+def active_params(model) -> int:
+    """Parameters one token's forward uses: all but the experts it was not routed to."""
+    c, total = model.config, param_count(model.params)
+    if not c.num_experts:
+        return total
+    experts = sum(param_count((layer.experts_gate_up, layer.experts_down)) for layer in model.params.layers
+                  if layer.experts_gate_up is not None)
+    return int(total - experts * (1 - c.num_experts_per_tok / c.num_experts))
+
+
+def measure(shape: str, args) -> dict:
+    model = random_model(shape, args.dtype)
+    jax.block_until_ready(model.params)
+    sizes = {"params": param_count(model.params), "active": active_params(model)}
+    config = EngineConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill_len, 64),
+                          max_model_len=2048, penalties=False, compilation_cache_dir=args.cache_dir)
+    engine = Engine(model, config)
+    variants = engine.runner.num_compiled()
+    out = {"decode": {}, **sizes}
+    for b in args.batches:
+        out["decode"][b] = statistics.median(run_engine_decode(engine, b, args.prompt_len, args.new_tokens, seed)
+                                             for seed in range(args.repeats))
+        print(f"[{time.strftime('%H:%M:%S')}] {shape} decode batch {b}: {1e3 * out['decode'][b]:.2f} ms per step",
+              file=sys.stderr, flush=True)
+    out["prefill"] = statistics.median(run_engine_prefill(engine, args.prefill_len, seed)
+                                       for seed in range(args.repeats))
+    assert engine.runner.num_compiled() == variants, "a step compiled after warm-up"
+    out["dtype"] = str(model.params.embed.dtype)
+    del engine, model
+    gc.collect()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dense", default="smollm2", choices=sorted(SHAPES))
+    ap.add_argument("--moe", default="smollm2-moe", choices=sorted(SHAPES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on accelerators, float32 on the CPU")
+    ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache")
+    args = ap.parse_args()
+    if not SHAPES[args.moe].num_experts:
+        ap.error(f"--moe {args.moe}: that shape has no experts")
+    dense, moe = measure(args.dense, args), measure(args.moe, args)
+    print(f"Device: {jax.devices()[0].device_kind} x {jax.device_count()} ({jax.default_backend()}); "
+          f"jax {jax.__version__}; {dense['dtype']}; decode after a {args.prompt_len}-token prompt, "
+          f"medians of {args.repeats}")
+    print(f"Parameters: {args.dense} {dense['params'] / 1e6:.1f}M (all active); {args.moe} "
+          f"{moe['params'] / 1e6:.1f}M, {moe['active'] / 1e6:.1f}M active per token\n")
+    print(f"| run | {args.dense} (ms) | {args.moe} (ms) | MoE / dense |\n|---|---|---|---|")
+    rows = [(f"decode step, batch {b}", dense["decode"][b], moe["decode"][b]) for b in args.batches]
+    rows.append((f"prefill, one {args.prefill_len}-token prompt", dense["prefill"], moe["prefill"]))
+    for name, d, m in rows:
+        print(f"| {name} | {1e3 * d:.2f} | {1e3 * m:.2f} | {m / d:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
