@@ -1,6 +1,6 @@
 """A mixture of experts beside the dense model with the same active parameters, in one run:
 
-    .venv/bin/python benchmarks/bench_moe.py [--dense smollm2 --moe smollm2-moe] [--batches 1 8]
+    .venv/bin/python benchmarks/bench_moe.py [--dense smollm2 --moe smollm2-moe] [--batches 1 8] [--layers N]
 
 Both are random-weight shapes from benchmarks/shapes.py (`smollm2-moe` is SmolLM2 with 8 experts
 of half its MLP width, top 2: the same active MLP width). Each runs in an Engine of the same
@@ -39,7 +39,7 @@ def active_params(model) -> int:
 
 
 def measure(shape: str, args) -> dict:
-    model = random_model(shape, args.dtype)
+    model = random_model(shape, args.dtype, num_layers=args.layers)
     jax.block_until_ready(model.params)
     sizes = {"params": param_count(model.params), "active": active_params(model)}
     config = EngineConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill_len, 64),
@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on accelerators, float32 on the CPU")
+    ap.add_argument("--layers", type=int, default=None, help="only the first layers of both shapes (quick runs)")
     ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache")
     args = ap.parse_args()
     if not SHAPES[args.moe].num_experts:

@@ -52,12 +52,13 @@ SHAPES = {
 
 
 def random_model(shape: str, dtype: str = "auto", seed: int = 0, quantization: str | None = None,
-                 group_size: int = 64) -> LoadedModel:
+                 group_size: int = 64, num_layers: int | None = None) -> LoadedModel:
     """`quantization` "int8" | "int4" quantizes every fused linear weight on the device (the layout
-    the loader makes from a checkpoint with `quantization=`), without a float copy on the host."""
+    the loader makes from a checkpoint with `quantization=`), without a float copy on the host;
+    `num_layers` keeps only the first layers of the shape (quick runs)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
-    config = SHAPES[shape]
+    config = SHAPES[shape] if num_layers is None else dataclasses.replace(SHAPES[shape], num_layers=num_layers)
     params = _init_by_layer(config, resolve_dtype(dtype), jax.random.key(seed))
     if quantization not in (None, "none"):
         params = _quantize_layers(params, quantization, group_size)

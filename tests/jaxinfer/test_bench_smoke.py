@@ -1,8 +1,11 @@
 """benchmarks/bench_engine.py --shape: random weights of a real shape, decode and prefill beside
 their floors, on tiny settings (the same code runs unchanged on a GPU at full size)."""
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
 
@@ -24,3 +27,19 @@ def test_bench_engine_shape_smoke(tmp_path):
     # --profile: the CPU trace has no device kernels, which the row says; --host-profile: cProfile.
     assert "| batch 2 |" in out.stdout and "no device events in the trace" in out.stdout
     assert "## Host profile, decode batch 2" in out.stdout and "run_engine_decode" in out.stdout
+
+
+def test_bench_moe_smoke(tmp_path):
+    """benchmarks/bench_moe.py on two layers of each shape: one table row per batch and prefill,
+    each with a MoE / dense ratio, and the active parameters equal (the shapes are built so)."""
+    argv = [sys.executable, str(BENCH.with_name("bench_moe.py")), "--layers", "2", "--batches", "1", "4",
+            "--prompt-len", "8", "--new-tokens", "8", "--prefill-len", "64", "--repeats", "1",
+            "--cache-dir", str(tmp_path)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split("|")[1:5] for line in out.stdout.splitlines() if line.startswith(("| decode", "| prefill"))]
+    assert [r[0].strip() for r in rows] == ["decode step, batch 1", "decode step, batch 4", "prefill, one 64-token prompt"]
+    for _, dense, moe, ratio in rows:
+        assert float(ratio.strip().rstrip("x")) == pytest.approx(float(moe) / float(dense), rel=0.02)
+    active = re.search(r"smollm2 ([\d.]+)M \(all active\); smollm2-moe [\d.]+M, ([\d.]+)M active", out.stdout)
+    assert active and float(active[2]) == pytest.approx(float(active[1]), rel=0.01), out.stdout
