@@ -288,13 +288,13 @@ def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: floa
     params = load_params(reader, config, fmt, dtype, place, where=str(path), quantization=quant)
     tokenizer = None
     if with_tokenizer:
-        # A GGUF carries its vocabulary in the metadata already read; a directory its own files.
-        if fmt == "gguf":
+        # A GGUF carries its vocabulary in the metadata already read (if any); a directory its own files.
+        if fmt == "gguf" and "tokenizer.ggml.model" in reader.metadata:
             tokenizer = from_gguf_metadata(reader.metadata, name=str(reader.path))
-        elif any((files / name).exists() for name in TOKENIZER_FILES):
+        elif fmt != "gguf" and any((files / name).exists() for name in TOKENIZER_FILES):
             tokenizer = load_tokenizer(files)
         else:
-            logger.warning("%s has no tokenizer files: prompts must be token ids", path)
+            logger.warning("%s has no tokenizer (files, or a GGUF vocabulary): prompts must be token ids", path)
     logger.info("loaded %s (%s, %d layers) in %.1fs", path, config.model_type, config.num_layers,
                 time.perf_counter() - start)
     return LoadedModel(config, params, tokenizer, family, path, quant)
