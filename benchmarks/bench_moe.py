@@ -21,27 +21,17 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import run_engine_decode, run_engine_prefill  # noqa: E402
-from shapes import SHAPES, random_model  # noqa: E402
+from shapes import SHAPES, active_param_count, random_model  # noqa: E402
 
 from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.quant.config import param_count  # noqa: E402
 
 
-def active_params(model) -> int:
-    """Parameters one token's forward uses: all but the experts it was not routed to."""
-    c, total = model.config, param_count(model.params)
-    if not c.num_experts:
-        return total
-    experts = sum(param_count((layer.experts_gate_up, layer.experts_down)) for layer in model.params.layers
-                  if layer.experts_gate_up is not None)
-    return int(total - experts * (1 - c.num_experts_per_tok / c.num_experts))
-
-
 def measure(shape: str, args) -> dict:
     model = random_model(shape, args.dtype, num_layers=args.layers)
     jax.block_until_ready(model.params)
-    sizes = {"params": param_count(model.params), "active": active_params(model)}
+    sizes = {"params": param_count(model.params), "active": active_param_count(model)}
     config = EngineConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill_len, 64),
                           max_model_len=2048, penalties=False, compilation_cache_dir=args.cache_dir)
     engine = Engine(model, config)

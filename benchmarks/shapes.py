@@ -159,21 +159,25 @@ def decode_floor_s(model: LoadedModel, batch: int, context: int, copy_rate: floa
     kv = kv_bytes_per_token(model.config, model.params.embed.dtype) * batch * context
     weights, c = param_bytes(model), model.config
     if c.num_experts:
-        weights -= _expert_bytes(model) * max(0.0, 1 - batch * c.num_experts_per_tok / c.num_experts)
+        weights -= quant_param_bytes(_experts(model)) * max(0.0, 1 - batch * c.num_experts_per_tok / c.num_experts)
     return (weights + kv) / copy_rate  # bytes moved per second, as copies measure it
 
 
-def _expert_bytes(model: LoadedModel) -> int:
-    return sum(quant_param_bytes((getattr(layer, "experts_gate_up", None), getattr(layer, "experts_down", None)))
-               for layer in model.params.layers)
+def _experts(model: LoadedModel) -> list:
+    """Every layer's expert weights (none for a dense model)."""
+    return [(getattr(layer, "experts_gate_up", None), getattr(layer, "experts_down", None))
+            for layer in model.params.layers]
+
+
+def active_param_count(model: LoadedModel) -> int:
+    """Parameters one token's forward uses: a mixture of experts runs num_experts_per_tok of its
+    num_experts expert MLPs per token."""
+    params, c = param_count(model.params), model.config
+    if c.num_experts:
+        params -= param_count(_experts(model)) * (1 - c.num_experts_per_tok / c.num_experts)
+    return int(params)
 
 
 def prefill_floor_s(model: LoadedModel, tokens: int, matmul_rate: float) -> float:
-    """2 FLOPs per active parameter per token (attention's own FLOPs aside): a mixture of experts
-    runs num_experts_per_tok of its num_experts expert MLPs per token."""
-    params, c = param_count(model.params), model.config
-    if c.num_experts:
-        experts = sum(param_count((getattr(layer, "experts_gate_up", None), getattr(layer, "experts_down", None)))
-                      for layer in model.params.layers)
-        params -= experts * (1 - c.num_experts_per_tok / c.num_experts)
-    return 2 * params * tokens / matmul_rate
+    """2 FLOPs per active parameter per token (attention's own FLOPs aside)."""
+    return 2 * active_param_count(model) * tokens / matmul_rate

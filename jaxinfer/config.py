@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from jaxinfer.config_families import (GEMMA_HF_TYPES, ConfigError, check_layer_types, gemma_from_gguf, gemma_from_hf,
                                      gemma_rope_config, gemma_to_hf, gguf_model_type, llama_sliding_window,
@@ -155,7 +155,8 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_weight: bool = True,
-                           rope_freq_factors: tuple[float, ...] | None = None, tensor_names=None) -> "ModelConfig":
+                           rope_freq_factors: tuple[float, ...] | None = None,
+                           tensor_names: Collection[str] | None = None) -> "ModelConfig":
         """`rope_freq_factors`: the GGUF's rope_freqs tensor, where llama.cpp stores llama3-style
         rope scaling as one divisor per frequency. `tensor_names` (the file's): whether an LM head
         is stored, and which layers of a mixture of experts route."""
@@ -251,7 +252,7 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
     return ModelConfig(**fields)
 
 
-def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool, tensor_names) -> ModelConfig:
+def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool, tensor_names: Collection[str] | None) -> ModelConfig:
     source = "GGUF metadata"
     arch = require(meta, "general.architecture", source)
     if arch not in GGUF_FAMILIES:

@@ -19,7 +19,7 @@ arguments for one family, or back to HF keys; errors are `ConfigError`s naming t
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA_HF_TYPES = ("gemma2", "gemma3_text")
@@ -63,7 +63,8 @@ def gguf_model_type(meta: Mapping[str, Any], arch: str) -> str:
     return _GGUF_MODEL_TYPES.get(arch, arch)
 
 
-def moe_from_gguf(meta: Mapping[str, Any], arch: str, num_layers: int, tensor_names, source: str) -> dict[str, Any]:
+def moe_from_gguf(meta: Mapping[str, Any], arch: str, num_layers: int, tensor_names: Collection[str] | None,
+                  source: str) -> dict[str, Any]:
     """llama.cpp's expert keys: {arch}.expert_count, expert_used_count and expert_feed_forward_length
     (Mixtral's experts have the feed_forward_length); the top k renormalised unless
     {arch}.expert_weights_norm is false (llama.cpp renormalises both families). A GGUF states no

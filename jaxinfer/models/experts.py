@@ -43,8 +43,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: Experts, w_down: Experts
     """x [T, E] -> [T, E]: each token's top-k experts' gated MLPs summed with the router's weights.
     Per-expert tuples take the per-expert forms; `impl` picks a stacked form."""
     weights, experts = route(x, router, top_k, renormalize)
-    if isinstance(w_gate_up, (tuple, list)):
-        return per_expert(x, weights, experts, tuple(w_gate_up), tuple(w_down))
+    if isinstance(w_gate_up, tuple):
+        return per_expert(x, weights, experts, w_gate_up, w_down)
     if impl == "auto":
         impl = "dense" if jax.default_backend() == "cpu" else "ragged"
     if impl not in _FORMS:
