@@ -4,7 +4,7 @@
 
 Both are random-weight shapes from benchmarks/shapes.py (`smollm2-moe` is SmolLM2 with 8 experts
 of half its MLP width, top 2: the same active MLP width). Each runs in an Engine of the same
-settings, one after the other in this process: median steady-state decode step time per batch
+settings, one after the other, each in a fresh process: median steady-state decode step time per batch
 (greedy, random prompts) and the time to first token of one prompt. Prints a markdown table with
 the MoE / dense step-time ratio; the issue's goal is a ratio <= 1.5.
 """
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import jax
@@ -66,7 +68,12 @@ def main() -> int:
     args = ap.parse_args()
     if not SHAPES[args.moe].num_experts:
         ap.error(f"--moe {args.moe}: that shape has no experts")
-    dense, moe = measure(args.dense, args), measure(args.moe, args)
+    # Each shape in a fresh process: an engine measured after another in the same process ran
+    # 1.1-1.4x slower, whichever model it held (benchmarks/RESULTS.md, out-first weights).
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        dense = pool.submit(measure, args.dense, args).result()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        moe = pool.submit(measure, args.moe, args).result()
     print(f"Device: {jax.devices()[0].device_kind} x {jax.device_count()} ({jax.default_backend()}); "
           f"jax {jax.__version__}; {dense['dtype']}; decode after a {args.prompt_len}-token prompt, "
           f"medians of {args.repeats}")
