@@ -29,6 +29,8 @@ dequantizes only those.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,7 +203,7 @@ def embedding_rows(embed: QuantizedWeight | jax.Array, tokens: jax.Array) -> jax
 def einsum(spec: str, x: jax.Array, w: QuantizedWeight | jax.Array) -> jax.Array:
     """jnp.einsum(spec, x, w) for a float or quantized weight `w` (the linear layers' matmul)."""
     if not isinstance(w, QuantizedWeight):
-        return jnp.einsum(spec, x, w)
+        return _merged_contraction(spec, x, w)
     if w.method != "int8" or w.group or w.zeros is not None or w.offsets is not None:
         return jnp.einsum(spec, x, dequantize(w, x.dtype))
     operands, out = spec.split("->")
@@ -210,3 +212,22 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | jax.Array) -> jax.Array
     w_out = "".join(c for i, c in enumerate(w_letters) if i not in w.inputs)
     scales = jnp.squeeze(w.scales, w.inputs).astype(y.dtype)  # [out axes]
     return jnp.einsum(f"{out},{w_out}->{out}", y, scales)
+
+
+def _merged_contraction(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """jnp.einsum(spec, x, w); where it contracts several axes that end x and start w in the same
+    order, with the output x's other axes then w's (the output projection "thd,hde->te"), one 2-D
+    dot over the merged axes instead. Given the 3-D form, XLA:CPU matched the weight to the
+    attention output's layout by transposing the whole [H, D, E] weight on every step; merged,
+    the weight is a free reshape and only the (small) activation may be copied."""
+    operands, out = spec.split("->")
+    x_letters, w_letters = operands.split(",")
+    contracted = "".join(c for c in x_letters if c in w_letters and c not in out)
+    n = len(contracted)
+    free = x_letters[:len(x_letters) - n]
+    if n < 2 or not (x_letters.endswith(contracted) and w_letters.startswith(contracted)
+                     and out == free + w_letters[n:]):
+        return jnp.einsum(spec, x, w)
+    k = math.prod(w.shape[:n])
+    y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
+    return y.reshape(*x.shape[:len(free)], *w.shape[n:])
