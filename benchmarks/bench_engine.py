@@ -5,7 +5,8 @@
 
 --shape: random weights of that model's real shape built on the device (benchmarks/shapes.py; no
 download, no transformers; with --hf-python, HF transformers builds them and runs beside the
-engine on the same weights), bfloat16 on accelerators. Reports decode tokens/s at each batch and
+engine on the same weights; add --llamacpp-python for llama.cpp at batch 1 on a float32 GGUF of
+them, benchmarks/llamacpp_peer.py), bfloat16 on accelerators. Reports decode tokens/s at each batch and
 prompt length and a 2048-token prefill, each beside its floor (weight + KV bytes over the measured
 copy rate; FLOPs over the measured matmul rate; benchmarks/ceilings.py), and with --startup the
 engine's cold (empty compilation cache) and warm start-up; with --profile, the fraction of
@@ -125,6 +126,7 @@ def run_engine_prefill(engine, prompt_len, seed=1):
 
 def bench_shape(args):
     import ceilings
+    from llamacpp_peer import run_peer
     from shapes import decode_floor_s, param_bytes, prefill_floor_s, random_model
 
     from jaxinfer.config import EngineConfig
@@ -139,8 +141,11 @@ def bench_shape(args):
 
         from jaxinfer.loader import load_model
         model = load_model(weights, args.dtype, with_tokenizer=False)
+        peer = args.llamacpp_python and run_peer(args.llamacpp_python, weights, args.prompt_lens[0],
+                                                 args.new_tokens, args.repeats)
         shutil.rmtree(weights.parent, ignore_errors=True)  # 16 GB for the 8B shape
     else:
+        peer = None
         model = random_model(args.shape, args.dtype, quantization=args.quantization)
         jax.block_until_ready(model.params)
         print(f"[{time.strftime('%H:%M:%S')}] random weights ready", file=sys.stderr, flush=True)
@@ -198,6 +203,10 @@ def bench_shape(args):
         print(f"Start-up: cold {startup['cold']:.1f} s, warm {startup['warm']:.1f} s")
     if hf:
         print(f"HF transformers {hf.get('transformers', '')} (torch {hf['torch']}) on the same weights")
+    if peer:  # batch 1 at the first prompt length: rows[0]
+        print(f"llama.cpp (llama-cpp-python {peer['llama_cpp']}, {peer['threads']} threads, float32 GGUF of the "
+              f"same weights): batch-1 decode {peer['decode']['1']:.1f} tok/s; jaxinfer / llama.cpp "
+              f"{rows[0][1] / peer['decode']['1']:.2f}x")
     print("\n| run | tok/s | time per step (ms) | floor (ms) | % of floor | HF tok/s | vs HF |"
           "\n|---|---|---|---|---|---|---|")
     for name, rate, t, floor, theirs in rows:
@@ -237,6 +246,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers for the baseline "
                     "(with --shape: HF builds the random weights and both sides run them)")
+    ap.add_argument("--llamacpp-python", default=None, help="with --shape and --hf-python: a Python with "
+                    "llama-cpp-python, run as a batch-1 peer on a float32 GGUF of the same weights")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-rates", type=float, nargs="+", default=[0.5, 1.0])
@@ -261,6 +272,8 @@ def main():
     ap.add_argument("--host-profile", action="store_true",
                     help="with --shape: cProfile a decode run per --profile-batches (host time)")
     args = ap.parse_args()
+    if args.llamacpp_python and not (args.shape and args.hf_python):
+        ap.error("--llamacpp-python runs on the weights --shape with --hf-python writes")
     if args.shape:
         return bench_shape(args)
 

@@ -75,3 +75,23 @@ def test_layers_differ():  # one compiled init, a fresh key per layer
     model = shapes.random_model("tiny-dense", "float32")
     a, b = (np.asarray(layer.w_qkv) for layer in model.params.layers)
     assert not np.allclose(a, b)
+
+
+def test_llamacpp_peer_gguf_holds_the_hf_weights(tmp_path):
+    """benchmarks/llamacpp_peer.py's float32 GGUF (q / k rows permuted as llama.cpp's converter
+    does) loads back through our GGUF reader as exactly the HF directory's parameters."""
+    import bench_load
+    import jax
+    import llamacpp_peer
+
+    from jaxinfer.loader import load_model
+    config = dataclasses.replace(shapes.SHAPES["smollm2"], num_layers=2, vocab_size=512, num_kv_heads=3)
+    bench_load._write_safetensors(config, tmp_path / "hf")
+    llamacpp_peer.write_gguf(tmp_path / "hf", tmp_path / "model.gguf")
+    hf = load_model(tmp_path / "hf", "float32", with_tokenizer=False)
+    gguf = load_model(tmp_path / "model.gguf", "float32", with_tokenizer=False)
+    assert gguf.config.num_kv_heads == 3 and gguf.config.vocab_size == 512
+    ours, theirs = (jax.tree_util.tree_flatten_with_path(m.params)[0] for m in (hf, gguf))
+    assert [p for p, _ in ours] == [p for p, _ in theirs]
+    for (path, a), (_, b) in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
