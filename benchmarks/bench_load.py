@@ -82,36 +82,10 @@ def _write_safetensors(config, directory: Path, seed: int = 0) -> None:
         save_file(shard, str(directory / f"model-{index:05d}.safetensors"))
 
 
-def _write_gguf(hf_dir: Path, path: Path) -> None:
-    """An F16 GGUF of an HF directory's tensors, named and described as llama.cpp does."""
-    import gguf
-    import numpy as np
-
-    from checkpoints import SafetensorsCheckpoint
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.models.registry import get_family
-
-    config = ModelConfig.from_hf_file(hf_dir / "config.json")
-    reader = SafetensorsCheckpoint(hf_dir)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in [("block_count", config.num_layers), ("context_length", config.max_position_embeddings),
-                       ("embedding_length", config.hidden_size), ("feed_forward_length", config.intermediate_size),
-                       ("attention.head_count", config.num_heads), ("attention.head_count_kv", config.num_kv_heads),
-                       ("attention.key_length", config.head_dim), ("vocab_size", config.vocab_size)]:
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.rope.freq_base", config.rope_theta)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
-    family = get_family(config.family)
-    for hf, gg in zip(family.checkpoint_specs(config, "hf"), family.checkpoint_specs(config, "gguf")):
-        writer.add_tensor(gg.name, np.asarray(reader.get(hf.name), np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def build_inputs(workdir: Path, model: str) -> dict[str, Path]:
-    """{format: path} for one model, built under workdir once."""
+    """{format: path} for one model, built under workdir once (the GGUF as F16, named and laid
+    out as llama.cpp's converter does)."""
+    from llamacpp_peer import write_gguf
     from shapes import SHAPES
     from jaxinfer.convert import convert
     from jaxinfer.loader import default_model_path
@@ -122,7 +96,7 @@ def build_inputs(workdir: Path, model: str) -> dict[str, Path]:
     if not paths["safetensors"].exists():
         _write_safetensors(SHAPES[model], paths["safetensors"])
     if not paths["gguf"].exists():
-        _write_gguf(paths["safetensors"], paths["gguf"])
+        write_gguf(paths["safetensors"], paths["gguf"], "float16")
     if not paths["orbax"].exists():
         convert(paths["safetensors"], paths["orbax"], dtype="bfloat16", progress=False)
     return paths

@@ -8,8 +8,8 @@ project's environment. It decodes greedily at batch 1 after a random prompt, one
 `eval` (llama.cpp's own decode step), on every core, and prints one JSON line: decode tokens/s
 (median over repeats of new_tokens / decode time) and the library's version.
 
-`write_gguf` (imported by bench_engine.py, in this project's environment) writes an HF
-directory's llama-family tensors as a float32 GGUF the way llama.cpp's converter names and lays
+`write_gguf` (imported by bench_engine.py and bench_load.py, in this project's environment) writes an HF
+directory's llama-family tensors as a float32 (or float16) GGUF the way llama.cpp's converter names and lays
 them out (q and k rows permuted for its RoPE), with a placeholder vocabulary of the model's size,
 so llama.cpp runs the very weights the engine and HF transformers run.
 """
@@ -29,9 +29,9 @@ def _permute_for_rope(w, heads: int):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, path: Path) -> None:
-    """A float32 GGUF of an HF llama-family directory, with a vocabulary of placeholder pieces
-    (llama.cpp needs one to load; the benchmark feeds token ids)."""
+def write_gguf(hf_dir: Path, path: Path, dtype: str = "float32") -> None:
+    """A GGUF (float32 or float16 tensors) of an HF llama-family directory, with a vocabulary of
+    placeholder pieces (llama.cpp needs one to load; the benchmarks feed token ids)."""
     import gguf
     import numpy as np
 
@@ -65,7 +65,7 @@ def write_gguf(hf_dir: Path, path: Path) -> None:
             w = _permute_for_rope(w, config.num_heads)
         elif gg.name.endswith("attn_k.weight"):
             w = _permute_for_rope(w, config.num_kv_heads)
-        writer.add_tensor(gg.name, w)
+        writer.add_tensor(gg.name, w.astype(dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
