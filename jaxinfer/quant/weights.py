@@ -20,7 +20,8 @@ looks up the nearest name on a leaf's path, finds the field the weight fills (e.
 `dtype` is the float dtype the weight stands for (the model's): dequantizing computes in the
 wider of it and the scales' dtype (GGUF scales are float16 / float32), then casts to it.
 
-`einsum` is the one matmul every linear layer calls. Plain arrays pass straight to jnp.einsum;
+`einsum` is the one matmul every linear layer calls. Plain arrays go to jnp.einsum (one 2-D dot
+where several leading weight axes are contracted: `_merged_contraction`);
 per-channel int8 runs the dot on the integers converted to the activation dtype and scales its
 output columns; every other layout is dequantized first (its scales vary along the contraction).
 Inside the jitted step XLA fuses the conversion into the dot's operand on GPU/TPU; the weights
