@@ -7,7 +7,8 @@
     matcher.consume(token)                                # after each sampled token
 
 The grammar engine is llguidance (a Rust library; packed bitmasks in the layout the sampler
-reads). xgrammar needs torch, which this project's Python 3.12 environments do not have.
+reads). A grammar that repeats a character class gets that class as a vocabulary slice of its
+own (slices.py), which spares llguidance most of its token-trie walk while the run lasts. xgrammar needs torch, which this project's Python 3.12 environments do not have.
 """
 from jaxinfer.structured.backend import Grammar, GrammarBackend, RowMatcher, fill_bitmask, grammar_for
 from jaxinfer.structured.grammar import grammar_text

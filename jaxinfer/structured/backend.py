@@ -17,8 +17,14 @@ import numpy as np
 
 from jaxinfer.sampling.params import StructuredOutput
 from jaxinfer.structured.grammar import grammar_text
+from jaxinfer.structured.slices import grammar_slices
 
 _CACHE_SIZE = 128
+# llguidance tokenizers with a grammar's own slices (see slices.py), by slice set. Each holds
+# tries of the whole vocabulary (~13 MiB for a 49k one) and takes ~0.1-0.3 s to build. Evicting
+# one drops the compiled grammars built on it, so memory stays bounded whatever clients send
+# (a running request's matcher keeps its own until the request ends).
+_SLICED_CACHE_SIZE = 4
 
 
 class RowMatcher:
@@ -70,6 +76,7 @@ class GrammarBackend:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll = None
         self._cache: collections.OrderedDict[StructuredOutput, Grammar] = collections.OrderedDict()
+        self._sliced: collections.OrderedDict[tuple[str, ...], object] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> Grammar:
@@ -78,10 +85,12 @@ class GrammarBackend:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        grammar = Grammar(self._ll_tokenizer(), grammar_text(spec), spec)
+        text = grammar_text(spec)
+        grammar = Grammar(self._sliced_tokenizer(grammar_slices(spec)), text, spec)
         grammar.matcher()  # compiles it once: errors surface here, at the request
         with self._lock:
-            self._cache[spec] = grammar
+            if not self._evicted(grammar._tokenizer):
+                self._cache[spec] = grammar
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
@@ -91,6 +100,39 @@ class GrammarBackend:
             if self._ll is None:
                 self._ll = _build_ll_tokenizer(self.tokenizer, self.vocab_size)
             return self._ll
+
+    def _evicted(self, tokenizer) -> bool:
+        return tokenizer is not self._ll and all(t is not tokenizer for t in self._sliced.values())
+
+    def _sliced_tokenizer(self, slices: tuple[str, ...]):
+        """The vocabulary with `slices` ahead of llguidance's defaults (the same tokenizer when
+        there are none, or none that llguidance's regex syntax accepts)."""
+        base = self._ll_tokenizer()
+        slices = tuple(s for s in slices if _is_regex(s))
+        if not slices:
+            return base
+        with self._lock:
+            if slices in self._sliced:
+                self._sliced.move_to_end(slices)
+                return self._sliced[slices]
+        sliced = base.with_slices(list(slices) + base.general_slices())
+        with self._lock:
+            self._sliced[slices] = sliced
+            while len(self._sliced) > _SLICED_CACHE_SIZE:
+                _, evicted = self._sliced.popitem(last=False)
+                for spec in [s for s, g in self._cache.items() if g._tokenizer is evicted]:
+                    del self._cache[spec]
+        return sliced
+
+
+def _is_regex(text: str) -> bool:
+    """llguidance's regex syntax accepts `text` (its slicer panics on one it does not)."""
+    from llguidance import LLMatcher
+
+    try:
+        return not LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_regex(text))[0]
+    except (ValueError, TypeError, RuntimeError):
+        return False
 
 
 def grammar_for(backend: GrammarBackend | None, params) -> Grammar | None:
