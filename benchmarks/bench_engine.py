@@ -146,7 +146,7 @@ def bench_shape(args):
         shutil.rmtree(weights.parent, ignore_errors=True)  # 16 GB for the 8B shape
     else:
         peer = None
-        model = random_model(args.shape, args.dtype, quantization=args.quantization)
+        model = random_model(args.shape, args.dtype, quantization=args.quantization, num_layers=args.layers)
         jax.block_until_ready(model.params)
         print(f"[{time.strftime('%H:%M:%S')}] random weights ready", file=sys.stderr, flush=True)
     budget = max(args.prefill_len, max(batches))
@@ -190,7 +190,8 @@ def bench_shape(args):
                  hf and hf["prefill_tokens_per_s"]))
     assert engine.runner.num_compiled() == variants, "a step compiled after warm-up"
     dtype = model.params.embed.dtype
-    print(f"Device: {ceil['device']}; jax {jax.__version__}; shape {args.shape} ({dtype}"
+    layers = f"{args.layers} of its layers, " if args.layers else ""
+    print(f"Device: {ceil['device']}; jax {jax.__version__}; shape {args.shape} ({layers}{dtype}"
           f"{', weights ' + args.quantization if args.quantization else ''}, "
           f"{param_bytes(model) / 2**30:.2f} GiB of weights); async scheduling "
           f"{'off' if args.no_async_scheduling else 'on'}; decode windows of "
@@ -256,6 +257,7 @@ def main():
     ap.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "int8", "int4"],
                     help="the default model: as LLM(quantization=...) (gguf: its own quantized blocks); "
                          "with --shape: int8 or int4 of the random weights (made on the device)")
+    ap.add_argument("--layers", type=int, default=None, help="with --shape: only the first N layers (quick runs)")
     ap.add_argument("--dtype", default="auto", help="with --shape (auto: bfloat16 on accelerators, float32 on the CPU)")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024], help="with --shape")
     ap.add_argument("--new-tokens", type=int, default=32, help="with --shape: tokens decoded per request")
@@ -274,6 +276,8 @@ def main():
     args = ap.parse_args()
     if args.llamacpp_python and not (args.shape and args.hf_python):
         ap.error("--llamacpp-python runs on the weights --shape with --hf-python writes")
+    if args.layers is not None and (not args.shape or args.hf_python or args.layers < 1):
+        ap.error(f"--layers {args.layers}: a positive count, with --shape and without --hf-python")
     if args.shape:
         return bench_shape(args)
 
