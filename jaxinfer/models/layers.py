@@ -18,6 +18,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.quant import einsum, embedding_rows
 from jaxinfer.quant.kv_cache import QuantizedKVCache
+from jaxinfer.quant.out_first import OutFirstWeight, to_out_first
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.reference import write_kv
 from sharding import shard_paged_attention
@@ -132,3 +133,19 @@ def _with_kv_scales(fn, cache_at: int):
             return cache.replace(pages=out)
         return out[0], cache.replace(pages=out[1])
     return call
+
+
+# The float linear weights of a decoder layer, by field, with their input (contracted) axes.
+LAYER_LINEARS = {"w_qkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
+
+
+def linear_layout(params, mesh):
+    """The layers' float32 linear weights in the layout the step computes with: output axes first
+    (jaxinfer/quant/out_first.py) on one CPU device without a mesh, where small batches run as
+    streaming reductions; [in..., out...] everywhere else. Either layout converts to the other.
+    (A tied LM head needs no conversion: the embedding [V, E] is already out-first.)"""
+    device = next(iter(jax.tree.leaves(params)[0].devices()))
+    if mesh is None and device.platform == "cpu":
+        return params.replace(layers=tuple(to_out_first(layer, LAYER_LINEARS) for layer in params.layers))
+    stored = lambda w: w.stored() if isinstance(w, OutFirstWeight) else w  # noqa: E731
+    return jax.tree.map(stored, params, is_leaf=lambda w: isinstance(w, OutFirstWeight))

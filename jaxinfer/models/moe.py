@@ -148,7 +148,8 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
 def compute_layout(params: MoeParams, mesh) -> MoeParams:
     """The experts in the layout the step computes with (experts.py): per expert on one CPU
     device without a mesh, where only the chosen experts are read; stacked on a mesh (split over
-    `expert` and `tensor`) and on accelerators (grouped matmuls). Either layout converts to the other."""
+    `expert` and `tensor`) and on accelerators (grouped matmuls). Either layout converts to the other.
+    The dense linear weights follow layers.linear_layout."""
     device = next(iter(jax.tree.leaves(params)[0].devices()))
     per_expert = mesh is None and device.platform == "cpu"
 
@@ -159,7 +160,7 @@ def compute_layout(params: MoeParams, mesh) -> MoeParams:
             return layer.replace(experts_gate_up=unstack(layer.experts_gate_up), experts_down=unstack(layer.experts_down))
         return layer.replace(experts_gate_up=jnp.stack(layer.experts_gate_up), experts_down=jnp.stack(layer.experts_down))
 
-    return params.replace(layers=tuple(relayout(layer) for layer in params.layers))
+    return L.linear_layout(params.replace(layers=tuple(relayout(layer) for layer in params.layers)), mesh)
 
 
 def _layer(x, p: MoeLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):

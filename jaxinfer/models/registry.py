@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import gemma, gemma_names, llama, llama_names, moe, moe_names
+from jaxinfer.models import layers as L
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.models.specs import TensorSpec
 
@@ -79,7 +80,7 @@ _FAMILIES: dict[str, ModelFamily] = {
         name="llama", forward=llama.forward, compute_logits=llama.compute_logits,
         init_params=llama.init_params, assemble=llama.assemble,
         checkpoint_specs=llama_names.checkpoint_specs, ignored_tensors=llama_names.IGNORED,
-        param_axes=llama.PARAM_AXES, linear_inputs=llama.LINEAR_INPUTS),
+        param_axes=llama.PARAM_AXES, linear_inputs=llama.LINEAR_INPUTS, compute_layout=L.linear_layout),
     "moe": ModelFamily(
         name="moe", forward=moe.forward, compute_logits=moe.compute_logits,
         init_params=moe.init_params, assemble=moe.assemble,
@@ -89,7 +90,7 @@ _FAMILIES: dict[str, ModelFamily] = {
         name="gemma", forward=gemma.forward, compute_logits=gemma.compute_logits,
         init_params=gemma.init_params, assemble=gemma.assemble,
         checkpoint_specs=gemma_names.checkpoint_specs, ignored_tensors=gemma_names.IGNORED,
-        param_axes=gemma.PARAM_AXES, linear_inputs=gemma.LINEAR_INPUTS,
+        param_axes=gemma.PARAM_AXES, linear_inputs=gemma.LINEAR_INPUTS, compute_layout=L.linear_layout,
         traits=("(1 + w) RMSNorm before and after attention and MLP", "GELU(tanh)-gated MLP",
                 "embeddings scaled by sqrt(hidden)")),
 }

@@ -21,7 +21,9 @@ looks up the nearest name on a leaf's path, finds the field the weight fills (e.
 wider of it and the scales' dtype (GGUF scales are float16 / float32), then casts to it.
 
 `einsum` is the one matmul every linear layer calls. Plain arrays go to jnp.einsum (one 2-D dot
-where several leading weight axes are contracted: `_merged_contraction`);
+where several leading weight axes are contracted: `_merged_contraction`); out-first weights (the
+CPU runner's layout, out_first.py) and weights contracted on their trailing axes (the tied LM
+head) to `out_first.contract_rows`;
 per-channel int8 runs the dot on the integers converted to the activation dtype and scales its
 output columns; every other layout is dequantized first (its scales vary along the contraction).
 Inside the jitted step XLA fuses the conversion into the dot's operand on GPU/TPU; the weights
@@ -35,6 +37,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
 INT4_LEVELS = 15
 
@@ -201,8 +205,13 @@ def embedding_rows(embed: QuantizedWeight | jax.Array, tokens: jax.Array) -> jax
     return embed[tokens]  # QuantizedWeight.__getitem__ gathers, then dequantizes
 
 
-def einsum(spec: str, x: jax.Array, w: QuantizedWeight | jax.Array) -> jax.Array:
-    """jnp.einsum(spec, x, w) for a float or quantized weight `w` (the linear layers' matmul)."""
+def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | jax.Array) -> jax.Array:
+    """jnp.einsum(spec, x, w) for a float, out-first or quantized weight `w` (the linear layers'
+    matmul); `spec` names the weight's axes as [in..., out...] in every case."""
+    if isinstance(w, OutFirstWeight):
+        operands, out = spec.split("->")
+        x_letters, w_letters = operands.split(",")
+        return _merged_contraction(f"{x_letters},{w.spec_letters(w_letters)}->{out}", x, w.t)
     if not isinstance(w, QuantizedWeight):
         return _merged_contraction(spec, x, w)
     if w.method != "int8" or w.group or w.zeros is not None or w.offsets is not None:
@@ -216,19 +225,25 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | jax.Array) -> jax.Array
 
 
 def _merged_contraction(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """jnp.einsum(spec, x, w); where it contracts several axes that end x and start w in the same
-    order, with the output x's other axes then w's (the output projection "thd,hde->te"), one 2-D
-    dot over the merged axes instead. Given the 3-D form, XLA:CPU matched the weight to the
-    attention output's layout by transposing the whole [H, D, E] weight on every step; merged,
-    the weight is a free reshape and only the (small) activation may be copied."""
+    """jnp.einsum(spec, x, w), as one 2-D product over merged axes where x's contracted axes end
+    it and the output is x's other axes then w's:
+    - contracted axes that start w (the output projection "thd,hde->te"): one 2-D dot. Given
+      the 3-D form, XLA:CPU matched the weight to the attention output's layout by transposing
+      the whole [H, D, E] weight on every step; merged, the weight is a free reshape.
+    - contracted axes that end w (out-first: the tied LM head "ne,ve->nv", an OutFirstWeight):
+      out_first.contract_rows."""
     operands, out = spec.split("->")
     x_letters, w_letters = operands.split(",")
     contracted = "".join(c for c in x_letters if c in w_letters and c not in out)
     n = len(contracted)
     free = x_letters[:len(x_letters) - n]
-    if n < 2 or not (x_letters.endswith(contracted) and w_letters.startswith(contracted)
-                     and out == free + w_letters[n:]):
+    if not x_letters.endswith(contracted):
         return jnp.einsum(spec, x, w)
-    k = math.prod(w.shape[:n])
+    k = math.prod(x.shape[len(free):])
+    if n and w_letters.endswith(contracted) and out == free + w_letters[:-n]:
+        y = contract_rows(x.reshape(-1, k), w.reshape(-1, k))
+        return y.reshape(*x.shape[:len(free)], *w.shape[:-n])
+    if n < 2 or not (w_letters.startswith(contracted) and out == free + w_letters[n:]):
+        return jnp.einsum(spec, x, w)
     y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*x.shape[:len(free)], *w.shape[n:])

@@ -133,18 +133,23 @@ def test_an_unbiased_batch_pays_nothing_for_logit_bias(model, num_steps):
 
 
 def weight_dots(model) -> dict[str, int]:
-    """How many dot_generals of the lowered step read each parameter, by its path."""
+    """How many contractions of the lowered step (bucket 8) read each parameter, by its path: a
+    dot_general, or the product-and-sum an out-first weight runs as on the CPU (quant/out_first.py),
+    which starts by broadcasting the (reshaped) weight."""
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                           penalties=False, compilation_cache_dir=None, num_pages=64, max_model_len=512)
     runner = ModelRunner(model, config, 512)
     text = runner.lower(runner.padding_inputs(8, False)).as_text()
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(runner.params)[0]]
+    leaves = jax.tree_util.tree_flatten_with_path(runner.params)[0]
+    paths = [jax.tree_util.keystr(path).removesuffix(".t") for path, _ in leaves]
     counts = dict.fromkeys(paths, 0)
     # a weight may reach its dot through a reshape (the output projection's [H, D, E] -> [H*D, E])
     reshaped = dict(re.findall(r"(%[\w#]+) = stablehlo\.reshape %arg(\d+)\b", text))
-    for operand in re.findall(r"stablehlo\.dot_general [^,]+, (%[\w#]+)", text):
+    operands = re.findall(r"stablehlo\.dot_general [^,]+, (%[\w#]+)", text)
+    operands += re.findall(r"stablehlo\.broadcast_in_dim (%[\w#]+), dims = \[0, 2\]", text)
+    for operand in operands:
         arg = operand[4:] if re.fullmatch(r"%arg\d+", operand) else reshaped.get(operand)
-        if arg is not None:
+        if arg is not None and leaves[int(arg)][1].ndim >= 2:
             counts[paths[int(arg)]] += 1  # the parameters are the step's first arguments
     return counts
 
