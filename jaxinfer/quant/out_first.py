@@ -34,15 +34,16 @@ class OutFirstWeight:
         outputs = tuple(i for i in range(w.ndim) if i not in inputs)
         return cls(jnp.transpose(w, outputs + tuple(inputs)), inputs)
 
+    def _order(self) -> list[int]:
+        """The axes of `t` in [in..., out...] order (the permutation back to the original)."""
+        n_out = self.t.ndim - len(self.inputs)
+        outputs = iter(range(n_out))
+        return [n_out + self.inputs.index(i) if i in self.inputs else next(outputs) for i in range(self.t.ndim)]
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the [in..., out...] weight it stands for."""
-        n_out = self.t.ndim - len(self.inputs)
-        shape = [0] * self.t.ndim
-        for size, axis in zip(self.t.shape[n_out:], self.inputs):
-            shape[axis] = size
-        rest = iter(self.t.shape[:n_out])
-        return tuple(s if i in self.inputs else next(rest) for i, s in enumerate(shape))
+        return tuple(self.t.shape[axis] for axis in self._order())
 
     @property
     def dtype(self):
@@ -53,12 +54,7 @@ class OutFirstWeight:
 
     def stored(self) -> jax.Array:
         """Back in [in..., out...] order."""
-        n_out = self.t.ndim - len(self.inputs)
-        order = [0] * self.t.ndim
-        for position, axis in enumerate(self.inputs):
-            order[axis] = n_out + position
-        outputs = iter(range(n_out))
-        return jnp.transpose(self.t, [order[i] if i in self.inputs else next(outputs) for i in range(self.t.ndim)])
+        return jnp.transpose(self.t, self._order())
 
     def spec_letters(self, w_letters: str) -> str:
         """The einsum letters of `t`, given those of the original weight."""
