@@ -54,6 +54,9 @@ class EngineConfig:
     # filled while the device runs step N+1's forward (after step N's tokens land) instead of
     # before it is dispatched. None: on accelerators only.
     structured_output_overlap: bool | None = None
+    # On the CPU, large freed host blocks stay in the heap for the next step (host_memory.py:
+    # the process's glibc allocator, set once the weights are placed). False: glibc's defaults.
+    cpu_heap_reuse: bool = True
     attn_impl: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
     seed: int = 0

@@ -50,7 +50,7 @@ class LLM:
                  mesh: str | dict | None = None, coordinator_address: str | None = None,
                  num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
                  quantization: str | None = "auto", quantization_group_size: int | None = None,
-                 quantize_embedding: bool = False):
+                 quantize_embedding: bool = False, cpu_heap_reuse: bool = True):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default).
 
         `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
@@ -67,7 +67,9 @@ class LLM:
         a GGUF file's own quantized blocks (repacked, dequantized inside the step); "none"
         dequantizes them at load; "auto" (default) is "gguf" for a GGUF file on an accelerator and
         "none" on the CPU, where native blocks decode slower. A checkpoint converted with a
-        quantization loads as saved."""
+        quantization loads as saved.
+        `cpu_heap_reuse=False` leaves the process's glibc allocator at its defaults on the CPU
+        (jaxinfer/host_memory.py: by default large freed blocks stay for the next step)."""
         quant = QuantConfig.parse(quantization, quantization_group_size, quantize_embedding)
         initialize(coordinator_address, num_processes, process_id)  # before any device is used
         config = EngineConfig(
@@ -80,7 +82,7 @@ class LLM:
             num_decode_steps=num_decode_steps, structured_output_overlap=structured_output_overlap,
             attn_impl=attn_impl, penalties=penalties,
             compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config, cpu_heap_reuse=cpu_heap_reuse)
         place_for = None
         if config.mesh is not None:
             device_mesh = make_mesh(config.mesh)

