@@ -53,9 +53,11 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import common
 from pallas_kernels.reference import stored_kv
 from pallas_kernels.tpu_config import (
+    KV_SCRATCH_BUFFERS,
     TpuConfig,
     check_config,
     default_config,
+    kv_scratch_shape,
     unsupported_reason,
 )
 
@@ -225,7 +227,6 @@ def _call_kernel(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: ja
     """The pallas_call over grid (Hkv, nqb) -> (out blocks like q_blocks, kv_cache written)."""
     num_kv_heads, num_blocks, rows_m, head_dim = q_blocks.shape
     num_pages, page_size, two_hkv, _ = kv_cache.shape
-    block_kv = config.pages_per_block * page_size
     flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
     kernel = functools.partial(
         _attention_kernel, block_q=config.block_q, pages_per_block=config.pages_per_block,
@@ -237,7 +238,8 @@ def _call_kernel(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: ja
         grid=(num_kv_heads, num_blocks),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), block, hbm, hbm],
         out_specs=[block, hbm],
-        scratch_shapes=[pltpu.VMEM((2, block_kv, head_dim), kv_cache.dtype)] * 4
+        scratch_shapes=[pltpu.VMEM(kv_scratch_shape(config, page_size, head_dim), kv_cache.dtype)]
+                       * KV_SCRATCH_BUFFERS
                        + [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
     )
     out_blocks, flat_cache = pl.pallas_call(
@@ -274,7 +276,8 @@ def ragged_paged_attention_tpu(
     group = num_q_heads // num_kv_heads
     num_seqs_max, pages_per_seq = page_indices.shape
     if config is None:
-        config = default_config(num_tokens, num_seqs_max, group, page_size, pages_per_seq)
+        config = default_config(num_tokens, num_seqs_max, group, page_size, pages_per_seq,
+                                q.shape[-1], q.dtype, kv_cache.dtype)
     check_config(config)
     bq = config.block_q
 

@@ -5,11 +5,16 @@ back to the reference on it). `default_config` picks the block sizes from the ba
 (all static under jit): a decode-like batch (at most two tokens per sequence) gets query blocks
 of 16 tokens so few rows are wasted; a prefill-like batch gets blocks of about 256 rows
 (G * block_q); a KV step takes whole pages, up to 512 positions (at least one page).
+Those blocks are then fitted to the target chip's VMEM (`vmem_bytes`, the kernel's blocks,
+scratch and [M, N] temporaries, within half of jax's per-TensorCore capacity for the chip:
+v5e / v6e 128 MiB, v5p / 7x 64 MiB, v4 16 MiB), shrinking the KV step first, then the query
+block; past Mosaic's default scoped limit (16 MiB) the config asks for what it needs.
 `check_config` rejects a config the kernel cannot tile.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +51,16 @@ def unsupported_reason(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Arra
 
 
 def default_config(num_tokens: int, num_seqs: int, group: int, page_size: int,
-                   pages_per_seq: int) -> TpuConfig:
+                   pages_per_seq: int, head_dim: int = 128, dtype: DTypeLike = jnp.bfloat16,
+                   cache_dtype: DTypeLike | None = None, chip: str | None = None) -> TpuConfig:
+    """Block sizes for this batch shape, fitted to `chip`'s VMEM (default: `target_chip()`)."""
+    config = _shape_config(num_tokens, num_seqs, group, page_size, pages_per_seq)
+    return fit_vmem(config, group, page_size, head_dim, dtype, cache_dtype or dtype,
+                    vmem_capacity(chip or target_chip()))
+
+
+def _shape_config(num_tokens: int, num_seqs: int, group: int, page_size: int,
+                  pages_per_seq: int) -> TpuConfig:
     if num_tokens <= 2 * num_seqs:  # decode-like: one token per sequence, keep wasted rows few
         block_q = 16
     else:
@@ -54,6 +68,68 @@ def default_config(num_tokens: int, num_seqs: int, group: int, page_size: int,
     block_q = min(block_q, max(16, common.next_pow2(num_tokens)))
     pages_per_block = max(1, min(pages_per_seq, 512 // page_size))
     return TpuConfig(block_q, pages_per_block)
+
+
+# jax's TPU device kinds -> chip versions of its table (pltpu.get_tpu_info_for_chip).
+_CHIPS = (("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v6 lite", "v6e"), ("TPU v6e", "v6e"),
+          ("TPU7x", "7x"), ("TPU v7", "7x"), ("TPU v5p", "v5p"), ("TPU v5", "v5p"), ("TPU v4", "v4"))
+DEFAULT_SCOPED_VMEM = 16 << 20  # Mosaic's default limit on v5e (32 MiB from v6e): asked past it
+
+
+def target_chip() -> str:
+    """The chip the kernel is built for: this process's TPU; when lowering for a TPU from
+    elsewhere, the abstract mesh's device; else v5e."""
+    kind = jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if kind is None and device is not None and device.platform == "tpu":
+        kind = device.device_kind
+    return next((chip for prefix, chip in _CHIPS if kind and kind.startswith(prefix)), "v5e")
+
+
+def vmem_capacity(chip: str) -> int:
+    """VMEM bytes of one TensorCore of `chip` ("v5e", "v6e", "7x", ...), from jax's table."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1).vmem_capacity_bytes
+
+
+KV_SCRATCH_BUFFERS = 4  # K and V from the cache, K and V from this step's rows
+
+
+def kv_scratch_shape(config: TpuConfig, page_size: int, head_dim: int) -> tuple[int, int, int]:
+    """Each K/V scratch buffer: two slots (double buffering) of one KV step [N, D]."""
+    return (2, config.pages_per_block * page_size, head_dim)
+
+
+def vmem_bytes(config: TpuConfig, group: int, page_size: int, head_dim: int, dtype: DTypeLike,
+               cache_dtype: DTypeLike) -> int:
+    """VMEM one grid step of the kernel holds: the q and out blocks [M, D] (double-buffered by
+    the pipeline), the four [2, N, D] K/V scratch buffers, and its temporaries: the [M, N]
+    scores, probabilities and index planes (4 bytes each), the selected [N, D] K and V, and the
+    float32 (m, l, acc) carry and its update."""
+    rows, n = group * config.block_q, config.pages_per_block * page_size
+    q_size, kv_size = jnp.dtype(dtype).itemsize, jnp.dtype(cache_dtype).itemsize
+    blocks = 2 * 2 * rows * head_dim * q_size
+    scratch = KV_SCRATCH_BUFFERS * math.prod(kv_scratch_shape(config, page_size, head_dim)) * kv_size
+    temporaries = 4 * rows * n * 4 + 3 * n * head_dim * 4 + 2 * rows * (head_dim + 2) * 4
+    return blocks + scratch + temporaries
+
+
+def fit_vmem(config: TpuConfig, group: int, page_size: int, head_dim: int, dtype: DTypeLike,
+             cache_dtype: DTypeLike, capacity: int) -> TpuConfig:
+    """`config` shrunk (KV step, then query block) until it needs at most half of `capacity`,
+    asking for a scoped limit of twice its need (at most 3/4 of `capacity`) past the default."""
+    def need(c):
+        return vmem_bytes(c, group, page_size, head_dim, dtype, cache_dtype)
+
+    while need(config) > capacity // 2 and config.pages_per_block > 1:
+        config = dataclasses.replace(config, pages_per_block=config.pages_per_block // 2)
+    while need(config) > capacity // 2 and config.block_q > 16:
+        config = dataclasses.replace(config, block_q=config.block_q // 2)
+    if 2 * need(config) > DEFAULT_SCOPED_VMEM:
+        limit = min(capacity * 3 // 4, -(-2 * need(config) // (1 << 20)) << 20)
+        config = dataclasses.replace(config, vmem_limit_bytes=limit)
+    return config
 
 
 def check_config(config: TpuConfig) -> None:

@@ -17,6 +17,7 @@ from pallas_kernels import gpu, tpu
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
 TPU_V6E = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+TPU_7X = AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
 
 
 def _shapes(*, tokens=64, q_heads=8, kv_heads=2, head_dim=128, pages=64, page_size=16, seqs=8,
@@ -80,7 +81,7 @@ TPU_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("device", [TPU_V5E, TPU_V6E], ids=["v5e", "v6e"])
+@pytest.mark.parametrize("device", [TPU_V5E, TPU_V6E, TPU_7X], ids=["v5e", "v6e", "7x"])
 @pytest.mark.parametrize("options", sorted(TPU_OPTIONS))
 @pytest.mark.parametrize("shapes", sorted(TPU_SHAPES))
 def test_tpu_kernel_lowers_for_tpu(shapes, options, device):
@@ -88,6 +89,18 @@ def test_tpu_kernel_lowers_for_tpu(shapes, options, device):
                   **TPU_OPTIONS[options])
     assert "tpu_custom_call" in text
     assert "stablehlo.output_operand_alias" in text  # the fused KV write is in place
+
+
+@pytest.mark.parametrize("device,chip", [(TPU_V5E, "v5e"), (TPU_7X, "7x")], ids=["v5e", "7x"])
+def test_tpu_blocks_past_the_default_vmem_limit_ask_for_theirs(device, chip):
+    """f32 prefill, head_dim 256, 8 query heads per KV head: the default blocks need more than
+    half of Mosaic's default 16 MiB, so the kernel's custom call carries the limit it asks for."""
+    shape = dict(tokens=512, q_heads=8, kv_heads=1, head_dim=256, dtype=jnp.float32, seqs=2,
+                 pages_per_seq=64)
+    config = tpu.default_config(512, 2, 8, 16, 64, 256, jnp.float32, chip=chip)
+    assert config.vmem_limit_bytes is not None
+    text = _lower(tpu.ragged_paged_attention_tpu, _shapes(**shape), "tpu", device)
+    assert str(config.vmem_limit_bytes) in text
 
 
 def test_lowering_check_has_teeth(monkeypatch):
