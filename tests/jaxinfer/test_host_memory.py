@@ -69,24 +69,19 @@ def test_a_freed_block_comes_back_without_page_faults():
 
 
 @glibc
-def test_an_allocator_the_user_chose_is_left_alone():
+def test_an_allocator_the_user_chose_is_left_alone(monkeypatch):
     pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
     got = _probe(MALLOC_TRIM_THRESHOLD_="131072")
     assert got["applied"] is False
     if not _huge_pages_always():
         assert got["kept"] > pages // 2, got
-    assert "MALLOC_TRIM_THRESHOLD_" in _probe_reason(MALLOC_TRIM_THRESHOLD_="131072")
-    assert "LD_PRELOAD" in _probe_reason(LD_PRELOAD="/usr/lib/libtcmalloc_minimal.so.4")
-
-
-def _probe_reason(**env) -> str:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return host_memory._left_alone() or ""
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    for name in host_memory._USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert "MALLOC_TRIM_THRESHOLD_" in host_memory._left_alone()
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
+    assert "LD_PRELOAD" in host_memory._left_alone()
 
 
 CONFIG = ModelConfig(model_type="llama", family="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
