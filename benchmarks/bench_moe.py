@@ -1,12 +1,14 @@
 """A mixture of experts beside the dense model with the same active parameters, in one run:
 
     .venv/bin/python benchmarks/bench_moe.py [--dense smollm2 --moe smollm2-moe] [--batches 1 8] [--layers N]
+        [--quantization int8|int4 [--group-size N]]
 
 Both are random-weight shapes from benchmarks/shapes.py (`smollm2-moe` is SmolLM2 with 8 experts
 of half its MLP width, top 2: the same active MLP width). Each runs in an Engine of the same
 settings, one after the other, each in a fresh process: median steady-state decode step time per batch
 (greedy, random prompts) and the time to first token of one prompt. Prints a markdown table with
-the MoE / dense step-time ratio; the issue's goal is a ratio <= 1.5.
+the MoE / dense step-time ratio; the issue's goal is a ratio <= 1.5. `--quantization` quantizes
+both models' linear weights, the experts included (as `LLM(quantization=...)` would).
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from jaxinfer.quant.config import param_count  # noqa: E402
 
 
 def measure(shape: str, args) -> dict:
-    model = random_model(shape, args.dtype, num_layers=args.layers)
+    model = random_model(shape, args.dtype, quantization=args.quantization, group_size=args.group_size,
+                         num_layers=args.layers)
     jax.block_until_ready(model.params)
     sizes = {"params": param_count(model.params), "active": active_param_count(model)}
     config = EngineConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill_len, 64),
@@ -64,6 +67,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on accelerators, float32 on the CPU")
     ap.add_argument("--layers", type=int, default=None, help="only the first layers of both shapes (quick runs)")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                    help="weight-only quantization of both models (experts included)")
+    ap.add_argument("--group-size", type=int, default=64, help="int4 group size")
     ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache")
     args = ap.parse_args()
     if not SHAPES[args.moe].num_experts:
@@ -74,8 +80,9 @@ def main() -> int:
         dense = pool.submit(measure, args.dense, args).result()
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
         moe = pool.submit(measure, args.moe, args).result()
+    weights = f", weights {args.quantization}" if args.quantization else ""
     print(f"Device: {jax.devices()[0].device_kind} x {jax.device_count()} ({jax.default_backend()}); "
-          f"jax {jax.__version__}; {dense['dtype']}; decode after a {args.prompt_len}-token prompt, "
+          f"jax {jax.__version__}; {dense['dtype']}{weights}; decode after a {args.prompt_len}-token prompt, "
           f"medians of {args.repeats}")
     print(f"Parameters: {args.dense} {dense['params'] / 1e6:.1f}M (all active); {args.moe} "
           f"{moe['params'] / 1e6:.1f}M, {moe['active'] / 1e6:.1f}M active per token\n")

@@ -87,7 +87,8 @@ def _init_by_layer(config: ModelConfig, dtype, key):
 
 
 # The fused linear fields of a layer and their input (contracted) axes.
-_FUSED_INPUTS = {"w_qkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
+_FUSED_INPUTS = {"w_qkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,),
+                 "experts_gate_up": (1,), "experts_down": (1,)}  # stacked [X, E, 2, F], [X, F, E]
 
 
 def _quantize_layers(params, method: str, group: int):

@@ -50,6 +50,13 @@ def own_choices(experts: jax.Array, weights: jax.Array, first: jax.Array | int,
     return jnp.where(mine, local, n_local).astype(experts.dtype), jnp.where(mine, weights, 0)
 
 
+def _specs(weight, axes: tuple) -> object:
+    """The PartitionSpec of each array of a weight (a plain array, or a quantized weight's pytree
+    of integers and scales of the weight's rank): an axis of size 1 (a per-channel scale's input
+    axis) is not split."""
+    return jax.tree.map(lambda a: P(*(None if n == 1 else axis for n, axis in zip(a.shape, axes))), weight)
+
+
 def shard_experts(local: LocalExperts, x: jax.Array, weights: jax.Array, experts: jax.Array,
                   w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """The experts' weighted sum [T, E] for routed tokens; without a mesh (or with neither an
@@ -74,5 +81,6 @@ def shard_experts(local: LocalExperts, x: jax.Array, weights: jax.Array, experts
         return jax.lax.psum(local(x, weights, experts, w_gate_up, w_down), reduce_over)
 
     return jax.shard_map(
-        per_shard, in_specs=(tok, tok, tok, P(split, None, None, cols), P(split, cols, None)),
+        per_shard, in_specs=(tok, tok, tok, _specs(w_gate_up, (split, None, None, cols)),
+                             _specs(w_down, (split, cols, None))),
         out_specs=tok, check_vma=False)(x, weights, experts, w_gate_up, w_down)

@@ -7,7 +7,7 @@ Experts are held in one of two layouts, and each has its forms:
   k/X of the dense work (accelerators); "dense": every expert on every token as one batched
   matmul over X, weighted by a [X, T] matrix that is zero off the top k (the CPU, where
   ragged_dot lowers to the dense work plus masking and measured ~2x slower).
-- **per expert** (tuples of X arrays [E, 2, F] and [F, E], made by `unstack` for one CPU device):
+- **per expert** (tuples of X arrays [E, 2, F] and [F, E], made by `quant.unstack` for one CPU device):
   only the chosen experts' weights are read. XLA copies any slice of a stacked array before a
   matmul, which made reading k of X stacked experts cost more than reading all X; whole arrays
   are handed to a conditional without a copy. Under 64 tokens a loop over the token-expert
@@ -15,6 +15,11 @@ Experts are held in one of two layouts, and each has its forms:
   one's expert under a `lax.switch` on its one row; from 64 tokens each expert runs once, under a
   conditional taken only when some token chose it, on its tokens packed into the fewest of T/8,
   T/4, T/2 or T rows.
+
+Any expert weight may be quantized (jaxinfer.quant, inputs on E for gate|up and on F for down):
+the per-expert and dense forms multiply through the linear layers' `einsum`; the grouped
+matmuls take per-channel int8 integers and scale each row by its expert's scales, and dequantize
+other layouts first.
 """
 from __future__ import annotations
 
@@ -22,9 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.models.layers import gated_mlp
+from jaxinfer.quant import QuantizedWeight, dequantize, einsum
 from sharding.experts import shard_experts
 
-Experts = jax.Array | tuple[jax.Array, ...]
+Experts = jax.Array | QuantizedWeight | tuple[jax.Array | QuantizedWeight, ...]
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -58,34 +64,48 @@ def dense_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
     (another shard's) selects none."""
     num_experts = w_gate_up.shape[0]
     combine = jnp.einsum("tkx,tk->xt", jax.nn.one_hot(experts, num_experts, dtype=x.dtype), weights)
-    gate_up = jnp.einsum("xte,xecf->xtcf", jnp.broadcast_to(x, (num_experts, *x.shape)), w_gate_up)
+    gate_up = einsum("xte,xecf->xtcf", jnp.broadcast_to(x, (num_experts, *x.shape)), w_gate_up)
     hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [X, T, F]
-    out = jnp.einsum("xtf,xfe->xte", hidden, w_down)
+    out = einsum("xtf,xfe->xte", hidden, w_down)
     return jnp.einsum("xte,xt->te", out, combine)
 
 
 def ragged_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
-    """Rows sorted by expert, grouped matmuls; rows for an id past the last expert (another
-    shard's) sort last, outside every group, and add nothing."""
+    """Rows sorted by expert, grouped matmuls (gate and up as one [E, 2F] product); rows for an
+    id past the last expert (another shard's) sort last, outside every group, and add nothing."""
     (t, top_k), num_experts = experts.shape, w_gate_up.shape[0]
     flat = experts.reshape(-1)  # [T*k]: row j is token j // k's (j % k)-th choice
     order = jnp.argsort(flat, stable=True)  # rows grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [X]
+    row_expert = jnp.minimum(flat[order], num_experts - 1)  # [T*k]: the expert of each sorted row
     xs = x[order // top_k]  # [T*k, E]
-    gate = jax.lax.ragged_dot(xs, w_gate_up[:, :, 0], group_sizes)  # [T*k, F]
-    up = jax.lax.ragged_dot(xs, w_gate_up[:, :, 1], group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, E], sorted
+    merged = _map(w_gate_up, lambda a: a.reshape(*a.shape[:2], -1))  # [X, E, 2F]
+    gate_up = _grouped_matmul(xs, merged, group_sizes, row_expert).reshape(t * top_k, 2, -1)
+    hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T*k, F]
+    out = _grouped_matmul(hidden, w_down, group_sizes, row_expert)  # [T*k, E], sorted
     out = jnp.where((flat[order] < num_experts)[:, None], out, 0)  # rows in no group: undefined
     out = jnp.zeros_like(out).at[order].set(out).reshape(t, top_k, -1)  # back to token order
     return jnp.einsum("tke,tk->te", out, weights)
 
 
+def _map(w, fn):
+    """fn on a float weight, or on each array of a quantized one."""
+    return w.map(fn) if isinstance(w, QuantizedWeight) else fn(w)
+
+
+def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+    """lax.ragged_dot(xs, w, group_sizes) for stacked weights w [X, in, out]: per-channel int8
+    runs on the integers and scales each row's output by its expert's scales; other quantized
+    layouts are dequantized first."""
+    if not isinstance(w, QuantizedWeight):
+        return jax.lax.ragged_dot(xs, w, group_sizes)
+    if w.method == "int8" and not w.group and w.zeros is None and w.offsets is None:
+        y = jax.lax.ragged_dot(xs, w.values.astype(xs.dtype), group_sizes)  # [rows, out]
+        return y * w.scales[:, 0].astype(y.dtype)[row_expert]
+    return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), group_sizes)
+
+
 _FORMS = {"dense": dense_experts, "ragged": ragged_experts}
-
-
-def unstack(w: jax.Array) -> tuple[jax.Array, ...]:
-    """[X, ...] -> X arrays [...] (the per-expert layout)."""
-    return tuple(w[i] for i in range(w.shape[0]))
 
 
 def per_expert(x, weights, experts, w_gate_up: tuple, w_down: tuple) -> jax.Array:

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
 from jaxinfer.models import llama
-from jaxinfer.models.experts import Experts, moe_mlp, unstack
+from jaxinfer.models.experts import Experts, moe_mlp
+from jaxinfer.quant import stack, unstack
 
 compute_logits = llama.compute_logits
 _DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -71,20 +72,27 @@ _AXES = {**llama.PARAM_AXES, "router": ("embed", "experts"),
          "expert_gate": ("embed", "mlp"), "expert_up": ("embed", "mlp"), "expert_down": ("mlp", "embed")}
 
 
-class _ParamAxes(Mapping):
-    """Llama's axes plus the experts'; a per-expert field ("expert_up.7") has its kind's axes."""
+class _ByKind(Mapping):
+    """A table by field name in which a per-expert field ("expert_up.7") has its kind's entry."""
 
-    def __getitem__(self, field: str) -> tuple[str, ...]:
-        return _AXES[_base_field(field)]
+    def __init__(self, table: dict[str, tuple]):
+        self._table = table
+
+    def __getitem__(self, field: str) -> tuple:
+        return self._table[_base_field(field)]
 
     def __iter__(self):
-        return iter(_AXES)
+        return iter(self._table)
 
     def __len__(self) -> int:
-        return len(_AXES)
+        return len(self._table)
 
 
-PARAM_AXES = _ParamAxes()
+PARAM_AXES = _ByKind(_AXES)
+# Weight-only quantization's input axes (llama.LINEAR_INPUTS): Llama's, and each expert's E for
+# gate and up, F for down (HF: one [in, out] per expert; GGUF: stacked [X, in, out]).
+LINEAR_INPUTS = _ByKind({**llama.LINEAR_INPUTS, "expert_gate": (0,), "expert_up": (0,), "expert_down": (0,),
+                         "experts_gate": (1,), "experts_up": (1,), "experts_down": (1,)})
 
 
 def field_shape(config: ModelConfig, field: str) -> tuple[int, ...]:
@@ -119,12 +127,12 @@ def _fuse(config: ModelConfig, fields: dict[str, jax.Array]) -> dict[str, jax.Ar
     if "w_gate" in fields:
         return llama.fuse_gate_up(fields)
     if "experts_gate" in fields:  # a GGUF's experts come stacked
-        fields["experts_gate_up"] = jnp.stack([fields.pop("experts_gate"), fields.pop("experts_up")], axis=2)
+        fields["experts_gate_up"] = stack([fields.pop("experts_gate"), fields.pop("experts_up")], axis=2)
         return fields
     pop = lambda kind: [fields.pop(f"{kind}.{j}") for j in range(config.num_experts)]  # noqa: E731
-    gate, up = jnp.stack(pop("expert_gate")), jnp.stack(pop("expert_up"))  # [X, E, F] each
-    fields["experts_gate_up"] = jnp.stack([gate, up], axis=2)  # [X, E, 2, F]
-    fields["experts_down"] = jnp.stack(pop("expert_down"))  # [X, F, E]
+    gate, up = stack(pop("expert_gate")), stack(pop("expert_up"))  # [X, E, F] each
+    fields["experts_gate_up"] = stack([gate, up], axis=2)  # [X, E, 2, F]
+    fields["experts_down"] = stack(pop("expert_down"))  # [X, F, E]
     return fields
 
 
@@ -158,7 +166,7 @@ def compute_layout(params: MoeParams, mesh) -> MoeParams:
             return layer
         if per_expert:
             return layer.replace(experts_gate_up=unstack(layer.experts_gate_up), experts_down=unstack(layer.experts_down))
-        return layer.replace(experts_gate_up=jnp.stack(layer.experts_gate_up), experts_down=jnp.stack(layer.experts_down))
+        return layer.replace(experts_gate_up=stack(layer.experts_gate_up), experts_down=stack(layer.experts_down))
 
     return L.linear_layout(params.replace(layers=tuple(relayout(layer) for layer in params.layers)), mesh)
 

@@ -85,7 +85,7 @@ _FAMILIES: dict[str, ModelFamily] = {
         name="moe", forward=moe.forward, compute_logits=moe.compute_logits,
         init_params=moe.init_params, assemble=moe.assemble,
         checkpoint_specs=moe_names.checkpoint_specs, ignored_tensors=moe_names.IGNORED,
-        param_axes=moe.PARAM_AXES, compute_layout=moe.compute_layout),
+        param_axes=moe.PARAM_AXES, linear_inputs=moe.LINEAR_INPUTS, compute_layout=moe.compute_layout),
     "gemma": ModelFamily(
         name="gemma", forward=gemma.forward, compute_logits=gemma.compute_logits,
         init_params=gemma.init_params, assemble=gemma.assemble,

@@ -6,7 +6,7 @@ from jaxinfer.quant.config import (CHOICES, DEFAULT_GROUP_SIZE, EMBEDDING_INPUTS
                                    component_specs, flat_arrays, join_components, param_bytes,
                                    param_count, quantization_of, quantize_field, quantized_tensors,
                                    resolve, stored_components)
-from jaxinfer.quant.fuse import fuse
+from jaxinfer.quant.fuse import fuse, stack, unstack
 from jaxinfer.quant.out_first import OutFirstWeight
 from jaxinfer.quant.weights import QuantizedWeight, dequantize, einsum, embedding_rows
 
@@ -14,4 +14,4 @@ __all__ = ["CHOICES", "DEFAULT_GROUP_SIZE", "EMBEDDING_INPUTS", "METHODS", "OutF
            "QuantizedWeight",
            "component_specs", "dequantize", "einsum", "embedding_rows", "flat_arrays", "fuse",
            "join_components", "param_bytes", "param_count", "quantization_of", "quantize_field",
-           "quantized_tensors", "resolve", "stored_components"]
+           "quantized_tensors", "resolve", "stack", "stored_components", "unstack"]

@@ -12,6 +12,9 @@ layouts are first brought to a common one that every member is exactly represent
 Every float the common layout computes is the one the member's own layout computed, so GGUF
 weights stay bit-exact against gguf's dequantizer. A float weight beside quantized ones makes
 the fused weight float (the quantized members dequantized to its dtype).
+
+`stack` and `unstack` put weights along a new axis and take them apart again (a mixture's
+experts, [X, ...]): a quantized weight's arrays alike, its input axes renumbered.
 """
 from __future__ import annotations
 
@@ -75,3 +78,26 @@ def _regroup(w: QuantizedWeight, array: jax.Array, group: int) -> jax.Array:
     have = array.shape[w.axis]
     array = jnp.repeat(array, shape[w.axis] // have, axis=w.axis)
     return jnp.broadcast_to(array, tuple(n if i in w.inputs else array.shape[i] for i, n in enumerate(shape)))
+
+
+def stack(weights, axis: int = 0):
+    """jnp.stack(weights, axis) of float or quantized weights (fused as `fuse` does); a quantized
+    result's input axes are renumbered past the new axis."""
+    out = fuse(lambda *arrays: jnp.stack(arrays, axis), *weights)
+    if not isinstance(out, QuantizedWeight):
+        return out
+    return _relabelled(out, tuple(i + (i >= axis) for i in out.inputs))
+
+
+def unstack(w) -> tuple:
+    """[X, ...] -> X weights [...]: the inverse of stack along axis 0."""
+    if not isinstance(w, QuantizedWeight):
+        return tuple(w[i] for i in range(w.shape[0]))
+    if 0 in w.inputs:
+        raise ValueError(f"cannot unstack {w!r} along its input axis 0")
+    inputs = tuple(i - 1 for i in w.inputs)
+    return tuple(_relabelled(w.map(lambda a, i=i: a[i]), inputs) for i in range(w.shape[0]))
+
+
+def _relabelled(w: QuantizedWeight, inputs: tuple[int, ...]) -> QuantizedWeight:
+    return QuantizedWeight(w.values, w.scales, w.zeros, w.method, inputs, w.group, w.offsets, w.dtype)

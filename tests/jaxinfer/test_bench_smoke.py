@@ -30,11 +30,12 @@ def test_bench_engine_shape_smoke(tmp_path):
 
 
 def test_bench_moe_smoke(tmp_path):
-    """benchmarks/bench_moe.py on two layers of each shape: one table row per batch and prefill,
-    each with a MoE / dense ratio, and the active parameters equal (the shapes are built so)."""
+    """benchmarks/bench_moe.py on two layers of each shape, int8 weights (experts included): one
+    table row per batch and prefill, each with a MoE / dense ratio, and the active parameters
+    equal (the shapes are built so)."""
     argv = [sys.executable, str(BENCH.with_name("bench_moe.py")), "--layers", "2", "--batches", "1", "4",
             "--prompt-len", "8", "--new-tokens", "8", "--prefill-len", "64", "--repeats", "1",
-            "--cache-dir", str(tmp_path)]
+            "--quantization", "int8", "--cache-dir", str(tmp_path)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|")[1:5] for line in out.stdout.splitlines() if line.startswith(("| decode", "| prefill"))]
@@ -43,3 +44,4 @@ def test_bench_moe_smoke(tmp_path):
         assert float(ratio.strip().rstrip("x")) == pytest.approx(float(moe) / float(dense), rel=0.02)
     active = re.search(r"smollm2 ([\d.]+)M \(all active\); smollm2-moe [\d.]+M, ([\d.]+)M active", out.stdout)
     assert active and float(active[2]) == pytest.approx(float(active[1]), rel=0.01), out.stdout
+    assert "float32, weights int8;" in out.stdout

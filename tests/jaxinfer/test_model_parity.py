@@ -14,6 +14,7 @@ from testpaths import FIXTURES
 from jaxinfer.config import ModelConfig
 from jaxinfer.loader import load_model
 from jaxinfer.models import experts
+from jaxinfer.quant import unstack
 from model_harness import SingleSequence
 
 HF_MODELS = ["llama3", "mistral", "qwen2", "tied_gqa3", "qwen3", "qwen3_tied", "mixtral", "qwen3_moe"]
@@ -98,7 +99,7 @@ def test_moe_grouped_matmuls_equal_the_dense_form(renormalize):
     np.testing.assert_allclose(out["ragged"], out["dense"], atol=1e-5, rtol=0)
     for t in (1, 2, 37, 71):  # per expert: a switch per choice under 64 tokens, else conditionals
         per_expert = jax.jit(lambda x: experts.moe_mlp(
-            x, router, experts.unstack(w_gate_up), experts.unstack(w_down), top_k=3, renormalize=renormalize))
+            x, router, unstack(w_gate_up), unstack(w_down), top_k=3, renormalize=renormalize))
         np.testing.assert_allclose(per_expert(x[:t]), out["dense"][:t], atol=1e-5, rtol=0)
     weights, _ = experts.route(x, router, 3, renormalize)
     assert np.allclose(weights.sum(-1), 1.0) == renormalize

@@ -233,30 +233,38 @@ def scenario_context(lengths: str) -> dict:
     return out
 
 
-def scenario_experts(meshes: str) -> dict:
+def scenario_experts(meshes: str, quant: str = "") -> dict:
     """moe_mlp's dense and ragged forms on each mesh ("expert=4,tensor=2;expert=8") against one
-    device, with the stacked expert weights placed by the rule table; and each device's share."""
+    device, with the stacked expert weights placed by the rule table; and each device's share.
+    quant "int8" / "int4:8" (method:group): the experts quantized, each of their arrays placed
+    by the weight's rule (against one device on the same quantized weights)."""
     from jaxinfer.models import experts
     from jaxinfer.models.moe import PARAM_AXES
+    from jaxinfer.quant import QuantConfig, quantize_field
     from sharding import logical_to_spec
     ks = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(ks[0], (38, 48))  # even: split over sequence=2
     router = jax.random.normal(ks[1], (48, 8))
     w_gate_up = 0.1 * jax.random.normal(ks[2], (8, 48, 2, 32))
     w_down = 0.1 * jax.random.normal(ks[3], (8, 32, 48))
+    if quant:
+        method, _, group = quant.partition(":")
+        config = QuantConfig(method, int(group) if group else None)
+        w_gate_up, w_down = (quantize_field(np.asarray(w), name, (1,), config, np.float32)
+                             for w, name in ((w_gate_up, "experts_gate_up"), (w_down, "experts_down")))
     run = lambda impl: jax.jit(lambda *a: experts.moe_mlp(*a, top_k=3, renormalize=False, impl=impl))  # noqa: E731
     want = np.asarray(run("dense")(x, router, w_gate_up, w_down))
     out = {}
     for spec in meshes.split(";"):
         mesh = make_mesh(spec)
-        place = lambda a, name: jax.device_put(a, NamedSharding(  # noqa: E731
-            mesh, logical_to_spec(PARAM_AXES[name], a.shape, mesh)))
+        place = lambda w, name: jax.tree.map(lambda a: jax.device_put(a, NamedSharding(  # noqa: E731
+            mesh, logical_to_spec(PARAM_AXES[name], a.shape, mesh))), w)
         w1, w2 = place(w_gate_up, "experts_gate_up"), place(w_down, "experts_down")
         with jax.set_mesh(mesh):
             got = {impl: np.asarray(run(impl)(x, router, w1, w2)) for impl in ("dense", "ragged")}
         out[spec] = {"max_diff": {k: float(np.abs(v - want).max()) for k, v in got.items()},
-                     "gate_up_shard": list(w1.addressable_shards[0].data.shape),
-                     "down_shard": list(w2.addressable_shards[0].data.shape)}
+                     "gate_up_shard": list(jax.tree.leaves(w1)[0].addressable_shards[0].data.shape),
+                     "down_shard": list(jax.tree.leaves(w2)[0].addressable_shards[0].data.shape)}
     return out
 
 

@@ -71,6 +71,19 @@ def test_expert_parallel_mlp_matches_one_device(scenario):
         assert r[mesh]["down_shard"] == [8 // ep, 32 // tp, 48], (mesh, r[mesh])
 
 
+@pytest.mark.parametrize("quant,packed", [("int8", 1), ("int4:8", 2)])
+def test_expert_parallel_mlp_on_quantized_experts(scenario, quant, packed):
+    """The same on quantized experts: integers split as the float weight is (int4 holds two F
+    inputs a byte along w_down's split F), scales with them, and both forms equal to one device."""
+    meshes = ["expert=4,tensor=2", "sequence=2,expert=4"]
+    r = scenario("experts", ";".join(meshes), quant)
+    for mesh in meshes:
+        ep, tp = 4, 2 if "tensor" in mesh else 1
+        assert max(r[mesh]["max_diff"].values()) < 1e-5, (mesh, r[mesh])
+        assert r[mesh]["gate_up_shard"] == [8 // ep, 48 // packed, 2, 32 // tp], (mesh, r[mesh])
+        assert r[mesh]["down_shard"] == [8 // ep, 32 // tp // packed, 48], (mesh, r[mesh])
+
+
 def _shape(text: str) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", text.split("[", 1)[1])] if "[" in text else []
 
