@@ -5,10 +5,11 @@ back to the reference on it). `default_config` picks the block sizes from the ba
 (all static under jit): a decode-like batch (at most two tokens per sequence) gets query blocks
 of 16 tokens so few rows are wasted; a prefill-like batch gets blocks of about 256 rows
 (G * block_q); a KV step takes whole pages, up to 512 positions (at least one page).
-Those blocks are then fitted to the target chip's VMEM (`vmem_bytes`, the kernel's blocks,
-scratch and [M, N] temporaries, within half of jax's per-TensorCore capacity for the chip:
-v5e / v6e 128 MiB, v5p / 7x 64 MiB, v4 16 MiB), shrinking the KV step first, then the query
-block; past Mosaic's default scoped limit (16 MiB) the config asks for what it needs.
+Those blocks are then fitted to the target chip's VMEM (`vmem_bytes`: every kv head's q and out
+blocks, the row buffers, the softmax state and one head's [M, N] temporaries, within 3/8 of
+jax's per-TensorCore capacity for the chip: v5e / v6e 128 MiB, v5p / 7x 64 MiB, v4 16 MiB),
+shrinking the KV step first, then the query block; past Mosaic's default scoped limit (16 MiB)
+the config asks for twice what it needs (within 3/4 of the capacity).
 `check_config` rejects a config the kernel cannot tile.
 """
 from __future__ import annotations
@@ -50,12 +51,12 @@ def unsupported_reason(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Arra
     return None
 
 
-def default_config(num_tokens: int, num_seqs: int, group: int, page_size: int,
+def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int, page_size: int,
                    pages_per_seq: int, head_dim: int = 128, dtype: DTypeLike = jnp.bfloat16,
                    cache_dtype: DTypeLike | None = None, chip: str | None = None) -> TpuConfig:
     """Block sizes for this batch shape, fitted to `chip`'s VMEM (default: `target_chip()`)."""
     config = _shape_config(num_tokens, num_seqs, group, page_size, pages_per_seq)
-    return fit_vmem(config, group, page_size, head_dim, dtype, cache_dtype or dtype,
+    return fit_vmem(config, group, num_kv_heads, page_size, head_dim, dtype, cache_dtype or dtype,
                     vmem_capacity(chip or target_chip()))
 
 
@@ -93,38 +94,51 @@ def vmem_capacity(chip: str) -> int:
     return pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1).vmem_capacity_bytes
 
 
-KV_SCRATCH_BUFFERS = 4  # K and V from the cache, K and V from this step's rows
+KV_SCRATCH_BUFFERS = 2  # whole keys (all heads) from the cache, and from this step's stored rows
+_LANES = 128  # a [M, 1] float32 array takes a full 128-lane row per sublane in VMEM
 
 
-def kv_scratch_shape(config: TpuConfig, page_size: int, head_dim: int) -> tuple[int, int, int]:
-    """Each K/V scratch buffer: two slots (double buffering) of one KV step [N, D]."""
-    return (2, config.pages_per_block * page_size, head_dim)
+def kv_scratch_shape(config: TpuConfig, page_size: int, num_kv_heads: int, head_dim: int
+                     ) -> tuple[int, int, int, int]:
+    """Each K/V scratch buffer: two slots (double buffering) of one KV step's keys, every head's
+    K and V as the cache holds them ([N, 2Hkv, D])."""
+    return (2, config.pages_per_block * page_size, 2 * num_kv_heads, head_dim)
 
 
-def vmem_bytes(config: TpuConfig, group: int, page_size: int, head_dim: int, dtype: DTypeLike,
-               cache_dtype: DTypeLike) -> int:
-    """VMEM one grid step of the kernel holds: the q and out blocks [M, D] (double-buffered by
-    the pipeline), the four [2, N, D] K/V scratch buffers, and its temporaries: the [M, N]
-    scores, probabilities and index planes (4 bytes each), the selected [N, D] K and V, and the
-    float32 (m, l, acc) carry and its update."""
+def softmax_state_shapes(config: TpuConfig, num_kv_heads: int, group: int, head_dim: int
+                         ) -> list[tuple[int, int, int]]:
+    """The float32 online-softmax state of one query block, per kv head: m, l [Hkv, M, 1] and
+    acc [Hkv, M, D]."""
+    rows = group * config.block_q
+    return [(num_kv_heads, rows, 1), (num_kv_heads, rows, 1), (num_kv_heads, rows, head_dim)]
+
+
+def vmem_bytes(config: TpuConfig, group: int, num_kv_heads: int, page_size: int, head_dim: int,
+               dtype: DTypeLike, cache_dtype: DTypeLike) -> int:
+    """VMEM one grid step of the kernel holds: the q and out blocks [Hkv, M, D] (double-buffered
+    by the pipeline), the two [2, N, 2Hkv, D] key buffers, the softmax state (m and l padded to
+    full lanes), and one head's temporaries: the [M, N] scores, probabilities and index planes
+    (4 bytes each), the selected [N, D] K and V, and the state's update."""
     rows, n = group * config.block_q, config.pages_per_block * page_size
     q_size, kv_size = jnp.dtype(dtype).itemsize, jnp.dtype(cache_dtype).itemsize
-    blocks = 2 * 2 * rows * head_dim * q_size
-    scratch = KV_SCRATCH_BUFFERS * math.prod(kv_scratch_shape(config, page_size, head_dim)) * kv_size
+    blocks = 2 * 2 * num_kv_heads * rows * head_dim * q_size
+    scratch = KV_SCRATCH_BUFFERS * math.prod(kv_scratch_shape(config, page_size, num_kv_heads, head_dim)) * kv_size
+    state = num_kv_heads * rows * (head_dim + 2 * _LANES) * 4
     temporaries = 4 * rows * n * 4 + 3 * n * head_dim * 4 + 2 * rows * (head_dim + 2) * 4
-    return blocks + scratch + temporaries
+    return blocks + scratch + state + temporaries
 
 
-def fit_vmem(config: TpuConfig, group: int, page_size: int, head_dim: int, dtype: DTypeLike,
-             cache_dtype: DTypeLike, capacity: int) -> TpuConfig:
-    """`config` shrunk (KV step, then query block) until it needs at most half of `capacity`,
-    asking for a scoped limit of twice its need (at most 3/4 of `capacity`) past the default."""
+def fit_vmem(config: TpuConfig, group: int, num_kv_heads: int, page_size: int, head_dim: int,
+             dtype: DTypeLike, cache_dtype: DTypeLike, capacity: int) -> TpuConfig:
+    """`config` shrunk (KV step, then query block) until it needs at most 3/8 of `capacity`,
+    asking for a scoped limit of twice its need (within 3/4 of `capacity`) past the default."""
     def need(c):
-        return vmem_bytes(c, group, page_size, head_dim, dtype, cache_dtype)
+        return vmem_bytes(c, group, num_kv_heads, page_size, head_dim, dtype, cache_dtype)
 
-    while need(config) > capacity // 2 and config.pages_per_block > 1:
+    budget = capacity * 3 // 8
+    while need(config) > budget and config.pages_per_block > 1:
         config = dataclasses.replace(config, pages_per_block=config.pages_per_block // 2)
-    while need(config) > capacity // 2 and config.block_q > 16:
+    while need(config) > budget and config.block_q > 16:
         config = dataclasses.replace(config, block_q=config.block_q // 2)
     if 2 * need(config) > DEFAULT_SCOPED_VMEM:
         limit = min(capacity * 3 // 4, -(-2 * need(config) // (1 << 20)) << 20)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common, gpu, tpu
@@ -123,6 +124,16 @@ def test_dtypes(kernel, dtypes):
     check(kernel, case, sliding_window=50)
 
 
+@pytest.mark.parametrize("kernel", KERNEL_IDS)
+@pytest.mark.parametrize("dtypes", ["bf16", "int8_kv_bf16"])
+def test_many_kv_heads(kernel, dtypes):
+    """Eight kv heads, each with its own cache scales where quantized: the TPU kernel reads each
+    head's K and V rows out of whole-page buffers."""
+    case = make_case(q_lens=[5, 1, 9], kv_lens=[40, 17, 9], num_kv_heads=8, group=1, page_size=32,
+                     seed=21, **DTYPES[dtypes])
+    check(kernel, case)
+
+
 HEAD_DIMS = [("gpu", 80), ("gpu", 96), ("gpu", 128), ("gpu", 192), ("gpu", 256),
              ("tpu", 128), ("tpu", 256)]
 
@@ -187,6 +198,43 @@ def test_tpu_dma_races_and_order():
         want, _ = reference(case)
         out, _ = run_tpu(case, config=tpu.TpuConfig(16, 2), interpret=params, sm_scale=0.125)
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def _kernel_eqns(jaxpr, name):
+    """Equations named `name` in a kernel's jaxpr, nested bodies included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _kernel_eqns(sub, name)
+
+
+def test_tpu_kernel_moves_whole_pages_and_selects_heads_in_vmem():
+    """Every DMA of the TPU kernel moves whole keys (every kv head's K and V rows and every
+    column: [n, 2Hkv, D], contiguous in HBM): a page of all heads in one copy, never a per-head
+    slice of the tiled HBM cache; each head's K and V are taken from the VMEM buffers."""
+    heads, page = 4, 8
+    case = make_case(q_lens=[5, 1], kv_lens=[40, 20], num_kv_heads=heads, page_size=page, seed=3)
+    jaxpr = jax.make_jaxpr(lambda *a: tpu.ragged_paged_attention_tpu(
+        *a, sm_scale=0.1, config=tpu.TpuConfig(16, 2)))(*case.args())
+    kernel = next(_kernel_eqns(jaxpr.jaxpr, "pallas_call")).params["jaxpr"]
+    whole = lambda i, n: isinstance(i, pl.Slice) and i.start == 0 and i.size == n and i.stride == 1  # noqa: E731
+    sizes = set()
+    for eqn in _kernel_eqns(kernel, "dma_start"):
+        src, dst = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)[:2]
+        for ref in (src, dst):
+            *_, keys, rows, cols = ref.transforms[0].indices
+            assert whole(rows, 2 * heads) and whole(cols, case.q.shape[-1]), ref
+            assert isinstance(keys, pl.Slice) and keys.stride == 1
+            sizes.add(keys.size)
+    assert sizes == {1, page}  # a token written, a page fetched from the cache or this step's rows
+    heads_read = {int(i.val) for eqn in _kernel_eqns(kernel, "get") if eqn.invars[0].aval.shape[-2:] == (2 * heads, 64)
+                  for t in jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars[1:])
+                  for i in t.indices[-2:-1] if not isinstance(i, pl.Slice) and hasattr(i, "val")}
+    assert heads_read == set(range(2 * heads))  # K and V of each head: a static row of the buffers
 
 
 def test_poison_is_where_it_must_be():

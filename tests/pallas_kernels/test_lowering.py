@@ -97,7 +97,7 @@ def test_tpu_blocks_past_the_default_vmem_limit_ask_for_theirs(device, chip):
     half of Mosaic's default 16 MiB, so the kernel's custom call carries the limit it asks for."""
     shape = dict(tokens=512, q_heads=8, kv_heads=1, head_dim=256, dtype=jnp.float32, seqs=2,
                  pages_per_seq=64)
-    config = tpu.default_config(512, 2, 8, 16, 64, 256, jnp.float32, chip=chip)
+    config = tpu.default_config(512, 2, 8, 1, 16, 64, 256, jnp.float32, chip=chip)
     assert config.vmem_limit_bytes is not None
     text = _lower(tpu.ragged_paged_attention_tpu, _shapes(**shape), "tpu", device)
     assert str(config.vmem_limit_bytes) in text
