@@ -99,7 +99,7 @@ def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Ar
     layouts are dequantized first."""
     if not isinstance(w, QuantizedWeight):
         return jax.lax.ragged_dot(xs, w, group_sizes)
-    if w.method == "int8" and not w.group and w.zeros is None and w.offsets is None:
+    if w.per_channel_int8:
         y = jax.lax.ragged_dot(xs, w.values.astype(xs.dtype), group_sizes)  # [rows, out]
         return y * w.scales[:, 0].astype(y.dtype)[row_expert]
     return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), group_sizes)

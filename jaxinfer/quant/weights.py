@@ -65,6 +65,12 @@ class QuantizedWeight:
             shape[self.axis] *= 2
         return tuple(shape)
 
+    @property
+    def per_channel_int8(self) -> bool:
+        """int8 with one scale per output channel and nothing else: a matmul can run on the
+        integers and scale its output columns."""
+        return self.method == "int8" and not self.group and self.zeros is None and self.offsets is None
+
     def layout(self) -> str:
         """E.g. "int4 g32 +offsets", "int8 per-channel": how the weight is stored."""
         parts = [self.method, f"g{self.group}" if self.group else "per-channel"]
@@ -214,7 +220,7 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | jax.Ar
         return _merged_contraction(f"{x_letters},{w.spec_letters(w_letters)}->{out}", x, w.t)
     if not isinstance(w, QuantizedWeight):
         return _merged_contraction(spec, x, w)
-    if w.method != "int8" or w.group or w.zeros is not None or w.offsets is not None:
+    if not w.per_channel_int8:
         return jnp.einsum(spec, x, dequantize(w, x.dtype))
     operands, out = spec.split("->")
     w_letters = operands.split(",")[1]
