@@ -1,49 +1,26 @@
-"""Ragged paged attention for TPUs: a Pallas/Mosaic kernel with scalar prefetch and manual DMA.
+"""Ragged paged attention for TPUs: static decode, mixed and prefill paths of Pallas kernels.
 
 One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cache and attend.
+Like RPA v3's decode / prefill / mixed split, the batch's sequences take one of three paths,
+chosen at run time from cu_q_lens (nothing recompiles when the mix changes):
 
-1. Stored rows (XLA): this step's K/V as the cache holds them (`reference.stored_kv`),
-   [T, 2Hkv, D] in the cache dtype; the cache is viewed as [P * page, 2Hkv, D] (a free reshape of
-   its leading axes: the tiled minor axes are untouched). Both stay in HBM (memory space ANY);
-   the cache is an input/output alias. A page, every head's K (row 2h) and V (row 2h + 1) of
-   its tokens, is one contiguous run of HBM.
-2. Layout (XLA): the flattened token axis T is cut into query blocks of `block_q` tokens
-   (a power of two >= 16); q becomes [nqb, Hkv, G * bq, D] with rows head-major inside a kv
-   head's block (row r = g * bq + i is token i of the block, query head g of the group), so
-   each kv head's block is one plain 2-D matmul operand and a row's token is r & (bq - 1).
-   Per block, the first and last sequence it touches are found from cu_q_lens (searchsorted).
-3. Grid (nqb,), parallel: one query block, every kv head. Scalar prefetch (SMEM): kv_lens, the
-   flattened page table, cu_q_lens, num_seqs, and the blocks' first/last sequences. A grid step
-   loops over the sequences its block touches; for each it walks the keys its rows may see in
-   blocks of N = `pages_per_block * page_size` positions, fetched a whole page at a time (all
-   kv heads: one contiguous DMA, never a per-head slice of the tiled HBM cache): a cached page
-   from the cache, a chunk of this step's keys from the stored rows (never from the cache,
-   which is being written), the chunk that straddles the cached length by both, into separate
-   [2, N, 2Hkv, D] buffers that are selected per key. Each kv head then takes its K and V rows
-   out of the VMEM buffer (`buf[slot, :, 2h]`). Chunks past the causal end are not fetched, so
-   a decode token costs one page. Blocks are double buffered: block j+1's DMAs are in flight
-   while block j is computed.
-4. KV write, fused: each grid step copies its block's real tokens, all heads at once
-   ([1, 2Hkv, D] each), from the stored rows into their cache slots by DMA, and waits for them before
-   the step ends. No step reads a slot that any step writes, so the writes cannot race the
-   reads even when the two TensorCores of a chip share the grid. The DMAs are issued back to
-   back and overlap the attention, where a separate XLA scatter would run before it.
-5. Math: one float32 online softmax (m, l, acc) per kv head and block row, across all its
-   sequences, kept in VMEM scratch ([Hkv, M, 1], [Hkv, M, 1], [Hkv, M, D]). Rows that are not
-   the current sequence's are masked; a finite mask value makes a row's not-yet-real statistics
-   harmless (the first real score scales them by exp(MASK - real) == 0). V past the real keys
-   is zeroed so stale/NaN slots cannot leak through p == 0. Rows of padding tokens are written
-   as zeros.
+- decode, one query token: tpu_decode.py, several sequences per grid step, a [G, D] query
+  operand per kv head, no causal mask, KV steps of up to 2048 positions;
+- prefill, at least `paths.prefill.block_q` query tokens: tpu_ragged.py with query blocks of
+  about 256 rows, so its matmuls fill the MXU;
+- mixed, 2 .. prefill.block_q - 1 tokens (speculative verification, short chunks):
+  tpu_ragged.py with 16-token query blocks, so a block spans few sequences.
 
-Supports bf16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
-scales (dequantized in VMEM), head_dim 64/128/256, page_size a multiple of the cache dtype's
-sublane packing, sliding window, soft cap. Runs under TPU interpret mode on the CPU (no ref
-reshapes, static DMA shapes) and lowers for TPU from the CPU. No real TPU has compiled it yet;
-the open risks are Mosaic's loads of one head's rows out of the [N, 2Hkv, D] buffers (an index
-on the second-minor, tiled axis: a sublane-strided load, packed for bfloat16 and int8), and the
-SMEM size of the flattened page table.
-The shape limits and block sizes (`unsupported_reason`, `TpuConfig`, `default_config`) live in
-tpu_config.py.
+Layout (XLA): the sequences are ordered by path (`tpu_layout.path_order`, stable within a
+path), so each path's tokens are one contiguous range of the ordered batch; each path gathers
+its queries and this step's stored K/V rows from the original token order. The three
+pallas_calls run in turn over the one cache (each an input/output alias that writes only its
+own sequences' slots). Each grid is static, sized for the most tokens its path can hold; the
+steps past a path's real blocks do no work but move their q and out blocks (a parallel grid
+visits each block once: a spare block shared by the idle steps would be revisited). The outputs
+are gathered back into token order; padding tokens get zeros.
+
+A `TpuConfig` instead of paths runs the ragged kernel once over the whole batch.
 """
 from __future__ import annotations
 
@@ -55,182 +32,98 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common, tpu_layout
+from pallas_kernels import common, tpu_decode, tpu_layout, tpu_ragged
 from pallas_kernels.reference import stored_kv
 from pallas_kernels.tpu_config import (
-    KV_SCRATCH_BUFFERS,
+    DecodeConfig,
     TpuConfig,
+    TpuPaths,
     check_config,
-    default_config,
-    kv_scratch_shape,
-    softmax_state_shapes,
+    default_config,  # noqa: F401  (the single ragged call's blocks, for callers)
+    default_paths,
     unsupported_reason,
 )
 
 
-def _attention_kernel(
-    # scalar prefetch (SMEM)
-    kv_lens_ref, pages_ref, cu_q_lens_ref, num_seqs_ref, first_seq_ref, last_seq_ref,
-    # inputs: per-head scales (SMEM), q block (VMEM), stored new rows and the cache (HBM)
-    scales_ref, q_ref, new_hbm, cache_hbm,
-    # outputs: out block (VMEM), the cache again (HBM, aliased to cache_hbm)
-    o_ref, cache_out,
-    # scratch: [2, N, 2Hkv, D] double buffers of whole tokens (every head's K and V) from the
-    # cache and the new rows; float32 online-softmax state per kv head; DMA semaphores
-    cached_buf, new_buf, m_ref, l_ref, acc_ref, sems, write_sem,
-    *, block_q, pages_per_block, pages_per_seq, sm_scale, sliding_window, soft_cap, precision,
-):
-    num_kv_heads, rows_m, head_dim = q_ref.shape  # M = G * bq
-    block_kv = cached_buf.shape[1]
-    page_size = block_kv // pages_per_block
-    qb = pl.program_id(0)
-    block_start = qb * block_q
-    real_end = cu_q_lens_ref[num_seqs_ref[0]]
-
-    row_tok = block_start + (lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 0) & (block_q - 1))
-    col = lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1)  # [M, N]
-    key_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
-
-    def slot_of(seq, pos):  # cache row of position `pos` of `seq`; non-negative: lax.div/rem
-        page = pages_ref[seq * pages_per_seq + lax.div(pos, page_size)]
-        return page * page_size + lax.rem(pos, page_size)
-
-    def block_copies(seq, blk, slot, ctx_len, kv_end, delta, action):
-        """Start or wait the DMAs of key block `blk` (positions blk * N + [0, N)), a whole page
-        (all kv heads' K and V, contiguous in HBM) at a time: cached chunks from their page,
-        chunks of this step from the stored rows (both for the chunk that straddles ctx_len);
-        chunks past kv_end are not fetched."""
-        for i in range(pages_per_block):
-            p0 = blk * block_kv + i * page_size
-            dst = pl.ds(i * page_size, page_size)
-
-            @pl.when(p0 < ctx_len)
-            def _():
-                src = pl.ds(slot_of(seq, p0), page_size)
-                getattr(pltpu.make_async_copy(cache_hbm.at[src], cached_buf.at[slot, dst], sems.at[slot]), action)()
-
-            @pl.when((p0 + page_size > ctx_len) & (p0 < kv_end))
-            def _():  # new rows carry page_size rows of padding in front: index >= 0
-                src = pl.ds(page_size + p0 - delta, page_size)
-                getattr(pltpu.make_async_copy(new_hbm.at[src], new_buf.at[slot, dst], sems.at[slot]), action)()
-
-    def head_rows(buf, slot, row):  # [N, D]: row `row` (2h: K, 2h + 1: V of head h) of each key
-        return buf[slot, :, row, :]
-
-    def attend_block(blk, slot, ctx_len, kv_end, row_pos, in_seq):
-        """Every kv head's online-softmax state advanced by key block `blk`. Unfetched chunks
-        hold stale VMEM: never selected."""
-        first = blk * block_kv
-        cached = first + key_row < ctx_len  # [N, D]
-        kpos = first + col
-        mask = in_seq & (kpos <= row_pos) & (kpos < kv_end)
-        if sliding_window is not None:
-            mask = mask & (row_pos - kpos < sliding_window)
-        for h in range(num_kv_heads):
-            q = q_ref[h]  # [M, D]
-            k = jnp.where(cached, head_rows(cached_buf, slot, 2 * h), head_rows(new_buf, slot, 2 * h))
-            v = jnp.where(cached, head_rows(cached_buf, slot, 2 * h + 1), head_rows(new_buf, slot, 2 * h + 1))
-            s = common.block_scores(q, k.astype(q.dtype), scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap,
-                                    precision=precision)  # [M, N]
-            s = jnp.where(mask, s, common.MASK_VALUE)
-            v = jnp.where(first + key_row < kv_end, v.astype(q.dtype), 0)  # stale VMEM, NaN too
-            m, l, acc = common.online_softmax_update((m_ref[h], l_ref[h], acc_ref[h]), s, v,
-                                                     precision=precision, keepdims=True)
-            m_ref[h], l_ref[h], acc_ref[h] = m, l, acc
-
-    def write_new_kv(seq, lo, hi, delta):
-        """Copy tokens [lo, hi) of `seq` (all heads) into their cache slots; waited at the end."""
-        def start(t, _):
-            pltpu.make_async_copy(new_hbm.at[pl.ds(page_size + t, 1)],
-                                  cache_out.at[pl.ds(slot_of(seq, t + delta), 1)], write_sem).start()
-        lax.fori_loop(lo, hi, start, None)
-
-    def attend_sequence(seq, _):
-        q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
-        lo = jnp.maximum(q_start, block_start)  # this block's tokens of seq: [lo, hi)
-        hi = jnp.minimum(q_end, block_start + block_q)
-        delta = kv_lens_ref[seq] - q_end  # position of token t is t + delta
-        ctx_len = q_start + delta  # cached positions [0, ctx_len); this step's [ctx_len, kv_end)
-        kv_end = hi + delta
-        kv_start = 0 if sliding_window is None else jnp.maximum(lo + delta - sliding_window + 1, 0)
-        live = hi > lo
-        blk_lo = lax.div(kv_start, block_kv)
-        blk_hi = jnp.where(live, lax.div(kv_end + block_kv - 1, block_kv), blk_lo)
-        in_seq = (row_tok >= lo) & (row_tok < hi)
-        row_pos = row_tok + delta
-        copies = functools.partial(block_copies, seq, ctx_len=ctx_len, kv_end=kv_end, delta=delta)
-
-        @pl.when(live)
-        def _():
-            write_new_kv(seq, lo, hi, delta)
-
-        @pl.when(blk_lo < blk_hi)
-        def _():
-            copies(blk_lo, 0, action="start")
-
-        def kv_step(blk, _):
-            slot = lax.rem(blk - blk_lo, 2)
-            copies(blk, slot, action="wait")
-
-            @pl.when(blk + 1 < blk_hi)
-            def _():
-                copies(blk + 1, 1 - slot, action="start")
-
-            attend_block(blk, slot, ctx_len, kv_end, row_pos, in_seq)
-
-        lax.fori_loop(blk_lo, blk_hi, kv_step, None)
-
-    m_ref[...] = jnp.full(m_ref.shape, common.MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    lax.fori_loop(first_seq_ref[qb], last_seq_ref[qb] + 1, attend_sequence, None)
-    row_tok1 = block_start + (lax.broadcasted_iota(jnp.int32, (rows_m, 1), 0) & (block_q - 1))
-    for h in range(num_kv_heads):
-        l = l_ref[h]
-        row_real = (row_tok1 < real_end) & (l > 0)  # [M, 1]
-        out = acc_ref[h] * (scales_ref[2 * h + 1] / jnp.where(row_real, l, 1.0))
-        o_ref[h] = jnp.where(row_real, out, 0.0).astype(o_ref.dtype)
-
-    # Every write DMA this step started, waited by count (they are all one size).
-    written = jnp.clip(real_end - block_start, 0, block_q)
-    done = pltpu.make_async_copy(new_hbm.at[pl.ds(0, 1)], cache_out.at[pl.ds(0, 1)], write_sem)
-    lax.fori_loop(0, written, lambda _, c: (done.wait(), c)[1], None)
+def _rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[index] along the token axis; index == len(x) reads a zero row."""
+    return jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])[index]
 
 
-def _call_kernel(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.Array,
-                 new_rows: jax.Array, kv_cache: jax.Array, *, config: TpuConfig,
-                 pages_per_seq: int, interpret: bool | pltpu.InterpretParams | None,
+def _decode_path(batch: dict, config: DecodeConfig, count: jax.Array, **opts: object
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The decode sequences (the ordered batch's first `count`, one token each) -> (out rows
+    [nb * B, Hq, D] in ordered-token order, kv_cache)."""
+    q, num_kv_heads = batch["q"], batch["num_kv_heads"]
+    num_tokens, num_q_heads, head_dim = q.shape
+    seqs = config.seqs_per_block
+    num_blocks = pl.cdiv(min(num_tokens, batch["kv_lens"].shape[0]), seqs)
+    j = jnp.arange(num_blocks * seqs, dtype=jnp.int32)
+    take = jnp.where(j < count, batch["source"][jnp.minimum(j, num_tokens - 1)], num_tokens)
+    group = num_q_heads // num_kv_heads
+    q_blocks = _rows(q, take).reshape(num_blocks, seqs, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    new_blocks = _rows(batch["stored"], take).reshape(num_blocks, seqs, 2 * num_kv_heads, head_dim)
+    scalars = (batch["kv_lens"], batch["pages"], count.reshape(1))
+    out, kv_cache = tpu_decode.attention(scalars, batch["scales"], q_blocks, new_blocks,
+                                         batch["kv_cache"], config=config, **opts)
+    return out.transpose(0, 2, 1, 3, 4).reshape(num_blocks * seqs, num_q_heads, head_dim), kv_cache
+
+
+def _ragged_path(batch: dict, config: TpuConfig, start: jax.Array, end: jax.Array, max_tokens: int,
                  **opts: object) -> tuple[jax.Array, jax.Array]:
-    """The pallas_call over grid (nqb,) -> (out blocks like q_blocks, kv_cache written)."""
-    num_blocks, num_kv_heads, rows_m, head_dim = q_blocks.shape
-    num_pages, page_size, two_hkv, _ = kv_cache.shape
-    flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
-    kernel = functools.partial(
-        _attention_kernel, block_q=config.block_q, pages_per_block=config.pages_per_block,
-        pages_per_seq=pages_per_seq, **opts)
-    block = pl.BlockSpec((None, num_kv_heads, rows_m, head_dim), lambda b, *_: (b, 0, 0, 0))
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
-    kv_buf = pltpu.VMEM(kv_scratch_shape(config, page_size, num_kv_heads, head_dim), kv_cache.dtype)
-    group = rows_m // config.block_q
-    stats = [pltpu.VMEM(shape, jnp.float32) for shape in softmax_state_shapes(config, num_kv_heads, group, head_dim)]
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars),
-        grid=(num_blocks,),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), block, hbm, hbm],
-        out_specs=[block, hbm],
-        scratch_shapes=[kv_buf] * KV_SCRATCH_BUFFERS + stats
-                       + [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
-    )
-    out_blocks, flat_cache = pl.pallas_call(
-        kernel, grid_spec=grid_spec, name="ragged_paged_attention_tpu",
-        out_shape=[jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
-                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
-        input_output_aliases={len(scalars) + 3: 1},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                             vmem_limit_bytes=config.vmem_limit_bytes),
-        interpret=interpret or False,
-    )(*scalars, scales, q_blocks, new_rows, flat_cache)
-    return out_blocks, flat_cache.reshape(kv_cache.shape)
+    """The ordered batch's tokens [start, end) by the ragged kernel -> (out rows [nqb * bq, Hq, D]
+    for ordered tokens start.., kv_cache)."""
+    q, bq = batch["q"], config.block_q
+    num_tokens, num_q_heads, _ = q.shape
+    num_blocks = pl.cdiv(max(max_tokens, 1), bq)
+    j = start + jnp.arange(num_blocks * bq, dtype=jnp.int32)
+    take = jnp.where(j < end, batch["source"][jnp.minimum(j, num_tokens - 1)], num_tokens)
+    q_blocks = tpu_layout.q_blocks(_rows(q, take), batch["num_kv_heads"], bq)
+    bounds = jnp.stack([start, end])
+    first_seq, last_seq = tpu_layout.block_sequences(batch["cu_q_lens"], batch["num_seqs"], bounds, num_blocks, bq)
+    scalars = (batch["kv_lens"], batch["pages"], batch["cu_q_lens"], bounds, first_seq, last_seq)
+    # Stored rows with a page of padding at each end: a page-sized chunk of this step's keys
+    # may start up to a page before a sequence's first token or end a page after its last.
+    page_size = batch["kv_cache"].shape[1]
+    new_rows = jnp.pad(batch["stored_ordered"], ((page_size, page_size), (0, 0), (0, 0)))
+    out, kv_cache = tpu_ragged.attention(scalars, batch["scales"], q_blocks, new_rows, batch["kv_cache"],
+                                         config=config, **opts)
+    return tpu_layout.token_rows(out, num_blocks * bq, num_q_heads // batch["num_kv_heads"]), kv_cache
+
+
+def _one_call(batch: dict, config: TpuConfig, **opts: object) -> tuple[jax.Array, jax.Array]:
+    """The whole batch in its own order by one ragged kernel."""
+    num_tokens = batch["q"].shape[0]
+    n = common.scalar_num_seqs(batch["num_seqs"])[0]
+    ordered = dict(batch, source=jnp.arange(num_tokens, dtype=jnp.int32), stored_ordered=batch["stored"])
+    out, kv_cache = _ragged_path(ordered, config, jnp.int32(0), batch["cu_q_lens"][n], num_tokens, **opts)
+    return out[:num_tokens], kv_cache
+
+
+def _three_paths(batch: dict, paths: TpuPaths, **opts: object) -> tuple[jax.Array, jax.Array]:
+    """Decode, mixed and prefill sequences each by their kernel, over the batch ordered by path."""
+    num_tokens = batch["q"].shape[0]
+    num_seqs_max = batch["kv_lens"].shape[0]
+    prefill_from = paths.prefill.block_q
+    order, cu_ordered, counts = tpu_layout.path_order(batch["cu_q_lens"], batch["num_seqs"], prefill_from)
+    source, dest = tpu_layout.token_maps(batch["cu_q_lens"], cu_ordered, order, num_tokens)
+    pages_per_seq = batch["pages"].shape[0] // num_seqs_max
+    ordered = dict(batch, source=source, cu_q_lens=cu_ordered, kv_lens=batch["kv_lens"][order],
+                   pages=batch["pages"].reshape(num_seqs_max, pages_per_seq)[order].reshape(-1),
+                   num_seqs=jnp.sum(counts), stored_ordered=batch["stored"][source])
+    decode_end = counts[0]
+    mixed_end, prefill_end = cu_ordered[counts[0] + counts[1]], cu_ordered[jnp.sum(counts)]
+    out_d, ordered["kv_cache"] = _decode_path(ordered, paths.decode, decode_end, **opts)
+    mixed_max = min(num_tokens, (prefill_from - 1) * num_seqs_max)
+    out_m, ordered["kv_cache"] = _ragged_path(ordered, paths.mixed, decode_end, mixed_end, mixed_max, **opts)
+    out_p, kv_cache = _ragged_path(ordered, paths.prefill, mixed_end, prefill_end, num_tokens, **opts)
+    # Each original token's row: from its path's output, or the zero row past the real tokens.
+    size_d, size_m = out_d.shape[0], out_m.shape[0]
+    index = jnp.where(dest < decode_end, dest,
+                      jnp.where(dest < mixed_end, size_d + dest - decode_end,
+                                jnp.where(dest < prefill_end, size_d + size_m + dest - mixed_end,
+                                          size_d + size_m + out_p.shape[0])))
+    return _rows(jnp.concatenate([out_d, out_m, out_p]), index), kv_cache
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -240,37 +133,32 @@ def ragged_paged_attention_tpu(
     page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-    config: TpuConfig | None = None, interpret: bool | pltpu.InterpretParams | None = None,
+    config: TpuPaths | TpuConfig | None = None, interpret: bool | pltpu.InterpretParams | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache).
 
-    `interpret`: None/False compiles for the TPU; a `pltpu.InterpretParams` runs the TPU
-    interpreter (so does an enclosing `pltpu.force_tpu_interpret_mode`)."""
+    `config`: the paths' blocks (default: `default_paths` of these shapes), or one TpuConfig
+    for a single ragged call. `interpret`: None/False compiles for the TPU; a
+    `pltpu.InterpretParams` runs the TPU interpreter (so does an enclosing
+    `pltpu.force_tpu_interpret_mode`)."""
     common.validate_kernel_call("pallas_tpu", unsupported_reason, q, k, v, kv_cache, kv_lens,
                                 page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
                                 sliding_window, soft_cap)
-    num_tokens, num_q_heads, _ = q.shape
+    num_tokens, num_q_heads, head_dim = q.shape
     page_size, two_hkv = kv_cache.shape[1:3]
     num_kv_heads = two_hkv // 2
-    group = num_q_heads // num_kv_heads
     num_seqs_max, pages_per_seq = page_indices.shape
     if config is None:
-        config = default_config(num_tokens, num_seqs_max, group, num_kv_heads, page_size, pages_per_seq,
-                                q.shape[-1], q.dtype, kv_cache.dtype)
+        config = default_paths(num_tokens, num_seqs_max, num_q_heads // num_kv_heads, num_kv_heads, page_size,
+                               pages_per_seq, head_dim, q.dtype, kv_cache.dtype)
     check_config(config)
-    bq = config.block_q
-
-    first_seq, last_seq = tpu_layout.block_sequences(cu_q_lens, num_seqs, pl.cdiv(num_tokens, bq), bq)
-    scalars = (kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
-               cu_q_lens.astype(jnp.int32), common.scalar_num_seqs(num_seqs), first_seq, last_seq)
-    scales = common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1)  # [2 * Hkv]
-    # Stored rows with a page of padding at each end: a page-sized chunk of this step's keys
-    # may start up to a page before a sequence's first token or end a page after its last.
-    new_rows = jnp.pad(stored_kv(k, v, kv_cache.dtype, k_scale, v_scale),
-                       ((page_size, page_size), (0, 0), (0, 0)))
-    out_blocks, kv_cache = _call_kernel(
-        scalars, scales, tpu_layout.q_blocks(q, num_kv_heads, bq), new_rows, kv_cache, config=config,
-        pages_per_seq=pages_per_seq, interpret=interpret, sm_scale=float(sm_scale),
-        sliding_window=sliding_window, soft_cap=soft_cap,
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
-    return tpu_layout.token_rows(out_blocks, num_tokens, group), kv_cache
+    batch = dict(q=q, kv_cache=kv_cache, kv_lens=kv_lens.astype(jnp.int32), cu_q_lens=cu_q_lens.astype(jnp.int32),
+                 pages=page_indices.reshape(-1).astype(jnp.int32), num_seqs=common.scalar_num_seqs(num_seqs),
+                 num_kv_heads=num_kv_heads, scales=common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1),
+                 stored=stored_kv(k, v, kv_cache.dtype, k_scale, v_scale))
+    opts = dict(pages_per_seq=pages_per_seq, interpret=interpret, sm_scale=float(sm_scale),
+                sliding_window=sliding_window, soft_cap=soft_cap,
+                precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+    if isinstance(config, TpuConfig):
+        return _one_call(batch, config, **opts)
+    return _three_paths(batch, config, **opts)

@@ -1,21 +1,24 @@
-"""What the TPU kernel (tpu.py) takes, and its block sizes: checked and chosen before tracing.
+"""What the TPU kernels (tpu.py) take, and their block sizes: checked and chosen before tracing.
 
-`unsupported_reason` names the first shape or dtype the kernel cannot take (dispatch.py falls
-back to the reference on it). `default_config` picks the block sizes from the batch's shape alone
-(all static under jit): a decode-like batch (at most two tokens per sequence) gets query blocks
-of 16 tokens so few rows are wasted; a prefill-like batch gets blocks of about 256 rows
-(G * block_q); a KV step takes whole pages, up to 512 positions (at least one page).
+`unsupported_reason` names the first shape or dtype the kernels cannot take (dispatch.py falls
+back to the reference on it). `default_paths` picks each path's blocks from the batch's shape
+alone (all static under jit): the decode kernel takes up to 8 sequences and 2048 positions per
+step; the ragged kernel's mixed path query blocks of 16 tokens, its prefill path blocks of
+about 256 rows (G * block_q), a KV step of whole pages up to 512 positions (at least one page).
+`default_config` is the single ragged call's: query blocks of 16 tokens for a decode-like batch
+(at most two tokens per sequence), else the prefill size.
 Those blocks are then fitted to the target chip's VMEM (`vmem_bytes`: every kv head's q and out
-blocks, the row buffers, the softmax state and one head's [M, N] temporaries, within 3/8 of
-jax's per-TensorCore capacity for the chip: v5e / v6e 128 MiB, v5p / 7x 64 MiB, v4 16 MiB),
-shrinking the KV step first, then the query block; past Mosaic's default scoped limit (16 MiB)
-the config asks for twice what it needs (within 3/4 of the capacity).
-`check_config` rejects a config the kernel cannot tile.
+blocks, the key buffers, the softmax state and one head's temporaries, second-minor axes in
+whole sublane tiles, within 3/8 of jax's per-TensorCore capacity for the chip: v5e / v6e 128
+MiB, v5p / 7x 64 MiB, v4 16 MiB), shrinking the KV step first, then the query block (or the
+sequences per step); past Mosaic's default scoped limit (16 MiB) a config asks for twice what it
+needs (within 3/4 of the capacity).
+`check_config` rejects a config the kernels cannot tile.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +31,27 @@ _FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
 
 @dataclasses.dataclass(frozen=True)
 class TpuConfig:
+    """Blocks of the ragged kernel (tpu_ragged.py): the mixed and prefill paths."""
     block_q: int          # query tokens per block over the flattened T axis (power of two >= 16)
     pages_per_block: int  # pages per KV step; block_kv = pages_per_block * page_size
     vmem_limit_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Blocks of the decode kernel (tpu_decode.py)."""
+    seqs_per_block: int   # decode sequences (one query token each) per grid step
+    pages_per_block: int  # pages per KV step
+    vmem_limit_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuPaths:
+    """The three static paths of one call (tpu.py): sequences of one query token take `decode`;
+    the others take `prefill` from `prefill.block_q` query tokens up, `mixed` below that."""
+    decode: DecodeConfig
+    mixed: TpuConfig
+    prefill: TpuConfig
 
 
 def _sublane_rows(dtype: DTypeLike) -> int:
@@ -54,10 +75,27 @@ def unsupported_reason(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Arra
 def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int, page_size: int,
                    pages_per_seq: int, head_dim: int = 128, dtype: DTypeLike = jnp.bfloat16,
                    cache_dtype: DTypeLike | None = None, chip: str | None = None) -> TpuConfig:
-    """Block sizes for this batch shape, fitted to `chip`'s VMEM (default: `target_chip()`)."""
+    """Ragged-kernel blocks for this batch shape, fitted to `chip`'s VMEM (default: `target_chip()`)."""
     config = _shape_config(num_tokens, num_seqs, group, page_size, pages_per_seq)
     return fit_vmem(config, group, num_kv_heads, page_size, head_dim, dtype, cache_dtype or dtype,
                     vmem_capacity(chip or target_chip()))
+
+
+def default_paths(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int, page_size: int,
+                  pages_per_seq: int, head_dim: int = 128, dtype: DTypeLike = jnp.bfloat16,
+                  cache_dtype: DTypeLike | None = None, chip: str | None = None) -> TpuPaths:
+    """Blocks of the three paths, each fitted to `chip`'s VMEM: decode takes up to 8 sequences
+    and 2048 positions per step; mixed (short multi-token sequences: speculative verification,
+    short chunks) query blocks of 16 tokens; prefill about 256 rows (G * block_q)."""
+    cache_dtype = cache_dtype or dtype
+    capacity = vmem_capacity(chip or target_chip())
+    pages = max(1, min(pages_per_seq, 512 // page_size))
+    prefill = _shape_config(num_tokens, 1, group, page_size, pages_per_seq)  # prefill-like
+    mixed = TpuConfig(16, pages)
+    decode = DecodeConfig(max(1, min(8, num_tokens, num_seqs)), max(1, min(pages_per_seq, 2048 // page_size)))
+    fit = functools.partial(fit_vmem, group=group, num_kv_heads=num_kv_heads, page_size=page_size,
+                            head_dim=head_dim, dtype=dtype, cache_dtype=cache_dtype, capacity=capacity)
+    return TpuPaths(fit(decode), fit(mixed), fit(prefill))
 
 
 def _shape_config(num_tokens: int, num_seqs: int, group: int, page_size: int,
@@ -113,41 +151,71 @@ def softmax_state_shapes(config: TpuConfig, num_kv_heads: int, group: int, head_
     return [(num_kv_heads, rows, 1), (num_kv_heads, rows, 1), (num_kv_heads, rows, head_dim)]
 
 
-def vmem_bytes(config: TpuConfig, group: int, num_kv_heads: int, page_size: int, head_dim: int,
-               dtype: DTypeLike, cache_dtype: DTypeLike) -> int:
-    """VMEM one grid step of the kernel holds: the q and out blocks [Hkv, M, D] (double-buffered
-    by the pipeline), the two [2, N, 2Hkv, D] key buffers, the softmax state (m and l padded to
-    full lanes), and one head's temporaries: the [M, N] scores, probabilities and index planes
-    (4 bytes each), the selected [N, D] K and V, and the state's update."""
-    rows, n = group * config.block_q, config.pages_per_block * page_size
+def _padded_rows(rows: int, dtype: DTypeLike) -> int:
+    """Rows of a second-minor axis as VMEM holds them: whole (sublane) tiles."""
+    return -(-rows // _sublane_rows(dtype)) * _sublane_rows(dtype)
+
+
+def vmem_bytes(config: TpuConfig | DecodeConfig, group: int, num_kv_heads: int, page_size: int,
+               head_dim: int, dtype: DTypeLike, cache_dtype: DTypeLike) -> int:
+    """VMEM one grid step of a kernel holds.
+
+    Ragged kernel: the q and out blocks [Hkv, M, D] (double-buffered by the pipeline), the two
+    [2, N, 2Hkv, D] key buffers, the softmax state (m and l padded to full lanes), and one head's
+    temporaries: the [M, N] scores, probabilities and index planes (4 bytes each), the selected
+    [N, D] K and V, and the state's update. Decode kernel: q and out blocks [Hkv, B, G, D], this
+    step's rows [B, 2Hkv, D], one key buffer, and one sequence's state and temporaries with G
+    rows. Second-minor axes count whole sublane tiles."""
     q_size, kv_size = jnp.dtype(dtype).itemsize, jnp.dtype(cache_dtype).itemsize
-    blocks = 2 * 2 * num_kv_heads * rows * head_dim * q_size
-    scratch = KV_SCRATCH_BUFFERS * math.prod(kv_scratch_shape(config, page_size, num_kv_heads, head_dim)) * kv_size
-    state = num_kv_heads * rows * (head_dim + 2 * _LANES) * 4
+    n = config.pages_per_block * page_size
+    key_rows = _padded_rows(2 * num_kv_heads, cache_dtype)
+    if isinstance(config, DecodeConfig):
+        rows, buffers = _padded_rows(group, dtype), 1
+        blocks = 2 * 2 * num_kv_heads * config.seqs_per_block * rows * head_dim * q_size
+        blocks += 2 * config.seqs_per_block * key_rows * head_dim * kv_size
+        state_rows = rows
+    else:
+        rows, buffers = group * config.block_q, KV_SCRATCH_BUFFERS
+        blocks = 2 * 2 * num_kv_heads * rows * head_dim * q_size
+        state_rows = num_kv_heads * rows
+    scratch = buffers * 2 * n * key_rows * head_dim * kv_size
+    state = state_rows * (head_dim + 2 * _LANES) * 4
     temporaries = 4 * rows * n * 4 + 3 * n * head_dim * 4 + 2 * rows * (head_dim + 2) * 4
     return blocks + scratch + state + temporaries
 
 
-def fit_vmem(config: TpuConfig, group: int, num_kv_heads: int, page_size: int, head_dim: int,
-             dtype: DTypeLike, cache_dtype: DTypeLike, capacity: int) -> TpuConfig:
-    """`config` shrunk (KV step, then query block) until it needs at most 3/8 of `capacity`,
-    asking for a scoped limit of twice its need (within 3/4 of `capacity`) past the default."""
+def fit_vmem(config: TpuConfig | DecodeConfig, group: int, num_kv_heads: int, page_size: int,
+             head_dim: int, dtype: DTypeLike, cache_dtype: DTypeLike, capacity: int
+             ) -> TpuConfig | DecodeConfig:
+    """`config` shrunk (KV step, then query block or sequences per step) until it needs at most
+    3/8 of `capacity`, asking for a scoped limit of twice its need (within 3/4 of `capacity`)
+    past the default."""
     def need(c):
         return vmem_bytes(c, group, num_kv_heads, page_size, head_dim, dtype, cache_dtype)
 
     budget = capacity * 3 // 8
+    rows, least = ("seqs_per_block", 1) if isinstance(config, DecodeConfig) else ("block_q", 16)
     while need(config) > budget and config.pages_per_block > 1:
         config = dataclasses.replace(config, pages_per_block=config.pages_per_block // 2)
-    while need(config) > budget and config.block_q > 16:
-        config = dataclasses.replace(config, block_q=config.block_q // 2)
+    while need(config) > budget and getattr(config, rows) > least:
+        config = dataclasses.replace(config, **{rows: getattr(config, rows) // 2})
     if 2 * need(config) > DEFAULT_SCOPED_VMEM:
         limit = min(capacity * 3 // 4, -(-2 * need(config) // (1 << 20)) << 20)
         config = dataclasses.replace(config, vmem_limit_bytes=limit)
     return config
 
 
-def check_config(config: TpuConfig) -> None:
-    """Raises UnsupportedShape unless block_q is a power of two >= 16."""
+def check_config(config: TpuConfig | DecodeConfig | TpuPaths) -> None:
+    """Raises UnsupportedShape unless every block_q is a power of two >= 16 and every count of
+    sequences or pages per step is positive."""
+    if isinstance(config, TpuPaths):
+        for part in (config.decode, config.mixed, config.prefill):
+            check_config(part)
+        return
+    if config.pages_per_block < 1 or getattr(config, "seqs_per_block", 1) < 1:
+        raise common.UnsupportedShape(f"pallas_tpu config {config}: block counts must be positive")
+    if isinstance(config, DecodeConfig):
+        return
     bq = config.block_q
     if bq < 16 or bq & (bq - 1):
         raise common.UnsupportedShape(f"pallas_tpu block_q={bq} must be a power of two >= 16")

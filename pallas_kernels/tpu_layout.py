@@ -1,5 +1,6 @@
-"""The TPU kernel's query blocks, arranged by XLA around its pallas_call (tpu.py, steps 2 and 5):
-q [T, Hq, D] into [nqb, Hkv, G * bq, D] blocks and back, and the sequences each block touches."""
+"""The TPU kernels' operands, arranged by XLA around their pallas_calls: the ragged kernel's
+query blocks (q [T, Hq, D] into [nqb, Hkv, G * bq, D] blocks and back) and the sequences each
+block touches (tpu_ragged.py, steps 2 and 5); the batch's sequences ordered by path (tpu.py)."""
 from __future__ import annotations
 
 import jax
@@ -9,12 +10,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 
 
-def block_sequences(cu_q_lens: jax.Array, num_seqs: jax.Array, num_blocks: int, block_q: int
-                    ) -> tuple[jax.Array, jax.Array]:
-    """First and last sequence touching each query block ([nqb] each; last < first if none)."""
+def block_sequences(cu_q_lens: jax.Array, num_seqs: jax.Array, bounds: jax.Array, num_blocks: int,
+                    block_q: int) -> tuple[jax.Array, jax.Array]:
+    """First and last sequence touching each query block of the tokens [bounds[0], bounds[1])
+    ([nqb] each; last < first if none)."""
     n = common.scalar_num_seqs(num_seqs)[0]
-    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
-    ends = jnp.minimum(starts + block_q, cu_q_lens[n])
+    starts = bounds[0] + jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    ends = jnp.minimum(starts + block_q, bounds[1])
     first = jnp.searchsorted(cu_q_lens[1:], starts, side="right").astype(jnp.int32)
     last = jnp.searchsorted(cu_q_lens[1:], ends - 1, side="right").astype(jnp.int32)
     last = jnp.where(ends > starts, jnp.minimum(last, n - 1), -1)
@@ -39,3 +41,40 @@ def token_rows(out_blocks: jax.Array, num_tokens: int, group: int) -> jax.Array:
     out = out_blocks.reshape(num_blocks, num_kv_heads, group, bq, head_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_blocks * bq, num_kv_heads * group, head_dim)
     return out[:num_tokens]
+
+
+PATH_DECODE, PATH_MIXED, PATH_PREFILL, PATH_NONE = range(4)
+
+
+def path_order(cu_q_lens: jax.Array, num_seqs: jax.Array, prefill_from: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sequences ordered by path (decode: one query token; mixed: 2 .. prefill_from - 1;
+    prefill: more; then those without tokens), stable within a path.
+
+    -> (order i32[S]: the original index of each ordered sequence, cu_q_lens of the ordered
+    batch i32[S + 1], the sequence count of each path i32[3])."""
+    q_lens = common.real_q_lens(cu_q_lens, num_seqs)
+    path = jnp.where(q_lens == 1, PATH_DECODE, jnp.where(q_lens >= prefill_from, PATH_PREFILL,
+                                                         jnp.where(q_lens > 1, PATH_MIXED, PATH_NONE)))
+    order = jnp.argsort(path, stable=True).astype(jnp.int32)
+    cu_ordered = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens[order], dtype=jnp.int32)])
+    counts = jnp.stack([jnp.sum(path == p, dtype=jnp.int32) for p in (PATH_DECODE, PATH_MIXED, PATH_PREFILL)])
+    return order, cu_ordered, counts
+
+
+def token_maps(cu_q_lens: jax.Array, cu_ordered: jax.Array, order: jax.Array, num_tokens: int
+               ) -> tuple[jax.Array, jax.Array]:
+    """(source i32[T]: the original token of each token of the ordered batch, dest i32[T]: the
+    ordered index of each original token); tokens past the real ones map to themselves."""
+    num_seqs_max = order.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    real = t < cu_ordered[num_seqs_max]
+
+    def seq_of(cu):
+        return jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, num_seqs_max - 1).astype(jnp.int32)
+
+    ordered_seq, seq = seq_of(cu_ordered), seq_of(cu_q_lens)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(num_seqs_max, dtype=jnp.int32))
+    source = jnp.where(real, cu_q_lens[order[ordered_seq]] + t - cu_ordered[ordered_seq], t)
+    dest = jnp.where(real, cu_ordered[rank[seq]] + t - cu_q_lens[seq], t)
+    return source, dest

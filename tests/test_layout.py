@@ -15,7 +15,8 @@ PACKAGES = ("jaxinfer", "serving", "pallas_kernels", "sharding", "checkpoints")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 MAX_FILE_LINES = 300
 MAX_FUNCTION_LINES = 60
-KERNEL_BODIES = {("pallas_kernels/gpu.py", "_attention_kernel"), ("pallas_kernels/tpu.py", "_attention_kernel")}
+KERNEL_BODIES = {("pallas_kernels/gpu.py", "_attention_kernel"), ("pallas_kernels/tpu_ragged.py", "_attention_kernel"),
+                ("pallas_kernels/tpu_decode.py", "_decode_kernel")}
 GENERATED = ("_pb2.py", "_pb2_grpc.py")
 
 

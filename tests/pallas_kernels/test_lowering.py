@@ -78,6 +78,7 @@ TPU_OPTIONS = {
     "plain": {},
     "window_cap": dict(sliding_window=128, soft_cap=30.0),
     "big_blocks": dict(config=tpu.TpuConfig(block_q=128, pages_per_block=16)),
+    "small_paths": dict(config=tpu.TpuPaths(tpu.DecodeConfig(3, 1), tpu.TpuConfig(16, 2), tpu.TpuConfig(32, 4))),
 }
 
 
@@ -87,8 +88,10 @@ TPU_OPTIONS = {
 def test_tpu_kernel_lowers_for_tpu(shapes, options, device):
     text = _lower(tpu.ragged_paged_attention_tpu, _shapes(**TPU_SHAPES[shapes]), "tpu", device,
                   **TPU_OPTIONS[options])
-    assert "tpu_custom_call" in text
-    assert "stablehlo.output_operand_alias" in text  # the fused KV write is in place
+    # The decode, mixed and prefill kernels; one ragged kernel under a single TpuConfig.
+    calls = 1 if isinstance(TPU_OPTIONS[options].get("config"), tpu.TpuConfig) else 3
+    assert text.count("@tpu_custom_call") == calls
+    assert text.count("stablehlo.output_operand_alias") == calls  # every KV write is in place
 
 
 @pytest.mark.parametrize("device,chip", [(TPU_V5E, "v5e"), (TPU_7X, "7x")], ids=["v5e", "7x"])
@@ -97,7 +100,7 @@ def test_tpu_blocks_past_the_default_vmem_limit_ask_for_theirs(device, chip):
     half of Mosaic's default 16 MiB, so the kernel's custom call carries the limit it asks for."""
     shape = dict(tokens=512, q_heads=8, kv_heads=1, head_dim=256, dtype=jnp.float32, seqs=2,
                  pages_per_seq=64)
-    config = tpu.default_config(512, 2, 8, 1, 16, 64, 256, jnp.float32, chip=chip)
+    config = tpu.default_paths(512, 2, 8, 1, 16, 64, 256, jnp.float32, chip=chip).prefill
     assert config.vmem_limit_bytes is not None
     text = _lower(tpu.ragged_paged_attention_tpu, _shapes(**shape), "tpu", device)
     assert str(config.vmem_limit_bytes) in text

@@ -33,6 +33,45 @@ def test_every_default_config_fits_the_chip(chip, head_dim, dtype, cache_dtype):
             assert 2 * need <= config.vmem_limit_bytes <= capacity * 3 // 4, (config, need)
 
 
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPES, ids=["bf16", "f32", "int8kv"])
+def test_every_paths_blocks_fit_the_chip(chip, head_dim, dtype, cache_dtype):
+    """Each of the three paths' blocks fits on its own (the paths are separate kernels)."""
+    capacity = tc.vmem_capacity(chip)
+    for tokens, seqs, group, kv_heads, page_size, pages_per_seq in SHAPES:
+        paths = tc.default_paths(tokens, seqs, group, kv_heads, page_size, pages_per_seq, head_dim, dtype,
+                                 cache_dtype, chip=chip)
+        tc.check_config(paths)
+        assert paths.mixed.block_q == 16 and paths.prefill.block_q >= 16
+        for config in (paths.decode, paths.mixed, paths.prefill):
+            need = tc.vmem_bytes(config, group, kv_heads, page_size, head_dim, dtype, cache_dtype)
+            assert need <= capacity * 3 // 8, (config, need)
+            limit = config.vmem_limit_bytes or tc.DEFAULT_SCOPED_VMEM
+            assert 2 * need <= limit <= max(capacity * 3 // 4, tc.DEFAULT_SCOPED_VMEM), (config, need)
+
+
+def test_decode_blocks_take_long_kv_steps_and_shrink_to_fit():
+    """bf16, 8 KV heads of 128: a decode step takes 2048 positions (128 pages of 16) where
+    VMEM allows; with 16 KV heads of 256 in float32 on v4 it takes fewer, then fewer sequences."""
+    roomy = tc.default_paths(256, 256, 4, 8, 16, 256, 128, jnp.bfloat16, chip="v6e").decode
+    assert (roomy.seqs_per_block, roomy.pages_per_block) == (8, 128)
+    tight = tc.default_paths(256, 256, 4, 16, 16, 256, 256, jnp.float32, chip="v4").decode
+    assert tight.pages_per_block < 128
+    assert tc.vmem_bytes(tight, 4, 16, 16, 256, jnp.float32, jnp.float32) <= tc.vmem_capacity("v4") * 3 // 8
+    one_seq = tc.default_paths(1, 1, 4, 8, 16, 256, 128, jnp.bfloat16, chip="v6e").decode
+    assert one_seq.seqs_per_block == 1  # never more sequences per step than the batch holds
+
+
+def test_vmem_bytes_counts_whole_sublane_tiles():
+    """One bf16 KV head: [N, 2, D] key buffers take 16 rows per key in VMEM, not 2."""
+    config = tc.TpuConfig(block_q=16, pages_per_block=4)
+    one = tc.vmem_bytes(config, 4, 1, 16, 128, jnp.bfloat16, jnp.bfloat16)
+    eight = tc.vmem_bytes(config, 4, 8, 16, 128, jnp.bfloat16, jnp.bfloat16)
+    buffers = tc.KV_SCRATCH_BUFFERS * 2 * 64 * 16 * 128 * 2  # padded rows: the same for 1..8 heads
+    assert one >= buffers and eight - one == 7 * (2 * 2 * 64 * 128 * 2 + 64 * (128 + 256) * 4)
+
+
 def test_capacities_come_from_jax_table():
     mib = {chip: tc.vmem_capacity(chip) >> 20 for chip in CHIPS}
     assert mib == {"v4": 16, "v5e": 128, "v5p": 64, "v6e": 128, "7x": 64}
