@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common
+from pallas_kernels import common, tpu_layout
 from pallas_kernels.tpu_config import DecodeConfig
 
 
@@ -149,8 +149,7 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
     [nb, Hkv, B, G, D], new_blocks [nb, B, 2Hkv, D] -> (out blocks like q_blocks, kv_cache
     written). Rows of sequences past the count are left unwritten."""
     num_blocks, num_kv_heads, seqs, group, head_dim = q_blocks.shape
-    num_pages, page_size, two_hkv, _ = kv_cache.shape
-    flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
+    _, page_size, two_hkv, _ = kv_cache.shape
 
     q_spec = pl.BlockSpec((None, num_kv_heads, seqs, group, head_dim), lambda b, *_: (b, 0, 0, 0, 0))
     # Not squeezed: Mosaic slices a DMA source out of the block's whole memref, leading 1 included.
@@ -165,13 +164,5 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
     )
     kernel = functools.partial(_decode_kernel, page_size=page_size, pages_per_seq=pages_per_seq, **opts)
-    out_blocks, flat_cache = pl.pallas_call(
-        kernel, grid_spec=grid_spec, name="ragged_paged_attention_tpu_decode",
-        out_shape=[jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
-                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
-        input_output_aliases={len(scalars) + 3: 1},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                             vmem_limit_bytes=config.vmem_limit_bytes),
-        interpret=interpret or False,
-    )(*scalars, scales, q_blocks, new_blocks, flat_cache)
-    return out_blocks, flat_cache.reshape(kv_cache.shape)
+    return tpu_layout.call_in_place(kernel, grid_spec, "ragged_paged_attention_tpu_decode", scalars, scales,
+                                    q_blocks, new_blocks, kv_cache, config.vmem_limit_bytes, interpret)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 
@@ -78,3 +79,23 @@ def token_maps(cu_q_lens: jax.Array, cu_ordered: jax.Array, order: jax.Array, nu
     source = jnp.where(real, cu_q_lens[order[ordered_seq]] + t - cu_ordered[ordered_seq], t)
     dest = jnp.where(real, cu_ordered[rank[seq]] + t - cu_q_lens[seq], t)
     return source, dest
+
+
+def call_in_place(kernel, grid_spec: pltpu.PrefetchScalarGridSpec, name: str, scalars: tuple[jax.Array, ...],
+                  scales: jax.Array, q_blocks: jax.Array, new_rows: jax.Array, kv_cache: jax.Array,
+                  vmem_limit_bytes: int | None, interpret: bool | pltpu.InterpretParams | None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """kernel(*scalars, scales, q_blocks, new_rows, cache viewed as [P * page, 2Hkv, D]) over a
+    parallel grid -> (out blocks like q_blocks, the cache written in place: an input/output
+    alias)."""
+    num_pages, page_size, two_hkv, head_dim = kv_cache.shape
+    flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
+    out_blocks, flat_cache = pl.pallas_call(
+        kernel, grid_spec=grid_spec, name=name,
+        out_shape=[jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
+                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
+        input_output_aliases={len(scalars) + 3: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit_bytes),
+        interpret=interpret or False,
+    )(*scalars, scales, q_blocks, new_rows, flat_cache)
+    return out_blocks, flat_cache.reshape(kv_cache.shape)

@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common
+from pallas_kernels import common, tpu_layout
 from pallas_kernels.tpu_config import KV_SCRATCH_BUFFERS, TpuConfig, kv_scratch_shape, softmax_state_shapes
 
 
@@ -199,8 +199,7 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
     scalars: kv_lens, the flattened page table, cu_q_lens, bounds i32[2] (first token, end
     token), and the first / last sequence of each block; q_blocks [nqb, Hkv, M, D]."""
     num_blocks, num_kv_heads, rows_m, head_dim = q_blocks.shape
-    num_pages, page_size, two_hkv, _ = kv_cache.shape
-    flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
+    page_size = kv_cache.shape[1]
     kernel = functools.partial(
         _attention_kernel, block_q=config.block_q, pages_per_block=config.pages_per_block,
         pages_per_seq=pages_per_seq, **opts)
@@ -217,13 +216,5 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
         scratch_shapes=[kv_buf] * KV_SCRATCH_BUFFERS + stats
                        + [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
     )
-    out_blocks, flat_cache = pl.pallas_call(
-        kernel, grid_spec=grid_spec, name="ragged_paged_attention_tpu",
-        out_shape=[jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
-                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
-        input_output_aliases={len(scalars) + 3: 1},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                             vmem_limit_bytes=config.vmem_limit_bytes),
-        interpret=interpret or False,
-    )(*scalars, scales, q_blocks, new_rows, flat_cache)
-    return out_blocks, flat_cache.reshape(kv_cache.shape)
+    return tpu_layout.call_in_place(kernel, grid_spec, "ragged_paged_attention_tpu", scalars, scales, q_blocks,
+                                    new_rows, kv_cache, config.vmem_limit_bytes, interpret)
