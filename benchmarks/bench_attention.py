@@ -1,8 +1,12 @@
-"""Ragged paged attention on one GPU: our Pallas kernel vs the XLA reference vs jax's shipped
-`jax.experimental.pallas.ops.gpu.paged_attention` (decode only; skipped if not importable).
+"""Ragged paged attention on one GPU or TPU: our Pallas kernel vs the XLA reference vs jax's
+shipped kernel: `jax.experimental.pallas.ops.gpu.paged_attention` on a GPU (decode only),
+`jax.experimental.pallas.ops.tpu.ragged_paged_attention` on a TPU (skipped if not importable).
+On a TPU our kernel runs twice: as it ships (decode / mixed / prefill paths) and as one ragged
+call over the whole batch (`default_config`), so the split's gain is measured in one run.
 
-    python benchmarks/bench_attention.py                  # on a GPU (H100/H200)
+    python benchmarks/bench_attention.py                  # on a GPU (H100/H200) or a TPU
     python benchmarks/bench_attention.py --smoke          # CPU: tiny shapes, kernels interpreted
+    python benchmarks/bench_attention.py --smoke --kernel tpu   # the TPU rows, interpreted
     python benchmarks/bench_attention.py --scenarios decode --batches 1,64 --contexts 4096
     python benchmarks/bench_attention.py --sweep          # + the default config's neighbours
 
@@ -14,8 +18,10 @@ How it measures:
   its output is compared with the reference's (max |err| column; "FAIL" if over tolerance).
 - Timing: the call repeated inside one jitted fori_loop (~5 ms per timed call) with the KV
   cache donated and threaded through (so the KV write is in place, as in the engine), warm-up
-  calls, then the median per iteration over repeated calls: no host round trip is charged. Our kernel and the reference include the KV write of the new tokens; jax's
-  kernel does not write (it reads a separate [Hkv, P, page, D] copy of the same cache).
+  calls, then the median per iteration over repeated calls: no host round trip is charged.
+  Our kernel and the reference include the KV write of the new tokens; jax's kernels do not
+  write (the GPU one reads a separate [Hkv, P, page, D] copy of the same cache, the TPU one the
+  written cache itself).
 - Decode rows report achieved HBM GB/s = K+V bytes of all sequences' contexts / time (q, out and
   the write are ignored, <1%); prefill rows report TFLOP/s = 4 * Hq * D * (keys attended, causal)
   / time. Both are also given as % of the measured ceiling.
@@ -24,6 +30,7 @@ Results go to stdout as a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import statistics
@@ -37,7 +44,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import common, gpu, gpu_config, gpu_tuned  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+
+from pallas_kernels import common, gpu, gpu_config, gpu_tuned, tpu  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +59,10 @@ try:  # deprecated in jax, may disappear
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 except Exception:  # noqa: BLE001
     jax_paged = None
+try:
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
+except Exception:  # noqa: BLE001
+    jax_rpa = None
 
 
 @dataclasses.dataclass
@@ -131,10 +144,21 @@ def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, targ
     return statistics.median(times), carry[1]
 
 
-def _ours(model, smoke, config=None):
-    f = functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=model.head_dim ** -0.5,
-                          config=config, interpret=smoke)
+def _ours(model, smoke, config=None, kernel="gpu"):
+    if kernel == "tpu":
+        f = functools.partial(tpu.ragged_paged_attention_tpu, sm_scale=model.head_dim ** -0.5,
+                              config=config, interpret=pltpu.InterpretParams() if smoke else None)
+    else:
+        f = functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=model.head_dim ** -0.5,
+                              config=config, interpret=smoke)
     return jax.jit(f, donate_argnums=(3,))
+
+
+def _one_call_config(batch: Batch, model: Model) -> tpu.TpuConfig:
+    """The TPU kernel's single ragged call over the whole batch, as before the path split."""
+    q, _, _, cache, _, page_indices, _, _ = batch.args
+    return tpu.default_config(q.shape[0], page_indices.shape[0], model.q_heads // model.kv_heads, model.kv_heads,
+                              model.page_size, page_indices.shape[1], model.head_dim, model.dtype, cache.dtype)
 
 
 def _reference(model):
@@ -203,11 +227,48 @@ def _row_jax_paged(batch, cache_after, model, want, tol, args):
     return row
 
 
+def _row_jax_rpa(batch, cache_after, model, want, tol, args):
+    """jax's TPU kernel over the written cache (it has no KV write)."""
+    row = dict(impl="jax ops.tpu.ragged_paged_attention")
+    try:
+        q, _, _, _, kv_lens, page_indices, cu_q_lens, num_seqs = batch.args
+        fn = jax.jit(functools.partial(jax_rpa.ragged_paged_attention, sm_scale=model.head_dim ** -0.5))
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()) if args.smoke else contextlib.nullcontext():
+            out = fn(q, cache_after, kv_lens, page_indices, cu_q_lens, num_seqs)
+            err = float(np.abs(np.asarray(out, np.float32) - want).max())
+            row["err"] = err if err <= tol else f"FAIL {err:.3g}"
+
+            def step(prev):  # q depends on the last output, so the loop cannot hoist the call
+                out = fn(q + (prev[:1, :1, :1] * 0).astype(q.dtype), cache_after, kv_lens, page_indices,
+                         cu_q_lens, num_seqs)
+                return out, out
+
+            row["t"], _ = _median_time(step, out, warmup=args.warmup, budget_s=args.budget)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = _error(e)
+    return row
+
+
+def _tpu_rows(batch: Batch, cache_after, model: Model, want, tol, args) -> list[dict]:
+    rows = []
+    if jax_rpa is not None and not args.skip_jax:
+        rows.append(_row_jax_rpa(batch, cache_after, model, want, tol, args))
+    del cache_after
+    rows.insert(0, _row_with_cache("pallas_tpu", _ours(model, args.smoke, kernel="tpu"), batch, want, tol, args))
+    one_call = _ours(model, args.smoke, _one_call_config(batch, model), "tpu")
+    rows.insert(1, _row_with_cache("pallas_tpu one call", one_call, batch, want, tol, args))
+    if not args.skip_reference:
+        rows.insert(2, _row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
+    return rows
+
+
 def run_batch(batch: Batch, model: Model, args) -> list[dict]:
     want, cache_after = jax.jit(functools.partial(
         ragged_paged_attention_reference, sm_scale=model.head_dim ** -0.5))(*batch.args)
     want = np.asarray(want, np.float32)
     tol = 2e-5 if model.dtype == jnp.float32 else 5e-2
+    if args.kernel == "tpu":
+        return _tpu_rows(batch, cache_after, model, want, tol, args)
     rows = []
     if batch.decode and jax_paged is not None and not args.skip_jax:
         rows.append(_row_jax_paged(batch, cache_after, model, want, tol, args))
@@ -308,6 +369,8 @@ def _fmt(x, digits=3):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU ok")
+    p.add_argument("--kernel", choices=["gpu", "tpu"], default=None,
+                   help="whose Pallas kernel to time (default: the backend's; gpu on the CPU)")
     p.add_argument("--scenarios", default="decode,prefill,mixed")
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--contexts", default="1024,4096,8192,16384,32768")
@@ -329,16 +392,19 @@ def main(argv=None):
                    help="with --sweep: add each row's fastest config, where it beat the default, "
                         "to the tuned table (default: the package's gpu_tuned.json)")
     args = p.parse_args(argv)
-    if args.smoke:
-        model = Model(4, 2, 64, 16, jnp.float32)
+    args.kernel = args.kernel or ("tpu" if jax.default_backend() == "tpu" else "gpu")
+    if args.kernel == "tpu" and (args.sweep or args.write_table):
+        sys.exit("--sweep and --write-table tune the GPU kernel's table")
+    if args.smoke:  # head_dim 128 on the TPU rows: jax's TPU kernel takes multiples of 128
+        model = Model(4, 2, 128 if args.kernel == "tpu" else 64, 16, jnp.float32)
         args.warmup, args.budget = 1, 0.0
     else:
         model = Model(args.q_heads, args.kv_heads, args.head_dim, args.page_size,
                       jnp.dtype(args.dtype))
 
-    if not args.smoke and jax.default_backend() != "gpu":
-        sys.exit(f"bench_attention needs a GPU (backend is {jax.default_backend()!r}); "
-                 "use --smoke to exercise it on the CPU")
+    if not args.smoke and jax.default_backend() != args.kernel:
+        sys.exit(f"bench_attention --kernel {args.kernel} needs a {args.kernel.upper()} (backend is "
+                 f"{jax.default_backend()!r}); use --smoke to exercise it on the CPU")
     device = jax.devices()[0]
     bandwidth, flops = measure_ceilings(args.smoke)
     print(f"# Ragged paged attention on {device.device_kind} (jax {jax.__version__})\n")
@@ -349,7 +415,8 @@ def main(argv=None):
     rated = f" (rated {rated[0] / 1e12:.2f} TB/s, {rated[1] / 1e12:.0f} TFLOP/s)" if rated else ""
     print(f"Ceilings (measured in one call each): copy {bandwidth / 1e9:.1f} GB/s, bf16 matmul "
           f"{flops / 1e12:.1f} TFLOP/s{rated}; "
-          f"jax paged_attention {'available' if jax_paged else 'not importable'}\n")
+          f"jax's {args.kernel.upper()} kernel "
+          f"{'available' if (jax_rpa if args.kernel == 'tpu' else jax_paged) else 'not importable'}\n")
     print("| scenario | impl | median ms | GB/s | % BW | TFLOP/s | % FLOP/s | max err vs ref | note |")
     print("|---|---|---|---|---|---|---|---|---|")
     tuned = []

@@ -15,6 +15,9 @@ import jax.numpy as jnp
 RATED = {
     "NVIDIA H100 80GB HBM3": (3.35e12, 989e12),
     "NVIDIA H200": (4.8e12, 989e12),
+    "TPU v5 lite": (819e9, 197e12),   # v5e
+    "TPU v6 lite": (1640e9, 918e12),  # v6e (Trillium)
+    "TPU v5p": (2765e9, 459e12),
 }
 
 

@@ -54,8 +54,9 @@ def _decode_kernel(
         return pages_ref[seq * pages_per_seq + lax.div(pos, page_size)] * page_size + lax.rem(pos, page_size)
 
     def blocks(i):
-        """Sequence i's index, cached length and KV steps [lo, hi)."""
-        seq = first + i
+        """Sequence i's index, cached length and KV steps [lo, hi). Read for the sequence after
+        the last one too (then unused): its index is clamped into the tables."""
+        seq = jnp.minimum(first + i, kv_lens_ref.shape[0] - 1)
         ctx = kv_lens_ref[seq] - 1  # cached positions [0, ctx); the token's own at ctx
         start = 0 if sliding_window is None else jnp.maximum(ctx - sliding_window + 1, 0)
         return seq, ctx, lax.div(start, block_kv), lax.div(ctx + block_kv - 1, block_kv)

@@ -77,6 +77,8 @@ BATCHES = {
     "one_token_sequence": dict(q_lens=[1], kv_lens=[1]),
     "sequence_without_queries": dict(q_lens=[4, 0, 2], kv_lens=[10, 12, 2]),
     "no_sequences": dict(q_lens=[], kv_lens=[], pad_tokens=5),
+    # Every row of the tables is a real sequence: nothing may read past the last.
+    "no_padding_sequences": dict(q_lens=[1, 1, 1], kv_lens=[30, 1, 17], num_seqs_max=3, pad_tokens=0),
 }
 KERNEL_IDS = sorted(KERNELS)
 
