@@ -24,6 +24,7 @@ A `TpuConfig` instead of paths runs the ragged kernel once over the whole batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,10 +40,28 @@ from pallas_kernels.tpu_config import (
     TpuConfig,
     TpuPaths,
     check_config,
-    default_config,  # noqa: F401  (the single ragged call's blocks, for callers)
     default_paths,
     unsupported_reason,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The call's operands as the kernels take them, with the sequences in one order (their
+    own, or ordered by path)."""
+    q: jax.Array          # [T, Hq, D], original token order
+    source: jax.Array     # i32[T]: the original token of each token in this order
+    stored: jax.Array     # [T, 2Hkv, D]: this step's K/V as the cache holds them, in this order
+    kv_cache: jax.Array   # [P, page, 2Hkv, D]
+    kv_lens: jax.Array    # i32[S], in this order
+    pages: jax.Array      # i32[S * pages_per_seq]: the flattened page table, in this order
+    cu_q_lens: jax.Array  # i32[S + 1], in this order
+    num_seqs: jax.Array   # the real sequence count
+    scales: jax.Array     # f32[2 * Hkv]: each kv head's K and V scale
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_cache.shape[2] // 2
 
 
 def _rows(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -50,73 +69,74 @@ def _rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])[index]
 
 
-def _decode_path(batch: dict, config: DecodeConfig, count: jax.Array, **opts: object
+def _decode_path(batch: _Batch, config: DecodeConfig, count: jax.Array, **opts: object
                  ) -> tuple[jax.Array, jax.Array]:
-    """The decode sequences (the ordered batch's first `count`, one token each) -> (out rows
-    [nb * B, Hq, D] in ordered-token order, kv_cache)."""
-    q, num_kv_heads = batch["q"], batch["num_kv_heads"]
-    num_tokens, num_q_heads, head_dim = q.shape
-    seqs = config.seqs_per_block
-    num_blocks = pl.cdiv(min(num_tokens, batch["kv_lens"].shape[0]), seqs)
+    """The decode sequences (the batch's first `count`, one token each) -> (out rows
+    [nb * B, Hq, D] in the batch's token order, kv_cache)."""
+    num_tokens, num_q_heads, head_dim = batch.q.shape
+    seqs, num_kv_heads = config.seqs_per_block, batch.num_kv_heads
+    num_blocks = pl.cdiv(min(num_tokens, batch.kv_lens.shape[0]), seqs)
     j = jnp.arange(num_blocks * seqs, dtype=jnp.int32)
-    take = jnp.where(j < count, batch["source"][jnp.minimum(j, num_tokens - 1)], num_tokens)
-    group = num_q_heads // num_kv_heads
-    q_blocks = _rows(q, take).reshape(num_blocks, seqs, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    new_blocks = _rows(batch["stored"], take).reshape(num_blocks, seqs, 2 * num_kv_heads, head_dim)
-    scalars = (batch["kv_lens"], batch["pages"], count.reshape(1))
-    out, kv_cache = tpu_decode.attention(scalars, batch["scales"], q_blocks, new_blocks,
-                                         batch["kv_cache"], config=config, **opts)
+    real = j < count
+    take = jnp.where(real, batch.source[jnp.minimum(j, num_tokens - 1)], num_tokens)
+    q_blocks = _rows(batch.q, take).reshape(num_blocks, seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    new_blocks = _rows(batch.stored, jnp.where(real, j, num_tokens)).reshape(num_blocks, seqs, 2 * num_kv_heads,
+                                                                             head_dim)
+    scalars = (batch.kv_lens, batch.pages, count.reshape(1))
+    out, kv_cache = tpu_decode.attention(scalars, batch.scales, q_blocks.transpose(0, 2, 1, 3, 4), new_blocks,
+                                         batch.kv_cache, config=config, **opts)
     return out.transpose(0, 2, 1, 3, 4).reshape(num_blocks * seqs, num_q_heads, head_dim), kv_cache
 
 
-def _ragged_path(batch: dict, config: TpuConfig, start: jax.Array, end: jax.Array, max_tokens: int,
+def _ragged_path(batch: _Batch, config: TpuConfig, start: jax.Array, end: jax.Array, max_tokens: int,
                  **opts: object) -> tuple[jax.Array, jax.Array]:
-    """The ordered batch's tokens [start, end) by the ragged kernel -> (out rows [nqb * bq, Hq, D]
-    for ordered tokens start.., kv_cache)."""
-    q, bq = batch["q"], config.block_q
-    num_tokens, num_q_heads, _ = q.shape
+    """The batch's tokens [start, end) by the ragged kernel -> (out rows [nqb * bq, Hq, D] for
+    tokens start.., kv_cache)."""
+    bq = config.block_q
+    num_tokens, num_q_heads, _ = batch.q.shape
     num_blocks = pl.cdiv(max(max_tokens, 1), bq)
     j = start + jnp.arange(num_blocks * bq, dtype=jnp.int32)
-    take = jnp.where(j < end, batch["source"][jnp.minimum(j, num_tokens - 1)], num_tokens)
-    q_blocks = tpu_layout.q_blocks(_rows(q, take), batch["num_kv_heads"], bq)
+    take = jnp.where(j < end, batch.source[jnp.minimum(j, num_tokens - 1)], num_tokens)
+    q_blocks = tpu_layout.q_blocks(_rows(batch.q, take), batch.num_kv_heads, bq)
     bounds = jnp.stack([start, end])
-    first_seq, last_seq = tpu_layout.block_sequences(batch["cu_q_lens"], batch["num_seqs"], bounds, num_blocks, bq)
-    scalars = (batch["kv_lens"], batch["pages"], batch["cu_q_lens"], bounds, first_seq, last_seq)
+    first_seq, last_seq = tpu_layout.block_sequences(batch.cu_q_lens, batch.num_seqs, bounds, num_blocks, bq)
+    scalars = (batch.kv_lens, batch.pages, batch.cu_q_lens, bounds, first_seq, last_seq)
     # Stored rows with a page of padding at each end: a page-sized chunk of this step's keys
     # may start up to a page before a sequence's first token or end a page after its last.
-    page_size = batch["kv_cache"].shape[1]
-    new_rows = jnp.pad(batch["stored_ordered"], ((page_size, page_size), (0, 0), (0, 0)))
-    out, kv_cache = tpu_ragged.attention(scalars, batch["scales"], q_blocks, new_rows, batch["kv_cache"],
+    page_size = batch.kv_cache.shape[1]
+    new_rows = jnp.pad(batch.stored, ((page_size, page_size), (0, 0), (0, 0)))
+    out, kv_cache = tpu_ragged.attention(scalars, batch.scales, q_blocks, new_rows, batch.kv_cache,
                                          config=config, **opts)
-    return tpu_layout.token_rows(out, num_blocks * bq, num_q_heads // batch["num_kv_heads"]), kv_cache
+    return tpu_layout.token_rows(out, num_blocks * bq, num_q_heads // batch.num_kv_heads), kv_cache
 
 
-def _one_call(batch: dict, config: TpuConfig, **opts: object) -> tuple[jax.Array, jax.Array]:
+def _one_call(batch: _Batch, config: TpuConfig, **opts: object) -> tuple[jax.Array, jax.Array]:
     """The whole batch in its own order by one ragged kernel."""
-    num_tokens = batch["q"].shape[0]
-    n = common.scalar_num_seqs(batch["num_seqs"])[0]
-    ordered = dict(batch, source=jnp.arange(num_tokens, dtype=jnp.int32), stored_ordered=batch["stored"])
-    out, kv_cache = _ragged_path(ordered, config, jnp.int32(0), batch["cu_q_lens"][n], num_tokens, **opts)
+    num_tokens = batch.q.shape[0]
+    end = batch.cu_q_lens[common.scalar_num_seqs(batch.num_seqs)[0]]
+    out, kv_cache = _ragged_path(batch, config, jnp.int32(0), end, num_tokens, **opts)
     return out[:num_tokens], kv_cache
 
 
-def _three_paths(batch: dict, paths: TpuPaths, **opts: object) -> tuple[jax.Array, jax.Array]:
+def _three_paths(batch: _Batch, paths: TpuPaths, **opts: object) -> tuple[jax.Array, jax.Array]:
     """Decode, mixed and prefill sequences each by their kernel, over the batch ordered by path."""
-    num_tokens = batch["q"].shape[0]
-    num_seqs_max = batch["kv_lens"].shape[0]
+    num_tokens = batch.q.shape[0]
+    num_seqs_max = batch.kv_lens.shape[0]
     prefill_from = paths.prefill.block_q
-    order, cu_ordered, counts = tpu_layout.path_order(batch["cu_q_lens"], batch["num_seqs"], prefill_from)
-    source, dest = tpu_layout.token_maps(batch["cu_q_lens"], cu_ordered, order, num_tokens)
-    pages_per_seq = batch["pages"].shape[0] // num_seqs_max
-    ordered = dict(batch, source=source, cu_q_lens=cu_ordered, kv_lens=batch["kv_lens"][order],
-                   pages=batch["pages"].reshape(num_seqs_max, pages_per_seq)[order].reshape(-1),
-                   num_seqs=jnp.sum(counts), stored_ordered=batch["stored"][source])
+    order, cu_ordered, counts = tpu_layout.path_order(batch.cu_q_lens, batch.num_seqs, prefill_from)
+    source, dest = tpu_layout.token_maps(batch.cu_q_lens, cu_ordered, order, num_tokens)
+    ordered = dataclasses.replace(
+        batch, source=source, stored=batch.stored[source], kv_lens=batch.kv_lens[order],
+        pages=batch.pages.reshape(num_seqs_max, -1)[order].reshape(-1), cu_q_lens=cu_ordered,
+        num_seqs=jnp.sum(counts))
     decode_end = counts[0]
     mixed_end, prefill_end = cu_ordered[counts[0] + counts[1]], cu_ordered[jnp.sum(counts)]
-    out_d, ordered["kv_cache"] = _decode_path(ordered, paths.decode, decode_end, **opts)
+    out_d, kv_cache = _decode_path(ordered, paths.decode, decode_end, **opts)
     mixed_max = min(num_tokens, (prefill_from - 1) * num_seqs_max)
-    out_m, ordered["kv_cache"] = _ragged_path(ordered, paths.mixed, decode_end, mixed_end, mixed_max, **opts)
-    out_p, kv_cache = _ragged_path(ordered, paths.prefill, mixed_end, prefill_end, num_tokens, **opts)
+    out_m, kv_cache = _ragged_path(dataclasses.replace(ordered, kv_cache=kv_cache), paths.mixed, decode_end,
+                                   mixed_end, mixed_max, **opts)
+    out_p, kv_cache = _ragged_path(dataclasses.replace(ordered, kv_cache=kv_cache), paths.prefill, mixed_end,
+                                   prefill_end, num_tokens, **opts)
     # Each original token's row: from its path's output, or the zero row past the real tokens.
     size_d, size_m = out_d.shape[0], out_m.shape[0]
     index = jnp.where(dest < decode_end, dest,
@@ -145,17 +165,17 @@ def ragged_paged_attention_tpu(
                                 page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
                                 sliding_window, soft_cap)
     num_tokens, num_q_heads, head_dim = q.shape
-    page_size, two_hkv = kv_cache.shape[1:3]
-    num_kv_heads = two_hkv // 2
+    page_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2] // 2
     num_seqs_max, pages_per_seq = page_indices.shape
     if config is None:
         config = default_paths(num_tokens, num_seqs_max, num_q_heads // num_kv_heads, num_kv_heads, page_size,
                                pages_per_seq, head_dim, q.dtype, kv_cache.dtype)
     check_config(config)
-    batch = dict(q=q, kv_cache=kv_cache, kv_lens=kv_lens.astype(jnp.int32), cu_q_lens=cu_q_lens.astype(jnp.int32),
-                 pages=page_indices.reshape(-1).astype(jnp.int32), num_seqs=common.scalar_num_seqs(num_seqs),
-                 num_kv_heads=num_kv_heads, scales=common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1),
-                 stored=stored_kv(k, v, kv_cache.dtype, k_scale, v_scale))
+    batch = _Batch(q=q, source=jnp.arange(num_tokens, dtype=jnp.int32),
+                   stored=stored_kv(k, v, kv_cache.dtype, k_scale, v_scale), kv_cache=kv_cache,
+                   kv_lens=kv_lens.astype(jnp.int32), pages=page_indices.reshape(-1).astype(jnp.int32),
+                   cu_q_lens=cu_q_lens.astype(jnp.int32), num_seqs=common.scalar_num_seqs(num_seqs),
+                   scales=common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1))
     opts = dict(pages_per_seq=pages_per_seq, interpret=interpret, sm_scale=float(sm_scale),
                 sliding_window=sliding_window, soft_cap=soft_cap,
                 precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)

@@ -61,9 +61,8 @@ def _decode_kernel(
         start = 0 if sliding_window is None else jnp.maximum(ctx - sliding_window + 1, 0)
         return seq, ctx, lax.div(start, block_kv), lax.div(ctx + block_kv - 1, block_kv)
 
-    def copies(i, blk, slot, action):
-        seq, ctx, _, _ = blocks(i)
-
+    def copies(seq, ctx, blk, slot, action):
+        """Start or wait the page DMAs of KV step `blk` of `seq` (its cached pages only)."""
         def page(j, _):
             p0 = blk * block_kv + j * page_size
 
@@ -75,11 +74,11 @@ def _decode_kernel(
         lax.fori_loop(0, block_kv // page_size, page, None)
 
     def start_first(i, slot):
-        _, _, lo, hi = blocks(i)
+        seq, ctx, lo, hi = blocks(i)
 
         @pl.when((i < count) & (lo < hi))
         def _():
-            copies(i, lo, slot, "start")
+            copies(seq, ctx, lo, slot, "start")
 
     def own_token(i, h, q):
         """The softmax state seeded with the token's own key: m = its score, l = 1, acc = v."""
@@ -90,8 +89,7 @@ def _decode_kernel(
             s = soft_cap * jnp.tanh(s / soft_cap)
         return s, jnp.ones_like(s), jnp.broadcast_to(v, (group, head_dim))
 
-    def attend(i, blk, slot, state):
-        _, ctx, _, _ = blocks(i)
+    def attend(i, ctx, blk, slot, state):
         kpos = blk * block_kv + col
         mask = kpos < ctx
         if sliding_window is not None:
@@ -116,16 +114,16 @@ def _decode_kernel(
         def kv_step(blk, carry):
             step, state = carry
             slot = lax.rem(step, 2)
-            copies(i, blk, slot, "wait")
+            copies(seq, ctx, blk, slot, "wait")
 
             @pl.when(blk + 1 < hi)
             def _():
-                copies(i, blk + 1, 1 - slot, "start")
+                copies(seq, ctx, blk + 1, 1 - slot, "start")
 
             @pl.when(blk + 1 == hi)
             def _():
                 start_first(i + 1, 1 - slot)
-            return step + 1, attend(i, blk, slot, state)
+            return step + 1, attend(i, ctx, blk, slot, state)
 
         step, state = lax.fori_loop(lo, hi, kv_step, (step, state))
 
