@@ -9,8 +9,10 @@
                             per minute or concurrency cap (its tokens per minute: in the handler)
     the response's status  -> jaxinfer_http_requests_total{route,status}; a log line with the
                             key's id (never the key)
-    a generation request's end -> Admission.leave (tokens not used are refunded) and its line in
-                            the request log (record: scope["state"]["record"], filled by handlers)
+    a generation request's end -> Admission.leave (tokens not used are refunded) before the
+                            response's last byte goes out, so a client that has its answer sees
+                            the refund; its line in the request log (record:
+                            scope["state"]["record"], filled by handlers)
 """
 from __future__ import annotations
 
@@ -46,7 +48,6 @@ class Gate:
         generation = path in GENERATION_PATHS and scope["method"] == "POST"
         record = state["record"] = self.request_log.start("http", path) if generation else None
         send = self._observed(scope, send)
-        grant = None
         try:
             try:
                 if self.draining and path != "/metrics":
@@ -56,17 +57,22 @@ class Gate:
                     record.key_id = key_id
                 receive = await self._read_body(scope, receive)
                 if generation:
-                    grant = state["grant"] = self.admission.enter(key_id)
+                    state["grant"] = self.admission.enter(key_id)
             except APIError as e:
                 if record is not None:
                     record.error = e.message
                 return await e.response()(scope, receive, send)
             await self.app(scope, receive, send)
         finally:
-            if grant is not None:
-                self.admission.leave(grant, record.total_tokens)
+            self._settle(state)
             if record is not None:
                 self.request_log.finish(record, record.status)
+
+    def _settle(self, state: dict) -> None:
+        """Admission.leave for the request's grant, once (the last body message or the end)."""
+        grant = state.pop("grant", None)
+        if grant is not None:
+            self.admission.leave(grant, state["record"].total_tokens)
 
     def _authenticate(self, scope: Scope, path: str) -> str | None:
         authorization = _header(scope, b"authorization")
@@ -121,6 +127,8 @@ class Gate:
                     self.metrics.http_requests.labels(route=route, status=str(status)).inc()
                     if status >= 400 and path in GENERATION_PATHS:
                         self.metrics.rejected.labels(code=GRPC_CODES.get(status, f"HTTP_{status}")).inc()
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._settle(scope.get("state", {}))
             await send(message)
         return observed
 

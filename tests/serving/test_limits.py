@@ -172,3 +172,37 @@ def test_request_log_lines(tmp_path):
     assert "prompt" not in plain and "outputs" not in plain and "-1" not in plain["error"]  # no content quoted
     assert plain["error"].startswith("temperature")
     assert full["prompt"] == "Hello" and full["outputs"] == [" world"] and full["error"].endswith("must be >= 0")
+
+
+def test_the_http_gate_refunds_before_the_last_byte_of_the_answer():
+    """A client that has its whole answer sees the refund: Admission.leave runs before the last
+    body message goes out, not after the app returns (a client's next request may come first)."""
+    import asyncio
+
+    from serving.openai.admission import Admission
+    from serving.openai.middleware import Gate
+
+    clock = Clock()
+    lim, _ = limiter(clock, tokens_per_minute=120)
+    admission = Admission(8, limiter=lim)
+    seen = []
+
+    async def app(scope, receive, send):
+        state = scope["state"]
+        state["record"].prompt_tokens = 5
+        state["grant"].charge(105)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+        await asyncio.sleep(0)  # the app's own teardown: the client already has the answer
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            seen.append((lim.available("anonymous")["tpm"], admission.in_flight))
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
+    asyncio.run(Gate(app, admission=admission, max_body_bytes=1 << 20)(scope, receive, send))
+    assert seen == [(115, 0)]  # 120 - 105 charged + 100 refunded; the slot already free
+    assert admission.in_flight == 0 and lim.available("anonymous")["tpm"] == 115  # released once
