@@ -10,8 +10,9 @@
     the response's status  -> jaxinfer_http_requests_total{route,status}; a log line with the
                             key's id (never the key)
     a generation request's end -> Admission.leave (tokens not used are refunded) before the
-                            response's last byte goes out, so a client that has its answer sees
-                            the refund; its line in the request log (record:
+                            answer's end goes out (the last body message, or a stream's
+                            `data: [DONE]`), so a client that has its answer sees the refund;
+                            its line in the request log (record:
                             scope["state"]["record"], filled by handlers)
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serving.openai import sse
 from serving.openai.admission import Admission
 from serving.openai.auth import APIKeys
 from serving.openai.errors import GRPC_CODES, APIError
@@ -127,7 +129,8 @@ class Gate:
                     self.metrics.http_requests.labels(route=route, status=str(status)).inc()
                     if status >= 400 and path in GENERATION_PATHS:
                         self.metrics.rejected.labels(code=GRPC_CODES.get(status, f"HTTP_{status}")).inc()
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            elif message["type"] == "http.response.body" and (
+                    not message.get("more_body", False) or message.get("body", b"").endswith(sse.DONE)):
                 self._settle(scope.get("state", {}))
             await send(message)
         return observed

@@ -174,11 +174,14 @@ def test_request_log_lines(tmp_path):
     assert full["prompt"] == "Hello" and full["outputs"] == [" world"] and full["error"].endswith("must be >= 0")
 
 
-def test_the_http_gate_refunds_before_the_last_byte_of_the_answer():
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_http_gate_refunds_before_the_end_of_the_answer(stream):
     """A client that has its whole answer sees the refund: Admission.leave runs before the last
-    body message goes out, not after the app returns (a client's next request may come first)."""
+    body message (a stream: its `[DONE]` event) goes out, not after the app returns (a client's
+    next request may come first)."""
     import asyncio
 
+    from serving.openai import sse
     from serving.openai.admission import Admission
     from serving.openai.middleware import Gate
 
@@ -192,11 +195,16 @@ def test_the_http_gate_refunds_before_the_last_byte_of_the_answer():
         state["record"].prompt_tokens = 5
         state["grant"].charge(105)
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
+        if stream:  # what a StreamingResponse sends: events, [DONE], then an empty last message
+            await send({"type": "http.response.body", "body": sse.event({}), "more_body": True})
+            await send({"type": "http.response.body", "body": sse.DONE, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            await send({"type": "http.response.body", "body": b"{}"})
         await asyncio.sleep(0)  # the app's own teardown: the client already has the answer
 
     async def send(message):
-        if message["type"] == "http.response.body":
+        if message["type"] == "http.response.body" and message["body"] in (b"{}", sse.DONE):
             seen.append((lim.available("anonymous")["tpm"], admission.in_flight))
 
     async def receive():
