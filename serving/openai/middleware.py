@@ -12,8 +12,8 @@
     a generation request's end -> Admission.leave (tokens not used are refunded) before the
                             answer's end goes out (the last body message, or a stream's
                             `data: [DONE]`), so a client that has its answer sees the refund;
-                            its line in the request log (record:
-                            scope["state"]["record"], filled by handlers)
+                            its line in the request log then too, so lines follow the answers'
+                            order (record: scope["state"]["record"], filled by handlers)
 """
 from __future__ import annotations
 
@@ -66,15 +66,19 @@ class Gate:
                 return await e.response()(scope, receive, send)
             await self.app(scope, receive, send)
         finally:
-            self._settle(state)
-            if record is not None:
-                self.request_log.finish(record, record.status)
+            self._end(state)
 
-    def _settle(self, state: dict) -> None:
-        """Admission.leave for the request's grant, once (the last body message or the end)."""
-        grant = state.pop("grant", None)
+    def _end(self, state: dict) -> None:
+        """The request's end, once (at the answer's end, or when the app returns): its grant
+        settled and its request-log line written."""
+        if state.get("ended"):
+            return
+        state["ended"] = True
+        record, grant = state.get("record"), state.pop("grant", None)
         if grant is not None:
-            self.admission.leave(grant, state["record"].total_tokens)
+            self.admission.leave(grant, record.total_tokens)
+        if record is not None:
+            self.request_log.finish(record, record.status)
 
     def _authenticate(self, scope: Scope, path: str) -> str | None:
         authorization = _header(scope, b"authorization")
@@ -131,7 +135,7 @@ class Gate:
                         self.metrics.rejected.labels(code=GRPC_CODES.get(status, f"HTTP_{status}")).inc()
             elif message["type"] == "http.response.body" and (
                     not message.get("more_body", False) or message.get("body", b"").endswith(sse.DONE)):
-                self._settle(scope.get("state", {}))
+                self._end(scope.get("state", {}))
             await send(message)
         return observed
 

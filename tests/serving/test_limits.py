@@ -176,9 +176,9 @@ def test_request_log_lines(tmp_path):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_http_gate_refunds_before_the_end_of_the_answer(stream):
-    """A client that has its whole answer sees the refund: Admission.leave runs before the last
-    body message (a stream: its `[DONE]` event) goes out, not after the app returns (a client's
-    next request may come first)."""
+    """A client that has its whole answer sees the refund and its request-log line: both happen
+    before the last body message (a stream: its `[DONE]` event) goes out, not after the app
+    returns (a client's next request may come first)."""
     import asyncio
 
     from serving.openai import sse
@@ -188,7 +188,11 @@ def test_the_http_gate_refunds_before_the_end_of_the_answer(stream):
     clock = Clock()
     lim, _ = limiter(clock, tokens_per_minute=120)
     admission = Admission(8, limiter=lim)
-    seen = []
+    seen, logged = [], []
+
+    class Log(RequestLog):
+        def finish(self, record, status):
+            logged.append((status, record.total_tokens))
 
     async def app(scope, receive, send):
         state = scope["state"]
@@ -205,12 +209,15 @@ def test_the_http_gate_refunds_before_the_end_of_the_answer(stream):
 
     async def send(message):
         if message["type"] == "http.response.body" and message["body"] in (b"{}", sse.DONE):
-            seen.append((lim.available("anonymous")["tpm"], admission.in_flight))
+            seen.append((lim.available("anonymous")["tpm"], admission.in_flight, list(logged)))
 
     async def receive():
         return {"type": "http.request", "body": b"{}", "more_body": False}
 
     scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
-    asyncio.run(Gate(app, admission=admission, max_body_bytes=1 << 20)(scope, receive, send))
-    assert seen == [(115, 0)]  # 120 - 105 charged + 100 refunded; the slot already free
+    gate = Gate(app, admission=admission, max_body_bytes=1 << 20, request_log=Log())
+    asyncio.run(gate(scope, receive, send))
+    # 120 - 105 charged + 100 refunded, the slot already free, the line written
+    assert seen == [(115, 0, [(200, 5)])]
     assert admission.in_flight == 0 and lim.available("anonymous")["tpm"] == 115  # released once
+    assert logged == [(200, 5)]  # written once
