@@ -74,7 +74,7 @@ class Gate:
         if state.get("ended"):
             return
         state["ended"] = True
-        record, grant = state.get("record"), state.pop("grant", None)
+        record, grant = state.get("record"), state.get("grant")
         if grant is not None:
             self.admission.leave(grant, record.total_tokens)
         if record is not None:

@@ -1,12 +1,18 @@
 """The per-key RateLimiter on a fake clock: buckets refill continuously up to their capacity, tokens
-are charged and refunded, the concurrency cap, Retry-After values, keys kept apart; and the
-request log's records (JSON fields, no prompts unless asked)."""
+are charged and refunded, the concurrency cap, Retry-After values, keys kept apart; the
+request log's records (JSON fields, no prompts unless asked); and when the HTTP gate settles a
+request (before the end of its answer goes out)."""
+import asyncio
 import json
 
 import pytest
 
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
-from serving.limits import CONCURRENT, RPM, TPM, RateLimited, RateLimiter, RateLimits, retry_after, token_cost
+from serving.limits import (ANONYMOUS, CONCURRENT, RPM, TPM, RateLimited, RateLimiter, RateLimits, retry_after,
+                            token_cost)
+from serving.openai import sse
+from serving.openai.admission import Admission
+from serving.openai.middleware import Gate
 from serving.request_log import RequestLog
 
 
@@ -179,12 +185,6 @@ def test_the_http_gate_refunds_before_the_end_of_the_answer(stream):
     """A client that has its whole answer sees the refund and its request-log line: both happen
     before the last body message (a stream: its `[DONE]` event) goes out, not after the app
     returns (a client's next request may come first)."""
-    import asyncio
-
-    from serving.openai import sse
-    from serving.openai.admission import Admission
-    from serving.openai.middleware import Gate
-
     clock = Clock()
     lim, _ = limiter(clock, tokens_per_minute=120)
     admission = Admission(8, limiter=lim)
@@ -209,7 +209,7 @@ def test_the_http_gate_refunds_before_the_end_of_the_answer(stream):
 
     async def send(message):
         if message["type"] == "http.response.body" and message["body"] in (b"{}", sse.DONE):
-            seen.append((lim.available("anonymous")["tpm"], admission.in_flight, list(logged)))
+            seen.append((lim.available(ANONYMOUS)["tpm"], admission.in_flight, list(logged)))
 
     async def receive():
         return {"type": "http.request", "body": b"{}", "more_body": False}
@@ -219,5 +219,5 @@ def test_the_http_gate_refunds_before_the_end_of_the_answer(stream):
     asyncio.run(gate(scope, receive, send))
     # 120 - 105 charged + 100 refunded, the slot already free, the line written
     assert seen == [(115, 0, [(200, 5)])]
-    assert admission.in_flight == 0 and lim.available("anonymous")["tpm"] == 115  # released once
+    assert admission.in_flight == 0 and lim.available(ANONYMOUS)["tpm"] == 115  # released once
     assert logged == [(200, 5)]  # written once
