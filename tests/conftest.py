@@ -2,6 +2,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from testpaths import FIXTURES, TESTS, sentencepiece_model_path, smollm2_gguf_path  # noqa: E402,F401
@@ -19,3 +21,34 @@ def pytest_configure(config):
     import os
     mode = config.getoption("--kernels") or os.environ.get("JAXINFER_KERNELS", "auto")
     os.environ["JAXINFER_KERNELS"] = mode  # read by tests/pallas_kernels (kernel_mode.py)
+
+
+# Tests that start processes of 8 forced CPU devices each: one worker runs them all under xdist.
+DEVICE_PROCESS_MODULES = ("tests/sharding/", "tests/jaxinfer/test_kv_quant_sharded.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n N --dist loadgroup` each module is one unit of work, so its module- and
+    package-scoped fixtures (engines, servers) are built once, not once per worker; the modules
+    that start 8-device processes share one group, so two such processes never run at once."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if any(item.iter_markers("xdist_group")):
+            continue
+        path = item.nodeid.split("::")[0]
+        group = "device-processes" if path.startswith(DEVICE_PROCESS_MODULES) else path
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_module_programs():
+    """Frees what a module compiled once it is done: each module builds its own engines, so a
+    worker that keeps every module's executables grows by gigabytes over the suite."""
+    yield
+    import gc
+
+    import jax
+    gc.collect()
+    jax.clear_caches()

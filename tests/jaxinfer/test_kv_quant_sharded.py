@@ -21,7 +21,7 @@ prompts = [[1, 17, 301, 45, 9], [250, 77, 3, 128, 64, 5, 499, 12, 8], [33] * 20]
 greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 for mesh in (None, "tensor=4", "data=2,tensor=2"):
     llm = LLM(path, "float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets=[8, 32], num_decode_steps=1, mesh=mesh, kv_cache_dtype="int8",
+              token_buckets=[8, 32], num_decode_steps=1, num_pages=32, mesh=mesh, kv_cache_dtype="int8",
               compilation_cache_dir=None, warm_up=False)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     cache = llm.engine.runner.kv_caches[0]  # the step donates the caches: read them afterwards
