@@ -37,7 +37,12 @@ def measure(shape: str, args) -> dict:
                          num_layers=args.layers)
     jax.block_until_ready(model.params)
     sizes = {"params": param_count(model.params), "active": active_param_count(model)}
-    config = EngineConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill_len, 64),
+    # The buckets the measured steps run in: each decode batch exactly, and the budget for the
+    # prompts (a batch's prompts are padded to it; their steps are not timed). The powers of two
+    # between would only lengthen the warm-up.
+    budget = max(args.prefill_len, 64, *args.batches)
+    config = EngineConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=budget,
+                          token_buckets=tuple(sorted({*args.batches, budget})),
                           max_model_len=2048, penalties=False, compilation_cache_dir=args.cache_dir)
     engine = Engine(model, config)
     variants = engine.runner.num_compiled()
