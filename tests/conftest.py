@@ -1,4 +1,5 @@
-"""Shared test set-up: makes the helper modules in tests/support importable from any test."""
+"""Shared test set-up: makes the helper modules in tests/support importable from any test, groups
+the tests for pytest-xdist (README: the test command), and frees each module's compiled programs."""
 import sys
 from pathlib import Path
 
