@@ -14,6 +14,10 @@ from jaxinfer.sampling import SamplingParams
 GOLDEN = np.load(FIXTURES / "smollm2" / "golden.npz")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 SMALL = dict(max_model_len=512, max_num_batched_tokens=64, token_buckets=(16, 64), max_num_seqs=16)
+# The same engine from the command line: its step programs are the module engine's, which the
+# compilation cache then holds.
+SMALL_ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
+              "--max-num-seqs", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +165,7 @@ def test_cli_batch_checks_paths_first_and_never_empties_old_results(capsys, tmp_
 
 
 def test_cli_generate_prints_only_the_text(capsys, tmp_path):
-    argv = ["generate", "--chat", QUESTION[0]["content"], "--max-tokens", "32", "--token-buckets", "16,64",
-            "--max-num-batched-tokens", "64", "--max-model-len", "512"]
+    argv = ["generate", "--chat", QUESTION[0]["content"], "--max-tokens", "32", *SMALL_ARGS]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
 
@@ -212,8 +215,7 @@ def test_cli_info_shows_a_mixture_of_experts(capsys):
 
 def test_cli_chat_streams_replies_and_exits(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(QUESTION[0]["content"] + "\n/exit\n"))
-    argv = ["chat", "--max-tokens", "32", "--token-buckets", "16,64", "--max-num-batched-tokens", "64",
-            "--max-model-len", "512"]
+    argv = ["chat", "--max-tokens", "32", *SMALL_ARGS]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
 
