@@ -43,8 +43,14 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+# Packages whose engines outlive a module (a package-scoped fixture): their compiled programs
+# are kept between the package's modules, or the shared engine would compile again after its
+# warm-up (tests/serving's `tiny_llm`, whose server reports its compiled variants).
+SHARED_ENGINE_PACKAGES = ("tests/serving/",)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _release_module_programs():
+def _release_module_programs(request):
     """Frees what a module compiled once it is done: each module builds its own engines, so a
     worker that keeps every module's executables grows by gigabytes over the suite."""
     yield
@@ -52,4 +58,5 @@ def _release_module_programs():
 
     import jax
     gc.collect()
-    jax.clear_caches()
+    if not request.node.nodeid.startswith(SHARED_ENGINE_PACKAGES):
+        jax.clear_caches()
