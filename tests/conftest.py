@@ -1,5 +1,6 @@
-"""Shared test set-up: makes the helper modules in tests/support importable from any test, groups
-the tests for pytest-xdist (README: the test command), and frees each module's compiled programs."""
+"""Shared test set-up: makes the helper modules in tests/support importable from any test, sends
+the tests to pytest-xdist workers module by module (README: the test command), and frees each
+module's compiled programs."""
 import sys
 from pathlib import Path
 
@@ -26,21 +27,40 @@ def pytest_configure(config):
 
 # Tests that start processes of 8 forced CPU devices each: one worker runs them all under xdist.
 DEVICE_PROCESS_MODULES = ("tests/sharding/", "tests/jaxinfer/test_kv_quant_sharded.py")
+DEVICE_PROCESS_GROUP = "device-processes"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n N --dist loadgroup` each module is one unit of work, so its module- and
-    package-scoped fixtures (engines, servers) are built once, not once per worker; the modules
-    that start 8-device processes share one group, so two such processes never run at once."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if any(item.iter_markers("xdist_group")):
-            continue
-        path = item.nodeid.split("::")[0]
-        group = "device-processes" if path.startswith(DEVICE_PROCESS_MODULES) else path
-        item.add_marker(pytest.mark.xdist_group(group))
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under xdist: its module, or the one group of the
+    modules that start 8-device processes."""
+    path = nodeid.split("::")[0]
+    return DEVICE_PROCESS_GROUP if path.startswith(DEVICE_PROCESS_MODULES) else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `pytest -n N --dist loadgroup` each module is one unit of work (`work_unit`), so
+    its module- and package-scoped fixtures (engines, servers) are built once, not once per
+    worker, and two 8-device processes never run at once. The units go out largest first, the
+    device-process group before all (it is the longest), so no long unit starts last.
+
+    A scheduler of our own rather than `xdist_group` markers: pytest-xdist 3.8 applies those by
+    renaming each item's `_nodeid`, which pytest 9.2's nodes no longer read, so every test was
+    sent out on its own and both workers built each module's engines."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if DEVICE_PROCESS_GROUP in self.workqueue:  # the queue is built, largest unit first
+                self.workqueue.move_to_end(DEVICE_PROCESS_GROUP, last=False)
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
 
 
 # Packages whose engines outlive a module (a package-scoped fixture): their compiled programs
