@@ -41,8 +41,8 @@ def work_unit(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config, log):
     """Under `pytest -n N --dist loadgroup` each module is one unit of work (`work_unit`), so
     its module- and package-scoped fixtures (engines, servers) are built once, not once per
-    worker, and two 8-device processes never run at once. The units go out largest first, the
-    device-process group before all (it is the longest), so no long unit starts last.
+    worker, and two 8-device processes never run at once. The units go out in xdist's order (most
+    tests first), the device-process group before all (it runs longest), so it does not start last.
 
     A scheduler of our own rather than `xdist_group` markers: pytest-xdist 3.8 applies those by
     renaming each item's `_nodeid`, which pytest 9.2's nodes no longer read, so every test was
@@ -56,7 +56,7 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            if DEVICE_PROCESS_GROUP in self.workqueue:  # the queue is built, largest unit first
+            if DEVICE_PROCESS_GROUP in self.workqueue:  # the queue is built; put the group first
                 self.workqueue.move_to_end(DEVICE_PROCESS_GROUP, last=False)
             super()._assign_work_unit(node)
 
