@@ -95,7 +95,8 @@ def score(runner, ids: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray,
     if window % chunk or window % runner.engine.page_size:
         raise ValueError(f"--window {window} must be a multiple of --chunk {chunk} and the page size")
     step = jax.jit(functools.partial(_chunk_logprobs, runner.family, runner.config,
-                                     runner.engine.attn_impl), donate_argnums=(1,))
+                                     runner.engine.attn_impl), donate_argnums=(1,),
+                   out_shardings=(None, None, jax.tree.map(lambda c: c.format, runner.kv_caches)))
     pages = window // runner.engine.page_size
     page_table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
     logprobs, argmax = [], []

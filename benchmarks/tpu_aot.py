@@ -40,9 +40,11 @@ from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
-from jaxinfer.runner import input_shardings, plan_num_pages  # noqa: E402
+from jaxinfer.kv_pool import plan_num_pages  # noqa: E402
+from jaxinfer.runner import input_shardings  # noqa: E402
 from jaxinfer.step import decode_window, step  # noqa: E402
 from pallas_kernels import kv_cache_shape  # noqa: E402
+from pallas_kernels.kv_layout import kv_cache_format, layout_bytes  # noqa: E402
 from pallas_kernels.tpu_config import target_chip  # noqa: E402
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, param_structs  # noqa: E402
 
@@ -79,10 +81,11 @@ class AotStep:
         # The engine's pool: its fraction of what the weights leave of the chip's HBM.
         budget = int((self.hbm - shard_bytes(self.params)) * engine.kv_cache_memory_fraction)
         self.num_pages = plan_num_pages(self.config, dataclasses.replace(engine, kv_cache_bytes=budget),
-                                        kv_dtype, layout.kv_heads_per_device)
+                                        kv_dtype, layout.kv_heads_per_device, self.devices[0])
+        # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout).
         cache = jax.ShapeDtypeStruct(
             kv_cache_shape(self.num_pages, engine.page_size, layout.cache_kv_heads, self.config.head_dim),
-            kv_dtype, sharding=NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=False)))
+            kv_dtype, sharding=kv_cache_format(NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=False))))
         self.caches = (cache,) * self.config.num_layers
         self.buckets = engine.buckets()
         self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=-(-self.max_model_len // engine.page_size),
@@ -99,7 +102,7 @@ class AotStep:
         prev = jax.ShapeDtypeStruct((self.max_seqs,), jnp.int32, sharding=replicated)
         parts = (self.family, self.config, self.engine.attn_impl, self.max_seqs)
         fn = functools.partial(step, *parts) if num_steps == 1 else functools.partial(decode_window, *parts, num_steps)
-        out_shardings = (replicated, jax.tree.map(lambda c: c.sharding, self.caches), replicated)
+        out_shardings = (replicated, jax.tree.map(lambda c: c.format, self.caches), replicated)
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
@@ -130,7 +133,8 @@ class AotStep:
         return {"chip": self.chip, "devices": len(self.mesh.devices.flat), "mesh": dict(self.mesh.shape),
                 "page_size": self.engine.page_size, "num_pages": self.num_pages,
                 "max_model_len": self.max_model_len, "param_gib_per_chip": round(shard_bytes(self.params) / 2**30, 3),
-                "kv_gib_per_chip": round(shard_bytes(self.caches) / 2**30, 3)}
+                "kv_gib_per_chip": round(sum(layout_bytes(c.sharding.shard_shape(c.shape), c.dtype, self.devices[0])
+                                             for c in self.caches) / 2**30, 3)}
 
 
 def main(argv=None) -> None:

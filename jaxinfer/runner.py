@@ -12,7 +12,9 @@ tokens (padded to the largest sequence bucket, so no new variants), which fill t
 placeholder input ids inside the jit (StepInputs.prev_rows). `execute` is dispatch + fetch.
 
 Every bucket is compiled in `warm_up`; JAX's persistent compilation cache makes later start-ups
-cheap. The KV cache is donated to the step, so each layer's pages are updated in place. Padding
+cheap. The KV cache is donated to the step, so each layer's pages are updated in place, and
+allocated in a pinned row-major layout that every jit hands back (kv_pool, pallas_kernels.kv_layout:
+XLA:TPU would otherwise relay a head_dim-64 cache around the kernels every step). Padding
 rows write nowhere (their K/V writes are dropped by the kernel) and their page-table rows point at
 the null page 0, which no sequence owns.
 
@@ -34,15 +36,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine_config import DEFAULT_PAGE_SIZE
+from jaxinfer.config import EngineConfig
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.host_memory import reuse_freed_heap
 from jaxinfer.inputs import InputBuilder, StepInputs
 from jaxinfer.kv_calibration import calibrated_caches
+from jaxinfer.kv_pool import plan_num_pages, zeroed_caches
 from jaxinfer.loader import LoadedModel
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
 from jaxinfer.sampling.sampler import SamplerOutput
@@ -54,7 +55,6 @@ from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int, fetch, put_inputs
 
 logger = logging.getLogger(__name__)
-CPU_DEFAULT_KV_BYTES = 1 << 30
 DEFAULT_DECODE_STEPS = 8
 
 
@@ -65,29 +65,6 @@ def enable_compilation_cache(directory: str | None) -> None:
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int | None = None) -> int:
-    """Bytes one page costs over all layers (on one device when it holds `num_kv_heads` heads)."""
-    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    per_layer = np.prod(kv_cache_shape(1, page_size, heads, config.head_dim))
-    return int(per_layer) * config.num_layers * jnp.dtype(dtype).itemsize
-
-
-def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_heads: int | None = None) -> int:
-    """Pages per replica: given, or as many as fit one device's budget."""
-    if engine.num_pages is not None:
-        return engine.num_pages
-    budget = engine.kv_cache_bytes
-    if budget is None:
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            budget = int(free * engine.kv_cache_memory_fraction)
-        else:
-            budget = CPU_DEFAULT_KV_BYTES
-    page_size = engine.page_size or DEFAULT_PAGE_SIZE  # as a runner resolves it off the TPU kernel
-    return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads))
 
 
 class ModelRunner:
@@ -108,7 +85,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, model.params.embed.dtype)
         # Every host must allocate the same pool: process 0's number wins.
         self.num_pages = broadcast_int(
-            plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device))
+            plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device,
+                           next(iter(self.params.embed.devices()))))
         self.kv_caches = self._allocate_kv_caches()
         if engine.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
             reuse_freed_heap()
@@ -126,12 +104,14 @@ class ModelRunner:
         # Every array the step carries over (KV caches, sampled tokens) is committed to the
         # params' device(s) from the start: an uncommitted first value would give the step a
         # second signature (and a compile after warm-up) once its committed outputs come back.
-        out_shardings, self._prev_tokens = None, jnp.zeros(prev_shape, jnp.int32)
+        # The caches come back in their own formats: placement and pinned row-major layout.
+        formats = jax.tree.map(lambda c: c.format, self.kv_caches)
+        out_shardings, self._prev_tokens = (None, formats, None), jnp.zeros(prev_shape, jnp.int32)
         if self.mesh is None:
             self._prev_tokens = jax.device_put(self._prev_tokens, self._home)
         else:
             replicated = NamedSharding(self.mesh, P())
-            out_shardings = (replicated, jax.tree.map(lambda c: c.sharding, self.kv_caches), replicated)
+            out_shardings = (replicated, formats, replicated)
             self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
         self._step = self._jit(functools.partial(step, *parts), out_shardings)
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
@@ -145,9 +125,9 @@ class ModelRunner:
         self.split_buckets = decode_sized if split_step_enabled(
             engine.structured_output_overlap, self.num_replicas) else ()
         self._forward = jax.jit(functools.partial(forward_part, *parts[:3]), donate_argnums=(1,),
-                                out_shardings=out_shardings and (out_shardings[0], out_shardings[1]))
+                                out_shardings=out_shardings[:2])
         self._sample = jax.jit(functools.partial(sample_part, self.family, max_seqs),
-                               out_shardings=out_shardings and (out_shardings[0], out_shardings[2]))
+                               out_shardings=(out_shardings[0], out_shardings[2]))
 
     def _jit(self, step, out_shardings):
         if self.num_replicas > 1:
@@ -162,8 +142,7 @@ class ModelRunner:
         sharding = self._home
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=sharding)
-        caches = tuple(zeros() for _ in range(self.config.num_layers))
+        caches = zeroed_caches(shape, self.kv_dtype, sharding, self.config.num_layers)
         if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
             caches = calibrated_caches(caches, self.model, self.params, self.layout.cache_kv_heads,
                                        self.engine.attn_impl, self.mesh)

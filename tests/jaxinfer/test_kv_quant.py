@@ -16,7 +16,8 @@ from jaxinfer.kv_calibration import calibration_tokens, kv_absmax, quantized_cac
 from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.quant.kv_cache import QuantizedKVCache, resolve_kv_dtype
-from jaxinfer.runner import ModelRunner, kv_page_bytes, plan_num_pages
+from jaxinfer.kv_pool import kv_page_bytes, plan_num_pages
+from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling import SamplingParams
 from model_harness import SingleSequence
 

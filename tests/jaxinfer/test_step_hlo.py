@@ -5,7 +5,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.experimental.layout import Format, Layout
 
+from jaxinfer import kv_pool
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
@@ -171,3 +173,35 @@ def test_the_step_never_transposes_copies_or_concatenates_a_weight(model, bucket
     for line in hlo.splitlines():  # of stored data: a parameter (of a fusion) or a tuple's element
         m = re.search(r"= \w+\[([\d,]+)\]\S* (concatenate|copy|transpose)\(%(param|get-tuple-element)", line)
         assert not (m and int(np.prod([int(d) for d in m.group(1).split(",")])) in sizes), line.strip()[:120]
+
+
+ODD_LAYOUT = (1, 2, 3, 0)  # not the CPU's default (row-major): a dropped pin shows
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_every_jit_hands_the_caches_back_in_their_pinned_layout(model, monkeypatch, kv_cache_dtype):
+    """The runner allocates its caches in a pinned layout (row-major in the engine,
+    pallas_kernels.kv_layout) and every jit that carries them gives them back in it: the step, the
+    decode window and the split step's forward. One that dropped the pin would hand back XLA's
+    default layout, which on a TPU (head_dim 64) relays each layer's cache around the kernels, and
+    the next call would compile again. Pinned here to a layout the CPU would not choose."""
+    monkeypatch.setattr(kv_pool, "kv_cache_format",
+                        lambda sharding, ndim=4: Format(Layout(major_to_minor=ODD_LAYOUT), sharding))
+    config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
+                          penalties=False, compilation_cache_dir=None, num_decode_steps=4,
+                          structured_output_overlap=True, num_pages=40, kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(model, config, 512)
+
+    def pinned() -> bool:
+        return all(c.format.layout.major_to_minor == ODD_LAYOUT
+                   for c in jax.tree.leaves(runner.kv_caches) if c.ndim == 4 and c.shape[0] == 40)
+
+    assert pinned()
+    runner.warm_up()
+    compiled = runner.num_compiled()
+    inputs = runner.padding_inputs(8, False)
+    for run in (lambda: runner.execute(inputs), lambda: runner.execute(inputs, 4),
+                lambda: runner.dispatch_sample(runner.dispatch_forward(inputs), inputs)):
+        jax.block_until_ready(run())
+        assert pinned()
+    assert runner.num_compiled() == compiled

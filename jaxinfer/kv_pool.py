@@ -1,0 +1,48 @@
+"""The paged KV pool: how many pages fit one device's budget, counted in the bytes the device
+really holds (a TPU's tile padding included), and each layer's zeroed cache in the row-major
+layout the attention kernels read (pallas_kernels.kv_layout), pinned so no step relays it."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine_config import DEFAULT_PAGE_SIZE
+from pallas_kernels import kv_cache_shape
+from pallas_kernels.kv_layout import kv_cache_format, layout_bytes
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int | None = None,
+                  device=None) -> int:
+    """Bytes one page costs over all layers on `device` (default: the first local device) when
+    it holds `num_kv_heads` heads."""
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    device = jax.local_devices()[0] if device is None else device
+    per_layer = layout_bytes(kv_cache_shape(1, page_size, heads, config.head_dim), dtype, device)
+    return per_layer * config.num_layers
+
+
+def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_heads: int | None = None,
+                   device=None) -> int:
+    """Pages per replica: given, or as many as fit one device's budget."""
+    if engine.num_pages is not None:
+        return engine.num_pages
+    budget = engine.kv_cache_bytes
+    if budget is None:
+        stats = (jax.local_devices()[0] if device is None else device).memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            budget = int(free * engine.kv_cache_memory_fraction)
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+    page_size = engine.page_size or DEFAULT_PAGE_SIZE  # as a runner resolves it off the TPU kernel
+    return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads, device))
+
+
+def zeroed_caches(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, num_layers: int
+                  ) -> tuple[jax.Array, ...]:
+    """One zeroed cache per layer, placed by `sharding`, row-major layout pinned."""
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_format(sharding, len(shape)))
+    return tuple(zeros() for _ in range(num_layers))
