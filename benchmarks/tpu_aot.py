@@ -40,6 +40,7 @@ from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
+from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype  # noqa: E402
 from jaxinfer.kv_pool import plan_num_pages  # noqa: E402
 from jaxinfer.runner import input_shardings  # noqa: E402
 from jaxinfer.step import decode_window, step  # noqa: E402
@@ -77,15 +78,20 @@ class AotStep:
         with jax.set_mesh(self.mesh):
             self.chip = target_chip()
         self.hbm = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(self.chip), 1).hbm_capacity_bytes
-        kv_dtype = self.params.embed.dtype
+        kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, self.params.embed.dtype)
         # The engine's pool: its fraction of what the weights leave of the chip's HBM.
         budget = int((self.hbm - shard_bytes(self.params)) * engine.kv_cache_memory_fraction)
         self.num_pages = plan_num_pages(self.config, dataclasses.replace(engine, kv_cache_bytes=budget),
                                         kv_dtype, layout.kv_heads_per_device, self.devices[0])
-        # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout).
+        # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout); int8 /
+        # fp8 pages with their per-head scales.
+        placed = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=False))
         cache = jax.ShapeDtypeStruct(
             kv_cache_shape(self.num_pages, engine.page_size, layout.cache_kv_heads, self.config.head_dim),
-            kv_dtype, sharding=kv_cache_format(NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=False))))
+            kv_dtype, sharding=kv_cache_format(placed))
+        if is_quantized_kv(kv_dtype):
+            scales = (1, 1, 2 * layout.cache_kv_heads, 1)
+            cache = QuantizedKVCache(cache, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=placed))
         self.caches = (cache,) * self.config.num_layers
         self.buckets = engine.buckets()
         self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=-(-self.max_model_len // engine.page_size),
@@ -125,7 +131,8 @@ class AotStep:
     def cache_copies(self, hlo: str) -> list[str]:
         """Copies of a whole layer's cache shard in the compiled step (a relayout around the
         kernels: their cost is a cache's size in HBM traffic and temporaries, every layer)."""
-        shard = self.caches[0].sharding.shard_shape(self.caches[0].shape)
+        pages = self.pages[0]
+        shard = pages.sharding.shard_shape(pages.shape)
         pattern = re.compile(r"= \w+\[" + ",".join(map(str, shard)) + r"\]\S* (?:copy|copy-start)\(")
         return [line.strip()[:160] for line in hlo.splitlines() if pattern.search(line)]
 
@@ -133,8 +140,14 @@ class AotStep:
         return {"chip": self.chip, "devices": len(self.mesh.devices.flat), "mesh": dict(self.mesh.shape),
                 "page_size": self.engine.page_size, "num_pages": self.num_pages,
                 "max_model_len": self.max_model_len, "param_gib_per_chip": round(shard_bytes(self.params) / 2**30, 3),
+                "kv_dtype": str(self.pages[0].dtype),
                 "kv_gib_per_chip": round(sum(layout_bytes(c.sharding.shard_shape(c.shape), c.dtype, self.devices[0])
-                                             for c in self.caches) / 2**30, 3)}
+                                             for c in self.pages) / 2**30, 3)}
+
+    @property
+    def pages(self) -> list[jax.ShapeDtypeStruct]:
+        """Each layer's pages (without the scales of an int8 / fp8 cache)."""
+        return [c.pages if isinstance(c, QuantizedKVCache) else c for c in self.caches]
 
 
 def main(argv=None) -> None:
@@ -149,6 +162,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--page-size", type=int)
     p.add_argument("--num-pages", type=int)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype), int8 or fp8")
     p.add_argument("--buckets", type=int, nargs="+", help="token buckets to compile (default: all)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode window length (1: none)")
     args = p.parse_args(argv)
@@ -158,6 +172,7 @@ def main(argv=None) -> None:
     engine = EngineConfig(attn_impl="pallas_tpu", max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           page_size=args.page_size, num_pages=args.num_pages, token_buckets=buckets,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           compilation_cache_dir=None)
     aot = AotStep(args.shape, args.topology, args.mesh, engine, args.dtype, args.num_layers)
     print(json.dumps({"shape": args.shape, "topology": args.topology, **aot.summary()}), flush=True)

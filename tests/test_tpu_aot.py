@@ -50,19 +50,22 @@ def test_the_step_fits_the_chips_hbm_with_the_cache_in_place(tensor4_on_v5e):
         assert v["temp_gib"] < 0.1 * summary["kv_gib_per_chip"], v
 
 
-def test_a_head_dim_64_step_keeps_its_cache_in_place():
+@pytest.mark.parametrize("kv_cache_dtype,itemsize", [("auto", 2), ("int8", 1)])
+def test_a_head_dim_64_step_keeps_its_cache_in_place(kv_cache_dtype, itemsize):
     """head_dim 64 (Llama-3.2-1B): XLA:TPU's own layout for a [P, page, 2Hkv, 64] cache puts a
     major axis minor, which would relay every layer's cache around the kernels twice a step. The
     engine pins the cache row-major (pallas_kernels.kv_layout) and plans its pool in the padded
-    bytes that layout takes (64 of 128 lanes used), so the step fits the chip with no copy."""
+    bytes that layout takes (64 of 128 lanes used), so the step fits the chip with no copy; an
+    int8 cache carries its scales beside the pinned pages."""
     summary, step = aot("--shape", "llama-3.2-1b", "--num-layers", "2", "--topology", "v5e:1x1",
                         "--buckets", "8", "--max-num-batched-tokens", "8", "--max-model-len", "8192",
-                        "--decode-steps", "1")
+                        "--decode-steps", "1", "--kv-cache-dtype", kv_cache_dtype)
+    assert summary["kv_dtype"] == {"auto": "bfloat16", "int8": "int8"}[kv_cache_dtype]
     assert "error" not in step, step
     assert step["cache_copies"] == 0, step
     assert step["argument_gib"] + step["temp_gib"] < step["hbm_gib"], step
-    # 2 layers of [P, page, 2Hkv=16, D=64] in bf16, each 64-wide row padded to 128 lanes
-    logical = 2 * summary["num_pages"] * summary["page_size"] * 16 * 64 * 2
+    # 2 layers of [P, page, 2Hkv=16, D=64], each 64-wide row padded to 128 lanes
+    logical = 2 * summary["num_pages"] * summary["page_size"] * 16 * 64 * itemsize
     assert summary["kv_gib_per_chip"] == pytest.approx(2 * logical / 2**30, abs=1e-3)
 
 
