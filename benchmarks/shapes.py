@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config_families import pattern_layer_types
 from jaxinfer.loader import LoadedModel, resolve_dtype
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant.config import param_bytes as quant_param_bytes
@@ -44,6 +45,13 @@ SHAPES = {
                                  head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
                                  max_position_embeddings=40960, qk_norm=True, num_experts=128,
                                  num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    # Gemma 3 1B: head_dim 256, one KV head, five sliding-window (512) layers to each global one.
+    "gemma-3-1b": ModelConfig(model_type="gemma3_text", family="gemma", vocab_size=262144, hidden_size=1152,
+                              intermediate_size=6912, num_layers=26, num_heads=4, num_kv_heads=1,
+                              head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_theta=10000.0,
+                              max_position_embeddings=32768, tie_word_embeddings=True, qk_norm=True,
+                              sliding_window=512, layer_types=pattern_layer_types(26, 6),
+                              query_pre_attn_scalar=256.0),
     "llama-3.1-8b": ModelConfig(model_type="llama", family="llama", vocab_size=128256, hidden_size=4096,
                                 intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                                 head_dim=128, rms_norm_eps=1e-5,
@@ -51,14 +59,22 @@ SHAPES = {
 }
 
 
+def shape_config(shape: str, num_layers: int | None = None) -> ModelConfig:
+    """The shape's config, or its first `num_layers` layers (their layer types kept)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
+    config = SHAPES[shape]
+    if num_layers is None:
+        return config
+    return dataclasses.replace(config, num_layers=num_layers, layer_types=config.layer_types[:num_layers])
+
+
 def random_model(shape: str, dtype: str = "auto", seed: int = 0, quantization: str | None = None,
                  group_size: int = 64, num_layers: int | None = None) -> LoadedModel:
     """`quantization` "int8" | "int4" quantizes every fused linear weight on the device (the layout
     the loader makes from a checkpoint with `quantization=`), without a float copy on the host;
     `num_layers` keeps only the first layers of the shape (quick runs)."""
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
-    config = SHAPES[shape] if num_layers is None else dataclasses.replace(SHAPES[shape], num_layers=num_layers)
+    config = shape_config(shape, num_layers)
     params = _init_by_layer(config, resolve_dtype(dtype), jax.random.key(seed))
     if quantization not in (None, "none"):
         params = _quantize_layers(params, quantization, group_size)
@@ -74,7 +90,7 @@ def _init_by_layer(config: ModelConfig, dtype, key):
     def one_layer(i):
         moe = config.is_moe_layer(i) if config.num_experts else False
         if moe not in kinds:
-            one = dataclasses.replace(config, num_layers=1)
+            one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1])
             if config.num_experts:
                 one = dataclasses.replace(one, mlp_only_layers=() if moe else (0,), decoder_sparse_step=1)
             kinds[moe] = jax.jit(lambda k, one=one: family.init_params(one, k, dtype))
@@ -131,6 +147,8 @@ def _int4(w, inputs, group):  # as quant.weights.quantize_int4: w ~ q * s + grou
 def hf_config(shape: str) -> dict:
     """The shape as a HF `LlamaConfig` dict (for benchmarks/hf_baseline.py --shape-config)."""
     c = SHAPES[shape]
+    if c.family != "llama" or c.model_type != "llama":
+        raise ValueError(f"shape {shape!r} ({c.model_type}): only Llama shapes have an HF baseline here")
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,

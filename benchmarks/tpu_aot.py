@@ -35,7 +35,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from benchmarks.shapes import SHAPES  # noqa: E402
+from benchmarks.shapes import SHAPES, shape_config  # noqa: E402
 from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
@@ -61,9 +61,7 @@ class AotStep:
 
     def __init__(self, shape: str, topology: str, mesh: str, engine: EngineConfig, dtype: str,
                  num_layers: int | None = None):
-        self.config = SHAPES[shape]
-        if num_layers is not None:
-            self.config = dataclasses.replace(self.config, num_layers=num_layers)
+        self.config = shape_config(shape, num_layers)
         self.family = get_family(self.config.family)
         self.devices = topologies.get_topology_desc(topology, "tpu").devices
         self.mesh = make_mesh(mesh, self.devices)

@@ -22,6 +22,9 @@ TINY = {
                                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                     vocab_size=512, num_heads=4, num_kv_heads=2, head_dim=16,
                                     mlp_only_layers=(1,)),
+    "tiny-gemma": dataclasses.replace(shapes.shape_config("gemma-3-1b", 7), hidden_size=64,
+                                      intermediate_size=96, vocab_size=512, num_heads=2, head_dim=32,
+                                      query_pre_attn_scalar=32.0, sliding_window=4),
 }
 
 
@@ -62,6 +65,16 @@ def test_moe_shape_builds_dense_and_sparse_layers_and_decodes():
     # FLOPs count only the experts a token runs: 2 of 8 here.
     active = shapes.prefill_floor_s(model, 1, 2.0)
     assert active < shapes.param_count(model.params)
+
+
+def test_gemma_shape_keeps_its_layer_pattern_and_decodes():
+    """The Gemma 3 shape cut to its first layers keeps their types (five sliding, then global)."""
+    model = shapes.random_model("tiny-gemma", "float32", num_layers=6)
+    assert model.config.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert [model.config.layer_window(i) for i in range(6)] == [4] * 5 + [None]
+    assert len(model.params.layers) == 6 and len(_greedy(model, prompt=range(1, 10))) == 4
+    with pytest.raises(ValueError, match="tiny-gemma"):
+        shapes.hf_config("tiny-gemma")
 
 
 def test_unknown_shape_and_quantization_are_named():
