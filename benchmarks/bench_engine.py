@@ -1,7 +1,7 @@
 """Engine throughput and latency on the default model, beside HF transformers in the same run.
 
     .venv/bin/python benchmarks/bench_engine.py [--hf-python /path/to/python-with-torch]
-    python benchmarks/bench_engine.py --shape llama-3.2-1b|llama-3.1-8b|qwen3-30b-a3b|smollm2 [--startup]
+    python benchmarks/bench_engine.py --shape llama-3.2-1b|llama-3.1-8b|qwen3-30b-a3b|gemma-3-1b|smollm2 [--startup]
 
 --shape: random weights of that model's real shape built on the device (benchmarks/shapes.py; no
 download, no transformers; with --hf-python, HF transformers builds them and runs beside the
@@ -253,7 +253,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream-rates", type=float, nargs="+", default=[0.5, 1.0])
     ap.add_argument("--stream-requests", type=int, default=16)
-    ap.add_argument("--shape", default=None, help="random weights of this shape: smollm2, llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b")
+    ap.add_argument("--shape", default=None, help="random weights of this shape: smollm2, llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, gemma-3-1b")
     ap.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "int8", "int4"],
                     help="the default model: as LLM(quantization=...) (gguf: its own quantized blocks); "
                          "with --shape: int8 or int4 of the random weights (made on the device)")
