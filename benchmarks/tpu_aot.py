@@ -13,7 +13,8 @@ kernel inside, and `memory_analysis()` gives one chip's arguments, outputs and t
 its HBM, and `cache_copies` counts copies of a whole layer's cache in the compiled step. The KV
 pool takes what the engine would take (`kv_cache_memory_fraction` of the HBM the weights leave) unless
 --num-pages says otherwise.
-Meshes with a `data` axis (several replicas) are not covered. One JSON line per compiled variant.
+With a `data` axis the step is vmapped over the replicas as the runner runs it (caches and inputs
+with a leading [data] axis; replicas run single steps, no windows). One JSON line per compiled variant.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype  # noqa: E402
 from jaxinfer.kv_pool import plan_num_pages  # noqa: E402
-from jaxinfer.runner import input_shardings  # noqa: E402
+from jaxinfer.runner import decode_steps, input_shardings, jit_step  # noqa: E402
 from jaxinfer.step import decode_window, step  # noqa: E402
 from pallas_kernels import kv_cache_shape  # noqa: E402
 from pallas_kernels.kv_layout import kv_cache_format, layout_bytes  # noqa: E402
@@ -65,8 +66,7 @@ class AotStep:
         self.family = get_family(self.config.family)
         self.devices = topologies.get_topology_desc(topology, "tpu").devices
         self.mesh = make_mesh(mesh, self.devices)
-        if axis_size(self.mesh, DATA) > 1:
-            raise ValueError(f"--mesh {mesh}: data replicas are not covered here")
+        self.replicas = axis_size(self.mesh, DATA)  # the runner's data replicas: a leading [data] axis
         self.max_model_len = engine.max_model_len or self.config.max_position_embeddings
         self.engine = engine = engine.with_page_size(self.max_model_len)
         layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
@@ -83,18 +83,18 @@ class AotStep:
                                         kv_dtype, layout.kv_heads_per_device, self.devices[0])
         # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout); int8 /
         # fp8 pages with their per-head scales.
-        placed = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=False))
-        cache = jax.ShapeDtypeStruct(
-            kv_cache_shape(self.num_pages, engine.page_size, layout.cache_kv_heads, self.config.head_dim),
-            kv_dtype, sharding=kv_cache_format(placed))
+        lead = (self.replicas,) if self.replicas > 1 else ()
+        placed = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.replicas > 1))
+        shape = (*lead, *kv_cache_shape(self.num_pages, engine.page_size, layout.cache_kv_heads, self.config.head_dim))
+        cache = jax.ShapeDtypeStruct(shape, kv_dtype, sharding=kv_cache_format(placed, len(shape)))
         if is_quantized_kv(kv_dtype):
-            scales = (1, 1, 2 * layout.cache_kv_heads, 1)
+            scales = (*lead, 1, 1, 2 * layout.cache_kv_heads, 1)
             cache = QuantizedKVCache(cache, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=placed))
         self.caches = (cache,) * self.config.num_layers
         self.buckets = engine.buckets()
         self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=-(-self.max_model_len // engine.page_size),
                                    max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
-                                   num_replicas=1, num_speculative_tokens=0)
+                                   num_replicas=self.replicas, num_speculative_tokens=0)
         self.max_seqs = engine.seq_bucket(self.buckets[-1])
 
     def compile(self, bucket: int, num_steps: int = 1) -> dict:
@@ -102,15 +102,16 @@ class AotStep:
         replicated = NamedSharding(self.mesh, PartitionSpec())
         host = self.inputs.padding_inputs(bucket, False)
         inputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              host, input_shardings(self.mesh, host, False))
-        prev = jax.ShapeDtypeStruct((self.max_seqs,), jnp.int32, sharding=replicated)
+                              host, input_shardings(self.mesh, host, self.replicas > 1))
+        prev_shape = (self.max_seqs,) if self.replicas == 1 else (self.replicas, self.max_seqs)
+        prev = jax.ShapeDtypeStruct(prev_shape, jnp.int32, sharding=replicated)
         parts = (self.family, self.config, self.engine.attn_impl, self.max_seqs)
         fn = functools.partial(step, *parts) if num_steps == 1 else functools.partial(decode_window, *parts, num_steps)
         out_shardings = (replicated, jax.tree.map(lambda c: c.format, self.caches), replicated)
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=out_shardings)
+                jitted = jit_step(fn, self.replicas, out_shardings)
                 compiled = jitted.trace(self.params, self.caches, inputs, prev).lower().compile()
         except jax.errors.JaxRuntimeError as e:  # the compiler's refusal (HBM, VMEM, SMEM) is the result
             return {"bucket": bucket, "num_steps": num_steps, "error": str(e)[:2000]}
@@ -131,7 +132,8 @@ class AotStep:
         kernels: their cost is a cache's size in HBM traffic and temporaries, every layer)."""
         pages = self.pages[0]
         shard = pages.sharding.shard_shape(pages.shape)
-        pattern = re.compile(r"= \w+\[" + ",".join(map(str, shard)) + r"\]\S* (?:copy|copy-start)\(")
+        dims = "|".join(",".join(map(str, shard[i:])) for i in range(len(shard) - 3))  # [1, P, ...] or [P, ...]
+        pattern = re.compile(r"= \w+\[(?:" + dims + r")\]\S* (?:copy|copy-start)\(")
         return [line.strip()[:160] for line in hlo.splitlines() if pattern.search(line)]
 
     def summary(self) -> dict:
@@ -152,7 +154,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     p.add_argument("--topology", default="v5e:1x1", help="e.g. v5e:2x2, v6e:2x2, tpu7x:2x2x1")
-    p.add_argument("--mesh", default="tensor=1", help="axis sizes, e.g. tensor=4 (no data axis)")
+    p.add_argument("--mesh", default="tensor=1", help="axis sizes, e.g. tensor=4 or data=2,tensor=2")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-layers", type=int, help="keep only the first layers (quicker compiles)")
     p.add_argument("--max-model-len", type=int)
@@ -177,7 +179,7 @@ def main(argv=None) -> None:
     wanted = args.buckets or aot.buckets
     for bucket in wanted:
         print(json.dumps(aot.compile(bucket)), flush=True)
-        if args.decode_steps > 1 and bucket <= args.max_num_seqs:  # decode-sized: a window too
+        if decode_steps(args.decode_steps, aot.replicas) > 1 and bucket <= args.max_num_seqs:  # decode-sized: a window too
             print(json.dumps(aot.compile(bucket, args.decode_steps)), flush=True)
 
 

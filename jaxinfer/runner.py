@@ -113,11 +113,11 @@ class ModelRunner:
             replicated = NamedSharding(self.mesh, P())
             out_shardings = (replicated, formats, replicated)
             self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
-        self._step = self._jit(functools.partial(step, *parts), out_shardings)
+        self._step = jit_step(functools.partial(step, *parts), self.num_replicas, out_shardings)
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
         self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
-        self._window = self._jit(functools.partial(decode_window, *parts, self.num_decode_steps),
-                                 out_shardings)
+        self._window = jit_step(functools.partial(decode_window, *parts, self.num_decode_steps),
+                                self.num_replicas, out_shardings)
         decode_sized = tuple(b for b in self.buckets if b <= self.inputs.bucket_for(
             min(engine.max_num_seqs, self.buckets[-1])))
         self.window_buckets = decode_sized if self.num_decode_steps > 1 else ()
@@ -128,11 +128,6 @@ class ModelRunner:
                                 out_shardings=out_shardings[:2])
         self._sample = jax.jit(functools.partial(sample_part, self.family, max_seqs),
                                out_shardings=(out_shardings[0], out_shardings[2]))
-
-    def _jit(self, step, out_shardings):
-        if self.num_replicas > 1:
-            step = jax.vmap(step, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA)
-        return jax.jit(step, donate_argnums=(1,), out_shardings=out_shardings)
 
     def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
         shape = kv_cache_shape(self.num_pages, self.engine.page_size, self.layout.cache_kv_heads,
@@ -245,6 +240,14 @@ class ModelRunner:
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
         return sum(f._cache_size() for f in (self._step, self._window, self._forward, self._sample))
+
+
+def jit_step(fn, num_replicas: int, out_shardings):
+    """A step (or decode window) jitted as the runner runs it: fn(params, caches, inputs,
+    prev_tokens), vmapped over data replicas with `spmd_axis_name="data"`, the caches donated."""
+    if num_replicas > 1:
+        fn = jax.vmap(fn, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA)
+    return jax.jit(fn, donate_argnums=(1,), out_shardings=out_shardings)
 
 
 def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:

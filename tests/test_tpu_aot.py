@@ -26,15 +26,15 @@ def aot(*args: str) -> list[dict]:
 def tensor4_on_v5e():
     """Two layers of the Llama-3.1-8B shape (head_dim 128) over a v5e 2x2 slice, tensor=4."""
     return aot("--shape", "llama-3.1-8b", "--num-layers", "2", "--topology", "v5e:2x2",
-               "--mesh", "tensor=4", "--buckets", "8", "64", "--max-num-batched-tokens", "64",
+               "--mesh", "tensor=4", "--buckets", "8", "--max-num-batched-tokens", "8",
                "--max-num-seqs", "32", "--max-model-len", "8192")
 
 
 def test_every_step_variant_compiles_for_a_tpu_slice(tensor4_on_v5e):
     summary, *variants = tensor4_on_v5e
     assert summary["chip"] == "v5e" and summary["devices"] == 4 and summary["page_size"] == 16
-    # Windows of 8 decode steps only where a bucket is decode-sized (at most max_num_seqs).
-    assert [(v["bucket"], v["num_steps"]) for v in variants] == [(8, 1), (8, 8), (64, 1)]
+    # The 8-token step and, the bucket being decode-sized (at most max_num_seqs), its window of 8.
+    assert [(v["bucket"], v["num_steps"]) for v in variants] == [(8, 1), (8, 8)]
     for v in variants:
         assert "error" not in v, v
         assert v["tpu_custom_calls"] == 6, v  # the decode, mixed and prefill kernels per layer
@@ -50,22 +50,26 @@ def test_the_step_fits_the_chips_hbm_with_the_cache_in_place(tensor4_on_v5e):
         assert v["temp_gib"] < 0.1 * summary["kv_gib_per_chip"], v
 
 
-@pytest.mark.parametrize("kv_cache_dtype,itemsize", [("auto", 2), ("int8", 1)])
-def test_a_head_dim_64_step_keeps_its_cache_in_place(kv_cache_dtype, itemsize):
+@pytest.mark.parametrize("topology,mesh,kv_cache_dtype,itemsize,rows", [
+    ("v5e:2x2", "data=2,tensor=2", "auto", 2, 8),  # two replicas: the step vmapped over [data]
+    ("v5e:1x1", "tensor=1", "int8", 1, 16),
+])
+def test_a_head_dim_64_step_keeps_its_cache_in_place(topology, mesh, kv_cache_dtype, itemsize, rows):
     """head_dim 64 (Llama-3.2-1B): XLA:TPU's own layout for a [P, page, 2Hkv, 64] cache puts a
     major axis minor, which would relay every layer's cache around the kernels twice a step. The
     engine pins the cache row-major (pallas_kernels.kv_layout) and plans its pool in the padded
-    bytes that layout takes (64 of 128 lanes used), so the step fits the chip with no copy; an
-    int8 cache carries its scales beside the pinned pages."""
-    summary, step = aot("--shape", "llama-3.2-1b", "--num-layers", "2", "--topology", "v5e:1x1",
-                        "--buckets", "8", "--max-num-batched-tokens", "8", "--max-model-len", "8192",
-                        "--decode-steps", "1", "--kv-cache-dtype", kv_cache_dtype)
+    bytes that layout takes (64 of 128 lanes used), so the step fits the chip with no copy: with
+    data replicas (a [data, P, page, 2Hkv, D] cache), and with an int8 cache and its scales."""
+    summary, step = aot("--shape", "llama-3.2-1b", "--num-layers", "2", "--topology", topology,
+                        "--mesh", mesh, "--buckets", "8", "--max-num-batched-tokens", "8",
+                        "--max-model-len", "8192", "--decode-steps", "1", "--kv-cache-dtype", kv_cache_dtype)
     assert summary["kv_dtype"] == {"auto": "bfloat16", "int8": "int8"}[kv_cache_dtype]
-    assert "error" not in step, step
+    assert (step["bucket"], step["num_steps"]) == (8, 1) and "error" not in step, step
+    assert step["tpu_custom_calls"] == 6, step
     assert step["cache_copies"] == 0, step
     assert step["argument_gib"] + step["temp_gib"] < step["hbm_gib"], step
-    # 2 layers of [P, page, 2Hkv=16, D=64], each 64-wide row padded to 128 lanes
-    logical = 2 * summary["num_pages"] * summary["page_size"] * 16 * 64 * itemsize
+    # one chip's 2 layers of [P, page, rows = its 2Hkv, D=64], each 64-wide row padded to 128 lanes
+    logical = 2 * summary["num_pages"] * summary["page_size"] * rows * 64 * itemsize
     assert summary["kv_gib_per_chip"] == pytest.approx(2 * logical / 2**30, abs=1e-3)
 
 
