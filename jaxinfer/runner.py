@@ -86,7 +86,7 @@ class ModelRunner:
         # Every host must allocate the same pool: process 0's number wins.
         self.num_pages = broadcast_int(
             plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device,
-                           next(iter(self.params.embed.devices()))))
+                           self.local_device))
         self.kv_caches = self._allocate_kv_caches()
         if engine.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
             reuse_freed_heap()
@@ -147,6 +147,11 @@ class ModelRunner:
     def _home(self) -> SingleDeviceSharding:
         """The device of a model without a mesh: where its embedding table is."""
         return SingleDeviceSharding(next(iter(self.params.embed.devices())))
+
+    @property
+    def local_device(self):
+        """A device of this process holding the model: its platform and memory plan the pool."""
+        return jax.tree.leaves(self.params.embed)[0].addressable_shards[0].device
 
     def _mesh_context(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()

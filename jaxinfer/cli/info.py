@@ -44,6 +44,10 @@ def describe(args: argparse.Namespace) -> dict:
                      "per": "data replica" if runner.num_replicas > 1 else "engine",
                      "bytes": runner.kv_cache_bytes, "bytes_per_token":
                      kv_page_bytes(model.config, runner.engine.page_size, runner.kv_dtype) // runner.engine.page_size,
+                     # what one device holds of the pool, in its memory layout (a TPU pads head_dim 64)
+                     "device_bytes": runner.num_pages * kv_page_bytes(
+                         model.config, runner.engine.page_size, runner.kv_dtype, runner.layout.kv_heads_per_device,
+                         runner.local_device),
                      "dtype": str(runner.kv_dtype), "max_model_len": max_len},
         "token_buckets": list(engine.buckets()),
         "mesh": None if runner.mesh is None else dict(runner.mesh.shape),

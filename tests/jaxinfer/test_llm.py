@@ -193,6 +193,7 @@ def test_cli_info_reports_kv_capacity(capsys):
     assert info["kv_cache"]["pages"] == 99 and info["kv_cache"]["tokens"] == 99 * 16
     # 30 layers x (K + V) x 3 kv heads x 64 dims x 4 bytes (float32 on the CPU)
     assert info["kv_cache"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert info["kv_cache"]["device_bytes"] == info["kv_cache"]["bytes"] == 100 * 16 * 30 * 2 * 3 * 64 * 4
 
 
 def test_cli_info_names_the_family_and_its_features(capsys):
