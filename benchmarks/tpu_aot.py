@@ -42,11 +42,10 @@ from jaxinfer.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype  # noqa: E402
-from jaxinfer.kv_pool import plan_num_pages  # noqa: E402
+from jaxinfer.kv_pool import cache_struct, plan_num_pages  # noqa: E402
 from jaxinfer.runner import decode_steps, input_shardings, jit_step  # noqa: E402
 from jaxinfer.step import decode_window, step  # noqa: E402
-from pallas_kernels import kv_cache_shape  # noqa: E402
-from pallas_kernels.kv_layout import kv_cache_format, layout_bytes  # noqa: E402
+from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_config import target_chip  # noqa: E402
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, param_structs  # noqa: E402
 
@@ -83,12 +82,11 @@ class AotStep:
                                         kv_dtype, layout.kv_heads_per_device, self.devices[0])
         # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout); int8 /
         # fp8 pages with their per-head scales.
-        lead = (self.replicas,) if self.replicas > 1 else ()
         placed = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.replicas > 1))
-        shape = (*lead, *kv_cache_shape(self.num_pages, engine.page_size, layout.cache_kv_heads, self.config.head_dim))
-        cache = jax.ShapeDtypeStruct(shape, kv_dtype, sharding=kv_cache_format(placed, len(shape)))
+        cache = cache_struct(self.num_pages, engine.page_size, layout.cache_kv_heads, self.config.head_dim,
+                             kv_dtype, placed, self.replicas)
         if is_quantized_kv(kv_dtype):
-            scales = (*lead, 1, 1, 2 * layout.cache_kv_heads, 1)
+            scales = (*cache.shape[:-4], 1, 1, 2 * layout.cache_kv_heads, 1)
             cache = QuantizedKVCache(cache, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=placed))
         self.caches = (cache,) * self.config.num_layers
         self.buckets = engine.buckets()

@@ -41,8 +41,17 @@ def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_head
     return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads, device))
 
 
-def zeroed_caches(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, num_layers: int
-                  ) -> tuple[jax.Array, ...]:
-    """One zeroed cache per layer, placed by `sharding`, row-major layout pinned."""
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_format(sharding, len(shape)))
+def cache_struct(num_pages: int, page_size: int, cache_kv_heads: int, head_dim: int, dtype,
+                 sharding: jax.sharding.Sharding, replicas: int = 1) -> jax.ShapeDtypeStruct:
+    """One layer's cache as the runner allocates it: [P, page, 2K, D] ([data, ...] with several
+    replicas), placed by `sharding`, its row-major layout pinned."""
+    shape = kv_cache_shape(num_pages, page_size, cache_kv_heads, head_dim)
+    if replicas > 1:
+        shape = (replicas, *shape)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache_format(sharding, len(shape)))
+
+
+def zeroed_caches(struct: jax.ShapeDtypeStruct, num_layers: int) -> tuple[jax.Array, ...]:
+    """One zeroed cache of `struct` (its placement and layout) per layer."""
+    zeros = jax.jit(lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=struct.format)
     return tuple(zeros() for _ in range(num_layers))

@@ -43,12 +43,11 @@ from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.host_memory import reuse_freed_heap
 from jaxinfer.inputs import InputBuilder, StepInputs
 from jaxinfer.kv_calibration import calibrated_caches
-from jaxinfer.kv_pool import plan_num_pages, zeroed_caches
+from jaxinfer.kv_pool import cache_struct, plan_num_pages, zeroed_caches
 from jaxinfer.loader import LoadedModel
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.step import decode_window, forward_part, sample_part, step
-from pallas_kernels import kv_cache_shape
 from sharding import (DATA, SEQUENCE, axis_size, head_layout, is_multiprocess, kv_cache_spec, make_mesh,
                       replicated_spec, shard_params, tokens_spec)
 from sharding.experts import check_expert_axis
@@ -130,14 +129,12 @@ class ModelRunner:
                                out_shardings=(out_shardings[0], out_shardings[2]))
 
     def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
-        shape = kv_cache_shape(self.num_pages, self.engine.page_size, self.layout.cache_kv_heads,
-                               self.config.head_dim)
-        if self.num_replicas > 1:
-            shape = (self.num_replicas, *shape)
         sharding = self._home
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
-        caches = zeroed_caches(shape, self.kv_dtype, sharding, self.config.num_layers)
+        caches = zeroed_caches(cache_struct(self.num_pages, self.engine.page_size, self.layout.cache_kv_heads,
+                                            self.config.head_dim, self.kv_dtype, sharding, self.num_replicas),
+                               self.config.num_layers)
         if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
             caches = calibrated_caches(caches, self.model, self.params, self.layout.cache_kv_heads,
                                        self.engine.attn_impl, self.mesh)
