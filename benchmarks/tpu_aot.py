@@ -43,8 +43,7 @@ from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype  # noqa: E402
 from jaxinfer.kv_pool import cache_struct, plan_num_pages  # noqa: E402
-from jaxinfer.runner import decode_steps, input_shardings, jit_step  # noqa: E402
-from jaxinfer.step import decode_window, step  # noqa: E402
+from jaxinfer.runner import decode_steps, input_shardings, split_step_enabled, step_jits  # noqa: E402
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_config import target_chip  # noqa: E402
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, param_structs  # noqa: E402
@@ -95,28 +94,32 @@ class AotStep:
                                    num_replicas=self.replicas, num_speculative_tokens=0)
         self.max_seqs = engine.seq_bucket(self.buckets[-1])
 
-    def compile(self, bucket: int, num_steps: int = 1) -> dict:
-        """One variant compiled for the topology: its compile time and one chip's memory."""
+    def compile(self, bucket: int, num_steps: int = 1, split: bool = False) -> dict:
+        """One variant compiled for the topology (the step, its decode window of `num_steps`, or
+        the split step's forward half), with the runner's own jits: compile time, one chip's memory."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
         host = self.inputs.padding_inputs(bucket, False)
         inputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                               host, input_shardings(self.mesh, host, self.replicas > 1))
         prev_shape = (self.max_seqs,) if self.replicas == 1 else (self.replicas, self.max_seqs)
         prev = jax.ShapeDtypeStruct(prev_shape, jnp.int32, sharding=replicated)
-        parts = (self.family, self.config, self.engine.attn_impl, self.max_seqs)
-        fn = functools.partial(step, *parts) if num_steps == 1 else functools.partial(decode_window, *parts, num_steps)
         out_shardings = (replicated, jax.tree.map(lambda c: c.format, self.caches), replicated)
+        step_fn, window, forward, _ = step_jits(self.family, self.config, self.engine.attn_impl, self.max_seqs,
+                                                self.replicas, num_steps, out_shardings)
+        jitted = forward if split else step_fn if num_steps == 1 else window
+        variant = {"bucket": bucket, "num_steps": num_steps, **({"split": True} if split else {})}
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                jitted = jit_step(fn, self.replicas, out_shardings)
+                if split:
+                    inputs = inputs.replace(sampling=None)  # as dispatch_forward passes them
                 compiled = jitted.trace(self.params, self.caches, inputs, prev).lower().compile()
         except jax.errors.JaxRuntimeError as e:  # the compiler's refusal (HBM, VMEM, SMEM) is the result
-            return {"bucket": bucket, "num_steps": num_steps, "error": str(e)[:2000]}
+            return {**variant, "error": str(e)[:2000]}
         seconds = time.perf_counter() - start
         mem = compiled.memory_analysis()
         hlo = compiled.as_text()
-        return {"bucket": bucket, "num_steps": num_steps, "compile_s": round(seconds, 1),
+        return {**variant, "compile_s": round(seconds, 1),
                 "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
                 "cache_copies": len(self.cache_copies(hlo)),
                 "argument_gib": round(mem.argument_size_in_bytes / 2**30, 3),
@@ -163,6 +166,8 @@ def main(argv=None) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype), int8 or fp8")
     p.add_argument("--buckets", type=int, nargs="+", help="token buckets to compile (default: all)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode window length (1: none)")
+    p.add_argument("--split", action="store_true",
+                   help="also the split step's forward at decode-sized buckets (on by default on accelerators)")
     args = p.parse_args(argv)
     buckets = tuple(sorted(set(args.buckets))) if args.buckets else None
     if buckets and buckets[-1] < args.max_num_batched_tokens:
@@ -179,6 +184,8 @@ def main(argv=None) -> None:
         print(json.dumps(aot.compile(bucket)), flush=True)
         if decode_steps(args.decode_steps, aot.replicas) > 1 and bucket <= args.max_num_seqs:  # decode-sized: a window too
             print(json.dumps(aot.compile(bucket, args.decode_steps)), flush=True)
+        if args.split and split_step_enabled(True, aot.replicas) and bucket <= args.max_num_seqs:
+            print(json.dumps(aot.compile(bucket, split=True)), flush=True)
 
 
 if __name__ == "__main__":

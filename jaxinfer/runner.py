@@ -98,7 +98,6 @@ class ModelRunner:
                                        engine.speculative_config.num_speculative_tokens
                                        if engine.speculative_config is not None else 0))
         max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
-        parts = (self.family, self.config, engine.attn_impl, max_seqs)
         prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)
         # Every array the step carries over (KV caches, sampled tokens) is committed to the
         # params' device(s) from the start: an uncommitted first value would give the step a
@@ -112,21 +111,17 @@ class ModelRunner:
             replicated = NamedSharding(self.mesh, P())
             out_shardings = (replicated, formats, replicated)
             self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
-        self._step = jit_step(functools.partial(step, *parts), self.num_replicas, out_shardings)
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
         self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
-        self._window = jit_step(functools.partial(decode_window, *parts, self.num_decode_steps),
-                                self.num_replicas, out_shardings)
+        self._step, self._window, self._forward, self._sample = step_jits(
+            self.family, self.config, engine.attn_impl, max_seqs, self.num_replicas, self.num_decode_steps,
+            out_shardings)
         decode_sized = tuple(b for b in self.buckets if b <= self.inputs.bucket_for(
             min(engine.max_num_seqs, self.buckets[-1])))
         self.window_buckets = decode_sized if self.num_decode_steps > 1 else ()
         # The step split in two (structured output: masks filled while the forward runs).
         self.split_buckets = decode_sized if split_step_enabled(
             engine.structured_output_overlap, self.num_replicas) else ()
-        self._forward = jax.jit(functools.partial(forward_part, *parts[:3]), donate_argnums=(1,),
-                                out_shardings=out_shardings[:2])
-        self._sample = jax.jit(functools.partial(sample_part, self.family, max_seqs),
-                               out_shardings=(out_shardings[0], out_shardings[2]))
 
     def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
         sharding = self._home
@@ -244,12 +239,21 @@ class ModelRunner:
         return sum(f._cache_size() for f in (self._step, self._window, self._forward, self._sample))
 
 
-def jit_step(fn, num_replicas: int, out_shardings):
-    """A step (or decode window) jitted as the runner runs it: fn(params, caches, inputs,
-    prev_tokens), vmapped over data replicas with `spmd_axis_name="data"`, the caches donated."""
-    if num_replicas > 1:
-        fn = jax.vmap(fn, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA)
-    return jax.jit(fn, donate_argnums=(1,), out_shardings=out_shardings)
+def step_jits(family, config, attn_impl: str, max_seqs: int, num_replicas: int, num_decode_steps: int,
+              out_shardings) -> tuple:
+    """The runner's jitted functions: the step and the decode window, fn(params, caches, inputs,
+    prev_tokens), vmapped over data replicas (`spmd_axis_name="data"`); the split step's forward
+    and sampling halves. The caches are donated and come back as `out_shardings[1]` says."""
+    parts = (family, config, attn_impl, max_seqs)
+    jit_step = lambda fn: jax.jit(  # noqa: E731
+        fn if num_replicas == 1 else jax.vmap(fn, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA),
+        donate_argnums=(1,), out_shardings=out_shardings)
+    return (jit_step(functools.partial(step, *parts)),
+            jit_step(functools.partial(decode_window, *parts, num_decode_steps)),
+            jax.jit(functools.partial(forward_part, *parts[:3]), donate_argnums=(1,),
+                    out_shardings=out_shardings[:2]),
+            jax.jit(functools.partial(sample_part, family, max_seqs),
+                    out_shardings=(out_shardings[0], out_shardings[2])))
 
 
 def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:

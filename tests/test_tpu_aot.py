@@ -52,7 +52,7 @@ def test_the_step_fits_the_chips_hbm_with_the_cache_in_place(tensor4_on_v5e):
 
 @pytest.mark.parametrize("topology,mesh,kv_cache_dtype,itemsize,rows", [
     ("v5e:2x2", "data=2,tensor=2", "auto", 2, 8),  # two replicas: the step vmapped over [data]
-    ("v5e:1x1", "tensor=1", "int8", 1, 16),
+    ("v5e:1x1", "tensor=1", "int8", 1, 16),  # and the split step's forward (no split with replicas)
 ])
 def test_a_head_dim_64_step_keeps_its_cache_in_place(topology, mesh, kv_cache_dtype, itemsize, rows):
     """head_dim 64 (Llama-3.2-1B): XLA:TPU's own layout for a [P, page, 2Hkv, 64] cache puts a
@@ -60,14 +60,16 @@ def test_a_head_dim_64_step_keeps_its_cache_in_place(topology, mesh, kv_cache_dt
     engine pins the cache row-major (pallas_kernels.kv_layout) and plans its pool in the padded
     bytes that layout takes (64 of 128 lanes used), so the step fits the chip with no copy: with
     data replicas (a [data, P, page, 2Hkv, D] cache), and with an int8 cache and its scales."""
-    summary, step = aot("--shape", "llama-3.2-1b", "--num-layers", "2", "--topology", topology,
+    summary, *variants = aot("--shape", "llama-3.2-1b", "--num-layers", "2", "--topology", topology,
                         "--mesh", mesh, "--buckets", "8", "--max-num-batched-tokens", "8",
-                        "--max-model-len", "8192", "--decode-steps", "1", "--kv-cache-dtype", kv_cache_dtype)
+                        "--max-model-len", "8192", "--decode-steps", "1", "--kv-cache-dtype", kv_cache_dtype, "--split")
     assert summary["kv_dtype"] == {"auto": "bfloat16", "int8": "int8"}[kv_cache_dtype]
-    assert (step["bucket"], step["num_steps"]) == (8, 1) and "error" not in step, step
-    assert step["tpu_custom_calls"] == 6, step
-    assert step["cache_copies"] == 0, step
-    assert step["argument_gib"] + step["temp_gib"] < step["hbm_gib"], step
+    assert [v.get("split", False) for v in variants] == ([False] if "data" in mesh else [False, True])
+    for step in variants:
+        assert step["bucket"] == 8 and step["num_steps"] == 1 and "error" not in step, step
+        assert step["tpu_custom_calls"] == 6, step
+        assert step["cache_copies"] == 0, step
+        assert step["argument_gib"] + step["temp_gib"] < step["hbm_gib"], step
     # one chip's 2 layers of [P, page, rows = its 2Hkv, D=64], each 64-wide row padded to 128 lanes
     logical = 2 * summary["num_pages"] * summary["page_size"] * rows * 64 * itemsize
     assert summary["kv_gib_per_chip"] == pytest.approx(2 * logical / 2**30, abs=1e-3)
