@@ -41,9 +41,10 @@ from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
-from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype  # noqa: E402
+from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype, scales_array  # noqa: E402
 from jaxinfer.kv_pool import cache_struct, plan_num_pages  # noqa: E402
-from jaxinfer.runner import decode_steps, input_shardings, split_step_enabled, step_jits  # noqa: E402
+from jaxinfer.runner import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,  # noqa: E402
+                             step_jits)
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_config import target_chip  # noqa: E402
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, param_structs  # noqa: E402
@@ -85,7 +86,7 @@ class AotStep:
         cache = cache_struct(self.num_pages, engine.page_size, layout.cache_kv_heads, self.config.head_dim,
                              kv_dtype, placed, self.replicas)
         if is_quantized_kv(kv_dtype):
-            scales = (*cache.shape[:-4], 1, 1, 2 * layout.cache_kv_heads, 1)
+            scales = (*cache.shape[:-4], *scales_array(np.ones(2 * layout.cache_kv_heads)).shape)
             cache = QuantizedKVCache(cache, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=placed))
         self.caches = (cache,) * self.config.num_layers
         self.buckets = engine.buckets()
@@ -179,12 +180,12 @@ def main(argv=None) -> None:
                           compilation_cache_dir=None)
     aot = AotStep(args.shape, args.topology, args.mesh, engine, args.dtype, args.num_layers)
     print(json.dumps({"shape": args.shape, "topology": args.topology, **aot.summary()}), flush=True)
-    wanted = args.buckets or aot.buckets
-    for bucket in wanted:
+    decode_sized = decode_sized_buckets(aot.inputs, aot.buckets, args.max_num_seqs)
+    for bucket in args.buckets or aot.buckets:
         print(json.dumps(aot.compile(bucket)), flush=True)
-        if decode_steps(args.decode_steps, aot.replicas) > 1 and bucket <= args.max_num_seqs:  # decode-sized: a window too
+        if decode_steps(args.decode_steps, aot.replicas) > 1 and bucket in decode_sized:  # a window too
             print(json.dumps(aot.compile(bucket, args.decode_steps)), flush=True)
-        if args.split and split_step_enabled(True, aot.replicas) and bucket <= args.max_num_seqs:
+        if args.split and split_step_enabled(True, aot.replicas) and bucket in decode_sized:
             print(json.dumps(aot.compile(bucket, split=True)), flush=True)
 
 

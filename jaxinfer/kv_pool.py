@@ -29,9 +29,10 @@ def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_head
     """Pages per replica: given, or as many as fit one device's budget."""
     if engine.num_pages is not None:
         return engine.num_pages
+    device = jax.local_devices()[0] if device is None else device
     budget = engine.kv_cache_bytes
     if budget is None:
-        stats = (jax.local_devices()[0] if device is None else device).memory_stats() or {}
+        stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             budget = int(free * engine.kv_cache_memory_fraction)

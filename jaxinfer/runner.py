@@ -116,8 +116,7 @@ class ModelRunner:
         self._step, self._window, self._forward, self._sample = step_jits(
             self.family, self.config, engine.attn_impl, max_seqs, self.num_replicas, self.num_decode_steps,
             out_shardings)
-        decode_sized = tuple(b for b in self.buckets if b <= self.inputs.bucket_for(
-            min(engine.max_num_seqs, self.buckets[-1])))
+        decode_sized = decode_sized_buckets(self.inputs, self.buckets, engine.max_num_seqs)
         self.window_buckets = decode_sized if self.num_decode_steps > 1 else ()
         # The step split in two (structured output: masks filled while the forward runs).
         self.split_buckets = decode_sized if split_step_enabled(
@@ -254,6 +253,12 @@ def step_jits(family, config, attn_impl: str, max_seqs: int, num_replicas: int, 
                     out_shardings=out_shardings[:2]),
             jax.jit(functools.partial(sample_part, family, max_seqs),
                     out_shardings=(out_shardings[0], out_shardings[2])))
+
+
+def decode_sized_buckets(inputs: InputBuilder, buckets: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
+    """The token buckets a decode-only plan can use (one token per sequence): where the decode
+    window and the split step are compiled."""
+    return tuple(b for b in buckets if b <= inputs.bucket_for(min(max_num_seqs, buckets[-1])))
 
 
 def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:
