@@ -194,12 +194,16 @@ class ModelRunner:
             out, self._prev_tokens = self._sample(self.params, hidden, sampling)
         return out
 
+    def trace(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Traced:
+        """The step traced for these inputs' shapes (to read its jaxpr; nothing runs)."""
+        fn, inputs = self._variant(num_steps), self._placed(inputs)
+        with self._mesh_context():
+            return fn.trace(self.params, self.kv_caches, inputs, self._prev_tokens)
+
     def lower(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Lowered:
         """The step lowered for these inputs' shapes (to read its HLO; nothing runs)."""
-        fn = self._variant(num_steps)
-        inputs = self._placed(inputs)
         with self._mesh_context():
-            return fn.lower(self.params, self.kv_caches, inputs, self._prev_tokens)
+            return self.trace(inputs, num_steps).lower()
 
     def _variant(self, num_steps: int):
         if num_steps == 1:

@@ -99,7 +99,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def _attention(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str, i: int):
+def _attention(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str,
+               sliding: bool):
     """x [T, E] -> x + post_norm(attention(norm(x))), and the layer's updated cache."""
     eps = config.rms_norm_eps
     qkv = einsum("te,ekjd->tkjd", rms_norm(x, p.attn_norm, eps), p.w_qkv)  # [T, K, G+2, D]
@@ -109,7 +110,7 @@ def _attention(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, 
     if p.q_norm is not None:
         q, k = rms_norm(q, p.q_norm, eps), rms_norm(k, p.k_norm, eps)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    attn, kv_cache = L.paged_attention(q, k, v, kv_cache, meta, config, attn_impl, layer=i)
+    attn, kv_cache = L.paged_attention(q, k, v, kv_cache, meta, config, attn_impl, sliding)
     out = einsum("thd,hde->te", attn, p.wo)  # [T, E]
     return x + rms_norm(out, p.post_attn_norm, eps), kv_cache
 
@@ -119,6 +120,12 @@ def _mlp(x, p: GemmaLayer, eps: float):
     gate_up = einsum("te,ecf->tcf", rms_norm(x, p.mlp_norm, eps), p.w_gate_up)  # [T, 2, F]
     hidden = jax.nn.gelu(gate_up[:, 0], approximate=True) * gate_up[:, 1]  # [T, F]
     return x + rms_norm(einsum("tf,fe->te", hidden, p.w_down), p.post_mlp_norm, eps)
+
+
+def _layer(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str,
+           sliding: bool):
+    x, kv_cache = _attention(x, p, kv_cache, cos, sin, meta, config, attn_impl, sliding)
+    return _mlp(x, p, config.rms_norm_eps), kv_cache
 
 
 def _local_config(config: ModelConfig) -> ModelConfig:
@@ -140,11 +147,11 @@ def forward(params: GemmaParams, config: ModelConfig, tokens, positions, kv_cach
     local = _local_config(config)
     rope_local = rope_global if local is config else L.rope_cos_sin(positions, L.rope_inv_freq(local))
     new_caches = []
+    layer_call = L.traced_once(_layer)
     for i, (layer, kv_cache) in enumerate(zip(params.layers, kv_caches)):
-        sliding = bool(config.layer_types) and config.layer_types[i] == SLIDING
+        sliding = not config.layer_types or config.layer_types[i] == SLIDING
         cos, sin = rope_local if sliding else rope_global
-        x, kv_cache = _attention(x, layer, kv_cache, cos, sin, meta, config, attn_impl, i)
-        x = _mlp(x, layer, config.rms_norm_eps)
+        x, kv_cache = layer_call(x, layer, kv_cache, cos, sin, meta, config, attn_impl, sliding)
         new_caches.append(kv_cache)
     return rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(new_caches)
 

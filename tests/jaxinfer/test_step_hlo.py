@@ -134,25 +134,44 @@ def test_an_unbiased_batch_pays_nothing_for_logit_bias(model, num_steps):
     assert not {name: found for name, found in on_every_step.items() if found}
 
 
+def _sub_jaxprs(eqn) -> list:
+    """The jaxprs an equation calls with its own operands, one to one (jit, closed calls)."""
+    subs = [p.jaxpr if hasattr(p, "jaxpr") else p for p in eqn.params.values()
+            if isinstance(p, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))]
+    return [j for j in subs if len(j.invars) == len(eqn.invars)]
+
+
+def _count_weight_reads(jaxpr, names: dict, counts: dict) -> None:
+    """Adds to counts[name] each contraction that reads a weight: a dot_general's right operand,
+    or the product-and-sum an out-first weight runs as on the CPU (quant/out_first.py), which
+    starts by broadcasting the weight with dims (0, 2); a reshape passes the weight through."""
+    for eqn in jaxpr.eqns:
+        ins = [names.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
+        prim = eqn.primitive.name
+        if prim == "dot_general" and ins[1] is not None:
+            counts[ins[1]] += 1
+        elif prim == "broadcast_in_dim" and ins[0] is not None and \
+                tuple(eqn.params["broadcast_dimensions"]) == (0, 2):
+            counts[ins[0]] += 1
+        elif prim == "reshape" and ins[0] is not None:
+            names[eqn.outvars[0]] = ins[0]
+        for sub in _sub_jaxprs(eqn):  # a layer is a jit of its own (models/layers.traced_once)
+            inner = {var: name for var, name in zip(sub.invars, ins) if name is not None}
+            _count_weight_reads(sub, inner, counts)
+
+
 def weight_dots(model) -> dict[str, int]:
-    """How many contractions of the lowered step (bucket 8) read each parameter, by its path: a
-    dot_general, or the product-and-sum an out-first weight runs as on the CPU (quant/out_first.py),
-    which starts by broadcasting the (reshaped) weight."""
+    """How many contractions of the traced step (bucket 8) read each parameter, by its path."""
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                           penalties=False, compilation_cache_dir=None, num_pages=64, max_model_len=512)
     runner = ModelRunner(model, config, 512)
-    text = runner.lower(runner.padding_inputs(8, False)).as_text()
+    jaxpr = runner.trace(runner.padding_inputs(8, False)).jaxpr.jaxpr
     leaves = jax.tree_util.tree_flatten_with_path(runner.params)[0]
     paths = [jax.tree_util.keystr(path).removesuffix(".t") for path, _ in leaves]
     counts = dict.fromkeys(paths, 0)
-    # a weight may reach its dot through a reshape (the output projection's [H, D, E] -> [H*D, E])
-    reshaped = dict(re.findall(r"(%[\w#]+) = stablehlo\.reshape %arg(\d+)\b", text))
-    operands = re.findall(r"stablehlo\.dot_general [^,]+, (%[\w#]+)", text)
-    operands += re.findall(r"stablehlo\.broadcast_in_dim (%[\w#]+), dims = \[0, 2\]", text)
-    for operand in operands:
-        arg = operand[4:] if re.fullmatch(r"%arg\d+", operand) else reshaped.get(operand)
-        if arg is not None and leaves[int(arg)][1].ndim >= 2:
-            counts[paths[int(arg)]] += 1  # the parameters are the step's first arguments
+    # the parameters are the step's first arguments; only matrices are weights of a contraction
+    names = {var: path for var, path, (_, leaf) in zip(jaxpr.invars, paths, leaves) if leaf.ndim >= 2}
+    _count_weight_reads(jaxpr, names, counts)
     return counts
 
 
