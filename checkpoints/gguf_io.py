@@ -8,6 +8,7 @@ a reader that keeps them quantized), `quant_type(name)` their type.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +22,15 @@ class GGUFCheckpoint:
     `get(name) -> np.ndarray` (dequantized, in HF's shape)."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        stat = self.path.stat()
         try:
-            self._reader = gguf.GGUFReader(self.path)
+            self._tensors, metadata = _parse(str(self.path.resolve()), stat.st_size, stat.st_mtime_ns)
         except Exception as e:  # gguf raises ValueError/struct.error/IndexError on bad files
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        self.metadata: dict[str, Any] = {}  # values are whatever each GGUF field holds
-        for key, field in self._reader.fields.items():
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:  # a field whose type gguf cannot decode is simply not exposed
-                continue
+        self.metadata: dict[str, Any] = dict(metadata)  # values are whatever each GGUF field holds
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -69,3 +63,22 @@ class GGUFCheckpoint:
                 f"{self.path}: tensor {name!r} uses quantization {t.tensor_type.name}, "
                 "which this gguf package cannot dequantize") from e
         return np.asarray(data, dtype=np.float32).reshape(shape)
+
+
+@functools.lru_cache(maxsize=2)
+def _parse(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, Any]]:
+    """(tensors by name, metadata) of a GGUF file, parsed once per process for each version of
+    the file (path, size and modification time): gguf's reader walks a vocabulary's strings one
+    by one (~3 s for SmolLM2's 49k tokens and merges), and a process may open one file twice (a
+    model as its own draft; an engine built again). The tensors are views of one read-only
+    memory map."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            metadata[key] = field.contents()
+        except Exception:  # a field whose type gguf cannot decode is simply not exposed
+            continue
+    return {t.name: t for t in reader.tensors}, metadata

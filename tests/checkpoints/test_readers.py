@@ -139,6 +139,25 @@ def test_gguf_metadata_values(tmp_path):
     assert meta["general.name"] == "x"
 
 
+def test_a_gguf_file_is_parsed_once_per_version(tmp_path, monkeypatch):
+    """gguf's reader walks every vocabulary string (seconds for a real model): a process that
+    opens one file again reuses the parse, and a file rewritten in place is read afresh."""
+    parses = []
+    real_reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or real_reader(*a, **k))
+    path = write_gguf(tmp_path / "once.gguf", "llama", {"general.name": "first"},
+                      {"w": np.ones((2, 32), np.float32)})
+    first, again = GGUFCheckpoint(path), GGUFCheckpoint(tmp_path / "." / "once.gguf")
+    assert len(parses) == 1 and again.metadata["general.name"] == "first"
+    np.testing.assert_array_equal(again.get("w"), np.ones((2, 32), np.float32))
+    first.metadata["general.name"] = "changed by a caller"  # each checkpoint owns its dict
+    assert GGUFCheckpoint(path).metadata["general.name"] == "first"
+    write_gguf(path, "llama", {"general.name": "second, longer"}, {"w": np.zeros((4, 32), np.float32)})
+    rewritten = GGUFCheckpoint(path)
+    assert len(parses) == 2 and rewritten.metadata["general.name"] == "second, longer"
+    assert rewritten.shape("w") == (4, 32)
+
+
 def test_copy_of_fixture_loads(tmp_path):
     shutil.copytree(FIXTURES / "hf" / "qwen2", tmp_path / "m")
     assert "model.embed_tokens.weight" in SafetensorsCheckpoint(tmp_path / "m").keys()
