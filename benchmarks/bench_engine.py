@@ -23,12 +23,15 @@ transformers), so torch never enters this project's environment. Prints a markdo
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,7 +140,6 @@ def bench_shape(args):
     ceil = ceilings.describe()
     hf, weights = run_hf_shape(args, batches) if args.hf_python else (None, None)
     if weights is not None:  # the weights HF made and saved: both sides run the same model
-        import shutil
 
         from jaxinfer.loader import load_model
         model = load_model(weights, args.dtype, with_tokenizer=False)
@@ -156,14 +158,15 @@ def bench_shape(args):
                           async_scheduling=not args.no_async_scheduling,
                           num_decode_steps=args.num_decode_steps)
     startup = {}
-    if args.startup:
-        import tempfile
-        with tempfile.TemporaryDirectory() as cold_dir:
-            for kind in ("cold", "warm"):
-                start = time.perf_counter()
-                engine = Engine(model, dataclasses.replace(config, compilation_cache_dir=cold_dir))
-                startup[kind] = time.perf_counter() - start
-                del engine
+    if args.startup:  # an empty compilation cache, kept for the run: JAX keeps its first cache dir
+        cold_dir = tempfile.mkdtemp(prefix="jaxinfer-cold-")
+        atexit.register(shutil.rmtree, cold_dir, ignore_errors=True)
+        config = dataclasses.replace(config, compilation_cache_dir=cold_dir)
+        for kind in ("cold", "warm"):
+            start = time.perf_counter()
+            engine = Engine(model, config)
+            startup[kind] = time.perf_counter() - start
+            del engine
     engine = Engine(model, config)
     variants = engine.runner.num_compiled()
     print(f"[{time.strftime('%H:%M:%S')}] engine ready ({variants} variants)", file=sys.stderr, flush=True)
@@ -229,7 +232,6 @@ def bench_shape(args):
 def run_hf_shape(args, batches):
     """HF transformers on random weights of the shape (benchmarks/hf_baseline.py under
     --hf-python), saved to a temporary directory: (its JSON result, the weights' directory)."""
-    import tempfile
 
     from shapes import hf_config
     workdir = Path(tempfile.mkdtemp(prefix=f"hf-{args.shape}-"))
