@@ -140,7 +140,6 @@ def bench_shape(args):
     ceil = ceilings.describe()
     hf, weights = run_hf_shape(args, batches) if args.hf_python else (None, None)
     if weights is not None:  # the weights HF made and saved: both sides run the same model
-
         from jaxinfer.loader import load_model
         model = load_model(weights, args.dtype, with_tokenizer=False)
         peer = args.llamacpp_python and run_peer(args.llamacpp_python, weights, args.prompt_lens[0],
@@ -232,7 +231,6 @@ def bench_shape(args):
 def run_hf_shape(args, batches):
     """HF transformers on random weights of the shape (benchmarks/hf_baseline.py under
     --hf-python), saved to a temporary directory: (its JSON result, the weights' directory)."""
-
     from shapes import hf_config
     workdir = Path(tempfile.mkdtemp(prefix=f"hf-{args.shape}-"))
     (workdir / "shape.json").write_text(json.dumps(hf_config(args.shape)))

@@ -149,8 +149,8 @@ def forward(params: GemmaParams, config: ModelConfig, tokens, positions, kv_cach
     new_caches = []
     layer_call = L.traced_once(_layer)
     for i, (layer, kv_cache) in enumerate(zip(params.layers, kv_caches)):
-        sliding = not config.layer_types or config.layer_types[i] == SLIDING
-        cos, sin = rope_local if sliding else rope_global
+        sliding = not config.layer_types or config.layer_types[i] == SLIDING  # config.layer_window
+        cos, sin = rope_local if config.layer_types and sliding else rope_global
         x, kv_cache = layer_call(x, layer, kv_cache, cos, sin, meta, config, attn_impl, sliding)
         new_caches.append(kv_cache)
     return rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(new_caches)
