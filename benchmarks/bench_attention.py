@@ -1,14 +1,16 @@
 """Ragged paged attention on one GPU or TPU: our Pallas kernel vs the XLA reference vs jax's
 shipped kernel: `jax.experimental.pallas.ops.gpu.paged_attention` on a GPU (decode only),
 `jax.experimental.pallas.ops.tpu.ragged_paged_attention` on a TPU (skipped if not importable).
-On a TPU our kernel runs twice: as it ships (decode / mixed / prefill paths) and as one ragged
-call over the whole batch (`default_config`), so the split's gain is measured in one run.
+Where our kernel splits the batch at run time (TPU: decode / mixed / prefill paths; GPU: the
+decode tokens of a prefill-like batch in a call of their own) it runs twice: as it ships and as
+one call over the whole batch (`default_config`), so the split's gain is measured in one run.
 
     python benchmarks/bench_attention.py                  # on a GPU (H100/H200) or a TPU
     python benchmarks/bench_attention.py --smoke          # CPU: tiny shapes, kernels interpreted
     python benchmarks/bench_attention.py --smoke --kernel tpu   # the TPU rows, interpreted
     python benchmarks/bench_attention.py --scenarios decode --batches 1,64 --contexts 4096
     python benchmarks/bench_attention.py --sweep          # + the default config's neighbours
+    python benchmarks/bench_attention.py --profile        # + where each row's device time goes
 
 How it measures:
 - Device ceilings first (benchmarks/ceilings.py): HBM bandwidth from 20 copies of 512 MiB
@@ -25,7 +27,10 @@ How it measures:
 - Decode rows report achieved HBM GB/s = K+V bytes of all sequences' contexts / time (q, out and
   the write are ignored, <1%); prefill rows report TFLOP/s = 4 * Hq * D * (keys attended, causal)
   / time. Both are also given as % of the measured ceiling.
-Results go to stdout as a markdown table.
+- `--profile`: each row's timed loop is traced once more (`jax.profiler`) and a second table
+  lists the device kernels that took most of its time, per call: the attention kernel itself
+  against the XLA work around it (work list, gathers, combine).
+Results go to stdout as markdown tables.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import dataclasses
 import functools
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +57,7 @@ from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ceilings  # noqa: E402
+import profile_idle  # noqa: E402
 
 try:  # deprecated in jax, may disappear
     import warnings
@@ -115,8 +122,24 @@ def make_batch(name, q_lens, kv_lens, model: Model, seed=0) -> Batch:
                  bool((q_lens == 1).all()))
 
 
-def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, target_s=5e-3):
-    """step(state) -> (out, state), traceable. Median seconds per step.
+def _device_profile(looped, carry, steps: int):
+    """(carry, report): two timed calls under jax.profiler; the report's busy time and top
+    device kernels in seconds per step, or None where the trace has no device kernels."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(2):
+                carry = jax.block_until_ready(looped(carry))
+        report = profile_idle.device_idle(trace_dir, f"/device:{jax.default_backend().upper()}")
+    if report is None:
+        return carry, None
+    per = 2 * steps
+    return carry, {"busy_s": report["busy_s"] / per, "top": [(n, t / per) for n, t in report["top"]]}
+
+
+def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, target_s=5e-3,
+                 profile=False):
+    """step(state) -> (out, state), traceable. (median seconds per step, state, profile: None,
+    or with `profile` `_device_profile`'s report, or "no device kernels").
 
     Each timed call runs the step `inner` times in ONE jitted fori_loop (the output and state
     threaded through, so nothing is hoisted), with `inner` chosen so a call lasts ~target_s:
@@ -141,7 +164,11 @@ def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, targ
         t0 = time.perf_counter()
         carry = jax.block_until_ready(looped(carry))
         times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times), carry[1]
+    report = None
+    if profile:
+        carry, report = _device_profile(looped, carry, inner)
+        report = report or "no device kernels in the trace"
+    return statistics.median(times), carry[1], report
 
 
 def _ours(model, smoke, config=None, kernel="gpu"):
@@ -201,8 +228,9 @@ def _row_with_cache(name, fn, batch, want, tol, args):
         def step(cache):
             return fn(*a[:3], cache, *a[4:])
 
-        row["t"], _ = _median_time(step, jnp.array(batch.args[3], copy=True),
-                                   warmup=args.warmup, budget_s=args.budget)
+        row["t"], _, row["profile"] = _median_time(step, jnp.array(batch.args[3], copy=True),
+                                                   warmup=args.warmup, budget_s=args.budget,
+                                                   profile=args.profile)
     except Exception as e:  # noqa: BLE001 - report it in the table and keep going
         row["error"] = _error(e)
     return row
@@ -221,7 +249,8 @@ def _row_jax_paged(batch, cache_after, model, want, tol, args):
             out = fn(q + (prev[:1, :1, :1] * 0).astype(q.dtype), k_pages, v_pages, table, lengths)
             return out, out
 
-        row["t"], _ = _median_time(step, out, warmup=args.warmup, budget_s=args.budget)
+        row["t"], _, row["profile"] = _median_time(step, out, warmup=args.warmup,
+                                                   budget_s=args.budget, profile=args.profile)
     except Exception as e:  # noqa: BLE001
         row["error"] = _error(e)
     return row
@@ -243,7 +272,8 @@ def _row_jax_rpa(batch, cache_after, model, want, tol, args):
                          cu_q_lens, num_seqs)
                 return out, out
 
-            row["t"], _ = _median_time(step, out, warmup=args.warmup, budget_s=args.budget)
+            row["t"], _, row["profile"] = _median_time(step, out, warmup=args.warmup,
+                                                       budget_s=args.budget, profile=args.profile)
     except Exception as e:  # noqa: BLE001
         row["error"] = _error(e)
     return row
@@ -274,10 +304,14 @@ def run_batch(batch: Batch, model: Model, args) -> list[dict]:
         rows.append(_row_jax_paged(batch, cache_after, model, want, tol, args))
     del cache_after  # keep at most the batch's cache and one working copy alive from here on
     rows.insert(0, _row_with_cache("pallas_gpu", _ours(model, args.smoke), batch, want, tol, args))
+    if isinstance(_gpu_paths(batch, model), gpu.GpuPaths):  # as before the decode split
+        one_call = _ours(model, args.smoke, _gpu_paths(batch, model).rest)
+        rows.insert(1, _row_with_cache("pallas_gpu one call", one_call, batch, want, tol, args))
     if not args.skip_reference:
-        rows.insert(1, _row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
-    if args.sweep:
-        for config in sweep_configs(batch, model):
+        rows.insert(len(rows) - bool(batch.decode and jax_paged is not None and not args.skip_jax),
+                    _row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
+    if args.sweep:  # --smoke exercises the sweep's code on its first five configs
+        for config in sweep_configs(batch, model)[:5 if args.smoke else None]:
             row = _row_with_cache(f"pallas_gpu {_config_name(config)}",
                                   _ours(model, args.smoke, config), batch, want, tol, args)
             rows.append({**row, "config": config})
@@ -293,39 +327,55 @@ def tuned_entry(batch: Batch, model: Model, rows: list[dict], device_kind: str) 
     best = min(swept, key=lambda r: r["t"])
     if best["t"] >= default["t"]:
         return None
+    config = best["config"].rest if isinstance(best["config"], gpu.GpuPaths) else best["config"]
     q, page_indices = batch.args[0], batch.args[5]
     decode_like = gpu_config.is_decode_like(q.shape[0], page_indices.shape[0])
     return {"device": device_kind, "head_dim": model.head_dim, "group": model.q_heads // model.kv_heads,
             "page_size": model.page_size, "dtype": jnp.dtype(model.dtype).name,
             "mode": "decode" if decode_like else "prefill", "num_seqs": int(page_indices.shape[0]),
             "max_kv": int(page_indices.shape[1]) * model.page_size,
-            "config": dataclasses.asdict(best["config"]), "ms": round(best["t"] * 1e3, 5),
+            "config": dataclasses.asdict(config), "ms": round(best["t"] * 1e3, 5),
             "default_ms": round(default["t"] * 1e3, 5), "measured": f"jax {jax.__version__}"}
 
 
-def _config_name(c: gpu.GpuConfig) -> str:
+def _config_name(c: gpu.GpuConfig | gpu.GpuPaths) -> str:
+    if isinstance(c, gpu.GpuPaths):  # a sweep varies the call of the batch's other sequences
+        return f"rest {_config_name(c.rest)}"
     return f"bq={c.block_q} bkv={c.block_kv} C={c.num_splits} w={c.num_warps} st={c.num_stages}"
 
 
-def sweep_configs(batch: Batch, model: Model) -> list[gpu.GpuConfig]:
+def _gpu_paths(batch: Batch, model: Model) -> gpu.GpuConfig | gpu.GpuPaths:
+    """What the GPU kernel runs by default on this batch (one config, or the decode split)."""
+    q, page_indices = batch.args[0], batch.args[5]
+    return gpu_config.default_paths(q.shape[0], page_indices.shape[0], model.q_heads // model.kv_heads,
+                                    model.kv_heads, model.head_dim, model.page_size,
+                                    page_indices.shape[1], model.dtype)
+
+
+def sweep_configs(batch: Batch, model: Model) -> list[gpu.GpuConfig | gpu.GpuPaths]:
     """The default config's neighbours, one field changed at a time (a coordinate search, so a
-    sweep costs ~10 compiles per scenario rather than a full grid)."""
-    q, _, _, _, _, page_indices, _, _ = batch.args
-    group = model.q_heads // model.kv_heads
-    base = gpu.default_config(q.shape[0], page_indices.shape[0], group, model.kv_heads,
-                              model.head_dim, model.page_size, page_indices.shape[1])
-    gp = common.next_pow2(group)
+    sweep costs ~10 compiles per scenario rather than a full grid); for decode, also a ladder of
+    KV splits at 4 and 8 warps, the knob that sets how many programs share the device. Under
+    the decode split the neighbours are the other sequences' call's, beside the default decode
+    call."""
+    paths = _gpu_paths(batch, model)
+    base = paths.rest if isinstance(paths, gpu.GpuPaths) else paths
+    gp = common.next_pow2(model.q_heads // model.kv_heads)
     variants = [dict(block_kv=base.block_kv // 2), dict(block_kv=base.block_kv * 2),
                 dict(block_q=base.block_q // 2), dict(block_q=base.block_q * 2),
                 dict(num_splits=max(1, base.num_splits // 4)), dict(num_splits=base.num_splits * 2),
                 dict(num_warps=4 if base.num_warps == 8 else 8),
                 dict(num_stages=1), dict(num_stages=3)]
+    if batch.decode:
+        variants += [dict(num_splits=c, num_warps=w) for w in (4, 8) for c in (1, 2, 4, 8, 16)]
     out = []
     for change in variants:
         config = dataclasses.replace(base, **change)
         if config != base and config not in out and config.block_kv >= 16 \
                 and config.block_q * gp >= 16 and config.block_q >= 1:
             out.append(config)
+    if isinstance(paths, gpu.GpuPaths):
+        return [dataclasses.replace(paths, rest=c) for c in out]
     return out
 
 
@@ -362,6 +412,21 @@ def scenarios(args):
                [m["chunk"] + m["prefix"]] + [m["ctx"]] * m["decode_seqs"])
 
 
+def print_profiles(profiles) -> None:
+    """The second table of --profile: per row, its device-busy time and top kernels per call."""
+    if not profiles:
+        return
+    print("\n| scenario | impl | device kernel | ms per call | share of busy |\n|---|---|---|---|---|")
+    for name, impl, report in profiles:
+        if isinstance(report, str):
+            print(f"| {name} | {impl} | {report} | | |")
+            continue
+        busy = report["busy_s"]
+        print(f"| {name} | {impl} | (device busy) | {busy * 1e3:.4g} | 100% |")
+        for kernel, t in report["top"]:
+            print(f"| {name} | {impl} | {kernel[:80]} | {t * 1e3:.4g} | {100 * t / busy:.0f}% |")
+
+
 def _fmt(x, digits=3):
     return "" if x is None else f"{x:.{digits}g}"
 
@@ -388,6 +453,8 @@ def main(argv=None):
     p.add_argument("--skip-jax", action="store_true")
     p.add_argument("--sweep", action="store_true",
                    help="also time the default GpuConfig's neighbours (tuning default_config)")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace each row and list its top device kernels per call")
     p.add_argument("--write-table", nargs="?", const=str(gpu_tuned.TABLE), default=None,
                    help="with --sweep: add each row's fastest config, where it beat the default, "
                         "to the tuned table (default: the package's gpu_tuned.json)")
@@ -419,7 +486,7 @@ def main(argv=None):
           f"{'available' if (jax_rpa if args.kernel == 'tpu' else jax_paged) else 'not importable'}\n")
     print("| scenario | impl | median ms | GB/s | % BW | TFLOP/s | % FLOP/s | max err vs ref | note |")
     print("|---|---|---|---|---|---|---|---|---|")
-    tuned = []
+    tuned, profiles = [], []
     for i, (name, q_lens, kv_lens) in enumerate(scenarios(args)):
         batch = make_batch(name, q_lens, kv_lens, model, seed=i)
         rows = run_batch(batch, model, args)
@@ -437,7 +504,10 @@ def main(argv=None):
                   f"| {'' if batch.decode else _fmt(tfs and 100 * tfs * 1e12 / flops, 3)} "
                   f"| {row['err'] if isinstance(row.get('err'), str) else _fmt(row.get('err'), 2)} "
                   f"| {row.get('error', '')} |", flush=True)
+            if row.get("profile"):
+                profiles.append((name, row["impl"], row["profile"]))
         del batch
+    print_profiles(profiles)
     if tuned:
         gpu_tuned.merge(tuned, args.write_table)
         print(f"\n{len(tuned)} tuned entries written to {args.write_table}")

@@ -6,15 +6,16 @@
 #
 #   bash benchmarks/gpu_session.sh check   # compiled kernel tests (-m gpu), first half
 #   bash benchmarks/gpu_session.sh check2  # the other half + a small bench
-#   bash benchmarks/gpu_session.sh decode  # decode batch 1..256 x context 1k..32k
-#   bash benchmarks/gpu_session.sh prefill # prefill chunks 512..8k and the mixed batch
-#   bash benchmarks/gpu_session.sh sweep   # the default config's neighbours, for tuning
+#   bash benchmarks/gpu_session.sh decode  # decode batch 1..256 x context 1k..32k, profiled
+#   bash benchmarks/gpu_session.sh prefill # prefill chunks 512..8k and the mixed batch, profiled
+#   bash benchmarks/gpu_session.sh sweep   # short-context decode (KV-split ladder) + prefill 2k
+#   bash benchmarks/gpu_session.sh sweep-long  # decode at 4k and 32k context
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context
 #
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -euo pipefail
-part=${1:?usage: gpu_session.sh check|check2|decode|prefill|sweep|engine|engine8b [OUTDIR]}
+part=${1:?usage: gpu_session.sh check|check2|decode|prefill|sweep|sweep-long|engine|engine8b [OUTDIR]}
 out=${2:-${OUT:-.}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -32,12 +33,17 @@ case $part in
     $py "${bench[@]}" --scenarios decode,prefill --batches 8 --contexts 4096 --chunks 1024 \
         | tee "$out/attention_check.md" ;;
   decode)
-    $py "${bench[@]}" --scenarios decode | tee "$out/attention_decode.md" ;;
-  prefill)
-    $py "${bench[@]}" --scenarios prefill,mixed | tee "$out/attention_prefill.md" ;;
-  sweep)
-    $py "${bench[@]}" --sweep --skip-reference --skip-jax --scenarios decode,prefill \
-        --batches 1,64,256 --contexts 4096,32768 --chunks 2048 | tee "$out/attention_sweep.md" ;;
+    $py "${bench[@]}" --scenarios decode --profile | tee "$out/attention_decode.md" ;;
+  prefill)  # the mixed batch also runs as one call (without the decode split)
+    $py "${bench[@]}" --scenarios prefill,mixed --profile | tee "$out/attention_prefill.md" ;;
+  sweep)  # the rows slowest against jax's kernel, then a prefill chunk; writes the tuned table
+    $py "${bench[@]}" --sweep --write-table --skip-reference --scenarios decode,prefill \
+        --batches 64,256 --contexts 1024 --chunks 2048 | tee "$out/attention_sweep.md"
+    cp pallas_kernels/gpu_tuned.json "$out/" ;;
+  sweep-long)
+    $py "${bench[@]}" --sweep --write-table --skip-reference --skip-jax --scenarios decode \
+        --batches 1,64,256 --contexts 4096,32768 | tee "$out/attention_sweep_long.md"
+    cp pallas_kernels/gpu_tuned.json "$out/" ;;
   engine)  # the step loop, 1B shape: decode windows of 4 vs single steps, with the device profile
     for k in 4 1; do
       $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
@@ -48,6 +54,6 @@ case $part in
     $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 64 256 \
         --new-tokens 32 --profile --profile-batches 1 | tee "$out/engine_8b.md" ;;
   *)
-    echo "unknown part: $part (want check, check2, decode, prefill, sweep, engine or engine8b)" >&2
+    echo "unknown part: $part (want check, check2, decode, prefill, sweep, sweep-long, engine or engine8b)" >&2
     exit 2 ;;
 esac

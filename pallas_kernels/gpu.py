@@ -32,12 +32,16 @@ One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cac
    item's KV blocks, a contiguous run each; each writes unnormalised (acc, m, l) and an XLA
    combine merges them.
 6. The item blocks are gathered back to [T, Hq, D]; padding tokens get zeros.
+7. The decode split, chosen at run time (`GpuPaths`, the default for a prefill-like batch): the
+   sequences with one query token get an item each in a call with the decode blocks, and the
+   others their items in a call with the prefill blocks; nothing recompiles when the mix
+   changes. The calls run in turn over the one cache, each writing its own sequences' slots.
 
 Supports bf16/f16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
 scales, head_dim a multiple of 8 up to 256 (padded to a power of two inside the kernel, the
 padding masked), page_size a power of two, sliding window, soft cap.
-The shape limits, block sizes and split count (`unsupported_reason`, `GpuConfig`,
-`default_config`) live in gpu_config.py.
+The shape limits, block sizes and split count (`unsupported_reason`, `GpuConfig`, `GpuPaths`,
+`default_config`, `default_paths`) live in gpu_config.py.
 """
 from __future__ import annotations
 
@@ -52,8 +56,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels.gpu_config import (
     GpuConfig,
+    GpuPaths,
     check_config,
-    default_config,
+    default_paths,
     padded_head_dim,
     unsupported_reason,
 )
@@ -209,6 +214,28 @@ def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_bl
     return out, flat_cache.reshape(kv_cache.shape)
 
 
+def _attend(q: jax.Array, kv_new: jax.Array, kv_cache: jax.Array, scales: jax.Array,
+            kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+            *, config: GpuConfig, select: jax.Array | None, num_items: int | None,
+            **opts: object) -> tuple[jax.Array, jax.Array]:
+    """One kernel call over the selected sequences (all if `select` is None) -> (out [T, Hq, D],
+    zeros for every other token; kv_cache with their K/V written)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[2] // 2
+    group = num_q_heads // num_kv_heads
+    bq, gp, dp = config.block_q, common.next_pow2(group), padded_head_dim(head_dim)
+    meta, token_item, token_row, tvalid = work_list(
+        cu_q_lens, kv_lens, num_seqs, num_tokens, bq, page_indices.shape[1], select=select,
+        num_items=num_items)
+    out_blocks, kv_cache = _call_kernel(
+        meta, page_indices.reshape(-1).astype(jnp.int32), scales,
+        q_blocks(q, meta, num_kv_heads, bq, gp, dp), kv_new, kv_cache, config=config, gp=gp, **opts)
+    out_blocks = out_blocks.reshape(meta.shape[0], num_kv_heads, bq, gp, dp)
+    out = out_blocks[token_item, :, token_row][:, :, :group, :head_dim]  # [T, Hkv, G, D]
+    out = jnp.where(tvalid[:, None, None, None], out.astype(q.dtype), 0)
+    return out.reshape(num_tokens, num_q_heads, head_dim), kv_cache
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
 def ragged_paged_attention_gpu(
@@ -216,11 +243,12 @@ def ragged_paged_attention_gpu(
     page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-    config: GpuConfig | None = None, interpret: bool = False,
+    config: GpuConfig | GpuPaths | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache).
 
-    `config` overrides the block sizes / splits chosen by `default_config`; `interpret=True`
+    `config` overrides the block sizes / splits chosen by `default_paths`: one GpuConfig runs one
+    call over the whole batch, GpuPaths a decode call and a call for the rest. `interpret=True`
     runs the kernel in the Pallas interpreter (CPU tests)."""
     common.validate_kernel_call("pallas_gpu", unsupported_reason, q, k, v, kv_cache, kv_lens,
                                 page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
@@ -231,26 +259,28 @@ def ragged_paged_attention_gpu(
     group = num_q_heads // num_kv_heads
     num_seqs_max, pages_per_seq = page_indices.shape
     if config is None:
-        config = default_config(num_tokens, num_seqs_max, group, num_kv_heads, head_dim,
-                                page_size, pages_per_seq, q.dtype)
-    bq, gp, dp = config.block_q, common.next_pow2(group), padded_head_dim(head_dim)
-    check_config(config, gp)
+        config = default_paths(num_tokens, num_seqs_max, group, num_kv_heads, head_dim,
+                               page_size, pages_per_seq, q.dtype)
+    check_config(config, common.next_pow2(group))
+    dp = padded_head_dim(head_dim)
 
-    meta, token_item, token_row, tvalid = work_list(
-        cu_q_lens, kv_lens, num_seqs, num_tokens, bq, pages_per_seq)
     kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)  # [T, 2Hkv, D]
     if dp != head_dim:  # the kernel cannot write an overhanging block: XLA writes, in place
         kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,
                             k_scale, v_scale)
     kv_new = jnp.pad(kv_new, ((0, 0), (0, 0), (0, dp - head_dim)))
-    out_blocks, kv_cache = _call_kernel(
-        meta, page_indices.reshape(-1).astype(jnp.int32),
-        common.kv_scales(kv_cache, k_scale, v_scale), q_blocks(q, meta, num_kv_heads, bq, gp, dp),
-        kv_new, kv_cache, config=config, gp=gp,
-        interpret=interpret, sm_scale=float(sm_scale), sliding_window=sliding_window,
-        soft_cap=soft_cap, precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
-
-    out_blocks = out_blocks.reshape(meta.shape[0], num_kv_heads, bq, gp, dp)
-    out = out_blocks[token_item, :, token_row][:, :, :group, :head_dim]  # [T, Hkv, G, D]
-    out = jnp.where(tvalid[:, None, None, None], out.astype(q.dtype), 0)
-    return out.reshape(num_tokens, num_q_heads, head_dim), kv_cache
+    operands = (common.kv_scales(kv_cache, k_scale, v_scale), kv_lens, page_indices, cu_q_lens,
+                num_seqs)
+    opts = dict(interpret=interpret, sm_scale=float(sm_scale), sliding_window=sliding_window,
+                soft_cap=soft_cap,
+                precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+    if isinstance(config, GpuConfig):
+        return _attend(q, kv_new, kv_cache, *operands, config=config, select=None,
+                       num_items=None, **opts)
+    # The run-time split: each call writes and reads only its own sequences' slots.
+    decode = common.real_q_lens(cu_q_lens, num_seqs) == 1
+    out_d, kv_cache = _attend(q, kv_new, kv_cache, *operands, config=config.decode, select=decode,
+                              num_items=min(num_tokens, num_seqs_max), **opts)
+    out_r, kv_cache = _attend(q, kv_new, kv_cache, *operands, config=config.rest, select=~decode,
+                              num_items=None, **opts)
+    return out_d + out_r, kv_cache  # each is zero on the other's tokens

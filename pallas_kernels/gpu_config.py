@@ -9,8 +9,10 @@ batch gets blocks of 64-128 rows and no split. Every choice fits the device's sh
 f32, head_dim 256, 16 x 64 blocks, 2 stages asked for 348,224 bytes) and `default_config` shrinks
 the KV block, then the pipeline depth, then the query block until it fits `smem_budget`.
 A measured config from the tuned table (gpu_tuned.py) wins over the heuristic where one matches
-the shape and fits. `check_config` rejects a config the kernel cannot lower (Triton needs
-power-of-two dots of at least 16 rows and columns).
+the shape and fits. `default_paths` adds the run-time decode split: in a prefill-like batch the
+sequences with one query token run in a call of their own with the decode blocks (`GpuPaths`).
+`check_config` rejects a config the kernel cannot lower (Triton needs power-of-two dots of at
+least 16 rows and columns).
 """
 from __future__ import annotations
 
@@ -42,6 +44,14 @@ class GpuConfig:
     num_splits: int  # KV splits per work item (1 = no combine step)
     num_warps: int = 4
     num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPaths:
+    """Two kernel calls over one batch, split at run time by each sequence's query length:
+    `decode` takes the sequences with one query token (an item each), `rest` all others."""
+    decode: GpuConfig
+    rest: GpuConfig
 
 
 def current_device_kind() -> str:
@@ -138,6 +148,22 @@ def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int
     return config
 
 
+def default_paths(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int,
+                  head_dim: int, page_size: int, pages_per_seq: int,
+                  dtype: DTypeLike = jnp.bfloat16, device_kind: str | None = None
+                  ) -> GpuConfig | GpuPaths:
+    """A decode-like batch: one call with `default_config`'s decode blocks. Otherwise a prefill
+    chunk's query blocks would carry each decode token alone in 64-128 rows with two pipeline
+    stages; such a batch splits (`GpuPaths`): its decode tokens, at most min(T, S) of them, get
+    the decode config of that many sequences, and every other sequence the batch's config."""
+    shape = (group, num_kv_heads, head_dim, page_size, pages_per_seq, dtype, device_kind)
+    config = default_config(num_tokens, num_seqs, *shape)
+    if is_decode_like(num_tokens, num_seqs):
+        return config
+    decodes = min(num_tokens, num_seqs)
+    return GpuPaths(decode=default_config(decodes, decodes, *shape), rest=config)
+
+
 def _lowers(config: GpuConfig, gp: int) -> bool:
     try:
         check_config(config, gp)
@@ -146,8 +172,12 @@ def _lowers(config: GpuConfig, gp: int) -> bool:
     return True
 
 
-def check_config(config: GpuConfig, gp: int) -> None:
+def check_config(config: GpuConfig | GpuPaths, gp: int) -> None:
     """Raises UnsupportedShape unless block_q * Gp and block_kv are powers of two >= 16."""
+    if isinstance(config, GpuPaths):
+        check_config(config.decode, gp)
+        check_config(config.rest, gp)
+        return
     bq, bkv = config.block_q, config.block_kv
     if bq * gp < 16 or bkv < 16 or bq & (bq - 1) or bkv & (bkv - 1):
         raise common.UnsupportedShape(f"pallas_gpu config {config}: block_q * Gp and block_kv "

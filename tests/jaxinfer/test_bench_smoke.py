@@ -18,10 +18,16 @@ def test_bench_engine_shape_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| decode") or line.startswith("| prefill")]
     assert len(rows) == 3, out.stdout
+    copy_gbs = float(re.search(r"Measured ceilings: copy ([\d.]+) GB/s", out.stdout)[1])
     for row in rows:
         rate, step_ms, floor_ms, pct = [c.strip() for c in row.split("|")[2:6]]
-        # The floor comes from a copy rate measured on a busy 2-core CPU (noisy): a sanity bound.
-        assert float(rate) > 0 and float(step_ms) > 0.5 * float(floor_ms) > 0 and pct.endswith("%")
+        step_ms, floor_ms = float(step_ms), float(floor_ms)
+        assert float(rate) > 0 and step_ms > 0 and floor_ms > 0
+        assert abs(float(pct.rstrip("%")) - 100 * floor_ms / step_ms) <= 1, row
+        if row.startswith("| decode"):
+            # At least the weights (0.13 GiB) over the measured copy rate. The step itself is not
+            # held to the floor: that rate comes from a noisy 2-core CPU, sometimes busy.
+            assert floor_ms >= 0.9 * 0.125 * 2**30 / (copy_gbs * 1e9) * 1e3, (row, copy_gbs)
     assert "Measured ceilings: copy" in out.stdout and "(2 of its layers, float32, 0.13 GiB of weights)" in out.stdout
     assert "decode windows of 8 steps" in out.stdout
     # --profile: the CPU trace has no device kernels, which the row says; --host-profile: cProfile.

@@ -19,16 +19,23 @@ def load_bench():
 
 
 def test_bench_attention_smoke(capsys):
-    load_bench().main(["--smoke"])
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    rows = table[1:]  # past the header (the |---| line does not start with "| ")
+    """Decode rows and the mixed batch (the prefill scenario runs in the sweep's smoke); with
+    --profile, a second table names each row (off an accelerator: no device kernels)."""
+    load_bench().main(["--smoke", "--profile", "--scenarios", "decode,mixed"])
+    table, profile = capsys.readouterr().out.split("\n| scenario | impl | device kernel |")
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]  # past the header
     impls = {row.split("|")[2].strip() for row in rows}
-    assert {"pallas_gpu", "reference (XLA)"} <= impls
+    # The mixed batch takes the decode split; "one call" is the kernel without it.
+    assert {"pallas_gpu", "pallas_gpu one call", "reference (XLA)"} <= impls
     assert len(rows) >= 8
     for row in rows:
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert cells[2], f"no time: {row}"
         assert "FAIL" not in row and not cells[-1], row
+    profiled = profile.splitlines()[2:]
+    assert [r.split("|")[1:3] for r in profiled] == [r.split("|")[1:3] for r in rows], profile
+    if jax.default_backend() == "cpu":
+        assert all("no device kernels" in row for row in profiled)
 
 
 def test_bench_attention_tpu_smoke(capsys):
@@ -49,13 +56,24 @@ def test_bench_attention_tpu_smoke(capsys):
 
 
 def test_bench_attention_sweep_smoke(capsys):
-    """--sweep: the default config's neighbours each run, check and time."""
+    """--sweep: the default config's neighbours (the first five, in a smoke run) each run,
+    check and time; under the decode split they vary the call of the non-decode sequences."""
     load_bench().main(["--smoke", "--sweep", "--scenarios", "prefill", "--skip-reference"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     swept = [row for row in rows if "bkv=" in row]
-    assert len(swept) >= 5
+    assert len(swept) == 5 and all("pallas_gpu rest bq=" in row for row in swept)
     for row in swept:
         assert "FAIL" not in row and not row.split("|")[-2].strip(), row
+
+
+def test_decode_sweep_has_a_ladder_of_kv_splits():
+    bench = load_bench()
+    model = bench.Model(32, 8, 128, 16, "bfloat16")
+    batch = bench.Batch("decode", "", (jax.ShapeDtypeStruct((64, 32, 128), "bfloat16"),) + (None,) * 4
+                        + (jax.ShapeDtypeStruct((64, 64), "int32"),) + (None,) * 2, None, None, 0, 0, True)
+    configs = bench.sweep_configs(batch, model)
+    assert {(c.num_splits, c.num_warps) for c in configs} >= {(s, w) for s in (2, 4, 8, 16) for w in (4, 8)}
+    assert len(configs) == len(set(configs))
 
 
 def test_gpu_session_script_rejects_an_unknown_part(tmp_path):

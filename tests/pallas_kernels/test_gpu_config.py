@@ -7,8 +7,10 @@ import pytest
 from pallas_kernels import common, gpu_tuned
 from pallas_kernels.gpu_config import (
     GpuConfig,
+    GpuPaths,
     check_config,
     default_config,
+    default_paths,
     device_limits,
     smem_bytes,
 )
@@ -80,3 +82,25 @@ def test_default_config_takes_the_nearest_tuned_entry(tmp_path, monkeypatch):
                   default_config(96, 96, 4, 8, 128, 16, 80, jnp.bfloat16, "NVIDIA A100-SXM4-80GB")):
         assert (other.block_kv, other.num_warps) != (64, 8)
     assert gpu_tuned.lookup(h100, 128, 4, 16, "bfloat16", "prefill", 96, 1280, str(table)) is None
+
+
+def test_a_prefill_like_batch_runs_its_decode_tokens_with_the_decode_blocks():
+    """default_paths: one call for a decode-like batch; otherwise the decode split, whose decode
+    call has the decode blocks of min(T, S) sequences (16-row query blocks, one stage, KV splits
+    for few sequences) and whose other call keeps the batch's own config. Both fit."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    shape = (4, 8, 128, 16, 256, jnp.bfloat16, h100)
+    decode_like = default_paths(64, 64, *shape)
+    assert decode_like == default_config(64, 64, *shape)
+    paths = default_paths(2112, 65, *shape)
+    assert isinstance(paths, GpuPaths)
+    assert paths.rest == default_config(2112, 65, *shape)
+    assert paths.decode == default_config(65, 65, *shape)
+    assert (paths.decode.block_q * 4, paths.decode.num_stages) == (16, 1)
+    assert paths.rest.block_q * 4 == 128 and paths.rest.num_stages == 2
+    assert default_paths(2048, 1, *shape).decode.num_splits > 1  # one decode sequence: split-K
+    for config in (paths.decode, paths.rest):
+        assert smem_bytes(config, 4, 128, jnp.bfloat16) <= device_limits(h100)[0]
+    check_config(paths, 4)
+    with pytest.raises(common.UnsupportedShape):
+        check_config(GpuPaths(GpuConfig(2, 64, 1), paths.rest), 4)  # 8 decode rows: too few

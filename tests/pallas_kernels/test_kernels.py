@@ -119,6 +119,24 @@ def test_gpu_configs(name):
     check("gpu", case, config=GPU_CONFIGS[name], sliding_window=100 if "more" in name else None)
 
 
+PATHS = {  # the decode split with explicit blocks: decode call with split-K, the rest small
+    "mixed": dict(q_lens=[5, 1, 20, 1, 9, 1], kv_lens=[40, 300, 20, 1, 9, 129]),
+    "decode_tokens_only": dict(q_lens=[1, 1, 1], kv_lens=[30, 1, 17], pad_tokens=9),
+    "no_decode_tokens": dict(q_lens=[5, 2, 9], kv_lens=[40, 2, 70]),
+}
+
+
+@pytest.mark.parametrize("batch", sorted(PATHS))
+def test_gpu_decode_split(batch):
+    """GpuPaths: the sequences with one query token in a call of their own, every other one in
+    the second; each call writes only its own sequences' slots, and the poisoned cache shows a
+    read of anyone else's. A prefill-like batch takes this split by default (test_batches)."""
+    case = make_case(**PATHS[batch], page_size=8, seed=13)
+    paths = gpu.GpuPaths(decode=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=4),
+                         rest=gpu.GpuConfig(block_q=16, block_kv=32, num_splits=1))
+    check("gpu", case, config=paths, sliding_window=100)
+
+
 def test_poison_is_where_it_must_be():
     """Guards the tests themselves: new-token slots and unowned pages start as NaN."""
     case = make_case(q_lens=[3, 1], kv_lens=[10, 5], page_size=4, seed=0)

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from pallas_kernels import gpu, tpu
+from pallas_kernels.gpu_config import is_decode_like
 from rpa_cases import operand_structs
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
@@ -44,6 +45,8 @@ GPU_OPTIONS = {
     "plain": {},
     "window_cap": dict(sliding_window=128, soft_cap=30.0),
     "split_k": dict(config=gpu.GpuConfig(block_q=16, block_kv=128, num_splits=8)),
+    "paths": dict(config=gpu.GpuPaths(gpu.GpuConfig(block_q=8, block_kv=128, num_splits=4),
+                                      gpu.GpuConfig(block_q=16, block_kv=64, num_splits=1))),
 }
 
 
@@ -52,7 +55,12 @@ GPU_OPTIONS = {
 def test_gpu_kernel_lowers_for_cuda(shapes, options):
     text = _lower(gpu.ragged_paged_attention_gpu, operand_structs(**SHAPES[shapes]), "cuda", H100,
                   **GPU_OPTIONS[options])
-    assert "__gpu$xla.gpu.triton" in text
+    # One call under a GpuConfig or for a decode-like batch; else the decode split's two.
+    shape = {"tokens": 64, "seqs": 8, **SHAPES[shapes]}
+    config = GPU_OPTIONS[options].get("config")
+    split = isinstance(config, gpu.GpuPaths) or (
+        config is None and not is_decode_like(shape["tokens"], shape["seqs"]))
+    assert text.count("__gpu$xla.gpu.triton") == (2 if split else 1)
     head_dim = SHAPES[shapes].get("head_dim", 128)
     if head_dim & (head_dim - 1) == 0:
         # The KV write is fused: the kernel's cache output aliases its cache operand (in place).
