@@ -299,17 +299,17 @@ def run_batch(batch: Batch, model: Model, args) -> list[dict]:
     tol = 2e-5 if model.dtype == jnp.float32 else 5e-2
     if args.kernel == "tpu":
         return _tpu_rows(batch, cache_after, model, want, tol, args)
-    rows = []
+    jax_rows = []
     if batch.decode and jax_paged is not None and not args.skip_jax:
-        rows.append(_row_jax_paged(batch, cache_after, model, want, tol, args))
+        jax_rows.append(_row_jax_paged(batch, cache_after, model, want, tol, args))
     del cache_after  # keep at most the batch's cache and one working copy alive from here on
-    rows.insert(0, _row_with_cache("pallas_gpu", _ours(model, args.smoke), batch, want, tol, args))
-    if isinstance(_gpu_paths(batch, model), gpu.GpuPaths):  # as before the decode split
-        one_call = _ours(model, args.smoke, _gpu_paths(batch, model).rest)
-        rows.insert(1, _row_with_cache("pallas_gpu one call", one_call, batch, want, tol, args))
+    rows = [_row_with_cache("pallas_gpu", _ours(model, args.smoke), batch, want, tol, args)]
+    if isinstance(paths := _gpu_paths(batch, model), gpu.GpuPaths):  # as before the decode split
+        one_call = _ours(model, args.smoke, paths.rest)
+        rows.append(_row_with_cache("pallas_gpu one call", one_call, batch, want, tol, args))
     if not args.skip_reference:
-        rows.insert(len(rows) - bool(batch.decode and jax_paged is not None and not args.skip_jax),
-                    _row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
+        rows.append(_row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
+    rows += jax_rows
     if args.sweep:  # --smoke exercises the sweep's code on its first five configs
         for config in sweep_configs(batch, model)[:5 if args.smoke else None]:
             row = _row_with_cache(f"pallas_gpu {_config_name(config)}",
