@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Collection, Mapping
 
 from jaxinfer.config_families import (GEMMA_HF_TYPES, ConfigError, check_layer_types, gemma_from_gguf, gemma_from_hf,
-                                     gemma_rope_config, gemma_to_hf, gguf_model_type, llama_sliding_window,
-                                     moe_from_gguf, moe_from_hf, require)
+                                     gemma_rope_config, gemma_to_hf, gguf_model_type, is_sliding_layer,
+                                     llama_sliding_window, moe_from_gguf, moe_from_hf, require)
 from jaxinfer.engine_config import EngineConfig
 
 __all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
@@ -85,7 +85,7 @@ class ModelConfig:
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window; None where it attends to the whole context."""
-        return self.sliding_window if not self.layer_types or self.layer_types[i] == "sliding_attention" else None
+        return self.sliding_window if is_sliding_layer(self.layer_types, i) else None
 
     @property
     def attn_scale(self) -> float:

@@ -104,6 +104,12 @@ def pattern_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers))
 
 
+def is_sliding_layer(types: tuple[str, ...], i: int) -> bool:
+    """Layer i is a local (sliding-window) layer: by its layer type, or every layer where no
+    types are listed."""
+    return not types or types[i] == SLIDING
+
+
 def check_layer_types(types: tuple[str, ...], num_layers: int, source: str) -> None:
     if types and (len(types) != num_layers or not set(types) <= {SLIDING, FULL}):
         raise ConfigError(f"{source}: layer_types={list(types)!r} must give each of the {num_layers} layers "

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.config_families import SLIDING
+from jaxinfer.config_families import is_sliding_layer
 from jaxinfer.models import layers as L
 from jaxinfer.models import llama
 from jaxinfer.quant import einsum
@@ -149,7 +149,7 @@ def forward(params: GemmaParams, config: ModelConfig, tokens, positions, kv_cach
     new_caches = []
     layer_call = L.traced_once(_layer)
     for i, (layer, kv_cache) in enumerate(zip(params.layers, kv_caches)):
-        sliding = not config.layer_types or config.layer_types[i] == SLIDING  # config.layer_window
+        sliding = is_sliding_layer(config.layer_types, i)  # the layer's window: config.layer_window
         cos, sin = rope_local if config.layer_types and sliding else rope_global
         x, kv_cache = layer_call(x, layer, kv_cache, cos, sin, meta, config, attn_impl, sliding)
         new_caches.append(kv_cache)
