@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -124,22 +123,22 @@ def make_batch(name, q_lens, kv_lens, model: Model, seed=0) -> Batch:
 
 def _device_profile(looped, carry, steps: int):
     """(carry, report): two timed calls under jax.profiler; the report's busy time and top
-    device kernels in seconds per step, or None where the trace has no device kernels."""
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(2):
-                carry = jax.block_until_ready(looped(carry))
-        report = profile_idle.device_idle(trace_dir, f"/device:{jax.default_backend().upper()}")
+    device kernels in seconds per step, or a note where the trace has no device kernels."""
+    def run(carry=carry):
+        for _ in range(2):
+            carry = jax.block_until_ready(looped(carry))
+        return carry
+    carry, report = profile_idle.traced(run, f"/device:{jax.default_backend().upper()}")
     if report is None:
-        return carry, None
+        return carry, "no device kernels in the trace"
     per = 2 * steps
     return carry, {"busy_s": report["busy_s"] / per, "top": [(n, t / per) for n, t in report["top"]]}
 
 
 def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, target_s=5e-3,
                  profile=False):
-    """step(state) -> (out, state), traceable. (median seconds per step, state, profile: None,
-    or with `profile` `_device_profile`'s report, or "no device kernels").
+    """step(state) -> (out, state), traceable. (median seconds per step, state, None or with
+    `profile` `_device_profile`'s report).
 
     Each timed call runs the step `inner` times in ONE jitted fori_loop (the output and state
     threaded through, so nothing is hoisted), with `inner` chosen so a call lasts ~target_s:
@@ -167,7 +166,6 @@ def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, targ
     report = None
     if profile:
         carry, report = _device_profile(looped, carry, inner)
-        report = report or "no device kernels in the trace"
     return statistics.median(times), carry[1], report
 
 

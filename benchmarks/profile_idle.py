@@ -57,13 +57,13 @@ def device_idle(trace_dir: str | Path, device_prefix: str = "/device:GPU") -> di
             "kernels": len(spans), "top": [(name, t * 1e-6) for name, t in top]}
 
 
-def traced(run) -> tuple[object, dict | None]:
+def traced(run, device_prefix: str = "/device:GPU") -> tuple[object, dict | None]:
     """(run(), device_idle report) of `run` under jax.profiler."""
     import jax
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             result = run()
-        return result, device_idle(trace_dir)
+        return result, device_idle(trace_dir, device_prefix)
 
 
 def host_profile(run) -> tuple[object, str]:

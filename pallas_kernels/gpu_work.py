@@ -16,12 +16,6 @@ from pallas_kernels.reference import token_positions
 META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, 3 x unused (power of two)
 
 
-def max_items(num_tokens: int, num_seqs_max: int, block_q: int) -> int:
-    """The most work items a batch can cut into: a block per block_q tokens, plus one partial
-    block per sequence."""
-    return pl.cdiv(num_tokens, block_q) + num_seqs_max
-
-
 def work_list(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
                block_q: int, pages_per_seq: int, *, select: jax.Array | None = None,
                num_items: int | None = None) -> tuple[jax.Array, ...]:
@@ -29,14 +23,15 @@ def work_list(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num
     context length, token index minus position, 0, 0, 0); per token t: (item, row, is-real).
 
     `select` (bool [S]) keeps only those sequences' tokens: the others get no items and their
-    tokens read as not real. `num_items` (static) bounds the items when the caller knows a
-    tighter bound than `max_items` (one item per selected decode sequence)."""
+    tokens read as not real. `num_items` (static) bounds the items where the caller knows a
+    tighter bound than a block per block_q tokens plus a partial one per sequence (one item per
+    selected decode sequence)."""
     num_seqs_max = kv_lens.shape[0]
     q_lens = common.real_q_lens(cu_q_lens, num_seqs)  # [S]
     taken = q_lens if select is None else jnp.where(select, q_lens, 0)
     blocks = (taken + block_q - 1) // block_q
     cu_blocks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks, dtype=jnp.int32)])
-    num_items = num_items or max_items(num_tokens, num_seqs_max, block_q)
+    num_items = num_items or pl.cdiv(num_tokens, block_q) + num_seqs_max
     w = jnp.arange(num_items, dtype=jnp.int32)
     seq = jnp.searchsorted(cu_blocks[1:], w, side="right").astype(jnp.int32)
     seq = jnp.minimum(seq, num_seqs_max - 1)
