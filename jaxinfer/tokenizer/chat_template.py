@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 from datetime import datetime
 from typing import Any
 
@@ -64,6 +65,22 @@ def _compile(template: str) -> jinja2.Template:
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(
             f"chat template does not compile (line {e.lineno}): {e.message}") from e
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file's path or as the template itself (vLLM's --chat-template),
+    compiled once to check it; ChatTemplateError naming the value otherwise."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            value = f.read()
+    elif "{" not in value:
+        raise ChatTemplateError(f"chat_template={value!r:.120}: no such file, and no template text")
+    try:
+        _compile(value)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"chat_template={value!r:.60}: {e}") from None
+    return value
 
 
 def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = True,

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.convert import ModelLimits
 from serving.engine_loop import EngineLoop
 from serving.openai import outputs, sse
@@ -49,6 +50,7 @@ class ApiContext:
     limits: ModelLimits
     model_name: str
     executor: concurrent.futures.Executor
+    tool_parser: ToolCallParser | None = None  # how tool_choice "auto" outputs are read (None: refused)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -116,18 +118,19 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
 
 @_noting_errors
 async def chat_completions(ctx: ApiContext, request: Request) -> Response:
-    arrival, req, inputs = await _prepared(ctx, request, ChatCompletionRequest, chat_inputs)
+    to_inputs = functools.partial(chat_inputs, tool_parser=ctx.tool_parser)
+    arrival, req, inputs = await _prepared(ctx, request, ChatCompletionRequest, to_inputs)
     head = outputs.ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()),
                                   ctx.model_name)
     record = _admitted(request, head.id, req, inputs,
                        lambda: [m.model_dump(exclude_none=True) for m in req.messages])
     if req.stream:
         head.object = "chat.completion.chunk"
-        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req))
+        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), tools=inputs.tools)
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     (result,) = await unless_disconnected(request.receive, _collect(requests))
-    return JSONResponse(outputs.chat_response(head, result, ctx.texts))
+    return JSONResponse(outputs.chat_response(head, result, ctx.texts, inputs.tools))
 
 
 async def _collect(requests: EngineRequests) -> list:

@@ -6,6 +6,7 @@ the check is SamplingParams' or serving.convert's, which name the engine's field
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -14,8 +15,10 @@ from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
 from serving import convert
 from serving.convert import ModelLimits, RequestError
+from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.openai.errors import bad_request
 from serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from serving.tools import ToolRequest, sampling_updates, template_call, tool_request
 
 # Request fields that are SamplingParams fields of the same name and meaning.
 _SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -32,6 +35,7 @@ class EngineInputs:
     prompts: list[list[int]]
     params: SamplingParams
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+    tools: ToolRequest | None = None     # chat with tools whose output is read for calls
 
 
 def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> EngineInputs:
@@ -58,16 +62,18 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
     return EngineInputs(prompts, params, echo)
 
 
-def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> EngineInputs:
+def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits,
+                tool_parser: ToolCallParser | None = None) -> EngineInputs:
+    """`tool_parser`: how the server reads tool calls for tool_choice "auto" (None: not at all)."""
     _refuse_unsupported(req)
-    for name in ("tools", "functions", "function_call"):
+    for name in ("functions", "function_call"):
         if getattr(req, name):
-            raise bad_request(name, f"{name}: tool and function calling are not supported by this server")
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice", "tool_choice: tool calling is not supported by this server")
+            raise bad_request(name, f"{name}: the deprecated function calling is not supported; use tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs", "top_logprobs: needs logprobs=true")
-    ids = render_messages(req.messages, tokenizer, req.add_generation_prompt)
+    with _named_400():
+        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
+    ids = render_messages(req.messages, tokenizer, req.add_generation_prompt, tools.tools if tools else None)
     _check_prompt_length("messages", len(ids), limits)
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -75,13 +81,32 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
     kwargs = _sampling_kwargs(req, limits, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     cap = min(limits.max_request_tokens or limits.max_model_len, limits.max_model_len)
     kwargs["max_tokens"] = cap - len(ids) if max_tokens is None else max_tokens
+    if tools is not None and tools.mode != "none":
+        _tool_sampling(req, tools, kwargs)
+        if tools.structured_output is not None:  # a schema llguidance refuses is the tool's
+            names["structured_output"] = "tools"
     params = _params(kwargs, names)
     _check(params, limits, len(ids), names)
-    return EngineInputs([ids], params)
+    return EngineInputs([ids], params, tools=tools if tools is not None and tools.mode != "none" else None)
+
+
+def _tool_sampling(req: ChatCompletionRequest, tools: ToolRequest, kwargs: dict) -> None:
+    with _named_400():
+        kwargs.update(sampling_updates(tools, kwargs["structured_output"], req.skip_special_tokens is not None,
+                                       _structured_field(req)))
+
+
+@contextlib.contextmanager
+def _named_400():
+    """serving.tools' RequestErrors ("tools[1].function.name=...: ...") as 400s naming the field."""
+    try:
+        yield
+    except RequestError as e:
+        raise bad_request(re.match(r"[\w.\[\]]+", str(e)).group(0), str(e)) from None
 
 
 def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
     """The chat template's prompt as token ids (the template writes BOS and role markers)."""
     if not messages:
         raise bad_request("messages", "messages: empty")
@@ -89,17 +114,36 @@ def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None,
         raise bad_request("messages", "messages: this model has no tokenizer; send token ids to /v1/completions")
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("messages", "messages: this model has no chat template; use /v1/completions")
-    plain = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+    plain = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as e:  # a template may raise on roles or orders it does not know
         raise bad_request("messages", f"messages: the chat template rejected them: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _template_message(message: ChatMessage, i: int) -> dict:
+    """A message as chat templates read it: text content, an assistant's tool_calls, a tool
+    message's tool_call_id and name."""
+    entry = {"role": message.role}
+    if message.content is None and message.role == "assistant" and message.tool_calls:
+        entry["content"] = ""
+    else:
+        entry["content"] = _message_text(message, i)
+    if message.tool_calls:
+        with _named_400():
+            entry["tool_calls"] = [template_call(call, f"messages[{i}].tool_calls[{j}]")
+                                   for j, call in enumerate(message.tool_calls)]
+    for key in ("tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            entry[key] = getattr(message, key)
+    return entry
+
+
 def _message_text(message: ChatMessage, i: int) -> str:
     if message.content is None:
-        raise bad_request(f"messages[{i}].content", f"messages[{i}].content: required (tool calls are not supported)")
+        raise bad_request(f"messages[{i}].content", f"messages[{i}].content: required (an assistant message "
+                                                    "may leave it out when it has tool_calls)")
     if isinstance(message.content, str):
         return message.content
     texts = []

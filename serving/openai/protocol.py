@@ -3,8 +3,8 @@
 Values are checked where they are used: SamplingParams checks sampling values, inputs.py the
 prompts and the fields this server does not support. Fields a client may send that change
 nothing here (`store`, `metadata`, `service_tier`, ...) are accepted and ignored, as OpenAI-
-compatible servers do; those that would change the answer and are not supported (`tools`,
-`suffix`) are refused with a 400 naming them. `logit_bias` keys are token ids written as strings
+compatible servers do; those that would change the answer and are not supported (`suffix`,
+the deprecated `functions`) are refused with a 400 naming them. Tools are checked in tools.py. `logit_bias` keys are token ids written as strings
 (inputs.py converts them). Structured output comes as OpenAI's
 `response_format` (json_object, json_schema) or vLLM's `guided_json` / `guided_regex` /
 `guided_choice` / `guided_grammar`.
@@ -77,6 +77,9 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls: {"id", "type", "function": {"name", "arguments"}}
+    tool_call_id: str | None = None      # a tool message: the call it answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -84,8 +87,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Any = None        # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     add_generation_prompt: bool = True  # vLLM's extra: end the prompt with the assistant's turn

@@ -23,6 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from jaxinfer.loader import DEFAULT_MODEL_FILE
+from jaxinfer.tokenizer.tool_calls import resolve_parser
 from serving.convert import ModelLimits
 from serving.engine_loop import EngineLoop
 from serving.metrics import ServerMetrics
@@ -48,6 +49,8 @@ class HttpOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     shutdown_timeout_s: float = 5.0  # what uvicorn waits for open connections once told to stop
+    tool_call_parser: str = "auto"   # how tool_choice "auto" outputs are read: auto (from the chat
+                                     # template), none, or a format of jaxinfer.tokenizer.tool_calls
 
 
 def served_model_name(model_path: object) -> str:
@@ -72,7 +75,10 @@ class HttpServer:
         self.options = options
         self.model_name = options.served_model_name or served_model_name(engine.model.path)
         executor = executor or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-http")
-        ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor)
+        template = getattr(engine.tokenizer, "chat_template", None)
+        tool_parser = resolve_parser(options.tool_call_parser, template)
+        logger.info("tool calls (tool_choice auto) read as: %s", tool_parser.name if tool_parser else "none")
+        ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser)
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
         self.gate = Gate(build_app(ctx, metrics), admission=admission, max_body_bytes=options.max_body_bytes,

@@ -152,6 +152,35 @@ def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
     assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALLED = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+          {"role": "tool", "tool_call_id": "c1", "content": "18C"}]
+
+
+def test_chat_renders_tools_with_a_template_that_takes_them(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", (FIXTURES / "templates" / "hermes_tools.jinja").read_text())
+    text = llm.tokenizer.decode(llm.render_chat(CALLED, tools=[WEATHER]), skip_special_tokens=False)
+    assert json.dumps(WEATHER["function"]) in text and "<tool_response>\n18C\n</tool_response>" in text
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    out = llm.chat(CALLED, greedy(max_tokens=4), tools=[WEATHER], use_tqdm=False)[0]
+    assert out.usage.prompt_tokens == len(llm.render_chat(CALLED, tools=[WEATHER]))
+    lines = [json.dumps({"id": "t", "messages": CALLED, "tools": [WEATHER], "max_tokens": 4}),
+             json.dumps({"id": "u", "prompt": "Hi", "tools": [WEATHER]})]
+    out = io.StringIO()
+    run_batch(llm, io.StringIO("\n".join(lines)), out, greedy())
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert records[0]["usage"]["prompt_tokens"] == len(llm.render_chat(CALLED, tools=[WEATHER]))
+    assert "line 2: tools: only with messages" in records[1]["error"]
+    for bad, match in (([{"role": "assistant", "content": None}], r"messages\[0\].content=None: must be a string"),
+                       ([{"role": "assistant", "tool_calls": "f()"}], r"messages\[0\].tool_calls='f\(\)'")):
+        with pytest.raises(ValueError, match=match):
+            llm.render_chat(bad)
+    with pytest.raises(ValueError, match="tools='get_weather': must be a list"):
+        llm.render_chat(QUESTION, tools="get_weather")
+
+
 def test_cli_batch_checks_paths_first_and_never_empties_old_results(capsys, tmp_path):
     old = tmp_path / "results.jsonl"
     old.write_text('{"id": "kept"}\n')
@@ -179,6 +208,9 @@ def test_cli_generate_prints_only_the_text(capsys, tmp_path):
     (["generate", "hi", "--token-buckets", "8,x"], "--token-buckets"),
     (["generate", "", "--model", "/no/such/model"], "prompt 1 is empty"),
     (["generate", "--prompts-file", "/", "--model", "/no/such/model"], "--prompts-file /: is a directory"),
+    (["generate", "hi", "--chat-template", "/no/such.jinja", "--model", "/no/such/model"],
+     "chat_template='/no/such.jinja': no such file"),
+    (["generate", "hi", "--chat-template", "{% if %}", "--model", "/no/such/model"], "does not compile"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(capsys, argv, match):
     assert cli.main(argv) == 2

@@ -110,7 +110,8 @@ def test_chat_uses_the_chat_template(tok):
     (dict(guided_regex="a+", guided_choice=["a"]), "guided_regex", "only one of guided_choice, guided_regex"),
     (dict(guided_choice=[]), "guided_choice", "non-empty list"),
     (dict(stream_options={"include_usage": True}), "stream_options", "stream=true"),
-    (dict(tools=[{"type": "function"}]), "tools", "not supported"),
+    (dict(tools=[{"type": "function"}]), "tools[0].function", "required"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "--tool-call-parser"),
     (dict(messages=[]), "messages", "empty"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content[0].type", "text"),
 ])

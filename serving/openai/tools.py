@@ -1,0 +1,69 @@
+"""Tool calls in OpenAI's shapes (serving/tools.py reads the request and the text): a whole
+choice's `message.tool_calls` and finish_reason, and a streamed choice's deltas.
+
+A choice with calls ends with finish_reason "tool_calls" (a named function keeps "stop", as
+OpenAI's does). Streamed, content is shown as soon as it cannot be the start of a call, and each
+call goes out whole in one delta once it can no longer change; a named function's arguments
+stream as they are generated.
+"""
+from __future__ import annotations
+
+from jaxinfer.tokenizer.tool_calls import ToolCall
+from serving.tools import ToolRequest, new_call_id
+
+
+def message(request: ToolRequest, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A whole choice's message and finish_reason."""
+    parsed = request.parse(text)
+    fields = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        fields["tool_calls"] = [_openai_call(call) for call in parsed.tool_calls]
+    return fields, finish_reason_of(request, finish_reason, bool(parsed.tool_calls))
+
+
+def finish_reason_of(request: ToolRequest, reason: str | None, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and reason == "stop" and request.mode != "named" else reason
+
+
+def _openai_call(call: ToolCall) -> dict:
+    return {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+class ToolStream:
+    """One streamed choice: each text delta -> (content to show, tool_call deltas). Content is
+    shown as soon as it cannot be the start of a call; calls once they can no longer change."""
+
+    def __init__(self, request: ToolRequest):
+        self.request, self.text, self._shown, self.num_calls = request, "", 0, 0
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.request.mode == "named":
+            return "", self._arguments(delta)
+        parser = self.request.parser
+        if final:
+            parsed = parser.parse(self.text)
+            return self._show(parsed.content or ""), self._calls(parsed.tool_calls)
+        start = parser.find(self.text)
+        if start < 0:
+            return self._show(self.text[:parser.safe_length(self.text)]), []
+        end = parser.closed_end(self.text)
+        calls = parser.parse(self.text[:end]).tool_calls if end > start else ()
+        return self._show(self.text[:start].rstrip()), self._calls(calls)
+
+    def _show(self, content: str) -> str:
+        new = content[self._shown:]
+        self._shown = max(self._shown, len(content))
+        return new
+
+    def _calls(self, calls) -> list[dict]:
+        new = [{"index": self.num_calls + k, **_openai_call(call)} for k, call in enumerate(calls[self.num_calls:])]
+        self.num_calls += len(new)
+        return new
+
+    def _arguments(self, delta: str) -> list[dict]:
+        if self.num_calls:
+            return [{"index": 0, "function": {"arguments": delta}}] if delta else []
+        self.num_calls = 1
+        call = _openai_call(ToolCall(self.request.name, delta))
+        return [{"index": 0, **call}]

@@ -1,0 +1,194 @@
+"""Tool calling in the chat API without a server (serving/tools.py, serving/openai/tools.py):
+tools and tool_choice checked with errors naming the field, the prompt the template renders,
+the structured output of "required" and named choices, whole messages and streamed deltas (a
+streamed choice adds up to the whole one, however its text is cut)."""
+import dataclasses
+import json
+import random
+
+import jsonschema
+import pytest
+from testpaths import FIXTURES
+
+from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
+from jaxinfer.structured import GrammarBackend
+from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.tokenizer.tool_calls import HermesParser, Llama3JsonParser, MistralParser
+from serving.convert import ModelLimits
+from serving.openai import outputs
+from serving.openai.errors import APIError
+from serving.openai.inputs import chat_inputs
+from serving.openai.protocol import ChatCompletionRequest
+from serving.openai.tools import ToolStream, message
+from serving.tools import tool_request
+
+LIMITS = ModelLimits(vocab_size=49152, max_model_len=512, penalties_enabled=False, max_n=4)
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time"}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = load_tokenizer(str(FIXTURES / "smollm2"))
+    tokenizer.chat_template = (FIXTURES / "templates" / "hermes_tools.jinja").read_text()
+    tokenizer.limits = dataclasses.replace(LIMITS, grammars=GrammarBackend(tokenizer, 49152))
+    return tokenizer
+
+
+def chat(tok, parser=HermesParser(), **body):
+    body = {"model": "m", "messages": USER, **body}
+    return chat_inputs(ChatCompletionRequest.model_validate(body), tok, tok.limits, tool_parser=parser)
+
+
+def test_tools_reach_the_template_and_auto_reads_the_output(tok):
+    inputs = chat(tok, tools=[WEATHER, TIME])
+    prompt = tok.decode(inputs.prompts[0], skip_special_tokens=False)
+    assert json.dumps(WEATHER["function"]) in prompt and json.dumps(TIME["function"]) in prompt
+    assert inputs.tools.mode == "auto" and isinstance(inputs.tools.parser, HermesParser)
+    assert inputs.params.structured_output is None
+    # "none": the template still shows the tools (as vLLM does); the output is plain text
+    none = chat(tok, tools=[WEATHER], tool_choice="none")
+    assert none.tools is None and none.prompts == chat(tok, tools=[WEATHER]).prompts != chat(tok).prompts
+
+
+def test_a_conversation_with_calls_and_results(tok):
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    prompt = tok.decode(chat(tok, tools=[WEATHER], messages=messages).prompts[0], skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18C\n</tool_response>" in prompt
+
+
+def test_required_and_named_choices_constrain_the_output(tok):
+    required = chat(tok, tools=[WEATHER, TIME], tool_choice="required").params.structured_output.json
+    good = [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]
+    jsonschema.validate(good, required)
+    for bad in ([], [{"name": "get_wind", "parameters": {}}], [{"name": "get_weather", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, required)
+    single = chat(tok, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    assert single.params.structured_output.json["maxItems"] == 1
+    named = chat(tok, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.params.structured_output.json == WEATHER["function"]["parameters"]
+    # a named choice works on any model: no format needed
+    assert chat(tok, parser=None, tools=[WEATHER], tool_choice="required").tools.mode == "required"
+
+
+def test_a_format_whose_marker_is_special_keeps_special_tokens(tok):
+    assert chat(tok, parser=MistralParser(), tools=[WEATHER]).params.skip_special_tokens is False
+    assert chat(tok, parser=MistralParser(), tools=[WEATHER], skip_special_tokens=True).params.skip_special_tokens
+    assert chat(tok, tools=[WEATHER]).params.skip_special_tokens is True
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (dict(tools={"type": "function"}), "tools", "non-empty list"),
+    (dict(tools=[]), "tools", "non-empty list"),
+    (dict(tools=[{"type": "retrieval"}]), "tools[0].type", '"retrieval": only "function" tools'),
+    (dict(tools=[{"type": "function"}]), "tools[0].function", "required"),
+    (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name", '"a b": must be'),
+    (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name", "named twice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools[0].function.parameters",
+     "JSON schema object"),
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", 'must be "none", "auto", "required"'),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+     "tool_choice.function.name", "'get_time': not among the tools (get_weather)"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format",
+     "not together with tool_choice='required'"),
+    (dict(functions=[{"name": "f"}]), "functions", "use tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
+          tool_choice="required"), "tools", "json"),
+    (dict(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]),
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    (dict(messages=[{"role": "assistant", "tool_calls": [{"type": "function"}]}]),
+     "messages[0].tool_calls[0].function", "with a name"),
+    (dict(messages=[{"role": "tool", "tool_call_id": "c"}]), "messages[0].content", "required"),
+])
+def test_tool_errors_name_the_field(tok, body, param, words):
+    with pytest.raises(APIError) as info:
+        chat(tok, **body)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert info.value.message.startswith(param) and words in info.value.message, info.value.message
+
+
+def test_auto_needs_a_format(tok):
+    with pytest.raises(APIError, match='tool_choice="auto": .*--tool-call-parser') as info:
+        chat(tok, parser=None, tools=[WEATHER])
+    assert info.value.param == "tool_choice"
+
+
+def output(text: str, reason: str | None = "stop") -> RequestOutput:
+    return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, text, [1], None, reason)], reason is not None,
+                         Usage(3, 1, 0), RequestMetrics(0.0))
+
+
+def test_whole_messages():
+    head = outputs.ResponseHeader("chatcmpl-1", "chat.completion", 0, "m")
+    texts = outputs.TokenTexts(None)
+    auto = tool_request([WEATHER], None, None, HermesParser())
+    body = outputs.chat_response(head, output('Checking.\n<tool_call>{"name": "get_weather", "arguments": '
+                                              '{"city": "Oslo"}}</tool_call>'), texts, auto)
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and len(call["id"]) == 29
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    plain = outputs.chat_response(head, output("It is sunny.", "length"), texts, auto)["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "It is sunny."} and plain["finish_reason"] == "length"
+    named = tool_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, None)
+    choice = outputs.chat_response(head, output('{"city": "Rome"}'), texts, named)["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    required = tool_request([WEATHER], "required", None, None)
+    choice = outputs.chat_response(head, output('[{"name": "get_weather", "parameters": {"city": "Nice"}}]'), texts,
+                                   required)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Nice"}'}
+
+
+STREAMED = [
+    (HermesParser(), 'Checking the weather.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
+    (HermesParser(), "A plain answer <b>with</b> a <tool_ lookalike and trailing space  "),
+    (HermesParser(), '<tool_call>{"name": "get_weather", "arguments": {"ci'),  # cut short: stays content
+    (HermesParser(), 'x <tool_call>{"bad"}</tool_call> y <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+    (Llama3JsonParser(), '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", '
+                         '"parameters": {}}'),
+    (Llama3JsonParser(), "  Just text, with a { brace."),
+    (MistralParser(), 'On it. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
+    (MistralParser(), "[TOOL_CAL is not the marker"),
+]
+
+
+@pytest.mark.parametrize("parser, text", STREAMED)
+def test_a_streamed_choice_adds_up_to_the_whole_one(parser, text):
+    request = tool_request([WEATHER, TIME], "auto", None, parser)
+    whole, reason = message(request, text, "stop")
+    rng = random.Random(0)
+    for cut in range(6):
+        stream, content, calls, pos = ToolStream(request), "", [], 0
+        while pos < len(text):
+            step = 1 if cut == 0 else rng.randint(1, 9)
+            shown, deltas = stream.feed(text[pos:pos + step], pos + step >= len(text))
+            pos += step
+            content += shown
+            calls += deltas
+        assert (content or None) == whole["content"]
+        assert [c["function"] for c in calls] == [c["function"] for c in whole.get("tool_calls", [])]
+        assert [c["index"] for c in calls] == list(range(len(calls)))
+
+
+def test_chunks_of_a_streamed_named_call():
+    head = outputs.ResponseHeader("chatcmpl-1", "chat.completion.chunk", 0, "m")
+    named = tool_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, None)
+    writer = outputs.ChunkWriter(head, 1, outputs.TokenTexts(None), False, tools=named)
+    chunks = writer.deltas(0, output('{"city": ', None)) + writer.deltas(0, output('"Oslo"}'))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    first = deltas[0]["tool_calls"][0]
+    assert first["id"].startswith("call_") and first["function"] == {"name": "get_weather", "arguments": '{"city": '}
+    assert deltas[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}
+    assert deltas[2] == {} and chunks[2]["choices"][0]["finish_reason"] == "stop"
