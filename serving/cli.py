@@ -6,29 +6,24 @@
     JAXINFER_API_KEYS=k1,k2 jaxinfer serve --http-port 8000   # or --api-keys-file FILE
     jaxinfer serve --rate-limit-rpm 60 --rate-limit-tpm 100000 --max-concurrent-per-key 4 \
         --request-log requests.jsonl [--log-prompts]    # per-key limits (both transports), JSON lines
-    jaxinfer client generate "Hello" --max-tokens 32  # streams text to stdout
-    jaxinfer client generate --chat "Hi there"         # through the chat template
-    jaxinfer client generate --token-ids 1,2,3         # token ids in, token ids printed
-    jaxinfer client tokenize "Hello" | detokenize 1 2 3 | info | stats | health
+    jaxinfer client ...                                # serving/client_cli.py
 
 `serve` prints one line "listening on HOST:PORT" on stdout once it accepts calls (with the HTTP
 API: "listening on HOST:PORT (http://HOST:PORT)", or "listening on http://HOST:PORT" with
---no-grpc) and exits 0 after SIGTERM or SIGINT (in-flight calls get --grace-period seconds). A client call that
-fails prints "error: CODE: message" on stderr and exits 1.
+--no-grpc) and exits 0 after SIGTERM or SIGINT (in-flight calls get --grace-period seconds).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
 from typing import Callable
 
+from serving.client_cli import TOKEN_ENV, add_client_parser
 from serving.openai.auth import API_KEYS_ENV
 
-TOKEN_ENV = "JAXINFER_AUTH_TOKEN"
 
 
 AddArgs = Callable[[argparse.ArgumentParser], None]
@@ -60,32 +55,7 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
     _add_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    client = subparsers.add_parser("client", help="call a running jaxinfer server")
-    client.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT")
-    client.add_argument("--auth-token-file", default=None, help=f"bearer token file (or ${TOKEN_ENV})")
-    client.add_argument("--tls-ca", default=None, help="PEM root certificates: connect with TLS")
-    client.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
-    client.add_argument("--tls-server-name", default=None, help="expected name in the server certificate")
-    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    actions = client.add_subparsers(dest="action", required=True)
-    gen = actions.add_parser("generate", help="stream a completion")
-    gen.add_argument("prompt", nargs="?", default=None, help="prompt text")
-    gen.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
-    gen.add_argument("--output-format", choices=["text", "jsonl"], default="text",
-                     help="text: stream the text; jsonl: one JSON object per streamed message")
-    add_sampling_args(gen)
-    tok = actions.add_parser("tokenize", help="text -> token ids")
-    tok.add_argument("text")
-    tok.add_argument("--no-special-tokens", action="store_true")
-    detok = actions.add_parser("detokenize", help="token ids -> text")
-    detok.add_argument("token_ids", nargs="+", type=int)
-    for name, what in (("info", "model information"), ("stats", "engine and KV cache state"),
-                       ("health", "health status")):
-        actions.add_parser(name, help=what)
-    client.set_defaults(func=cmd_client)
+    add_client_parser(subparsers, add_sampling_args)
 
 
 def _add_http_args(serve: argparse.ArgumentParser) -> None:
@@ -212,87 +182,3 @@ async def _serve(engine, options) -> int:
     print(f"shutting down (grace period {options.grace_period_s:g} s)", file=sys.stderr, flush=True)
     await server.stop()
     return 0
-
-
-# --- client -------------------------------------------------------------------------------------
-def cmd_client(args: argparse.Namespace) -> int:
-    import grpc
-
-    from jaxinfer.cli.args import check_file
-    from serving.auth import read_token
-    from serving.client import Client
-
-    check_file("--auth-token-file", args.auth_token_file)
-    check_file("--tls-ca", args.tls_ca)
-    token = read_token(os.environ.get(TOKEN_ENV) or None, args.auth_token_file)
-    root = open(args.tls_ca, "rb").read() if args.tls_ca else None
-    with Client(args.server, token=token, root_certificates=root, tls=args.tls,
-                tls_server_name=args.tls_server_name) as client:
-        try:
-            return _CLIENT_ACTIONS[args.action](client, args)
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-
-
-def _generate(client, args) -> int:
-    from jaxinfer.cli.args import logit_bias, structured_output
-    from serving.convert import structured_message
-
-    if args.token_ids is not None:
-        try:
-            prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"--token-ids {args.token_ids!r}: expected comma-separated integers") from None
-    elif args.prompt is None:
-        raise ValueError("no prompt: pass PROMPT or --token-ids")
-    else:
-        prompt = args.prompt
-    kwargs = dict(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
-                  ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        if getattr(args, name) != off:  # unset stays unset: servers started --no-penalties accept it
-            kwargs[name] = getattr(args, name)
-    structured = structured_output(args)
-    if structured is not None:
-        kwargs["structured_output"] = structured_message(structured)
-    kwargs["logit_bias"] = logit_bias(args)  # the server checks the values and the vocabulary
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-            [{"role": "user", "content": args.prompt}]
-        stream = client.stream(messages=messages, timeout=args.timeout, **kwargs)
-    else:
-        stream = client.stream(prompt, timeout=args.timeout, **kwargs)
-    for msg in stream:
-        if args.output_format == "jsonl":
-            from google.protobuf import json_format
-
-            print(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True),
-                             ensure_ascii=False), flush=True)
-            continue
-        for delta in msg.outputs:
-            piece = delta.text if delta.text or not delta.token_ids else " ".join(map(str, delta.token_ids)) + " "
-            print(piece, end="", flush=True)
-    if args.output_format == "text":
-        print(flush=True)
-    return 0
-
-
-def _print_message(msg) -> int:
-    from google.protobuf import json_format
-
-    print(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True,
-                                               always_print_fields_with_no_presence=True), indent=2))
-    return 0
-
-
-_CLIENT_ACTIONS = {
-    "generate": _generate,
-    "tokenize": lambda c, a: print(json.dumps(c.tokenize(a.text, add_special_tokens=not a.no_special_tokens,
-                                                         timeout=a.timeout))) or 0,
-    "detokenize": lambda c, a: print(c.detokenize(a.token_ids, timeout=a.timeout)) or 0,
-    "info": lambda c, a: _print_message(c.model_info(timeout=a.timeout)),
-    "stats": lambda c, a: _print_message(c.server_stats(timeout=a.timeout)),
-    "health": lambda c, a: print(c.health(timeout=a.timeout)) or 0,
-}

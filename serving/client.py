@@ -4,6 +4,7 @@
         result = client.generate("Hello", max_tokens=32, temperature=0)    # accumulated
         for msg in client.stream([1, 2, 3], max_tokens=8): ...              # GenerateResponse deltas
         client.generate(messages=[{"role": "user", "content": "Hi"}])       # chat template
+        client.generate(messages=..., tools=[...], tool_choice="required").outputs[0].tool_calls
 
 Sampling options are keyword arguments named as in SamplingParams (and the proto's
 SamplingOptions); leaving one out takes the server's default. Failures raise grpc.RpcError with
@@ -13,6 +14,7 @@ request on the server and frees its KV pages.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
@@ -33,6 +35,8 @@ class Completion:
     logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str = ""
     stop_reason: int | str | None = None
+    tool_calls: list[pb.ToolCall] = dataclasses.field(default_factory=list)  # a chat with tools
+    content: str | None = None  # beside tool_calls: the text that is no call
 
 
 @dataclasses.dataclass
@@ -53,7 +57,10 @@ class GenerateResult:
 
 def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | None = None,
                   request_id: str = "", priority: int = 0, add_generation_prompt: bool = True,
-                  **sampling: object) -> pb.GenerateRequest:
+                  tools: list[dict] | None = None, tool_choice: str | None = None,
+                  parallel_tool_calls: bool | None = None, **sampling: object) -> pb.GenerateRequest:
+    """`tools` (OpenAI's list) and `tool_choice` ("auto", "none", "required" or a tool's name) go
+    with `messages`; the result's completions then carry `tool_calls` and `content`."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling options {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
@@ -63,8 +70,16 @@ def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | No
         sampling["stop"] = [sampling["stop"]]
     request = pb.GenerateRequest(request_id=request_id, priority=priority,
                                  sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}))
+    if (tools is not None or tool_choice is not None) and messages is None:
+        raise ValueError("tools and tool_choice go with messages")
     if messages is not None:
         request.chat.CopyFrom(_chat(messages, add_generation_prompt))
+        if tools is not None:
+            request.chat.tools_json = json.dumps(tools)
+        if tool_choice is not None:
+            request.chat.tool_choice = tool_choice
+        if parallel_tool_calls is not None:
+            request.chat.parallel_tool_calls = parallel_tool_calls
     elif isinstance(prompt, str):
         request.text = prompt
     else:
@@ -73,8 +88,14 @@ def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | No
 
 
 def _chat(messages: Iterable[dict], add_generation_prompt: bool = True) -> pb.Chat:
-    return pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
-                   add_generation_prompt=add_generation_prompt)
+    return pb.Chat(messages=[_message(m) for m in messages], add_generation_prompt=add_generation_prompt)
+
+
+def _message(m: dict) -> pb.ChatMessage:
+    """An OpenAI-shaped message (an assistant's tool_calls, a tool result's tool_call_id)."""
+    calls = m.get("tool_calls")
+    return pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_call_id=m.get("tool_call_id") or "",
+                          name=m.get("name") or "", tool_calls_json=json.dumps(calls) if calls else "")
 
 
 def _tokenize_request(text, messages, add_special_tokens: bool) -> pb.TokenizeRequest:
@@ -102,6 +123,9 @@ class Accumulator:
             c.token_ids += list(d.token_ids)
             c.logprobs += list(d.logprobs)
             c.finish_reason = d.finish_reason
+            c.tool_calls += list(d.tool_calls)
+            if d.HasField("content"):
+                c.content = d.content
             kind = d.WhichOneof("stop_reason")
             c.stop_reason = getattr(d, kind) if kind else None
         self.usage.CopyFrom(msg.usage)

@@ -4,6 +4,7 @@ names the request field, which the servicer returns as INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -12,16 +13,16 @@ from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.sampling.params import check_logit_bias_vocab
 from jaxinfer.structured import GrammarBackend
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer.tool_calls import ToolCallParser
+from serving import tools as serving_tools
+from serving.errors import RequestError
 from serving.proto import jaxinfer_pb2 as pb
+from serving.tools import ToolReplies, ToolRequest
 
 # SamplingOptions fields that are `optional` scalars and map 1:1 onto SamplingParams.
 _SCALAR_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
                   "include_stop_str_in_output", "skip_special_tokens", "speculative")
-
-
-class RequestError(ValueError):
-    """A request the server refuses as INVALID_ARGUMENT; the message starts with the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +87,73 @@ def structured_message(spec: StructuredOutput) -> pb.StructuredOutput:
 
 
 def render_chat(tokenizer: Tokenizer, chat: pb.Chat) -> list[int]:
-    """Chat template -> token ids, exactly as LLM.render_chat does it."""
+    """Chat template -> token ids, exactly as LLM.render_chat does it (tools included)."""
     if not chat.messages:
         raise RequestError("chat.messages: empty")
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("chat: this model has no chat template")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = [_chat_message(m, i) for i, m in enumerate(chat.messages)]
+    tools = _json_field(chat.tools_json, "chat.tools_json")
+    with _in_chat():
+        tools = None if tools is None else serving_tools.checked_tools(tools)
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, tools=tools)
     except Exception as e:  # a template may raise on roles it does not know
         raise RequestError(f"chat.messages: the chat template rejected them: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_tools(chat: pb.Chat, parser: ToolCallParser | None) -> ToolRequest | None:
+    """The chat's tools and tool_choice (a name: that function), checked; None without tools."""
+    choice = chat.tool_choice or None
+    if choice not in (None, "none", "auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None
+    with _in_chat():
+        return serving_tools.tool_request(_json_field(chat.tools_json, "chat.tools_json"), choice, parallel, parser)
+
+
+def with_tools(params: SamplingParams, tools: ToolRequest | None, sampling: pb.SamplingOptions) -> SamplingParams:
+    """The params with what the tool choice sets (structured output, special tokens kept)."""
+    if tools is None or tools.mode == "none":
+        return params
+    updates = serving_tools.sampling_updates(tools, params.structured_output, sampling.HasField("skip_special_tokens"),
+                                          "sampling.structured_output")
+    return dataclasses.replace(params, **updates)
+
+
+def _chat_message(m: pb.ChatMessage, i: int) -> dict:
+    entry = {"role": m.role, "content": m.content}
+    calls = _json_field(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise RequestError(f"chat.messages[{i}].tool_calls_json: must be a JSON list of calls")
+        entry["tool_calls"] = [serving_tools.template_call(c, f"chat.messages[{i}].tool_calls_json[{j}]")
+                               for j, c in enumerate(calls)]
+    for key in ("tool_call_id", "name"):
+        if getattr(m, key):
+            entry[key] = getattr(m, key)
+    return entry
+
+
+def _json_field(text: str, field: str):
+    """A JSON-text field's value; None when it is empty."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise RequestError(f"{field}: not valid JSON ({e})") from None
+
+
+@contextlib.contextmanager
+def _in_chat():
+    """serving.tools' errors ("tools[0].type=...") named as the chat's fields ("chat.tools[0].type")."""
+    try:
+        yield
+    except RequestError as e:
+        raise RequestError(f"chat.{e}") from None
 
 
 def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[int]:
@@ -164,7 +220,8 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
     return head
 
 
-def response(out: RequestOutput) -> pb.GenerateResponse:
+def response(out: RequestOutput, replies: ToolReplies | None = None) -> pb.GenerateResponse:
+    """`replies`: a chat with tools, whose finishing deltas carry the calls read out of the text."""
     msg = pb.GenerateResponse(request_id=out.request_id, finished=out.finished,
                               usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens,
                                              completion_tokens=out.usage.completion_tokens,
@@ -181,6 +238,11 @@ def response(out: RequestOutput) -> pb.GenerateResponse:
         for lp in c.logprobs or ():
             delta.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])
+        parsed = None if replies is None else replies.add(c.index, c.text, c.finish_reason is not None)
+        if parsed is not None:
+            delta.content = parsed.content or ""
+            delta.tool_calls.extend(pb.ToolCall(id=serving_tools.new_call_id(), name=call.name,
+                                                arguments=call.arguments) for call in parsed.tool_calls)
     if out.finished:
         m = out.metrics
         itl = m.inter_token_latencies

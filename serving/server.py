@@ -66,7 +66,7 @@ class ServerOptions:
     served_model_name: str | None = None  # None: the model path's basename
     api_keys: tuple[str, ...] = ()     # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    tool_call_parser: str = "auto"     # HTTP tool_choice "auto": auto (from the chat template), none, a format
+    tool_call_parser: str = "auto"     # tool_choice "auto": auto (from the chat template), none, a format
     rate_limits: RateLimits = RateLimits()  # per key, both transports; default: none
     request_log: str | None = None     # a JSON line per finished generation request: FILE, "-": stderr
     log_prompts: bool = False          # the request log includes prompts and outputs
@@ -95,7 +95,8 @@ class InferenceServer:
                                       opts.served_model_name or served_model_name(engine.model.path))
         self.servicer = InferenceServicer(self.engine_loop, max_waiting=opts.max_waiting, metrics=self.metrics,
                                           executor=self._executor, limiter=self.limiter, request_log=self.request_log,
-                                          key_id=key_id(opts.auth_token) if opts.auth_token else None)
+                                          key_id=key_id(opts.auth_token) if opts.auth_token else None,
+                                          tool_call_parser=opts.tool_call_parser)
         self.health = health.aio.HealthServicer()
         self.http = self._http_server() if self.options.http_port is not None else None
         self.port: int | None = None

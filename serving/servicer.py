@@ -31,6 +31,7 @@ import jax
 from google.protobuf import json_format
 
 from jaxinfer.sampling import MAX_LOGPROBS
+from jaxinfer.tokenizer.tool_calls import resolve_parser
 from serving import convert
 from serving.convert import ModelLimits, RequestError
 from serving.engine_loop import EngineLoop, RequestRejected, ServerShuttingDown
@@ -38,6 +39,7 @@ from serving.limits import Grant, RateLimited, RateLimiter, token_cost
 from serving.proto import jaxinfer_pb2 as pb
 from serving.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.request_log import RequestLog, RequestRecord
+from serving.tools import ToolReplies
 
 logger = logging.getLogger(__name__)
 GENERATE = "/jaxinfer.v1.InferenceService/Generate"
@@ -52,8 +54,9 @@ class _Refused(Exception):
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(self, engine_loop: EngineLoop, *, max_waiting: int, metrics=None,
                  executor: concurrent.futures.Executor | None = None, limiter: RateLimiter | None = None,
-                 request_log: RequestLog | None = None, key_id: str | None = None):
+                 request_log: RequestLog | None = None, key_id: str | None = None, tool_call_parser: str = "auto"):
         engine = engine_loop.engine
+        self.tool_parser = resolve_parser(tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
         self._engine_loop = engine_loop
         self._tokenizer = engine.tokenizer
         self._limits = ModelLimits(vocab_size=engine.model.config.vocab_size,
@@ -65,7 +68,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._metrics = metrics
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-tok")
         self._streams: dict[str, asyncio.Queue] = {}
-        self._model_info = _model_info(engine)
+        self._model_info = _model_info(engine, self.tool_parser)
         self.draining = False
         self.in_flight_elsewhere: Callable[[], int] = lambda: 0  # the HTTP API's admitted requests
         self.limiter = limiter or RateLimiter()  # per-key limits, shared with the HTTP API
@@ -143,7 +146,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         submitted = finished = False
         try:
             try:
-                ids, params = await self._in_worker(self._prepare, request)
+                ids, params, tools = await self._in_worker(self._prepare, request)
             except RequestError as e:
                 raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             record.prompt_tokens = len(ids)
@@ -154,13 +157,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                                      functools.partial(loop.call_soon_threadsafe, queue.put_nowait),
                                      arrival_time)
             submitted = True
+            replies = None if tools is None or tools.mode == "none" else ToolReplies(tools)
             while not finished:
                 deltas, error = await _next_items(queue, deadline, loop)
                 if deltas:
                     out = convert.merge_deltas(deltas)
                     record.observe(0, out)
                     finished = out.finished
-                    yield convert.response(out)
+                    yield convert.response(out, replies)
                 if error is not None:
                     finished = True  # the engine loop has already let go of it
                     raise _status_of(error)
@@ -170,11 +174,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 self._engine_loop.abort(request_id)
 
     def _prepare(self, request: pb.GenerateRequest):
-        """Worker thread: the prompt's token ids and validated sampling parameters."""
+        """Worker thread: the prompt's token ids, validated sampling parameters, a chat's tools."""
         params = convert.sampling_params(request.sampling)
         ids = convert.prompt_token_ids(request, self._tokenizer, self._limits)
+        tools = convert.chat_tools(request.chat, self.tool_parser) if request.HasField("chat") else None
+        params = convert.with_tools(params, tools, request.sampling)
         convert.check_params(params, self._limits, len(ids))
-        return ids, params
+        return ids, params, tools
 
     # --- unary RPCs -----------------------------------------------------------------------------
     async def Tokenize(self, request: pb.TokenizeRequest,
@@ -278,7 +284,7 @@ def _status_of(error: BaseException) -> _Refused:
     return _Refused(grpc.StatusCode.INTERNAL, f"request failed: {error}")
 
 
-def _model_info(engine) -> pb.GetModelInfoResponse:
+def _model_info(engine, tool_parser) -> pb.GetModelInfoResponse:
     model, tok, cfg = engine.model, engine.tokenizer, engine.config
     eos = tok.eos_token_ids if tok is not None else model.config.eos_token_ids
     dtype = next((str(leaf.dtype) for leaf in jax.tree.leaves(model.params)), "")
@@ -288,5 +294,5 @@ def _model_info(engine) -> pb.GetModelInfoResponse:
         has_tokenizer=tok is not None, has_chat_template=getattr(tok, "chat_template", None) is not None,
         page_size=cfg.page_size, kv_pages_total=engine.pool.num_usable_pages, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, penalties_enabled=cfg.penalties,
-        max_logprobs=MAX_LOGPROBS)
+        max_logprobs=MAX_LOGPROBS, tool_call_format=tool_parser.name if tool_parser else "")
 

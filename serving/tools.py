@@ -20,7 +20,7 @@ import uuid
 
 from jaxinfer.sampling import StructuredOutput
 from jaxinfer.tokenizer.tool_calls import ParsedText, ToolCall, ToolCallParser
-from serving.convert import RequestError
+from serving.errors import RequestError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _CHOICES = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
@@ -59,6 +59,18 @@ class ToolRequest:
         return self.parser.parse(text)
 
 
+class ToolReplies:
+    """A request's samples' text so far, read for calls as each finishes."""
+
+    def __init__(self, request: ToolRequest):
+        self.request, self._texts = request, {}
+
+    def add(self, index: int, text: str, finished: bool) -> ParsedText | None:
+        """Sample `index`'s new text; its whole text parsed once it has finished."""
+        self._texts[index] = self._texts.get(index, "") + text
+        return self.request.parse(self._texts.pop(index)) if finished else None
+
+
 def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallParser | None) -> ToolRequest | None:
     """The request's tools and tool_choice checked (RequestError naming the field); None without
     tools."""
@@ -66,7 +78,7 @@ def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallPars
         if tool_choice not in (None, "none"):
             raise RequestError(f"tool_choice={_short(tool_choice)}: needs tools")
         return None
-    tools = _checked_tools(tools)
+    tools = checked_tools(tools)
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     mode, name = _checked_choice(tool_choice, schemas)
     if mode == "auto" and parser is None:
@@ -84,7 +96,8 @@ def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallPars
     return ToolRequest(tools, mode, parser)
 
 
-def _checked_tools(tools) -> list[dict]:
+def checked_tools(tools) -> list[dict]:
+    """OpenAI's tools list, each a function with a unique name and an object schema."""
     if not isinstance(tools, list) or not tools:
         raise RequestError('tools: must be a non-empty list of {"type": "function", "function": {...}}')
     names = set()

@@ -37,7 +37,7 @@ def describe(args: argparse.Namespace) -> dict:
                   "quantization": model.quantization and model.quantization.method,
                   "quantized_storage": quantization_of(model.params),
                   "quantized_tensors": quantized_tensors(model.params), "param_bytes": param_bytes(runner.params),
-                  "tokenizer": repr(model.tokenizer)},
+                  "tokenizer": repr(model.tokenizer), "tool_call_format": _tool_call_format(args, model.tokenizer)},
         "devices": [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
         "backend": jax.default_backend(),
         "kv_cache": {"pages": usable, "page_size": runner.engine.page_size, "tokens": usable * runner.engine.page_size,
@@ -53,6 +53,17 @@ def describe(args: argparse.Namespace) -> dict:
         "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
         "data_replicas": runner.num_replicas,
     }
+
+
+def _tool_call_format(args: argparse.Namespace, tokenizer) -> str | None:
+    """The format `jaxinfer serve` reads tool calls in by default: the one the chat template shows."""
+    from jaxinfer.tokenizer.chat_template import load_chat_template
+    from jaxinfer.tokenizer.tool_calls import parser_for_template
+
+    template = load_chat_template(args.chat_template) if args.chat_template else getattr(
+        tokenizer, "chat_template", None)
+    parser = parser_for_template(template)
+    return parser.name if parser else None
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -235,6 +235,11 @@ def test_cli_info_names_the_family_and_its_features(capsys):
     assert info["model_type"] == "qwen3" and info["family"] == "llama"
     assert info["qk_norm"] and info["tie_word_embeddings"] and not info["qkv_bias"]
     assert (info["num_heads"], info["num_kv_heads"], info["head_dim"], info["hidden_size"]) == (4, 1, 32, 48)
+    assert info["tool_call_format"] is None  # no chat template
+    template = str(FIXTURES / "templates" / "hermes_tools.jinja")
+    assert cli.main(["info", "--model", model, "--dtype", "float32", "--num-pages", "8", "--chat-template",
+                     template]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["tool_call_format"] == "hermes"
 
 
 def test_cli_info_shows_a_mixture_of_experts(capsys):

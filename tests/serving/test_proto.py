@@ -68,7 +68,7 @@ def test_logit_bias_round_trips_and_is_checked():
 
 def test_client_command_sends_logit_bias():
     from jaxinfer.cli import build_parser
-    from serving.cli import _generate
+    from serving.client_cli import _generate
     from serving.client import build_request
 
     sent = {}

@@ -213,10 +213,10 @@ def test_exception_in_one_request_fails_only_that_request(serve, monkeypatch):
     engine = server.server.engine_loop.engine
     real_response, real_add = convert.response, engine.add_request
 
-    def response(out):
+    def response(out, replies=None):
         if out.request_id == "bad-output":
             raise RuntimeError("injected conversion failure")
-        return real_response(out)
+        return real_response(out, replies)
 
     def add_request(prompt, params, *, request_id, **kw):
         if request_id == "bad-add":

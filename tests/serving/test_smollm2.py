@@ -98,6 +98,7 @@ def test_tokenize_detokenize_and_model_info(server, llm):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         info = client.model_info()
         assert info.has_tokenizer and info.has_chat_template and info.vocab_size == 49152
+        assert info.tool_call_format == ""  # SmolLM2's template writes no tool calls
         assert info.model.endswith(".gguf") and info.max_model_len == 512 and not info.penalties_enabled
         assert list(info.eos_token_ids) == list(tok.eos_token_ids)
 

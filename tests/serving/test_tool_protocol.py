@@ -1,7 +1,8 @@
 """Tool calling in the chat API without a server (serving/tools.py, serving/openai/tools.py):
 tools and tool_choice checked with errors naming the field, the prompt the template renders,
 the structured output of "required" and named choices, whole messages and streamed deltas (a
-streamed choice adds up to the whole one, however its text is cut)."""
+streamed choice adds up to the whole one, however its text is cut); the same over gRPC's Chat
+(tools and calls as JSON text, calls on the finishing delta)."""
 import dataclasses
 import json
 import random
@@ -11,16 +12,19 @@ import pytest
 from testpaths import FIXTURES
 
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.structured import GrammarBackend
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.tokenizer.tool_calls import HermesParser, Llama3JsonParser, MistralParser
-from serving.convert import ModelLimits
+from serving import convert
+from serving.convert import ModelLimits, RequestError
 from serving.openai import outputs
 from serving.openai.errors import APIError
 from serving.openai.inputs import chat_inputs
 from serving.openai.protocol import ChatCompletionRequest
 from serving.openai.tools import ToolStream, message
-from serving.tools import tool_request
+from serving.proto import jaxinfer_pb2 as pb
+from serving.tools import ToolReplies, tool_request
 
 LIMITS = ModelLimits(vocab_size=49152, max_model_len=512, penalties_enabled=False, max_n=4)
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -192,3 +196,71 @@ def test_chunks_of_a_streamed_named_call():
     assert first["id"].startswith("call_") and first["function"] == {"name": "get_weather", "arguments": '{"city": '}
     assert deltas[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}
     assert deltas[2] == {} and chunks[2]["choices"][0]["finish_reason"] == "stop"
+
+
+def grpc_chat(**fields) -> pb.Chat:
+    messages = fields.pop("messages", [pb.ChatMessage(role="user", content="Weather in Paris?")])
+    return pb.Chat(messages=messages, **fields)
+
+
+def test_grpc_chats_render_tools_calls_and_results(tok):
+    calls = json.dumps([{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}])
+    chat = grpc_chat(tools_json=json.dumps([WEATHER]), messages=[
+        pb.ChatMessage(role="user", content="Weather in Paris?"),
+        pb.ChatMessage(role="assistant", tool_calls_json=calls),
+        pb.ChatMessage(role="tool", tool_call_id="c1", content="18C")])
+    prompt = tok.decode(convert.render_chat(tok, chat), skip_special_tokens=False)
+    assert json.dumps(WEATHER["function"]) in prompt and "<tool_response>\n18C\n</tool_response>" in prompt
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    # the same prompt as the HTTP API renders for the same conversation
+    http = chat_inputs(ChatCompletionRequest.model_validate({"model": "m", "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": json.loads(calls)},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"}]}), tok, tok.limits, HermesParser())
+    assert http.prompts[0] == convert.render_chat(tok, chat)
+
+
+def test_grpc_tool_choices_and_their_sampling(tok):
+    assert convert.chat_tools(grpc_chat(), HermesParser()) is None
+    auto = convert.chat_tools(grpc_chat(tools_json=json.dumps([WEATHER])), HermesParser())
+    assert auto.mode == "auto" and isinstance(auto.parser, HermesParser)
+    named = convert.chat_tools(grpc_chat(tools_json=json.dumps([WEATHER, TIME]), tool_choice="get_time"), None)
+    assert named.mode == "named" and named.name == "get_time"
+    params = convert.with_tools(SamplingParams(), named, pb.SamplingOptions())
+    assert params.structured_output.json == {"type": "object"}
+    required = convert.chat_tools(grpc_chat(tools_json=json.dumps([WEATHER]), tool_choice="required",
+                                            parallel_tool_calls=False), None)
+    assert convert.with_tools(SamplingParams(), required, pb.SamplingOptions()).structured_output.json["maxItems"] == 1
+    mistral = convert.chat_tools(grpc_chat(tools_json=json.dumps([WEATHER])), MistralParser())
+    assert convert.with_tools(SamplingParams(), mistral, pb.SamplingOptions()).skip_special_tokens is False
+    kept = pb.SamplingOptions(skip_special_tokens=True)
+    assert convert.with_tools(SamplingParams(), mistral, kept) == SamplingParams()
+
+
+@pytest.mark.parametrize("chat, message", [
+    (dict(tools_json="[{"), "chat.tools_json: not valid JSON"),
+    (dict(tools_json='[{"type": "function", "function": {"name": "a b"}}]'), "chat.tools[0].function.name=\"a b\""),
+    (dict(tool_choice="required"), 'chat.tool_choice="required": needs tools'),
+    (dict(tools_json=json.dumps([WEATHER]), tool_choice="get_time"), "chat.tool_choice.function.name='get_time'"),
+    (dict(messages=[pb.ChatMessage(role="assistant", tool_calls_json='{"a": 1}')]),
+     "chat.messages[0].tool_calls_json: must be a JSON list"),
+    (dict(messages=[pb.ChatMessage(role="assistant", tool_calls_json='[{"function": {"name": "f", "arguments": 3}}]')]),
+     "chat.messages[0].tool_calls_json[0].function.arguments: must be a JSON object"),
+])
+def test_grpc_tool_errors_name_the_field(tok, chat, message):
+    with pytest.raises(RequestError) as info:
+        convert.render_chat(tok, grpc_chat(**chat))
+        convert.chat_tools(grpc_chat(**chat), HermesParser())
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_grpc_finishing_deltas_carry_the_calls():
+    replies = ToolReplies(tool_request([WEATHER], None, None, HermesParser()))
+    first = convert.response(output("Checking.\n<tool_call>", None), replies)
+    assert not first.outputs[0].tool_calls and not first.outputs[0].HasField("content")
+    last = convert.response(output('{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'), replies)
+    delta = last.outputs[0]
+    assert delta.content == "Checking." and delta.text.startswith('{"name"') and delta.finish_reason == "stop"
+    assert [(c.name, c.arguments) for c in delta.tool_calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert delta.tool_calls[0].id.startswith("call_")
+    assert not convert.response(output("x")).outputs[0].HasField("content")  # no tools: nothing read

@@ -1,19 +1,24 @@
-"""Tool calling over HTTP with the official `openai` client: a real `jaxinfer serve` of the
-embedded SmolLM2 with a chat template that renders tools (`--chat-template`, whose markers make
-the server read hermes-format calls), named and required choices constrained to valid calls,
-auto calls read out of the text whole and streamed, and a conversation carrying a tool's result."""
+"""Tool calling over HTTP with the official `openai` client and over gRPC: a real `jaxinfer serve`
+of the embedded SmolLM2 with a chat template that renders tools (`--chat-template`, whose markers
+make the server read hermes-format calls), named and required choices constrained to valid
+calls, auto calls read out of the text whole and streamed, a conversation carrying a tool's
+result, and the same calls from both transports."""
 import json
 
+import grpc
 import jsonschema
 import openai
 import pytest
 from openai_support import ServedProcess
 from testpaths import FIXTURES
 
+from serving.client import Client
+from serving.proto import jaxinfer_pb2 as pb
+
 MODEL = "SmolLM2-135M-Instruct"
 ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
         "--max-num-seqs", "8", "--num-pages", "128", "--no-penalties", "--port", "0", "--http-port", "0",
-        "--no-grpc", "--chat-template", str(FIXTURES / "templates" / "hermes_tools.jinja")]
+        "--chat-template", str(FIXTURES / "templates" / "hermes_tools.jinja")]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -28,10 +33,21 @@ CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def served(tmp_path_factory):
     server = ServedProcess(ARGS, tmp_path_factory.mktemp("serve") / "log")
-    yield openai.OpenAI(base_url=f"{server.http}/v1", api_key="none", max_retries=0, timeout=120)
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served):
+    with Client(served.grpc) as c:
+        yield c
 
 
 def create(client, **kwargs):
@@ -104,3 +120,39 @@ def test_a_conversation_with_a_tool_result(client):
         create(client, messages=messages[:2] + [{"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}]}])
     assert info.value.body["param"] == "messages[2].tool_calls[0].function.arguments"
+
+
+def test_grpc_gets_the_same_calls(client, grpc_client):
+    assert grpc_client.model_info().tool_call_format == "hermes"  # the --chat-template's markers
+    named = create(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    got = grpc_client.generate(messages=ASK, tools=[WEATHER, TIME], tool_choice="get_weather", temperature=0,
+                               max_tokens=60).outputs[0]
+    (call,) = got.tool_calls
+    assert call.id.startswith("call_") and call.name == "get_weather" and got.content == ""
+    assert call.arguments == named.choices[0].message.tool_calls[0].function.arguments == got.text
+    forced = pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choices=[f"Let me check.\n{CALL}"]))
+    got = grpc_client.generate(messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=60,
+                               structured_output=forced).outputs[0]
+    assert got.text == f"Let me check.\n{CALL}" and got.content == "Let me check." and got.finish_reason == "stop"
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == [("get_time", {"city": "Oslo"})]
+    plain = grpc_client.generate(messages=ASK, temperature=0, max_tokens=4).outputs[0]
+    assert plain.tool_calls == [] and plain.content is None  # no tools: nothing read
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_client.generate(messages=ASK, tools=[WEATHER], tool_choice="get_wind", max_tokens=4)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("chat.tool_choice.function.name='get_wind': not among the tools")
+
+
+def test_the_client_command_sends_tools(served, tmp_path, capsys):
+    from jaxinfer.cli import main
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER, TIME]))
+    argv = ["client", "--server", served.grpc, "generate", "--chat", ASK[0]["content"], "--tools", str(tools),
+            "--tool-choice", "get_time", "--max-tokens", "40", "--temperature", "0", "--output-format", "jsonl"]
+    assert main(argv) == 0
+    last = json.loads(capsys.readouterr().out.splitlines()[-1])
+    (call,) = last["outputs"][0]["tool_calls"]
+    assert call["name"] == "get_time" and set(json.loads(call["arguments"])) == {"city"}
+    assert main([*argv[:6], "--tools", "[oops"]) == 2
+    assert "--tools '[oops': neither a file nor a JSON list" in capsys.readouterr().err
