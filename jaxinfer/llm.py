@@ -31,7 +31,7 @@ from jaxinfer.loader import load_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quant import QuantConfig
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.tokenizer.chat_template import load_chat_template
+from jaxinfer.tokenizer.chat_template import check_template_kwargs, load_chat_template
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
 Prompt = str | list[int]
@@ -126,24 +126,27 @@ class LLM:
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, use_tqdm: bool = True,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Renders each conversation with the chat template, then generates. `tools` (OpenAI's
         [{"type": "function", "function": {...}}]) go to the template; read the calls out of the
-        text with `jaxinfer.tokenizer.tool_calls` (`parser_for_template(llm.tokenizer.chat_template)`)."""
+        text with `jaxinfer.tokenizer.tool_calls` (`parser_for_template(llm.tokenizer.chat_template)`).
+        `chat_template_kwargs`: more template variables, e.g. {"enable_thinking": False} (Qwen3)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c, add_generation_prompt, tools) for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         """Chat template -> token ids (the template itself writes BOS and role markers)."""
         _check_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f"tools={tools!r:.80}: must be a list of tool objects")
+        extra = check_template_kwargs(chat_template_kwargs)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send prompt token ids, not messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                  **extra)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:

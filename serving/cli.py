@@ -71,6 +71,9 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
                         "comma-separated; without either, the gRPC token if one is set)")
     h.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest HTTP request body; larger ones get 413 (default 4 MiB)")
+    h.add_argument("--reasoning-parser", default=None, metavar="{qwen3,deepseek_r1}",
+                   help="split a reasoning model's <think>...</think> off chat outputs as reasoning_content "
+                        "(both transports); default: off")
     h.add_argument("--tool-call-parser", default="auto", metavar="{auto,none,hermes,llama3_json,mistral}",
                    help="the format tool calls are read in for tool_choice \"auto\": auto (the one the chat "
                         "template shows; none if it shows none), none (refuse \"auto\"), or a format")
@@ -128,12 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--no-grpc: needs --http-port (there would be nothing to serve)")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be >= 1")
-    if args.tool_call_parser not in ("auto", "none"):
-        from jaxinfer.tokenizer.tool_calls import tool_call_parser
-        try:
-            tool_call_parser(args.tool_call_parser)
-        except ValueError as e:
-            raise ValueError(f"--tool-call-parser {args.tool_call_parser}: {str(e).split(': ', 1)[1]}") from None
+    _check_parsers(args)
     options = ServerOptions(
         host=args.host, port=None if args.no_grpc else args.port, max_waiting=args.max_waiting,
         auth_token=read_token(os.environ.get(TOKEN_ENV) or None, args.auth_token_file),
@@ -141,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host, grace_period_s=args.grace_period,
         max_message_bytes=args.max_message_bytes, http_port=args.http_port, http_host=args.http_host,
         served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         api_keys=tuple(read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV) or None)),
         **_limit_options(args))
     signal.signal(signal.SIGTERM, _terminated_while_starting)
@@ -151,6 +149,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def _check_parsers(args: argparse.Namespace) -> None:
+    """--tool-call-parser and --reasoning-parser name known formats (before the model loads)."""
+    from jaxinfer.tokenizer.reasoning import reasoning_parser
+    from jaxinfer.tokenizer.tool_calls import tool_call_parser
+
+    for flag, value, known in (("--tool-call-parser", args.tool_call_parser, tool_call_parser),
+                               ("--reasoning-parser", args.reasoning_parser, reasoning_parser)):
+        if value not in (None, "auto", "none") or (value in ("auto", "none") and known is reasoning_parser):
+            try:
+                known(value)
+            except ValueError as e:
+                raise ValueError(f"{flag} {value}: {str(e).split(': ', 1)[1]}") from None
 
 
 def _terminated_while_starting(signum, frame):

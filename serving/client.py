@@ -36,7 +36,8 @@ class Completion:
     finish_reason: str = ""
     stop_reason: int | str | None = None
     tool_calls: list[pb.ToolCall] = dataclasses.field(default_factory=list)  # a chat with tools
-    content: str | None = None  # beside tool_calls: the text that is no call
+    content: str | None = None  # beside tool_calls and reasoning_content: the text that is neither
+    reasoning_content: str | None = None  # a server with --reasoning-parser: the thinking split off
 
 
 @dataclasses.dataclass
@@ -58,9 +59,11 @@ class GenerateResult:
 def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | None = None,
                   request_id: str = "", priority: int = 0, add_generation_prompt: bool = True,
                   tools: list[dict] | None = None, tool_choice: str | None = None,
-                  parallel_tool_calls: bool | None = None, **sampling: object) -> pb.GenerateRequest:
-    """`tools` (OpenAI's list) and `tool_choice` ("auto", "none", "required" or a tool's name) go
-    with `messages`; the result's completions then carry `tool_calls` and `content`."""
+                  parallel_tool_calls: bool | None = None, chat_template_kwargs: dict | None = None,
+                  **sampling: object) -> pb.GenerateRequest:
+    """`tools` (OpenAI's list), `tool_choice` ("auto", "none", "required" or a tool's name) and
+    `chat_template_kwargs` go with `messages`; with tools the result's completions carry
+    `tool_calls` and `content`."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling options {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
@@ -70,8 +73,8 @@ def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | No
         sampling["stop"] = [sampling["stop"]]
     request = pb.GenerateRequest(request_id=request_id, priority=priority,
                                  sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}))
-    if (tools is not None or tool_choice is not None) and messages is None:
-        raise ValueError("tools and tool_choice go with messages")
+    if (tools is not None or tool_choice is not None or chat_template_kwargs is not None) and messages is None:
+        raise ValueError("tools, tool_choice and chat_template_kwargs go with messages")
     if messages is not None:
         request.chat.CopyFrom(_chat(messages, add_generation_prompt))
         if tools is not None:
@@ -80,6 +83,8 @@ def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | No
             request.chat.tool_choice = tool_choice
         if parallel_tool_calls is not None:
             request.chat.parallel_tool_calls = parallel_tool_calls
+        if chat_template_kwargs is not None:
+            request.chat.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
     elif isinstance(prompt, str):
         request.text = prompt
     else:
@@ -126,6 +131,8 @@ class Accumulator:
             c.tool_calls += list(d.tool_calls)
             if d.HasField("content"):
                 c.content = d.content
+            if d.HasField("reasoning_content"):
+                c.reasoning_content = d.reasoning_content
             kind = d.WhichOneof("stop_reason")
             c.stop_reason = getattr(d, kind) if kind else None
         self.usage.CopyFrom(msg.usage)

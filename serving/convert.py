@@ -13,11 +13,13 @@ from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.sampling.params import check_logit_bias_vocab
 from jaxinfer.structured import GrammarBackend
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer.chat_template import check_template_kwargs
+from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving import tools as serving_tools
 from serving.errors import RequestError
 from serving.proto import jaxinfer_pb2 as pb
-from serving.tools import ToolReplies, ToolRequest
+from serving.tools import ChatReplies, ToolRequest
 
 # SamplingOptions fields that are `optional` scalars and map 1:1 onto SamplingParams.
 _SCALAR_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -96,9 +98,13 @@ def render_chat(tokenizer: Tokenizer, chat: pb.Chat) -> list[int]:
     tools = _json_field(chat.tools_json, "chat.tools_json")
     with _in_chat():
         tools = None if tools is None else serving_tools.checked_tools(tools)
+    try:
+        extra = check_template_kwargs(_json_field(chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json"))
+    except ValueError as e:
+        raise RequestError(f"chat.{e}") from None
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, tools=tools)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, tools=tools, **extra)
     except Exception as e:  # a template may raise on roles it does not know
         raise RequestError(f"chat.messages: the chat template rejected them: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -121,6 +127,16 @@ def with_tools(params: SamplingParams, tools: ToolRequest | None, sampling: pb.S
     updates = serving_tools.sampling_updates(tools, params.structured_output, sampling.HasField("skip_special_tokens"),
                                           "sampling.structured_output")
     return dataclasses.replace(params, **updates)
+
+
+def chat_replies(request: pb.GenerateRequest, tools: ToolRequest | None,
+                 reasoning: ReasoningParser | None) -> ChatReplies | None:
+    """How a request's output is read as it finishes: a chat with a tool choice other than none,
+    or any chat on a server with a reasoning parser; None for everything else."""
+    reading = tools if tools is not None and tools.mode != "none" else None
+    if reading is None and (reasoning is None or not request.HasField("chat")):
+        return None
+    return ChatReplies(reading, reasoning)
 
 
 def _chat_message(m: pb.ChatMessage, i: int) -> dict:
@@ -220,8 +236,8 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
     return head
 
 
-def response(out: RequestOutput, replies: ToolReplies | None = None) -> pb.GenerateResponse:
-    """`replies`: a chat with tools, whose finishing deltas carry the calls read out of the text."""
+def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.GenerateResponse:
+    """`replies`: a chat read for reasoning or tools: its finishing deltas carry what was read."""
     msg = pb.GenerateResponse(request_id=out.request_id, finished=out.finished,
                               usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens,
                                              completion_tokens=out.usage.completion_tokens,
@@ -238,8 +254,11 @@ def response(out: RequestOutput, replies: ToolReplies | None = None) -> pb.Gener
         for lp in c.logprobs or ():
             delta.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])
-        parsed = None if replies is None else replies.add(c.index, c.text, c.finish_reason is not None)
-        if parsed is not None:
+        read = None if replies is None else replies.add(c.index, c.text, c.finish_reason is not None)
+        if read is not None:
+            thought, parsed = read
+            if thought is not None:
+                delta.reasoning_content = thought
             delta.content = parsed.content or ""
             delta.tool_calls.extend(pb.ToolCall(id=serving_tools.new_call_id(), name=call.name,
                                                 arguments=call.arguments) for call in parsed.tool_calls)

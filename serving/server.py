@@ -67,6 +67,7 @@ class ServerOptions:
     api_keys: tuple[str, ...] = ()     # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tool_call_parser: str = "auto"     # tool_choice "auto": auto (from the chat template), none, a format
+    reasoning_parser: str | None = None  # chat outputs' reasoning split off: qwen3, deepseek_r1; None: not
     rate_limits: RateLimits = RateLimits()  # per key, both transports; default: none
     request_log: str | None = None     # a JSON line per finished generation request: FILE, "-": stderr
     log_prompts: bool = False          # the request log includes prompts and outputs
@@ -96,7 +97,8 @@ class InferenceServer:
         self.servicer = InferenceServicer(self.engine_loop, max_waiting=opts.max_waiting, metrics=self.metrics,
                                           executor=self._executor, limiter=self.limiter, request_log=self.request_log,
                                           key_id=key_id(opts.auth_token) if opts.auth_token else None,
-                                          tool_call_parser=opts.tool_call_parser)
+                                          tool_call_parser=opts.tool_call_parser,
+                                          reasoning_parser=opts.reasoning_parser)
         self.health = health.aio.HealthServicer()
         self.http = self._http_server() if self.options.http_port is not None else None
         self.port: int | None = None
@@ -112,7 +114,7 @@ class InferenceServer:
         return HttpServer(self.engine_loop, self.servicer.limits, HttpOptions(
             host=opts.http_host, port=opts.http_port, served_model_name=opts.served_model_name, api_keys=keys,
             max_body_bytes=opts.max_body_bytes, tls_cert_file=opts.tls_cert_file, tls_key_file=opts.tls_key_file,
-            tool_call_parser=opts.tool_call_parser),
+            tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser),
             admission=admission, metrics=self.metrics, executor=self._executor, request_log=self.request_log)
 
     @property

@@ -31,6 +31,7 @@ import jax
 from google.protobuf import json_format
 
 from jaxinfer.sampling import MAX_LOGPROBS
+from jaxinfer.tokenizer.reasoning import reasoning_parser as reasoning_parser_named
 from jaxinfer.tokenizer.tool_calls import resolve_parser
 from serving import convert
 from serving.convert import ModelLimits, RequestError
@@ -39,7 +40,6 @@ from serving.limits import Grant, RateLimited, RateLimiter, token_cost
 from serving.proto import jaxinfer_pb2 as pb
 from serving.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.request_log import RequestLog, RequestRecord
-from serving.tools import ToolReplies
 
 logger = logging.getLogger(__name__)
 GENERATE = "/jaxinfer.v1.InferenceService/Generate"
@@ -54,9 +54,11 @@ class _Refused(Exception):
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(self, engine_loop: EngineLoop, *, max_waiting: int, metrics=None,
                  executor: concurrent.futures.Executor | None = None, limiter: RateLimiter | None = None,
-                 request_log: RequestLog | None = None, key_id: str | None = None, tool_call_parser: str = "auto"):
+                 request_log: RequestLog | None = None, key_id: str | None = None, tool_call_parser: str = "auto",
+                 reasoning_parser: str | None = None):
         engine = engine_loop.engine
         self.tool_parser = resolve_parser(tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
+        self.reasoning = None if reasoning_parser is None else reasoning_parser_named(reasoning_parser)
         self._engine_loop = engine_loop
         self._tokenizer = engine.tokenizer
         self._limits = ModelLimits(vocab_size=engine.model.config.vocab_size,
@@ -146,7 +148,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         submitted = finished = False
         try:
             try:
-                ids, params, tools = await self._in_worker(self._prepare, request)
+                ids, params, replies = await self._in_worker(self._prepare, request)
             except RequestError as e:
                 raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             record.prompt_tokens = len(ids)
@@ -157,7 +159,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                                      functools.partial(loop.call_soon_threadsafe, queue.put_nowait),
                                      arrival_time)
             submitted = True
-            replies = None if tools is None or tools.mode == "none" else ToolReplies(tools)
             while not finished:
                 deltas, error = await _next_items(queue, deadline, loop)
                 if deltas:
@@ -174,13 +175,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 self._engine_loop.abort(request_id)
 
     def _prepare(self, request: pb.GenerateRequest):
-        """Worker thread: the prompt's token ids, validated sampling parameters, a chat's tools."""
+        """Worker thread: the prompt's token ids, validated sampling parameters, and how a chat's
+        output is read (tools, reasoning; None: not)."""
         params = convert.sampling_params(request.sampling)
         ids = convert.prompt_token_ids(request, self._tokenizer, self._limits)
         tools = convert.chat_tools(request.chat, self.tool_parser) if request.HasField("chat") else None
         params = convert.with_tools(params, tools, request.sampling)
         convert.check_params(params, self._limits, len(ids))
-        return ids, params, tools
+        return ids, params, convert.chat_replies(request, tools, self.reasoning)
 
     # --- unary RPCs -----------------------------------------------------------------------------
     async def Tokenize(self, request: pb.TokenizeRequest,

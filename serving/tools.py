@@ -19,6 +19,7 @@ import re
 import uuid
 
 from jaxinfer.sampling import StructuredOutput
+from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ParsedText, ToolCall, ToolCallParser
 from serving.errors import RequestError
 
@@ -59,16 +60,21 @@ class ToolRequest:
         return self.parser.parse(text)
 
 
-class ToolReplies:
-    """A request's samples' text so far, read for calls as each finishes."""
+class ChatReplies:
+    """A chat request's samples' text so far, read as each finishes: the reasoning split off (a
+    server's reasoning parser), then the calls out of the rest (a tool choice other than none)."""
 
-    def __init__(self, request: ToolRequest):
-        self.request, self._texts = request, {}
+    def __init__(self, tools: ToolRequest | None, reasoning: ReasoningParser | None = None):
+        self.tools, self.reasoning, self._texts = tools, reasoning, {}
 
-    def add(self, index: int, text: str, finished: bool) -> ParsedText | None:
-        """Sample `index`'s new text; its whole text parsed once it has finished."""
+    def add(self, index: int, text: str, finished: bool) -> tuple[str | None, ParsedText] | None:
+        """Sample `index`'s new text; once it has finished, (its reasoning, its content and calls)."""
         self._texts[index] = self._texts.get(index, "") + text
-        return self.request.parse(self._texts.pop(index)) if finished else None
+        if not finished:
+            return None
+        thought, rest = (None, self._texts.pop(index)) if self.reasoning is None else \
+            self.reasoning.split(self._texts.pop(index))
+        return thought, (ParsedText(rest, ()) if self.tools is None else self.tools.parse(rest))
 
 
 def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallParser | None) -> ToolRequest | None:

@@ -3,7 +3,7 @@
 Each input line is one request:
     {"id": "a1", "prompt": "text"}                       or "prompt_token_ids": [...]
     {"id": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "temperature": 0.7}
-    {"id": "a3", "messages": [...], "tools": [{"type": "function", "function": {...}}]}   (the template's)
+    {"id": "a3", "messages": [...], "tools": [...], "chat_template_kwargs": {"enable_thinking": false}}
 Any SamplingParams field may be set per line; unset fields take the command line's values. Each
 output line has the request's id, its outputs (text, token ids, finish reason) and usage, in input
 order. A broken line (bad JSON, no prompt, a bad sampling value, a prompt too long, messages the
@@ -55,16 +55,18 @@ def parse_line(line: str, lineno: int, defaults: SamplingParams,
     if not isinstance(obj, dict):
         raise ValueError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
     rid = str(obj.get("id", lineno))
-    unknown = set(obj) - _FIELDS - {"id", "prompt", "prompt_token_ids", "messages", "tools"}
+    unknown = set(obj) - _FIELDS - {"id", "prompt", "prompt_token_ids", "messages", "tools", "chat_template_kwargs"}
     if unknown:
         raise ValueError(f"line {lineno}: unknown fields {sorted(unknown)}")
     sources = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
     if len(sources) != 1:
         raise ValueError(f"line {lineno}: give exactly one of prompt, prompt_token_ids, messages")
-    if "tools" in obj and "messages" not in obj:
-        raise ValueError(f"line {lineno}: tools: only with messages (the chat template renders them)")
+    for key in ("tools", "chat_template_kwargs"):
+        if key in obj and "messages" not in obj:
+            raise ValueError(f"line {lineno}: {key}: only with messages (the chat template takes them)")
     if "messages" in obj:
-        prompt = llm.render_chat(obj["messages"], tools=obj.get("tools"))
+        prompt = llm.render_chat(obj["messages"], tools=obj.get("tools"),
+                                 chat_template_kwargs=obj.get("chat_template_kwargs"))
     elif "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise ValueError(f"line {lineno}: prompt must be a string")

@@ -83,6 +83,22 @@ def load_chat_template(value: str) -> str:
     return value
 
 
+RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
+
+
+def check_template_kwargs(kwargs: object) -> dict:
+    """Extra variables a caller hands the chat template (vLLM's `chat_template_kwargs`, e.g.
+    {"enable_thinking": False}); ValueError naming a bad one."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs={kwargs!r:.80}: must be an object of named values")
+    taken = sorted(RESERVED & set(kwargs))
+    if taken:
+        raise ValueError(f"chat_template_kwargs[{taken[0]!r}]: set by the request itself, not here")
+    return kwargs
+
+
 def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
                          **variables: Any) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""

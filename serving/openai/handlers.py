@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.convert import ModelLimits
 from serving.engine_loop import EngineLoop
@@ -51,6 +52,7 @@ class ApiContext:
     model_name: str
     executor: concurrent.futures.Executor
     tool_parser: ToolCallParser | None = None  # how tool_choice "auto" outputs are read (None: refused)
+    reasoning: ReasoningParser | None = None   # splits chat outputs' reasoning_content off (None: not)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -126,11 +128,12 @@ async def chat_completions(ctx: ApiContext, request: Request) -> Response:
                        lambda: [m.model_dump(exclude_none=True) for m in req.messages])
     if req.stream:
         head.object = "chat.completion.chunk"
-        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), tools=inputs.tools)
+        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), tools=inputs.tools,
+                                     reasoning=ctx.reasoning)
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     (result,) = await unless_disconnected(request.receive, _collect(requests))
-    return JSONResponse(outputs.chat_response(head, result, ctx.texts, inputs.tools))
+    return JSONResponse(outputs.chat_response(head, result, ctx.texts, inputs.tools, ctx.reasoning))
 
 
 async def _collect(requests: EngineRequests) -> list:

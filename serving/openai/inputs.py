@@ -15,6 +15,7 @@ from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
 from serving import convert
 from serving.convert import ModelLimits, RequestError
+from jaxinfer.tokenizer.chat_template import check_template_kwargs
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.openai.errors import bad_request
 from serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -73,7 +74,8 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
         raise bad_request("top_logprobs", "top_logprobs: needs logprobs=true")
     with _named_400():
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
-    ids = render_messages(req.messages, tokenizer, req.add_generation_prompt, tools.tools if tools else None)
+    ids = render_messages(req.messages, tokenizer, req.add_generation_prompt, tools.tools if tools else None,
+                          req.chat_template_kwargs)
     _check_prompt_length("messages", len(ids), limits)
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -105,9 +107,13 @@ def _named_400():
         raise bad_request(re.match(r"[\w.\[\]]+", str(e)).group(0), str(e)) from None
 
 
-def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None,
-                    add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
     """The chat template's prompt as token ids (the template writes BOS and role markers)."""
+    try:
+        extra = check_template_kwargs(template_kwargs)
+    except ValueError as e:
+        raise bad_request("chat_template_kwargs", str(e)) from None
     if not messages:
         raise bad_request("messages", "messages: empty")
     if tokenizer is None:
@@ -116,7 +122,7 @@ def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None,
         raise bad_request("messages", "messages: this model has no chat template; use /v1/completions")
     plain = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tools=tools)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
     except Exception as e:  # a template may raise on roles or orders it does not know
         raise bad_request("messages", f"messages: the chat template rejected them: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -12,6 +12,7 @@ import functools
 
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer.reasoning import ReasoningParser
 from serving.openai import tools as openai_tools
 from serving.tools import ToolRequest
 
@@ -81,12 +82,12 @@ def completion_response(head: ResponseHeader, results: list[RequestOutput], n: i
 
 
 def chat_response(head: ResponseHeader, result: RequestOutput, texts: TokenTexts,
-                  tools: ToolRequest | None = None) -> dict:
-    """`tools`: the request's tool choice, whose calls are read out of each choice's text."""
+                  tools: ToolRequest | None = None, reasoning: ReasoningParser | None = None) -> dict:
+    """`tools`: the request's tool choice, whose calls are read out of each choice's text;
+    `reasoning`: the server's reasoning parser, which splits `reasoning_content` off first."""
     choices = []
     for c in result.outputs:
-        message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if tools is None \
-            else openai_tools.message(tools, c.text, c.finish_reason)
+        message, reason = openai_tools.message(tools, c.text, c.finish_reason, reasoning)
         choices.append({"index": c.index, "message": message, "finish_reason": reason, "logprobs": None if
                         c.logprobs is None else {"content": [texts.chat_entry(lp) for lp in c.logprobs]}})
     return head.body(choices=choices, usage=usage([result]))
@@ -96,11 +97,13 @@ class ChunkWriter:
     """The chunks of one streamed response, delta by delta."""
 
     def __init__(self, head: ResponseHeader, n: int, texts: TokenTexts, include_usage: bool,
-                 echo: list[str] | None = None, tools: ToolRequest | None = None):
+                 echo: list[str] | None = None, tools: ToolRequest | None = None,
+                 reasoning: ReasoningParser | None = None):
         self.head, self.n, self.texts, self.include_usage = head, n, texts, include_usage
         self.chat = head.object == "chat.completion.chunk"
-        self._echo, self._tools = echo, tools
-        self._tool_streams: dict[int, openai_tools.ToolStream] = {}  # choice -> its text read for tool calls
+        self._echo, self._tools, self._reasoning = echo, tools, reasoning
+        self._read = self.chat and (tools is not None or reasoning is not None)
+        self._streams: dict[int, openai_tools.ChoiceStream] = {}  # choice -> its text read as it comes
         self._offsets: dict[int, int] = {}  # choice -> characters streamed (completions' text_offset)
         self._finished: set[int] = set()
 
@@ -128,8 +131,8 @@ class ChunkWriter:
             index = prompt * self.n + c.index
             if index in self._finished:
                 continue
-            if self._tools is not None:
-                chunks.extend(self._tool_chunks(index, c))
+            if self._read:
+                chunks.extend(self._read_chunks(index, c))
                 continue
             if c.text or c.logprobs:
                 chunks.append(self._content(index, c))
@@ -138,20 +141,20 @@ class ChunkWriter:
                 chunks.append(self._chunk(index, c.finish_reason, **({"delta": {}} if self.chat else {"text": ""})))
         return chunks
 
-    def _tool_chunks(self, index: int, c: CompletionOutput) -> list[dict]:
-        """Chat with tools: the content that cannot start a call, tool_call deltas, and the finish
-        (finish_reason "tool_calls" when the choice made calls)."""
-        stream = self._tool_streams.setdefault(index, openai_tools.ToolStream(self._tools))
-        content, calls = stream.feed(c.text, c.finish_reason is not None)
+    def _read_chunks(self, index: int, c: CompletionOutput) -> list[dict]:
+        """Chat read for reasoning and/or tools: reasoning, the content that cannot start a call,
+        tool_call deltas, and the finish (finish_reason "tool_calls" when the choice made calls)."""
+        stream = self._streams.setdefault(index, openai_tools.ChoiceStream(self._tools, self._reasoning))
+        thought, content, calls = stream.feed(c.text, c.finish_reason is not None)
         lps = None if c.logprobs is None else {"content": [self.texts.chat_entry(lp) for lp in c.logprobs]}
-        chunks = []
-        if content or lps:
-            chunks.append(self._chunk(index, logprobs=lps, delta={"content": content}))
-        if calls:
-            chunks.append(self._chunk(index, delta={"tool_calls": calls}))
+        deltas = [d for d in ({"reasoning_content": thought} if thought else None,
+                              {"content": content} if content else None, {"tool_calls": calls} if calls else None) if d]
+        if lps and not deltas:
+            deltas = [{"content": ""}]
+        chunks = [self._chunk(index, logprobs=lps if i == 0 else None, delta=d) for i, d in enumerate(deltas)]
         if c.finish_reason is not None:
             self._finished.add(index)
-            reason = openai_tools.finish_reason_of(self._tools, c.finish_reason, stream.num_calls > 0)
+            reason = openai_tools.finish_reason_of(self._tools, c.finish_reason, stream.made_calls)
             chunks.append(self._chunk(index, reason, delta={}))
         return chunks
 

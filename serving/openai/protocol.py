@@ -93,6 +93,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     add_generation_prompt: bool = True  # vLLM's extra: end the prompt with the assistant's turn
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: more template variables
 
 
 class TokenizeRequest(_Body):
@@ -102,6 +103,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # for a prompt (messages: the chat template writes its own)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

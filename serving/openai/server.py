@@ -23,6 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from jaxinfer.loader import DEFAULT_MODEL_FILE
+from jaxinfer.tokenizer.reasoning import reasoning_parser
 from jaxinfer.tokenizer.tool_calls import resolve_parser
 from serving.convert import ModelLimits
 from serving.engine_loop import EngineLoop
@@ -51,6 +52,7 @@ class HttpOptions:
     shutdown_timeout_s: float = 5.0  # what uvicorn waits for open connections once told to stop
     tool_call_parser: str = "auto"   # how tool_choice "auto" outputs are read: auto (from the chat
                                      # template), none, or a format of jaxinfer.tokenizer.tool_calls
+    reasoning_parser: str | None = None  # split chat outputs' reasoning_content off (qwen3, deepseek_r1)
 
 
 def served_model_name(model_path: object) -> str:
@@ -78,7 +80,8 @@ class HttpServer:
         template = getattr(engine.tokenizer, "chat_template", None)
         tool_parser = resolve_parser(options.tool_call_parser, template)
         logger.info("tool calls (tool_choice auto) read as: %s", tool_parser.name if tool_parser else "none")
-        ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser)
+        reasoning = None if options.reasoning_parser is None else reasoning_parser(options.reasoning_parser)
+        ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser, reasoning)
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
         self.gate = Gate(build_app(ctx, metrics), admission=admission, max_body_bytes=options.max_body_bytes,

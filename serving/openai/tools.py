@@ -1,28 +1,64 @@
-"""Tool calls in OpenAI's shapes (serving/tools.py reads the request and the text): a whole
-choice's `message.tool_calls` and finish_reason, and a streamed choice's deltas.
+"""Tool calls and reasoning in OpenAI's shapes (serving/tools.py reads the request and the text;
+jaxinfer.tokenizer.reasoning splits the thinking off): a whole choice's message with
+`reasoning_content`, `content` and `tool_calls` and its finish_reason, and a streamed choice's
+deltas.
 
 A choice with calls ends with finish_reason "tool_calls" (a named function keeps "stop", as
-OpenAI's does). Streamed, content is shown as soon as it cannot be the start of a call, and each
-call goes out whole in one delta once it can no longer change; a named function's arguments
-stream as they are generated.
+OpenAI's does). Streamed, reasoning goes out as `delta.reasoning_content` as it comes; content
+as soon as it cannot be the start of a call; each call whole in one delta once it can no longer
+change; a named function's arguments as they are generated.
 """
 from __future__ import annotations
 
+from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCall
 from serving.tools import ToolRequest, new_call_id
 
 
-def message(request: ToolRequest, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-    """A whole choice's message and finish_reason."""
+def message(request: ToolRequest | None, text: str, finish_reason: str | None,
+            reasoning: ReasoningParser | None = None) -> tuple[dict, str | None]:
+    """A whole choice's message and finish_reason (`reasoning`: the server's reasoning parser)."""
+    thought, text = reasoning.split(text) if reasoning is not None else (None, text)
+    fields = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        fields["reasoning_content"] = thought
+    if request is None:
+        return fields, finish_reason
     parsed = request.parse(text)
-    fields = {"role": "assistant", "content": parsed.content}
+    fields["content"] = parsed.content
     if parsed.tool_calls:
         fields["tool_calls"] = [_openai_call(call) for call in parsed.tool_calls]
     return fields, finish_reason_of(request, finish_reason, bool(parsed.tool_calls))
 
 
-def finish_reason_of(request: ToolRequest, reason: str | None, made_calls: bool) -> str | None:
+def finish_reason_of(request: ToolRequest | None, reason: str | None, made_calls: bool) -> str | None:
+    if request is None:
+        return reason
     return "tool_calls" if made_calls and reason == "stop" and request.mode != "named" else reason
+
+
+class ChoiceStream:
+    """One streamed chat choice read for reasoning and/or tool calls: each text delta ->
+    (reasoning, content, tool_call deltas)."""
+
+    def __init__(self, tools: ToolRequest | None, reasoning: ReasoningParser | None):
+        self.tools = None if tools is None else ToolStream(tools)
+        self.reasoning = None if reasoning is None else reasoning.stream()
+
+    @property
+    def made_calls(self) -> bool:
+        return self.tools is not None and self.tools.num_calls > 0
+
+    def feed(self, delta: str, final: bool) -> tuple[str, str, list[dict]]:
+        thought = ""
+        if self.reasoning is not None:
+            thought, delta = self.reasoning.feed(delta)
+            if final:
+                more_thought, more = self.reasoning.finish()
+                thought, delta = thought + more_thought, delta + more
+        if self.tools is None:
+            return thought, delta, []
+        return thought, *self.tools.feed(delta, final)
 
 
 def _openai_call(call: ToolCall) -> dict:

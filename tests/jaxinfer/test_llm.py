@@ -181,6 +181,19 @@ def test_chat_renders_tools_with_a_template_that_takes_them(llm, monkeypatch):
         llm.render_chat(QUESTION, tools="get_weather")
 
 
+def test_chat_template_kwargs_reach_the_template(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{% if enable_thinking is false %}/no_think {% endif %}"
+                                                         "{{ messages[0].content }}")
+    ids = llm.render_chat(QUESTION, chat_template_kwargs={"enable_thinking": False})
+    assert llm.tokenizer.decode(ids) == "/no_think " + QUESTION[0]["content"]
+    with pytest.raises(ValueError, match=r"chat_template_kwargs\['add_generation_prompt'\]"):
+        llm.chat(QUESTION, chat_template_kwargs={"add_generation_prompt": False})
+    out = io.StringIO()
+    line = {"id": "k", "messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 2}
+    run_batch(llm, io.StringIO(json.dumps(line)), out, greedy())
+    assert json.loads(out.getvalue())["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_cli_batch_checks_paths_first_and_never_empties_old_results(capsys, tmp_path):
     old = tmp_path / "results.jsonl"
     old.write_text('{"id": "kept"}\n')
@@ -193,10 +206,16 @@ def test_cli_batch_checks_paths_first_and_never_empties_old_results(capsys, tmp_
     assert old.read_text() == '{"id": "kept"}\n'
 
 
-def test_cli_generate_prints_only_the_text(capsys, tmp_path):
+def test_cli_generate_prints_only_the_text(capsys, tmp_path, llm):
     argv = ["generate", "--chat", QUESTION[0]["content"], "--max-tokens", "32", *SMALL_ARGS]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
+    # --chat-template renders the prompt instead of the checkpoint's template
+    template = "<|im_start|>user\n{{ messages[0].content }}<|im_end|>\n<|im_start|>assistant\n"
+    assert cli.main([*argv[:4], "1", "--output-format", "jsonl", "--chat-template", template, *SMALL_ARGS]) == 0
+    ids = llm.tokenizer.encode(f"<|im_start|>user\n{QUESTION[0]['content']}<|im_end|>\n<|im_start|>assistant",
+                               add_special_tokens=False)  # jinja drops a template's last newline, as HF's does
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len(ids) < len(llm.render_chat(QUESTION))
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP API of a real `jaxinfer serve` process (the embedded SmolLM2, gRPC
 on too) driven by the official `openai` client and by raw HTTP: chat and completions streamed or
 not, n, stop, seeds, logprobs, errors with their status and field, SSE framing byte for byte,
-models / health / metrics / tokenize / detokenize, disconnects that free the KV pages, and gRPC
-beside HTTP on the same engine."""
+models / health / metrics / tokenize / detokenize, disconnects that free the KV pages, gRPC
+beside HTTP on the same engine, tool calling over both (named and required choices constrained
+to valid calls, hermes-format calls read out of the text whole and streamed), and reasoning
+split off as reasoning_content (the server reads qwen3's <think>; SmolLM2 writes none unless
+its output is forced to)."""
 import json
 import re
 import socket
@@ -14,6 +17,7 @@ import openai
 import pytest
 from openai_support import ServedProcess, metric, raw_request, wait_for
 
+from jaxinfer.cli import main
 from serving.client import Client
 from serving.proto import jaxinfer_pb2 as pb
 
@@ -22,7 +26,7 @@ KEYS = ("sk-first-key", "sk-second-key")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
         "--max-num-seqs", "8", "--num-pages", "128", "--no-penalties", "--port", "0", "--http-port", "0",
-        "--max-body-bytes", str(1 << 20)]
+        "--max-body-bytes", str(1 << 20), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
 
 
 @pytest.fixture(scope="module")
@@ -294,3 +298,144 @@ def test_structured_output_over_grpc(grpc_client):
         grpc_client.generate("Hi", max_tokens=4, timeout=60, structured_output=pb.StructuredOutput(regex="(open"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("sampling.structured_output: regex:"), err.value.details()
+
+
+# --- tool calling (the server reads hermes-format calls: --tool-call-parser) -----------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
+                                         "parameters": {"type": "object", "properties": {
+                                             "city": {"type": "string", "maxLength": 20}},
+                                             "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def create_with_tools(client, **kwargs):
+    kwargs = {"messages": ASK, "temperature": 0, "max_tokens": 60, "tools": [WEATHER, TIME], **kwargs}
+    return client.chat.completions.create(model=MODEL, **kwargs)
+
+
+def streamed(client, **kwargs) -> tuple[str, dict, str]:
+    """(content, {index: call with its arguments joined}, finish_reason) of a streamed choice."""
+    content, calls, finish = "", {}, None
+    for chunk in create_with_tools(client, stream=True, **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            call["arguments"] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_a_named_function_gets_valid_arguments(client):
+    reply = create_with_tools(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    content, calls, finish = streamed(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert content == "" and finish == "stop" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+
+
+def test_required_makes_at_least_one_valid_call(client):
+    reply = create_with_tools(client, tool_choice="required", parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    content, calls, finish = streamed(client, tool_choice="required", parallel_tool_calls=False)
+    assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (call.function.name, call.function.arguments)]
+
+
+def test_auto_reads_calls_out_of_the_text(client):
+    # the model's text forced to a hermes call: what a tool-tuned model writes
+    reply = create_with_tools(client, extra_body={"guided_choice": [f"Let me check.\n{CALL}"]})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"city": "Oslo"})
+    content, calls, finish = streamed(client, extra_body={"guided_choice": [f"Let me check.\n{CALL}"]})
+    assert (content, finish) == ("Let me check.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_time", call.function.arguments)]
+    # text that makes no call is the content, unchanged
+    plain = create_with_tools(client, extra_body={"guided_choice": ["No <tool_call> needed."]}).choices[0]
+    assert plain.message.content == "No <tool_call> needed." and plain.message.tool_calls is None
+    assert plain.finish_reason == "stop"
+
+
+def test_a_conversation_with_a_tool_result(client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "sky": "clear"}'}]
+    reply = create_with_tools(client, messages=messages, tool_choice="none", max_tokens=16)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+    plain = create_with_tools(client, messages=messages[:1], tool_choice="none", max_tokens=1)
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 10  # the tool's result is in the prompt
+    with pytest.raises(openai.BadRequestError) as info:
+        create_with_tools(client, messages=messages[:2] + [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}]}])
+    assert info.value.body["param"] == "messages[2].tool_calls[0].function.arguments"
+
+
+def test_grpc_gets_the_same_calls(client, grpc_client):
+    assert grpc_client.model_info().tool_call_format == "hermes"  # --tool-call-parser
+    named = create_with_tools(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    got = grpc_client.generate(messages=ASK, tools=[WEATHER, TIME], tool_choice="get_weather", temperature=0,
+                               max_tokens=60).outputs[0]
+    (call,) = got.tool_calls
+    assert call.id.startswith("call_") and call.name == "get_weather" and got.content == ""
+    assert call.arguments == named.choices[0].message.tool_calls[0].function.arguments == got.text
+    forced = pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choices=[f"Let me check.\n{CALL}"]))
+    got = grpc_client.generate(messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=60,
+                               structured_output=forced).outputs[0]
+    assert got.text == f"Let me check.\n{CALL}" and got.content == "Let me check." and got.finish_reason == "stop"
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == [("get_time", {"city": "Oslo"})]
+    plain = grpc_client.generate(messages=ASK, temperature=0, max_tokens=4).outputs[0]
+    # no tools: no calls; the reasoning parser still reads it (and finds no reasoning)
+    assert plain.tool_calls == [] and plain.content == plain.text and plain.reasoning_content is None
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_client.generate(messages=ASK, tools=[WEATHER], tool_choice="get_wind", max_tokens=4)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("chat.tool_choice.function.name='get_wind': not among the tools")
+
+
+def test_the_client_command_sends_tools(served, tmp_path, capsys):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER, TIME]))
+    argv = ["client", "--server", served.grpc, "generate", "--chat", ASK[0]["content"], "--tools", str(tools),
+            "--tool-choice", "get_time", "--max-tokens", "40", "--temperature", "0", "--output-format", "jsonl"]
+    assert main(argv) == 0
+    last = json.loads(capsys.readouterr().out.splitlines()[-1])
+    (call,) = last["outputs"][0]["tool_calls"]
+    assert call["name"] == "get_time" and set(json.loads(call["arguments"])) == {"city"}
+    assert main([*argv[:6], "--tools", "[oops"]) == 2
+    assert "--tools '[oops': neither a file nor a JSON list" in capsys.readouterr().err
+
+
+def test_reasoning_is_split_off_over_both_transports(client, grpc_client):
+    thinking = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
+    forced = {"guided_choice": [thinking]}
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, extra_body=forced)
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == ("The capital of France is Paris.", "Paris.")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, stream=True,
+                                                 extra_body=forced))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == "Paris."
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    assert plain.choices[0].message.content == "The capital of France is Paris."
+    assert plain.choices[0].message.reasoning_content is None  # SmolLM2 does not think
+    choice = pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choices=[thinking]))
+    got = grpc_client.generate(messages=QUESTION, max_tokens=40, structured_output=choice).outputs[0]
+    assert (got.text, got.reasoning_content, got.content) == (thinking, "The capital of France is Paris.", "Paris.")

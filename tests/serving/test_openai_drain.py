@@ -75,6 +75,7 @@ def test_http_only_server_drains_on_sigterm(served):
     (["--http-port", "0", "--api-keys-file", "/nonexistent/keys"], "--api-keys-file /nonexistent/keys: does not exist"),
     (["--http-port", "0", "--max-body-bytes", "0"], "--max-body-bytes 0: must be >= 1"),
     (["--http-port", "0", "--tool-call-parser", "xml"], "--tool-call-parser xml: unknown; choose one of hermes,"),
+    (["--http-port", "0", "--reasoning-parser", "none"], "--reasoning-parser none: unknown; choose one of deepseek_r1"),
 ])
 def test_serve_refuses_bad_http_flags_before_loading(args, message, capsys):
     assert main(["serve", *args]) == 2

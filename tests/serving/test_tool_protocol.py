@@ -24,7 +24,7 @@ from serving.openai.inputs import chat_inputs
 from serving.openai.protocol import ChatCompletionRequest
 from serving.openai.tools import ToolStream, message
 from serving.proto import jaxinfer_pb2 as pb
-from serving.tools import ToolReplies, tool_request
+from serving.tools import ChatReplies, tool_request
 
 LIMITS = ModelLimits(vocab_size=49152, max_model_len=512, penalties_enabled=False, max_n=4)
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -255,7 +255,7 @@ def test_grpc_tool_errors_name_the_field(tok, chat, message):
 
 
 def test_grpc_finishing_deltas_carry_the_calls():
-    replies = ToolReplies(tool_request([WEATHER], None, None, HermesParser()))
+    replies = ChatReplies(tool_request([WEATHER], None, None, HermesParser()))
     first = convert.response(output("Checking.\n<tool_call>", None), replies)
     assert not first.outputs[0].tool_calls and not first.outputs[0].HasField("content")
     last = convert.response(output('{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'), replies)
@@ -264,3 +264,59 @@ def test_grpc_finishing_deltas_carry_the_calls():
     assert [(c.name, c.arguments) for c in delta.tool_calls] == [("get_weather", '{"city": "Oslo"}')]
     assert delta.tool_calls[0].id.startswith("call_")
     assert not convert.response(output("x")).outputs[0].HasField("content")  # no tools: nothing read
+
+
+def test_reasoning_then_calls_whole_and_streamed():
+    from jaxinfer.tokenizer.reasoning import reasoning_parser
+
+    qwen3, auto = reasoning_parser("qwen3"), tool_request([WEATHER, TIME], None, None, HermesParser())
+    text = ('<think>\nThe user wants weather.\n</think>\n\nChecking.\n<tool_call>\n{"name": "get_time", '
+            '"arguments": {}}\n</tool_call>')
+    head = outputs.ResponseHeader("chatcmpl-1", "chat.completion", 0, "m")
+    choice = outputs.chat_response(head, output(text), outputs.TokenTexts(None), auto, qwen3)["choices"][0]
+    assert choice["message"]["reasoning_content"] == "The user wants weather."
+    assert choice["message"]["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    plain = outputs.chat_response(head, output("Paris."), outputs.TokenTexts(None), None, qwen3)["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "Paris.", "reasoning_content": None}
+    head.object = "chat.completion.chunk"
+    for tools in (auto, None):
+        writer = outputs.ChunkWriter(head, 1, outputs.TokenTexts(None), False, tools=tools, reasoning=qwen3)
+        chunks = []
+        for i in range(0, len(text), 5):
+            chunks += writer.deltas(0, output(text[i:i + 5], None if i + 5 < len(text) else "stop"))
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
+        whole, _ = message(tools, text, "stop", qwen3)
+        assert "".join(d.get("content", "") for d in deltas) == whole["content"]
+        assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [
+            c["function"] for c in whole.get("tool_calls", [])]
+
+
+def test_chat_template_kwargs_reach_the_template(tok):
+    template = "{% if enable_thinking is false %}NO-THINK {% endif %}{{ messages[0].content }}"
+    tok_template, tok.chat_template = tok.chat_template, template
+    try:
+        inputs = chat(tok, chat_template_kwargs={"enable_thinking": False})
+        assert tok.decode(inputs.prompts[0]) == "NO-THINK Weather in Paris?"
+        chat_kwargs = json.dumps({"enable_thinking": False})
+        assert tok.decode(convert.render_chat(tok, grpc_chat(chat_template_kwargs_json=chat_kwargs))) == \
+            "NO-THINK Weather in Paris?"
+        with pytest.raises(APIError) as info:
+            chat(tok, chat_template_kwargs={"messages": []})
+        assert info.value.param == "chat_template_kwargs" and "set by the request itself" in info.value.message
+        with pytest.raises(RequestError, match=r"^chat\.chat_template_kwargs=\[1\]: must be an object"):
+            convert.render_chat(tok, grpc_chat(chat_template_kwargs_json="[1]"))
+    finally:
+        tok.chat_template = tok_template
+
+
+def test_grpc_finishing_deltas_carry_the_reasoning():
+    from jaxinfer.tokenizer.reasoning import reasoning_parser
+
+    request = pb.GenerateRequest(chat=grpc_chat())
+    replies = convert.chat_replies(request, None, reasoning_parser("deepseek_r1"))
+    delta = convert.response(output("Hmm.\n</think>\n\nParis."), replies).outputs[0]
+    assert (delta.reasoning_content, delta.content, len(delta.tool_calls)) == ("Hmm.", "Paris.", 0)
+    assert convert.chat_replies(pb.GenerateRequest(text="x"), None, reasoning_parser("qwen3")) is None
+    assert convert.chat_replies(request, None, None) is None
