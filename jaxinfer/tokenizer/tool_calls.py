@@ -165,7 +165,8 @@ class MistralParser(ToolCallParser):
                 return [], tail
             calls = [_from_object(o) for o in objs] if isinstance(objs, list) else [None]
         else:  # v11: [TOOL_CALLS]name[ARGS]{...} per call
-            calls = [_call(*p.split("[ARGS]", 1)) if "[ARGS]" in p else None for p in parts]
+            calls = [_call(p.split("[ARGS]", 1)[0].strip(), p.split("[ARGS]", 1)[1]) if "[ARGS]" in p else None
+                     for p in parts]
         if not calls or None in calls:
             return [], tail
         return calls, ""
