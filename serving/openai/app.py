@@ -67,8 +67,8 @@ class _Endpoints:
             raise bad_request("prompt", "prompt: send exactly one of prompt and messages")
         if req.messages is not None:
             # the chat template writes its own special tokens, exactly as for a chat completion
-            ids = await ctx.in_worker(render_messages, req.messages, ctx.tokenizer, req.add_generation_prompt, None,
-                                      req.chat_template_kwargs)
+            ids = await ctx.in_worker(render_messages, req.messages, ctx.tokenizer, req.add_generation_prompt,
+                                      req.tools, req.chat_template_kwargs)
         else:
             ids = await ctx.in_worker(ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids})

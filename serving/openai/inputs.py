@@ -13,13 +13,13 @@ import re
 from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
-from serving import convert
-from serving.convert import ModelLimits, RequestError
 from jaxinfer.tokenizer.chat_template import check_template_kwargs
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
+from serving import convert
+from serving.convert import ModelLimits, RequestError
 from serving.openai.errors import bad_request
 from serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from serving.tools import ToolRequest, sampling_updates, template_call, tool_request
+from serving.tools import ToolRequest, checked_tools, sampling_updates, template_call, tool_request
 
 # Request fields that are SamplingParams fields of the same name and meaning.
 _SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -114,6 +114,8 @@ def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None, ad
         extra = check_template_kwargs(template_kwargs)
     except ValueError as e:
         raise bad_request("chat_template_kwargs", str(e)) from None
+    with _named_400():
+        tools = None if tools is None else checked_tools(tools)
     if not messages:
         raise bad_request("messages", "messages: empty")
     if tokenizer is None:

@@ -104,6 +104,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True  # for a prompt (messages: the chat template writes its own)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None  # with messages: rendered by the chat template, as in a chat completion
 
 
 class DetokenizeRequest(_Body):

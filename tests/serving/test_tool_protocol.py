@@ -320,3 +320,14 @@ def test_grpc_finishing_deltas_carry_the_reasoning():
     assert (delta.reasoning_content, delta.content, len(delta.tool_calls)) == ("Hmm.", "Paris.", 0)
     assert convert.chat_replies(pb.GenerateRequest(text="x"), None, reasoning_parser("qwen3")) is None
     assert convert.chat_replies(request, None, None) is None
+
+
+def test_tokenize_renders_tools_as_chat_does(tok):
+    from serving.openai.inputs import render_messages
+    from serving.openai.protocol import TokenizeRequest
+
+    req = TokenizeRequest.model_validate({"messages": USER, "tools": [WEATHER]})
+    assert render_messages(req.messages, tok, True, req.tools) == chat(tok, tools=[WEATHER]).prompts[0]
+    with pytest.raises(APIError) as info:
+        render_messages(req.messages, tok, True, [{"type": "function", "function": {"name": ""}}])
+    assert info.value.param == "tools[0].function.name"
