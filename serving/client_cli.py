@@ -81,7 +81,7 @@ def _tools_arg(value: str | None) -> list | None:
     text = open(value, encoding="utf-8").read() if os.path.isfile(value) else value
     try:
         tools = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"--tools {value[:80]!r}: neither a file nor a JSON list ({e})") from None
     if not isinstance(tools, list):
         raise ValueError(f"--tools {value[:80]!r}: must be a JSON list of tools")

@@ -159,7 +159,7 @@ def _json_field(text: str, field: str):
         return None
     try:
         return json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise RequestError(f"{field}: not valid JSON ({e})") from None
 
 

@@ -149,7 +149,7 @@ def template_call(call, field: str) -> dict:
     arguments = fn.get("arguments", "{}")
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+    except (ValueError, RecursionError):
         arguments = None
     if not isinstance(arguments, dict):
         raise RequestError(f"{field}.function.arguments: must be a JSON object (as text)")

@@ -132,8 +132,8 @@ class StructuredOutput:
         if isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"StructuredOutput.json: not valid JSON ({e})") from e
+            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply
+                raise ValueError(f"StructuredOutput.json: not valid JSON ({e})") from None
             object.__setattr__(self, "json", schema)
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"StructuredOutput.json: a JSON schema must be an object, got {self.json!r:.60}")

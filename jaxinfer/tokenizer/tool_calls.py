@@ -42,7 +42,7 @@ def _call(name, arguments) -> ToolCall | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if arguments is None:
         arguments = {}
@@ -114,7 +114,7 @@ class HermesParser(ToolCallParser):
             pos = block.end()
             try:
                 call = _from_object(json.loads(block.group(1)))
-            except ValueError:
+            except (ValueError, RecursionError):
                 call = None
             if call is None:
                 leftover.append(block.group(0))
@@ -140,7 +140,7 @@ class Llama3JsonParser(ToolCallParser):
         while pos < len(body):
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return [], tail
             call = _from_object(obj)
             if call is None:
@@ -161,7 +161,7 @@ class MistralParser(ToolCallParser):
         if len(parts) == 1 and parts[0].startswith("["):
             try:
                 objs = json.loads(parts[0])
-            except ValueError:
+            except (ValueError, RecursionError):
                 return [], tail
             calls = [_from_object(o) for o in objs] if isinstance(objs, list) else [None]
         else:  # v11: [TOOL_CALLS]name[ARGS]{...} per call

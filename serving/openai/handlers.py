@@ -72,6 +72,8 @@ async def parse(request: Request, model: type[Body]) -> Body:
         data = json.loads(await request.body())
     except ValueError as e:
         raise bad_request(None, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # [[[[...]]]]: nested deeper than the parser goes
+        raise bad_request(None, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(None, "the body must be a JSON object")
     try:

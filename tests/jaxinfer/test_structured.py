@@ -36,8 +36,9 @@ def test_spec_validation_names_the_field():
         StructuredOutput(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutput()
-    with pytest.raises(ValueError, match="StructuredOutput.json: not valid JSON"):
-        StructuredOutput(json="{nope")
+    for text in ("{nope", "[" * 100_000):  # the second nested deeper than the parser goes
+        with pytest.raises(ValueError, match="StructuredOutput.json: not valid JSON"):
+            StructuredOutput(json=text)
     with pytest.raises(ValueError, match="StructuredOutput.choice"):
         StructuredOutput(choice=["a", ""])
     assert StructuredOutput(json=json.dumps(PERSON)).json == PERSON

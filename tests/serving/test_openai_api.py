@@ -133,6 +133,9 @@ def test_errors_have_openai_shape_and_status(client, served):
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
     status, _, body = raw_request(served, "POST", "/v1/completions", b"{not json", key=KEYS[0])
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    status, _, body = raw_request(served, "POST", "/v1/chat/completions", b"[" * 200_000 + b"]" * 200_000,
+                                  key=KEYS[0])
+    assert status == 400 and "nested too deeply" in json.loads(body)["error"]["message"]
 
 
 def test_logit_bias_forces_and_bans_tokens(client, grpc_client):

@@ -239,6 +239,10 @@ def test_grpc_tool_choices_and_their_sampling(tok):
 
 @pytest.mark.parametrize("chat, message", [
     (dict(tools_json="[{"), "chat.tools_json: not valid JSON"),
+    (dict(tools_json="[" * 100_000 + "]" * 100_000), "chat.tools_json: not valid JSON"),  # nested too deeply
+    (dict(messages=[pb.ChatMessage(role="assistant", tool_calls_json=json.dumps(
+        [{"function": {"name": "f", "arguments": "[" * 100_000}}]))]),
+     "chat.messages[0].tool_calls_json[0].function.arguments: must be a JSON object"),
     (dict(tools_json='[{"type": "function", "function": {"name": "a b"}}]'), "chat.tools[0].function.name=\"a b\""),
     (dict(tool_choice="required"), 'chat.tool_choice="required": needs tools'),
     (dict(tools_json=json.dumps([WEATHER]), tool_choice="get_time"), "chat.tool_choice.function.name='get_time'"),
