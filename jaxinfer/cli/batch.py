@@ -52,6 +52,8 @@ def parse_line(line: str, lineno: int, defaults: SamplingParams,
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"line {lineno}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"line {lineno}: not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise ValueError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
     rid = str(obj.get("id", lineno))

@@ -135,11 +135,12 @@ def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
         json.dumps({"id": "m8", "messages": [{"role": "user", "content": 42}]}),
         json.dumps({"id": "g", "messages": "hello"}),
         json.dumps({"id": "h", "prompt": "Hi", "stop": 5}),
+        "[" * 100_000,
     ])
     out = io.StringIO()
     stats = run_batch(llm, io.StringIO(lines), out, greedy())
     records = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert stats.failed >= 6 and stats.served + stats.failed == len(records) == 9
+    assert stats.failed >= 7 and stats.served + stats.failed == len(records) == 10
     assert records[0]["id"] == "a" and records[0]["outputs"][0]["text"] == "The capital of France is Paris."
     assert "line 2: not valid JSON" in records[1]["error"]
     assert "line 3" in records[2]["error"] and "temperature" in records[2]["error"]
@@ -149,6 +150,7 @@ def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
     for record, lineno in zip(records[6:], (7, 8, 9)):  # served, or refused with its line named
         assert "outputs" in record or f"line {lineno}" in record["error"]
     assert "line 8" in records[7]["error"] and "stop=5" in records[8]["error"]
+    assert records[9]["error"].startswith("line 10: not valid JSON (nested too deeply)")
     assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
 
 
