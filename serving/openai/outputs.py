@@ -149,7 +149,7 @@ class ChunkWriter:
         lps = None if c.logprobs is None else {"content": [self.texts.chat_entry(lp) for lp in c.logprobs]}
         deltas = [d for d in ({"reasoning_content": thought} if thought else None,
                               {"content": content} if content else None, {"tool_calls": calls} if calls else None) if d]
-        if lps and not deltas:
+        if c.logprobs and not deltas:  # new tokens whose text is held back: their logprobs go now
             deltas = [{"content": ""}]
         chunks = [self._chunk(index, logprobs=lps if i == 0 else None, delta=d) for i, d in enumerate(deltas)]
         if c.finish_reason is not None:
