@@ -91,6 +91,8 @@ def test_a_format_whose_marker_is_special_keeps_special_tokens(tok):
 @pytest.mark.parametrize("body, param, words", [
     (dict(tools={"type": "function"}), "tools", "non-empty list"),
     (dict(tools=[]), "tools", "non-empty list"),
+    (dict(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]), "tools",
+     "129 tools; at most 128"),
     (dict(tools=[{"type": "retrieval"}]), "tools[0].type", '"retrieval": only "function" tools'),
     (dict(tools=[{"type": "function"}]), "tools[0].function", "required"),
     (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name", '"a b": must be'),
