@@ -182,7 +182,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         tools = convert.chat_tools(request.chat, self.tool_parser) if request.HasField("chat") else None
         params = convert.with_tools(params, tools, request.sampling)
         convert.check_params(params, self._limits, len(ids))
-        return ids, params, convert.chat_replies(request, tools, self.reasoning)
+        return ids, params, convert.chat_replies(request, tools, self.reasoning, params.structured_output)
 
     # --- unary RPCs -----------------------------------------------------------------------------
     async def Tokenize(self, request: pb.TokenizeRequest,

@@ -78,6 +78,12 @@ class ChatReplies:
         return thought, (ParsedText(rest, ()) if self.tools is None else self.tools.parse(rest))
 
 
+def reasoning_for(reasoning: ReasoningParser | None, structured_output) -> ReasoningParser | None:
+    """How a request's output is read for reasoning: a constrained one only where it writes
+    `<think>` (a grammar that constrains the whole output leaves no room for implied reasoning)."""
+    return reasoning if reasoning is None or structured_output is None else reasoning.explicit()
+
+
 def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallParser | None) -> ToolRequest | None:
     """The request's tools and tool_choice checked (RequestError naming the field); None without
     tools."""

@@ -103,6 +103,11 @@ class ReasoningParser:
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.implicit)
 
+    def explicit(self) -> ReasoningParser:
+        """This format, reading reasoning only where the output writes `<think>` itself: for an
+        output a grammar constrains (it cannot have started inside a reasoning)."""
+        return ReasoningParser(self.name, False)
+
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning, content) of a whole output; reasoning None when it has none (or it is empty)."""
         stream = self.stream()

@@ -38,6 +38,7 @@ from serving.openai.generation import EngineRequests, unless_disconnected
 from serving.openai.inputs import EngineInputs, chat_inputs, completion_inputs
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serving.request_log import RequestRecord
+from serving.tools import reasoning_for
 
 logger = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=pydantic.BaseModel)
@@ -128,14 +129,15 @@ async def chat_completions(ctx: ApiContext, request: Request) -> Response:
                                   ctx.model_name)
     record = _admitted(request, head.id, req, inputs,
                        lambda: [m.model_dump(exclude_none=True) for m in req.messages])
+    reasoning = reasoning_for(ctx.reasoning, inputs.params.structured_output)
     if req.stream:
         head.object = "chat.completion.chunk"
         writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), tools=inputs.tools,
-                                     reasoning=ctx.reasoning)
+                                     reasoning=reasoning)
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     (result,) = await unless_disconnected(request.receive, _collect(requests))
-    return JSONResponse(outputs.chat_response(head, result, ctx.texts, inputs.tools, ctx.reasoning))
+    return JSONResponse(outputs.chat_response(head, result, ctx.texts, inputs.tools, reasoning))
 
 
 async def _collect(requests: EngineRequests) -> list:

@@ -337,3 +337,22 @@ def test_tokenize_renders_tools_as_chat_does(tok):
     with pytest.raises(APIError) as info:
         render_messages(req.messages, tok, True, [{"type": "function", "function": {"name": ""}}])
     assert info.value.param == "tools[0].function.name"
+
+
+def test_a_constrained_output_has_reasoning_only_where_it_writes_think():
+    from jaxinfer.sampling import StructuredOutput
+    from jaxinfer.tokenizer.reasoning import reasoning_parser
+    from serving.tools import reasoning_for
+
+    r1, spec = reasoning_parser("deepseek_r1"), StructuredOutput(json_object=True)
+    assert r1.split('{"a": 1}') == ('{"a": 1}', "")  # free output: starts inside the reasoning
+    assert reasoning_for(r1, spec).split('{"a": 1}') == (None, '{"a": 1}')  # a grammar made it: no reasoning
+    assert reasoning_for(r1, spec).split("<think>x</think>{}") == ("x", "{}")
+    assert reasoning_for(r1, None) is r1 and reasoning_for(None, spec) is None
+    named = tool_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, None)
+    message_, _ = message(named, '{"city": "Oslo"}', "stop", reasoning_for(r1, named.structured_output))
+    assert message_["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert message_["reasoning_content"] is None
+    request = pb.GenerateRequest(chat=grpc_chat())
+    delta = convert.response(output('{"a": 1}'), convert.chat_replies(request, None, r1, spec)).outputs[0]
+    assert delta.content == '{"a": 1}' and not delta.HasField("reasoning_content")
