@@ -113,9 +113,9 @@ class InferenceServer:
         keys = opts.api_keys or ((opts.auth_token,) if opts.auth_token else ())
         return HttpServer(self.engine_loop, self.servicer.limits, HttpOptions(
             host=opts.http_host, port=opts.http_port, served_model_name=opts.served_model_name, api_keys=keys,
-            max_body_bytes=opts.max_body_bytes, tls_cert_file=opts.tls_cert_file, tls_key_file=opts.tls_key_file,
-            tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser),
-            admission=admission, metrics=self.metrics, executor=self._executor, request_log=self.request_log)
+            max_body_bytes=opts.max_body_bytes, tls_cert_file=opts.tls_cert_file, tls_key_file=opts.tls_key_file),
+            admission=admission, metrics=self.metrics, executor=self._executor, request_log=self.request_log,
+            tool_parser=self.servicer.tool_parser, reasoning=self.servicer.reasoning)
 
     @property
     def address(self) -> str:

@@ -31,8 +31,6 @@ import jax
 from google.protobuf import json_format
 
 from jaxinfer.sampling import MAX_LOGPROBS
-from jaxinfer.tokenizer.reasoning import reasoning_parser as reasoning_parser_named
-from jaxinfer.tokenizer.tool_calls import resolve_parser
 from serving import convert
 from serving.convert import ModelLimits, RequestError
 from serving.engine_loop import EngineLoop, RequestRejected, ServerShuttingDown
@@ -40,6 +38,7 @@ from serving.limits import Grant, RateLimited, RateLimiter, token_cost
 from serving.proto import jaxinfer_pb2 as pb
 from serving.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.request_log import RequestLog, RequestRecord
+from serving.tools import output_readers
 
 logger = logging.getLogger(__name__)
 GENERATE = "/jaxinfer.v1.InferenceService/Generate"
@@ -57,8 +56,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                  request_log: RequestLog | None = None, key_id: str | None = None, tool_call_parser: str = "auto",
                  reasoning_parser: str | None = None):
         engine = engine_loop.engine
-        self.tool_parser = resolve_parser(tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
-        self.reasoning = None if reasoning_parser is None else reasoning_parser_named(reasoning_parser)
+        self.tool_parser, self.reasoning = output_readers(engine.tokenizer, tool_call_parser, reasoning_parser)
         self._engine_loop = engine_loop
         self._tokenizer = engine.tokenizer
         self._limits = ModelLimits(vocab_size=engine.model.config.vocab_size,

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import uuid
 
 from jaxinfer.sampling import StructuredOutput
 from jaxinfer.tokenizer.reasoning import ReasoningParser
-from jaxinfer.tokenizer.tool_calls import ParsedText, ToolCall, ToolCallParser
+from jaxinfer.tokenizer.reasoning import reasoning_parser as named_reasoning_parser
+from jaxinfer.tokenizer.tool_calls import ParsedText, ToolCall, ToolCallParser, resolve_parser
 from serving.errors import RequestError
+
+logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_TOOLS = 128  # OpenAI's limit; "required" compiles an anyOf over all of them (~0.4 ms a tool here)
@@ -76,6 +80,16 @@ class ChatReplies:
         thought, rest = (None, self._texts.pop(index)) if self.reasoning is None else \
             self.reasoning.split(self._texts.pop(index))
         return thought, (ParsedText(rest, ()) if self.tools is None else self.tools.parse(rest))
+
+
+def output_readers(tokenizer, tool_call_parser: str, reasoning_parser: str | None):
+    """A server's (tool-call format, reasoning parser), from `--tool-call-parser` (auto: the one
+    the chat template shows) and `--reasoning-parser`; both transports read chat outputs with them."""
+    tool_parser = resolve_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
+    reasoning = None if reasoning_parser is None else named_reasoning_parser(reasoning_parser)
+    logger.info("chat outputs read for tool calls as %s, for reasoning as %s",
+                tool_parser.name if tool_parser else "none", reasoning.name if reasoning else "none")
+    return tool_parser, reasoning
 
 
 def reasoning_for(reasoning: ReasoningParser | None, structured_output) -> ReasoningParser | None:

@@ -23,8 +23,8 @@ from pathlib import Path
 import uvicorn
 
 from jaxinfer.loader import DEFAULT_MODEL_FILE
-from jaxinfer.tokenizer.reasoning import reasoning_parser
-from jaxinfer.tokenizer.tool_calls import resolve_parser
+from jaxinfer.tokenizer.reasoning import ReasoningParser
+from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.convert import ModelLimits
 from serving.engine_loop import EngineLoop
 from serving.metrics import ServerMetrics
@@ -50,9 +50,6 @@ class HttpOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     shutdown_timeout_s: float = 5.0  # what uvicorn waits for open connections once told to stop
-    tool_call_parser: str = "auto"   # how tool_choice "auto" outputs are read: auto (from the chat
-                                     # template), none, or a format of jaxinfer.tokenizer.tool_calls
-    reasoning_parser: str | None = None  # split chat outputs' reasoning_content off (qwen3, deepseek_r1)
 
 
 def served_model_name(model_path: object) -> str:
@@ -72,15 +69,13 @@ class _Server(uvicorn.Server):
 class HttpServer:
     def __init__(self, engine_loop: EngineLoop, limits: ModelLimits, options: HttpOptions, *,
                  admission: Admission, metrics: ServerMetrics | None = None,
-                 executor: concurrent.futures.Executor | None = None, request_log: RequestLog | None = None):
+                 executor: concurrent.futures.Executor | None = None, request_log: RequestLog | None = None,
+                 tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None):
+        """`tool_parser` / `reasoning`: how chat outputs are read, as the gRPC servicer reads them."""
         engine = engine_loop.engine
         self.options = options
         self.model_name = options.served_model_name or served_model_name(engine.model.path)
         executor = executor or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-http")
-        template = getattr(engine.tokenizer, "chat_template", None)
-        tool_parser = resolve_parser(options.tool_call_parser, template)
-        logger.info("tool calls (tool_choice auto) read as: %s", tool_parser.name if tool_parser else "none")
-        reasoning = None if options.reasoning_parser is None else reasoning_parser(options.reasoning_parser)
         ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser, reasoning)
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
