@@ -156,13 +156,16 @@ def _check_parsers(args: argparse.Namespace) -> None:
     from jaxinfer.tokenizer.reasoning import reasoning_parser
     from jaxinfer.tokenizer.tool_calls import tool_call_parser
 
-    for flag, value, known in (("--tool-call-parser", args.tool_call_parser, tool_call_parser),
-                               ("--reasoning-parser", args.reasoning_parser, reasoning_parser)):
-        if value not in (None, "auto", "none") or (value in ("auto", "none") and known is reasoning_parser):
-            try:
-                known(value)
-            except ValueError as e:
-                raise ValueError(f"{flag} {value}: {str(e).split(': ', 1)[1]}") from None
+    checks = []
+    if args.tool_call_parser not in ("auto", "none"):
+        checks.append(("--tool-call-parser", args.tool_call_parser, tool_call_parser))
+    if args.reasoning_parser is not None:
+        checks.append(("--reasoning-parser", args.reasoning_parser, reasoning_parser))
+    for flag, value, known in checks:
+        try:
+            known(value)
+        except ValueError as e:  # "tool_call_parser='x': unknown; choose one of ..."
+            raise ValueError(f"{flag} {value}: {str(e).split(': ', 1)[1]}") from None
 
 
 def _terminated_while_starting(signum, frame):
