@@ -16,6 +16,8 @@ the whole text at once, so a streamed choice adds up to the whole one.
 """
 from __future__ import annotations
 
+from jaxinfer.tokenizer.tool_calls import partial_marker_start
+
 START, END = "<think>", "</think>"
 
 
@@ -27,7 +29,6 @@ class ReasoningStream:
         self._state = "reasoning" if implicit else "start"
         self._implicit, self._buf = implicit, ""
         self._shown_any = False  # reasoning text shown already (so its leading whitespace is gone)
-        self.has_reasoning = implicit
 
     def feed(self, delta: str) -> tuple[str, str]:
         self._buf += delta
@@ -64,7 +65,7 @@ class ReasoningStream:
     def _decide(self) -> bool:
         body = self._buf.lstrip()
         if body.startswith(START):
-            self._buf, self._state, self.has_reasoning = body[len(START):], "reasoning", True
+            self._buf, self._state = body[len(START):], "reasoning"
             return True
         if START.startswith(body):
             return False  # empty, or a prefix of <think>: wait for more
@@ -85,12 +86,8 @@ class ReasoningStream:
             shown, self._buf, self._state = self._buf[:end].rstrip(), self._buf[end + len(END):], "after"
             self._shown_any = self._shown_any or bool(shown)
             return shown, True
-        keep = len(self._buf)
-        for n in range(min(len(END) - 1, keep), 0, -1):  # an end that could begin </think> waits
-            if END.startswith(self._buf[-n:]):
-                keep -= n
-                break
-        shown = self._buf[:keep].rstrip()  # trailing whitespace waits: it may precede </think>
+        # an end that could begin </think> waits, and so does trailing whitespace (it may precede it)
+        shown = self._buf[:partial_marker_start(self._buf, END)].rstrip()
         self._buf = self._buf[len(shown):]
         self._shown_any = self._shown_any or bool(shown)
         return shown, False

@@ -20,6 +20,7 @@ shown without risking half a marker) and `closed_end` (how far the calls are com
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import re
@@ -35,6 +36,15 @@ class ToolCall:
 class ParsedText:
     content: str | None              # the text outside the calls; None when there is none
     tool_calls: tuple[ToolCall, ...]
+
+
+def partial_marker_start(text: str, marker: str) -> int:
+    """Where an end of `text` that could be the start of `marker` begins (len(text): none); a
+    stream holds that end back until the next text says whether the marker follows."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return len(text) - n
+    return len(text)
 
 
 def _call(name, arguments) -> ToolCall | None:
@@ -58,7 +68,7 @@ def _from_object(obj) -> ToolCall | None:
     return _call(obj.get("name"), obj["arguments"] if "arguments" in obj else obj.get("parameters"))
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     """One output format. Subclasses set `name` and `start` and implement `_calls`."""
     name = ""
     start = ""                   # the marker that opens the calls
@@ -71,12 +81,7 @@ class ToolCallParser:
     def safe_length(self, text: str) -> int:
         """How much of `text` (with no call in it yet) is content whatever follows: all of it
         but an end that could begin the marker, and trailing whitespace."""
-        keep = len(text)
-        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-n:]):
-                keep = len(text) - n
-                break
-        return len(text[:keep].rstrip())
+        return len(text[:partial_marker_start(text, self.start)].rstrip())
 
     def closed_end(self, text: str) -> int:
         """The end of the last call that can no longer change (0: none before the output ends)."""
@@ -94,9 +99,9 @@ class ToolCallParser:
             content = f"{content}\n{extra}" if content else extra
         return ParsedText(content or None, tuple(calls))
 
+    @abc.abstractmethod
     def _calls(self, tail: str) -> tuple[list[ToolCall], str]:
         """The calls in the output from the marker on, and the text of it that is no call."""
-        raise NotImplementedError
 
 
 class HermesParser(ToolCallParser):
