@@ -88,23 +88,25 @@ def structured_message(spec: StructuredOutput) -> pb.StructuredOutput:
     return pb.StructuredOutput(**{spec.kind: getattr(spec, spec.kind)})
 
 
-def render_chat(tokenizer: Tokenizer, chat: pb.Chat) -> list[int]:
-    """Chat template -> token ids, exactly as LLM.render_chat does it (tools included)."""
+def render_chat(tokenizer: Tokenizer, chat: pb.Chat, tools: ToolRequest | None = None) -> list[int]:
+    """Chat template -> token ids, exactly as LLM.render_chat does it (tools included: the
+    chat's, checked here unless `tools` has them already)."""
     if not chat.messages:
         raise RequestError("chat.messages: empty")
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("chat: this model has no chat template")
     messages = [_chat_message(m, i) for i, m in enumerate(chat.messages)]
-    tools = _json_field(chat.tools_json, "chat.tools_json")
-    with _in_chat():
-        tools = None if tools is None else serving_tools.checked_tools(tools)
+    tool_list = None if tools is None else tools.tools
+    if tool_list is None and (raw := _json_field(chat.tools_json, "chat.tools_json")) is not None:
+        with _in_chat():
+            tool_list = serving_tools.checked_tools(raw)
     try:
         extra = check_template_kwargs(_json_field(chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json"))
     except ValueError as e:
         raise RequestError(f"chat.{e}") from None
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, tools=tools, **extra)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, tools=tool_list, **extra)
     except Exception as e:  # a template may raise on roles it does not know
         raise RequestError(f"chat.messages: the chat template rejected them: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -173,8 +175,10 @@ def _in_chat():
         raise RequestError(f"chat.{e}") from None
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[int]:
-    """The prompt as token ids, checked against the vocabulary and the context length."""
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits,
+                     tools: ToolRequest | None = None) -> list[int]:
+    """The prompt as token ids, checked against the vocabulary and the context length (`tools`:
+    a chat's, from chat_tools)."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestError("prompt: set one of text, token_ids or chat")
@@ -185,7 +189,7 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, l
             raise RequestError("text: the prompt is empty")
         ids = tokenizer.encode(request.text)
     elif kind == "chat":
-        ids = render_chat(tokenizer, request.chat)
+        ids = render_chat(tokenizer, request.chat, tools)
     else:
         ids = list(request.token_ids.ids)
         if not ids:

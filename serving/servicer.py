@@ -176,8 +176,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """Worker thread: the prompt's token ids, validated sampling parameters, and how a chat's
         output is read (tools, reasoning; None: not)."""
         params = convert.sampling_params(request.sampling)
-        ids = convert.prompt_token_ids(request, self._tokenizer, self._limits)
         tools = convert.chat_tools(request.chat, self.tool_parser) if request.HasField("chat") else None
+        ids = convert.prompt_token_ids(request, self._tokenizer, self._limits, tools)
         params = convert.with_tools(params, tools, request.sampling)
         convert.check_params(params, self._limits, len(ids))
         return ids, params, convert.chat_replies(request, tools, self.reasoning, params.structured_output)

@@ -23,7 +23,7 @@ from serving.metrics import ServerMetrics
 from serving.openai import handlers
 from serving.openai.errors import APIError, bad_request, not_found_route
 from serving.openai.handlers import ApiContext, parse
-from serving.openai.inputs import render_messages
+from serving.openai.messages import render_messages, template_tools
 from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class _Endpoints:
         if req.messages is not None:
             # the chat template writes its own special tokens, exactly as for a chat completion
             ids = await ctx.in_worker(render_messages, req.messages, ctx.tokenizer, req.add_generation_prompt,
-                                      req.tools, req.chat_template_kwargs)
+                                      template_tools(req.tools), req.chat_template_kwargs)
         else:
             ids = await ctx.in_worker(ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids})

@@ -6,12 +6,15 @@ request field at fault, and the message starts with it, as the gRPC server's mes
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 
 import pydantic
 from starlette.responses import JSONResponse
 
 from serving.engine_loop import RequestRejected, ServerShuttingDown
+from serving.errors import RequestError
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -89,3 +92,12 @@ def not_found_route(path: str) -> APIError:
 def unknown_model(requested: str, served: str) -> APIError:
     return APIError(404, f"model: the model `{requested}` does not exist; this server serves `{served}`",
                     param="model", code="model_not_found")
+
+
+@contextlib.contextmanager
+def named_400():
+    """serving.tools' RequestErrors ("tools[1].function.name=...: ...") as 400s naming the field."""
+    try:
+        yield
+    except RequestError as e:
+        raise bad_request(re.match(r"[\w.\[\]]+", str(e)).group(0), str(e)) from None

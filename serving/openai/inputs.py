@@ -2,24 +2,24 @@
 
 Plain functions, no I/O (tokenizing runs on a worker thread). Every user error is a 400 APIError
 naming the request's own field (`max_completion_tokens`, `top_logprobs`, `prompt[1]`), even when
-the check is SamplingParams' or serving.convert's, which name the engine's fields.
+the check is SamplingParams' or serving.convert's, which name the engine's fields. Chat messages become
+the prompt in messages.py.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 
 from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.tokenizer.chat_template import check_template_kwargs
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving import convert
 from serving.convert import ModelLimits, RequestError
-from serving.openai.errors import bad_request
-from serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from serving.tools import ToolRequest, checked_tools, sampling_updates, template_call, tool_request
+from serving.openai.errors import bad_request, named_400
+from serving.openai.messages import render_messages
+from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serving.tools import ToolRequest, sampling_updates, tool_request
 
 # Request fields that are SamplingParams fields of the same name and meaning.
 _SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -72,7 +72,7 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
             raise bad_request(name, f"{name}: the deprecated function calling is not supported; use tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs", "top_logprobs: needs logprobs=true")
-    with _named_400():
+    with named_400():
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
     ids = render_messages(req.messages, tokenizer, req.add_generation_prompt, tools.tools if tools else None,
                           req.chat_template_kwargs)
@@ -93,74 +93,9 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
 
 
 def _tool_sampling(req: ChatCompletionRequest, tools: ToolRequest, kwargs: dict) -> None:
-    with _named_400():
+    with named_400():
         kwargs.update(sampling_updates(tools, kwargs["structured_output"], req.skip_special_tokens is not None,
                                        _structured_field(req)))
-
-
-@contextlib.contextmanager
-def _named_400():
-    """serving.tools' RequestErrors ("tools[1].function.name=...: ...") as 400s naming the field."""
-    try:
-        yield
-    except RequestError as e:
-        raise bad_request(re.match(r"[\w.\[\]]+", str(e)).group(0), str(e)) from None
-
-
-def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-    """The chat template's prompt as token ids (the template writes BOS and role markers)."""
-    try:
-        extra = check_template_kwargs(template_kwargs)
-    except ValueError as e:
-        raise bad_request("chat_template_kwargs", str(e)) from None
-    with _named_400():
-        tools = None if tools is None else checked_tools(tools)
-    if not messages:
-        raise bad_request("messages", "messages: empty")
-    if tokenizer is None:
-        raise bad_request("messages", "messages: this model has no tokenizer; send token ids to /v1/completions")
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise bad_request("messages", "messages: this model has no chat template; use /v1/completions")
-    plain = [_template_message(m, i) for i, m in enumerate(messages)]
-    try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
-    except Exception as e:  # a template may raise on roles or orders it does not know
-        raise bad_request("messages", f"messages: the chat template rejected them: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _template_message(message: ChatMessage, i: int) -> dict:
-    """A message as chat templates read it: text content, an assistant's tool_calls, a tool
-    message's tool_call_id and name."""
-    entry = {"role": message.role}
-    if message.content is None and message.role == "assistant" and message.tool_calls:
-        entry["content"] = ""
-    else:
-        entry["content"] = _message_text(message, i)
-    if message.tool_calls:
-        with _named_400():
-            entry["tool_calls"] = [template_call(call, f"messages[{i}].tool_calls[{j}]")
-                                   for j, call in enumerate(message.tool_calls)]
-    for key in ("tool_call_id", "name"):
-        if getattr(message, key) is not None:
-            entry[key] = getattr(message, key)
-    return entry
-
-
-def _message_text(message: ChatMessage, i: int) -> str:
-    if message.content is None:
-        raise bad_request(f"messages[{i}].content", f"messages[{i}].content: required (an assistant message "
-                                                    "may leave it out when it has tool_calls)")
-    if isinstance(message.content, str):
-        return message.content
-    texts = []
-    for j, part in enumerate(message.content):
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"messages[{i}].content[{j}].type",
-                              f"messages[{i}].content[{j}].type={part.type!r}: only text parts are supported")
-        texts.append(part.text)
-    return "\n".join(texts)
 
 
 def _refuse_unsupported(req: SamplingFields) -> None:

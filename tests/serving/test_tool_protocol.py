@@ -329,13 +329,13 @@ def test_grpc_finishing_deltas_carry_the_reasoning():
 
 
 def test_tokenize_renders_tools_as_chat_does(tok):
-    from serving.openai.inputs import render_messages
+    from serving.openai.messages import render_messages, template_tools
     from serving.openai.protocol import TokenizeRequest
 
     req = TokenizeRequest.model_validate({"messages": USER, "tools": [WEATHER]})
-    assert render_messages(req.messages, tok, True, req.tools) == chat(tok, tools=[WEATHER]).prompts[0]
+    assert render_messages(req.messages, tok, True, template_tools(req.tools)) == chat(tok, tools=[WEATHER]).prompts[0]
     with pytest.raises(APIError) as info:
-        render_messages(req.messages, tok, True, [{"type": "function", "function": {"name": ""}}])
+        template_tools([{"type": "function", "function": {"name": ""}}])
     assert info.value.param == "tools[0].function.name"
 
 
