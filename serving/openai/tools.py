@@ -71,6 +71,8 @@ class ToolStream:
 
     def __init__(self, request: ToolRequest):
         self.request, self.text, self._shown, self.num_calls = request, "", 0, 0
+        self._start = -1   # where the calls start, once seen (it does not move as text is added)
+        self._closed = 0   # the end of the calls parsed so far
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
         self.text += delta
@@ -80,12 +82,15 @@ class ToolStream:
         if final:
             parsed = parser.parse(self.text)
             return self._show(parsed.content or ""), self._calls(parsed.tool_calls)
-        start = parser.find(self.text)
-        if start < 0:
-            return self._show(self.text[:parser.safe_length(self.text)]), []
+        if self._start < 0:
+            self._start = parser.find(self.text)
+            if self._start < 0:
+                return self._show(self.text[:parser.safe_length(self.text)]), []
+        calls = ()
         end = parser.closed_end(self.text)
-        calls = parser.parse(self.text[:end]).tool_calls if end > start else ()
-        return self._show(self.text[:start].rstrip()), self._calls(calls)
+        if end > max(self._start, self._closed):  # a call closed since the last delta: parse up to it
+            self._closed, calls = end, parser.parse(self.text[:end]).tool_calls
+        return self._show(self.text[:self._start].rstrip()), self._calls(calls)
 
     def _show(self, content: str) -> str:
         new = content[self._shown:]
