@@ -174,9 +174,10 @@ def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
 
 def decode_floor_s(model: LoadedModel, batch: int, context: int, copy_rate: float) -> float:
     """The least time a decode step can take: every weight a step uses and every context token's
-    K/V read once (a mixture of experts reads at most batch x top-k of its experts)."""
+    K/V read once (a mixture of experts reads at most batch x top-k of its experts; an embedding
+    table apart from the LM head is read a row per token, which the floor leaves out)."""
     kv = kv_bytes_per_token(model.config, model.params.embed.dtype) * batch * context
-    weights, c = param_bytes(model), model.config
+    weights, c = param_bytes(model) - quant_param_bytes(_untied_embedding(model)), model.config
     if c.num_experts:
         weights -= quant_param_bytes(_experts(model)) * max(0.0, 1 - batch * c.num_experts_per_tok / c.num_experts)
     return (weights + kv) / copy_rate  # bytes moved per second, as copies measure it
@@ -188,10 +189,15 @@ def _experts(model: LoadedModel) -> list:
             for layer in model.params.layers]
 
 
+def _untied_embedding(model: LoadedModel) -> list:
+    """The embedding table where the LM head is a separate weight (a lookup, no matmul); else none."""
+    return [] if getattr(model.params, "lm_head", None) is None else [model.params.embed]
+
+
 def active_param_count(model: LoadedModel) -> int:
-    """Parameters one token's forward uses: a mixture of experts runs num_experts_per_tok of its
-    num_experts expert MLPs per token."""
-    params, c = param_count(model.params), model.config
+    """Parameters one token's forward multiplies by: a mixture of experts runs num_experts_per_tok
+    of its num_experts expert MLPs per token; an untied embedding table is only looked up."""
+    params, c = param_count(model.params) - param_count(_untied_embedding(model)), model.config
     if c.num_experts:
         params -= param_count(_experts(model)) * (1 - c.num_experts_per_tok / c.num_experts)
     return int(params)

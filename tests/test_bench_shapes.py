@@ -22,6 +22,8 @@ TINY = {
                                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                     vocab_size=512, num_heads=4, num_kv_heads=2, head_dim=16,
                                     mlp_only_layers=(1,)),
+    "tiny-untied": dataclasses.replace(shapes.SHAPES["smollm2"], num_layers=2, vocab_size=512,
+                                       tie_word_embeddings=False),
     "tiny-gemma": dataclasses.replace(shapes.shape_config("gemma-3-1b", 7), hidden_size=64,
                                       intermediate_size=96, vocab_size=512, num_heads=2, head_dim=32,
                                       query_pre_attn_scalar=32.0, sliding_window=4),
@@ -65,6 +67,16 @@ def test_moe_shape_builds_dense_and_sparse_layers_and_decodes():
     # FLOPs count only the experts a token runs: 2 of 8 here.
     active = shapes.prefill_floor_s(model, 1, 2.0)
     assert active < shapes.param_count(model.params)
+
+
+def test_floors_count_one_vocabulary_table():
+    """An untied embedding is looked up a row per token: the floors count only the LM head, as
+    for the tied model, whose one table is both."""
+    tied, untied = shapes.random_model("tiny-dense", "float32"), shapes.random_model("tiny-untied", "float32")
+    assert untied.params.lm_head is not None and tied.params.lm_head is None
+    assert shapes.param_bytes(untied) > shapes.param_bytes(tied)
+    assert shapes.decode_floor_s(untied, 4, 64, 1e9) == shapes.decode_floor_s(tied, 4, 64, 1e9)
+    assert shapes.prefill_floor_s(untied, 128, 1e9) == shapes.prefill_floor_s(tied, 128, 1e9)
 
 
 def test_gemma_shape_keeps_its_layer_pattern_and_decodes():
