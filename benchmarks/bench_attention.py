@@ -364,8 +364,9 @@ def sweep_configs(batch: Batch, model: Model) -> list[gpu.GpuConfig | gpu.GpuPat
                 dict(num_splits=max(1, base.num_splits // 4)), dict(num_splits=base.num_splits * 2),
                 dict(num_warps=4 if base.num_warps == 8 else 8),
                 dict(num_stages=1), dict(num_stages=3)]
-    if batch.decode:
+    if batch.decode:  # and two pipeline stages, which keep the next block's gather in flight
         variants += [dict(num_splits=c, num_warps=w) for w in (4, 8) for c in (1, 2, 4, 8, 16)]
+        variants += [dict(num_splits=c, num_stages=2) for c in (1, 4, 8)]
     out = []
     for change in variants:
         config = dataclasses.replace(base, **change)
@@ -489,7 +490,8 @@ def main(argv=None):
         batch = make_batch(name, q_lens, kv_lens, model, seed=i)
         rows = run_batch(batch, model, args)
         if args.write_table and (entry := tuned_entry(batch, model, rows, device.device_kind)):
-            tuned.append(entry)
+            tuned.append(entry)  # written at once: a run cut short by a time limit keeps it
+            gpu_tuned.merge([entry], args.write_table)
         for row in rows:
             t = row.get("t")
             gbs = batch.kv_bytes / t / 1e9 if t else None
@@ -507,7 +509,6 @@ def main(argv=None):
         del batch
     print_profiles(profiles)
     if tuned:
-        gpu_tuned.merge(tuned, args.write_table)
         print(f"\n{len(tuned)} tuned entries written to {args.write_table}")
 
 

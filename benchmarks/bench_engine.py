@@ -155,7 +155,8 @@ def bench_shape(args):
                           max_model_len=max(4096, args.prefill_len + 1, max(args.prompt_lens) + args.new_tokens),
                           penalties=False, compilation_cache_dir=args.cache_dir,
                           async_scheduling=not args.no_async_scheduling,
-                          num_decode_steps=args.num_decode_steps)
+                          num_decode_steps=args.num_decode_steps,
+                          token_buckets=tuple(args.token_buckets) if args.token_buckets else None)
     startup = {}
     if args.startup:  # an empty compilation cache, kept for the run: JAX keeps its first cache dir
         cold_dir = tempfile.mkdtemp(prefix="jaxinfer-cold-")
@@ -264,6 +265,9 @@ def main():
     ap.add_argument("--prefill-len", type=int, default=2048, help="with --shape: the prefill prompt's length")
     ap.add_argument("--startup", action="store_true", help="with --shape: time cold and warm start-up too")
     ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache (with --shape)")
+    ap.add_argument("--token-buckets", type=int, nargs="+", default=None,
+                    help="with --shape: the engine's token buckets (default: powers of two up to the "
+                         "budget); fewer buckets compile fewer variants, for a large model's cold start")
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--num-decode-steps", type=int, default=None,
                     help="with --shape: decode steps per jitted call (default: the engine's)")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The kernels' and the step loop's work on a lent GPU (H100/H200), in parts that each fit one
-# 10-minute device command. Run from the repository root on the GPU machine, whose image already
-# has jax (CUDA), flax and pytest; nothing is installed. Run with PYTHONPATH=$PWD (a call that
-# runs several parts saves machine start-ups). Tables and logs go to OUTDIR (default $OUT).
+# The kernels' and the step loop's work on a lent GPU (H100/H200), in parts. Run from the
+# repository root on the GPU machine, whose image already has jax (CUDA), flax and pytest;
+# nothing is installed. Run with PYTHONPATH=$PWD. Several parts run in one call (a machine
+# start-up costs minutes of the lease), each in turn, each under its own limit in seconds
+# (PART:SECONDS), so that one that overruns leaves time for the rest. Every part is checked
+# before the first one runs. Tables and logs go to $OUTDIR (default $OUT, else .).
 #
 #   bash benchmarks/gpu_session.sh check   # compiled kernel tests (-m gpu), first half
 #   bash benchmarks/gpu_session.sh check2  # the other half + a small bench
@@ -10,50 +12,97 @@
 #   bash benchmarks/gpu_session.sh prefill # prefill chunks 512..8k and the mixed batch, profiled
 #   bash benchmarks/gpu_session.sh sweep   # short-context decode (KV-split ladder) + prefill 2k
 #   bash benchmarks/gpu_session.sh sweep-long  # decode at 4k and 32k context
+#   bash benchmarks/gpu_session.sh ladder  # short-context decode: profiled, then swept (no prefill)
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
+#   bash benchmarks/gpu_session.sh engine1b  # 1B step loop at the default window, profiled
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context
+#   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
+#   bash benchmarks/gpu_session.sh ladder:180 moe:220 engine1b:150   # one call, three parts
 #
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
-set -euo pipefail
-part=${1:?usage: gpu_session.sh check|check2|decode|prefill|sweep|sweep-long|engine|engine8b [OUTDIR]}
-out=${2:-${OUT:-.}}
-mkdir -p "$out"
+set -uo pipefail
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh PART[:SECONDS] ..." >&2; exit 2; }
+out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv \
-    > "$out/gpu_$part.txt" 2>&1 || true
+parts="check check2 decode prefill sweep sweep-long ladder engine engine1b engine8b moe"
+for arg in "$@"; do
+  part=${arg%%:*} limit=${arg#*:}
+  [ "$limit" != "$arg" ] || limit=0
+  if [[ " $parts " != *" $part "* || ! "$limit" =~ ^[0-9]+$ ]]; then
+    echo "unknown part: $arg (want one of: $parts, each optionally :SECONDS)" >&2
+    exit 2
+  fi
+done
+mkdir -p "$out"
 
-case $part in
-  check)  # every GPU case compiled (~5-10 s of compile each); `check2` runs the rest
-    JAXINFER_KERNELS=compiled $py -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels \
-        -k "not default_configs and not gpu_configs" -rf 2>&1 | tee -a "$out/gpu_$part.txt" ;;
-  check2)
-    JAXINFER_KERNELS=compiled $py -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels \
-        -k "default_configs or gpu_configs" -rf 2>&1 | tee -a "$out/gpu_$part.txt"
-    $py "${bench[@]}" --scenarios decode,prefill --batches 8 --contexts 4096 --chunks 1024 \
-        | tee "$out/attention_check.md" ;;
-  decode)
-    $py "${bench[@]}" --scenarios decode --profile | tee "$out/attention_decode.md" ;;
-  prefill)  # the mixed batch also runs as one call (without the decode split)
-    $py "${bench[@]}" --scenarios prefill,mixed --profile | tee "$out/attention_prefill.md" ;;
-  sweep)  # the rows slowest against jax's kernel, then a prefill chunk; writes the tuned table
-    $py "${bench[@]}" --sweep --write-table --skip-reference --scenarios decode,prefill \
-        --batches 64,256 --contexts 1024 --chunks 2048 | tee "$out/attention_sweep.md"
-    cp pallas_kernels/gpu_tuned.json "$out/" ;;
-  sweep-long)
-    $py "${bench[@]}" --sweep --write-table --skip-reference --skip-jax --scenarios decode \
-        --batches 1,64,256 --contexts 4096,32768 | tee "$out/attention_sweep_long.md"
-    cp pallas_kernels/gpu_tuned.json "$out/" ;;
-  engine)  # the step loop, 1B shape: decode windows of 4 vs single steps, with the device profile
-    for k in 4 1; do
+run_part() {
+  local part=$1
+  case $part in
+    check)  # every GPU case compiled (~5-10 s of compile each); `check2` runs the rest
+      JAXINFER_KERNELS=compiled $py -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels \
+          -k "not default_configs and not gpu_configs" -rf 2>&1 | tee -a "$out/gpu_$part.txt" ;;
+    check2)
+      JAXINFER_KERNELS=compiled $py -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels \
+          -k "default_configs or gpu_configs" -rf 2>&1 | tee -a "$out/gpu_$part.txt"
+      $py "${bench[@]}" --scenarios decode,prefill --batches 8 --contexts 4096 --chunks 1024 \
+          | tee "$out/attention_check.md" ;;
+    decode)
+      $py "${bench[@]}" --scenarios decode --profile | tee "$out/attention_decode.md" ;;
+    prefill)  # the mixed batch also runs as one call (without the decode split)
+      $py "${bench[@]}" --scenarios prefill,mixed --profile | tee "$out/attention_prefill.md" ;;
+    sweep)  # the rows slowest against jax's kernel, then a prefill chunk; writes the tuned table
+      $py "${bench[@]}" --sweep --write-table --skip-reference --scenarios decode,prefill \
+          --batches 64,256 --contexts 1024 --chunks 2048 | tee "$out/attention_sweep.md"
+      cp pallas_kernels/gpu_tuned.json "$out/" ;;
+    sweep-long)
+      $py "${bench[@]}" --sweep --write-table --skip-reference --skip-jax --scenarios decode \
+          --batches 1,64,256 --contexts 4096,32768 | tee "$out/attention_sweep_long.md"
+      cp pallas_kernels/gpu_tuned.json "$out/" ;;
+    ladder)  # where short-context decode time goes (kernel or XLA glue), then the swept configs
+      $py "${bench[@]}" --scenarios decode --batches 1,64,256 --contexts 1024 --profile \
+          --skip-reference --budget 0.5 | tee "$out/attention_ladder_profile.md"
+      $py "${bench[@]}" --sweep --write-table --skip-reference --skip-jax --scenarios decode \
+          --batches 64,256 --contexts 1024 --budget 0.5 | tee "$out/attention_ladder.md"
+      cp pallas_kernels/gpu_tuned.json "$out/" ;;
+    engine)  # the step loop, 1B shape: decode windows of 4 vs single steps, with the device profile
+      for k in 4 1; do
+        $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
+            --new-tokens 48 --num-decode-steps "$k" --profile --profile-batches 1 64 \
+            | tee "$out/engine_1b_k$k.md"
+      done ;;
+    engine1b)  # + the decode window's optimized HLO (what XLA fused, copied, launched)
+      rm -rf /tmp/hlo_1b
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_1b --xla_dump_hlo_module_re=.*decode_window.*" \
       $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
-          --new-tokens 48 --num-decode-steps "$k" --profile --profile-batches 1 64 \
-          | tee "$out/engine_1b_k$k.md"
-    done ;;
-  engine8b)  # the 8B shape at ~1k context (cold start ~2 min)
-    $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 64 256 \
-        --new-tokens 32 --profile --profile-batches 1 | tee "$out/engine_8b.md" ;;
-  *)
-    echo "unknown part: $part (want check, check2, decode, prefill, sweep, sweep-long, engine or engine8b)" >&2
-    exit 2 ;;
-esac
+          --new-tokens 48 --profile --profile-batches 1 | tee "$out/engine_1b.md"
+      (cd /tmp/hlo_1b && find . -name '*after_optimizations.txt' -print0 \
+          | tar -czf "$out/hlo_1b.tar.gz" --null -T -) ;;
+    engine8b)  # the 8B shape at ~1k context (cold start ~2 min)
+      $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 64 256 \
+          --new-tokens 32 --profile --profile-batches 1 | tee "$out/engine_8b.md" ;;
+    moe)  # 61 GB of bf16 weights: an H200 (or int8 weights on an H100); three token buckets
+      # keep its 48 layers' cold start to a few variants
+      $py benchmarks/bench_engine.py --shape qwen3-30b-a3b --prompt-lens 128 --batches 1 64 \
+          --new-tokens 32 --prefill-len 512 --token-buckets 1 64 512 --profile --profile-batches 64 \
+          | tee "$out/engine_moe.md" ;;
+  esac
+}
+
+status=0
+for arg in "$@"; do
+  part=${arg%%:*} limit=${arg#*:}
+  [ "$limit" != "$arg" ] || limit=0
+  { echo "[$(date +%T)] before part $part"; nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv; } \
+      >> "$out/gpu_info.txt" 2>&1 || true
+  echo "[$(date +%T)] part $part (limit ${limit:-none} s)" >&2
+  if [ "$limit" -gt 0 ]; then
+    export -f run_part; export out py bench
+    timeout --kill-after=10 "$limit" bash -c "set -o pipefail; $(declare -p bench); run_part $part"
+  else
+    run_part "$part"
+  fi
+  rc=$?
+  [ $rc -eq 0 ] || { echo "[$(date +%T)] part $part ended with status $rc" >&2; status=$rc; }
+done
+exit $status
