@@ -4,9 +4,12 @@ Experts are held in one of two layouts, and each has its forms:
 - **stacked** (w_gate_up [X, E, 2, F], w_down [X, F, E]; the checkpoint layout, and the one
   sharded over the `expert` and `tensor` mesh axes by sharding/experts.py):
   "ragged": the token-choice rows sorted by expert and run as grouped matmuls (`lax.ragged_dot`),
-  k/X of the dense work (accelerators); "dense": every expert on every token as one batched
-  matmul over X, weighted by a [X, T] matrix that is zero off the top k (the CPU, where
-  ragged_dot lowers to the dense work plus masking and measured ~2x slower).
+  k/X of the dense work where the compiler has a grouped matmul (TPU); "dense": every expert on
+  every token as one batched matmul over X, weighted by a [X, T] matrix that is zero off the top
+  k (the CPU, where ragged_dot lowers to the dense work plus masking and measured ~2x slower);
+  "capacity": each expert once, on its chosen tokens packed into C rows, one batched matmul over
+  the experts (GPUs, where XLA also computes ragged_dot densely: every row times every expert,
+  X times the work; see `capacity_experts`).
 - **per expert** (tuples of X arrays [E, 2, F] and [F, E], made by `quant.unstack` for one CPU device):
   only the chosen experts' weights are read. XLA copies any slice of a stacked array before a
   matmul, which made reading k of X stacked experts cost more than reading all X; whole arrays
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxinfer.models.layers import gated_mlp
 from jaxinfer.quant import QuantizedWeight, dequantize, einsum
+from pallas_kernels.common import next_pow2
 from sharding.experts import shard_experts
 
 Experts = jax.Array | QuantizedWeight | tuple[jax.Array | QuantizedWeight, ...]
@@ -52,9 +56,9 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: Experts, w_down: Experts
     if isinstance(w_gate_up, tuple):
         return per_expert(x, weights, experts, w_gate_up, w_down)
     if impl == "auto":
-        impl = "dense" if jax.default_backend() == "cpu" else "ragged"
+        impl = _AUTO.get(jax.default_backend(), "ragged")
     if impl not in _FORMS:
-        raise ValueError(f"unknown MoE impl {impl!r}; known: 'auto', 'dense', 'ragged'")
+        raise ValueError(f"unknown MoE impl {impl!r}; known: 'auto', {', '.join(map(repr, _FORMS))}")
     return shard_experts(_FORMS[impl], x, weights, experts, w_gate_up, w_down)
 
 
@@ -105,7 +109,57 @@ def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Ar
     return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), group_sizes)
 
 
-_FORMS = {"dense": dense_experts, "ragged": ragged_experts}
+def capacity_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
+    """Each expert run once on its chosen tokens, packed into C rows ([slots, C, E] through one
+    batched matmul over the experts), then gathered back to each token's choices.
+
+    C = T is exact (a token chooses an expert at most once). Up to _EXACT_TOKENS tokens (decode)
+    that is the form: reading the expert weights costs more than the padded rows' FLOPs. Past it
+    C is a few times the mean group size, under a conditional that takes C = T where a group is
+    larger, so nothing is ever dropped. Where the choices name few of the experts (T * k <=
+    X / 3), only those experts' weights are gathered and run (batch 1 of Qwen3-30B-A3B: 8 of 128).
+    H200, Qwen3-30B-A3B shape, ragged_dot computed densely: decode batch 64 50.6 ms per step,
+    a 512-token prefill 356 ms (benchmarks/RESULTS.md, 2026-11-26)."""
+    (t, top_k), num_experts = experts.shape, w_gate_up.shape[0]
+    counts = jnp.bincount(experts.reshape(-1), length=num_experts)  # [X]; other shards' ids dropped
+    small = min(t, next_pow2(-(-4 * t * top_k // num_experts)))
+    run = lambda capacity: _by_capacity(x, weights, experts, w_gate_up, w_down, counts, capacity)  # noqa: E731
+    if t <= _EXACT_TOKENS or small >= t:
+        return run(t)
+    return jax.lax.cond(jnp.max(counts) <= small, lambda: run(small), lambda: run(t))
+
+
+_EXACT_TOKENS = 128
+
+
+def _by_capacity(x, weights, experts, w_gate_up, w_down, counts, capacity: int) -> jax.Array:
+    """capacity_experts with C = `capacity` rows per expert (every group must fit)."""
+    (t, top_k), num_experts = experts.shape, w_gate_up.shape[0]
+    flat = experts.reshape(-1)  # [N = T*k]: row j is token j // k's (j % k)-th choice
+    valid = flat < num_experts  # False: another shard's expert
+    slots = min(num_experts, t * top_k)
+    if 3 * slots < num_experts:  # few experts chosen: gather just their weights
+        present = counts > 0
+        slot_of = jnp.cumsum(present) - 1  # [X]: each chosen expert's slot
+        (chosen,) = jnp.nonzero(present, size=slots, fill_value=0)  # [slots]; spare slots get no rows
+        w_gate_up, w_down = (_map(w, lambda a: a[chosen]) for w in (w_gate_up, w_down))
+    else:
+        slots, slot_of = num_experts, jnp.arange(num_experts)
+    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
+    first = jnp.cumsum(counts) - counts  # [X]: each group's first sorted row
+    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(t * top_k) - first[flat[order] % num_experts])
+    slot = jnp.where(valid, slot_of[flat % num_experts], slots)  # [N]; `slots`: no slot (dropped)
+    table = jnp.full((slots, capacity), t, jnp.int32).at[slot, rank].set(  # [slots, C]: token ids
+        jnp.arange(t * top_k, dtype=jnp.int32) // top_k, mode="drop")
+    xs = x.at[table].get(mode="fill", fill_value=0)  # [slots, C, E]; empty rows 0
+    gate_up = einsum("xte,xecf->xtcf", xs, w_gate_up)  # [slots, C, 2, F]
+    out = einsum("xtf,xfe->xte", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down)  # [slots, C, E]
+    picked = out.at[slot, rank].get(mode="fill", fill_value=0).reshape(t, top_k, -1)  # [T, k, E]
+    return jnp.einsum("tke,tk->te", picked, weights)
+
+
+_FORMS = {"dense": dense_experts, "ragged": ragged_experts, "capacity": capacity_experts}
+_AUTO = {"cpu": "dense", "gpu": "capacity", "cuda": "capacity", "rocm": "capacity"}
 
 
 def per_expert(x, weights, experts, w_gate_up: tuple, w_down: tuple) -> jax.Array:

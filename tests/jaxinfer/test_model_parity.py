@@ -95,14 +95,36 @@ def test_moe_grouped_matmuls_equal_the_dense_form(renormalize):
     router = jax.random.normal(keys[1], (48, 8))
     w_gate_up, w_down = 0.1 * jax.random.normal(keys[2], (8, 48, 2, 24)), 0.1 * jax.random.normal(keys[3], (8, 24, 48))
     out = {impl: experts.moe_mlp(x, router, w_gate_up, w_down, top_k=3, renormalize=renormalize, impl=impl)
-           for impl in ("dense", "ragged")}
+           for impl in ("dense", "ragged", "capacity")}
     np.testing.assert_allclose(out["ragged"], out["dense"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out["capacity"], out["dense"], atol=1e-5, rtol=0)
     for t in (1, 2, 37, 71):  # per expert: a switch per choice under 64 tokens, else conditionals
         per_expert = jax.jit(lambda x: experts.moe_mlp(
             x, router, unstack(w_gate_up), unstack(w_down), top_k=3, renormalize=renormalize))
         np.testing.assert_allclose(per_expert(x[:t]), out["dense"][:t], atol=1e-5, rtol=0)
     weights, _ = experts.route(x, router, 3, renormalize)
     assert np.allclose(weights.sum(-1), 1.0) == renormalize
+
+
+@pytest.mark.parametrize("tokens,num_experts,skew", [(1, 32, 0.0), (5, 32, 0.0), (11, 32, 0.0),
+                                                    (300, 16, 0.0), (300, 16, 8.0)])
+def test_capacity_form_equals_the_dense_form(tokens, num_experts, skew):
+    """The capacity form's three shapes against the dense form: few experts chosen (T * k * 3 <
+    X: only their weights gathered), every expert at C = T (up to 128 tokens), and past 128
+    tokens C a few times the mean group, or C = T under the conditional when a router skewed
+    towards expert 0 fills its group past that (then every token chooses it)."""
+    keys = jax.random.split(jax.random.PRNGKey(tokens), 4)
+    x = jax.random.normal(keys[0], (tokens, 48)) + (2.0 if skew else 0.0)
+    router = jax.random.normal(keys[1], (48, num_experts)).at[:, 0].add(skew)
+    w_gate_up = 0.1 * jax.random.normal(keys[2], (num_experts, 48, 2, 24))
+    w_down = 0.1 * jax.random.normal(keys[3], (num_experts, 24, 48))
+    mlp = jax.jit(lambda impl: experts.moe_mlp(x, router, w_gate_up, w_down, top_k=2, renormalize=True,
+                                               impl=impl), static_argnums=0)
+    np.testing.assert_allclose(mlp("capacity"), mlp("dense"), atol=1e-5, rtol=0)
+    _, chosen = experts.route(x, router, 2, True)
+    largest = int(np.bincount(np.asarray(chosen).reshape(-1), minlength=num_experts).max())
+    small = experts.next_pow2(-(-4 * tokens * 2 // num_experts))
+    assert (largest > small) == (skew > 0) or tokens <= experts._EXACT_TOKENS, (largest, small)
 
 
 def test_legacy_config_matches_new_form():

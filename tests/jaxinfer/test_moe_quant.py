@@ -33,7 +33,7 @@ def _cosine(a, b) -> np.ndarray:
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_form_equals_the_dequantized_weights(method):
     """The dense (every expert, one batched matmul), ragged (grouped matmuls; per-channel int8 on
-    its integers with each row scaled by its expert's scales) and per-expert forms, on quantized
+    its integers with each row scaled by its expert's scales), capacity and per-expert forms, on quantized
     stacked experts, against the dense form on the weights they stand for."""
     keys = jax.random.split(jax.random.PRNGKey(1), 4)
     x = jax.random.normal(keys[0], (71, 48))
@@ -46,7 +46,7 @@ def test_every_form_equals_the_dequantized_weights(method):
     mlp = lambda x, w1, w2, impl="dense": experts.moe_mlp(  # noqa: E731
         x, router, w1, w2, top_k=3, renormalize=True, impl=impl)
     want = np.asarray(jax.jit(mlp)(x, dequantize(w_gate_up), dequantize(w_down)))
-    for impl in ("dense", "ragged"):
+    for impl in ("dense", "ragged", "capacity"):
         got = jax.jit(mlp, static_argnums=3)(x, w_gate_up, w_down, impl)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=impl)
     gate_up, down = unstack(w_gate_up), unstack(w_down)

@@ -234,7 +234,7 @@ def scenario_context(lengths: str) -> dict:
 
 
 def scenario_experts(meshes: str, quant: str = "") -> dict:
-    """moe_mlp's dense and ragged forms on each mesh ("expert=4,tensor=2;expert=8") against one
+    """moe_mlp's dense, ragged and capacity forms on each mesh ("expert=4,tensor=2;expert=8") against one
     device, with the stacked expert weights placed by the rule table; and each device's share.
     quant "int8" / "int4:8" (method:group): the experts quantized, each of their arrays placed
     by the weight's rule (against one device on the same quantized weights)."""
@@ -261,7 +261,7 @@ def scenario_experts(meshes: str, quant: str = "") -> dict:
             mesh, logical_to_spec(PARAM_AXES[name], a.shape, mesh))), w)
         w1, w2 = place(w_gate_up, "experts_gate_up"), place(w_down, "experts_down")
         with jax.set_mesh(mesh):
-            got = {impl: np.asarray(run(impl)(x, router, w1, w2)) for impl in ("dense", "ragged")}
+            got = {impl: np.asarray(run(impl)(x, router, w1, w2)) for impl in ("dense", "ragged", "capacity")}
         out[spec] = {"max_diff": {k: float(np.abs(v - want).max()) for k, v in got.items()},
                      "gate_up_shard": list(jax.tree.leaves(w1)[0].addressable_shards[0].data.shape),
                      "down_shard": list(jax.tree.leaves(w2)[0].addressable_shards[0].data.shape)}
