@@ -151,7 +151,7 @@ def _by_capacity(x, weights, experts, w_gate_up, w_down, counts, capacity: int) 
     slot = jnp.where(valid, slot_of[flat % num_experts], slots)  # [N]; `slots`: no slot (dropped)
     table = jnp.full((slots, capacity), t, jnp.int32).at[slot, rank].set(  # [slots, C]: token ids
         jnp.arange(t * top_k, dtype=jnp.int32) // top_k, mode="drop")
-    xs = x.at[table].get(mode="fill", fill_value=0)  # [slots, C, E]; empty rows 0
+    xs = jnp.pad(x, ((0, 1), (0, 0)))[table]  # [slots, C, E]; empty rows (token id T) 0
     gate_up = einsum("xte,xecf->xtcf", xs, w_gate_up)  # [slots, C, 2, F]
     out = einsum("xtf,xfe->xte", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down)  # [slots, C, E]
     picked = out.at[slot, rank].get(mode="fill", fill_value=0).reshape(t, top_k, -1)  # [T, k, E]
