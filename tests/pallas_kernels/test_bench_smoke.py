@@ -4,10 +4,12 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
 
+DEFAULT_WARN_BYTES = jax.config.jax_captured_constants_warn_bytes
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_attention.py"
 
 
@@ -22,7 +24,14 @@ def load_bench():
 def test_bench_attention_smoke(capsys):
     """Decode rows and the mixed batch (the prefill scenario runs in the sweep's smoke); with
     --profile, a second table names each row (off an accelerator: no device kernels)."""
-    load_bench().main(["--smoke", "--profile", "--scenarios", "decode,mixed"])
+    with warnings.catch_warnings():  # a captured cache (not threaded through the timed loop)
+        # would be embedded in the executable: 1 GB at b=256 on a GPU, and 2 GB of profile
+        warnings.filterwarnings("error", message="A large amount of constants")
+        jax.config.update("jax_captured_constants_warn_bytes", 128 * 1024)  # smoke caches: >= 180 KB
+        try:
+            load_bench().main(["--smoke", "--profile", "--scenarios", "decode,mixed"])
+        finally:
+            jax.config.update("jax_captured_constants_warn_bytes", DEFAULT_WARN_BYTES)
     table, profile = capsys.readouterr().out.split("\n| scenario | impl | device kernel |")
     rows = [line for line in table.splitlines() if line.startswith("| ")][1:]  # past the header
     impls = {row.split("|")[2].strip() for row in rows}
