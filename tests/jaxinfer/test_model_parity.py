@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf_builder import moe_hf_to_gguf, write_gguf
@@ -143,3 +144,18 @@ def test_bfloat16_close_to_float32():
     scale = np.abs(l32).max()
     assert np.abs(l16 - l32).max() < 0.05 * scale
     assert (l16.argmax(-1) == l32.argmax(-1)).mean() > 0.9
+
+
+def test_capacity_form_lowers_for_cuda():
+    """The GPU's default MoE form lowers for CUDA from the CPU (no device): its conditional and
+    batched matmuls, with no ragged_dot left for XLA:GPU to compute densely."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    gpu = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=gpu)
+    f = jax.jit(lambda x, router, w1, w2: experts.moe_mlp(x, router, w1, w2, top_k=8, renormalize=True,
+                                                          impl="capacity"))
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 64), (64, 128), (128, 64, 2, 32), (128, 32, 64))]
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.case" in text or "stablehlo.if" in text  # past 128 tokens: the conditional
+    assert "ragged_dot" not in text and text.count("stablehlo.dot_general") >= 4  # both branches
