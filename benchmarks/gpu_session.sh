@@ -17,7 +17,12 @@
 #   bash benchmarks/gpu_session.sh engine1b  # 1B step loop at the default window, profiled
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
-#   bash benchmarks/gpu_session.sh ladder:180 moe:220 engine1b:150   # one call, three parts
+#   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
+#
+# Size the limits for a cold machine (a 15-minute lease fits one command of at most 600 s after
+# a start of 1-2 minutes). Seen on an H200, 2026-11-26: `moe` 112 s of random weights (since
+# halved) and 125 s of compile before its first row; `engine1b` had not finished its cold start
+# (with the HLO dump) after 140 s; `ladder`'s profiled command alone took ~150 s.
 #
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
