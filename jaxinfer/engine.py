@@ -42,6 +42,7 @@ from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode import build_speculator
 from jaxinfer.structured import GrammarBackend, grammar_for
+from jaxinfer.tokenizer.reasoning import reasoning_parser
 from sharding import StepChannel, is_leader, is_multiprocess
 from sharding.multihost import SHUTDOWN, fetch
 
@@ -72,8 +73,8 @@ class Engine:
         self.is_leader = is_leader()
         self._channel = StepChannel() if is_multiprocess() else None
         self.outputs = OutputProcessor(self.tokenizer)
-        # Structured output (SamplingParams.structured_output): llguidance over this vocabulary.
-        self.grammars = None if self.tokenizer is None else GrammarBackend(self.tokenizer, model.config.vocab_size)
+        self.grammars = None if self.tokenizer is None else GrammarBackend(  # structured output: llguidance
+            self.tokenizer, model.config.vocab_size, reasoning_parser(config.reasoning_parser))
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
         self._flight: _Flight | None = None  # the step dispatched last, tokens not fetched yet
@@ -190,11 +191,10 @@ class Engine:
         return outputs
 
     def _landing(self, previous: _Flight) -> str | None:
-        """"first": rows with penalties need every earlier token on the host (and grammar rows
-        their matcher advanced past it), so the step in flight lands before the plan (so do
-        speculating rows: Speculator.must_land_first); "late": grammar rows' masks are filled
-        after it lands, while the next forward runs (the runner's split step); None: plain
-        async scheduling."""
+        """"first": rows with penalties need every earlier token on the host (and grammar rows their
+        matcher advanced past it), so the step in flight lands before the plan (so do speculating
+        rows: Speculator.must_land_first); "late": grammar rows' masks are filled after it lands,
+        while the next forward runs (the runner's split step); None: plain async scheduling."""
         if self.speculator is not None and self.speculator.must_land_first(self.scheduler, previous.plans):
             return "first"
         running = [s for r in self.replicas for s in r.scheduler.running]

@@ -13,6 +13,7 @@ from jaxinfer.spec_config import SpeculativeConfig
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "float16", "int8", "fp8", "fp8_e4m3")
 MAX_DECODE_STEPS = 64
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page where the TPU kernel's SMEM asks for nothing larger
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the formats of tokenizer/reasoning.py (a test checks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,9 @@ class EngineConfig:
     # Speculative decoding (spec_config.py): a dict such as {"method": "ngram",
     # "num_speculative_tokens": 4}, its JSON text, or a SpeculativeConfig. None: off.
     speculative_config: "SpeculativeConfig | dict | str | None" = None
+    # A reasoning model's format ("qwen3", "deepseek_r1"; tokenizer/reasoning.py): structured
+    # output then constrains the answer after `</think>`, not the thinking. None: the whole output.
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         def positive(name):
@@ -93,6 +97,9 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"EngineConfig.reasoning_parser={self.reasoning_parser!r}: expected one of "
+                             f"{REASONING_PARSERS} or None")
         if isinstance(self.mesh, (str, dict)):
             from sharding.mesh import format_mesh, parse_mesh_spec  # imports jax: only when asked for
 

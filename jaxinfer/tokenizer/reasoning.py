@@ -94,6 +94,8 @@ class ReasoningStream:
 
 
 class ReasoningParser:
+    start, end = START, END  # the markers (what structured/reasoning_gate.py reads beside `implicit`)
+
     def __init__(self, name: str, implicit: bool):
         self.name, self.implicit = name, implicit
 
@@ -116,8 +118,10 @@ class ReasoningParser:
 PARSERS = {"qwen3": False, "deepseek_r1": True}  # name -> whether the output starts inside the reasoning
 
 
-def reasoning_parser(name: str) -> ReasoningParser:
-    """The parser named `name`; ValueError naming the choices otherwise."""
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
+    """The parser named `name` (None for None); ValueError naming the choices otherwise."""
+    if name is None:
+        return None
     if name not in PARSERS:
         raise ValueError(f"reasoning_parser={name!r}: unknown; choose one of {', '.join(sorted(PARSERS))}")
     return ReasoningParser(name, PARSERS[name])

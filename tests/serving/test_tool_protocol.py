@@ -346,11 +346,13 @@ def test_a_constrained_output_has_reasoning_only_where_it_writes_think():
 
     r1, spec = reasoning_parser("deepseek_r1"), StructuredOutput(json_object=True)
     assert r1.split('{"a": 1}') == ('{"a": 1}', "")  # free output: starts inside the reasoning
-    assert reasoning_for(r1, spec).split('{"a": 1}') == (None, '{"a": 1}')  # a grammar made it: no reasoning
-    assert reasoning_for(r1, spec).split("<think>x</think>{}") == ("x", "{}")
-    assert reasoning_for(r1, None) is r1 and reasoning_for(None, spec) is None
+    assert reasoning_for(r1, spec, False).split('{"a": 1}') == (None, '{"a": 1}')  # a grammar made it: no reasoning
+    assert reasoning_for(r1, spec, False).split("<think>x</think>{}") == ("x", "{}")
+    assert reasoning_for(r1, None, False) is r1 and reasoning_for(None, spec, False) is None
+    # an engine that gates its grammars behind the reasoning: read as any output
+    assert reasoning_for(r1, spec, True) is r1 and r1.split('x</think>{"a": 1}') == ("x", '{"a": 1}')
     named = tool_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, None)
-    message_, _ = message(named, '{"city": "Oslo"}', "stop", reasoning_for(r1, named.structured_output))
+    message_, _ = message(named, '{"city": "Oslo"}', "stop", reasoning_for(r1, named.structured_output, False))
     assert message_["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
     assert message_["reasoning_content"] is None
     request = pb.GenerateRequest(chat=grpc_chat())
