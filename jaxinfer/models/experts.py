@@ -116,8 +116,8 @@ def capacity_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
     C = T is exact (a token chooses an expert at most once). Up to _EXACT_TOKENS tokens (decode)
     that is the form: reading the expert weights costs more than the padded rows' FLOPs. Past it
     C is a few times the mean group size, under a conditional that takes C = T where a group is
-    larger, so nothing is ever dropped. Where the choices name few of the experts (T * k <=
-    X / 3), only those experts' weights are gathered and run (batch 1 of Qwen3-30B-A3B: 8 of 128).
+    larger, so nothing is ever dropped. Where the choices name few of the experts (3 * T * k <
+    X), only those experts' weights are gathered and run (batch 1 of Qwen3-30B-A3B: 8 of 128).
     H200, Qwen3-30B-A3B shape, ragged_dot computed densely: decode batch 64 50.6 ms per step,
     a 512-token prefill 356 ms (benchmarks/RESULTS.md, 2026-11-26)."""
     (t, top_k), num_experts = experts.shape, w_gate_up.shape[0]

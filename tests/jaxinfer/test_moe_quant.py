@@ -49,6 +49,11 @@ def test_every_form_equals_the_dequantized_weights(method):
     for impl in ("dense", "ragged", "capacity"):
         got = jax.jit(mlp, static_argnums=3)(x, w_gate_up, w_down, impl)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=impl)
+    # one token, top 2 of 8: the capacity form gathers the chosen experts' quantized arrays
+    top2 = lambda x, w1, w2, impl="dense": experts.moe_mlp(  # noqa: E731
+        x, router, w1, w2, top_k=2, renormalize=True, impl=impl)
+    np.testing.assert_allclose(jax.jit(top2, static_argnums=3)(x[:1], w_gate_up, w_down, "capacity"),
+                               top2(x[:1], dequantize(w_gate_up), dequantize(w_down)), atol=2e-5, rtol=0)
     gate_up, down = unstack(w_gate_up), unstack(w_down)
     assert len(gate_up) == 8 and isinstance(gate_up[0], QuantizedWeight)
     assert gate_up[0].shape == (48, 2, 24) and gate_up[0].inputs == (0,) and down[0].inputs == (0,)
