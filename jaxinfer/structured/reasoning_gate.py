@@ -26,7 +26,6 @@ from typing import Callable, Protocol
 import numpy as np
 
 
-
 class ReasoningFormat(Protocol):
     """What the gate reads of a reasoning format (tokenizer/reasoning.py's ReasoningParser)."""
     implicit: bool  # the output starts inside the reasoning (deepseek_r1)
