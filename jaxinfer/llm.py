@@ -51,7 +51,8 @@ class LLM:
                  mesh: str | dict | None = None, coordinator_address: str | None = None,
                  num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
                  quantization: str | None = "auto", quantization_group_size: int | None = None,
-                 quantize_embedding: bool = False, cpu_heap_reuse: bool = True, chat_template: str | None = None):
+                 quantize_embedding: bool = False, cpu_heap_reuse: bool = True, chat_template: str | None = None,
+                 enable_prompt_logprobs: bool = False):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default).
 
         `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
@@ -72,7 +73,8 @@ class LLM:
         `cpu_heap_reuse=False` leaves the process's glibc allocator at its defaults on the CPU
         (jaxinfer/host_memory.py: by default large freed blocks stay for the next step).
         `chat_template`: a jinja2 chat template (its file's path, or the text) instead of the
-        checkpoint's, e.g. one that renders tools."""
+        checkpoint's, e.g. one that renders tools. `enable_prompt_logprobs`: compile the steps
+        that score prompts, so requests may ask for SamplingParams(prompt_logprobs=N)."""
         quant = QuantConfig.parse(quantization, quantization_group_size, quantize_embedding)
         template = None if chat_template is None else load_chat_template(chat_template)
         initialize(coordinator_address, num_processes, process_id)  # before any device is used
@@ -86,7 +88,8 @@ class LLM:
             num_decode_steps=num_decode_steps, structured_output_overlap=structured_output_overlap,
             attn_impl=attn_impl, penalties=penalties,
             compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh,
-            speculative_config=speculative_config, cpu_heap_reuse=cpu_heap_reuse)
+            speculative_config=speculative_config, cpu_heap_reuse=cpu_heap_reuse,
+            enable_prompt_logprobs=enable_prompt_logprobs)
         place_for = None
         if config.mesh is not None:
             device_mesh = make_mesh(config.mesh)

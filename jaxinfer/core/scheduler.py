@@ -238,7 +238,7 @@ class Scheduler:
         pool = self.pool
         if pool.enable_prefix_caching:
             pool.extend_page_hashes(seq.page_hashes, seq.token_ids)
-        cached = pool.match_prefix(seq.page_hashes, seq.token_ids)
+        cached = pool.match_prefix(seq.page_hashes, seq.token_ids)[:seq.cacheable_pages(pool.page_size)]
         num_cached_tokens = len(cached) * pool.page_size
         n = min(seq.num_tokens - num_cached_tokens, step.budget)
         need = self.pool.pages_for(num_cached_tokens + n) - len(cached)
