@@ -199,12 +199,13 @@ def prompt_inputs(plan: SchedulerPlan, t_bucket: int) -> PromptInputs | None:
     for e in plan.seqs:
         seq = e.seq
         want = seq.sampling_params.prompt_logprobs
-        # Row p predicts prompt token p + 1: the rows of this chunk before the prompt's last.
-        end = min(e.kv_len, seq.num_prompt_tokens - 1)
-        if want is not None and seq.sample_index == 0 and end > e.start:
+        # Row p predicts prompt token p + 1: the rows of this chunk before the prompt's last, less
+        # those scored before (a prompt computed again after a preemption is not scored again).
+        start, end = max(e.start, seq.num_scored_prompt), min(e.kv_len, seq.num_prompt_tokens - 1)
+        if want is not None and seq.sample_index == 0 and end > start:
             if targets is None:
                 targets = np.full(t_bucket, -1, np.int32)
-            targets[offset:offset + end - e.start] = seq.token_ids[e.start + 1:end + 1]
+            targets[offset + start - e.start:offset + end - e.start] = seq.token_ids[start + 1:end + 1]
             num_top = max(num_top, want)
         offset += e.num_new_tokens
     return None if targets is None else PromptInputs(targets, np.array([num_top], np.int32))

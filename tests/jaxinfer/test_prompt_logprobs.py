@@ -1,18 +1,28 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs) on a tiny random Llama: HF parity of every
-prompt token's logprob, rank and top-N under chunked prefill; each prompt scored once whatever
-the prefix cache holds, after preemption, and with n > 1; the same values the sampler gives the
-tokens it samples; nothing compiles after warm-up; engines started without them refuse them."""
+prompt token's logprob, rank and top-N under chunked prefill, with the async loop and decode
+windows (the defaults) and with the synchronous loop; greedy outputs unchanged (HF's); each
+prompt scored once whatever the prefix cache holds, after preemption, and with n > 1; the same
+values the sampler gives the tokens it samples; nothing compiles after warm-up, and the plain
+step's LM head stays over one row per sequence; engines started without them refuse them.
+Host-side: which rows a plan scores, and which cached pages a prompt being scored may take."""
+import re
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 from testpaths import FIXTURES
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
-from jaxinfer.core.sequence import Sequence
+from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.core.sequence import Sequence, SequenceStatus
 from jaxinfer.engine import Engine
 from jaxinfer.inputs import InputBuilder, prompt_inputs
-from jaxinfer.loader import load_model
+from jaxinfer.loader import LoadedModel, load_model
+from jaxinfer.models.registry import get_family
+from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling import SamplingParams
 
 GOLDEN = np.load(FIXTURES / "hf" / "llama3" / "golden.npz")
@@ -26,13 +36,19 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def engine(model, tmp_path_factory):
-    # 32-token steps: the 64-token prompt is scored over three chunks (two steps of 32 would
-    # leave the last position to a third), 12 pages of 16 tokens: two such prompts preempt.
-    return Engine(model, EngineConfig(
-        num_pages=13, page_size=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
-        token_buckets=(8, 32), enable_prompt_logprobs=True,
-        compilation_cache_dir=str(tmp_path_factory.mktemp("xla"))))
+def xla_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla"))
+
+
+# 32-token steps: the 64-token prompt is computed over two or three chunks; 12 pages of 16
+# tokens: two such prompts preempt. Async scheduling and decode windows: the defaults.
+ENGINE = dict(num_pages=13, page_size=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
+              token_buckets=(8, 32), enable_prompt_logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model, xla_cache):
+    return Engine(model, EngineConfig(**ENGINE, compilation_cache_dir=xla_cache))
 
 
 def run(engine, *requests) -> list:
@@ -78,12 +94,14 @@ def test_prompt_logprobs_match_hf_over_chunked_prefill(engine):
     (out,) = run(engine, (PROMPT, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=TOP)))
     check_against_hf(out.prompt_logprobs)
     assert out.outputs[0].logprobs is None  # the sampled tokens' logprobs were not asked for
+    assert out.outputs[0].token_ids == GOLDEN["greedy"][:4].tolist()  # greedy output unchanged (HF's)
     # Cached prefix pages are not taken by a prompt being scored: the same prompt again scores
     # every position, and a request without prompt logprobs then hits the cache.
     again, plain = run(engine, (PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)),
                        (PROMPT, SamplingParams(temperature=0, max_tokens=2)))
     assert again.usage.cached_prompt_tokens == 0 and plain.usage.cached_prompt_tokens > 0
     assert plain.prompt_logprobs is None
+    assert again.outputs[0].token_ids == plain.outputs[0].token_ids == GOLDEN["greedy"][:2].tolist()
     np.testing.assert_allclose([lp.logprob for lp in again.prompt_logprobs[1:]],
                                [lp.logprob for lp in out.prompt_logprobs[1:]], atol=1e-6)
     assert all(lp.top == {} for lp in again.prompt_logprobs[1:])  # prompt_logprobs=0: the token's own
@@ -118,7 +136,21 @@ def test_preemption_n_and_mixed_batches_score_each_prompt_once(engine):
     assert engine.num_preemptions > preemptions
     check_against_hf(a.prompt_logprobs)
     check_against_hf(b.prompt_logprobs)
+    assert a.outputs[0].token_ids == GOLDEN["greedy"][:24].tolist()
     assert len(b.outputs) == 2 and c.prompt_logprobs is None and len(c.outputs[0].token_ids) == 4
+
+
+def test_the_synchronous_loop_scores_the_same(model, xla_cache):
+    """The test oracle: one step at a time, no decode windows, no penalty variants."""
+    sync = Engine(model, EngineConfig(**ENGINE, async_scheduling=False, num_decode_steps=1, penalties=False,
+                                      compilation_cache_dir=xla_cache))
+    compiled = sync.runner.num_compiled()
+    out, pair = run(sync, (PROMPT, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=TOP)),
+                    (PROMPT[:40], SamplingParams(n=2, temperature=0, max_tokens=3, prompt_logprobs=1)))
+    check_against_hf(out.prompt_logprobs)
+    check_against_hf(pair.prompt_logprobs, PROMPT[:40], top=1)
+    assert out.outputs[0].token_ids == GOLDEN["greedy"][:6].tolist()
+    assert sync.runner.num_compiled() == compiled
 
 
 def test_one_token_prompt_has_only_the_leading_none(engine):
@@ -158,6 +190,53 @@ def test_prompt_rows_of_a_plan():
     assert inputs.targets.tolist() == [-1] * 3 + [15, 16, 17, 18, 19] + [-1] * 8
     assert inputs.num_top.tolist() == [2]
     assert prompt_inputs(SchedulerPlan([ScheduledSeq(other, 0, 3, (1,), True)]), 16) is None
+    # A prompt computed again (preempted): the positions scored before are not scored again.
+    scored.num_scored_prompt = 6
+    assert prompt_inputs(plan, 16).targets.tolist() == [-1] * 5 + [17, 18, 19] + [-1] * 8
+    scored.num_scored_prompt = 9
+    assert prompt_inputs(plan, 16) is None
+
+
+def test_a_prompt_being_scored_takes_only_cached_pages_it_has_scored():
+    """Cached prefix pages were computed without scoring: a prompt being scored computes every
+    position itself, except (computed again after a preemption) the pages it has scored; a
+    request without prompt logprobs, or one whose prompt is scored, takes the whole prefix."""
+    sched = Scheduler(PagePool(33, 4), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
+    shared = list(range(100, 112))
+    sched.add_request("first", shared + [1, 2], SamplingParams(max_tokens=1))
+    sched.update(sched.schedule(), [7])  # first's pages of `shared` are in the prefix cache
+
+    def admitted(request_id, prompt_logprobs, num_scored=0):
+        (seq,) = sched.add_request(request_id, shared + [3], SamplingParams(max_tokens=1,
+                                                                            prompt_logprobs=prompt_logprobs))
+        seq.num_scored_prompt = num_scored
+        (entry,) = sched.schedule().seqs
+        sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return entry.start
+
+    assert admitted("scored", 0) == 0
+    assert admitted("resumed", 2, num_scored=9) == 8  # 9 positions scored: their 2 full pages
+    assert admitted("plain", None) == 12
+    assert admitted("done", 1, num_scored=12) == 12   # every position scored: no more scoring
+
+
+def test_only_the_scoring_variant_runs_the_lm_head_over_every_row():
+    """The plain step's LM head is over one row per sequence [S, V]; the variant that scores
+    prompts adds [T, V] (the normal step's cost does not grow)."""
+    config = ModelConfig(model_type="llama", family="llama", vocab_size=256, hidden_size=64, intermediate_size=96,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=512)
+    family = get_family("llama")
+    tiny = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
+    runner = ModelRunner(tiny, EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=2, token_buckets=(8,),
+                                            penalties=False, num_pages=8, compilation_cache_dir=None,
+                                            enable_prompt_logprobs=True), 512)
+
+    def lm_head_rows(prompt: bool) -> list[int]:
+        text = runner.lower(runner.padding_inputs(8, False, prompt=prompt)).as_text()
+        return sorted(int(m) for m in re.findall(r"dot_general .*-> tensor<(\d+)x256xf32>", text))
+
+    assert lm_head_rows(False) == [2] and lm_head_rows(True) == [2, 8]
 
 
 def test_data_replicas_share_one_input_tree():
