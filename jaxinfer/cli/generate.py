@@ -24,9 +24,19 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def check_logprob_flags(args: argparse.Namespace, where: str) -> None:
+    """--logprobs / --prompt-logprobs print only in JSON lines: refused (before the model loads)
+    where text is printed, rather than computed and dropped."""
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None:
+            raise ValueError(f"{flag} {value}: {where} prints text only; use generate --output-format jsonl")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     params = sampling_params(args)
+    if args.output_format == "text":
+        check_logprob_flags(args, "--output-format text")
     # Compile only the variants this job uses, and only once every prompt is known to fit.
     llm = make_llm(args, penalties=params.uses_penalties, warm_up=False,
                    prompt_logprobs=params.prompt_logprobs is not None)
@@ -65,6 +75,7 @@ def _logprobs(out: RequestOutput, completion: CompletionOutput) -> dict:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
+    check_logprob_flags(args, "chat")
     llm = make_llm(args, penalties=params.uses_penalties)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()

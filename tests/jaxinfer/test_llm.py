@@ -318,3 +318,15 @@ def test_cli_generate_and_batch_write_logprobs(capsys, llm):
     assert [e["token_id"] for e in logged["outputs"][0]["logprobs"]] == logged["outputs"][0]["token_ids"]
     assert "prompt_logprobs" not in logged
     assert "line 2" in refused["error"] and "--enable-prompt-logprobs" in refused["error"]
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--prompt-logprobs", "1"], ["chat", "--logprobs", "2"]])
+def test_cli_refuses_logprobs_it_would_not_print_before_loading(capsys, monkeypatch, argv):
+    """Text output has no place for logprobs: refused by flag, before the model loads."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded the model before the flags were checked")
+
+    monkeypatch.setattr("jaxinfer.cli.generate.make_llm", no_loading)
+    assert cli.main(argv) == 2
+    flag, value = argv[-2:]
+    assert capsys.readouterr().err.startswith(f"error: {flag} {value}: ")
