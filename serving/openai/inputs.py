@@ -39,6 +39,7 @@ class EngineInputs:
     tools: ToolRequest | None = None     # chat with tools whose output is read for calls
     echo_top: int | None = None          # completions with echo and logprobs=N: the prompt's too
     prompt_logprobs_field: bool = False  # the request's prompt_logprobs: the `prompt_logprobs` field
+    echo_only: bool = False              # echo with max_tokens 0 (scoring): the sampled token dropped
 
 
 def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> EngineInputs:
@@ -57,7 +58,10 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
     if echo_top is not None and (req.prompt_logprobs is None or _is_count(req.prompt_logprobs)):
         kwargs["prompt_logprobs"] = max(echo_top, req.prompt_logprobs or 0)  # the prompt's tokens too
         names["prompt_logprobs"] = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
-    kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    # echo with max_tokens 0 scores the prompt alone, as vLLM allows: the engine samples one token
+    # (a step computes the prompt's end and samples together), which the response leaves out.
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else 1 if echo_only else req.max_tokens
     params = _params(kwargs, names)
     for ids in prompts:
         _check(params, limits, len(ids), names)
@@ -68,7 +72,7 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
         echo = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
                 for p, ids in zip(_as_list(req.prompt), prompts)]
     return EngineInputs(prompts, params, echo, echo_top=echo_top,
-                        prompt_logprobs_field=req.prompt_logprobs is not None)
+                        prompt_logprobs_field=req.prompt_logprobs is not None, echo_only=echo_only)
 
 
 def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits,

@@ -156,6 +156,32 @@ def test_prompt_logprobs_over_echo_the_field_and_grpc(client, grpc_client):
     assert info.value.body["param"] == "prompt_logprobs"
 
 
+def test_echo_with_max_tokens_0_scores_prompts_alone(client, grpc_client):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0): each prompt comes back with
+    its logprobs and nothing generated, whole and streamed; the values are the ones a request
+    that also generates gets for its prompt."""
+    prompts = ["The three primary colors are red, yellow and blue", "Paris"]
+    scored = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=0)
+    generating = client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=1, max_tokens=3,
+                                           temperature=0)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == sum(
+        len(grpc_client.tokenize(p)) for p in prompts)
+    for choice, prompt in zip(scored.choices, prompts):
+        lp = choice.logprobs
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert len(lp.tokens) == len(grpc_client.tokenize(prompt)) and lp.token_logprobs[0] is None
+    n = len(scored.choices[0].logprobs.tokens)
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(
+        generating.choices[0].logprobs.token_logprobs[:n], abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=1, max_tokens=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompts[0]
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
 def test_errors_have_openai_shape_and_status(client, served):
     with pytest.raises(openai.AuthenticationError) as info:
         openai.OpenAI(base_url=f"{served.http}/v1", api_key="sk-wrong", max_retries=0).models.list()

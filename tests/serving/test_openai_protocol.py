@@ -10,7 +10,7 @@ from testpaths import FIXTURES
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, Usage
 from jaxinfer.tokenizer import load_tokenizer
 from serving.convert import ModelLimits
-from serving.openai import outputs, sse
+from serving.openai import generation, outputs, sse
 from serving.openai.auth import APIKeys, key_id, read_api_keys
 from serving.openai.errors import APIError, from_validation
 from serving.openai.inputs import chat_inputs, completion_inputs
@@ -308,3 +308,31 @@ def test_echoed_prompt_logprobs_and_the_field(tok):
     body = outputs.chat_response(chat_head, out, texts, shown=outputs.PromptShown(field=True))
     assert body["prompt_logprobs"] == choice["prompt_logprobs"] and "prompt_logprobs" not in body["choices"][0]
     assert "prompt_logprobs" not in outputs.chat_response(chat_head, out, texts)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(tok):
+    """echo with max_tokens 0 (vLLM's pure scoring): the engine samples one token, which every
+    delta drops; the choice is the prompt with its logprobs, ending for length, 0 completion
+    tokens. Without echo, max_tokens 0 is refused by name."""
+    scoring = completion(tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, logprobs=1, max_tokens=0)
+    assert scoring.echo_only and scoring.params.max_tokens == 1 and scoring.params.prompt_logprobs == 1
+    assert not completion(tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, max_tokens=1).echo_only
+    assert refused(completion, tok, PROMPT_LOGPROBS_ON, prompt="x", max_tokens=0).param == "max_tokens"
+    ids, (bang,) = tok.encode("A big cat"), tok.encode("!")
+    out = generation.prompt_only(_scored(ids, [-1.0, -2.0], CompletionOutput(
+        0, "!", [bang], [Logprob(bang, -0.5, {bang: -0.5})], "stop", bang)))
+    assert out.usage.completion_tokens == 0 and out.prompt_logprobs is not None
+    texts, shown = outputs.TokenTexts(tok), outputs.PromptShown(echo_top=1)
+    head = outputs.ResponseHeader("cmpl-1", "text_completion", 7, "m")
+    body = outputs.completion_response(head, [out], 1, texts, echo=["A big cat"], shown=shown)
+    (choice,) = body["choices"]
+    assert choice["text"] == "A big cat" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["A", " big", " cat"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -2.0] and body["usage"]["completion_tokens"] == 0
+    writer = outputs.ChunkWriter(head, 1, texts, include_usage=False, echo=["A big cat"], shown=shown)
+    chunks = writer.deltas(0, out)
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
+        ("A big cat", None), ("", "length")]
+    aborted = generation.prompt_only(RequestOutput("r", None, ids, [CompletionOutput(0, finish_reason="abort")],
+                                                   True, Usage(len(ids)), RequestMetrics(0.0)))
+    assert aborted.outputs[0].finish_reason == "abort"
