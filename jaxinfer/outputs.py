@@ -11,6 +11,10 @@ class Logprob:
     top: dict[int, float]  # the requested top-N tokens of this position and their logprobs
     rank: int | None = None  # prompt logprobs: 1 + the tokens the model found more likely
 
+    def as_dict(self) -> dict[int, float]:
+        """vLLM's shape of a position: {token id: logprob} of the token and the top-N."""
+        return {**self.top, self.token_id: self.logprob}
+
     def to_json(self) -> dict:
         """{"token_id", "logprob", ["rank",] "top_logprobs": {"id": logprob}} (the CLI's JSON lines)."""
         rank = {} if self.rank is None else {"rank": self.rank}

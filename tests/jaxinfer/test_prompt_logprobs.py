@@ -83,7 +83,7 @@ def check_against_hf(prompt_logprobs, prompt=PROMPT, top=TOP):
     np.testing.assert_allclose([lp.logprob for lp in scored], chosen, atol=2e-5)
     assert [lp.rank for lp in scored] == ranks.tolist()
     for p, lp in enumerate(scored):
-        assert len(lp.top) == top
+        assert len(lp.top) == top and lp.as_dict()[lp.token_id] == lp.logprob and lp.top.items() <= lp.as_dict().items()
         order = np.argsort(-full[p], kind="stable")[:top]  # the N highest (ties in any order)
         np.testing.assert_allclose(sorted(lp.top.values(), reverse=True), full[p][order], atol=2e-5)
         np.testing.assert_allclose([lp.top[t] for t in lp.top], full[p][list(lp.top)], atol=2e-5)
@@ -166,8 +166,9 @@ def test_engines_without_prompt_logprobs_refuse_them(model, tmp_path_factory):
         plain.add_request(PROMPT[:8], SamplingParams(prompt_logprobs=1))
     with pytest.raises(ValueError, match="prompt_logprobs=21"):
         SamplingParams(prompt_logprobs=21)
-    with pytest.raises(ValueError, match="prompt_logprobs=True"):
-        SamplingParams(prompt_logprobs=True)
+    for bad in (True, -1, 2.0, "3"):
+        with pytest.raises(ValueError, match=rf"SamplingParams.prompt_logprobs={bad!r}: must be None or an integer"):
+            SamplingParams(prompt_logprobs=bad)
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(enable_prompt_logprobs=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="enable_prompt_logprobs must be a bool"):
