@@ -5,10 +5,11 @@ to its length. `schedule()` fills a budget of `max_num_batched_tokens` over at m
 `max_num_seqs` running sequences: (1) running sequences that decode, by (priority, arrival);
 (2) running sequences part-way through their prompt (chunked prefill), taking what budget they
 need; (3) waiting sequences, by (priority, arrival), each taking its cached prefix from the
-PagePool (never the last token) and a chunk of the rest; the head of the queue blocks those behind
-it when its pages do not fit, and nothing is admitted in a step that had to preempt. Siblings of
-an n > 1 request queue as admission.py lets them. Requests that can never run are refused by
-`add_request` (admission.check_request).
+PagePool (never the last token; a prompt whose logprobs are being scored takes only pages it
+scored itself, Sequence.cacheable_pages) and a chunk of the rest; the head of the queue blocks
+those behind it when its pages do not fit, and nothing is admitted in a step that had to
+preempt. Siblings of an n > 1 request queue as admission.py lets them. Requests that can never
+run are refused by `add_request` (admission.check_request).
 
 Pages are reserved for exactly the tokens a step computes. When none is free, the lowest-priority,
 newest running sequence (possibly the one asking) is preempted: pages freed, back to its place in
