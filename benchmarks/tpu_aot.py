@@ -95,11 +95,12 @@ class AotStep:
                                    num_replicas=self.replicas, num_speculative_tokens=0)
         self.max_seqs = engine.seq_bucket(self.buckets[-1])
 
-    def compile(self, bucket: int, num_steps: int = 1, split: bool = False) -> dict:
-        """One variant compiled for the topology (the step, its decode window of `num_steps`, or
-        the split step's forward half), with the runner's own jits: compile time, one chip's memory."""
+    def compile(self, bucket: int, num_steps: int = 1, split: bool = False, prompt: bool = False) -> dict:
+        """One variant compiled for the topology (the step, its decode window of `num_steps`, the
+        split step's forward half, or the step that also scores prompt rows), with the runner's
+        own jits: compile time, one chip's memory."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        host = self.inputs.padding_inputs(bucket, False)
+        host = self.inputs.padding_inputs(bucket, False, prompt=prompt)
         inputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                               host, input_shardings(self.mesh, host, self.replicas > 1))
         prev_shape = (self.max_seqs,) if self.replicas == 1 else (self.replicas, self.max_seqs)
@@ -108,7 +109,8 @@ class AotStep:
         step_fn, window, forward, _ = step_jits(self.family, self.config, self.engine.attn_impl, self.max_seqs,
                                                 self.replicas, num_steps, out_shardings)
         jitted = forward if split else step_fn if num_steps == 1 else window
-        variant = {"bucket": bucket, "num_steps": num_steps, **({"split": True} if split else {})}
+        variant = {"bucket": bucket, "num_steps": num_steps, **({"split": True} if split else {}),
+                   **({"prompt": True} if prompt else {})}
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
@@ -169,6 +171,8 @@ def main(argv=None) -> None:
     p.add_argument("--decode-steps", type=int, default=8, help="decode window length (1: none)")
     p.add_argument("--split", action="store_true",
                    help="also the split step's forward at decode-sized buckets (on by default on accelerators)")
+    p.add_argument("--prompt-logprobs", action="store_true",
+                   help="also each bucket's step that scores prompt rows (--enable-prompt-logprobs)")
     args = p.parse_args(argv)
     buckets = tuple(sorted(set(args.buckets))) if args.buckets else None
     if buckets and buckets[-1] < args.max_num_batched_tokens:
@@ -187,6 +191,8 @@ def main(argv=None) -> None:
             print(json.dumps(aot.compile(bucket, args.decode_steps)), flush=True)
         if args.split and split_step_enabled(True, aot.replicas) and bucket in decode_sized:
             print(json.dumps(aot.compile(bucket, split=True)), flush=True)
+        if args.prompt_logprobs:
+            print(json.dumps(aot.compile(bucket, prompt=True)), flush=True)
 
 
 if __name__ == "__main__":

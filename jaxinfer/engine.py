@@ -8,8 +8,8 @@
         scheduler.update(plan, out.tokens)    # append tokens, stop on eos / stop ids / length
         outputs.on_token / outputs.delta      # detokenize, stop strings -> RequestOutput deltas
 
-Output building is the OutputProcessor's; the engine keeps the unfinished requests and their
-replicas. Bad requests raise ValueError at add_request and leave every other request untouched.
+Output building is the OutputProcessor's. Bad requests raise ValueError at add_request and
+leave every other request untouched.
 
 Data parallelism (a mesh with data=N): N replicas, each with its own PagePool and Scheduler. A
 new request goes to the replica with the least outstanding work (prompt + max_tokens of its
@@ -130,11 +130,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.uses_penalties and not self.config.penalties:
-            raise ValueError("repetition/presence/frequency penalties are off in this engine "
-                             "(EngineConfig.penalties=False); start it with penalties on")
-        if params.n > self.config.max_n:
-            raise ValueError(f"SamplingParams.n={params.n} exceeds this engine's max_n={self.config.max_n}")
+        self.config.check_params(params)
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
         check_prompt_length(len(ids), params, max_model_len=self.max_model_len,
                             max_request_tokens=self.config.max_request_tokens)
@@ -207,7 +203,8 @@ class Engine:
     def _dispatch(self, plans: list[SchedulerPlan], previous: _Flight | None) -> _Flight:
         inputs = self._prepare(plans, previous)
         if self._channel is not None:
-            self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs)
+            self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs,
+                               prompt=inputs.prompt is not None)
         return _Flight(plans, self.runner.dispatch(inputs, plans[0].num_steps))
 
     def _dispatch_late(self, plan: SchedulerPlan, previous: _Flight) -> tuple[_Flight | None, list[RequestOutput]]:
@@ -216,8 +213,8 @@ class Engine:
         if not plan.seqs or plan.num_steps > 1:  # a window has no grammar row
             return self._dispatch([plan], previous) if plan.seqs else None, self._land(previous)
         inputs = self._prepare([plan], previous, masks=False)
-        split = (plan.num_batched_tokens <= self.runner.split_buckets[-1]
-                 and inputs.sampling.history is None)  # else the fused step, after the landing
+        split = (plan.num_batched_tokens <= self.runner.split_buckets[-1]  # else the fused step,
+                 and inputs.sampling.history is None and inputs.prompt is None)  # after the landing
         hidden = self.runner.dispatch_forward(inputs) if split else None
         landed = self._land(previous)
         self.runner.inputs.fill_masks(plan, inputs, device_busy=split)
@@ -244,6 +241,8 @@ class Engine:
         for r, plan in enumerate(flight.plans):
             out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a: a[r], out)
             scheduler = self.replicas[r].scheduler
+            if out_r.prompt is not None:  # prompt logprobs, before the first token's delta
+                self.outputs.on_prompt_rows(plan, out_r.prompt, self._requests)
             steps = (self.speculator.resolve(plan, out_r, scheduler) if plan.verifies  # position by position
                      else self._steps(plan, out_r, scheduler))
             for out_i, updated in steps:  # each emitted (stop strings found) before the next resolves
@@ -277,7 +276,8 @@ class Engine:
         if self._channel is None or self.is_leader:
             raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
         while True:
-            command, inputs = self._channel.receive(self.runner.padding_inputs)
+            command, inputs = self._channel.receive(
+                lambda bucket, history, prompt: self.runner.padding_inputs(bucket, history, prompt=prompt))
             if inputs is None:
                 return command != SHUTDOWN
             self.runner.execute(inputs)

@@ -22,7 +22,8 @@ class EngineConfig:
 
     Every step is padded to a token bucket T (and a sequence bucket S = min(T, max_num_seqs)).
     Each bucket compiles one step variant, plus one with a penalty history when `penalties` is on
-    (requests with repetition/presence/frequency penalties need it); all compile at start-up.
+    (requests with repetition/presence/frequency penalties need it), and each of those once more
+    with `enable_prompt_logprobs`; all compile at start-up.
     The KV pool is `num_pages` pages of `page_size` tokens per layer, or as many as fit
     in `kv_cache_memory_fraction` of the device's free memory (`kv_cache_bytes` on the CPU).
     `mesh` ("data=2,tensor=4", a dict of axis sizes, or a jax Mesh from sharding.make_mesh)
@@ -71,6 +72,9 @@ class EngineConfig:
     # A reasoning model's format ("qwen3", "deepseek_r1"; tokenizer/reasoning.py): structured
     # output then constrains the answer after `</think>`, not the thinking. None: the whole output.
     reasoning_parser: str | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): compile each bucket's step once more,
+    # with the LM head over every row of the batch. Off: requests asking for them are refused.
+    enable_prompt_logprobs: bool = False
 
     def __post_init__(self):
         def positive(name):
@@ -100,6 +104,11 @@ class EngineConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"EngineConfig.reasoning_parser={self.reasoning_parser!r}: expected one of "
                              f"{REASONING_PARSERS} or None")
+        if not isinstance(self.enable_prompt_logprobs, bool):
+            raise ValueError(f"EngineConfig.enable_prompt_logprobs must be a bool, got {self.enable_prompt_logprobs!r}")
+        if self.enable_prompt_logprobs and self.speculative_config is not None:
+            raise ValueError("EngineConfig.enable_prompt_logprobs=True: not supported together with "
+                             "speculative decoding (speculative_config)")
         if isinstance(self.mesh, (str, dict)):
             from sharding.mesh import format_mesh, parse_mesh_spec  # imports jax: only when asked for
 
@@ -112,6 +121,18 @@ class EngineConfig:
                 raise ValueError(
                     f"EngineConfig.token_buckets {buckets!r} must reach max_num_batched_tokens="
                     f"{self.max_num_batched_tokens}")
+
+    def check_params(self, params) -> None:
+        """ValueError naming what of a request's SamplingParams this engine was not started for."""
+        if params.uses_penalties and not self.penalties:
+            raise ValueError("repetition/presence/frequency penalties are off in this engine "
+                             "(EngineConfig.penalties=False); start it with penalties on")
+        if params.n > self.max_n:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds this engine's max_n={self.max_n}")
+        if params.prompt_logprobs is not None and not self.enable_prompt_logprobs:
+            raise ValueError(f"SamplingParams.prompt_logprobs={params.prompt_logprobs}: this engine was "
+                             "started without prompt logprobs (EngineConfig.enable_prompt_logprobs, "
+                             "--enable-prompt-logprobs)")
 
     def buckets(self) -> tuple[int, ...]:
         """Token buckets: the given ones, or powers of two up to max_num_batched_tokens.

@@ -12,6 +12,10 @@ num_speculative_tokens) and `logits_indices` names K + 1 rows per sequence [S*(K
 known token and each draft (a sequence with fewer repeats its last row); None otherwise (another
 compiled variant).
 
+Prompt logprobs: when a chunk of the plan belongs to a prompt whose request asked for them
+(SamplingParams.prompt_logprobs, sample 0 only: the samples share the prompt), `prompt` holds
+the prompt token each of its rows predicts ([T], -1 elsewhere); None otherwise (another variant).
+
 A sequence whose newest token was sampled by the step still in flight (async scheduling) has a
 PLACEHOLDER there: its input id is taken on the device from that step's sampled tokens, at the
 row `prev_rows` names (-1: the id in token_ids is the input).
@@ -34,6 +38,7 @@ from jaxinfer.core.sequence import PLACEHOLDER
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, sampling_arrays_for_sequences
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.prompt_logprobs import PromptInputs
 from jaxinfer.sampling.rejection import SpecInputs
 from jaxinfer.structured import fill_bitmask
 
@@ -47,6 +52,7 @@ class StepInputs:
     sampling: SamplingArrays  # one row per sequence slot
     prev_rows: jax.Array  # i32[T] row of the previous step's sampled tokens that is this token; -1: none
     spec: SpecInputs | None = None  # draft tokens to verify (speculative decoding); None: none
+    prompt: PromptInputs | None = None  # prompt rows to score (prompt logprobs); None: none
 
 
 class InputBuilder:
@@ -81,6 +87,9 @@ class InputBuilder:
         t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
         penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
         rows = [self._prepare_one(p, t_bucket, penalties, prev) for p, prev in zip(plans, previous)]
+        if any(r.prompt is not None for r in rows):  # one tree for every replica
+            none = PromptInputs(np.full(t_bucket, -1, np.int32), np.zeros(1, np.int32))
+            rows = [r if r.prompt is not None else r.replace(prompt=none) for r in rows]
         if masks:
             for plan_i, row in zip(plans, rows):
                 self.fill_masks(plan_i, row)
@@ -134,7 +143,8 @@ class InputBuilder:
         if plan.verifies:
             rows, spec = self._spec_rows(plan, cu)
             return StepInputs(tokens, positions, meta, rows, sampling, prev_rows, spec)
-        return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, prev_rows)
+        return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, prev_rows,
+                          prompt=prompt_inputs(plan, t_bucket))
 
     def _spec_rows(self, plan: SchedulerPlan, cu: np.ndarray) -> tuple[np.ndarray, SpecInputs]:
         """A verify step's logits rows [S*(K+1)] and drafts [S, K] (module docstring)."""
@@ -150,10 +160,13 @@ class InputBuilder:
         rows[:n] = (cu[1:n + 1] - 1 - counts)[:, None] + np.minimum(np.arange(k + 1), counts[:, None])
         return rows.reshape(-1), spec
 
-    def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False) -> StepInputs:
+    def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False,
+                       prompt: bool = False) -> StepInputs:
         """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
-        the null page. `spec`: of the verify variant."""
+        the null page. `spec`: of the verify variant; `prompt`: of the prompt-logprobs one."""
         one = self._dummy_one(t_bucket, with_history)
+        if prompt:
+            one = one.replace(prompt=PromptInputs(np.full(t_bucket, -1, np.int32), np.zeros(1, np.int32)))
         if spec:
             s_bucket = self.engine.seq_bucket(t_bucket)
             one = one.replace(logits_indices=np.zeros(s_bucket * (self.num_speculative_tokens + 1), np.int32),
@@ -178,3 +191,21 @@ class InputBuilder:
 
 def _no_drafts(s_bucket: int, k: int) -> SpecInputs:
     return SpecInputs(np.full((s_bucket, k), -1, np.int32), np.zeros(s_bucket, np.int32))
+
+
+def prompt_inputs(plan: SchedulerPlan, t_bucket: int) -> PromptInputs | None:
+    """The prompt rows of the plan to score (module docstring), or None when there are none."""
+    targets, num_top, offset = None, 0, 0
+    for e in plan.seqs:
+        seq = e.seq
+        want = seq.sampling_params.prompt_logprobs
+        # Row p predicts prompt token p + 1: the rows of this chunk before the prompt's last, less
+        # those scored before (a prompt computed again after a preemption is not scored again).
+        start, end = max(e.start, seq.num_scored_prompt), min(e.kv_len, seq.num_prompt_tokens - 1)
+        if want is not None and seq.sample_index == 0 and end > start:
+            if targets is None:
+                targets = np.full(t_bucket, -1, np.int32)
+            targets[offset + start - e.start:offset + end - e.start] = seq.token_ids[start + 1:end + 1]
+            num_top = max(num_top, want)
+        offset += e.num_new_tokens
+    return None if targets is None else PromptInputs(targets, np.array([num_top], np.int32))

@@ -52,7 +52,7 @@ class LLM:
                  num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
                  quantization: str | None = "auto", quantization_group_size: int | None = None,
                  quantize_embedding: bool = False, cpu_heap_reuse: bool = True, chat_template: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, enable_prompt_logprobs: bool = False):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default).
 
         `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
@@ -70,11 +70,11 @@ class LLM:
         dequantizes them at load; "auto" (default) is "gguf" for a GGUF file on an accelerator and
         "none" on the CPU, where native blocks decode slower. A checkpoint converted with a
         quantization loads as saved.
-        `cpu_heap_reuse=False` leaves the process's glibc allocator at its defaults on the CPU
-        (jaxinfer/host_memory.py: by default large freed blocks stay for the next step).
+        `cpu_heap_reuse=False` leaves glibc's allocator at its defaults on the CPU (host_memory.py).
         `chat_template`: a jinja2 chat template (its file's path, or the text) instead of the
         checkpoint's, e.g. one that renders tools. `reasoning_parser` ("qwen3", "deepseek_r1"):
-        structured output constrains a reasoning model's answer after `</think>`, not its thinking."""
+        structured output constrains a reasoning model's answer after `</think>`, not its thinking.
+        `enable_prompt_logprobs`: compile the steps that score prompts (SamplingParams.prompt_logprobs)."""
         quant = QuantConfig.parse(quantization, quantization_group_size, quantize_embedding)
         template = None if chat_template is None else load_chat_template(chat_template)
         initialize(coordinator_address, num_processes, process_id)  # before any device is used
@@ -89,7 +89,7 @@ class LLM:
             attn_impl=attn_impl, penalties=penalties,
             compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh,
             speculative_config=speculative_config, cpu_heap_reuse=cpu_heap_reuse,
-            reasoning_parser=reasoning_parser)
+            reasoning_parser=reasoning_parser, enable_prompt_logprobs=enable_prompt_logprobs)
         place_for = None
         if config.mesh is not None:
             device_mesh = make_mesh(config.mesh)

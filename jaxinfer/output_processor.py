@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import Sequence, SequenceStatus
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, Usage
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.prompt_logprobs import PromptLogprobs
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -48,6 +50,9 @@ class RequestState:
     cached_prompt_tokens: int = 0
     replica: int = 0
     cost: int = 0  # tokens it may occupy: (prompt + max_tokens) * n
+    # SamplingParams.prompt_logprobs: each prompt token's, as its rows land (None: not asked).
+    prompt_logprobs: list[Logprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -63,7 +68,26 @@ class OutputProcessor:
                     replica: int = 0, cost: int = 0) -> RequestState:
         samples = [SampleState(seq, self._detokenizer(prompt_token_ids, params)) for seq in seqs]
         return RequestState(request_id, prompt, prompt_token_ids, params, samples, metrics,
-                            replica=replica, cost=cost)
+                            replica=replica, cost=cost,
+                            prompt_logprobs=None if params.prompt_logprobs is None else [None])
+
+    @staticmethod
+    def on_prompt_rows(plan: SchedulerPlan, out: PromptLogprobs, requests: dict[str, RequestState]) -> None:
+        """Records the prompt logprobs a step scored (inputs.prompt_inputs chose its rows); a
+        position already recorded (a preempted prompt computed again) is skipped."""
+        offset = 0
+        for e in plan.seqs:
+            state, seq = requests.get(e.seq.request_id), e.seq
+            recorded = state.prompt_logprobs if state is not None and seq.sample_index == 0 else None
+            if recorded is not None and e.start <= len(recorded) - 1:  # in order (Sequence.cacheable_pages)
+                n = state.params.prompt_logprobs
+                for p in range(max(e.start, len(recorded) - 1), min(e.kv_len, seq.num_prompt_tokens - 1)):
+                    row = offset + p - e.start
+                    top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:n], out.top_logprobs[row][:n])}
+                    recorded.append(Logprob(seq.token_ids[p + 1], float(out.logprobs[row]), top,
+                                            int(out.ranks[row])))
+                seq.num_scored_prompt = len(recorded) - 1
+            offset += e.num_new_tokens
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -107,8 +131,12 @@ class OutputProcessor:
         usage = Usage(prompt_tokens=len(state.prompt_token_ids),
                       completion_tokens=sum(len(s.seq.known_output_ids) for s in state.samples),
                       cached_prompt_tokens=state.cached_prompt_tokens)
+        prompt_logprobs = None
+        if (state.prompt_logprobs is not None and not state.prompt_logprobs_sent
+                and len(state.prompt_logprobs) == len(state.prompt_token_ids)):
+            prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, usage, m)
+                             finished, usage, m, prompt_logprobs)
 
 
 def _check_stop_strings(sample: SampleState, params: SamplingParams, scheduler: Scheduler) -> None:

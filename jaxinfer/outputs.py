@@ -9,6 +9,22 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # the requested top-N tokens of this position and their logprobs
+    rank: int | None = None  # prompt logprobs: 1 + the tokens the model found more likely
+
+    def as_dict(self) -> dict[int, float]:
+        """vLLM's shape of a position: {token id: logprob} of the token and the top-N."""
+        return {**self.top, self.token_id: self.logprob}
+
+    def to_json(self) -> dict:
+        """{"token_id", "logprob", ["rank",] "top_logprobs": {"id": logprob}} (the CLI's JSON lines)."""
+        rank = {} if self.rank is None else {"rank": self.rank}
+        return {"token_id": self.token_id, "logprob": self.logprob, **rank,
+                "top_logprobs": {str(t): v for t, v in self.top.items()}}
+
+
+def logprobs_json(logprobs: list[Logprob | None] | None) -> list[dict | None] | None:
+    """A list of logprobs as JSON values (None entries, such as a prompt's first, stay null)."""
+    return None if logprobs is None else [None if lp is None else lp.to_json() for lp in logprobs]
 
 
 @dataclasses.dataclass
@@ -82,6 +98,9 @@ class RequestOutput:
     finished: bool
     usage: Usage
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it); in the first output (delta) once the prompt is computed, else None.
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def merge(self, delta: "RequestOutput") -> None:
         """Appends a streamed delta of the same request to this accumulated output."""
@@ -92,3 +111,5 @@ class RequestOutput:
                 mine.logprobs = (mine.logprobs or []) + new.logprobs
             mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
         self.finished, self.usage, self.metrics = delta.finished, delta.usage, delta.metrics
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs

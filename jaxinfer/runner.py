@@ -158,9 +158,10 @@ class ModelRunner:
         `masks=False` leaves grammar rows' allowed bits for `inputs.fill_masks` (split step)."""
         return self.inputs.prepare(plan, previous, masks)
 
-    def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False) -> StepInputs:
+    def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False,
+                       prompt: bool = False) -> StepInputs:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
-        return self.inputs.padding_inputs(t_bucket, with_history, spec)
+        return self.inputs.padding_inputs(t_bucket, with_history, spec, prompt)
 
     def execute(self, inputs: StepInputs, num_steps: int = 1) -> SamplerOutput:
         """Runs the step and waits for it. Returns numpy outputs (with a leading [data] axis when
@@ -221,11 +222,12 @@ class ModelRunner:
         return input_shardings(self.mesh, inputs, self.num_replicas > 1)
 
     def warm_up(self) -> float:
-        """Compiles every (bucket, penalty-history) variant; returns the seconds it took."""
+        """Compiles every (bucket, penalty history, prompt logprobs) variant; returns seconds."""
         start = time.perf_counter()
         for t_bucket in self.buckets:
             for with_history in (False, True) if self.engine.penalties else (False,):
-                self.execute(self.padding_inputs(t_bucket, with_history))
+                for prompt in (False, True) if self.engine.enable_prompt_logprobs else (False,):
+                    self.execute(self.padding_inputs(t_bucket, with_history, prompt=prompt))
             if self.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
                 self.execute(self.padding_inputs(t_bucket, False, spec=True))
         for t_bucket in self.window_buckets:
@@ -274,7 +276,8 @@ def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:
         token_ids=tokens, positions=tokens, prev_rows=tokens,
         meta=jax.tree.map(lambda _: other, inputs.meta),
         logits_indices=other, sampling=jax.tree.map(lambda _: other, inputs.sampling),
-        spec=jax.tree.map(lambda _: other, inputs.spec))
+        spec=jax.tree.map(lambda _: other, inputs.spec),
+        prompt=None if inputs.prompt is None else inputs.prompt.replace(targets=tokens, num_top=other))
 
 
 def split_step_enabled(setting: bool | None, num_replicas: int = 1) -> bool:

@@ -3,6 +3,9 @@
     step          = forward_part + sample_part in one call (the usual variant)
     decode_window = `num_steps` steps of a decode-only batch in one call (lax.scan)
     forward_part  -> the hidden state of each sequence's last token [S, E] and the updated caches
+    prompt rows   -> (inputs with `prompt`: prompt logprobs) every row's hidden state also scored
+                     against the prompt token after it (sampling/prompt_logprobs.py), returned
+                     as the SamplerOutput's `prompt`
     sample_part   -> LM head + in-jit sampling over those rows
     verify_part   -> (inputs with drafts: speculative decoding) LM head over each sequence's
                      last known token and its drafts, sampling at every position and the
@@ -15,6 +18,8 @@ past them and filled the allowed-token bits (EngineConfig.structured_output_over
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -23,6 +28,7 @@ from jaxinfer.inputs import StepInputs
 from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.params import MAX_LOGPROBS
+from jaxinfer.sampling.prompt_logprobs import prompt_logprobs
 from jaxinfer.sampling.rejection import SpecInputs, VerifyOutput, last_tokens, verify
 from jaxinfer.sampling.sampler import SamplerOutput, sample
 
@@ -31,11 +37,15 @@ def step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int
          kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array
          ) -> tuple[SamplerOutput, KVCaches, jax.Array]:
     """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here."""
-    hidden, kv_caches = forward_part(family, config, attn_impl, params, kv_caches, inputs, prev_tokens)
+    every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens)
+    hidden = every_row[inputs.logits_indices]
     if inputs.spec is not None:
         out, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampling, inputs.spec)
     else:
         out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampling)
+        if inputs.prompt is not None:
+            out = out.replace(prompt=prompt_logprobs(
+                functools.partial(family.compute_logits, params), every_row, inputs.prompt, MAX_LOGPROBS))
     return out, kv_caches, sampled
 
 
@@ -44,11 +54,17 @@ def forward_part(family: ModelFamily, config: ModelConfig, attn_impl: str, param
                  ) -> tuple[jax.Array, KVCaches]:
     """The forward over the ragged batch (K/V written into the pages); returns the hidden rows
     of each sequence's last token [S, E]. `inputs.sampling` is not read."""
+    hidden, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens)
+    return hidden[inputs.logits_indices], kv_caches
+
+
+def _forward(family: ModelFamily, config: ModelConfig, attn_impl: str, params: ModelParams,
+             kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array) -> tuple[jax.Array, KVCaches]:
+    """The forward's hidden state of every row of the batch [T, E] and the updated caches."""
     from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
     token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
-    hidden, kv_caches = family.forward(params, config, token_ids, inputs.positions, kv_caches,
-                                       inputs.meta, attn_impl=attn_impl)
-    return hidden[inputs.logits_indices], kv_caches
+    return family.forward(params, config, token_ids, inputs.positions, kv_caches, inputs.meta,
+                          attn_impl=attn_impl)
 
 
 def sample_part(family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array,

@@ -46,6 +46,8 @@ class GenerateResult:
     outputs: list[Completion]
     usage: pb.Usage
     timings: pb.Timings
+    # sampling prompt_logprobs=N: one per prompt token after the first (with its rank and top-N)
+    prompt_logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -119,9 +121,11 @@ class Accumulator:
         self.request_id = ""
         self.outputs: dict[int, Completion] = {}
         self.usage, self.timings = pb.Usage(), pb.Timings()
+        self.prompt_logprobs: list[pb.TokenLogprob] = []
 
     def add(self, msg: pb.GenerateResponse) -> None:
         self.request_id = msg.request_id
+        self.prompt_logprobs += list(msg.prompt_logprobs)
         for d in msg.outputs:
             c = self.outputs.setdefault(d.index, Completion(d.index))
             c.text += d.text
@@ -141,7 +145,7 @@ class Accumulator:
 
     def result(self) -> GenerateResult:
         return GenerateResult(self.request_id, [self.outputs[i] for i in sorted(self.outputs)],
-                              self.usage, self.timings)
+                              self.usage, self.timings, self.prompt_logprobs)
 
 
 def _channel_args(max_message_bytes: int):

@@ -38,7 +38,6 @@ def add_client_parser(subparsers: argparse._SubParsersAction,
                      help="with --chat: OpenAI's tools list (JSON, or a file of it) for the chat template; the "
                           "finishing jsonl message carries the calls read back")
     gen.add_argument("--tool-choice", default=None, help="with --tools: auto, none, required, or a tool's name")
-    gen.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
     gen.add_argument("--output-format", choices=["text", "jsonl"], default="text",
                      help="text: stream the text; jsonl: one JSON object per streamed message")
     add_sampling_args(gen)
@@ -103,7 +102,7 @@ def _generate(client, args) -> int:
         prompt = args.prompt
     kwargs = dict(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
-                  ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+                  ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
         if getattr(args, name) != off:  # unset stays unset: servers started --no-penalties accept it
             kwargs[name] = getattr(args, name)

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import json
 
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.sampling.params import check_logit_bias_vocab
 from jaxinfer.structured import GrammarBackend
@@ -24,7 +24,7 @@ from serving.tools import ChatReplies, ToolRequest
 # SamplingOptions fields that are `optional` scalars and map 1:1 onto SamplingParams.
 _SCALAR_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
-                  "include_stop_str_in_output", "skip_special_tokens", "speculative")
+                  "include_stop_str_in_output", "skip_special_tokens", "speculative", "prompt_logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +34,19 @@ class ModelLimits:
     max_model_len: int
     penalties_enabled: bool
     max_n: int = 64
+    prompt_logprobs_enabled: bool = False
     max_request_tokens: int | None = None  # None: max_model_len
     # The engine's GrammarBackend: structured-output specs are compiled (and cached) by
     # check_params on a worker thread, so the engine thread never waits for a schema.
     grammars: GrammarBackend | None = None
+
+    @classmethod
+    def of(cls, engine) -> "ModelLimits":
+        """The limits of a running Engine."""
+        cfg = engine.config
+        return cls(vocab_size=engine.model.config.vocab_size, max_model_len=engine.max_model_len,
+                   penalties_enabled=cfg.penalties, max_n=cfg.max_n, max_request_tokens=cfg.max_request_tokens,
+                   grammars=engine.grammars, prompt_logprobs_enabled=cfg.enable_prompt_logprobs)
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
@@ -221,6 +230,9 @@ def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens:
     if params.uses_penalties and not limits.penalties_enabled:
         raise RequestError("sampling.repetition_penalty/presence_penalty/frequency_penalty: penalties "
                            "are off on this server (started with --no-penalties)")
+    if params.prompt_logprobs is not None and not limits.prompt_logprobs_enabled:
+        raise RequestError(f"sampling.prompt_logprobs={params.prompt_logprobs}: prompt logprobs are off on "
+                           "this server (start it with --enable-prompt-logprobs)")
     if params.structured_output is not None:
         if limits.grammars is None:
             raise RequestError("sampling.structured_output: this model has no tokenizer to constrain")
@@ -257,9 +269,7 @@ def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.Gener
             delta.stop_string = c.stop_reason
         elif c.stop_reason is not None:
             delta.stop_token_id = int(c.stop_reason)
-        for lp in c.logprobs or ():
-            delta.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
-                               top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])
+        delta.logprobs.extend(map(_token_logprob, c.logprobs or ()))
         read = None if replies is None else replies.add(c.index, c.text, c.finish_reason is not None)
         if read is not None:
             thought, parsed = read
@@ -268,6 +278,7 @@ def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.Gener
             delta.content = parsed.content or ""
             delta.tool_calls.extend(pb.ToolCall(id=serving_tools.new_call_id(), name=call.name,
                                                 arguments=call.arguments) for call in parsed.tool_calls)
+    msg.prompt_logprobs.extend(map(_token_logprob, (out.prompt_logprobs or [None])[1:]))
     if out.finished:
         m = out.metrics
         itl = m.inter_token_latencies
@@ -276,3 +287,8 @@ def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.Gener
             e2e_latency_s=m.e2e_latency or 0.0,
             mean_inter_token_latency_s=sum(itl) / len(itl) if itl else 0.0))
     return msg
+
+
+def _token_logprob(lp: Logprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank or 0,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])

@@ -60,10 +60,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.reasoning_gated = engine.config.reasoning_parser is not None  # grammars start after </think>
         self._engine_loop = engine_loop
         self._tokenizer = engine.tokenizer
-        self._limits = ModelLimits(vocab_size=engine.model.config.vocab_size,
-                                   max_model_len=engine.max_model_len,
-                                   penalties_enabled=engine.config.penalties, max_n=engine.config.max_n,
-                                   max_request_tokens=engine.config.max_request_tokens, grammars=engine.grammars)
+        self._limits = ModelLimits.of(engine)
         # At most max_num_seqs running plus max_waiting queued calls are admitted at once.
         self.max_in_flight = engine.config.max_num_seqs + max_waiting
         self._metrics = metrics
@@ -296,5 +293,6 @@ def _model_info(engine, tool_parser) -> pb.GetModelInfoResponse:
         has_tokenizer=tok is not None, has_chat_template=getattr(tok, "chat_template", None) is not None,
         page_size=cfg.page_size, kv_pages_total=engine.pool.num_usable_pages, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, penalties_enabled=cfg.penalties,
-        max_logprobs=MAX_LOGPROBS, tool_call_format=tool_parser.name if tool_parser else "")
+        max_logprobs=MAX_LOGPROBS, tool_call_format=tool_parser.name if tool_parser else "",
+        prompt_logprobs_enabled=cfg.enable_prompt_logprobs)
 

@@ -51,7 +51,8 @@ def test_the_step_fits_the_chips_hbm_with_the_cache_in_place(tensor4_on_v5e):
 
 
 @pytest.mark.parametrize("topology,mesh,kv_cache_dtype,itemsize,rows", [
-    ("v5e:2x2", "data=2,tensor=2", "auto", 2, 8),  # two replicas: the step vmapped over [data]
+    # two replicas: the step vmapped over [data], and its variant that scores prompt rows
+    ("v5e:2x2", "data=2,tensor=2", "auto", 2, 8),
     ("v5e:1x1", "tensor=1", "int8", 1, 16),  # and the split step's forward (no split with replicas)
 ])
 def test_a_head_dim_64_step_keeps_its_cache_in_place(topology, mesh, kv_cache_dtype, itemsize, rows):
@@ -62,9 +63,11 @@ def test_a_head_dim_64_step_keeps_its_cache_in_place(topology, mesh, kv_cache_dt
     data replicas (a [data, P, page, 2Hkv, D] cache), and with an int8 cache and its scales."""
     summary, *variants = aot("--shape", "llama-3.2-1b", "--num-layers", "2", "--topology", topology,
                         "--mesh", mesh, "--buckets", "8", "--max-num-batched-tokens", "8",
-                        "--max-model-len", "8192", "--decode-steps", "1", "--kv-cache-dtype", kv_cache_dtype, "--split")
+                        "--max-model-len", "8192", "--decode-steps", "1", "--kv-cache-dtype", kv_cache_dtype, "--split",
+                        *(["--prompt-logprobs"] if "data" in mesh else []))  # one compile each: CI time
     assert summary["kv_dtype"] == {"auto": "bfloat16", "int8": "int8"}[kv_cache_dtype]
-    assert [v.get("split", False) for v in variants] == ([False] if "data" in mesh else [False, True])
+    assert [(v.get("split", False), v.get("prompt", False)) for v in variants] == (
+        [(False, False), (False, True)] if "data" in mesh else [(False, False), (True, False)])
     for step in variants:
         assert step["bucket"] == 8 and step["num_steps"] == 1 and "error" not in step, step
         assert step["tpu_custom_calls"] == 6, step

@@ -78,6 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(prompt_lookup_max / _min: the n-gram sizes looked up) or \'{"method": '
                         '"draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+    g.add_argument("--enable-prompt-logprobs", action="store_true", help="compile the steps that score "
+                   "prompts (one more variant per token bucket), so requests may ask for prompt logprobs")
     g.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "pallas_gpu", "pallas_tpu"])
     g.add_argument("--token-buckets", default=None,
                    help="comma-separated step sizes to compile (default: powers of two up to the budget)")
@@ -132,6 +134,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-n", type=int, default=1, help="samples per prompt")
     g.add_argument("--no-speculation", action="store_true",
                    help="decode these requests without drafts when the engine speculates")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each output token's logprob and the N most likely tokens' (0..20)")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="each prompt token's logprob and the N most likely tokens' (0..20; the engine "
+                        "needs --enable-prompt-logprobs)")
     g.add_argument("--logit-bias", default=None, metavar="JSON",
                    help='token id -> bias added to its logit, e.g. \'{"123": 5.0}\' (each in [-100, 100]: '
                         '-100 bans the token, 100 all but forces it)')
@@ -151,7 +158,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, stop=args.stop or (), ignore_eos=args.ignore_eos,
         structured_output=structured_output(args), logit_bias=logit_bias(args),
-        speculative=not getattr(args, "no_speculation", False))
+        speculative=not getattr(args, "no_speculation", False), logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs)
 
 
 def logit_bias(args: argparse.Namespace) -> dict[int, float] | None:
@@ -207,13 +215,14 @@ def check_reasoning_parser(args: argparse.Namespace) -> None:
         raise ValueError(f"--reasoning-parser {value}: {str(e).split(': ', 1)[1]}") from None
 
 
-def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = True) -> "LLM":
-    """The LLM of the command line. On processes other than 0 of a multi-host run it serves
+def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = True,
+             prompt_logprobs: bool = False) -> "LLM":
+    """The LLM of the command line (`prompt_logprobs`: their steps compiled even without
+    --enable-prompt-logprobs). On processes other than 0 of a multi-host run it serves
     process 0's steps until told to stop, then exits: the command itself runs on process 0."""
     from jaxinfer.llm import LLM
 
     check_reasoning_parser(args)
-
     buckets = None
     if args.token_buckets:
         try:
@@ -231,6 +240,7 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
               cpu_heap_reuse=not args.no_cpu_heap_reuse,
               speculative_config=speculative_config(args),
+              enable_prompt_logprobs=prompt_logprobs or getattr(args, "enable_prompt_logprobs", False),
               mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),
               num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
               warm_up=warm_up, quantization=args.quantization,

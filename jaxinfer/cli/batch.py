@@ -5,10 +5,12 @@ Each input line is one request:
     {"id": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "temperature": 0.7}
     {"id": "a3", "messages": [...], "tools": [...], "chat_template_kwargs": {"enable_thinking": false}}
 Any SamplingParams field may be set per line; unset fields take the command line's values. Each
-output line has the request's id, its outputs (text, token ids, finish reason) and usage, in input
-order. A broken line (bad JSON, no prompt, a bad sampling value, a prompt too long, messages the
-chat template rejects) gets an output line with "error" naming the problem and the line number;
-every other line is still served. Paths are checked before the model loads.
+output line has the request's id, its outputs (text, token ids, finish reason, and logprobs when
+asked for), usage, and "prompt_logprobs" when asked for (the engine needs
+--enable-prompt-logprobs, or --prompt-logprobs on the command line), in input order. A broken
+line (bad JSON, no prompt, a bad sampling value, a prompt too long, messages the chat template
+rejects) gets an output line with "error" naming the problem and the line number; every other
+line is still served. Paths are checked before the model loads.
 
 The input is streamed (at most --max-in-flight requests are read ahead into the engine). With a
 file output the job is exactly once across kills (batch_journal.py): every finished result is
@@ -35,6 +37,7 @@ from tqdm import tqdm
 
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 from jaxinfer.cli.batch_journal import Journal, line_key
+from jaxinfer.outputs import logprobs_json
 from jaxinfer.sampling.params import (SamplingParams, StructuredOutput, check_logit_bias_vocab,
                                       logit_bias_from_json)
 
@@ -120,11 +123,7 @@ class _Job:
             if acc.finished:
                 lineno, key, rid = self.in_flight.pop(delta.request_id)
                 del self.outputs[delta.request_id]
-                self.finish(lineno, key, {
-                    "id": rid, "outputs": [{"text": c.text, "token_ids": c.token_ids,
-                                            "finish_reason": c.finish_reason,
-                                            "stop_reason": c.stop_reason} for c in acc.outputs],
-                    "usage": dataclasses.asdict(acc.usage)})
+                self.finish(lineno, key, _record(rid, acc))
 
     def finish(self, lineno: int, key: str, record: dict, resumed: bool = False) -> None:
         if self.journal is not None and not resumed:
@@ -138,6 +137,18 @@ class _Job:
         self.bar.update(1)
         while self.order and self.order[0] in self.ready:
             self.out.write(json.dumps(self.ready.pop(self.order.popleft()), ensure_ascii=False) + "\n")
+
+
+def _record(rid: str, out: RequestOutput) -> dict:
+    """A finished request's output line: its outputs (with their logprobs when the line asked
+    for them), usage, and its prompt's logprobs when asked for."""
+    outputs = [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, **({} if c.logprobs is None else {"logprobs": logprobs_json(c.logprobs)})}
+               for c in out.outputs]
+    record = {"id": rid, "outputs": outputs, "usage": dataclasses.asdict(out.usage)}
+    if out.prompt_logprobs is not None:
+        record["prompt_logprobs"] = logprobs_json(out.prompt_logprobs)
+    return record
 
 
 def run_batch(llm: LLM, lines: Iterable[str], out: TextIO, defaults: SamplingParams,
@@ -191,7 +202,7 @@ def check_paths(input_path: str, output_path: str) -> None:
 def cmd_batch(args: argparse.Namespace) -> int:
     check_paths(args.input, args.output)
     defaults = sampling_params(args)
-    llm = make_llm(args)
+    llm = make_llm(args, prompt_logprobs=defaults.prompt_logprobs is not None)
     total = None if args.input == "-" else _count_lines(args.input)
     journal = None if args.output == "-" else Journal(f"{args.output}.journal")
     if journal is not None and len(journal):

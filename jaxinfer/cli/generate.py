@@ -6,6 +6,7 @@ import json
 import sys
 
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
+from jaxinfer.outputs import CompletionOutput, RequestOutput, logprobs_json
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -23,11 +24,22 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def check_logprob_flags(args: argparse.Namespace, where: str) -> None:
+    """--logprobs / --prompt-logprobs print only in JSON lines: refused (before the model loads)
+    where text is printed, rather than computed and dropped."""
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None:
+            raise ValueError(f"{flag} {value}: {where} prints text only; use generate --output-format jsonl")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     params = sampling_params(args)
+    if args.output_format == "text":
+        check_logprob_flags(args, "--output-format text")
     # Compile only the variants this job uses, and only once every prompt is known to fit.
-    llm = make_llm(args, penalties=params.uses_penalties, warm_up=False)
+    llm = make_llm(args, penalties=params.uses_penalties, warm_up=False,
+                   prompt_logprobs=params.prompt_logprobs is not None)
     if args.chat:
         prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
     token_ids = []  # each prompt tokenized once: checked here, then generated from the ids
@@ -44,14 +56,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(json.dumps({"request": int(out.request_id), "index": completion.index,
                                   "text": completion.text, "finish_reason": completion.finish_reason,
                                   "prompt_tokens": out.usage.prompt_tokens,
-                                  "completion_tokens": len(completion.token_ids)}, ensure_ascii=False))
+                                  "completion_tokens": len(completion.token_ids), **_logprobs(out, completion)},
+                                 ensure_ascii=False))
             else:
                 print(completion.text)
     return 0
 
 
+def _logprobs(out: RequestOutput, completion: CompletionOutput) -> dict:
+    """The logprobs fields of a JSON line: those asked for (--logprobs, --prompt-logprobs)."""
+    fields = {}
+    if completion.logprobs is not None:
+        fields["logprobs"] = logprobs_json(completion.logprobs)
+    if out.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = logprobs_json(out.prompt_logprobs)
+    return fields
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
+    check_logprob_flags(args, "chat")
     llm = make_llm(args, penalties=params.uses_penalties)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()

@@ -5,10 +5,11 @@ to its length. `schedule()` fills a budget of `max_num_batched_tokens` over at m
 `max_num_seqs` running sequences: (1) running sequences that decode, by (priority, arrival);
 (2) running sequences part-way through their prompt (chunked prefill), taking what budget they
 need; (3) waiting sequences, by (priority, arrival), each taking its cached prefix from the
-PagePool (never the last token) and a chunk of the rest; the head of the queue blocks those behind
-it when its pages do not fit, and nothing is admitted in a step that had to preempt. Siblings of
-an n > 1 request queue as admission.py lets them. Requests that can never run are refused by
-`add_request` (admission.check_request).
+PagePool (never the last token; a prompt whose logprobs are being scored takes only pages it
+scored itself, Sequence.cacheable_pages) and a chunk of the rest; the head of the queue blocks
+those behind it when its pages do not fit, and nothing is admitted in a step that had to
+preempt. Siblings of an n > 1 request queue as admission.py lets them. Requests that can never
+run are refused by `add_request` (admission.check_request).
 
 Pages are reserved for exactly the tokens a step computes. When none is free, the lowest-priority,
 newest running sequence (possibly the one asking) is preempted: pages freed, back to its place in
@@ -238,7 +239,7 @@ class Scheduler:
         pool = self.pool
         if pool.enable_prefix_caching:
             pool.extend_page_hashes(seq.page_hashes, seq.token_ids)
-        cached = pool.match_prefix(seq.page_hashes, seq.token_ids)
+        cached = pool.match_prefix(seq.page_hashes, seq.token_ids)[:seq.cacheable_pages(pool.page_size)]
         num_cached_tokens = len(cached) * pool.page_size
         n = min(seq.num_tokens - num_cached_tokens, step.budget)
         need = self.pool.pages_for(num_cached_tokens + n) - len(cached)

@@ -79,6 +79,7 @@ class Sequence:
         self.num_pending = 0              # trailing PLACEHOLDERs: tokens of steps in flight
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_scored_prompt = 0        # prompt positions whose logprobs landed (prompt_logprobs)
         self.pages: list[int] = []        # block table: page i holds tokens [i*ps, (i+1)*ps)
         self.page_hashes: list = []       # chained hashes of the full pages of token_ids
         self.num_cached_pages = 0         # leading pages registered in the prefix cache
@@ -131,6 +132,14 @@ class Sequence:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+    def cacheable_pages(self, page_size: int) -> int | None:
+        """How many leading prefix-cached pages the sequence may take: all (None) but while its
+        prompt logprobs are being scored, when every position not scored yet is computed."""
+        if (self.sampling_params.prompt_logprobs is None or self.sample_index != 0
+                or self.num_scored_prompt >= self.num_prompt_tokens - 1):
+            return None
+        return self.num_scored_prompt // page_size
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

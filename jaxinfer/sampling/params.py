@@ -173,6 +173,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None        # top-N logprobs per token, 0..MAX_LOGPROBS
+    # The logprob of each prompt token after the first (and its top-N, 0..MAX_LOGPROBS) under
+    # the model: RequestOutput.prompt_logprobs. The engine needs enable_prompt_logprobs.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # constrain the output (JSON, regex, ...)
@@ -222,9 +225,10 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids >= 0")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")

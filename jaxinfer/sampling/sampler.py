@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.params import GREEDY_EPS
+from jaxinfer.sampling.prompt_logprobs import PromptLogprobs
 
 
 @flax.struct.dataclass
@@ -41,6 +42,8 @@ class SamplerOutput:
     logprobs: jax.Array      # f32[B]    log_softmax(raw logits) of the chosen token
     top_ids: jax.Array       # i32[B, N] the N most likely tokens (N = num_top_logprobs)
     top_logprobs: jax.Array  # f32[B, N]
+    # Steps with prompt rows to score (prompt_logprobs.py): their logprobs [T, ...]; else None.
+    prompt: PromptLogprobs | None = None
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0) -> SamplerOutput:

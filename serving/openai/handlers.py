@@ -114,11 +114,13 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     head = outputs.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), ctx.model_name)
     record = _admitted(request, head.id, req, inputs, lambda: req.prompt)
     if req.stream:
-        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), inputs.echo_texts)
+        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), inputs.echo_texts,
+                                     shown=_shown(inputs))
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     results = await unless_disconnected(request.receive, _collect(requests))
-    return JSONResponse(outputs.completion_response(head, results, inputs.params.n, ctx.texts, inputs.echo_texts))
+    return JSONResponse(outputs.completion_response(head, results, inputs.params.n, ctx.texts, inputs.echo_texts,
+                                                    _shown(inputs)))
 
 
 @_noting_errors
@@ -134,11 +136,15 @@ async def chat_completions(ctx: ApiContext, request: Request) -> Response:
     if req.stream:
         head.object = "chat.completion.chunk"
         writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), tools=inputs.tools,
-                                     reasoning=reasoning)
+                                     reasoning=reasoning, shown=_shown(inputs))
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     (result,) = await unless_disconnected(request.receive, _collect(requests))
-    return JSONResponse(outputs.chat_response(head, result, ctx.texts, inputs.tools, reasoning))
+    return JSONResponse(outputs.chat_response(head, result, ctx.texts, inputs.tools, reasoning, _shown(inputs)))
+
+
+def _shown(inputs: EngineInputs) -> outputs.PromptShown:
+    return outputs.PromptShown(inputs.echo_top, inputs.prompt_logprobs_field)
 
 
 async def _collect(requests: EngineRequests) -> list:

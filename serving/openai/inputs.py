@@ -24,7 +24,7 @@ from serving.tools import ToolRequest, sampling_updates, tool_request
 # Request fields that are SamplingParams fields of the same name and meaning.
 _SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
               "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-              "speculative")
+              "speculative", "prompt_logprobs")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
@@ -37,6 +37,9 @@ class EngineInputs:
     params: SamplingParams
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
     tools: ToolRequest | None = None     # chat with tools whose output is read for calls
+    echo_top: int | None = None          # completions with echo and logprobs=N: the prompt's too
+    prompt_logprobs_field: bool = False  # the request's prompt_logprobs: the `prompt_logprobs` field
+    echo_only: bool = False              # echo with max_tokens 0 (scoring): the sampled token dropped
 
 
 def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> EngineInputs:
@@ -45,12 +48,20 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
         raise bad_request("suffix", "suffix: not supported by this server")
     if req.best_of is not None and req.best_of not in (1, req.n or 1):
         raise bad_request("best_of", f"best_of={req.best_of}: only best_of == n is supported")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo", "echo: not supported together with logprobs (prompt logprobs are not computed)")
     prompts = _completion_prompts(req.prompt, tokenizer, limits)
     names = {"logprobs": "logprobs", "max_tokens": "max_tokens", "structured_output": _structured_field(req)}
     kwargs = _sampling_kwargs(req, limits, logprobs=req.logprobs)
-    kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    echo_top = req.logprobs if req.echo and _is_count(req.logprobs) else None
+    if echo_top is not None and not limits.prompt_logprobs_enabled:
+        raise bad_request("echo", "echo with logprobs: the prompt's logprobs are off on this server "
+                                  "(start it with --enable-prompt-logprobs)")
+    if echo_top is not None and (req.prompt_logprobs is None or _is_count(req.prompt_logprobs)):
+        kwargs["prompt_logprobs"] = max(echo_top, req.prompt_logprobs or 0)  # the prompt's tokens too
+        names["prompt_logprobs"] = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+    # echo with max_tokens 0 scores the prompt alone, as vLLM allows: the engine samples one token
+    # (a step computes the prompt's end and samples together), which the response leaves out.
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else 1 if echo_only else req.max_tokens
     params = _params(kwargs, names)
     for ids in prompts:
         _check(params, limits, len(ids), names)
@@ -60,7 +71,8 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
             raise bad_request("echo", "echo: this model has no tokenizer to write the prompt as text")
         echo = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
                 for p, ids in zip(_as_list(req.prompt), prompts)]
-    return EngineInputs(prompts, params, echo)
+    return EngineInputs(prompts, params, echo, echo_top=echo_top,
+                        prompt_logprobs_field=req.prompt_logprobs is not None, echo_only=echo_only)
 
 
 def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits,
@@ -89,7 +101,8 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
             names["structured_output"] = "tools"
     params = _params(kwargs, names)
     _check(params, limits, len(ids), names)
-    return EngineInputs([ids], params, tools=tools if tools is not None and tools.mode != "none" else None)
+    return EngineInputs([ids], params, tools=tools if tools is not None and tools.mode != "none" else None,
+                        prompt_logprobs_field=req.prompt_logprobs is not None)
 
 
 def _tool_sampling(req: ChatCompletionRequest, tools: ToolRequest, kwargs: dict) -> None:
@@ -192,6 +205,11 @@ def _as_list(prompt) -> list:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return prompt
     return [prompt]
+
+
+def _is_count(value) -> bool:
+    """An int that is not a bool (anything else is left for SamplingParams to name)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_ids(value) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxinfer.tokenizer import Tokenizer
@@ -17,6 +18,21 @@ from serving.openai import tools as openai_tools
 from serving.tools import ToolRequest
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptShown:
+    """How a response shows a request's prompt logprobs: completions' echo with logprobs=N (the
+    prompt's tokens lead each choice's logprobs, `echo_top` = N) and/or, for a request with
+    `prompt_logprobs`, vLLM's `prompt_logprobs` field (per choice in completions, top level in chat)."""
+    echo_top: int | None = None
+    field: bool = False
+
+    def field_of(self, out: RequestOutput, texts: TokenTexts) -> dict:
+        """{"prompt_logprobs": [...]} once `out` carries them and the request asked for the field."""
+        if not self.field or out.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": texts.prompt_entries(out)}
 
 
 @dataclasses.dataclass
@@ -61,6 +77,39 @@ class TokenTexts:
                 "top_logprobs": [{self.text(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()} for lp in logprobs],
                 "text_offset": offsets}
 
+    def echo_logprobs(self, out: RequestOutput, top: int) -> dict:
+        """Completions' echo with logprobs: the legacy shape over the prompt's tokens (the first
+        has none: nothing predicts it), each with its `top` most likely tokens."""
+        tokens = [self.text(t) for t in out.prompt_token_ids]
+        scored = out.prompt_logprobs[1:]
+        return {"tokens": tokens, "token_logprobs": [None] + [max(lp.logprob, MIN_LOGPROB) for lp in scored],
+                "top_logprobs": [None] + [{self.text(t): max(v, MIN_LOGPROB) for t, v in _ranked(lp)[:top]}
+                                          for lp in scored],
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))}
+
+    def prompt_entries(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None (the first) or {token id: {"logprob",
+        "rank", "decoded_token"}} for the token itself and the most likely ones."""
+        entries: list[dict | None] = [None]
+        for lp in out.prompt_logprobs[1:]:
+            entry = {str(t): self._ranked_entry(t, v, rank) for rank, (t, v) in enumerate(_ranked(lp), start=1)}
+            entry[str(lp.token_id)] = self._ranked_entry(lp.token_id, lp.logprob, lp.rank)
+            entries.append(entry)
+        return entries
+
+    def _ranked_entry(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": max(logprob, MIN_LOGPROB), "rank": rank, "decoded_token": self.text(token_id)}
+
+
+def _ranked(lp: Logprob) -> list[tuple[int, float]]:
+    """A position's top tokens, most likely first."""
+    return sorted(lp.top.items(), key=lambda kv: -kv[1])
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two legacy logprobs objects as one (the echoed prompt's, then the completion's)."""
+    return {key: first[key] + then[key] for key in first}
+
 
 def usage(results: list[RequestOutput]) -> dict:
     prompt = sum(r.usage.prompt_tokens for r in results)
@@ -70,19 +119,22 @@ def usage(results: list[RequestOutput]) -> dict:
 
 
 def completion_response(head: ResponseHeader, results: list[RequestOutput], n: int, texts: TokenTexts,
-                        echo: list[str] | None = None) -> dict:
+                        echo: list[str] | None = None, shown: PromptShown = PromptShown()) -> dict:
     choices = []
     for p, result in enumerate(results):
         prefix = echo[p] if echo else ""
         for c in result.outputs:
             lps = None if c.logprobs is None else texts.completion_logprobs(c.logprobs, len(prefix))
+            if lps is not None and shown.echo_top is not None and result.prompt_logprobs is not None:
+                lps = _joined(texts.echo_logprobs(result, shown.echo_top), lps)
             choices.append({"index": p * n + c.index, "text": prefix + c.text, "logprobs": lps,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": c.finish_reason, **shown.field_of(result, texts)})
     return head.body(choices=choices, usage=usage(results))
 
 
 def chat_response(head: ResponseHeader, result: RequestOutput, texts: TokenTexts,
-                  tools: ToolRequest | None = None, reasoning: ReasoningParser | None = None) -> dict:
+                  tools: ToolRequest | None = None, reasoning: ReasoningParser | None = None,
+                  shown: PromptShown = PromptShown()) -> dict:
     """`tools`: the request's tool choice, whose calls are read out of each choice's text;
     `reasoning`: the server's reasoning parser, which splits `reasoning_content` off first."""
     choices = []
@@ -90,7 +142,7 @@ def chat_response(head: ResponseHeader, result: RequestOutput, texts: TokenTexts
         message, reason = openai_tools.message(tools, c.text, c.finish_reason, reasoning)
         choices.append({"index": c.index, "message": message, "finish_reason": reason, "logprobs": None if
                         c.logprobs is None else {"content": [texts.chat_entry(lp) for lp in c.logprobs]}})
-    return head.body(choices=choices, usage=usage([result]))
+    return head.body(choices=choices, usage=usage([result]), **shown.field_of(result, texts))
 
 
 class ChunkWriter:
@@ -98,10 +150,10 @@ class ChunkWriter:
 
     def __init__(self, head: ResponseHeader, n: int, texts: TokenTexts, include_usage: bool,
                  echo: list[str] | None = None, tools: ToolRequest | None = None,
-                 reasoning: ReasoningParser | None = None):
+                 reasoning: ReasoningParser | None = None, shown: PromptShown = PromptShown()):
         self.head, self.n, self.texts, self.include_usage = head, n, texts, include_usage
         self.chat = head.object == "chat.completion.chunk"
-        self._echo, self._tools, self._reasoning = echo, tools, reasoning
+        self._echo, self._tools, self._reasoning, self._shown = echo, tools, reasoning, shown
         self._read = self.chat and (tools is not None or reasoning is not None)
         self._streams: dict[int, openai_tools.ChoiceStream] = {}  # choice -> its text read as it comes
         self._offsets: dict[int, int] = {}  # choice -> characters streamed (completions' text_offset)
@@ -113,10 +165,11 @@ class ChunkWriter:
         return self.head.body(choices=[choice], **extra)
 
     def opening(self, num_prompts: int) -> list[dict]:
-        """Chat: the assistant role of every choice; completions with echo: each prompt's text."""
+        """Chat: the assistant role of every choice; completions with echo: each prompt's text
+        (with logprobs: once the prompt's logprobs come, `_prompt_chunks`)."""
         if self.chat:
             return [self._chunk(i, delta={"role": "assistant", "content": ""}) for i in range(self.n)]
-        if not self._echo:
+        if not self._echo or self._shown.echo_top is not None:
             return []
         chunks = []
         for p in range(num_prompts):
@@ -126,7 +179,7 @@ class ChunkWriter:
         return chunks
 
     def deltas(self, prompt: int, out: RequestOutput) -> list[dict]:
-        chunks = []
+        chunks = self._prompt_chunks(prompt, out) if out.prompt_logprobs is not None else []
         for c in out.outputs:
             index = prompt * self.n + c.index
             if index in self._finished:
@@ -139,6 +192,24 @@ class ChunkWriter:
             if c.finish_reason is not None:
                 self._finished.add(index)
                 chunks.append(self._chunk(index, c.finish_reason, **({"delta": {}} if self.chat else {"text": ""})))
+        return chunks
+
+    def _prompt_chunks(self, prompt: int, out: RequestOutput) -> list[dict]:
+        """The prompt's logprobs, in the first delta after the prompt was computed: completions'
+        echoed prompt with its logprobs, and/or the `prompt_logprobs` field (chat: in a chunk
+        without choices)."""
+        field = self._shown.field_of(out, self.texts)
+        if self.chat:
+            return [self.head.body(choices=[], **field, **({"usage": None} if self.include_usage else {}))] \
+                if field else []
+        chunks = []
+        for index in range(prompt * self.n, (prompt + 1) * self.n):
+            if self._shown.echo_top is not None:
+                self._offsets[index] = len(self._echo[prompt])
+                lps = self.texts.echo_logprobs(out, self._shown.echo_top)
+                chunks.append(self._chunk(index, logprobs=lps, text=self._echo[prompt], **field))
+            elif field:
+                chunks.append(self._chunk(index, text="", **field))
         return chunks
 
     def _read_chunks(self, index: int, c: CompletionOutput) -> list[dict]:

@@ -55,6 +55,7 @@ class SamplingFields(_Body):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     speculative: bool | None = None  # false: no speculative decoding for this request
+    prompt_logprobs: int | None = None  # each prompt token's logprob and top-N (server: --enable-prompt-logprobs)
     guided_json: Any = None  # a JSON schema (object or JSON text)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

@@ -290,3 +290,43 @@ def test_cli_refuses_a_too_long_prompt_before_compiling(capsys, monkeypatch):
                      "--max-num-batched-tokens", "64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: prompt 2: prompt of") and "does not fit the context of 64 tokens" in err
+
+
+def test_cli_generate_and_batch_write_logprobs(capsys, llm):
+    """--prompt-logprobs compiles the scoring steps for this job and writes each prompt token's
+    logprob into the JSON line; batch lines carry the logprobs they ask for, and a line asking
+    for prompt logprobs of an engine started without them is refused by name."""
+    prompt = "The capital of France is"
+    argv = ["generate", prompt, "--max-tokens", "2", "--logprobs", "1", "--prompt-logprobs", "2",
+            "--output-format", "jsonl", "--max-model-len", "64", "--max-num-batched-tokens", "16",
+            "--token-buckets", "16", "--max-num-seqs", "2"]
+    assert cli.main(argv) == 0
+    line = json.loads(capsys.readouterr().out)
+    plp = line["prompt_logprobs"]
+    assert len(plp) == line["prompt_tokens"] == len(llm.tokenizer.encode(prompt)) and plp[0] is None
+    ids = llm.tokenizer.encode(prompt)
+    assert [e["token_id"] for e in plp[1:]] == ids[1:]
+    for e in plp[1:]:
+        assert len(e["top_logprobs"]) == 2 and e["rank"] >= 1 and e["logprob"] <= 0
+        assert (e["rank"] == 1) == (e["logprob"] >= max(e["top_logprobs"].values()) - 1e-5)
+    assert len(line["logprobs"]) == line["completion_tokens"] == 2
+    out = io.StringIO()
+    run_batch(llm, io.StringIO("\n".join([json.dumps({"id": "l", "prompt": prompt, "logprobs": 1, "max_tokens": 2}),
+                                          json.dumps({"id": "p", "prompt": prompt, "prompt_logprobs": 1})])),
+              out, greedy())
+    logged, refused = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [e["token_id"] for e in logged["outputs"][0]["logprobs"]] == logged["outputs"][0]["token_ids"]
+    assert "prompt_logprobs" not in logged
+    assert "line 2" in refused["error"] and "--enable-prompt-logprobs" in refused["error"]
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--prompt-logprobs", "1"], ["chat", "--logprobs", "2"]])
+def test_cli_refuses_logprobs_it_would_not_print_before_loading(capsys, monkeypatch, argv):
+    """Text output has no place for logprobs: refused by flag, before the model loads."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded the model before the flags were checked")
+
+    monkeypatch.setattr("jaxinfer.cli.generate.make_llm", no_loading)
+    assert cli.main(argv) == 2
+    flag, value = argv[-2:]
+    assert capsys.readouterr().err.startswith(f"error: {flag} {value}: ")

@@ -5,7 +5,8 @@ models / health / metrics / tokenize / detokenize, disconnects that free the KV 
 beside HTTP on the same engine, tool calling over both (named and required choices constrained
 to valid calls, hermes-format calls read out of the text whole and streamed), and reasoning
 split off as reasoning_content (the server reads qwen3's <think>; SmolLM2 writes none unless
-its output is forced to)."""
+its output is forced to), and prompt logprobs (echo with logprobs, vLLM's prompt_logprobs field,
+gRPC)."""
 import json
 import re
 import socket
@@ -26,7 +27,8 @@ KEYS = ("sk-first-key", "sk-second-key")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
         "--max-num-seqs", "8", "--num-pages", "128", "--no-penalties", "--port", "0", "--http-port", "0",
-        "--max-body-bytes", str(1 << 20), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+        "--max-body-bytes", str(1 << 20), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        "--enable-prompt-logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +110,76 @@ def test_logprobs(client):
     assert all(len(top) == 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs,
                                                                                           lp.token_logprobs))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_prompt_logprobs_over_echo_the_field_and_grpc(client, grpc_client):
+    """Completions' echo with logprobs=N leads each choice's logprobs with the prompt's tokens (the
+    first has none), whole and streamed; vLLM's prompt_logprobs field gives the same values with
+    ranks, in completions' choices and at the top of a chat; gRPC too."""
+    prompt = "The three primary colors are"
+    ids = grpc_client.tokenize(prompt)
+    done = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=2, temperature=0)
+    choice, lp = done.choices[0], done.choices[0].logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == len(ids) + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and "".join(lp.tokens[:len(ids)]) == prompt
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(0 < len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    field = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 1})
+    entries = field.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None and field.choices[0].logprobs is None
+    for i, entry in enumerate(entries[1:], start=1):
+        own = entry[str(ids[i])]
+        assert own["logprob"] == pytest.approx(lp.token_logprobs[i], abs=1e-4) and own["rank"] >= 1
+        assert own["decoded_token"] == lp.tokens[i] and len(entry) in (1, 2)
+        assert any(e["rank"] == 1 for e in entry.values())
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=2,
+                                            temperature=0, stream=True))
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.tokens == lp.tokens[:len(ids)]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks if c.choices[0].logprobs), []) == \
+        pytest.approx(lp.token_logprobs, abs=1e-4)  # None == None; the rest to float noise
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    streamed = [c for c in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, stream=True,
+                                                           extra_body={"prompt_logprobs": 0})
+                if (c.model_extra or {}).get("prompt_logprobs")]
+    assert len(streamed) == 1 and streamed[0].model_extra["prompt_logprobs"] == chat.model_extra["prompt_logprobs"]
+    assert grpc_client.model_info().prompt_logprobs_enabled
+    result = grpc_client.generate(prompt, max_tokens=1, temperature=0, prompt_logprobs=2)
+    assert [x.token_id for x in result.prompt_logprobs] == ids[1:]
+    assert [x.logprob for x in result.prompt_logprobs] == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-4)
+    assert all(x.rank >= 1 and len(x.top) == 2 for x in result.prompt_logprobs)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, extra_body={"prompt_logprobs": 21})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_echo_with_max_tokens_0_scores_prompts_alone(client, grpc_client):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0): each prompt comes back with
+    its logprobs and nothing generated, whole and streamed; the values are the ones a request
+    that also generates gets for its prompt."""
+    prompts = ["The three primary colors are red, yellow and blue", "Paris"]
+    scored = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=0)
+    generating = client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=1, max_tokens=3,
+                                           temperature=0)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == sum(
+        len(grpc_client.tokenize(p)) for p in prompts)
+    for choice, prompt in zip(scored.choices, prompts):
+        lp = choice.logprobs
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert len(lp.tokens) == len(grpc_client.tokenize(prompt)) and lp.token_logprobs[0] is None
+    n = len(scored.choices[0].logprobs.tokens)
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(
+        generating.choices[0].logprobs.token_logprobs[:n], abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=1, max_tokens=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompts[0]
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
 
 
 def test_errors_have_openai_shape_and_status(client, served):

@@ -10,7 +10,7 @@ from testpaths import FIXTURES
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, Usage
 from jaxinfer.tokenizer import load_tokenizer
 from serving.convert import ModelLimits
-from serving.openai import outputs, sse
+from serving.openai import generation, outputs, sse
 from serving.openai.auth import APIKeys, key_id, read_api_keys
 from serving.openai.errors import APIError, from_validation
 from serving.openai.inputs import chat_inputs, completion_inputs
@@ -134,7 +134,10 @@ def test_completion_only_errors(tok):
     assert refused(completion, tok, prompt="x", logprobs=21).param == "logprobs"
     assert refused(completion, tok, prompt="x", suffix="end").param == "suffix"
     assert refused(completion, tok, prompt="x", best_of=3).param == "best_of"
-    assert refused(completion, tok, prompt="x", echo=True, logprobs=1).param == "echo"
+    error = refused(completion, tok, prompt="x", echo=True, logprobs=1)  # the server lacks prompt logprobs
+    assert error.param == "echo" and "--enable-prompt-logprobs" in error.message
+    assert refused(completion, tok, prompt="x", prompt_logprobs=1).param == "prompt_logprobs"
+    assert refused(chat, tok, prompt_logprobs=0).message.startswith("prompt_logprobs=0: prompt logprobs are off")
     assert refused(completion, None, prompt="text").message.startswith("prompt: this model has no tokenizer")
     assert refused(chat, None).message.startswith("messages: this model has no tokenizer")
     assert completion(tok, prompt="x", response_format={"type": "text"}, logit_bias={}).params.max_tokens == 16
@@ -251,3 +254,85 @@ def test_structured_output_fields_become_the_spec(tok):
         "schema": {"type": "no-such-type"}}})
     assert error.param == "response_format" and "json" in error.message
     assert refused(chat, tok, LIMITS, guided_regex="a").message.endswith("no tokenizer to constrain")
+
+
+PROMPT_LOGPROBS_ON = ModelLimits(vocab_size=49152, max_model_len=128, penalties_enabled=False, max_n=4,
+                                 prompt_logprobs_enabled=True)
+
+
+def test_prompt_logprobs_requests(tok):
+    """echo with logprobs=N asks the engine for the prompt's N (or prompt_logprobs, if more);
+    prompt_logprobs alone asks for vLLM's field; bad values name the request's field."""
+    echo = completion(tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, logprobs=2)
+    assert (echo.params.prompt_logprobs, echo.echo_top, echo.prompt_logprobs_field) == (2, 2, False)
+    both = completion(tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, logprobs=1, prompt_logprobs=4)
+    assert (both.params.prompt_logprobs, both.echo_top, both.prompt_logprobs_field) == (4, 1, True)
+    assert completion(tok, PROMPT_LOGPROBS_ON, prompt="x", logprobs=1).params.prompt_logprobs is None
+    assert chat(tok, PROMPT_LOGPROBS_ON, prompt_logprobs=0).prompt_logprobs_field
+    assert refused(completion, tok, PROMPT_LOGPROBS_ON, prompt="x", prompt_logprobs=21).param == "prompt_logprobs"
+    assert refused(completion, tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, logprobs=21).param == "logprobs"
+
+
+def _scored(prompt_ids, logprobs, completion_output):
+    scored = [None] + [Logprob(t, lp, {t: lp, 99: lp - 1.0}, 1) for t, lp in zip(prompt_ids[1:], logprobs)]
+    return RequestOutput("r", None, prompt_ids, [completion_output], True, Usage(len(prompt_ids), 1),
+                         RequestMetrics(0.0), scored)
+
+
+def test_echoed_prompt_logprobs_and_the_field(tok):
+    """The echoed prompt's tokens lead the legacy logprobs (the first with none) with offsets
+    from 0; the field lists each position's tokens with ranks; streamed, both come with the
+    echo chunk, once."""
+    ids, (bang,) = tok.encode("A big cat"), tok.encode("!")
+    out = _scored(ids, [-1.0, -2.0], CompletionOutput(0, "!", [bang], [Logprob(bang, -0.5, {bang: -0.5})], "stop"))
+    texts = outputs.TokenTexts(tok)
+    shown = outputs.PromptShown(echo_top=1, field=True)
+    head = outputs.ResponseHeader("cmpl-1", "text_completion", 7, "m")
+    choice = outputs.completion_response(head, [out], 1, texts, echo=["A big cat"], shown=shown)["choices"][0]
+    lps = choice["logprobs"]
+    assert lps["tokens"] == ["A", " big", " cat", "!"] and lps["token_logprobs"] == [None, -1.0, -2.0, -0.5]
+    assert lps["top_logprobs"] == [None, {" big": -1.0}, {" cat": -2.0}, {"!": -0.5}]  # echo_top=1
+    assert lps["text_offset"] == [0, 1, 5, 9] and choice["text"] == "A big cat!"
+    assert choice["prompt_logprobs"] == [None] + [
+        {str(t): {"logprob": lp, "rank": 1, "decoded_token": tok.decode([t])},
+         "99": {"logprob": lp - 1.0, "rank": 2, "decoded_token": tok.decode([99])}}
+        for t, lp in zip(ids[1:], [-1.0, -2.0])]
+    writer = outputs.ChunkWriter(head, 1, texts, include_usage=False, echo=["A big cat"], shown=shown)
+    assert writer.opening(1) == []  # the echo waits for the prompt's logprobs
+    chunks = writer.deltas(0, out)
+    assert [c["choices"][0]["text"] for c in chunks] == ["A big cat", "!", ""]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == choice["prompt_logprobs"]
+    assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [9]
+    chat_head = outputs.ResponseHeader("chatcmpl-1", "chat.completion", 7, "m")
+    body = outputs.chat_response(chat_head, out, texts, shown=outputs.PromptShown(field=True))
+    assert body["prompt_logprobs"] == choice["prompt_logprobs"] and "prompt_logprobs" not in body["choices"][0]
+    assert "prompt_logprobs" not in outputs.chat_response(chat_head, out, texts)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(tok):
+    """echo with max_tokens 0 (vLLM's pure scoring): the engine samples one token, which every
+    delta drops; the choice is the prompt with its logprobs, ending for length, 0 completion
+    tokens. Without echo, max_tokens 0 is refused by name."""
+    scoring = completion(tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, logprobs=1, max_tokens=0)
+    assert scoring.echo_only and scoring.params.max_tokens == 1 and scoring.params.prompt_logprobs == 1
+    assert not completion(tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, max_tokens=1).echo_only
+    assert refused(completion, tok, PROMPT_LOGPROBS_ON, prompt="x", max_tokens=0).param == "max_tokens"
+    ids, (bang,) = tok.encode("A big cat"), tok.encode("!")
+    out = generation.prompt_only(_scored(ids, [-1.0, -2.0], CompletionOutput(
+        0, "!", [bang], [Logprob(bang, -0.5, {bang: -0.5})], "stop", bang)))
+    assert out.usage.completion_tokens == 0 and out.prompt_logprobs is not None
+    texts, shown = outputs.TokenTexts(tok), outputs.PromptShown(echo_top=1)
+    head = outputs.ResponseHeader("cmpl-1", "text_completion", 7, "m")
+    body = outputs.completion_response(head, [out], 1, texts, echo=["A big cat"], shown=shown)
+    (choice,) = body["choices"]
+    assert choice["text"] == "A big cat" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["A", " big", " cat"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -2.0] and body["usage"]["completion_tokens"] == 0
+    writer = outputs.ChunkWriter(head, 1, texts, include_usage=False, echo=["A big cat"], shown=shown)
+    chunks = writer.deltas(0, out)
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
+        ("A big cat", None), ("", "length")]
+    aborted = generation.prompt_only(RequestOutput("r", None, ids, [CompletionOutput(0, finish_reason="abort")],
+                                                   True, Usage(len(ids)), RequestMetrics(0.0)))
+    assert aborted.outputs[0].finish_reason == "abort"

@@ -176,6 +176,9 @@ def test_backpressure_resource_exhausted(serve):
     (dict(prompt=[1, 2], temperature=1e300), "sampling.temperature"),
     (dict(prompt=[1, 2], logit_bias={9999: 1.0}), "sampling.logit_bias[9999]: token ids out of the vocabulary"),
     (dict(prompt=[1, 2], logit_bias={5: -100.5}), "sampling.logit_bias[5]=-100.5"),
+    (dict(prompt=[1, 2], prompt_logprobs=1), "sampling.prompt_logprobs=1: prompt logprobs are off on this "
+                                             "server (start it with --enable-prompt-logprobs)"),
+    (dict(prompt=[1, 2], prompt_logprobs=-1), "sampling.prompt_logprobs=-1"),
 ])
 def test_invalid_argument_names_the_field(serve, kwargs, field):
     server = serve()

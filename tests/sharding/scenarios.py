@@ -207,15 +207,19 @@ def scenario_multihost(process_id: str, port: str, mesh: str, model: str = "") -
     llm = LLM(model or str(FIXTURES / "hf" / "llama3"), "float32", mesh=mesh,
               coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id),
               **{k: v for k, v in ENGINE.items() if k != "max_num_batched_tokens"},
-              max_num_batched_tokens=ENGINE["max_num_batched_tokens"])
+              max_num_batched_tokens=ENGINE["max_num_batched_tokens"], enable_prompt_logprobs=True)
     prompts = GENERATE["prompts"][:8]
     params = SamplingParams(temperature=0, max_tokens=GENERATE["max_new_tokens"], ignore_eos=True)
     first = llm.generate(prompts, params, use_tqdm=False)
     second = llm.generate(prompts[:2], params, use_tqdm=False)  # a second call: followers rejoin
+    # Steps that score prompt rows: their variant is named in each step's header to the followers.
+    golden = np.load(FIXTURES / "hf" / "llama3" / "golden.npz")["input_ids"].tolist()
+    scored = llm.generate([golden], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
     return {"process": jax.process_index(), "processes": jax.process_count(),
             "devices": jax.device_count(), "local_devices": jax.local_device_count(),
             "outputs": [o.outputs[0].token_ids for o in first + second],
-            "expected": GENERATE["outputs"][:8] + GENERATE["outputs"][:2]}
+            "expected": GENERATE["outputs"][:8] + GENERATE["outputs"][:2],
+            "prompt_logprobs": [lp.logprob for o in scored for lp in o.prompt_logprobs[1:]]}
 
 
 def scenario_context(lengths: str) -> dict:

@@ -1,6 +1,7 @@
 """Two processes on loopback (jax.distributed over 127.0.0.1) run one engine together: process 0
 schedules and broadcasts each step, and its tokens equal the single-process run's (which the
 llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it)."""
+import numpy as np
 import pytest
 from testpaths import FIXTURES
 
@@ -17,6 +18,11 @@ def test_two_processes_match_one(processes, port, mesh, devices):
     assert leader["local_devices"] == devices
     assert leader["outputs"] == leader["expected"]
     assert follower["outputs"] == []  # followers run the steps; process 0 returns the results
+    golden = np.load(FIXTURES / "hf" / "llama3" / "golden.npz")
+    ids, logits = golden["input_ids"], golden["logits"].astype(np.float64)
+    expected = logits[np.arange(63), ids[1:]] - np.log(np.exp(logits[:63]).sum(-1))  # HF's log_softmax
+    np.testing.assert_allclose(leader["prompt_logprobs"], expected, atol=1e-4)
+    assert follower["prompt_logprobs"] == []
 
 
 def test_two_processes_restore_an_orbax_checkpoint(processes, port, tmp_path):
