@@ -241,7 +241,7 @@ class Engine:
         for r, plan in enumerate(flight.plans):
             out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a: a[r], out)
             scheduler = self.replicas[r].scheduler
-            if out_r.prompt is not None:  # prompt logprobs, before the first token's delta
+            if not plan.verifies and out_r.prompt is not None:  # prompt logprobs, before the first delta
                 self.outputs.on_prompt_rows(plan, out_r.prompt, self._requests)
             steps = (self.speculator.resolve(plan, out_r, scheduler) if plan.verifies  # position by position
                      else self._steps(plan, out_r, scheduler))

@@ -128,8 +128,8 @@ def test_engine_lets_the_reasoning_through():
     """With deepseek_r1 the output starts in the reasoning, so a constrained request's first
     tokens are free (SmolLM2 never writes </think> here: its whole output is unconstrained);
     with qwen3 a model that does not open with <think> is constrained from its first token."""
-    llm = LLM(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[4, 32],
-              num_pages=32, reasoning_parser="deepseek_r1")
+    llm = LLM(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=[16], num_pages=32,
+              penalties=False, num_decode_steps=1, reasoning_parser="deepseek_r1")  # one variant to compile
     params = SamplingParams(max_tokens=6, temperature=0.0, structured_output=CHOICE)
     free = llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0.0),
                         use_tqdm=False)[0].outputs[0]
