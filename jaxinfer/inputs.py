@@ -88,8 +88,7 @@ class InputBuilder:
         penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
         rows = [self._prepare_one(p, t_bucket, penalties, prev) for p, prev in zip(plans, previous)]
         if any(r.prompt is not None for r in rows):  # one tree for every replica
-            none = PromptInputs(np.full(t_bucket, -1, np.int32), np.zeros(1, np.int32))
-            rows = [r if r.prompt is not None else r.replace(prompt=none) for r in rows]
+            rows = [r if r.prompt is not None else r.replace(prompt=_no_prompt_rows(t_bucket)) for r in rows]
         if masks:
             for plan_i, row in zip(plans, rows):
                 self.fill_masks(plan_i, row)
@@ -166,7 +165,7 @@ class InputBuilder:
         the null page. `spec`: of the verify variant; `prompt`: of the prompt-logprobs one."""
         one = self._dummy_one(t_bucket, with_history)
         if prompt:
-            one = one.replace(prompt=PromptInputs(np.full(t_bucket, -1, np.int32), np.zeros(1, np.int32)))
+            one = one.replace(prompt=_no_prompt_rows(t_bucket))
         if spec:
             s_bucket = self.engine.seq_bucket(t_bucket)
             one = one.replace(logits_indices=np.zeros(s_bucket * (self.num_speculative_tokens + 1), np.int32),
@@ -191,6 +190,10 @@ class InputBuilder:
 
 def _no_drafts(s_bucket: int, k: int) -> SpecInputs:
     return SpecInputs(np.full((s_bucket, k), -1, np.int32), np.zeros(s_bucket, np.int32))
+
+
+def _no_prompt_rows(t_bucket: int) -> PromptInputs:
+    return PromptInputs(np.full(t_bucket, -1, np.int32), np.zeros(1, np.int32))
 
 
 def prompt_inputs(plan: SchedulerPlan, t_bucket: int) -> PromptInputs | None:

@@ -83,9 +83,8 @@ class OutputProcessor:
                 n = state.params.prompt_logprobs
                 for p in range(max(e.start, len(recorded) - 1), min(e.kv_len, seq.num_prompt_tokens - 1)):
                     row = offset + p - e.start
-                    top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:n], out.top_logprobs[row][:n])}
-                    recorded.append(Logprob(seq.token_ids[p + 1], float(out.logprobs[row]), top,
-                                            int(out.ranks[row])))
+                    recorded.append(Logprob(seq.token_ids[p + 1], float(out.logprobs[row]),
+                                            _top(out, row, n), int(out.ranks[row])))
                 seq.num_scored_prompt = len(recorded) - 1
             offset += e.num_new_tokens
 
@@ -99,9 +98,7 @@ class OutputProcessor:
         """Records the token the scheduler just put into `sample.seq` (row `row` of `out`)."""
         seq, params, token = sample.seq, state.params, int(out.tokens[row])
         if params.logprobs is not None:
-            n = params.logprobs
-            top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:n], out.top_logprobs[row][:n])}
-            sample.logprobs.append(Logprob(token, float(out.logprobs[row]), top))
+            sample.logprobs.append(Logprob(token, float(out.logprobs[row]), _top(out, row, params.logprobs)))
         if sample.detok is None:
             return
         sample.text += sample.detok.step([token])
@@ -137,6 +134,11 @@ class OutputProcessor:
             prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished, usage, m, prompt_logprobs)
+
+
+def _top(out: SamplerOutput | PromptLogprobs, row: int, n: int) -> dict[int, float]:
+    """Row `row`'s n most likely tokens and their logprobs (sampled or prompt rows alike)."""
+    return {int(i): float(lp) for i, lp in zip(out.top_ids[row][:n], out.top_logprobs[row][:n])}
 
 
 def _check_stop_strings(sample: SampleState, params: SamplingParams, scheduler: Scheduler) -> None:

@@ -60,7 +60,7 @@ class TokenTexts:
 
     def chat_entry(self, lp: Logprob) -> dict:
         return {**self._entry(lp.token_id, lp.logprob),
-                "top_logprobs": [self._entry(t, v) for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])]}
+                "top_logprobs": [self._entry(t, v) for t, v in _ranked(lp)]}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.text(token_id)
