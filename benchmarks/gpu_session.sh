@@ -8,14 +8,16 @@
 #
 #   bash benchmarks/gpu_session.sh check   # compiled kernel tests (-m gpu), first half
 #   bash benchmarks/gpu_session.sh check2  # the other half + a small bench
+#   bash benchmarks/gpu_session.sh quick   # ~15 compiled cases: decode, mixed, split-K, int8, d80
 #   bash benchmarks/gpu_session.sh decode  # decode batch 1..256 x context 1k..32k, profiled
 #   bash benchmarks/gpu_session.sh prefill # prefill chunks 512..8k and the mixed batch, profiled
 #   bash benchmarks/gpu_session.sh sweep   # short-context decode (KV-split ladder) + prefill 2k
 #   bash benchmarks/gpu_session.sh sweep-long  # decode at 4k and 32k context
 #   bash benchmarks/gpu_session.sh ladder  # short-context decode: profiled, then swept (no prefill)
+#   bash benchmarks/gpu_session.sh short   # short-context decode vs jax's kernel, profiled (no sweep)
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
 #   bash benchmarks/gpu_session.sh engine1b  # 1B step loop at the default window, profiled
-#   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context
+#   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context, batch 1 and 256
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
 #
@@ -30,7 +32,7 @@ set -uo pipefail
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 decode prefill sweep sweep-long ladder engine engine1b engine8b moe"
+parts="check check2 quick decode prefill sweep sweep-long ladder short engine engine1b engine8b moe"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -52,6 +54,10 @@ run_part() {
           -k "default_configs or gpu_configs" -rf 2>&1 | tee -a "$out/gpu_$part.txt"
       $py "${bench[@]}" --scenarios decode,prefill --batches 8 --contexts 4096 --chunks 1024 \
           | tee "$out/attention_check.md" ;;
+    quick)
+      JAXINFER_KERNELS=compiled $py -m pytest -q -m gpu -p no:cacheprovider \
+          tests/pallas_kernels/test_kernels.py -rf -k "test_batches or decode_split or \
+          int8_kv_bf16 or test_head_dims and 80" 2>&1 | tee -a "$out/gpu_$part.txt" ;;
     decode)
       $py "${bench[@]}" --scenarios decode --profile | tee "$out/attention_decode.md" ;;
     prefill)  # the mixed batch also runs as one call (without the decode split)
@@ -70,6 +76,9 @@ run_part() {
       $py "${bench[@]}" --sweep --write-table --skip-reference --skip-jax --scenarios decode \
           --batches 64,256 --contexts 1024 --budget 0.5 | tee "$out/attention_ladder.md"
       cp pallas_kernels/gpu_tuned.json "$out/" ;;
+    short)
+      $py "${bench[@]}" --scenarios decode --batches 1,64,256 --contexts 1024 --profile \
+          --skip-reference --budget 0.5 | tee "$out/attention_short_profile.md" ;;
     engine)  # the step loop, 1B shape: decode windows of 4 vs single steps, with the device profile
       for k in 4 1; do
         $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
@@ -83,9 +92,12 @@ run_part() {
           --new-tokens 48 --profile --profile-batches 1 | tee "$out/engine_1b.md"
       (cd /tmp/hlo_1b && find . -name '*after_optimizations.txt' -print0 \
           | tar -czf "$out/hlo_1b.tar.gz" --null -T -) ;;
-    engine8b)  # the 8B shape at ~1k context (cold start ~2 min)
-      $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 64 256 \
-          --new-tokens 32 --profile --profile-batches 1 | tee "$out/engine_8b.md" ;;
+    engine8b)  # the 8B shape at ~1k context (cold start ~2 min), with CUDA graphs as on
+      # 2026-11-23; batch 256 prefills for 128 steps, so it needs 192 new tokens for a stretch
+      # where every request decodes
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE" \
+      $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 256 \
+          --new-tokens 192 --profile --profile-batches 1 | tee "$out/engine_8b.md" ;;
     moe)  # 61 GB of bf16 weights: an H200 (or int8 weights on an H100); three token buckets
       # keep its 48 layers' cold start to a few variants
       $py benchmarks/bench_engine.py --shape qwen3-30b-a3b --prompt-lens 128 --batches 1 64 \

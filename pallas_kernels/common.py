@@ -120,6 +120,14 @@ def real_q_lens(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
     return jnp.where(real, cu_q_lens[1:] - cu_q_lens[:-1], 0)
 
 
+def bucket_of(edges: jax.Array, x: jax.Array) -> jax.Array:
+    """i32: how many of the sorted `edges` are <= each x (searchsorted, side="right"). One
+    comparison and sum for the batch's small searches (tokens or work items x sequences): the
+    default search is a loop, which costs a few kernel launches per step of it on a GPU."""
+    method = "compare_all" if edges.size * x.size <= 1 << 22 else "scan"
+    return jnp.searchsorted(edges, x, side="right", method=method).astype(jnp.int32)
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 

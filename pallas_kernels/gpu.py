@@ -2,46 +2,37 @@
 
 One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cache and attend.
 
-1. Stored rows (XLA, T * 2Hkv * D elements): this step's K/V as the cache holds them
-   (`reference.stored_kv`: cast, or quantized with the per-head scales), [T, 2Hkv, D].
+1. Inputs as the step has them: q viewed as [T * Hq, D] rows, and this step's K and V as the
+   cache stores them ([T, Hkv, D] each: k and v themselves for a cache of their dtype, else cast
+   or quantized with the per-head scales by one XLA fusion). No gather or transpose around it.
 2. Work list (XLA, O(S + T/bq) integers): the ragged batch is cut into work items, each a block
-   of at most `block_q` query tokens of ONE sequence. Item w knows its row count, the position of
-   its first row, its page-table offset, its sequence's cached context length and the offset
-   from a position of this step to its token index (`meta[w]`). There are at most
-   cdiv(T, bq) + S items, a static bound, so the grid is static; items past the real count do
-   nothing. A block never spans two sequences, so rows are never masked by sequence.
-3. Kernel grid (W, Hkv, C): work item x kv head x KV split. A program loads its q block
-   [bq * Gp, D] (the bq tokens x the G query heads of kv head h, G padded to the power of two Gp
-   and bq chosen so that rows >= 16 for Triton's dots) and runs a float32 online softmax over
-   its keys in blocks of `block_kv` positions, aligned to block_kv from the sliding window's
-   start. Cached positions [0, ctx_len) are gathered from the cache by slot, the slot of each
-   position looked up in the flattened page table (an ordinary input: Triton has no scalar
-   prefetch); this step's positions [ctx_len, kv_end) are gathered from the stored rows of step
-   1, never from the cache. The one block that straddles ctx_len gathers from both and selects
-   per key, so a decode token costs no extra block. Gather indices are clamped into each
-   source's real range, so only owned pages and real rows are read. Reading this step's keys
-   from the stored rows is what makes the fused write safe: Triton has no barrier across
-   programs, and no program reads a slot that any program of this call writes. The cache is
-   viewed as [P * page, 2Hkv, D] with a BlockSpec holding K and V of head h.
+   of at most `block_q` query tokens of ONE sequence (`meta[w]`: row count, first position,
+   page-table offset, cached context length, token offset). There are at most cdiv(T, bq) + S
+   items, a static bound, so the grid is static; the items left idle zero the padding tokens.
+3. Kernel grid (W, Hkv, C): work item x kv head x KV split. A program gathers its q rows
+   [bq * Gp, D] (the bq tokens x the G query heads of kv head h, G padded to the power of two Gp,
+   rows >= 16 for Triton's dots) and runs a float32 online softmax over its keys in blocks of
+   `block_kv` positions, aligned from the sliding window's start. Cached positions [0, ctx_len)
+   are gathered from the cache by slot through the flattened page table (an ordinary input:
+   Triton has no scalar prefetch); this step's [ctx_len, kv_end) from the K/V inputs, never
+   from the cache (so the fused write is safe: Triton has no barrier across programs). The
+   block that straddles ctx_len reads both, so a decode token costs no extra block.
 4. KV write, fused: the split-0 program of each (item, head) stores its rows' K and V into their
-   slots of the cache, which is an input/output alias (in place under donation). Rows past the
-   item's count repeat row 0's slot and value, so no store needs a mask. A head_dim that is not
-   a power of two is padded inside the kernel; then XLA writes the K/V (in place) and the kernel
-   only reads the cache.
-5. Split-K (flash-decoding): with few programs and long contexts, C > 1 programs share one
-   item's KV blocks, a contiguous run each; each writes unnormalised (acc, m, l) and an XLA
-   combine merges them.
-6. The item blocks are gathered back to [T, Hq, D]; padding tokens get zeros.
-7. The decode split, chosen at run time (`GpuPaths`, the default for a prefill-like batch): the
+   slots of the cache, an input/output alias (in place under donation). A head_dim that is not
+   a power of two is padded inside the kernel; then XLA writes the K/V and the kernel only reads.
+5. Output: each program stores its rows straight into out [T * Hq, D]. Rows past the item's
+   tokens or the group repeat a real row's values, so no load or store needs a mask.
+   Split-K (flash-decoding, C > 1 programs share one item's KV blocks) stores unnormalised
+   (acc, m, l) in the same rows, and one XLA fusion merges them.
+6. The decode split, chosen at run time (`GpuPaths`, the default for a prefill-like batch): the
    sequences with one query token get an item each in a call with the decode blocks, and the
-   others their items in a call with the prefill blocks; nothing recompiles when the mix
-   changes. The calls run in turn over the one cache, each writing its own sequences' slots.
+   others theirs in a call with the prefill blocks, over the first call's output buffer;
+   nothing recompiles when the mix changes.
 
 Supports bf16/f16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
 scales, head_dim a multiple of 8 up to 256 (padded to a power of two inside the kernel, the
-padding masked), page_size a power of two, sliding window, soft cap.
-The shape limits, block sizes and split count (`unsupported_reason`, `GpuConfig`, `GpuPaths`,
-`default_config`, `default_paths`) live in gpu_config.py.
+padding masked), page_size a power of two, sliding window, soft cap. The shape limits, block
+sizes and split count live in gpu_config.py.
 """
 from __future__ import annotations
 
@@ -54,34 +45,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.gpu_config import (
-    GpuConfig,
-    GpuPaths,
-    check_config,
-    default_paths,
-    padded_head_dim,
-    unsupported_reason,
-)
-from pallas_kernels.gpu_work import META_WIDTH, combine, q_blocks, work_list
-from pallas_kernels.reference import stored_kv, write_kv
+from pallas_kernels.gpu_config import (GpuConfig, GpuPaths, check_config, default_paths,
+                                       padded_head_dim, unsupported_reason)
+from pallas_kernels.gpu_work import META_WIDTH, combine, new_kv, work_list
+from pallas_kernels.reference import write_kv
 
-def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref, *out_refs,
-                      page_size, block_kv, gp, num_splits, sm_scale, sliding_window, soft_cap,
-                      precision, real_dim):
-    *o_refs, cache_out = out_refs if real_dim == q_ref.shape[1] else (*out_refs, None)
-    rows_m, head_dim = q_ref.shape  # M = bq * Gp
-    block_q = rows_m // gp
-    rows, pos0, table_base = meta_ref[0], meta_ref[1], meta_ref[2]
-    ctx_len, token_base = meta_ref[3], meta_ref[4]
+def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, k_ref, v_ref, cache_ref, *refs,
+                      page_size, block_q, block_kv, group, gp, num_q_heads, num_splits, sm_scale,
+                      sliding_window, soft_cap, precision, real_dim, fused_write, has_prev):
+    refs = refs[1:] if has_prev else refs  # the aliased output of the call before: not read
+    *o_refs, cache_out = refs if fused_write else (*refs, None)
+    rows_m, head_dim = block_q * gp, q_ref.shape[1]  # head_dim padded to a power of two
+    rows, pos0, table_base, ctx_len, token_base = (meta_ref[i] for i in range(5))
     live = rows > 0
     kv_end = pos0 + rows  # causal end of the block's last row; <= kv_len
     kv_start = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-    page_shift = page_size.bit_length() - 1
     k_scale, v_scale = scale_ref[0], scale_ref[1]
 
     def slots(pos):  # positions -> cache rows, through the page table
-        page = pages_ref[table_base + lax.shift_right_logical(pos, page_shift)]
+        page = pages_ref[table_base + lax.shift_right_logical(pos, page_size.bit_length() - 1)]
         return page * page_size + (pos & (page_size - 1))
+
+    # Row r is token r // Gp of the item and query head r % Gp of kv head h. Rows past the
+    # item's tokens repeat token 0 and heads past the group repeat head G - 1, so they compute
+    # (and store) exactly that row's values.
+    r = lax.iota(jnp.int32, rows_m)
+    r_token = lax.shift_right_logical(r, gp.bit_length() - 1)  # [M]
+    head = pl.program_id(1) * group + jnp.minimum(r & (gp - 1), group - 1)  # [M]
+    token = jnp.where(r_token < rows, r_token, 0)
+    out_row = (pos0 + token + token_base) * num_q_heads + head  # [M] rows of q and out
 
     # Key blocks are aligned to block_kv over positions [kv_start, kv_end): blocks below `full`
     # hold cached keys only, block `full` may straddle ctx_len (both sources), the rest hold
@@ -94,9 +86,8 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
     full = lax.div(ctx_len, block_kv)
     mixed_end = lax.div(ctx_len + block_kv - 1, block_kv)
 
-    q = q_ref[...]  # [M, D]
-    row_pos = pos0 + lax.shift_right_logical(  # row r is token r // Gp
-        lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 0), gp.bit_length() - 1)  # [M, N]
+    q = q_ref[out_row, :]  # [M, D]
+    row_pos = jnp.broadcast_to((pos0 + token)[:, None], (rows_m, block_kv))  # [M, N]
     col = lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1)  # [M, N]
     v_row = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)  # [N, D]
     key = lax.iota(jnp.int32, block_kv)  # [N]
@@ -113,7 +104,7 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
 
     def new_keys(first):  # positions outside [ctx_len, kv_end) repeat its nearest end
         token = jnp.clip(first + key, ctx_len, kv_end - 1) + token_base  # [N]
-        return new_ref[token, 0, :], new_ref[token, 1, :]
+        return k_ref[token, :], v_ref[token, :]
 
     def mixed_keys(first):
         (kc, vc), (kn, vn) = cached_keys(first), new_keys(first)
@@ -147,93 +138,118 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, new_ref, cache_ref,
             i = lax.iota(jnp.int32, block_q)
             pos = pos0 + jnp.where(i < rows, i, 0)  # rows past the count repeat row 0
             slot = slots(pos)
-            cache_out[slot, 0, :] = new_ref[pos + token_base, 0, :]
-            cache_out[slot, 1, :] = new_ref[pos + token_base, 1, :]
+            cache_out[slot, 0, :] = k_ref[pos + token_base, :]
+            cache_out[slot, 1, :] = v_ref[pos + token_base, :]
 
     if num_splits == 1:
         (o_ref,) = o_refs
         inv = v_scale / jnp.where(l > 0, l, 1.0)
-        o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+        zero_rows, zero_first = meta_ref[5], meta_ref[6]  # an idle item's padding tokens
+
+        @pl.when(live)
+        def _out():
+            o_ref[out_row, :] = (acc * inv[:, None]).astype(o_ref.dtype)
+
+        @pl.when(zero_rows > 0)
+        def _zero():
+            padding = zero_first + jnp.where(r_token < zero_rows, r_token, 0)
+            o_ref[padding * num_q_heads + head, :] = jnp.zeros((rows_m, head_dim), o_ref.dtype)
     else:
-        o_ref, m_ref, l_ref = o_refs
-        o_ref[...] = acc * v_scale
-        m_ref[...] = m
-        l_ref[...] = l
+        @pl.when(live)
+        def _partial():
+            o_ref, m_ref, l_ref = o_refs
+            o_ref[out_row, :] = acc * v_scale
+            m_ref[out_row] = m
+            l_ref[out_row] = l
 
 
-def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_blocks: jax.Array,
-                 kv_new: jax.Array, kv_cache: jax.Array, *, config: GpuConfig, gp: int,
-                 interpret: bool, **opts: object) -> tuple[jax.Array, jax.Array]:
-    """The pallas_call over grid (W, Hkv, C) -> (out blocks [W, Hkv, M, D], kv_cache written)."""
-    num_items, num_kv_heads, rows_m, head_dim = q_blocks.shape  # head_dim padded to a power of 2
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:  # one block: the array
+    return pl.BlockSpec(shape, lambda w, h, c: (0,) * len(shape))
+
+
+def _outputs(splits: int, q_rows: jax.Array) -> tuple[list, list]:
+    """(out specs, out shapes): the rows [T * Hq, D] of q, or C partial (acc, m, l) like them."""
+    if splits == 1:
+        return [_whole(q_rows.shape)], [jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)]
+    num_rows, head_dim = q_rows.shape
+    return ([pl.BlockSpec((None, num_rows, head_dim), lambda w, h, c: (c, 0, 0)),
+             *[pl.BlockSpec((None, num_rows), lambda w, h, c: (c, 0))] * 2],
+            [jax.ShapeDtypeStruct((splits, num_rows, head_dim), jnp.float32),
+             *[jax.ShapeDtypeStruct((splits, num_rows), jnp.float32)] * 2])
+
+
+def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_rows: jax.Array,
+                 k_new: jax.Array, v_new: jax.Array, kv_cache: jax.Array, prev: jax.Array | None,
+                 *, config: GpuConfig, group: int, interpret: bool, **opts: object
+                 ) -> tuple[jax.Array | tuple[jax.Array, ...], jax.Array]:
+    """The pallas_call over grid (W, Hkv, C) -> (out rows [T * Hq, D], or the C partial (acc, m,
+    l) in that row layout; kv_cache written). `prev` (a call before over the same batch) is the
+    output's buffer of a call without splits, its other rows kept."""
+    head_dim = q_rows.shape[1]  # padded to a power of two
+    num_tokens, num_kv_heads, _ = k_new.shape
     num_pages, page_size, two_hkv, real_head_dim = kv_cache.shape
     splits = config.num_splits
-    kernel = functools.partial(_attention_kernel, page_size=page_size, gp=gp, num_splits=splits,
-                               block_kv=config.block_kv, real_dim=real_head_dim, **opts)
     # A cache row narrower than head_dim (not a power of two): the BlockSpec's last dim
     # overhangs the array and the lowering masks its loads to the real columns. The kernel then
     # only reads the cache; the caller writes this step's K/V with XLA (compiled on an H100, the
     # fused write of an overhanging block corrupted neighbouring slots).
     fused_write = real_head_dim == head_dim
+    has_prev = prev is not None and splits == 1
+    kernel = functools.partial(
+        _attention_kernel, page_size=page_size, block_q=config.block_q, block_kv=config.block_kv,
+        group=group, gp=common.next_pow2(group), num_q_heads=num_kv_heads * group,
+        num_splits=splits, real_dim=real_head_dim, fused_write=fused_write, has_prev=has_prev,
+        **opts)
     flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, real_head_dim)
-    head_kv = lambda rows: pl.BlockSpec((rows, 2, head_dim), lambda w, h, c: (0, h, 0))  # noqa: E731
+    head_new = pl.BlockSpec((num_tokens, None, head_dim), lambda w, h, c: (0, h, 0))
+    head_cache = pl.BlockSpec((flat_cache.shape[0], 2, head_dim), lambda w, h, c: (0, h, 0))
     in_specs = [
         pl.BlockSpec((None, META_WIDTH), lambda w, h, c: (w, 0)),  # meta
-        pl.BlockSpec(flat_pages.shape, lambda w, h, c: (0,)),  # flattened page table
+        _whole(flat_pages.shape),  # flattened page table
         pl.BlockSpec((None, 2), lambda w, h, c: (h, 0)),  # (k_scale, v_scale) of head h
-        pl.BlockSpec((None, None, rows_m, head_dim), lambda w, h, c: (w, h, 0, 0)),  # q block
-        head_kv(kv_new.shape[0]),  # this step's K, V of head h
-        head_kv(flat_cache.shape[0]),  # the cache's K, V of head h
+        _whole(q_rows.shape), head_new, head_new, head_cache,  # q, this step's K and V, cache
     ]
-    if splits == 1:
-        out_specs = [pl.BlockSpec((None, None, rows_m, head_dim), lambda w, h, c: (w, h, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype)]
-    else:
-        part = (splits, num_items, num_kv_heads, rows_m)
-        out_specs = [
-            pl.BlockSpec((None, None, None, rows_m, head_dim), lambda w, h, c: (c, w, h, 0, 0)),
-            pl.BlockSpec((None, None, None, rows_m), lambda w, h, c: (c, w, h, 0)),
-            pl.BlockSpec((None, None, None, rows_m), lambda w, h, c: (c, w, h, 0)),
-        ]
-        out_shape = [jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
-                     jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
+    operands = [meta, flat_pages, scales, q_rows, k_new, v_new, flat_cache]
+    out_specs, out_shape = _outputs(splits, q_rows)
+    aliases = {}
+    if has_prev:  # the call before's output buffer, written in place
+        in_specs.append(_whole(q_rows.shape))
+        operands.append(prev)
+        aliases[len(operands) - 1] = 0
     if fused_write:
-        out_specs.append(head_kv(flat_cache.shape[0]))
+        out_specs.append(head_cache)
         out_shape.append(jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype))
+        aliases[6] = len(out_shape) - 1
     result = pl.pallas_call(
-        kernel, grid=(num_items, num_kv_heads, splits), in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases={5: len(out_shape) - 1} if fused_write else {}, interpret=interpret,
-        name="ragged_paged_attention_gpu",
+        kernel, grid=(meta.shape[0], num_kv_heads, splits), in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
+        interpret=interpret, name="ragged_paged_attention_gpu",
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
-    )(meta, flat_pages, scales, q_blocks, kv_new, flat_cache)
+    )(*operands)
     if fused_write:
         *result, flat_cache = result
-    out = result[0] if splits == 1 else combine(*result)
-    return out, flat_cache.reshape(kv_cache.shape)
+    return (result[0] if splits == 1 else tuple(result)), flat_cache.reshape(kv_cache.shape)
 
 
-def _attend(q: jax.Array, kv_new: jax.Array, kv_cache: jax.Array, scales: jax.Array,
-            kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-            *, config: GpuConfig, select: jax.Array | None, num_items: int | None,
-            **opts: object) -> tuple[jax.Array, jax.Array]:
-    """One kernel call over the selected sequences (all if `select` is None) -> (out [T, Hq, D],
-    zeros for every other token; kv_cache with their K/V written)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[2] // 2
-    group = num_q_heads // num_kv_heads
-    bq, gp, dp = config.block_q, common.next_pow2(group), padded_head_dim(head_dim)
-    meta, token_item, token_row, tvalid = work_list(
-        cu_q_lens, kv_lens, num_seqs, num_tokens, bq, page_indices.shape[1], select=select,
-        num_items=num_items)
-    out_blocks, kv_cache = _call_kernel(
-        meta, page_indices.reshape(-1).astype(jnp.int32), scales,
-        q_blocks(q, meta, num_kv_heads, bq, gp, dp), kv_new, kv_cache, config=config, gp=gp, **opts)
-    out_blocks = out_blocks.reshape(meta.shape[0], num_kv_heads, bq, gp, dp)
-    out = out_blocks[token_item, :, token_row][:, :, :group, :head_dim]  # [T, Hkv, G, D]
-    out = jnp.where(tvalid[:, None, None, None], out.astype(q.dtype), 0)
-    return out.reshape(num_tokens, num_q_heads, head_dim), kv_cache
+def _attend(q_rows: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: jax.Array,
+            scales: jax.Array, kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+            num_seqs: jax.Array, prev: jax.Array | None, *, config: GpuConfig,
+            select: jax.Array | None = None, num_items: int | None = None, **opts: object
+            ) -> tuple[jax.Array, jax.Array]:
+    """One kernel call over the selected sequences (all if `select` is None) -> (out rows
+    [T * Hq, D]: theirs written, the others `prev`'s; kv_cache with their K/V written). A call
+    without `num_items` also zeroes the padding tokens' rows."""
+    num_tokens = k_new.shape[0]
+    meta, mine, real = work_list(cu_q_lens, kv_lens, num_seqs, num_tokens, config.block_q,
+                                 page_indices.shape[1], select=select, num_items=num_items)
+    out, kv_cache = _call_kernel(meta, page_indices.reshape(-1).astype(jnp.int32), scales,
+                                 q_rows, k_new, v_new, kv_cache, prev, config=config, **opts)
+    if config.num_splits > 1:  # one XLA fusion merges the splits in the row layout
+        rows = lambda x: jnp.repeat(x, q_rows.shape[0] // num_tokens)[:, None]  # noqa: E731
+        other = 0 if prev is None else jnp.where(rows(real), prev, 0)
+        out = jnp.where(rows(mine), combine(*out).astype(q_rows.dtype), other)
+    return out, kv_cache
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -254,8 +270,7 @@ def ragged_paged_attention_gpu(
                                 page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
                                 sliding_window, soft_cap)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, two_hkv, _ = kv_cache.shape
-    num_kv_heads = two_hkv // 2
+    page_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2] // 2
     group = num_q_heads // num_kv_heads
     num_seqs_max, pages_per_seq = page_indices.shape
     if config is None:
@@ -264,23 +279,22 @@ def ragged_paged_attention_gpu(
     check_config(config, common.next_pow2(group))
     dp = padded_head_dim(head_dim)
 
-    kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)  # [T, 2Hkv, D]
     if dp != head_dim:  # the kernel cannot write an overhanging block: XLA writes, in place
         kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,
                             k_scale, v_scale)
-    kv_new = jnp.pad(kv_new, ((0, 0), (0, 0), (0, dp - head_dim)))
-    operands = (common.kv_scales(kv_cache, k_scale, v_scale), kv_lens, page_indices, cu_q_lens,
-                num_seqs)
-    opts = dict(interpret=interpret, sm_scale=float(sm_scale), sliding_window=sliding_window,
-                soft_cap=soft_cap,
+    k_new, v_new = new_kv(k, v, kv_cache.dtype, dp, k_scale, v_scale)
+    q_rows = jnp.pad(q.reshape(num_tokens * num_q_heads, head_dim), ((0, 0), (0, dp - head_dim)))
+    operands = (q_rows, k_new, v_new, kv_cache, common.kv_scales(kv_cache, k_scale, v_scale),
+                kv_lens, page_indices, cu_q_lens, num_seqs)
+    opts = dict(group=group, interpret=interpret, sm_scale=float(sm_scale),
+                sliding_window=sliding_window, soft_cap=soft_cap,
                 precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
     if isinstance(config, GpuConfig):
-        return _attend(q, kv_new, kv_cache, *operands, config=config, select=None,
-                       num_items=None, **opts)
-    # The run-time split: each call writes and reads only its own sequences' slots.
-    decode = common.real_q_lens(cu_q_lens, num_seqs) == 1
-    out_d, kv_cache = _attend(q, kv_new, kv_cache, *operands, config=config.decode, select=decode,
-                              num_items=min(num_tokens, num_seqs_max), **opts)
-    out_r, kv_cache = _attend(q, kv_new, kv_cache, *operands, config=config.rest, select=~decode,
-                              num_items=None, **opts)
-    return out_d + out_r, kv_cache  # each is zero on the other's tokens
+        out, kv_cache = _attend(*operands, None, config=config, **opts)
+    else:  # the run-time split: each call writes and reads only its own sequences' slots
+        decode = common.real_q_lens(cu_q_lens, num_seqs) == 1
+        out, kv_cache = _attend(*operands, None, config=config.decode, select=decode,
+                                num_items=min(num_tokens, num_seqs_max), **opts)
+        out, kv_cache = _attend(*operands[:3], kv_cache, *operands[4:], out, config=config.rest,
+                                select=~decode, num_items=None, **opts)
+    return out[:, :head_dim].reshape(num_tokens, num_q_heads, head_dim), kv_cache

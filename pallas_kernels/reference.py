@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from pallas_kernels.common import SoftmaxCarry, is_quantized
+from pallas_kernels.common import SoftmaxCarry, bucket_of, is_quantized
 
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
 _BLOCK_ELEMENTS = 1 << 18
@@ -46,7 +46,7 @@ def token_positions(kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Arra
     """Per query token: (sequence index, absolute position, is-real-token), each [T]."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = jnp.asarray(num_seqs).reshape(-1)[0]
-    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    seq = bucket_of(cu_q_lens[1:], t)
     seq = jnp.minimum(seq, kv_lens.shape[0] - 1)
     valid = t < cu_q_lens[num_seqs]
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]

@@ -18,8 +18,8 @@ def block_sequences(cu_q_lens: jax.Array, num_seqs: jax.Array, bounds: jax.Array
     n = common.scalar_num_seqs(num_seqs)[0]
     starts = bounds[0] + jnp.arange(num_blocks, dtype=jnp.int32) * block_q
     ends = jnp.minimum(starts + block_q, bounds[1])
-    first = jnp.searchsorted(cu_q_lens[1:], starts, side="right").astype(jnp.int32)
-    last = jnp.searchsorted(cu_q_lens[1:], ends - 1, side="right").astype(jnp.int32)
+    first = common.bucket_of(cu_q_lens[1:], starts)
+    last = common.bucket_of(cu_q_lens[1:], ends - 1)
     last = jnp.where(ends > starts, jnp.minimum(last, n - 1), -1)
     return jnp.minimum(first, jnp.maximum(n - 1, 0)), last
 
@@ -72,7 +72,7 @@ def token_maps(cu_q_lens: jax.Array, cu_ordered: jax.Array, order: jax.Array, nu
     real = t < cu_ordered[num_seqs_max]
 
     def seq_of(cu):
-        return jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, num_seqs_max - 1).astype(jnp.int32)
+        return jnp.clip(common.bucket_of(cu[1:], t), 0, num_seqs_max - 1)
 
     ordered_seq, seq = seq_of(cu_ordered), seq_of(cu_q_lens)
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(num_seqs_max, dtype=jnp.int32))

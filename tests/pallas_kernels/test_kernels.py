@@ -126,15 +126,23 @@ PATHS = {  # the decode split with explicit blocks: decode call with split-K, th
 }
 
 
+SPLIT_PATHS = {  # which of the two calls merges KV splits (the other stores its rows)
+    "decode_split_k": gpu.GpuPaths(decode=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=4),
+                                   rest=gpu.GpuConfig(block_q=16, block_kv=32, num_splits=1)),
+    "rest_split_k": gpu.GpuPaths(decode=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=1),
+                                 rest=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=2)),
+}
+
+
+@pytest.mark.parametrize("paths", sorted(SPLIT_PATHS))
 @pytest.mark.parametrize("batch", sorted(PATHS))
-def test_gpu_decode_split(batch):
+def test_gpu_decode_split(batch, paths):
     """GpuPaths: the sequences with one query token in a call of their own, every other one in
-    the second; each call writes only its own sequences' slots, and the poisoned cache shows a
-    read of anyone else's. A prefill-like batch takes this split by default (test_batches)."""
+    the second, which stores its rows into the first call's output; each call writes only its
+    own sequences' slots, and the poisoned cache shows a read of anyone else's. A prefill-like
+    batch takes this split by default (test_batches)."""
     case = make_case(**PATHS[batch], page_size=8, seed=13)
-    paths = gpu.GpuPaths(decode=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=4),
-                         rest=gpu.GpuConfig(block_q=16, block_kv=32, num_splits=1))
-    check("gpu", case, config=paths, sliding_window=100)
+    check("gpu", case, config=SPLIT_PATHS[paths], sliding_window=100)
 
 
 def test_poison_is_where_it_must_be():

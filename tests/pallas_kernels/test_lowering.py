@@ -62,11 +62,21 @@ def test_gpu_kernel_lowers_for_cuda(shapes, options):
         config is None and not is_decode_like(shape["tokens"], shape["seqs"]))
     assert text.count("__gpu$xla.gpu.triton") == (2 if split else 1)
     head_dim = SHAPES[shapes].get("head_dim", 128)
-    if head_dim & (head_dim - 1) == 0:
-        # The KV write is fused: the kernel's cache output aliases its cache operand (in place).
-        assert "stablehlo.output_operand_alias" in text
+    cache_alias = "operand_index = 6,"  # the cache operand, written in place
+    if head_dim & (head_dim - 1) == 0:  # the KV write is fused
+        assert cache_alias in text
     else:  # padded head_dim: XLA scatters the K/V, the kernel only reads the cache
-        assert "stablehlo.scatter" in text and "stablehlo.output_operand_alias" not in text
+        assert "stablehlo.scatter" in text and cache_alias not in text
+    # The split's second call stores its rows into the first call's output, in place; nothing
+    # transposes the queries into blocks or the output back, and no loop (a GPU launches its
+    # body's kernels once per turn) finds the work items' sequences.
+    assert ("operand_index = 7," in text) == (split and not _splits(config, "rest"))
+    assert "stablehlo.transpose" not in text and "stablehlo.while" not in text
+
+
+def _splits(config, path):
+    """Whether the decode split's `path` call of `config` (None: the default) has KV splits."""
+    return config is not None and getattr(config, path).num_splits > 1
 
 
 TPU_SHAPES = {k: v for k, v in SHAPES.items()
