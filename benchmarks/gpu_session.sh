@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu_session.sh ladder  # short-context decode: profiled, then swept (no prefill)
 #   bash benchmarks/gpu_session.sh short   # short-context decode vs jax's kernel, profiled (no sweep)
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
-#   bash benchmarks/gpu_session.sh engine1b  # 1B step loop at the default window, profiled
+#   bash benchmarks/gpu_session.sh engine1b  # 1B step loop at the default window, profiled (HLO=1: + HLO)
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context, batch 1 and 256
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
@@ -85,12 +85,12 @@ run_part() {
             --new-tokens 48 --num-decode-steps "$k" --profile --profile-batches 1 64 \
             | tee "$out/engine_1b_k$k.md"
       done ;;
-    engine1b)  # + the decode window's optimized HLO (what XLA fused, copied, launched)
+    engine1b)  # HLO=1 adds the decode window's optimized HLO (what XLA fused, copied, launched)
       rm -rf /tmp/hlo_1b
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_1b --xla_dump_hlo_module_re=.*decode_window.*" \
+      [ "${HLO:-0}" = 1 ] && export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_1b --xla_dump_hlo_module_re=.*decode_window.*"
       $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
           --new-tokens 48 --profile --profile-batches 1 | tee "$out/engine_1b.md"
-      (cd /tmp/hlo_1b && find . -name '*after_optimizations.txt' -print0 \
+      [ -d /tmp/hlo_1b ] && (cd /tmp/hlo_1b && find . -name '*after_optimizations.txt' -print0 \
           | tar -czf "$out/hlo_1b.tar.gz" --null -T -) ;;
     engine8b)  # the 8B shape at ~1k context (cold start ~2 min), with CUDA graphs as on
       # 2026-11-23; batch 256 prefills for 128 steps, so it needs 192 new tokens for a stretch
