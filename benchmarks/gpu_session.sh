@@ -87,11 +87,13 @@ run_part() {
       done ;;
     engine1b)  # HLO=1 adds the decode window's optimized HLO (what XLA fused, copied, launched)
       rm -rf /tmp/hlo_1b
-      [ "${HLO:-0}" = 1 ] && export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_1b --xla_dump_hlo_module_re=.*decode_window.*"
+      if [ "${HLO:-0}" = 1 ]; then
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_1b --xla_dump_hlo_module_re=.*decode_window.*"
+      fi
       $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
           --new-tokens 48 --profile --profile-batches 1 | tee "$out/engine_1b.md"
-      [ -d /tmp/hlo_1b ] && (cd /tmp/hlo_1b && find . -name '*after_optimizations.txt' -print0 \
-          | tar -czf "$out/hlo_1b.tar.gz" --null -T -) ;;
+      if [ -d /tmp/hlo_1b ]; then (cd /tmp/hlo_1b && find . -name '*after_optimizations.txt' \
+          -print0 | tar -czf "$out/hlo_1b.tar.gz" --null -T -); fi ;;
     engine8b)  # the 8B shape at ~1k context (cold start ~2 min), with CUDA graphs as on
       # 2026-11-23; batch 256 prefills for 128 steps, so it needs 192 new tokens for a stretch
       # where every request decodes
