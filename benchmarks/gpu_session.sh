@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_session.sh prefill # prefill chunks 512..8k and the mixed batch, profiled
 #   bash benchmarks/gpu_session.sh sweep   # short-context decode (KV-split ladder) + prefill 2k
 #   bash benchmarks/gpu_session.sh sweep-long  # decode at 4k and 32k context
+#   bash benchmarks/gpu_session.sh sweep-big   # decode batch 256 at 1k and 4k: tuned entries
 #   bash benchmarks/gpu_session.sh ladder  # short-context decode: profiled, then swept (no prefill)
 #   bash benchmarks/gpu_session.sh short   # short-context decode vs jax's kernel, profiled (no sweep)
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
@@ -26,13 +27,18 @@
 # halved) and 125 s of compile before its first row; `engine1b` had not finished its cold start
 # (with the HLO dump) after 140 s; `ladder`'s profiled command alone took ~150 s.
 #
+# Seen on an H100, 2026-11-26: `quick` ran 13 of its 17 cases in 80 s; `short` ~30 s; `engine8b`
+# 2 min 40 s to its first row (cold) and ~3 min 40 s in all; `engine1b` ~2 min 30 s in all.
+# Next: `quick:110 sweep-big:200 engine8b:250` (does tuning batch 256 reach the 8B's 10k tok/s?),
+# then `prefill:300` (the prefill goals were last measured on 2026-11-22).
+#
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: gpu_session.sh PART[:SECONDS] ..." >&2; exit 2; }
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick decode prefill sweep sweep-long ladder short engine engine1b engine8b moe"
+parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b moe"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -69,6 +75,10 @@ run_part() {
     sweep-long)
       $py "${bench[@]}" --sweep --write-table --skip-reference --skip-jax --scenarios decode \
           --batches 1,64,256 --contexts 4096,32768 | tee "$out/attention_sweep_long.md"
+      cp pallas_kernels/gpu_tuned.json "$out/" ;;
+    sweep-big)  # the batch the 8B's 10k tok/s goal runs at; an engine part after it uses the entries
+      $py "${bench[@]}" --sweep --write-table --skip-reference --skip-jax --scenarios decode \
+          --batches 256 --contexts 1024,4096 --budget 0.5 | tee "$out/attention_sweep_big.md"
       cp pallas_kernels/gpu_tuned.json "$out/" ;;
     ladder)  # where short-context decode time goes (kernel or XLA glue), then the swept configs
       $py "${bench[@]}" --scenarios decode --batches 1,64,256 --contexts 1024 --profile \
