@@ -17,7 +17,7 @@
 #   bash benchmarks/gpu_session.sh ladder  # short-context decode: profiled, then swept (no prefill)
 #   bash benchmarks/gpu_session.sh short   # short-context decode vs jax's kernel, profiled (no sweep)
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
-#   bash benchmarks/gpu_session.sh engine1b  # 1B step loop at the default window, profiled (HLO=1: + HLO)
+#   bash benchmarks/gpu_session.sh engine1b  # 1B step loop, windows of 8, batch 1 and 256 profiled (HLO=1: + HLO)
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context, batch 1 and 256
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
@@ -101,7 +101,7 @@ run_part() {
         export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_1b --xla_dump_hlo_module_re=.*decode_window.*"
       fi
       $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
-          --new-tokens 48 --profile --profile-batches 1 | tee "$out/engine_1b.md"
+          --new-tokens 48 --profile --profile-batches 1 256 | tee "$out/engine_1b.md"
       if [ -d /tmp/hlo_1b ]; then (cd /tmp/hlo_1b && find . -name '*after_optimizations.txt' \
           -print0 | tar -czf "$out/hlo_1b.tar.gz" --null -T -); fi ;;
     engine8b)  # the 8B shape at ~1k context (cold start ~2 min), with CUDA graphs as on
