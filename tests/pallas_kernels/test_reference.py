@@ -71,3 +71,16 @@ def test_quantized_write_stores_x_over_scale_rounded(cache_dtype):
                 inside = (np.abs(y) <= 448) & (np.abs(y) >= 2 ** -6)  # normal, unclipped
                 assert np.all(np.abs(stored - y)[inside] <= 2 ** -4 * np.abs(y)[inside])
                 np.testing.assert_array_equal(stored[np.abs(y) > 448], 448 * np.sign(y[np.abs(y) > 448]))
+
+
+@pytest.mark.parametrize("num_edges,num_queries", [(9, 40), (2048, 4096)])  # compare, then loop
+def test_bucket_of_is_searchsorted_right(num_edges, num_queries):
+    """The work lists' sequence search: one comparison for small searches, the loop past 4M
+    pairs; both count the sorted edges <= x, repeated edges included."""
+    from pallas_kernels.common import bucket_of
+    rng = np.random.default_rng(num_edges)
+    edges = np.sort(rng.integers(0, 3 * num_edges, num_edges)).astype(np.int32)
+    x = rng.integers(-2, 3 * num_edges + 2, num_queries).astype(np.int32)
+    got = np.asarray(bucket_of(jnp.asarray(edges), jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.searchsorted(edges, x, side="right"))
