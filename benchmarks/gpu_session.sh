@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_session.sh engine1b  # 1B step loop, windows of 8, batch 1 and 256 profiled (HLO=1: + HLO)
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context, batch 1 and 256
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
+#   bash benchmarks/gpu_session.sh lmhead  # the LM head's matmul by weight layout (tied or not)
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
 #
 # Size the limits for a cold machine (a 15-minute lease fits one command of at most 600 s after
@@ -29,7 +30,8 @@
 #
 # Seen on an H100, 2026-11-26: `quick` ran 13 of its 17 cases in 80 s; `short` ~30 s; `engine8b`
 # 2 min 40 s to its first row (cold) and ~3 min 40 s in all; `engine1b` ~2 min 30 s in all.
-# Next: `quick:110 sweep-big:200 engine8b:250` (does tuning batch 256 reach the 8B's 10k tok/s?),
+# Next: `quick:110 lmhead:60 sweep-big:200 engine8b:230` (the tied head; does tuning batch 256
+# reach the 8B's 10k tok/s?),
 # then `prefill:300` (the prefill goals were last measured on 2026-11-22).
 #
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
@@ -38,7 +40,7 @@ set -uo pipefail
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b moe"
+parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b moe lmhead"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -110,6 +112,8 @@ run_part() {
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE" \
       $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 256 \
           --new-tokens 192 --profile --profile-batches 1 | tee "$out/engine_8b.md" ;;
+    lmhead)  # why the 1B's tied head reads at half the rate of every other matmul (~20 s)
+      $py benchmarks/bench_lm_head.py | tee "$out/lm_head.md" ;;
     moe)  # 61 GB of bf16 weights: an H200 (or int8 weights on an H100); three token buckets
       # keep its 48 layers' cold start to a few variants
       $py benchmarks/bench_engine.py --shape qwen3-30b-a3b --prompt-lens 128 --batches 1 64 \

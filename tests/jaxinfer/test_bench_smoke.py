@@ -51,3 +51,15 @@ def test_bench_moe_smoke(tmp_path):
     active = re.search(r"smollm2 ([\d.]+)M \(all active\); smollm2-moe [\d.]+M, ([\d.]+)M active", out.stdout)
     assert active and float(active[2]) == pytest.approx(float(active[1]), rel=0.01), out.stdout
     assert "float32, weights int8;" in out.stdout
+
+
+def test_bench_lm_head_smoke():
+    """benchmarks/bench_lm_head.py --smoke: a row per weight form and row count, each timed."""
+    bench = BENCH.with_name("bench_lm_head.py")
+    out = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| smoke")]
+    assert [(r[1].strip(), int(r[2])) for r in rows] == [
+        (form, m) for form in ("tied x.W^T", "tied W.x^T", "untied x.W") for m in (1, 8)]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), rows
