@@ -12,8 +12,7 @@ from jax.experimental import pallas as pl
 from jax.typing import DTypeLike
 
 from pallas_kernels import common
-from pallas_kernels.common import is_quantized
-from pallas_kernels.reference import quantize_kv, token_positions
+from pallas_kernels.reference import stored_k_v, token_positions
 
 META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, zero rows, first zero token, 0
 
@@ -69,9 +68,8 @@ def combine(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 def new_kv(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, padded_dim: int,
             k_scale: jax.Array | None, v_scale: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """This step's K and V as the cache stores them ([T, Hkv, Dp] each, columns past D zero):
-    k and v themselves for a cache of their dtype and a power-of-two head_dim."""
-    if is_quantized(cache_dtype):
-        k, v = quantize_kv(k, k_scale, cache_dtype), quantize_kv(v, v_scale, cache_dtype)
+    """`reference.stored_k_v` with columns past D zero ([T, Hkv, Dp] each): k and v themselves
+    for a cache of their dtype and a power-of-two head_dim."""
+    k, v = stored_k_v(k, v, cache_dtype, k_scale, v_scale)
     pad = ((0, 0), (0, 0), (0, padded_dim - k.shape[-1]))
-    return jnp.pad(k.astype(cache_dtype), pad), jnp.pad(v.astype(cache_dtype), pad)
+    return jnp.pad(k, pad), jnp.pad(v, pad)

@@ -66,15 +66,22 @@ def quantize_kv(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
     return y.astype(dtype)
 
 
+def stored_k_v(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, k_scale: jax.Array | None = None,
+               v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """This step's K and V ([T, Hkv, D] each) as the cache stores them: in `cache_dtype`,
+    quantized with the per-head scales for an int8/fp8 cache."""
+    if is_quantized(cache_dtype):
+        return quantize_kv(k, k_scale, cache_dtype), quantize_kv(v, v_scale, cache_dtype)
+    return k.astype(cache_dtype), v.astype(cache_dtype)
+
+
 def stored_kv(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, k_scale: jax.Array | None = None,
               v_scale: jax.Array | None = None) -> jax.Array:
-    """This step's K/V as the cache stores them: [T, 2 * Hkv, D] in `cache_dtype`, K of head h
-    at 2h and V at 2h + 1 (quantized with the per-head scales for an int8/fp8 cache)."""
+    """`stored_k_v` interleaved as the cache rows hold them: [T, 2 * Hkv, D], K of head h at 2h
+    and V at 2h + 1."""
     num_tokens, num_kv_heads, d = k.shape
-    if is_quantized(cache_dtype):
-        k = quantize_kv(k, k_scale, cache_dtype)
-        v = quantize_kv(v, v_scale, cache_dtype)
-    return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, d).astype(cache_dtype)
+    k, v = stored_k_v(k, v, cache_dtype, k_scale, v_scale)
+    return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, d)
 
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array,
