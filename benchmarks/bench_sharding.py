@@ -42,6 +42,7 @@ from jaxinfer.loader import LoadedModel  # noqa: E402
 from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.inputs import StepInputs  # noqa: E402
+from jaxinfer.page_table import padded_updates  # noqa: E402
 from jaxinfer.runner import ModelRunner  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 from jaxinfer.sampling.arrays import make_sampling_arrays  # noqa: E402
@@ -88,9 +89,13 @@ def step_inputs(runner: ModelRunner, lens: list[int], new: list[int], t_bucket: 
     rng = np.random.default_rng(0)
     sampling = make_sampling_arrays([SamplingParams(temperature=0)] * len(lens), [0] * len(lens),
                                     batch_size=s_bucket, seeds=list(range(len(lens))))
-    meta = AttentionMetadata(kv_lens, pages, cu, np.array([len(lens)], np.int32))
+    meta = AttentionMetadata(kv_lens, None, cu, np.array([len(lens)], np.int32))
     tokens = rng.integers(0, MODEL.vocab_size, t_bucket).astype(np.int32)
-    return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, np.full(t_bucket, -1, np.int32))
+    rows, cols = np.nonzero(pages)  # sequence i's block table in the device table's row i + 1
+    table = padded_updates([(rows + 1, cols, pages[rows, cols])], runner.inputs.update_widths)
+    slots = np.where(np.arange(s_bucket) < len(lens), np.arange(1, s_bucket + 1), 0).astype(np.int32)
+    return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, np.full(t_bucket, -1, np.int32),
+                      slots, table=table)
 
 
 def bench_tensor(repeats: int) -> str:

@@ -43,8 +43,8 @@ from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype, scales_array  # noqa: E402
 from jaxinfer.kv_pool import cache_struct, plan_num_pages  # noqa: E402
-from jaxinfer.runner import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,  # noqa: E402
-                             step_jits)
+from jaxinfer.step_variants import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,  # noqa: E402
+                                    step_jits)
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_config import target_chip  # noqa: E402
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, param_structs  # noqa: E402
@@ -105,6 +105,8 @@ class AotStep:
                               host, input_shardings(self.mesh, host, self.replicas > 1))
         prev_shape = (self.max_seqs,) if self.replicas == 1 else (self.replicas, self.max_seqs)
         prev = jax.ShapeDtypeStruct(prev_shape, jnp.int32, sharding=replicated)
+        table = jax.ShapeDtypeStruct((*prev_shape[:-1], self.max_seqs + 1, self.inputs.pages_per_seq), jnp.int32,
+                                     sharding=replicated)
         out_shardings = (replicated, jax.tree.map(lambda c: c.format, self.caches), replicated)
         step_fn, window, forward, _ = step_jits(self.family, self.config, self.engine.attn_impl, self.max_seqs,
                                                 self.replicas, num_steps, out_shardings)
@@ -116,7 +118,7 @@ class AotStep:
             with jax.set_mesh(self.mesh):
                 if split:
                     inputs = inputs.replace(sampling=None)  # as dispatch_forward passes them
-                compiled = jitted.trace(self.params, self.caches, inputs, prev).lower().compile()
+                compiled = jitted.trace(self.params, self.caches, inputs, prev, table).lower().compile()
         except jax.errors.JaxRuntimeError as e:  # the compiler's refusal (HBM, VMEM, SMEM) is the result
             return {**variant, "error": str(e)[:2000]}
         seconds = time.perf_counter() - start

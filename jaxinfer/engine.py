@@ -203,8 +203,7 @@ class Engine:
     def _dispatch(self, plans: list[SchedulerPlan], previous: _Flight | None) -> _Flight:
         inputs = self._prepare(plans, previous)
         if self._channel is not None:
-            self._channel.send(inputs.token_ids.shape[-1], inputs.sampling.history is not None, inputs,
-                               prompt=inputs.prompt is not None)
+            self._channel.send(*self.runner.for_followers(inputs))
         return _Flight(plans, self.runner.dispatch(inputs, plans[0].num_steps))
 
     def _dispatch_late(self, plan: SchedulerPlan, previous: _Flight) -> tuple[_Flight | None, list[RequestOutput]]:
@@ -276,8 +275,8 @@ class Engine:
         if self._channel is None or self.is_leader:
             raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
         while True:
-            command, inputs = self._channel.receive(
-                lambda bucket, history, prompt: self.runner.padding_inputs(bucket, history, prompt=prompt))
+            command, inputs = self._channel.receive(lambda bucket, history, prompt, table_width:
+                                                    self.runner.padding_inputs(bucket, history, False, prompt, table_width))
             if inputs is None:
                 return command != SHUTDOWN
             self.runner.execute(inputs)

@@ -2,10 +2,12 @@
 
     SchedulerPlan (host, jaxinfer.core)
       --InputBuilder.prepare--> StepInputs: token ids and positions [T], attention metadata
-        (kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]), the row of
-        each sequence's last token [S], sampling arrays [S] (with the allowed-token bits of the
-        sequences that have a grammar, from their matchers); T is the smallest token bucket that
-        holds the plan and S = EngineConfig.seq_bucket(T)
+        (kv_lens [S], cu_q_lens [S+1], num_seqs [1]; page_indices [S, pages_per_seq] is read on
+        the device from the page table by `page_slots` [S], after the `table` entries that
+        changed are set: page_table.py), the row of each sequence's last token [S], sampling
+        arrays [S] (with the allowed-token bits of the sequences that have a grammar, from their
+        matchers); T is the smallest token bucket that holds the plan and S =
+        EngineConfig.seq_bucket(T)
 
 Speculative decoding: when the plan has drafts, `spec` holds them ([S, K], K the static
 num_speculative_tokens) and `logits_indices` names K + 1 rows per sequence [S*(K+1)]: its last
@@ -20,9 +22,13 @@ A sequence whose newest token was sampled by the step still in flight (async sch
 PLACEHOLDER there: its input id is taken on the device from that step's sampled tokens, at the
 row `prev_rows` names (-1: the id in token_ids is the input).
 
+What did not change is not sent: the page table's rows stay on the device (only changed entries
+travel), and the allowed-token bits and logit-bias rows are None when no row of the plan has a
+grammar or a bias (sampling.arrays.unsent_defaults; the runner fills them on the device).
+
 Padding is harmless by construction: padding tokens belong to no sequence (cu_q_lens stops at
-the real count), padding sequences have kv_len 0 and page-table rows of the null page 0, which no
-sequence owns; nothing ever indexes page -1. With data replicas every replica's inputs are built
+the real count), padding sequences have kv_len 0 and the null row of the page table (all the null page 0,
+which no sequence owns); nothing ever indexes page -1. With data replicas every replica's inputs are built
 the same way and stacked along a leading [data] axis (an idle replica is all padding).
 """
 from __future__ import annotations
@@ -32,11 +38,13 @@ import jax
 import numpy as np
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.core.paging import NULL_PAGE
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER
 from jaxinfer.models.layers import AttentionMetadata
-from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, sampling_arrays_for_sequences
+from jaxinfer.page_table import (NULL_ROW, PageTableMirror, PageTableUpdates, no_updates, padded_updates,
+                                 update_widths)
+from jaxinfer.sampling.arrays import (SamplingArrays, fill_defaults, make_sampling_arrays,
+                                     sampling_arrays_for_sequences, unsent_defaults)
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.prompt_logprobs import PromptInputs
 from jaxinfer.sampling.rejection import SpecInputs
@@ -47,12 +55,14 @@ from jaxinfer.structured import fill_bitmask
 class StepInputs:
     token_ids: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
-    meta: AttentionMetadata  # kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1]
+    meta: AttentionMetadata  # kv_lens [S], cu_q_lens [S+1], num_seqs [1]; page_indices: None (device: read)
     logits_indices: jax.Array  # i32[S] row of each sequence's last token in the batch ([S*(K+1)]: spec)
     sampling: SamplingArrays  # one row per sequence slot
     prev_rows: jax.Array  # i32[T] row of the previous step's sampled tokens that is this token; -1: none
+    page_slots: jax.Array  # i32[S] page-table row of each sequence (padding: the null row)
     spec: SpecInputs | None = None  # draft tokens to verify (speculative decoding); None: none
     prompt: PromptInputs | None = None  # prompt rows to score (prompt logprobs); None: none
+    table: PageTableUpdates | None = None  # page-table entries to set before the step; None: none
 
 
 class InputBuilder:
@@ -68,6 +78,10 @@ class InputBuilder:
         self.pages_per_seq = pages_per_seq
         self.max_model_len = max_model_len  # the penalty-history width
         self.num_replicas = num_replicas
+        # The device page table's host mirror per replica: a slot per sequence of the largest plan.
+        num_rows = engine.seq_bucket(buckets[-1]) + 1
+        self.update_widths = update_widths(num_rows, pages_per_seq)
+        self.tables = [PageTableMirror(num_rows, pages_per_seq) for _ in range(num_replicas)]
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -87,12 +101,19 @@ class InputBuilder:
         t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
         penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
         rows = [self._prepare_one(p, t_bucket, penalties, prev) for p, prev in zip(plans, previous)]
+        changes = []
+        for i, (plan_i, table) in enumerate(zip(plans, self.tables)):  # every plan checked first
+            slots, changed = table.sync(plan_i.seqs, len(rows[i].page_slots))
+            rows[i], changes = rows[i].replace(page_slots=slots), changes + [changed]
         if any(r.prompt is not None for r in rows):  # one tree for every replica
             rows = [r if r.prompt is not None else r.replace(prompt=_no_prompt_rows(t_bucket)) for r in rows]
+        if len({jax.tree.structure(r.sampling) for r in rows}) > 1:
+            rows = [r.replace(sampling=fill_defaults(r.sampling, self.vocab_size)) for r in rows]
         if masks:
             for plan_i, row in zip(plans, rows):
                 self.fill_masks(plan_i, row)
-        return rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
+        inputs = rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
+        return inputs.replace(table=padded_updates(changes, self.update_widths))
 
     @staticmethod
     def fill_masks(plan: SchedulerPlan, inputs: StepInputs, device_busy: bool = False) -> None:
@@ -110,7 +131,6 @@ class InputBuilder:
         n = len(plan.seqs)
         tokens = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
-        page_indices = np.full((s_bucket, self.pages_per_seq), NULL_PAGE, np.int32)
         cu = np.zeros(s_bucket + 1, np.int32)
         kv_lens = np.zeros(s_bucket, np.int32)
         prev_rows = np.full(t_bucket, -1, np.int32)
@@ -128,22 +148,23 @@ class InputBuilder:
                 tokens[offset + s.num_new_tokens - 1] = 0
                 prev_rows[offset + s.num_new_tokens - 1] = sampled_row[s.seq.seq_id]
             positions[offset:offset + s.num_new_tokens] = np.arange(s.start, s.kv_len)
-            page_indices[i, :len(s.pages)] = s.pages
             kv_lens[i] = s.kv_len
             offset += s.num_new_tokens
             cu[i + 1] = offset
         cu[n + 1:] = offset
         seqs = [s.seq for s in plan.seqs]
-        sampling = sampling_arrays_for_sequences(
+        grammar = any(seq.grammar is not None for seq in seqs)  # else no allowed bits are sent
+        sampling = unsent_defaults(sampling_arrays_for_sequences(
             seqs, s_bucket, history_len=self.max_model_len if penalties else None,
-            vocab_size=self.vocab_size)
-        meta = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
+            vocab_size=self.vocab_size if grammar else None), grammar)
+        meta = AttentionMetadata(kv_lens=kv_lens, page_indices=None, cu_q_lens=cu,
                                  num_seqs=np.array([n], np.int32))
+        slots = np.full(s_bucket, NULL_ROW, np.int32)  # set by the page-table sync
         if plan.verifies:
             rows, spec = self._spec_rows(plan, cu)
-            return StepInputs(tokens, positions, meta, rows, sampling, prev_rows, spec)
+            return StepInputs(tokens, positions, meta, rows, sampling, prev_rows, slots, spec)
         return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, prev_rows,
-                          prompt=prompt_inputs(plan, t_bucket))
+                          slots, prompt=prompt_inputs(plan, t_bucket))
 
     def _spec_rows(self, plan: SchedulerPlan, cu: np.ndarray) -> tuple[np.ndarray, SpecInputs]:
         """A verify step's logits rows [S*(K+1)] and drafts [S, K] (module docstring)."""
@@ -160,10 +181,13 @@ class InputBuilder:
         return rows.reshape(-1), spec
 
     def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False,
-                       prompt: bool = False) -> StepInputs:
+                       prompt: bool = False, table_width: int = 0) -> StepInputs:
         """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
-        the null page. `spec`: of the verify variant; `prompt`: of the prompt-logprobs one."""
+        the null page. `spec`: of the verify variant; `prompt`: of the prompt-logprobs one;
+        `table_width`: with that many page-table entries to set (all padding)."""
         one = self._dummy_one(t_bucket, with_history)
+        if table_width:
+            one = one.replace(table=no_updates(table_width))
         if prompt:
             one = one.replace(prompt=_no_prompt_rows(t_bucket))
         if spec:
@@ -180,12 +204,11 @@ class InputBuilder:
         sampling = make_sampling_arrays(
             params, [0], batch_size=s_bucket, seeds=[0], prompt_token_ids=[[0]], output_token_ids=[[]],
             history_len=self.max_model_len if with_history else None, vocab_size=self.vocab_size)
-        meta = AttentionMetadata(
-            kv_lens=np.zeros(s_bucket, np.int32),
-            page_indices=np.zeros((s_bucket, self.pages_per_seq), np.int32),
-            cu_q_lens=np.zeros(s_bucket + 1, np.int32), num_seqs=np.zeros(1, np.int32))
+        meta = AttentionMetadata(kv_lens=np.zeros(s_bucket, np.int32), page_indices=None,
+                                 cu_q_lens=np.zeros(s_bucket + 1, np.int32), num_seqs=np.zeros(1, np.int32))
         return StepInputs(np.zeros(t_bucket, np.int32), np.zeros(t_bucket, np.int32), meta,
-                          np.zeros(s_bucket, np.int32), sampling, np.full(t_bucket, -1, np.int32))
+                          np.zeros(s_bucket, np.int32), sampling, np.full(t_bucket, -1, np.int32),
+                          np.full(s_bucket, NULL_ROW, np.int32))
 
 
 def _no_drafts(s_bucket: int, k: int) -> SpecInputs:

@@ -16,7 +16,8 @@ cheap. The KV cache is donated to the step, so each layer's pages are updated in
 allocated in a pinned row-major layout that every jit hands back (kv_pool, pallas_kernels.kv_layout:
 XLA:TPU would otherwise relay a head_dim-64 cache around the kernels every step). Padding
 rows write nowhere (their K/V writes are dropped by the kernel) and their page-table rows point at
-the null page 0, which no sequence owns.
+the null page 0, which no sequence owns. The block tables stay on the device
+(page_table.py): a step sends only the entries that changed, set in place before it runs.
 
 On a mesh (EngineConfig.mesh) the parameters are split by the logical-axis rules of `sharding`,
 each layer's cache by KV heads over `tensor`, the step's token ids and positions over `sequence`,
@@ -29,13 +30,13 @@ replicated to every device (and every host).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxinfer.config import EngineConfig
@@ -45,16 +46,17 @@ from jaxinfer.inputs import InputBuilder, StepInputs
 from jaxinfer.kv_calibration import calibrated_caches
 from jaxinfer.kv_pool import cache_struct, plan_num_pages, zeroed_caches
 from jaxinfer.loader import LoadedModel
+from jaxinfer.page_table import DevicePageTable
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
+from jaxinfer.sampling.arrays import UNSENT_DEFAULTS, SamplingArrays, fill_defaults
 from jaxinfer.sampling.sampler import SamplerOutput
-from jaxinfer.step import decode_window, forward_part, sample_part, step
-from sharding import (DATA, SEQUENCE, axis_size, head_layout, is_multiprocess, kv_cache_spec, make_mesh,
-                      replicated_spec, shard_params, tokens_spec)
+from jaxinfer.step_variants import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,
+                                    step_jits)
+from sharding import DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, replicated_spec, shard_params
 from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int, fetch, put_inputs
 
 logger = logging.getLogger(__name__)
-DEFAULT_DECODE_STEPS = 8
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -104,13 +106,14 @@ class ModelRunner:
         # second signature (and a compile after warm-up) once its committed outputs come back.
         # The caches come back in their own formats: placement and pinned row-major layout.
         formats = jax.tree.map(lambda c: c.format, self.kv_caches)
-        out_shardings, self._prev_tokens = (None, formats, None), jnp.zeros(prev_shape, jnp.int32)
-        if self.mesh is None:
-            self._prev_tokens = jax.device_put(self._prev_tokens, self._home)
-        else:
-            replicated = NamedSharding(self.mesh, P())
-            out_shardings = (replicated, formats, replicated)
-            self._prev_tokens = jax.device_put(self._prev_tokens, replicated)
+        out_shardings, home = (None, formats, None), self._home
+        if self.mesh is not None:
+            home = NamedSharding(self.mesh, P())  # replicated
+            out_shardings = (home, formats, home)
+        self._prev_tokens = jax.device_put(jnp.zeros(prev_shape, jnp.int32), home)
+        # The sequences' block tables stay on the device; a step sends only changed entries.
+        self.page_table = DevicePageTable(max_seqs + 1, self.pages_per_seq, home, self.num_replicas, DATA)
+        self._defaults: dict[tuple, jax.Array] = {}  # sampling defaults kept on the device
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
         self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
         self._step, self._window, self._forward, self._sample = step_jits(
@@ -159,9 +162,9 @@ class ModelRunner:
         return self.inputs.prepare(plan, previous, masks)
 
     def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False,
-                       prompt: bool = False) -> StepInputs:
+                       prompt: bool = False, table_width: int = 0) -> StepInputs:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
-        return self.inputs.padding_inputs(t_bucket, with_history, spec, prompt)
+        return self.inputs.padding_inputs(t_bucket, with_history, spec, prompt, table_width)
 
     def execute(self, inputs: StepInputs, num_steps: int = 1) -> SamplerOutput:
         """Runs the step and waits for it. Returns numpy outputs (with a leading [data] axis when
@@ -174,32 +177,43 @@ class ModelRunner:
         fn = self._variant(num_steps)
         inputs = self._placed(inputs)
         with self._mesh_context():
+            inputs = self._set_table(inputs)
             out, self.kv_caches, self._prev_tokens = fn(self.params, self.kv_caches, inputs,
-                                                        self._prev_tokens)
+                                                        self._prev_tokens, self.page_table.array)
         return out
+
+    def _set_table(self, inputs: StepInputs) -> StepInputs:
+        """Sets the page-table entries the (placed) inputs carry; the inputs without them."""
+        if inputs.table is not None:
+            self.page_table.apply(inputs.table)
+        return inputs.replace(table=None)
 
     def dispatch_forward(self, inputs: StepInputs) -> jax.Array:
         """The first half of a split step (a bucket in `split_buckets`): the forward, K/V
         written. Returns the last tokens' hidden rows on the device, for `dispatch_sample`."""
         inputs = self._placed(inputs.replace(sampling=None))
         with self._mesh_context():
-            hidden, self.kv_caches = self._forward(self.params, self.kv_caches, inputs, self._prev_tokens)
+            inputs = self._set_table(inputs)
+            hidden, self.kv_caches = self._forward(self.params, self.kv_caches, inputs, self._prev_tokens,
+                                                   self.page_table.array)
         return hidden
 
     def dispatch_sample(self, hidden: jax.Array, inputs: StepInputs) -> SamplerOutput:
         """The second half: LM head and sampling with `inputs.sampling` as it is now (its
         allowed-token bits may have been filled after `dispatch_forward`)."""
-        sampling = inputs.sampling if self.mesh is None else put_inputs(
-            inputs.sampling, self._input_shardings(inputs).sampling)
+        sampling = self._with_defaults(inputs.sampling if self.mesh is None else put_inputs(
+            inputs.sampling, self._input_shardings(inputs).sampling))
         with self._mesh_context():
             out, self._prev_tokens = self._sample(self.params, hidden, sampling)
         return out
 
     def trace(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Traced:
-        """The step traced for these inputs' shapes (to read its jaxpr; nothing runs)."""
+        """The step traced for these inputs' shapes (to read its jaxpr; the step does not run,
+        the page-table entries the inputs carry are set)."""
         fn, inputs = self._variant(num_steps), self._placed(inputs)
-        with self._mesh_context():
-            return fn.trace(self.params, self.kv_caches, inputs, self._prev_tokens)
+        with self._mesh_context():  # the table entries are set: the host's mirror has them
+            inputs = self._set_table(inputs)
+            return fn.trace(self.params, self.kv_caches, inputs, self._prev_tokens, self.page_table.array)
 
     def lower(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Lowered:
         """The step lowered for these inputs' shapes (to read its HLO; nothing runs)."""
@@ -215,8 +229,38 @@ class ModelRunner:
         return self._window
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
-        """Host inputs on the mesh (each array split or replicated as the step expects)."""
-        return inputs if self.mesh is None else put_inputs(inputs, self._input_shardings(inputs))
+        """Host inputs on the mesh (each array split or replicated as the step expects), the
+        sampling defaults that were not sent filled on the device."""
+        if self.mesh is not None:
+            inputs = put_inputs(inputs, self._input_shardings(inputs))
+        return inputs.replace(sampling=self._with_defaults(inputs.sampling))
+
+    def _with_defaults(self, sampling: SamplingArrays | None) -> SamplingArrays | None:
+        """The sampling arrays with the defaults left unsent (sampling.arrays.unsent_defaults)
+        taken from arrays kept on the device. The allowed bits and bias rows always reach the step
+        as committed device arrays, so a batch that sends them runs the same compiled step."""
+        if sampling is None:
+            return None
+        if self.mesh is None:
+            sampling = sampling.replace(**{name: jax.device_put(x, self._home) for name in UNSENT_DEFAULTS
+                                           if (x := getattr(sampling, name)) is not None})
+        return fill_defaults(sampling, self.config.vocab_size, self._device_full)
+
+    def _device_full(self, shape: tuple[int, ...], value, dtype) -> jax.Array:
+        key = (shape, value, np.dtype(dtype).str)
+        if key not in self._defaults:
+            where = self._home if self.mesh is None else NamedSharding(
+                self.mesh, replicated_spec(replicas=self.num_replicas > 1))
+            self._defaults[key] = put_inputs(np.full(shape, value, dtype), where)
+        return self._defaults[key]
+
+    def for_followers(self, inputs: StepInputs) -> tuple:
+        """What StepChannel.send sends the other processes: the inputs with every sampling default
+        filled (their template has them), then the header: token bucket, penalty history, prompt
+        rows, page-table entries."""
+        inputs = inputs.replace(sampling=fill_defaults(inputs.sampling, self.config.vocab_size))
+        return (inputs, inputs.token_ids.shape[-1], inputs.sampling.history is not None,
+                inputs.prompt is not None, 0 if inputs.table is None else inputs.table.slots.shape[-1])
 
     def _input_shardings(self, inputs: StepInputs):
         return input_shardings(self.mesh, inputs, self.num_replicas > 1)
@@ -224,6 +268,9 @@ class ModelRunner:
     def warm_up(self) -> float:
         """Compiles every (bucket, penalty history, prompt logprobs) variant; returns seconds."""
         start = time.perf_counter()
+        for width in self.inputs.update_widths:  # the page-table scatter of each width
+            with self._mesh_context():
+                self._set_table(self._placed(self.padding_inputs(self.buckets[0], False, table_width=width)))
         for t_bucket in self.buckets:
             for with_history in (False, True) if self.engine.penalties else (False,):
                 for prompt in (False, True) if self.engine.enable_prompt_logprobs else (False,):
@@ -241,60 +288,5 @@ class ModelRunner:
 
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
-        return sum(f._cache_size() for f in (self._step, self._window, self._forward, self._sample))
-
-
-def step_jits(family, config, attn_impl: str, max_seqs: int, num_replicas: int, num_decode_steps: int,
-              out_shardings) -> tuple:
-    """The runner's jitted functions: the step and the decode window, fn(params, caches, inputs,
-    prev_tokens), vmapped over data replicas (`spmd_axis_name="data"`); the split step's forward
-    and sampling halves. The caches are donated and come back as `out_shardings[1]` says."""
-    parts = (family, config, attn_impl, max_seqs)
-    jit_step = lambda fn: jax.jit(  # noqa: E731
-        fn if num_replicas == 1 else jax.vmap(fn, in_axes=(None, 0, 0, 0), spmd_axis_name=DATA),
-        donate_argnums=(1,), out_shardings=out_shardings)
-    return (jit_step(functools.partial(step, *parts)),
-            jit_step(functools.partial(decode_window, *parts, num_decode_steps)),
-            jax.jit(functools.partial(forward_part, *parts[:3]), donate_argnums=(1,),
-                    out_shardings=out_shardings[:2]),
-            jax.jit(functools.partial(sample_part, family, max_seqs),
-                    out_shardings=(out_shardings[0], out_shardings[2])))
-
-
-def decode_sized_buckets(inputs: InputBuilder, buckets: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
-    """The token buckets a decode-only plan can use (one token per sequence): where the decode
-    window and the split step are compiled."""
-    return tuple(b for b in buckets if b <= inputs.bucket_for(min(max_num_seqs, buckets[-1])))
-
-
-def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:
-    """How the step takes its inputs on `mesh`: tokens split over the sequence axis, the rest
-    replicated (per data replica with `replicas`); a tree like `inputs`."""
-    tokens = NamedSharding(mesh, tokens_spec(mesh, replicas=replicas))
-    other = NamedSharding(mesh, replicated_spec(replicas=replicas))
-    return inputs.replace(
-        token_ids=tokens, positions=tokens, prev_rows=tokens,
-        meta=jax.tree.map(lambda _: other, inputs.meta),
-        logits_indices=other, sampling=jax.tree.map(lambda _: other, inputs.sampling),
-        spec=jax.tree.map(lambda _: other, inputs.spec),
-        prompt=None if inputs.prompt is None else inputs.prompt.replace(targets=tokens, num_top=other))
-
-
-def split_step_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
-    """Whether the split step is compiled (EngineConfig.structured_output_overlap): the setting,
-    by default on accelerators only (on the CPU the host and the step share the same cores, so
-    the overlap has nothing to gain); never with data replicas or several hosts."""
-    if num_replicas > 1 or is_multiprocess():
-        return False
-    return jax.default_backend() != "cpu" if setting is None else setting
-
-
-def decode_steps(setting: int | None, num_replicas: int = 1) -> int:
-    """Steps per decode window: the setting, by default 8. Llama-3.2-1B shape on an H100 (bf16,
-    128-token prompts), tokens/s at batch 1 / 16 / 64 / 256: single steps 247 / 5,005 / 9,130 /
-    17,446; windows of 4: 378 / 9,623 / 14,843 / 30,580; of 8: 484 / 9,743 / 20,231 / 40,664.
-    SmolLM2 float32 on a 2-core CPU: 8 steps 1.21x single steps at batch 1, 1.08x at batch 8.
-    One step with data replicas or several hosts, whose plans and step channel carry single steps."""
-    if num_replicas > 1 or is_multiprocess():
-        return 1
-    return DEFAULT_DECODE_STEPS if setting is None else setting
+        return self.page_table.num_compiled() + sum(
+            f._cache_size() for f in (self._step, self._window, self._forward, self._sample))

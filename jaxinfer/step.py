@@ -34,10 +34,12 @@ from jaxinfer.sampling.sampler import SamplerOutput, sample
 
 
 def step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int, params: ModelParams,
-         kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array
+         kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array, page_table: jax.Array
          ) -> tuple[SamplerOutput, KVCaches, jax.Array]:
-    """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here."""
-    every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens)
+    """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here;
+    page_table i32[rows, pages_per_seq]: the sequences' block tables (page_table.py)."""
+    every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens,
+                                    page_table)
     hidden = every_row[inputs.logits_indices]
     if inputs.spec is not None:
         out, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampling, inputs.spec)
@@ -50,21 +52,23 @@ def step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int
 
 
 def forward_part(family: ModelFamily, config: ModelConfig, attn_impl: str, params: ModelParams,
-                 kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array
+                 kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array, page_table: jax.Array
                  ) -> tuple[jax.Array, KVCaches]:
     """The forward over the ragged batch (K/V written into the pages); returns the hidden rows
     of each sequence's last token [S, E]. `inputs.sampling` is not read."""
-    hidden, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens)
+    hidden, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens,
+                                 page_table)
     return hidden[inputs.logits_indices], kv_caches
 
 
 def _forward(family: ModelFamily, config: ModelConfig, attn_impl: str, params: ModelParams,
-             kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array) -> tuple[jax.Array, KVCaches]:
+             kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array, page_table: jax.Array
+             ) -> tuple[jax.Array, KVCaches]:
     """The forward's hidden state of every row of the batch [T, E] and the updated caches."""
     from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
     token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
-    return family.forward(params, config, token_ids, inputs.positions, kv_caches, inputs.meta,
-                          attn_impl=attn_impl)
+    meta = inputs.meta.replace(page_indices=page_table[inputs.page_slots])  # [S, pages_per_seq]
+    return family.forward(params, config, token_ids, inputs.positions, kv_caches, meta, attn_impl=attn_impl)
 
 
 def sample_part(family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array,
@@ -88,7 +92,7 @@ def verify_part(family: ModelFamily, max_seqs: int, params: ModelParams, hidden:
 
 def decode_window(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int,
                   num_steps: int, params: ModelParams, kv_caches: KVCaches, inputs: StepInputs,
-                  prev_tokens: jax.Array) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+                  prev_tokens: jax.Array, page_table: jax.Array) -> tuple[SamplerOutput, KVCaches, jax.Array]:
     """`num_steps` decode steps of a decode-only batch (token t is sequence t) in one call.
 
     Step i feeds each sequence the token it sampled at step i - 1 (step 0: the inputs' own ids and
@@ -108,7 +112,7 @@ def decode_window(family: ModelFamily, config: ModelConfig, attn_impl: str, max_
             sampling=sampling.replace(num_generated=sampling.num_generated + i),
             prev_rows=jnp.where(i == 0, inputs.prev_rows, own_row))
         out, caches, sampled = step(family, config, attn_impl, max_seqs, params, caches,
-                                    step_inputs, prev)
+                                    step_inputs, prev, page_table)
         return (caches, sampled), out
 
     (kv_caches, sampled), outs = jax.lax.scan(body, (kv_caches, prev_tokens),

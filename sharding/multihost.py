@@ -115,24 +115,27 @@ def broadcast_int(value: int) -> int:
 class StepChannel:
     """Process 0 sends each step's inputs; the others receive them (see the module docstring)."""
 
-    def send(self, token_bucket: int, with_history: bool, inputs: PyTree, prompt: bool = False) -> PyTree:
+    def send(self, inputs: PyTree, token_bucket: int, with_history: bool, prompt: bool = False,
+             table_width: int = 0) -> PyTree:
         """Process 0: broadcasts one step's header (its bucket and variant: a penalty history,
-        prompt rows to score), then its inputs; returns them as broadcast."""
-        broadcast(np.array([STEP, token_bucket, int(with_history), int(prompt)], np.int64))
+        prompt rows to score, how many page-table entries it sets), then its inputs; returns
+        them as broadcast."""
+        broadcast(np.array([STEP, token_bucket, int(with_history), int(prompt), table_width], np.int64))
         return broadcast(inputs)
 
     def release(self, shutdown: bool = False) -> None:
-        broadcast(np.array([SHUTDOWN if shutdown else RELEASE, 0, 0, 0], np.int64))
+        broadcast(np.array([SHUTDOWN if shutdown else RELEASE, 0, 0, 0, 0], np.int64))
 
-    def receive(self, template_for: Callable[[int, bool, bool], PyTree]) -> tuple[int, PyTree | None]:
+    def receive(self, template_for: Callable[[int, bool, bool, int], PyTree]) -> tuple[int, PyTree | None]:
         """(command, inputs): (STEP, the next step's inputs), (RELEASE, None) or (SHUTDOWN,
-        None). template_for(bucket, with_history, prompt) builds an input tree of the right shapes."""
-        command, token_bucket, with_history, prompt = broadcast(np.zeros(4, np.int64)).tolist()
+        None). template_for(bucket, with_history, prompt, table_width) builds an input tree of
+        the right shapes."""
+        command, token_bucket, with_history, prompt, table_width = broadcast(np.zeros(5, np.int64)).tolist()
         if command in (RELEASE, SHUTDOWN):
             return command, None
         if command != STEP:
             raise RuntimeError(f"unknown step command {command} from process 0")
-        return STEP, broadcast(template_for(int(token_bucket), bool(with_history), bool(prompt)))
+        return STEP, broadcast(template_for(int(token_bucket), bool(with_history), bool(prompt), int(table_width)))
 
 
 def put_inputs(tree: PyTree, shardings: PyTree) -> PyTree:

@@ -19,6 +19,11 @@ step as an unbiased one. The biases travel as float16, rounded to its 11 signifi
 multiple of 1/16 in [-100, 100] is exact; the logits they are added to are float32): 6 bytes a
 slot, 1.8 KB a row, a ninth of what the allowed-token bits of a 128k vocabulary cost a row.
 
+Defaults that need not travel: when no row of a batch has a grammar, or none has a logit bias,
+the builder leaves `allowed`, or the bias pair, None (`unsent_defaults`) and the runner fills them
+on the device from arrays it keeps (`fill_defaults`), so a plain batch does not upload its all-set
+bits (4 MB a step at batch 256 with a 128k vocabulary) or its empty bias rows.
+
 Penalty histories: a row's prompt ids (only when its repetition penalty is on) then its output
 ids, padded with -1 to a width H. The transfer is B*H int32 per step instead of B*V; the [B, V]
 counts are built on the device (sampler.apply_penalties). When no row of a batch uses penalties
@@ -35,6 +40,7 @@ import numpy as np
 from jaxinfer.sampling.params import MAX_LOGIT_BIAS, SamplingParams
 
 BIAS_DTYPE = np.float16  # SamplingArrays.bias_values (module docstring)
+UNSENT_DEFAULTS = ("allowed", "bias_ids", "bias_values")  # None when every row has the default
 
 
 class SequenceLike(Protocol):
@@ -71,9 +77,10 @@ class SamplingArrays:
     seeds: jax.Array               # u32[B, 2] the sequence's 64-bit seed as (low, high) words
     num_generated: jax.Array       # i32[B] output tokens so far: which draw of the stream this is
     num_top_logprobs: jax.Array    # i32[B] top-N logprobs asked for (0: none; no row >0: no top-k)
-    allowed: jax.Array             # i32[B, W] packed allowed-token bits, -1 = all (W = 1: no masking)
-    bias_ids: jax.Array            # i32[B, L] logit-bias token ids, packed at the front; -1 pads
-    bias_values: jax.Array         # f16[B, L] the bias added to each of those tokens' logits
+    allowed: jax.Array | None      # i32[B, W] packed allowed-token bits, -1 = all (W = 1: no masking)
+    bias_ids: jax.Array | None     # i32[B, L] logit-bias token ids, packed at the front; -1 pads
+    bias_values: jax.Array | None  # f16[B, L] the bias added to each of those tokens' logits
+    # allowed / bias pair None: every row's default, filled before the step (fill_defaults)
     history: PenaltyHistory | None = None  # None: no row uses penalties (static structure)
 
 
@@ -121,10 +128,35 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
         seeds=np.asarray(seed_words + [(0, 0)] * pad, dtype=np.uint32).reshape(batch_size, 2),
         num_generated=col(num_generated, 0, np.int32),
         num_top_logprobs=col([p.logprobs or 0 for p in params], 0, np.int32),
-        allowed=np.full((batch_size, 1 if vocab_size is None else -(-vocab_size // 32)), -1, np.int32),
+        allowed=np.full((batch_size, allowed_width(vocab_size)), -1, np.int32),
         bias_ids=bias_ids, bias_values=bias_values,
         history=_penalty_history(params, prompt_token_ids, output_token_ids, batch_size,
                                  history_len))
+
+
+def allowed_width(vocab_size: int | None) -> int:
+    """Words of allowed-token bits a row: ceil(vocab / 32); 1 (no masking) without a vocabulary."""
+    return 1 if vocab_size is None else -(-vocab_size // 32)
+
+
+def unsent_defaults(arrays: SamplingArrays, grammar: bool) -> SamplingArrays:
+    """The arrays less what is every row's default: `allowed` when no row has a grammar, the
+    bias pair when no row has a logit bias (None; module docstring)."""
+    biased = arrays.bias_ids is not None and bool((arrays.bias_ids[..., 0] >= 0).any())
+    return arrays.replace(allowed=arrays.allowed if grammar else None,
+                          **({} if biased else {"bias_ids": None, "bias_values": None}))
+
+
+def fill_defaults(arrays: SamplingArrays, vocab_size: int | None, full=np.full) -> SamplingArrays:
+    """`arrays` with each None default filled, shaped like its rows: allowed all set, no bias.
+    `full(shape, value, dtype)` makes them (numpy; the runner passes its cached device arrays)."""
+    lead, out = arrays.temperature.shape, {}  # [B], or [data, B]
+    if arrays.allowed is None:
+        out["allowed"] = full((*lead, allowed_width(vocab_size)), -1, np.int32)
+    if arrays.bias_ids is None:
+        out["bias_ids"] = full((*lead, MAX_LOGIT_BIAS), -1, np.int32)
+        out["bias_values"] = full((*lead, MAX_LOGIT_BIAS), 0, BIAS_DTYPE)
+    return arrays.replace(**out) if out else arrays
 
 
 def sampling_arrays_for_sequences(seqs: Sequence[SequenceLike], batch_size: int, *,

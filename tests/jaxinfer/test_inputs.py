@@ -8,7 +8,8 @@ from jaxinfer.core.paging import NULL_PAGE
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence
 from jaxinfer.inputs import InputBuilder
-from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.arrays import fill_defaults
+from jaxinfer.sampling.params import MAX_LOGIT_BIAS, SamplingParams
 
 PAGE = 4
 
@@ -38,7 +39,8 @@ def test_a_mixed_plan_fills_every_array():
     plan = SchedulerPlan([ScheduledSeq(flying, 6, 1, (1, 2), sample=True),
                           ScheduledSeq(known, 3, 1, (7,), sample=True),
                           ScheduledSeq(chunk, 4, 5, (9, 5, 3), sample=False)])
-    inputs = _builder().prepare(plan, [previous], masks=False)
+    builder = _builder()
+    inputs = builder.prepare(plan, [previous], masks=False)
 
     assert inputs.token_ids.tolist() == [0, 24, 35, 36, 37, 38, 39, 0]  # bucket 8
     assert inputs.prev_rows.tolist() == [1] + [-1] * 7  # row 1 of the step in flight samples it
@@ -49,7 +51,14 @@ def test_a_mixed_plan_fills_every_array():
     assert meta.num_seqs.tolist() == [3]
     pages = np.full((8, 8), NULL_PAGE)
     pages[0, :2], pages[1, :1], pages[2, :3] = [1, 2], [7], [9, 5, 3]
-    np.testing.assert_array_equal(meta.page_indices, pages)
+    assert meta.page_indices is None  # read on the device from the page table
+    assert inputs.page_slots.tolist() == [1, 2, 3, 0, 0, 0, 0, 0]  # padding: the null row 0
+    np.testing.assert_array_equal(builder.tables[0].page_rows(inputs.page_slots), pages)
+    table = inputs.table  # every entry is new: sent, padded to the smallest width
+    assert table.slots.shape == (64,)
+    assert list(zip(table.slots[:6].tolist(), table.cols[:6].tolist(), table.pages[:6].tolist())) == [
+        (1, 0, 1), (1, 1, 2), (2, 0, 7), (3, 0, 9), (3, 1, 5), (3, 2, 3)]
+    assert not table.slots[6:].any() and not table.cols[6:].any() and not table.pages[6:].any()
     assert inputs.logits_indices.tolist() == [0, 1, 6, 6, 6, 6, 6, 6]
 
 
@@ -70,3 +79,21 @@ def test_a_sequence_whose_pages_do_not_fit_is_named(pages):
                           ScheduledSeq(seq, 0, 5, pages, sample=True)])
     with pytest.raises(RuntimeError, match=f"sequence r3: 5 tokens on {len(pages)} pages"):
         _builder(pages_per_seq=2).prepare(plan, None, masks=False)
+
+
+def test_defaults_every_row_shares_are_not_sent():
+    """No grammar and no logit bias in the plan: the allowed bits and the bias rows are left
+    unsent (None; the runner fills them on the device); a biased row sends the bias pair only."""
+    plain = SchedulerPlan([ScheduledSeq(_seq(0, [1, 2]), 0, 2, (1,), sample=True)])
+    sampling = _builder().prepare(plain, None).sampling
+    assert sampling.allowed is None and sampling.bias_ids is None and sampling.bias_values is None
+    biased = Sequence(1, "r1", [3], SamplingParams(temperature=0, logit_bias={5: 2.0}), seed=0, arrival=1)
+    plan = SchedulerPlan([ScheduledSeq(_seq(0, [1, 2]), 0, 2, (1,), sample=True),
+                          ScheduledSeq(biased, 0, 1, (2,), sample=True)])
+    sampling = _builder().prepare(plan, None).sampling
+    assert sampling.allowed is None
+    assert sampling.bias_ids[:2, 0].tolist() == [-1, 5] and sampling.bias_values[1, 0] == 2.0
+    filled = fill_defaults(_builder().prepare(plain, None).sampling, vocab_size=64)
+    assert filled.allowed.shape == (8, 2) and (filled.allowed == -1).all()
+    assert filled.bias_ids.shape == (8, MAX_LOGIT_BIAS) and (filled.bias_ids == -1).all()
+    assert not filled.bias_values.any() and filled.bias_values.dtype == np.float16

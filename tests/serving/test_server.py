@@ -310,7 +310,8 @@ def test_health_model_info_and_stats(serve):
         assert (info.vocab_size, info.max_model_len, info.has_tokenizer) == (512, 256, False)
         assert info.kv_pages_total == 47 and info.max_num_seqs == 8 and info.penalties_enabled
         # 2 buckets x (with, without penalty history) + the decode window of the 8-token bucket
-        assert client.server_stats().compiled_variants == 5
+        # + the page table's scatter at 2 widths (64 entries, and 512 >= 8 slots x 16 pages)
+        assert client.server_stats().compiled_variants == 7
         err = rpc_error(client.tokenize, "hello")
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
 

@@ -1,0 +1,154 @@
+"""The page table on the device: one row per sequence slot, and only its changed entries sent.
+
+    device   table i32[num_rows, pages_per_seq]   row 0 is the null row (all page 0, never
+             assigned): padding sequences read it; row r > 0 is one sequence's block table
+    host     PageTableMirror: what the device's table holds, the slot of each sequence, and
+             for a plan the entries that differ from it -> PageTableUpdates (slot, col, page)
+    step     page_indices [S, pages_per_seq] = table[page_slots] inside the jit
+
+A step's inputs carry the slot of each of its sequences (`StepInputs.page_slots`) and the
+entries of the table to set first (`StepInputs.table`): a decode that fills no new page sends
+nothing, one that starts a page sends one entry, a new sequence sends its row. The updates are
+padded to the smallest of a few fixed widths (`update_widths`, each compiled at warm-up) and
+applied by one small jitted scatter that updates the table in place, before the step that reads
+it. Padding entries write page 0 into the null row's first column, which it already holds.
+
+Slots: a sequence keeps its slot while it runs; a new one takes a free slot, else the slot used
+least recently by a sequence outside the plan (there are as many slots as the largest plan has
+sequences, so one is always found). A row is exact: entries past a sequence's pages hold the
+null page (a slot taken over, or a sequence that gave pages back, has the rest cleared), so no
+sequence's row ever names a page it does not own.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+import flax.struct
+import jax
+import numpy as np
+
+from jaxinfer.core.paging import NULL_PAGE
+from jaxinfer.core.plan import ScheduledSeq
+
+NULL_ROW = 0
+_WIDTH_STEP = 8  # each update width 8x the one before
+
+
+@flax.struct.dataclass
+class PageTableUpdates:
+    slots: jax.Array  # i32[W] table row of each entry (padding: the null row)
+    cols: jax.Array   # i32[W] page position in the row
+    pages: jax.Array  # i32[W] the page id to store
+
+
+def update_widths(num_rows: int, pages_per_seq: int, smallest: int = 64) -> tuple[int, ...]:
+    """The compiled update widths: `smallest`, 8x that, ... up to one that holds every entry of
+    every sequence row (the most one step can change)."""
+    widths, most = [smallest], (num_rows - 1) * pages_per_seq
+    while widths[-1] < most:
+        widths.append(widths[-1] * _WIDTH_STEP)
+    return tuple(widths)
+
+
+def no_updates(width: int) -> PageTableUpdates:
+    zeros = np.zeros(width, np.int32)
+    return PageTableUpdates(zeros, zeros.copy(), zeros.copy())
+
+
+def apply_updates(table: jax.Array, updates: PageTableUpdates) -> jax.Array:
+    """The table with the entries set (jitted with the table donated: in place)."""
+    return table.at[updates.slots, updates.cols].set(updates.pages)
+
+
+def padded_updates(changes: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                   widths: tuple[int, ...]) -> PageTableUpdates | None:
+    """Each data replica's changed entries, padded to the smallest width that holds the most
+    of them (stacked along a leading axis when there are several replicas); None: none changed."""
+    most = max(len(c[0]) for c in changes)
+    if most == 0:
+        return None
+    width = next(w for w in widths if w >= most)
+    rows = []
+    for slots, cols, pages in changes:
+        out = no_updates(width)
+        out.slots[:len(slots)], out.cols[:len(cols)], out.pages[:len(pages)] = slots, cols, pages
+        rows.append(out)
+    return rows[0] if len(rows) == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
+
+
+class PageTableMirror:
+    """The host's copy of one replica's device table and the slot of each sequence."""
+
+    def __init__(self, num_rows: int, pages_per_seq: int):
+        self.rows = np.full((num_rows, pages_per_seq), NULL_PAGE, np.int32)
+        self.lens = np.zeros(num_rows, np.int32)  # entries of each row past which all are null
+        self.owner = np.full(num_rows, -1, np.int64)  # seq_id of the slot's sequence; -1: free
+        self.used = np.zeros(num_rows, np.int64)  # the sync that last named the slot
+        self.owner[NULL_ROW] = -2  # never assigned
+        self.slot_of: dict[int, int] = {}
+        self._clock = 0
+
+    def sync(self, entries: Seq[ScheduledSeq], s_bucket: int
+             ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(page slot of each sequence [s_bucket], padding: the null row; the entries to set:
+        slots, cols, pages) for a plan's sequences, whose rows become their pages."""
+        self._clock += 1
+        n = len(entries)
+        slots = np.full(s_bucket, NULL_ROW, np.int32)
+        plan_ids = [e.seq.seq_id for e in entries]
+        for i, seq_id in enumerate(plan_ids):
+            slot = self.slot_of.get(seq_id)
+            slots[i] = self._assign(seq_id, plan_ids) if slot is None else slot
+        mine = slots[:n]
+        self.used[mine] = self._clock
+        lens = np.fromiter((len(e.pages) for e in entries), np.int32, n)
+        if n == 0:
+            return slots, (mine, mine, mine)
+        width = int(max(lens.max(), self.lens[mine].max()))
+        target = np.full((n, width), NULL_PAGE, np.int32)
+        target[np.arange(width) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(e.pages for e in entries), np.int32, int(lens.sum()))
+        r, c = np.nonzero(self.rows[mine, :width] != target)
+        self.rows[mine, :width] = target
+        self.lens[mine] = lens
+        return slots, (mine[r], c.astype(np.int32), target[r, c])
+
+    def _assign(self, seq_id: int, plan_ids: list[int]) -> int:
+        """A slot for a sequence that has none: a free one, else the least recently used one
+        whose sequence is not in this plan (its row is rewritten by the caller's diff)."""
+        free = np.flatnonzero(self.owner == -1)
+        if free.size:
+            slot = int(free[0])
+        else:
+            candidates = np.flatnonzero(~np.isin(self.owner, plan_ids) & (self.owner != -2))
+            if not candidates.size:
+                raise RuntimeError(f"{len(plan_ids)} sequences in one step, {len(self.owner) - 1} page-table slots")
+            slot = int(candidates[np.argmin(self.used[candidates])])
+            del self.slot_of[int(self.owner[slot])]
+        self.owner[slot] = seq_id
+        self.slot_of[seq_id] = slot
+        return slot
+
+    def page_rows(self, slots: np.ndarray) -> np.ndarray:
+        """The rows the step reads for these slots (what `page_indices` holds on the device)."""
+        return self.rows[slots]
+
+
+class DevicePageTable:
+    """The table on the device (one per data replica, stacked) and the jitted scatter that sets
+    a step's entries in place; `widths` are compiled by `warm_up`."""
+
+    def __init__(self, num_rows: int, pages_per_seq: int, sharding, num_replicas: int, vmap_axis: str):
+        shape = (num_rows, pages_per_seq) if num_replicas == 1 else (num_replicas, num_rows, pages_per_seq)
+        self.array = jax.device_put(jax.numpy.zeros(shape, jax.numpy.int32), sharding)
+        fn = apply_updates if num_replicas == 1 else jax.vmap(apply_updates, spmd_axis_name=vmap_axis)
+        self._update = jax.jit(fn, donate_argnums=(0,), out_shardings=sharding)
+        self.num_replicas = num_replicas
+
+    def apply(self, updates: PageTableUpdates) -> None:
+        """Sets the entries (placed like the table's other inputs) before the next step reads it."""
+        self.array = self._update(self.array, updates)
+
+    def num_compiled(self) -> int:
+        return self._update._cache_size()
