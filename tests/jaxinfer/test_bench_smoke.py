@@ -63,3 +63,17 @@ def test_bench_lm_head_smoke():
     assert [(r[1].strip(), int(r[2])) for r in rows] == [
         (form, m) for form in ("tied x.W^T", "tied W.x^T", "untied x.W") for m in (1, 8)]
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), rows
+
+
+def test_bench_host_smoke():
+    """benchmarks/bench_host.py on a small plan: a row per context; later windows send only the
+    entries of the pages they start, far less than the first window's whole rows."""
+    bench = BENCH.with_name("bench_host.py")
+    out = subprocess.run([sys.executable, str(bench), "--batch", "16", "--contexts", "256", "1024",
+                          "--windows", "5"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| 16 x")]
+    assert [r[0].strip() for r in rows] == ["16 x 256", "16 x 1024"]
+    for r in rows:
+        prepare_ms, first_kib, later_kib = float(r[1]), float(r[3]), float(r[4])
+        assert prepare_ms > 0 and later_kib < first_kib / 2, r
