@@ -26,6 +26,7 @@ from collections.abc import Sequence as Seq
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.core.paging import NULL_PAGE
@@ -101,10 +102,10 @@ class PageTableMirror:
             slot = self.slot_of.get(seq_id)
             slots[i] = self._assign(seq_id, plan_ids) if slot is None else slot
         mine = slots[:n]
-        self.used[mine] = self._clock
-        lens = np.fromiter((len(e.pages) for e in entries), np.int32, n)
         if n == 0:
             return slots, (mine, mine, mine)
+        self.used[mine] = self._clock
+        lens = np.fromiter((len(e.pages) for e in entries), np.int32, n)
         width = int(max(lens.max(), self.lens[mine].max()))
         target = np.full((n, width), NULL_PAGE, np.int32)
         target[np.arange(width) < lens[:, None]] = np.fromiter(
@@ -137,11 +138,11 @@ class PageTableMirror:
 
 class DevicePageTable:
     """The table on the device (one per data replica, stacked) and the jitted scatter that sets
-    a step's entries in place; `widths` are compiled by `warm_up`."""
+    a step's entries in place (the runner's warm-up compiles it for each update width)."""
 
     def __init__(self, num_rows: int, pages_per_seq: int, sharding, num_replicas: int, vmap_axis: str):
         shape = (num_rows, pages_per_seq) if num_replicas == 1 else (num_replicas, num_rows, pages_per_seq)
-        self.array = jax.device_put(jax.numpy.zeros(shape, jax.numpy.int32), sharding)
+        self.array = jax.device_put(jnp.zeros(shape, jnp.int32), sharding)  # as the runner's prev tokens
         fn = apply_updates if num_replicas == 1 else jax.vmap(apply_updates, spmd_axis_name=vmap_axis)
         self._update = jax.jit(fn, donate_argnums=(0,), out_shardings=sharding)
         self.num_replicas = num_replicas
