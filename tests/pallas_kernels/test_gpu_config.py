@@ -82,6 +82,13 @@ def test_default_config_takes_the_nearest_tuned_entry(tmp_path, monkeypatch):
                   default_config(96, 96, 4, 8, 128, 16, 80, jnp.bfloat16, "NVIDIA A100-SXM4-80GB")):
         assert (other.block_kv, other.num_warps) != (64, 8)
     assert gpu_tuned.lookup(h100, 128, 4, 16, "bfloat16", "prefill", 96, 1280, str(table)) is None
+    # An entry reaches 2x its sequence count, 4x its context: the 64-sequence entry alone does
+    # not set 256 sequences' splits and warps, but does set 64 sequences' at 4k keys.
+    alone = tmp_path / "alone.json"
+    gpu_tuned.merge([entry], str(alone))
+    assert gpu_tuned.lookup(h100, 128, 4, 16, "bfloat16", "decode", 256, 1024, str(alone)) is None
+    assert gpu_tuned.lookup(h100, 128, 4, 16, "bfloat16", "decode", 128, 1024, str(alone))
+    assert gpu_tuned.lookup(h100, 128, 4, 16, "bfloat16", "decode", 64, 4096, str(alone))
 
 
 def test_a_prefill_like_batch_runs_its_decode_tokens_with_the_decode_blocks():
