@@ -30,9 +30,11 @@
 #
 # Seen on an H100, 2026-11-26: `quick` ran 13 of its 17 cases in 80 s; `short` ~30 s; `engine8b`
 # 2 min 40 s to its first row (cold) and ~3 min 40 s in all; `engine1b` ~2 min 30 s in all.
-# Next: `quick:110 lmhead:60 sweep-big:200 engine8b:230` (the tied head; does tuning batch 256
-# reach the 8B's 10k tok/s?),
-# then `prefill:300` (the prefill goals were last measured on 2026-11-22).
+# Seen on an H200, 2026-11-26 (third lease): `lmhead` printed one row in 45 s; `sweep-big`'s 1k
+# row took ~165 s (its 4k row did not start in 170 s); `engine8b` compiles 44 variants, ~3 min
+# cold, and needs ~240 s to its batch-256 row.
+# Next: `engine8b:260` first (batch 256 with the tuned 4-warp entry: does it reach 10k tok/s?),
+# then `lmhead:120 prefill:200` (the prefill goals were last measured on 2026-11-22).
 #
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
@@ -137,5 +139,12 @@ for arg in "$@"; do
   fi
   rc=$?
   [ $rc -eq 0 ] || { echo "[$(date +%T)] part $part ended with status $rc" >&2; status=$rc; }
+  # A part cut off by its limit may still be releasing the GPU (XLA holds 75% of it): wait up
+  # to 30 s for its memory, so that the next part is not timed beside it.
+  for _ in $(seq 30); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1)
+    [[ "$used" =~ ^[0-9]+$ && "$used" -gt 2048 ]] || break
+    sleep 1
+  done
 done
 exit $status
