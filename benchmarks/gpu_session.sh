@@ -17,7 +17,7 @@
 #   bash benchmarks/gpu_session.sh ladder  # short-context decode: profiled, then swept (no prefill)
 #   bash benchmarks/gpu_session.sh short   # short-context decode vs jax's kernel, profiled (no sweep)
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
-#   bash benchmarks/gpu_session.sh engine1b  # 1B step loop, windows of 8, batch 1 and 256 profiled (HLO=1: + HLO)
+#   bash benchmarks/gpu_session.sh engine1b  # 1B step loop, windows of 8, batch 1 and 256 profiled (HLO=1: + HLO; CB=1: CUDA graphs)
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context, batch 1 and 256
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
 #   bash benchmarks/gpu_session.sh lmhead  # the LM head's matmul by weight layout (tied or not)
@@ -34,7 +34,10 @@
 # row took ~165 s (its 4k row did not start in 170 s); `engine8b` compiles 44 variants, ~3 min
 # cold, and needs ~240 s to its batch-256 row.
 # Next: `engine8b:260` first (batch 256 with the tuned 4-warp entry: does it reach 10k tok/s?),
-# then `lmhead:120 prefill:200` (the prefill goals were last measured on 2026-11-22).
+# then `lmhead:120 prefill:200` (the prefill goals were last measured on 2026-11-22), and
+# `CB=1 engine1b:240`: is the 1B's batch-1 window still launch-bound under CUDA graphs, and do
+# the sampler's conditionals (each a device-to-host copy of its predicate without them) show in
+# the profile as memcpy gaps?
 #
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
@@ -103,6 +106,9 @@ run_part() {
       rm -rf /tmp/hlo_1b
       if [ "${HLO:-0}" = 1 ]; then
         export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_1b --xla_dump_hlo_module_re=.*decode_window.*"
+      fi
+      if [ "${CB:-0}" = 1 ]; then  # CUDA graphs over the window, its loop and conditionals included
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"
       fi
       $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
           --new-tokens 48 --profile --profile-batches 1 256 | tee "$out/engine_1b.md"
