@@ -217,16 +217,22 @@ def bench_shape(args):
         vs = f"| {theirs:.1f} | {rate / theirs:.2f}x |" if theirs else "| - | - |"
         print(f"| {name} | {rate:.1f} | {1e3 * t:.2f} | {1e3 * floor:.2f} | {100 * floor / t:.0f}% {vs}")
     if idle:
-        print("\n| profiled decode | ITL (ms) | device busy per step (ms) | device idle | top kernels (ms per step) |"
-              "\n|---|---|---|---|---|")
+        print("\n| profiled decode | ITL (ms) | device busy per step (ms) | device idle | kernels per step "
+              "| D2H copies per step (idle after them, ms) | top kernels (ms per step) |"
+              "\n|---|---|---|---|---|---|---|")
     for b, itl, rep, steps in idle:
-        if rep is None:
-            print(f"| batch {b} | {1e3 * itl:.2f} | - | - | no device events in the trace |")
-            continue
-        top = ", ".join(f"{name[:40]} {1e3 * t / steps:.3f}" for name, t in rep["top"][:4])
-        print(f"| batch {b} | {1e3 * itl:.2f} | {1e3 * rep['busy_s'] / steps:.2f} | "
-              f"{100 * rep['idle_fraction']:.1f}% | {top} |")
+        print(profile_row(b, itl, rep, steps))
     return 0
+
+
+def profile_row(batch: int, itl: float, rep: dict | None, steps: int) -> str:
+    """A row of the profiled-decode table from profile_idle.device_idle's report of `steps` steps."""
+    if rep is None:
+        return f"| batch {batch} | {1e3 * itl:.2f} | - | - | - | - | no device events in the trace |"
+    top = ", ".join(f"{name[:40]} {1e3 * t / steps:.3f}" for name, t in rep["top"][:4])
+    return (f"| batch {batch} | {1e3 * itl:.2f} | {1e3 * rep['busy_s'] / steps:.2f} | "
+            f"{100 * rep['idle_fraction']:.1f}% | {rep['kernels'] / steps:.0f} | "
+            f"{rep['copies'].get('d2h', 0) / steps:.1f} ({1e3 * rep['idle_after_d2h_s'] / steps:.3f}) | {top} |")
 
 
 def run_hf_shape(args, batches):

@@ -8,7 +8,10 @@ time goes, from cProfile (`traced` and `host_profile` wrap a run for bench_engin
 The trace's `perfetto_trace.json.gz` lists every device kernel as a complete event ("ph": "X")
 under a process named like "/device:GPU:0". Busy time is the union of those intervals (kernels
 on several streams overlap); the window runs from the first kernel's start to the last one's end;
-`top` names the kernels that took most of the busy time.
+`top` names the kernels that took most of the busy time. Copies (events named Memcpy...) are
+counted by direction; `idle_after_d2h_s` sums the device's idle time right after each
+device-to-host copy (a conditional's predicate read by the host drains the queue: the device
+then waits for the next launch).
 """
 from __future__ import annotations
 
@@ -42,19 +45,38 @@ def device_idle(trace_dir: str | Path, device_prefix: str = "/device:GPU") -> di
         return None
     busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
     by_name: dict[str, float] = collections.defaultdict(float)
+    copies: dict[str, int] = collections.Counter()
+    idle_after_d2h, ends_with_d2h = 0.0, False  # whether the busy stretch so far ends with a D2H copy
     for start, end, name in spans:
         by_name[name] += end - start
-        if start > cur_end:
+        direction = copy_direction(name)
+        if direction is not None:
+            copies[direction] += 1
+        if start > cur_end:  # a gap
+            idle_after_d2h += (start - cur_end) if ends_with_d2h else 0.0
             busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
+            cur_start, cur_end, ends_with_d2h = start, end, direction == "d2h"
+        elif end > cur_end:
+            cur_end, ends_with_d2h = end, direction == "d2h"
     busy += cur_end - cur_start
     window = max(end for _, end, _ in spans) - spans[0][0]
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
     return {"busy_s": busy * 1e-6, "window_s": window * 1e-6,
             "idle_fraction": 1.0 - busy / window if window > 0 else 0.0,
-            "kernels": len(spans), "top": [(name, t * 1e-6) for name, t in top]}
+            "kernels": len(spans) - sum(copies.values()), "copies": dict(copies),
+            "idle_after_d2h_s": idle_after_d2h * 1e-6, "top": [(name, t * 1e-6) for name, t in top]}
+
+
+def copy_direction(name: str) -> str | None:
+    """'d2h', 'h2d', 'd2d' or 'other' for a copy event's name (MemcpyD2H, Memcpy DtoH, ...), None
+    for a kernel."""
+    key = name.lower().replace(" ", "")
+    if "memcpy" not in key:
+        return None
+    for direction, words in (("d2h", ("d2h", "dtoh")), ("h2d", ("h2d", "htod")), ("d2d", ("d2d", "dtod"))):
+        if any(w in key for w in words):
+            return direction
+    return "other"
 
 
 def traced(run, device_prefix: str = "/device:GPU") -> tuple[object, dict | None]:

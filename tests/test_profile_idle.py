@@ -39,3 +39,38 @@ def test_no_device_events(tmp_path):
     assert device_idle(tmp_path) is None
     with pytest.raises(FileNotFoundError):
         device_idle(tmp_path / "nothing")
+
+
+def test_copies_by_direction_and_the_idle_after_device_to_host(tmp_path):
+    """A device-to-host copy that ends a busy stretch charges the gap after it (the host read a
+    predicate and launched again); a copy overlapped by a kernel, or another direction, does not."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:0"}}]
+    events = [
+        {"ts": 0, "dur": 10, "name": "fusion"},
+        {"ts": 10, "dur": 2, "name": "MemcpyD2H"},           # ends the stretch: gap 12 -> 20 (8)
+        {"ts": 20, "dur": 5, "name": "gemm"},
+        {"ts": 25, "dur": 1, "name": "Memcpy DtoH (Device -> Pinned)"},
+        {"ts": 25, "dur": 6, "name": "gemm"},                # outlasts the copy: gap 31 -> 40 not charged
+        {"ts": 40, "dur": 3, "name": "MemcpyH2D"},           # other direction: gap 43 -> 50 not charged
+        {"ts": 50, "dur": 4, "name": "fusion"},
+    ]
+    _write(tmp_path, meta + [{"ph": "X", "pid": 3, "tid": 1, **e} for e in events])
+    report = device_idle(tmp_path)
+    assert report["copies"] == {"d2h": 2, "h2d": 1}
+    assert report["kernels"] == 4
+    assert report["idle_after_d2h_s"] == pytest.approx(8e-6)
+    assert report["busy_s"] == pytest.approx((12 + 11 + 3 + 4) * 1e-6)
+
+
+def test_bench_engines_profile_row_shows_kernels_and_copies_per_step(tmp_path):
+    meta = [{"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:0"}}]
+    events = [{"ts": 0, "dur": 10, "name": "gemm_fusion_dot_1"}, {"ts": 10, "dur": 2, "name": "MemcpyD2H"},
+              {"ts": 30, "dur": 10, "name": "gemm_fusion_dot_1"}, {"ts": 40, "dur": 2, "name": "MemcpyD2H"}]
+    _write(tmp_path, meta + [{"ph": "X", "pid": 3, "tid": 1, **e} for e in events])
+    import bench_engine
+    row = bench_engine.profile_row(4, 0.05, device_idle(tmp_path), steps=2)
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    # 24 us busy over 2 steps; 18 us idle of 42; one kernel and one D2H copy a step, 18 us after it
+    assert cells[:6] == ["batch 4", "50.00", "0.01", "42.9%", "1", "1.0 (0.009)"], cells
+    assert cells[6] == "gemm_fusion_dot_1 0.010, MemcpyD2H 0.002"
+    assert "no device events" in bench_engine.profile_row(4, 0.05, None, steps=2)
