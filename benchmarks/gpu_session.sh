@@ -31,8 +31,8 @@
 # Seen on an H100, 2026-11-26: `quick` ran 13 of its 17 cases in 80 s; `short` ~30 s; `engine8b`
 # 2 min 40 s to its first row (cold) and ~3 min 40 s in all; `engine1b` ~2 min 30 s in all.
 # Seen on an H200, 2026-11-26 (third lease): `lmhead` printed one row in 45 s; `sweep-big`'s 1k
-# row took ~165 s (its 4k row did not start in 170 s); `engine8b` compiles 44 variants, ~3 min
-# cold, and needs ~240 s to its batch-256 row.
+# row took ~165 s (its 4k row did not start in 170 s); `engine8b` compiled 44 variants, ~3 min
+# cold, and needed ~240 s to its batch-256 row (it now compiles only its rows' 14).
 # Next: `engine8b:260` first (batch 256 with the tuned 4-warp entry: does it reach 10k tok/s?),
 # then `lmhead:120 prefill:200` (the prefill goals were last measured on 2026-11-22), and
 # `CB=1 engine1b:240`: is the 1B's batch-1 window still launch-bound under CUDA graphs, and do
@@ -111,15 +111,18 @@ run_part() {
         export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"
       fi
       $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 16 64 256 \
-          --new-tokens 48 --profile --profile-batches 1 256 | tee "$out/engine_1b.md"
+          --new-tokens 48 --profile --profile-batches 1 256 --token-buckets 1 16 64 256 2048 \
+          | tee "$out/engine_1b.md"
       if [ -d /tmp/hlo_1b ]; then (cd /tmp/hlo_1b && find . -name '*after_optimizations.txt' \
           -print0 | tar -czf "$out/hlo_1b.tar.gz" --null -T -); fi ;;
-    engine8b)  # the 8B shape at ~1k context (cold start ~2 min), with CUDA graphs as on
-      # 2026-11-23; batch 256 prefills for 128 steps, so it needs 192 new tokens for a stretch
-      # where every request decodes
+    engine8b)  # the 8B shape at ~1k context, with CUDA graphs as on 2026-11-23; batch 256
+      # prefills for 128 steps, so it needs 192 new tokens for a stretch where every request
+      # decodes. Only the buckets its rows run in (each decode batch, the prefill budget): 14
+      # variants, not the 44 of every power of two, whose cold compile took ~3 min on an H200
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE" \
       $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 256 \
-          --new-tokens 192 --profile --profile-batches 1 | tee "$out/engine_8b.md" ;;
+          --new-tokens 192 --profile --profile-batches 1 --token-buckets 1 256 2048 \
+          | tee "$out/engine_8b.md" ;;
     lmhead)  # why the 1B's tied head reads at half the rate of every other matmul (~20 s)
       $py benchmarks/bench_lm_head.py | tee "$out/lm_head.md" ;;
     moe)  # 61 GB of bf16 weights: an H200 (or int8 weights on an H100); three token buckets
