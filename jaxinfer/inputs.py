@@ -104,7 +104,8 @@ class InputBuilder:
         changes = []
         for i, (plan_i, table) in enumerate(zip(plans, self.tables)):  # every plan checked first
             slots, changed = table.sync(plan_i.seqs, len(rows[i].page_slots))
-            rows[i], changes = rows[i].replace(page_slots=slots), changes + [changed]
+            rows[i] = rows[i].replace(page_slots=slots)
+            changes.append(changed)
         if any(r.prompt is not None for r in rows):  # one tree for every replica
             rows = [r if r.prompt is not None else r.replace(prompt=_no_prompt_rows(t_bucket)) for r in rows]
         if len({jax.tree.structure(r.sampling) for r in rows}) > 1:

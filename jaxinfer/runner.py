@@ -111,8 +111,9 @@ class ModelRunner:
             home = NamedSharding(self.mesh, P())  # replicated
             out_shardings = (home, formats, home)
         self._prev_tokens = jax.device_put(jnp.zeros(prev_shape, jnp.int32), home)
-        # The sequences' block tables stay on the device; a step sends only changed entries.
-        self.page_table = DevicePageTable(max_seqs + 1, self.pages_per_seq, home, self.num_replicas, DATA)
+        # The sequences' block tables stay on the device, shaped like the builder's host mirror; a
+        # step sends only the entries that changed.
+        self.page_table = DevicePageTable(*self.inputs.tables[0].rows.shape, home, self.num_replicas, DATA)
         self._defaults: dict[tuple, jax.Array] = {}  # sampling defaults kept on the device
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
         self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
