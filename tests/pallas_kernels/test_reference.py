@@ -12,6 +12,10 @@ CASES = {
                    dict(sliding_window=7, soft_cap=2.0, sm_scale=0.5)),
     "int8": (dict(q_lens=[4, 1], kv_lens=[20, 33], cache_dtype=jnp.int8), {}),
     "fp8": (dict(q_lens=[4, 1], kv_lens=[20, 33], cache_dtype=jnp.float8_e4m3fn), {}),
+    # Decode rows whose contexts span several blocks of the context loop (128 tokens at most),
+    # the last one partly filled, on a float and a quantized cache.
+    "long_decode": (dict(q_lens=[1, 1, 1], kv_lens=[300, 129, 7], group=3), {}),
+    "long_decode_int8": (dict(q_lens=[1, 2], kv_lens=[260, 140], cache_dtype=jnp.int8), {}),
 }
 
 
