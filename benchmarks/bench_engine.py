@@ -10,7 +10,8 @@ them, benchmarks/llamacpp_peer.py), bfloat16 on accelerators. Reports decode tok
 prompt length and a 2048-token prefill, each beside its floor (weight + KV bytes over the measured
 copy rate; FLOPs over the measured matmul rate; benchmarks/ceilings.py), and with --startup the
 engine's cold (empty compilation cache) and warm start-up; with --profile, the fraction of
-each decode step the device sits idle (from a jax.profiler trace) and its costliest kernels.
+each decode step the device sits idle (from a jax.profiler trace) and its costliest kernels (on
+the CPU: XLA's operations by kind, and the time no XLA thread runs one).
 
 Measures (medians over repeats, after warm-up; nothing may compile during the timed part):
   prefill tokens/s for a 256-token prompt (from time to first token with max_tokens=1),
@@ -26,6 +27,7 @@ import argparse
 import atexit
 import dataclasses
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -181,7 +183,8 @@ def bench_shape(args):
                   file=sys.stderr, flush=True)  # progress, for runs cut short by a time limit
     import profile_idle
     decode = lambda b, seed: run_engine_decode(engine, b, args.prompt_lens[0], args.new_tokens, seed)  # noqa: E731
-    idle = [(b, *profile_idle.traced(lambda: decode(b, 7)), args.new_tokens)
+    device = profile_idle.device_of(jax.default_backend())
+    idle = [(b, *profile_idle.traced(lambda: decode(b, 7), device), args.new_tokens)
             for b in args.profile_batches] if args.profile else []
     for b in args.profile_batches if args.host_profile else ():
         itl, stats = profile_idle.host_profile(lambda: decode(b, 9))
@@ -284,6 +287,9 @@ def main():
     ap.add_argument("--host-profile", action="store_true",
                     help="with --shape: cProfile a decode run per --profile-batches (host time)")
     args = ap.parse_args()
+    if args.profile:  # XLA:CPU traces its operations only with this flag, read as JAX starts
+        import profile_idle
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {profile_idle.CPU_TRACE_FLAG}".strip()
     if args.llamacpp_python and not (args.shape and args.hf_python):
         ap.error("--llamacpp-python runs on the weights --shape with --hf-python writes")
     if args.layers is not None and (not args.shape or args.hf_python or args.layers < 1):

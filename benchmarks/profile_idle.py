@@ -12,6 +12,14 @@ on several streams overlap); the window runs from the first kernel's start to th
 counted by direction; `idle_after_d2h_s` sums the device's idle time right after each
 device-to-host copy (a conditional's predicate read by the host drains the queue: the device
 then waits for the next launch).
+
+On the CPU (`device_prefix=CPU_DEVICE`, what `device_of("cpu")` gives) the device's work is
+XLA:CPU's operations (thunks) on its intra-op threads, named "tf_XLAEigen/...". They appear in
+the trace only when XLA_FLAGS has CPU_TRACE_FLAG before JAX starts (bench_engine.py --profile
+sets it). Their events are taken without the executor's wrappers and grouped by kind
+("ynn_fusion.125" counts as "ynn_fusion"); a loop's own event spans its body's, so `top` counts
+a loop's body twice (busy time, a union, does not). Idle time there is when no XLA thread runs an
+operation: the host's share of the step, on the same cores.
 """
 from __future__ import annotations
 
@@ -21,8 +29,18 @@ import gzip
 import io
 import json
 import pstats
+import re
 import tempfile
 from pathlib import Path
+
+CPU_DEVICE = "tf_XLAEigen"  # the thread-name prefix of XLA:CPU's intra-op threads
+CPU_TRACE_FLAG = "--xla_cpu_enable_xprof_traceme=true"
+_CPU_WRAPPERS = ("ThunkExecutor::", "SlinkyThreadPool::", "end: ")
+
+
+def device_of(backend: str) -> str:
+    """The `device_prefix` of device_idle for a JAX backend name."""
+    return CPU_DEVICE if backend == "cpu" else f"/device:{backend.upper()}"
 
 
 def _load(trace_dir: str | Path) -> dict:
@@ -33,14 +51,28 @@ def _load(trace_dir: str | Path) -> dict:
         return json.load(f)
 
 
+def _device_spans(events: list[dict], device_prefix: str) -> list[tuple[float, float, str]]:
+    """(start, end, name) of each device event, in start order: the events of the processes
+    named `device_prefix`..., or for CPU_DEVICE the operations on XLA:CPU's threads."""
+    if device_prefix == CPU_DEVICE:
+        threads = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+                   and str(e.get("args", {}).get("name", "")).startswith(CPU_DEVICE)}
+        chosen = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads
+                  and not e.get("name", "").startswith(_CPU_WRAPPERS)]
+        name = lambda e: re.sub(r"\.\d+$", "", e.get("name", ""))  # noqa: E731
+    else:
+        pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and str(e.get("args", {}).get("name", "")).startswith(device_prefix)}
+        chosen = [e for e in events if e.get("ph") == "X" and e.get("pid") in pids]
+        name = lambda e: e.get("name", "")  # noqa: E731
+    return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), name(e)) for e in chosen)
+
+
 def device_idle(trace_dir: str | Path, device_prefix: str = "/device:GPU") -> dict | None:
     """Busy and idle time of the device processes; None if the trace has no device events."""
     events = _load(trace_dir)
     events = events["traceEvents"] if isinstance(events, dict) else events
-    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and str(e.get("args", {}).get("name", "")).startswith(device_prefix)}
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
-                   for e in events if e.get("ph") == "X" and e.get("pid") in device_pids)
+    spans = _device_spans(events, device_prefix)
     if not spans:
         return None
     busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profile_idle import device_idle  # noqa: E402
+from profile_idle import CPU_DEVICE, device_idle, device_of  # noqa: E402
 
 
 def _write(tmp_path, events):
@@ -74,3 +74,29 @@ def test_bench_engines_profile_row_shows_kernels_and_copies_per_step(tmp_path):
     assert cells[:6] == ["batch 4", "50.00", "0.01", "42.9%", "1", "1.0 (0.009)"], cells
     assert cells[6] == "gemm_fusion_dot_1 0.010, MemcpyD2H 0.002"
     assert "no device events" in bench_engine.profile_row(4, 0.05, None, steps=2)
+
+
+def test_the_cpu_device_is_xla_cpus_operation_threads(tmp_path):
+    """On the CPU the device's events are the operations on XLA:CPU's threads, without the
+    executor's wrapper events, grouped by kind; the host thread's events and the other threads'
+    do not count."""
+    meta = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 11, "args": {"name": "tf_XLAEigen/1234"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 12, "args": {"name": "tf_XLAEigen/5678"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "python"}}]
+    events = [
+        {"tid": 11, "ts": 0, "dur": 40, "name": "ThunkExecutor::Execute"},  # a wrapper: not an operation
+        {"tid": 11, "ts": 0, "dur": 10, "name": "ynn_fusion.125"},
+        {"tid": 12, "ts": 5, "dur": 10, "name": "ynn_fusion.7"},           # overlaps: busy [0, 15)
+        {"tid": 12, "ts": 15, "dur": 1, "name": "SlinkyThreadPool::Await"},
+        {"tid": 11, "ts": 30, "dur": 10, "name": "dot.3"},                  # gap [15, 30): the host's
+        {"tid": 11, "ts": 40, "dur": 1, "name": "end: dot.3"},
+        {"tid": 1, "ts": 0, "dur": 100, "name": "PjitFunction(step)"},
+    ]
+    _write(tmp_path, meta + [{"ph": "X", "pid": 1, **e} for e in events])
+    assert device_of("cpu") == CPU_DEVICE and device_of("gpu") == "/device:GPU"
+    assert device_idle(tmp_path) is None  # no GPU process in this trace
+    report = device_idle(tmp_path, CPU_DEVICE)
+    assert report["kernels"] == 3
+    assert report["busy_s"] == pytest.approx(25e-6)
+    assert report["idle_fraction"] == pytest.approx(15 / 40)
+    assert report["top"] == [("ynn_fusion", pytest.approx(20e-6)), ("dot", pytest.approx(10e-6))]
