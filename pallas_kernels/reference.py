@@ -179,17 +179,17 @@ def _attend_context(carry: SoftmaxCarry, qg: jax.Array, kv_cache: jax.Array,
     rows = kv_cache.reshape(-1, d)  # [num_pages * page_size * 2K, D]
     heads = 2 * jnp.arange(num_kv_heads, dtype=jnp.int32)  # K of head k at 2k, V at 2k + 1
     in_page = jnp.arange(page_size, dtype=jnp.int32)
+    quantized = is_quantized(kv_cache.dtype)
 
     def read(idx: jax.Array, scale: jax.Array | None) -> jax.Array:  # [T, K, B] -> [T, K, B, D] f32
         x = rows[idx].astype(jnp.float32)
-        return x if scale is None else x * scale.astype(jnp.float32)[None, :, None, None]
+        return x * scale.astype(jnp.float32)[None, :, None, None] if quantized else x
 
     def body(j: jax.Array, carry: SoftmaxCarry) -> SoftmaxCarry:
         pages = jax.lax.dynamic_slice_in_dim(token_pages, j * ppb, ppb, axis=1)  # [T, ppb]
         slots = (pages[:, :, None] * page_size + in_page).reshape(num_tokens, block)  # [T, B]
         idx = slots[:, None, :] * two_hkv + heads[None, :, None]  # [T, K, B]
-        quantized = is_quantized(kv_cache.dtype)
-        kb, vb = read(idx, k_scale if quantized else None), read(idx + 1, v_scale if quantized else None)
+        kb, vb = read(idx, k_scale), read(idx + 1, v_scale)
         kpos = j * block + jnp.arange(block, dtype=jnp.int32)  # [B]
         in_ctx = kpos[None, :] < ctx_len[:, None]  # [T, B]
         # Slots past the context hold whatever was there before, NaN included; p == 0 does not
