@@ -45,6 +45,7 @@ from jaxinfer.loader import default_model_path
 from jaxinfer.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
+import profile_idle  # noqa: E402
 from workload import make_workload, steady_itl, summarize  # noqa: E402
 
 
@@ -181,7 +182,6 @@ def bench_shape(args):
             rows.append((f"decode, batch {b} x {prompt_len}-token prompt", b / itl, itl, floor, theirs))
             print(f"[{time.strftime('%H:%M:%S')}] {rows[-1][0]}: {1e3 * itl:.2f} ms per step",
                   file=sys.stderr, flush=True)  # progress, for runs cut short by a time limit
-    import profile_idle
     decode = lambda b, seed: run_engine_decode(engine, b, args.prompt_lens[0], args.new_tokens, seed)  # noqa: E731
     device = profile_idle.device_of(jax.default_backend())
     idle = [(b, *profile_idle.traced(lambda: decode(b, 7), device), args.new_tokens)
@@ -288,7 +288,6 @@ def main():
                     help="with --shape: cProfile a decode run per --profile-batches (host time)")
     args = ap.parse_args()
     if args.profile:  # XLA:CPU traces its operations only with this flag, read as JAX starts
-        import profile_idle
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {profile_idle.CPU_TRACE_FLAG}".strip()
     if args.llamacpp_python and not (args.shape and args.hf_python):
         ap.error("--llamacpp-python runs on the weights --shape with --hf-python writes")
