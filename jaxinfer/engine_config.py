@@ -59,6 +59,11 @@ class EngineConfig:
     # filled while the device runs step N+1's forward (after step N's tokens land) instead of
     # before it is dispatched. None: on accelerators only.
     structured_output_overlap: bool | None = None
+    # Compile each decode-sized bucket's decode step (the window) once more for batches whose
+    # every row is greedy and asks for nothing else (no logprobs, bias, grammar or penalty): it
+    # runs no conditional, each of which holds XLA:GPU's host until the device reaches it.
+    # None: on accelerators only.
+    greedy_variant: bool | None = None
     # On the CPU, large freed host blocks stay in the heap for the next step (host_memory.py:
     # the process's glibc allocator, set once the weights are placed). False: glibc's defaults.
     cpu_heap_reuse: bool = True

@@ -50,8 +50,8 @@ from jaxinfer.page_table import DevicePageTable
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
 from jaxinfer.sampling.arrays import UNSENT_DEFAULTS, SamplingArrays, fill_defaults
 from jaxinfer.sampling.sampler import SamplerOutput
-from jaxinfer.step_variants import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,
-                                    step_jits)
+from jaxinfer.step_variants import (as_greedy, decode_sized_buckets, decode_steps, greedy_variant_enabled,
+                                    input_shardings, plain_padding, split_step_enabled, step_jits)
 from sharding import DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, replicated_spec, shard_params
 from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int, fetch, put_inputs
@@ -125,6 +125,9 @@ class ModelRunner:
         # The step split in two (structured output: masks filled while the forward runs).
         self.split_buckets = decode_sized if split_step_enabled(
             engine.structured_output_overlap, self.num_replicas) else ()
+        # The greedy twin of each decode-sized bucket's decode step: its window, if windows run.
+        self.greedy_buckets = decode_sized if greedy_variant_enabled(engine.greedy_variant, self.num_replicas) else ()
+        self.greedy_steps = self.num_decode_steps
 
     def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
         sharding = self._home
@@ -167,16 +170,18 @@ class ModelRunner:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
         return self.inputs.padding_inputs(t_bucket, with_history, spec, prompt, table_width)
 
-    def execute(self, inputs: StepInputs, num_steps: int = 1) -> SamplerOutput:
+    def execute(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> SamplerOutput:
         """Runs the step and waits for it. Returns numpy outputs (with a leading [data] axis when
         there are several replicas; a decode window's have a leading [num_steps] axis)."""
-        return fetch(self.dispatch(inputs, num_steps))
+        return fetch(self.dispatch(inputs, num_steps, greedy))
 
-    def dispatch(self, inputs: StepInputs, num_steps: int = 1) -> SamplerOutput:
+    def dispatch(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> SamplerOutput:
         """Starts the step (num_steps > 1: the decode window of a decode-only plan); the KV cache
-        is donated and replaced. Returns the outputs on the device (ready once it is done)."""
+        is donated and replaced. Returns the outputs on the device (ready once it is done).
+        Inputs that qualify run the greedy twin (`greedy_buckets`) unless `greedy` is False."""
         fn = self._variant(num_steps)
-        inputs = self._placed(inputs)
+        inputs = self._placed(as_greedy(inputs, num_steps, self.greedy_buckets if greedy else (),
+                                        self.greedy_steps))
         with self._mesh_context():
             inputs = self._set_table(inputs)
             out, self.kv_caches, self._prev_tokens = fn(self.params, self.kv_caches, inputs,
@@ -211,6 +216,7 @@ class ModelRunner:
     def trace(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Traced:
         """The step traced for these inputs' shapes (to read its jaxpr; the step does not run,
         the page-table entries the inputs carry are set)."""
+        inputs = as_greedy(inputs, num_steps, self.greedy_buckets, self.greedy_steps)
         fn, inputs = self._variant(num_steps), self._placed(inputs)
         with self._mesh_context():  # the table entries are set: the host's mirror has them
             inputs = self._set_table(inputs)
@@ -222,12 +228,10 @@ class ModelRunner:
             return self.trace(inputs, num_steps).lower()
 
     def _variant(self, num_steps: int):
-        if num_steps == 1:
-            return self._step
-        if num_steps != self.num_decode_steps:
+        if num_steps not in (1, self.num_decode_steps):
             raise ValueError(f"num_steps={num_steps}: this runner compiles windows of "
                              f"{self.num_decode_steps} steps")
-        return self._window
+        return self._step if num_steps == 1 else self._window
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
         """Host inputs on the mesh (each array split or replicated as the step expects), the
@@ -275,11 +279,13 @@ class ModelRunner:
         for t_bucket in self.buckets:
             for with_history in (False, True) if self.engine.penalties else (False,):
                 for prompt in (False, True) if self.engine.enable_prompt_logprobs else (False,):
-                    self.execute(self.padding_inputs(t_bucket, with_history, prompt=prompt))
+                    self.execute(self.padding_inputs(t_bucket, with_history, prompt=prompt), greedy=False)
             if self.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
                 self.execute(self.padding_inputs(t_bucket, False, spec=True))
         for t_bucket in self.window_buckets:
-            self.execute(self.padding_inputs(t_bucket, False), self.num_decode_steps)
+            self.execute(self.padding_inputs(t_bucket, False), self.num_decode_steps, greedy=False)
+        for t_bucket in self.greedy_buckets:  # the greedy twin, on padding rows made plain
+            self.execute(plain_padding(self.padding_inputs(t_bucket, False)), self.greedy_steps)
         for t_bucket in self.split_buckets:
             inputs = self.padding_inputs(t_bucket, False)
             fetch(self.dispatch_sample(self.dispatch_forward(inputs), inputs))

@@ -4,6 +4,9 @@
     decode_steps          steps per decode window (EngineConfig.num_decode_steps)
     decode_sized_buckets  the token buckets a decode-only plan uses (windows, the split step)
     split_step_enabled    whether the split step is compiled (structured output's overlap)
+    greedy_variant_enabled  whether the decode step has a greedy twin (no conditionals)
+    as_greedy             inputs marked for that twin, where it is compiled and they qualify
+    plain_padding         padding inputs that qualify for it (its warm-up)
     input_shardings       where each input array goes on a mesh
 """
 from __future__ import annotations
@@ -11,9 +14,11 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxinfer.inputs import InputBuilder, StepInputs
+from jaxinfer.sampling.arrays import is_plain
 from jaxinfer.step import decode_window, forward_part, sample_part, step
 from sharding import DATA, is_multiprocess, replicated_spec, tokens_spec
 
@@ -63,6 +68,37 @@ def split_step_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
     if num_replicas > 1 or is_multiprocess():
         return False
     return jax.default_backend() != "cpu" if setting is None else setting
+
+
+def greedy_variant_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
+    """Whether the decode step (the window, or the single step without windows) of each
+    decode-sized bucket is compiled twice: once as is, once for plain sampling arrays (every row
+    greedy, nothing else asked; sampler.py), which runs no conditional. The setting
+    (EngineConfig.greedy_variant), by default on accelerators only: there each conditional holds
+    the host until the device reaches it, on the CPU it costs nothing. Never with data replicas
+    or several hosts."""
+    if num_replicas > 1 or is_multiprocess():
+        return False
+    return jax.default_backend() != "cpu" if setting is None else setting
+
+
+def as_greedy(inputs: StepInputs, num_steps: int, buckets: tuple[int, ...], twin_steps: int) -> StepInputs:
+    """`inputs` marked plain (SamplingArrays.plain) when their bucket has the greedy twin of
+    `twin_steps` steps, this call runs that many, and every row qualifies (no prompt logprobs,
+    no drafts, sampling.arrays.is_plain); otherwise as they are."""
+    sampling = inputs.sampling
+    if (num_steps != twin_steps or inputs.token_ids.shape[-1] not in buckets or sampling is None
+            or inputs.prompt is not None or inputs.spec is not None or not is_plain(sampling)):
+        return inputs
+    return inputs.replace(sampling=sampling.replace(plain=True))
+
+
+def plain_padding(inputs: StepInputs) -> StepInputs:
+    """Padding inputs (InputBuilder.padding_inputs) that qualify for the greedy twin: every row
+    greedy, the allowed bits and the bias pair unsent, as a plain batch's come from `prepare`."""
+    sampling = inputs.sampling
+    return inputs.replace(sampling=sampling.replace(
+        temperature=np.zeros_like(sampling.temperature), allowed=None, bias_ids=None, bias_values=None))
 
 
 def decode_steps(setting: int | None, num_replicas: int = 1) -> int:

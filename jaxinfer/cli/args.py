@@ -35,6 +35,24 @@ def check_file(flag: str, path: str | None) -> None:
         raise ValueError(f"{flag} {path}: is not readable")
 
 
+def _add_step_loop_args(g) -> None:
+    """How the step loop runs: async scheduling, decode windows, split and greedy variants."""
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before planning the next (the synchronous loop)")
+    g.add_argument("--num-decode-steps", type=int, default=None,
+                   help="decode steps per jitted call when every running sequence decodes "
+                        "(default 8; 1 = a host round trip per token)")
+    g.add_argument("--structured-output-overlap", choices=["auto", "on", "off"], default="auto",
+                   help="fill grammar masks while the step's forward runs (a split step; auto: on "
+                        "accelerators only)")
+    g.add_argument("--greedy-variant", choices=["auto", "on", "off"], default="auto",
+                   help="compile each decode step once more for all-greedy batches, with no "
+                        "conditional (each holds the host on a GPU); auto: on accelerators only")
+    g.add_argument("--no-cpu-heap-reuse", action="store_true",
+                   help="on the CPU, let glibc unmap large freed blocks (its default) instead of "
+                        "keeping them for the next step's temporaries")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
@@ -63,17 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (= the model dtype), bfloat16, float32, float16, int8 or fp8 (e4m3; "
                         "int8/fp8: per-head scales calibrated at start-up, 2x the pages of bfloat16)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    g.add_argument("--no-async-scheduling", action="store_true",
-                   help="wait for each step's tokens before planning the next (the synchronous loop)")
-    g.add_argument("--num-decode-steps", type=int, default=None,
-                   help="decode steps per jitted call when every running sequence decodes "
-                        "(default 8; 1 = a host round trip per token)")
-    g.add_argument("--structured-output-overlap", choices=["auto", "on", "off"], default="auto",
-                   help="fill grammar masks while the step's forward runs (a split step; auto: on "
-                        "accelerators only)")
-    g.add_argument("--no-cpu-heap-reuse", action="store_true",
-                   help="on the CPU, let glibc unmap large freed blocks (its default) instead of "
-                        "keeping them for the next step's temporaries")
+    _add_step_loop_args(g)
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(prompt_lookup_max / _min: the n-gram sizes looked up) or \'{"method": '
@@ -237,6 +245,7 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
               async_scheduling=not args.no_async_scheduling, num_decode_steps=args.num_decode_steps,
               structured_output_overlap={"on": True, "off": False}.get(args.structured_output_overlap),
+              greedy_variant={"on": True, "off": False}.get(args.greedy_variant),
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
               cpu_heap_reuse=not args.no_cpu_heap_reuse,
               speculative_config=speculative_config(args),

@@ -24,6 +24,10 @@ the builder leaves `allowed`, or the bias pair, None (`unsent_defaults`) and the
 on the device from arrays it keeps (`fill_defaults`), so a plain batch does not upload its all-set
 bits (4 MB a step at batch 256 with a 128k vocabulary) or its empty bias rows.
 
+Plain arrays: when every row is greedy and none asks for top logprobs, a bias, a grammar or a
+penalty (`is_plain`), the runner may mark the arrays `plain` (static) for the decode step's greedy
+twin, whose sampler takes the argmax with no conditional; their unsent defaults stay unsent.
+
 Penalty histories: a row's prompt ids (only when its repetition penalty is on) then its output
 ids, padded with -1 to a width H. The transfer is B*H int32 per step instead of B*V; the [B, V]
 counts are built on the device (sampler.apply_penalties). When no row of a batch uses penalties
@@ -37,7 +41,7 @@ import flax.struct
 import jax
 import numpy as np
 
-from jaxinfer.sampling.params import MAX_LOGIT_BIAS, SamplingParams
+from jaxinfer.sampling.params import GREEDY_EPS, MAX_LOGIT_BIAS, SamplingParams
 
 BIAS_DTYPE = np.float16  # SamplingArrays.bias_values (module docstring)
 UNSENT_DEFAULTS = ("allowed", "bias_ids", "bias_values")  # None when every row has the default
@@ -82,6 +86,9 @@ class SamplingArrays:
     bias_values: jax.Array | None  # f16[B, L] the bias added to each of those tokens' logits
     # allowed / bias pair None: every row's default, filled before the step (fill_defaults)
     history: PenaltyHistory | None = None  # None: no row uses penalties (static structure)
+    # Static: every row greedy with no top logprobs, bias, grammar or penalty (is_plain), so the
+    # sampler takes the argmax with no conditional; a compiled variant of its own (sampler.py).
+    plain: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequence[int], *,
@@ -147,9 +154,20 @@ def unsent_defaults(arrays: SamplingArrays, grammar: bool) -> SamplingArrays:
                           **({} if biased else {"bias_ids": None, "bias_values": None}))
 
 
+def is_plain(arrays: SamplingArrays) -> bool:
+    """Whether every row (host arrays) samples greedily and asks for nothing else: no top
+    logprobs, no logit bias, no grammar, no penalty (the bias pair and `allowed` unsent)."""
+    return (arrays.history is None and arrays.allowed is None and arrays.bias_ids is None
+            and bool(np.all(np.asarray(arrays.temperature) < GREEDY_EPS))
+            and not np.any(np.asarray(arrays.num_top_logprobs)))
+
+
 def fill_defaults(arrays: SamplingArrays, vocab_size: int | None, full=np.full) -> SamplingArrays:
     """`arrays` with each None default filled, shaped like its rows: allowed all set, no bias.
-    `full(shape, value, dtype)` makes them (numpy; the runner passes its cached device arrays)."""
+    `full(shape, value, dtype)` makes them (numpy; the runner passes its cached device arrays).
+    Plain arrays stay as they are: their sampler reads neither."""
+    if arrays.plain:
+        return arrays
     lead, out = arrays.temperature.shape, {}  # [B], or [data, B]
     if arrays.allowed is None:
         out["allowed"] = full((*lead, allowed_width(vocab_size)), -1, np.int32)

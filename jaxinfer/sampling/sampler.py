@@ -24,6 +24,13 @@ the device. Nothing sorts the vocabulary unless a row needs it: the top-N logpro
 the most any request may ask for) are computed under a conditional taken only when some row asked
 for them, and top-k / top-p masking only when some row samples with them; an all-greedy batch
 without logprobs runs neither (tests/jaxinfer/test_step_hlo.py reads the compiled step).
+
+Plain arrays (SamplingArrays.plain, static: its own compiled variant; the runner sets it where
+it has compiled that variant and has checked every row is greedy with no top logprobs, logit
+bias, grammar or penalty) take the argmax with no conditional at all. On XLA:GPU a conditional
+copies its predicate to the host and waits for the device to reach it before the host launches
+what follows, so the conditionals above would hold the host (and the next step's dispatch)
+until the device had nearly run the step.
 """
 from __future__ import annotations
 
@@ -51,6 +58,8 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
     logits = logits.astype(jnp.float32)
     raw = logits
     log_norm = jax.nn.logsumexp(raw, axis=-1)                             # [B]: no [B, V] written
+    if arrays.plain:
+        return _greedy_only(raw, log_norm, num_top_logprobs)
     if arrays.history is not None:
         logits = apply_penalties(logits, arrays)
     logits = apply_logit_bias(logits, arrays.bias_ids, arrays.bias_values)
@@ -81,6 +90,16 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
                    jnp.zeros((x.shape[0], num_top_logprobs), jnp.int32)),
         raw)                                                              # [B, N] each
     return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _greedy_only(raw: jax.Array, log_norm: jax.Array, num_top_logprobs: int) -> SamplerOutput:
+    """What `sample` returns for plain arrays (every row greedy, nothing else asked: no
+    conditional at all): the argmax and its logprob, the top-N zeros as when none was asked."""
+    tokens = jnp.argmax(raw, axis=-1).astype(jnp.int32)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_norm
+    batch = raw.shape[0]
+    return SamplerOutput(tokens, chosen, jnp.zeros((batch, num_top_logprobs), jnp.int32),
+                         jnp.zeros((batch, num_top_logprobs), raw.dtype))
 
 
 def _gumbel(seed: jax.Array, num_generated: jax.Array, vocab_size: int) -> jax.Array:

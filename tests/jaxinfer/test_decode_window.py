@@ -3,7 +3,8 @@ single steps, synchronous or async: chunked prefill, preemption under a tiny poo
 sampling, n > 1, stop ids, stop strings and max_tokens hit mid-window, logprobs, prefix-cache
 hits, aborts; every page back in the pool and nothing compiled after warm-up.
 
-One engine per model, compiled with windows of 4; the baseline runs with windows switched off
+One engine per model, compiled with windows of 4 and their greedy twins (greedy_variant: an
+all-greedy window runs with no conditional); the baseline runs with windows switched off
 (`runner.num_decode_steps = 1`), so both sides share the same compiled steps."""
 import dataclasses
 
@@ -22,7 +23,7 @@ K = 4
 def engine(tmp_path_factory):
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=6,
-                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=K,
+                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=K, greedy_variant=True,
                           compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
     return Engine(model, config)
 
@@ -103,6 +104,25 @@ def test_seeded_sampling_n_stops_logprobs_max_tokens(engine):
     assert len(logprobs["logprobs"][0]) == 9 and all(len(top) == 3 for _, _, top in logprobs["logprobs"][0])
 
 
+def test_all_greedy_windows_run_the_greedy_twin(engine):
+    """A window whose every row is greedy and asks for nothing else runs the twin (the same
+    tokens as single steps, which run the general step); one sampled row keeps the batch on the
+    general window."""
+    plain = []
+    placed = engine.runner._placed
+    engine.runner._placed = lambda inputs: plain.append(inputs.sampling.plain) or placed(inputs)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+        _, steps = compare(engine, {str(i): (prompt(i, 6 + i), greedy) for i in range(3)})
+        assert plain.count(True) == 2 * steps.count(K) >= 4  # each window, async and synchronous
+        plain.clear()
+        sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=14, ignore_eos=True)
+        _, steps = compare(engine, {"g": (prompt(1, 6), greedy), "s": (prompt(2, 7), sampled)})
+        assert steps.count(K) >= 2 and not any(plain)
+    finally:
+        del engine.runner._placed
+
+
 def test_penalties_run_single_steps(engine):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
     _, steps = compare(engine, {"p": (prompt(8, 8), params)})
@@ -169,3 +189,16 @@ def test_stop_strings_mid_window_on_smollm2(tmp_path):
     assert outs[False] == outs[True]
     assert outs[True][2] == "stop" and stop not in outs[True][0]
     assert engine.pool.num_free_pages == engine.pool.num_usable_pages
+
+
+@pytest.mark.parametrize("flag, compiled", [("auto", False), ("on", True), ("off", False)])
+def test_the_greedy_variant_flag_reaches_the_runner(flag, compiled):
+    """`--greedy-variant` (the CLI's and the servers' engine flags); auto is on accelerators only."""
+    from jaxinfer import cli
+    from jaxinfer.cli.args import make_llm
+
+    args = cli.build_parser().parse_args(["serve", "--model", str(FIXTURES / "hf" / "llama3"), "--dtype",
+                                          "float32", "--num-pages", "8", "--max-model-len", "64",
+                                          "--token-buckets", "8,32", "--max-num-batched-tokens", "32", "--greedy-variant", flag])
+    runner = make_llm(args, warm_up=False).engine.runner
+    assert runner.greedy_buckets == ((8, 32) if compiled else ())

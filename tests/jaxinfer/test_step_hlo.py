@@ -12,6 +12,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
 from jaxinfer.runner import ModelRunner
+from jaxinfer.step_variants import plain_padding
 
 CONFIG = ModelConfig(model_type="llama", family="llama", vocab_size=256, hidden_size=64,
                      intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -132,6 +133,21 @@ def test_an_unbiased_batch_pays_nothing_for_logit_bias(model, num_steps):
     assert any(vocab_scatters(body) for body in bodies.values())  # it exists, for biased rows
     on_every_step = {name: vocab_scatters(bodies[name]) for name in always_run(bodies, entry)}
     assert not {name: found for name, found in on_every_step.items() if found}
+
+
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_the_greedy_twin_runs_no_conditional(model, num_steps):
+    """The greedy twin of the decode step (greedy_variant; the window with windows on) has no
+    conditional anywhere: on XLA:GPU each one copies its predicate to the host and holds the host
+    until the device reaches it. The general step keeps them, for the rows that need them."""
+    _, runner = compiled_step(model, 8, num_steps=num_steps, max_model_len=512, num_pages=64,
+                              greedy_variant=True)
+    inputs = runner.padding_inputs(8, False)
+    general = runner.lower(inputs, num_steps).compile().as_text()
+    twin = runner.lower(plain_padding(inputs), num_steps).compile().as_text()
+    conditionals = lambda hlo: re.findall(r"= .*\bconditional\(", hlo)  # noqa: E731
+    assert conditionals(general) and not conditionals(twin)
+    assert not vocab_sorts(twin) and not vocab_scatters(twin)
 
 
 def _sub_jaxprs(eqn) -> list:
