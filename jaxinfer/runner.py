@@ -51,7 +51,8 @@ from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_k
 from jaxinfer.sampling.arrays import UNSENT_DEFAULTS, SamplingArrays, fill_defaults
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.step_variants import (as_greedy, decode_sized_buckets, decode_steps, greedy_variant_enabled,
-                                    input_shardings, plain_padding, split_step_enabled, step_jits)
+                                    input_shardings, plain_padding, split_step_enabled, step_jits,
+                                    window_compiler_options)
 from sharding import DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, replicated_spec, shard_params
 from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int, fetch, put_inputs
@@ -119,7 +120,7 @@ class ModelRunner:
         self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
         self._step, self._window, self._forward, self._sample = step_jits(
             self.family, self.config, engine.attn_impl, max_seqs, self.num_replicas, self.num_decode_steps,
-            out_shardings)
+            out_shardings, window_compiler_options() if self.num_decode_steps > 1 else None)
         decode_sized = decode_sized_buckets(self.inputs, self.buckets, engine.max_num_seqs)
         self.window_buckets = decode_sized if self.num_decode_steps > 1 else ()
         # The step split in two (structured output: masks filled while the forward runs).

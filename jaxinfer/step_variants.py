@@ -1,6 +1,7 @@
 """The step's compiled variants: which the runner builds, and how they take their inputs.
 
     step_jits             the step, the decode window, the split step's two halves (jitted)
+    window_compiler_options  the window's XLA options (CUDA graphs on NVIDIA GPUs)
     decode_steps          steps per decode window (EngineConfig.num_decode_steps)
     decode_sized_buckets  the token buckets a decode-only plan uses (windows, the split step)
     split_step_enabled    whether the split step is compiled (structured output's overlap)
@@ -12,6 +13,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 import jax
 import numpy as np
@@ -23,23 +26,45 @@ from jaxinfer.step import decode_window, forward_part, sample_part, step
 from sharding import DATA, is_multiprocess, replicated_spec, tokens_spec
 
 DEFAULT_DECODE_STEPS = 8
+COMMAND_BUFFER_FLAG = "xla_gpu_enable_command_buffer"
+COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"
+logger = logging.getLogger(__name__)
 
 
 def step_jits(family, config, attn_impl: str, max_seqs: int, num_replicas: int, num_decode_steps: int,
-              out_shardings) -> tuple:
+              out_shardings, window_options: dict | None = None) -> tuple:
     """The runner's jitted functions: the step and the decode window, fn(params, caches, inputs,
     prev_tokens, page_table), vmapped over data replicas (`spmd_axis_name="data"`); the split step's forward
-    and sampling halves. The caches are donated and come back as `out_shardings[1]` says."""
+    and sampling halves. The caches are donated and come back as `out_shardings[1]` says. The
+    window compiles with `window_options` (XLA options; window_compiler_options)."""
     parts = (family, config, attn_impl, max_seqs)
-    jit_step = lambda fn: jax.jit(  # noqa: E731
+    jit_step = lambda fn, options=None: jax.jit(  # noqa: E731
         fn if num_replicas == 1 else jax.vmap(fn, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=DATA),
-        donate_argnums=(1,), out_shardings=out_shardings)
+        donate_argnums=(1,), out_shardings=out_shardings, compiler_options=options)
     return (jit_step(functools.partial(step, *parts)),
-            jit_step(functools.partial(decode_window, *parts, num_decode_steps)),
+            jit_step(functools.partial(decode_window, *parts, num_decode_steps), window_options),
             jax.jit(functools.partial(forward_part, *parts[:3]), donate_argnums=(1,),
                     out_shardings=out_shardings[:2]),
             jax.jit(functools.partial(sample_part, family, max_seqs),
                     out_shardings=(out_shardings[0], out_shardings[2])))
+
+
+def window_compiler_options() -> dict | None:
+    """XLA options the decode window compiles with: on NVIDIA GPUs, CUDA graphs over the whole
+    window, its loop and conditionals included (COMMAND_BUFFER_TYPES). H100, Llama-3.2-1B shape,
+    windows of 8 (benchmarks/RESULTS.md, 2026-11-23): 12-15% less time per step at batch 64 and
+    256, the same at batch 1; single steps, whose inputs are fresh buffers every step, were slower
+    with them, so they keep XLA's defaults. None elsewhere, where XLA_FLAGS already sets
+    --xla_gpu_enable_command_buffer (the user's choice wins), or where this XLA refuses the option."""
+    if jax.default_backend() != "gpu" or COMMAND_BUFFER_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return None
+    options = {COMMAND_BUFFER_FLAG: COMMAND_BUFFER_TYPES}
+    try:  # a repeated option set from a string needs a recent XLA
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(np.zeros(1, np.float32)).compile()
+    except jax.errors.JaxRuntimeError as e:
+        logger.warning("decode windows compile without CUDA graphs: %s", e)
+        return None
+    return options
 
 
 def decode_sized_buckets(inputs: InputBuilder, buckets: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:

@@ -26,11 +26,15 @@ def model():
     return LoadedModel(CONFIG, params, None, family, Path("random"))
 
 
-def compiled_step(model, bucket: int, num_steps: int = 1, **engine) -> tuple[str, ModelRunner]:
+def make_runner(model, num_steps: int = 1, **engine) -> ModelRunner:
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                           penalties=False, compilation_cache_dir=None, num_decode_steps=num_steps,
                           **engine)
-    runner = ModelRunner(model, config, config.max_model_len)
+    return ModelRunner(model, config, config.max_model_len)
+
+
+def compiled_step(model, bucket: int, num_steps: int = 1, **engine) -> tuple[str, ModelRunner]:
+    runner = make_runner(model, num_steps, **engine)
     inputs = runner.padding_inputs(bucket, False)
     return runner.lower(inputs, num_steps).compile().as_text(), runner
 
@@ -240,3 +244,32 @@ def test_every_jit_hands_the_caches_back_in_their_pinned_layout(model, monkeypat
         jax.block_until_ready(run())
         assert pinned()
     assert runner.num_compiled() == compiled
+
+
+def test_cuda_graph_options_for_windows_only_on_gpus(monkeypatch, caplog):
+    """window_compiler_options: CUDA graphs over the window on a GPU, unless XLA_FLAGS sets them
+    (the user's choice) or this XLA refuses the option (a warning; windows compile as before)."""
+    from jaxinfer import step_variants
+
+    assert step_variants.window_compiler_options() is None  # the CPU
+    monkeypatch.setattr(step_variants.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    assert step_variants.window_compiler_options() == {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    assert step_variants.window_compiler_options() is None
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(step_variants, "COMMAND_BUFFER_TYPES", "FUSION,NO_SUCH_KIND")
+    assert step_variants.window_compiler_options() is None and "without CUDA graphs" in caplog.text
+
+
+def test_the_window_alone_compiles_with_the_window_options(model, monkeypatch):
+    """The runner hands window_compiler_options to the window's jit and to no other: an option
+    XLA refuses fails the window's compile and leaves the single step's alone."""
+    monkeypatch.setattr("jaxinfer.runner.window_compiler_options",
+                        lambda: {"xla_gpu_enable_command_buffer": "NO_SUCH_KIND"})
+    runner = make_runner(model, 4, max_model_len=512, num_pages=64)
+    inputs = runner.padding_inputs(8, False)
+    runner.lower(inputs, 1).compile()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="NO_SUCH_KIND"):
+        runner.lower(inputs, 4).compile()
