@@ -160,6 +160,7 @@ def bench_shape(args):
                           async_scheduling=not args.no_async_scheduling,
                           num_decode_steps=args.num_decode_steps,
                           greedy_variant={"on": True, "off": False}.get(args.greedy_variant),
+                          dispatch_thread={"on": True, "off": False}.get(args.dispatch_thread),
                           token_buckets=tuple(args.token_buckets) if args.token_buckets else None)
     startup = {}
     if args.startup:  # an empty compilation cache, kept for the run: JAX keeps its first cache dir
@@ -203,7 +204,8 @@ def bench_shape(args):
           f"{param_bytes(model) / 2**30:.2f} GiB of weights); async scheduling "
           f"{'off' if args.no_async_scheduling else 'on'}; decode windows of "
           f"{engine.runner.num_decode_steps} steps; greedy twin "
-          f"{'on' if engine.runner.greedy_buckets else 'off'}; {variants} variants")
+          f"{'on' if engine.runner.greedy_buckets else 'off'}; launcher thread "
+          f"{'on' if engine.runner.launcher.enabled else 'off'}; {variants} variants")
     rated = (f" (rated {ceil['rated_bytes_per_s'] / 1e12:.2f} TB/s, {ceil['rated_flops_per_s'] / 1e12:.0f} "
              f"TFLOP/s)" if ceil["rated_bytes_per_s"] else "")
     print(f"Measured ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
@@ -284,6 +286,8 @@ def main():
                     help="with --shape: decode steps per jitted call (default: the engine's)")
     ap.add_argument("--greedy-variant", choices=["auto", "on", "off"], default="auto",
                     help="with --shape: the decode step's greedy twin (EngineConfig.greedy_variant)")
+    ap.add_argument("--dispatch-thread", choices=["auto", "on", "off"], default="auto",
+                    help="with --shape: launch steps from a thread (EngineConfig.dispatch_thread)")
     ap.add_argument("--profile", action="store_true",
                     help="with --shape: trace a decode run per --profile-batches and report the "
                          "device's idle fraction and top kernels (benchmarks/profile_idle.py)")

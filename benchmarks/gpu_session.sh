@@ -19,7 +19,7 @@
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
 #   bash benchmarks/gpu_session.sh engine1b  # 1B step loop, windows of 8, batch 1 and 256 profiled (HLO=1: + HLO; CB=1: CUDA graphs)
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context, batch 1 and 256
-#   bash benchmarks/gpu_session.sh greedy  # 1B step loop with the greedy twin on, then off, profiled
+#   bash benchmarks/gpu_session.sh loop    # 1B step loop: as is, greedy twin off, launcher thread off; profiled
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
 #   bash benchmarks/gpu_session.sh lmhead  # the LM head's matmul by weight layout (tied or not)
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
@@ -34,10 +34,11 @@
 # Seen on an H200, 2026-11-26 (third lease): `lmhead` printed one row in 45 s; `sweep-big`'s 1k
 # row took ~165 s (its 4k row did not start in 170 s); `engine8b` compiled 44 variants, ~3 min
 # cold, and needed ~240 s to its batch-256 row (it now compiles only its rows' 14).
-# Next: `greedy:300` first: with the greedy twin (no conditional in an all-greedy window; each
-# conditional holds XLA:GPU's host until the device reaches it), does the profile's "D2H copies
-# per step" column fall to ~0 and the device's idle share with it, against the twin off? Then
-# `engine8b:260` (batch 256 with the tuned 4-warp entry: does it reach 10k tok/s?),
+# Next: `loop:330` first. Each conditional in a step holds XLA:GPU's launching thread until the
+# device reaches it; since 2026-11-27 an all-greedy decode window runs none (the greedy twin),
+# steps launch from a thread of their own (the launcher), and windows compile with CUDA graphs.
+# Does the profile's "D2H copies per step" column fall to ~0 with the twin, and the device's idle
+# share with the twin and the thread, against each switched off? Then `engine8b:260` (batch 256 with the tuned 4-warp entry: does it reach 10k tok/s?),
 # then `lmhead:120 prefill:200` (the prefill goals were last measured on 2026-11-22), and
 # `CB=1 engine1b:240`: is the 1B's batch-1 window still launch-bound under CUDA graphs, and do
 # the sampler's conditionals (each a device-to-host copy of its predicate without them) show in
@@ -49,7 +50,7 @@ set -uo pipefail
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b greedy moe lmhead"
+parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b loop moe lmhead"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -127,11 +128,14 @@ run_part() {
       $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 256 \
           --new-tokens 192 --profile --profile-batches 1 --token-buckets 1 256 2048 \
           | tee "$out/engine_8b.md" ;;
-    greedy)  # the greedy twin on, then off; few buckets, so each engine compiles a handful of variants
-      for gv in on off; do
+    loop)  # as is, then the greedy twin off, then the launcher thread off; few buckets, so each
+      # engine compiles a handful of variants
+      for run in default "greedy-variant off" "dispatch-thread off"; do
+        flags=() name=${run// /_}
+        [ "$run" = default ] || flags=("--${run% *}" "${run#* }")
         $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 64 \
             --new-tokens 48 --profile --profile-batches 1 64 --token-buckets 1 64 2048 \
-            --greedy-variant "$gv" | tee "$out/engine_1b_greedy_$gv.md"
+            "${flags[@]}" | tee "$out/engine_1b_$name.md"
       done ;;
     lmhead)  # why the 1B's tied head reads at half the rate of every other matmul (~20 s)
       $py benchmarks/bench_lm_head.py | tee "$out/lm_head.md" ;;

@@ -37,14 +37,15 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
-from jaxinfer.runner import ModelRunner, enable_compilation_cache
+from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode import build_speculator
+from jaxinfer.step_variants import enable_compilation_cache
 from jaxinfer.structured import GrammarBackend, grammar_for
 from jaxinfer.tokenizer.reasoning import reasoning_parser
 from sharding import StepChannel, is_leader, is_multiprocess
-from sharding.multihost import SHUTDOWN, fetch
+from sharding.multihost import SHUTDOWN
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class Engine:
 
     def _land(self, flight: _Flight) -> list[RequestOutput]:
         """Fetches a dispatched step's tokens, resolves them and builds the deltas."""
-        out = fetch(flight.out)
+        out = self.runner.fetch(flight.out)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for r, plan in enumerate(flight.plans):

@@ -44,15 +44,14 @@ class LLM:
                  max_n: int = 64, max_request_tokens: int | None = None, max_seqs_per_request: int = 16,
                  num_pages: int | None = None, kv_cache_memory_fraction: float = 0.85, kv_cache_dtype: str = "auto",
                  enable_prefix_caching: bool = True, async_scheduling: bool = True, num_decode_steps: int | None = None,
-                 structured_output_overlap: bool | None = None, greedy_variant: bool | None = None,
-                 attn_impl: str = "auto", seed: int = 0, token_buckets: Sequence[int] | None = None,
-                 penalties: bool = True, speculative_config: dict | str | None = None,
-                 compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
+                 structured_output_overlap: bool | None = None, attn_impl: str = "auto", seed: int = 0,
+                 token_buckets: Sequence[int] | None = None, penalties: bool = True,
+                 speculative_config: dict | str | None = None, compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
                  mesh: str | dict | None = None, coordinator_address: str | None = None,
                  num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
                  quantization: str | None = "auto", quantization_group_size: int | None = None,
                  quantize_embedding: bool = False, cpu_heap_reuse: bool = True, chat_template: str | None = None,
-                 reasoning_parser: str | None = None, enable_prompt_logprobs: bool = False):
+                 reasoning_parser: str | None = None, enable_prompt_logprobs: bool = False, **engine_options):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default).
 
         `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
@@ -74,7 +73,8 @@ class LLM:
         `chat_template`: a jinja2 chat template (its file's path, or the text) instead of the
         checkpoint's, e.g. one that renders tools. `reasoning_parser` ("qwen3", "deepseek_r1"):
         structured output constrains a reasoning model's answer after `</think>`, not its thinking.
-        `enable_prompt_logprobs`: compile the steps that score prompts (SamplingParams.prompt_logprobs)."""
+        `enable_prompt_logprobs`: compile the steps that score prompts (SamplingParams.prompt_logprobs).
+        `engine_options`: any other EngineConfig field, e.g. greedy_variant=True, dispatch_thread=False."""
         quant = QuantConfig.parse(quantization, quantization_group_size, quantize_embedding)
         template = None if chat_template is None else load_chat_template(chat_template)
         initialize(coordinator_address, num_processes, process_id)  # before any device is used
@@ -86,10 +86,10 @@ class LLM:
             token_buckets=tuple(token_buckets) if token_buckets else None,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             num_decode_steps=num_decode_steps, structured_output_overlap=structured_output_overlap,
-            greedy_variant=greedy_variant, attn_impl=attn_impl, penalties=penalties,
+            attn_impl=attn_impl, penalties=penalties,
             compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh,
             speculative_config=speculative_config, cpu_heap_reuse=cpu_heap_reuse,
-            reasoning_parser=reasoning_parser, enable_prompt_logprobs=enable_prompt_logprobs)
+            reasoning_parser=reasoning_parser, enable_prompt_logprobs=enable_prompt_logprobs, **engine_options)
         place_for = None
         if config.mesh is not None:
             device_mesh = make_mesh(config.mesh)

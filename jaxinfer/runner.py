@@ -10,6 +10,8 @@ Data flow of a step:
 next step before they arrive (async scheduling): each step also hands the next one its sampled
 tokens (padded to the largest sequence bucket, so no new variants), which fill the next step's
 placeholder input ids inside the jit (StepInputs.prev_rows). `execute` is dispatch + fetch.
+With the launcher's thread (EngineConfig.dispatch_thread, launcher.py) a dispatch hands the
+jitted call to that thread and returns a Future of its outputs; `fetch` waits for both.
 
 Every bucket is compiled in `warm_up`; JAX's persistent compilation cache makes later start-ups
 cheap. The KV cache is donated to the step, so each layer's pages are updated in place, and
@@ -32,11 +34,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from pathlib import Path
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxinfer.config import EngineConfig
@@ -45,10 +46,12 @@ from jaxinfer.host_memory import reuse_freed_heap
 from jaxinfer.inputs import InputBuilder, StepInputs
 from jaxinfer.kv_calibration import calibrated_caches
 from jaxinfer.kv_pool import cache_struct, plan_num_pages, zeroed_caches
+from jaxinfer.launcher import Launcher, dispatch_thread_enabled, landed
 from jaxinfer.loader import LoadedModel
 from jaxinfer.page_table import DevicePageTable
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
-from jaxinfer.sampling.arrays import UNSENT_DEFAULTS, SamplingArrays, fill_defaults
+from jaxinfer.sampling.arrays import fill_defaults
+from jaxinfer.sampling.device_defaults import DeviceDefaults
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.step_variants import (as_greedy, decode_sized_buckets, decode_steps, greedy_variant_enabled,
                                     input_shardings, plain_padding, split_step_enabled, step_jits,
@@ -58,15 +61,6 @@ from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int, fetch, put_inputs
 
 logger = logging.getLogger(__name__)
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    if not directory:
-        return
-    path = Path(directory).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 class ModelRunner:
@@ -115,7 +109,7 @@ class ModelRunner:
         # The sequences' block tables stay on the device, shaped like the builder's host mirror; a
         # step sends only the entries that changed.
         self.page_table = DevicePageTable(*self.inputs.tables[0].rows.shape, home, self.num_replicas, DATA)
-        self._defaults: dict[tuple, jax.Array] = {}  # sampling defaults kept on the device
+        self._defaults = DeviceDefaults(self.config.vocab_size, home, self.mesh, self.num_replicas)
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
         self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
         self._step, self._window, self._forward, self._sample = step_jits(
@@ -129,6 +123,7 @@ class ModelRunner:
         # The greedy twin of each decode-sized bucket's decode step: its window, if windows run.
         self.greedy_buckets = decode_sized if greedy_variant_enabled(engine.greedy_variant, self.num_replicas) else ()
         self.greedy_steps = self.num_decode_steps
+        self.launcher = Launcher(dispatch_thread_enabled(engine.dispatch_thread, self.num_replicas))
 
     def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
         sharding = self._home
@@ -174,15 +169,25 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> SamplerOutput:
         """Runs the step and waits for it. Returns numpy outputs (with a leading [data] axis when
         there are several replicas; a decode window's have a leading [num_steps] axis)."""
-        return fetch(self.dispatch(inputs, num_steps, greedy))
+        return self.fetch(self.dispatch(inputs, num_steps, greedy))
 
-    def dispatch(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> SamplerOutput:
+    @staticmethod
+    def fetch(out: SamplerOutput | Future) -> SamplerOutput:
+        """A dispatch's outputs as numpy, once its launch has returned and the device is done."""
+        return fetch(landed(out))
+
+    def dispatch(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> SamplerOutput | Future:
         """Starts the step (num_steps > 1: the decode window of a decode-only plan); the KV cache
-        is donated and replaced. Returns the outputs on the device (ready once it is done).
-        Inputs that qualify run the greedy twin (`greedy_buckets`) unless `greedy` is False."""
+        is donated and replaced. Returns the outputs on the device (ready once it is done), or
+        with the launcher's thread on, a Future of them (launcher.landed). Inputs that qualify
+        run the greedy twin (`greedy_buckets`) unless `greedy` is False."""
         fn = self._variant(num_steps)
         inputs = self._placed(as_greedy(inputs, num_steps, self.greedy_buckets if greedy else (),
                                         self.greedy_steps))
+        return self.launcher.submit(self._launch, fn, inputs)
+
+    def _launch(self, fn, inputs: StepInputs) -> SamplerOutput:
+        """On the launcher: the page-table entries set, then the step; its caches and tokens kept."""
         with self._mesh_context():
             inputs = self._set_table(inputs)
             out, self.kv_caches, self._prev_tokens = fn(self.params, self.kv_caches, inputs,
@@ -195,24 +200,26 @@ class ModelRunner:
             self.page_table.apply(inputs.table)
         return inputs.replace(table=None)
 
-    def dispatch_forward(self, inputs: StepInputs) -> jax.Array:
+    def dispatch_forward(self, inputs: StepInputs) -> jax.Array | Future:
         """The first half of a split step (a bucket in `split_buckets`): the forward, K/V
         written. Returns the last tokens' hidden rows on the device, for `dispatch_sample`."""
-        inputs = self._placed(inputs.replace(sampling=None))
-        with self._mesh_context():
-            inputs = self._set_table(inputs)
-            hidden, self.kv_caches = self._forward(self.params, self.kv_caches, inputs, self._prev_tokens,
-                                                   self.page_table.array)
-        return hidden
+        def launch(inputs):
+            with self._mesh_context():
+                inputs = self._set_table(inputs)
+                hidden, self.kv_caches = self._forward(self.params, self.kv_caches, inputs, self._prev_tokens,
+                                                       self.page_table.array)
+            return hidden
+        return self.launcher.submit(launch, self._placed(inputs.replace(sampling=None)))
 
-    def dispatch_sample(self, hidden: jax.Array, inputs: StepInputs) -> SamplerOutput:
+    def dispatch_sample(self, hidden: jax.Array | Future, inputs: StepInputs) -> SamplerOutput | Future:
         """The second half: LM head and sampling with `inputs.sampling` as it is now (its
         allowed-token bits may have been filled after `dispatch_forward`)."""
-        sampling = self._with_defaults(inputs.sampling if self.mesh is None else put_inputs(
-            inputs.sampling, self._input_shardings(inputs).sampling))
-        with self._mesh_context():
-            out, self._prev_tokens = self._sample(self.params, hidden, sampling)
-        return out
+        def launch(sampling):
+            with self._mesh_context():
+                out, self._prev_tokens = self._sample(self.params, landed(hidden), sampling)
+            return out
+        return self.launcher.submit(launch, self._defaults.fill(inputs.sampling if self.mesh is None else put_inputs(
+            inputs.sampling, self._input_shardings(inputs).sampling)))
 
     def trace(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Traced:
         """The step traced for these inputs' shapes (to read its jaxpr; the step does not run,
@@ -239,26 +246,7 @@ class ModelRunner:
         sampling defaults that were not sent filled on the device."""
         if self.mesh is not None:
             inputs = put_inputs(inputs, self._input_shardings(inputs))
-        return inputs.replace(sampling=self._with_defaults(inputs.sampling))
-
-    def _with_defaults(self, sampling: SamplingArrays | None) -> SamplingArrays | None:
-        """The sampling arrays with the defaults left unsent (sampling.arrays.unsent_defaults)
-        taken from arrays kept on the device. The allowed bits and bias rows always reach the step
-        as committed device arrays, so a batch that sends them runs the same compiled step."""
-        if sampling is None:
-            return None
-        if self.mesh is None:
-            sampling = sampling.replace(**{name: jax.device_put(x, self._home) for name in UNSENT_DEFAULTS
-                                           if (x := getattr(sampling, name)) is not None})
-        return fill_defaults(sampling, self.config.vocab_size, self._device_full)
-
-    def _device_full(self, shape: tuple[int, ...], value, dtype) -> jax.Array:
-        key = (shape, value, np.dtype(dtype).str)
-        if key not in self._defaults:
-            where = self._home if self.mesh is None else NamedSharding(
-                self.mesh, replicated_spec(replicas=self.num_replicas > 1))
-            self._defaults[key] = put_inputs(np.full(shape, value, dtype), where)
-        return self._defaults[key]
+        return inputs.replace(sampling=self._defaults.fill(inputs.sampling))
 
     def for_followers(self, inputs: StepInputs) -> tuple:
         """What StepChannel.send sends the other processes: the inputs with every sampling default
@@ -289,7 +277,7 @@ class ModelRunner:
             self.execute(plain_padding(self.padding_inputs(t_bucket, False)), self.greedy_steps)
         for t_bucket in self.split_buckets:
             inputs = self.padding_inputs(t_bucket, False)
-            fetch(self.dispatch_sample(self.dispatch_forward(inputs), inputs))
+            self.fetch(self.dispatch_sample(self.dispatch_forward(inputs), inputs))
         elapsed = time.perf_counter() - start
         logger.info("compiled %d step variants in %.1fs", self.num_compiled(), elapsed)
         return elapsed

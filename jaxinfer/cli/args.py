@@ -48,6 +48,9 @@ def _add_step_loop_args(g) -> None:
     g.add_argument("--greedy-variant", choices=["auto", "on", "off"], default="auto",
                    help="compile each decode step once more for all-greedy batches, with no "
                         "conditional (each holds the host on a GPU); auto: on accelerators only")
+    g.add_argument("--dispatch-thread", choices=["auto", "on", "off"], default="auto",
+                   help="launch each step from a thread of its own, so the loop plans the next step "
+                        "while a step's conditionals hold the launch (auto: on accelerators only)")
     g.add_argument("--no-cpu-heap-reuse", action="store_true",
                    help="on the CPU, let glibc unmap large freed blocks (its default) instead of "
                         "keeping them for the next step's temporaries")
@@ -246,6 +249,7 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               async_scheduling=not args.no_async_scheduling, num_decode_steps=args.num_decode_steps,
               structured_output_overlap={"on": True, "off": False}.get(args.structured_output_overlap),
               greedy_variant={"on": True, "off": False}.get(args.greedy_variant),
+              dispatch_thread={"on": True, "off": False}.get(args.dispatch_thread),
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
               cpu_heap_reuse=not args.no_cpu_heap_reuse,
               speculative_config=speculative_config(args),

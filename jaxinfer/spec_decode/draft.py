@@ -21,7 +21,6 @@ import dataclasses
 import time
 from typing import Sequence as Seq
 
-import jax
 import numpy as np
 
 from jaxinfer.config import EngineConfig
@@ -53,7 +52,7 @@ class DraftModelProposer(Proposer):
         self.k = k
         config = dataclasses.replace(
             engine, speculative_config=None, num_pages=num_pages, kv_cache_bytes=None, kv_cache_dtype="auto",
-            penalties=False, enable_prefix_caching=False, structured_output_overlap=False,
+            penalties=False, enable_prefix_caching=False, structured_output_overlap=False, dispatch_thread=False,
             num_decode_steps=max(k - 1, 1), mesh=None)
         self.runner = ModelRunner(model, config, max_model_len)
         self.pool = PagePool(self.runner.num_pages, self.runner.engine.page_size, enable_prefix_caching=False)
@@ -125,7 +124,7 @@ class DraftModelProposer(Proposer):
             window = SchedulerPlan([ScheduledSeq(entries[r].seq, entries[r].kv_len, 1, tuple(entries[r].seq.pages),
                                                  sample=True) for r in rows], num_steps=self.runner.num_decode_steps)
             outs.append(self.runner.dispatch(self.runner.prepare(window, [first]), window.num_steps))
-        outs = jax.device_get([out.tokens for out in outs])
+        outs = [self.runner.fetch(out).tokens for out in outs]
         later = np.asarray(outs[1]).reshape(-1, outs[1].shape[-1]) if len(outs) > 1 else np.zeros((0, len(rows)))
         drafts = {}
         for i, row in enumerate(rows):

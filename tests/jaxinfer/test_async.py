@@ -1,8 +1,10 @@
 """Async scheduling (step N+1 planned and dispatched before step N's tokens reach the host) gives
 exactly the synchronous engine's tokens: chunked prefill, preemption under a tiny pool, seeded
 sampling, stop ids and max_tokens, n > 1, prefix-cache hits, penalties, aborts; every page free.
-Single steps here (num_decode_steps=1); test_decode_window.py runs windows sync and async."""
+Single steps here (num_decode_steps=1); test_decode_window.py runs windows sync and async. Both
+launch their steps from the launcher's thread (dispatch_thread), as on an accelerator."""
 import dataclasses
+import threading
 
 import pytest
 from testpaths import FIXTURES
@@ -17,7 +19,7 @@ from jaxinfer.sampling import SamplingParams
 def engine(tmp_path_factory):
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=6,
-                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=1,
+                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=1, dispatch_thread=True,
                           compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
     return Engine(model, config)
 
@@ -60,6 +62,10 @@ def test_greedy_with_chunked_prefill_and_preemption(engine, monkeypatch):
     dispatch = engine.runner.dispatch
     monkeypatch.setattr(engine.runner, "dispatch",
                         lambda inputs, n=1: filled_on_device.append(int((inputs.prev_rows >= 0).sum())) or dispatch(inputs, n))
+    launched_on = set()
+    launch = engine.runner._launch
+    monkeypatch.setattr(engine.runner, "_launch", lambda fn, inputs: launched_on.add(
+        threading.current_thread().name) or launch(fn, inputs))
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     requests = {str(i): (prompt(i, 5 + 9 * i), greedy) for i in range(5)}  # 14 pages: preemptions
     before = engine.num_preemptions
@@ -67,6 +73,7 @@ def test_greedy_with_chunked_prefill_and_preemption(engine, monkeypatch):
     assert not any(filled_on_device)
     overlapped = run(engine, requests, async_scheduling=True)
     assert sum(filled_on_device) > 50  # most decode tokens came from the device, not the host
+    assert len(launched_on) == 1 and next(iter(launched_on)).startswith("jaxinfer-launch")
     assert engine.num_preemptions > before
     assert sync == overlapped and all(len(t[0]) == 20 for t in sync[0].values())
 

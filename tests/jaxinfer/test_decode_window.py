@@ -4,7 +4,8 @@ sampling, n > 1, stop ids, stop strings and max_tokens hit mid-window, logprobs,
 hits, aborts; every page back in the pool and nothing compiled after warm-up.
 
 One engine per model, compiled with windows of 4 and their greedy twins (greedy_variant: an
-all-greedy window runs with no conditional); the baseline runs with windows switched off
+all-greedy window runs with no conditional), its steps launched from the launcher's thread
+(dispatch_thread) as on an accelerator; the baseline runs with windows switched off
 (`runner.num_decode_steps = 1`), so both sides share the same compiled steps."""
 import dataclasses
 
@@ -24,6 +25,7 @@ def engine(tmp_path_factory):
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=6,
                           max_model_len=128, token_buckets=(8, 32), num_decode_steps=K, greedy_variant=True,
+                          dispatch_thread=True,
                           compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
     return Engine(model, config)
 
@@ -199,6 +201,19 @@ def test_the_greedy_variant_flag_reaches_the_runner(flag, compiled):
 
     args = cli.build_parser().parse_args(["serve", "--model", str(FIXTURES / "hf" / "llama3"), "--dtype",
                                           "float32", "--num-pages", "8", "--max-model-len", "64",
-                                          "--token-buckets", "8,32", "--max-num-batched-tokens", "32", "--greedy-variant", flag])
+                                          "--token-buckets", "8,32", "--max-num-batched-tokens", "32",
+                                          "--greedy-variant", flag, "--dispatch-thread", flag])
     runner = make_llm(args, warm_up=False).engine.runner
     assert runner.greedy_buckets == ((8, 32) if compiled else ())
+    assert runner.launcher.enabled is compiled
+
+
+def test_llm_takes_engine_options_as_keywords():
+    from jaxinfer import LLM
+
+    model, small = str(FIXTURES / "hf" / "llama3"), dict(num_pages=8, max_model_len=64, warm_up=False,
+                                                         token_buckets=(8, 32), max_num_batched_tokens=32)
+    runner = LLM(model, "float32", greedy_variant=True, dispatch_thread=True, **small).engine.runner
+    assert runner.greedy_buckets == (8, 32) and runner.launcher.enabled
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(model, "float32", no_such_option=1, **small)

@@ -205,10 +205,12 @@ def test_command_line_flags_and_batch_lines(tmp_path):
 
 def test_masks_filled_while_the_forward_runs_give_the_same_tokens(llm, cache_dir):
     """The split step (forward dispatched, then the step before lands, then the masks and the
-    sampling call) yields the tokens of the engine that fills masks before dispatching."""
-    overlapped = LLM(**ENGINE, compilation_cache_dir=cache_dir, structured_output_overlap=True)
+    sampling call) yields the tokens of the engine that fills masks before dispatching; both
+    halves launched from the launcher's thread, as on an accelerator."""
+    overlapped = LLM(**ENGINE, compilation_cache_dir=cache_dir, structured_output_overlap=True,
+                     dispatch_thread=True)
     runner = overlapped.engine.runner
-    assert runner.split_buckets == (16,) and not llm.engine.runner.split_buckets
+    assert runner.split_buckets == (16,) and not llm.engine.runner.split_buckets and runner.launcher.enabled
     compiled, split_calls = runner.num_compiled(), []
     sample = runner.dispatch_sample
     runner.dispatch_sample = lambda hidden, inputs: split_calls.append(1) or sample(hidden, inputs)

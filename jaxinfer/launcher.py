@@ -1,0 +1,61 @@
+"""Launching the step from a thread of its own (EngineConfig.dispatch_thread).
+
+Calling a jitted step on XLA:GPU launches its kernels from the calling thread, and each
+conditional in it (the sampler's, sampling/sampler.py) copies its predicate to the host and holds
+that thread until the device has reached it. Called from the engine's loop, the call returns only
+when the device has nearly run the step, so the host plans and builds the next step while the
+device idles, which async scheduling was meant to avoid. With a launcher thread the loop hands
+the launch over and goes on planning; the thread launches the steps in the order given, so each
+step still follows the one before on the device, and a step's outputs are waited for where they
+are fetched (`landed`).
+
+    launcher = Launcher(enabled=True)
+    out = launcher.submit(fn, *args)   # a Future of fn's result (or the result, when disabled)
+    landed(out)                        # the result, once the launch has returned
+
+On the CPU the step's operations run on XLA's own threads and a call returns at once, so the
+launcher is off there by default (dispatch_thread_enabled).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import jax
+
+from sharding import is_multiprocess
+
+
+def dispatch_thread_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
+    """The setting (EngineConfig.dispatch_thread); by default on accelerators only. Never with
+    several hosts, whose followers launch the same steps in lockstep from their own loops."""
+    if is_multiprocess():
+        return False
+    del num_replicas  # replicas run in the one jitted call: nothing to add
+    return jax.default_backend() != "cpu" if setting is None else setting
+
+
+class Launcher:
+    """Runs the functions given to `submit` one after another, on one thread of its own when
+    enabled, else at once on the caller's."""
+
+    def __init__(self, enabled: bool):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-launch") if enabled else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._pool is not None
+
+    def submit(self, fn: Callable[..., Any], *args) -> Any:
+        """fn(*args): a Future of its result on the launcher's thread, or the result itself."""
+        return fn(*args) if self._pool is None else self._pool.submit(fn, *args)
+
+    def wait(self) -> None:
+        """Returns once every launch submitted so far has returned."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()
+
+
+def landed(out: Any) -> Any:
+    """What a launch returned: `out` itself, or its Future's result (re-raising its error)."""
+    return out.result() if isinstance(out, Future) else out

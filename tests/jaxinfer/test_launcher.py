@@ -1,0 +1,52 @@
+"""The launcher (EngineConfig.dispatch_thread): steps launched from a thread of their own, in the
+order given, their results and errors reaching whoever lands them."""
+import threading
+import time
+
+import pytest
+
+from jaxinfer.launcher import Launcher, dispatch_thread_enabled, landed
+
+
+def test_launches_run_in_order_on_one_thread_and_the_caller_goes_on():
+    launcher, ran = Launcher(enabled=True), []
+
+    def launch(i):
+        time.sleep(0.05 if i == 0 else 0)  # the first holds its thread, as a conditional would
+        ran.append((i, threading.current_thread().name))
+        return i * 10
+
+    start = time.perf_counter()
+    futures = [launcher.submit(launch, i) for i in range(4)]
+    assert time.perf_counter() - start < 0.04  # handed over, not waited for
+    assert [landed(f) for f in futures] == [0, 10, 20, 30]
+    assert [i for i, _ in ran] == [0, 1, 2, 3]
+    assert {name for _, name in ran} == {ran[0][1]} and ran[0][1].startswith("jaxinfer-launch")
+
+
+def test_a_launch_error_reaches_the_landing_and_later_launches_still_run():
+    launcher = Launcher(enabled=True)
+    failed = launcher.submit(lambda: 1 / 0)
+    after = launcher.submit(lambda: "next")
+    with pytest.raises(ZeroDivisionError):
+        landed(failed)
+    assert landed(after) == "next"
+
+
+def test_disabled_runs_at_once_on_the_caller():
+    launcher = Launcher(enabled=False)
+    assert not launcher.enabled
+    assert launcher.submit(threading.current_thread) is threading.current_thread()
+    assert landed(5) == 5
+
+
+def test_wait_returns_after_every_launch_so_far():
+    launcher, done = Launcher(enabled=True), []
+    launcher.submit(lambda: (time.sleep(0.05), done.append(1)))
+    launcher.wait()
+    assert done == [1]
+
+
+def test_on_accelerators_by_default():
+    assert dispatch_thread_enabled(None) is False  # the CPU: a call returns at once already
+    assert dispatch_thread_enabled(True) is True and dispatch_thread_enabled(False) is False
