@@ -26,12 +26,12 @@ import jax
 from sharding import is_multiprocess
 
 
-def dispatch_thread_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
+def dispatch_thread_enabled(setting: bool | None) -> bool:
     """The setting (EngineConfig.dispatch_thread); by default on accelerators only. Never with
-    several hosts, whose followers launch the same steps in lockstep from their own loops."""
+    several hosts, whose followers launch the same steps in lockstep from their own loops (data
+    replicas run in the one jitted call, and launch from the thread like one)."""
     if is_multiprocess():
         return False
-    del num_replicas  # replicas run in the one jitted call: nothing to add
     return jax.default_backend() != "cpu" if setting is None else setting
 
 

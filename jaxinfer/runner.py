@@ -123,7 +123,7 @@ class ModelRunner:
         # The greedy twin of each decode-sized bucket's decode step: its window, if windows run.
         self.greedy_buckets = decode_sized if greedy_variant_enabled(engine.greedy_variant, self.num_replicas) else ()
         self.greedy_steps = self.num_decode_steps
-        self.launcher = Launcher(dispatch_thread_enabled(engine.dispatch_thread, self.num_replicas))
+        self.launcher = Launcher(dispatch_thread_enabled(engine.dispatch_thread))
 
     def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
         sharding = self._home
