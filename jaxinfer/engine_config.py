@@ -62,10 +62,10 @@ class EngineConfig:
     # Compile each decode-sized bucket's decode step (the window) once more for batches whose
     # every row is greedy and asks for nothing else (no logprobs, bias, grammar or penalty): it
     # runs no conditional, each of which holds XLA:GPU's host until the device reaches it.
-    # None: on accelerators only.
+    # None: on GPUs only.
     greedy_variant: bool | None = None
     # Launch each step from a thread of its own (launcher.py): on XLA:GPU a step's conditionals
-    # hold the launching thread until the device reaches them. None: on accelerators only.
+    # hold the launching thread until the device reaches them. None: on GPUs only.
     dispatch_thread: bool | None = None
     # On the CPU, large freed host blocks stay in the heap for the next step (host_memory.py:
     # the process's glibc allocator, set once the weights are placed). False: glibc's defaults.

@@ -13,8 +13,9 @@ are fetched (`landed`).
     out = launcher.submit(fn, *args)   # a Future of fn's result (or the result, when disabled)
     landed(out)                        # the result, once the launch has returned
 
-On the CPU the step's operations run on XLA's own threads and a call returns at once, so the
-launcher is off there by default (dispatch_thread_enabled).
+On the CPU the step's operations run on XLA's own threads and a call returns at once, and a TPU
+runs a step's conditionals without the host, so the launcher is on by default on GPUs only
+(dispatch_thread_enabled).
 """
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ from sharding import is_multiprocess
 
 
 def dispatch_thread_enabled(setting: bool | None) -> bool:
-    """The setting (EngineConfig.dispatch_thread); by default on accelerators only. Never with
+    """The setting (EngineConfig.dispatch_thread); by default on GPUs only (XLA:CPU and XLA:TPU
+    return from a call without waiting on its conditionals). Never with
     several hosts, whose followers launch the same steps in lockstep from their own loops (data
     replicas run in the one jitted call, and launch from the thread like one)."""
     if is_multiprocess():
         return False
-    return jax.default_backend() != "cpu" if setting is None else setting
+    return jax.default_backend() == "gpu" if setting is None else setting
 
 
 class Launcher:

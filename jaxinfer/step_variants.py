@@ -112,12 +112,12 @@ def greedy_variant_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
     """Whether the decode step (the window, or the single step without windows) of each
     decode-sized bucket is compiled twice: once as is, once for plain sampling arrays (every row
     greedy, nothing else asked; sampler.py), which runs no conditional. The setting
-    (EngineConfig.greedy_variant), by default on accelerators only: there each conditional holds
-    the host until the device reaches it, on the CPU it costs nothing. Never with data replicas
-    or several hosts."""
+    (EngineConfig.greedy_variant), by default on GPUs only: there each conditional holds the
+    host until the device reaches it; XLA:CPU and XLA:TPU run conditionals without the host, so
+    the twin would only add compiles. Never with data replicas or several hosts."""
     if num_replicas > 1 or is_multiprocess():
         return False
-    return jax.default_backend() != "cpu" if setting is None else setting
+    return jax.default_backend() == "gpu" if setting is None else setting
 
 
 def as_greedy(inputs: StepInputs, num_steps: int, buckets: tuple[int, ...], twin_steps: int) -> StepInputs:

@@ -47,10 +47,10 @@ def _add_step_loop_args(g) -> None:
                         "accelerators only)")
     g.add_argument("--greedy-variant", choices=["auto", "on", "off"], default="auto",
                    help="compile each decode step once more for all-greedy batches, with no "
-                        "conditional (each holds the host on a GPU); auto: on accelerators only")
+                        "conditional (each holds the host on a GPU); auto: on GPUs only")
     g.add_argument("--dispatch-thread", choices=["auto", "on", "off"], default="auto",
                    help="launch each step from a thread of its own, so the loop plans the next step "
-                        "while a step's conditionals hold the launch (auto: on accelerators only)")
+                        "while a step's conditionals hold the launch (auto: on GPUs only)")
     g.add_argument("--no-cpu-heap-reuse", action="store_true",
                    help="on the CPU, let glibc unmap large freed blocks (its default) instead of "
                         "keeping them for the next step's temporaries")

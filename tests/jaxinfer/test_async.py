@@ -2,7 +2,7 @@
 exactly the synchronous engine's tokens: chunked prefill, preemption under a tiny pool, seeded
 sampling, stop ids and max_tokens, n > 1, prefix-cache hits, penalties, aborts; every page free.
 Single steps here (num_decode_steps=1); test_decode_window.py runs windows sync and async. Both
-launch their steps from the launcher's thread (dispatch_thread), as on an accelerator."""
+launch their steps from the launcher's thread (dispatch_thread), as on a GPU."""
 import dataclasses
 import threading
 

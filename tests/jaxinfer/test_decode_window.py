@@ -5,7 +5,7 @@ hits, aborts; every page back in the pool and nothing compiled after warm-up.
 
 One engine per model, compiled with windows of 4 and their greedy twins (greedy_variant: an
 all-greedy window runs with no conditional), its steps launched from the launcher's thread
-(dispatch_thread) as on an accelerator; the baseline runs with windows switched off
+(dispatch_thread) as on a GPU; the baseline runs with windows switched off
 (`runner.num_decode_steps = 1`), so both sides share the same compiled steps."""
 import dataclasses
 
@@ -195,7 +195,7 @@ def test_stop_strings_mid_window_on_smollm2(tmp_path):
 
 @pytest.mark.parametrize("flag, compiled", [("auto", False), ("on", True), ("off", False)])
 def test_the_greedy_variant_flag_reaches_the_runner(flag, compiled):
-    """`--greedy-variant` (the CLI's and the servers' engine flags); auto is on accelerators only."""
+    """`--greedy-variant` (the CLI's and the servers' engine flags); auto is on GPUs only."""
     from jaxinfer import cli
     from jaxinfer.cli.args import make_llm
 

@@ -1,11 +1,14 @@
 """The launcher (EngineConfig.dispatch_thread): steps launched from a thread of their own, in the
-order given, their results and errors reaching whoever lands them."""
+order given, their results and errors reaching whoever lands them; it and the greedy twin are on
+by default where XLA holds the launching thread on conditionals (GPUs)."""
 import threading
 import time
 
+import jax
 import pytest
 
 from jaxinfer.launcher import Launcher, dispatch_thread_enabled, landed
+from jaxinfer.step_variants import greedy_variant_enabled
 
 
 def test_launches_run_in_order_on_one_thread_and_the_caller_goes_on():
@@ -47,6 +50,11 @@ def test_wait_returns_after_every_launch_so_far():
     assert done == [1]
 
 
-def test_on_accelerators_by_default():
+def test_on_gpus_by_default(monkeypatch):
+    """Only XLA:GPU holds the launching thread on a step's conditionals; the setting wins."""
     assert dispatch_thread_enabled(None) is False  # the CPU: a call returns at once already
     assert dispatch_thread_enabled(True) is True and dispatch_thread_enabled(False) is False
+    for backend, default in (("gpu", True), ("tpu", False)):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert dispatch_thread_enabled(None) is default and dispatch_thread_enabled(not default) is not default
+        assert greedy_variant_enabled(None) is default and greedy_variant_enabled(None, num_replicas=2) is False

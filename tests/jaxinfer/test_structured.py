@@ -206,7 +206,7 @@ def test_command_line_flags_and_batch_lines(tmp_path):
 def test_masks_filled_while_the_forward_runs_give_the_same_tokens(llm, cache_dir):
     """The split step (forward dispatched, then the step before lands, then the masks and the
     sampling call) yields the tokens of the engine that fills masks before dispatching; both
-    halves launched from the launcher's thread, as on an accelerator."""
+    halves launched from the launcher's thread, as on a GPU."""
     overlapped = LLM(**ENGINE, compilation_cache_dir=cache_dir, structured_output_overlap=True,
                      dispatch_thread=True)
     runner = overlapped.engine.runner
