@@ -52,11 +52,6 @@ class Launcher:
         """fn(*args): a Future of its result on the launcher's thread, or the result itself."""
         return fn(*args) if self._pool is None else self._pool.submit(fn, *args)
 
-    def wait(self) -> None:
-        """Returns once every launch submitted so far has returned."""
-        if self._pool is not None:
-            self._pool.submit(lambda: None).result()
-
 
 def landed(out: Any) -> Any:
     """What a launch returned: `out` itself, or its Future's result (re-raising its error)."""

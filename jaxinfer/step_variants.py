@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxinfer.inputs import InputBuilder, StepInputs
-from jaxinfer.sampling.arrays import is_plain
+from jaxinfer.sampling.arrays import is_plain, unsent_defaults
 from jaxinfer.step import decode_window, forward_part, sample_part, step
 from sharding import DATA, is_multiprocess, replicated_spec, tokens_spec
 
@@ -134,9 +134,8 @@ def as_greedy(inputs: StepInputs, num_steps: int, buckets: tuple[int, ...], twin
 def plain_padding(inputs: StepInputs) -> StepInputs:
     """Padding inputs (InputBuilder.padding_inputs) that qualify for the greedy twin: every row
     greedy, the allowed bits and the bias pair unsent, as a plain batch's come from `prepare`."""
-    sampling = inputs.sampling
-    return inputs.replace(sampling=sampling.replace(
-        temperature=np.zeros_like(sampling.temperature), allowed=None, bias_ids=None, bias_values=None))
+    sampling = inputs.sampling.replace(temperature=np.zeros_like(inputs.sampling.temperature))
+    return inputs.replace(sampling=unsent_defaults(sampling, grammar=False))
 
 
 def decode_steps(setting: int | None, num_replicas: int = 1) -> int:

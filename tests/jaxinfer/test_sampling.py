@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.sampling.arrays import (SamplingArrays, fill_defaults, is_plain, make_sampling_arrays, max_top_logprobs,
-                                      unsent_defaults)
+from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, max_top_logprobs
 from jaxinfer.sampling.sampler import apply_penalties, mask_logits, sample
 
 sample_jit = jax.jit(sample, static_argnums=2)
@@ -116,38 +115,6 @@ def test_greedy_rows_take_the_argmax_exactly():
     out = sample_jit(logits, arrays_for(params, batch_size=8), 0)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))
     assert out.tokens.dtype == jnp.int32 and out.top_ids.shape == (8, 0)
-
-
-def test_plain_arrays_are_every_row_greedy_asking_nothing_else():
-    """is_plain: what the runner checks before it runs the greedy twin (no conditional)."""
-    def plain(params, grammar=False, **kw):
-        arrays = arrays_for(params, batch_size=4, vocab_size=64, prompt_token_ids=[[1]] * len(params),
-                            output_token_ids=[[2]] * len(params), **kw)
-        return is_plain(unsent_defaults(arrays, grammar))
-
-    greedy = SamplingParams(temperature=0.0)
-    assert plain([greedy, greedy])
-    assert not plain([greedy, SamplingParams(temperature=0.5, seed=1)])
-    assert not plain([greedy, SamplingParams(temperature=0.0, logprobs=1)])
-    assert not plain([greedy, SamplingParams(temperature=0.0, logit_bias={3: 1.0})])
-    assert not plain([greedy, SamplingParams(temperature=0.0, presence_penalty=0.5)])
-    assert not plain([greedy], grammar=True)
-    assert not plain([greedy], history_len=16)  # a penalty history of any kind
-
-
-def test_plain_arrays_sample_as_the_general_sampler_with_no_conditional():
-    rng = np.random.default_rng(11)
-    logits = rng.normal(size=(6, 300)).astype(np.float32) * 4
-    arrays = unsent_defaults(arrays_for([SamplingParams(temperature=0.0)] * 5, batch_size=6, vocab_size=300),
-                             grammar=False)
-    general = sample_jit(logits, fill_defaults(arrays, 300), 4)
-    plain = sample_jit(logits, arrays.replace(plain=True), 4)
-    for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
-        np.testing.assert_array_equal(np.asarray(getattr(plain, name)), np.asarray(getattr(general, name)))
-    assert plain.top_ids.shape == (6, 4) and not np.asarray(plain.top_ids).any()
-    jaxpr = str(jax.make_jaxpr(sample, static_argnums=2)(logits, arrays.replace(plain=True), 4))
-    assert "cond[" not in jaxpr and "sort[" not in jaxpr and "top_k[" not in jaxpr
-    assert "cond[" in str(jax.make_jaxpr(sample, static_argnums=2)(logits, fill_defaults(arrays, 300), 4))
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
