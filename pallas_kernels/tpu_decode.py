@@ -16,8 +16,9 @@ causal mask, no query blocks cut across sequences and no choice between cached a
    of N = `pages_per_block * page_size` positions, a whole page (every kv head) per DMA into a
    [2, N, 2Hkv, D] double buffer. The next KV step is in flight while one is computed, across
    sequences too: a sequence's last step starts the next sequence's first.
-4. Each kv head takes its K and V rows out of the buffer (`buf[slot, :, 2h]`); positions past
-   the cached length are masked and their V zeroed (stale VMEM, NaN too).
+4. Each kv head takes its K and V rows out of the buffer by strided loads of the buffer viewed
+   as rows (tpu_rows.py); positions past the cached length are masked and their V zeroed
+   (stale VMEM, NaN too).
 
 Supports what the ragged kernel does (tpu_ragged.py): bf16/f32 q, an unquantized or int8/fp8
 cache with per-kv-head scales, head_dim 64/128/256, sliding window, soft cap.
@@ -32,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common, tpu_layout
+from pallas_kernels import common, tpu_layout, tpu_rows
 from pallas_kernels.tpu_config import DecodeConfig
 
 
@@ -41,7 +42,7 @@ def _decode_kernel(
     scales_ref, q_ref, new_ref, cache_hbm,  # per-head scales (SMEM), q and new rows [1, B, 2Hkv, D] (VMEM), cache (HBM)
     o_ref, cache_out,  # out block (VMEM), the cache again (HBM, aliased to cache_hbm)
     kv_buf, sems, write_sem,  # scratch: [2, N, 2Hkv, D] key buffer, DMA semaphores
-    *, page_size, pages_per_seq, sm_scale, sliding_window, soft_cap, precision,
+    *, page_size, pages_per_seq, sm_scale, sliding_window, soft_cap, precision, interpret_rows,
 ):
     num_kv_heads, seqs_per_block, group, head_dim = q_ref.shape
     block_kv = kv_buf.shape[1]
@@ -98,10 +99,10 @@ def _decode_kernel(
         new_state = []
         for h in range(num_kv_heads):
             q = q_ref[h, i]  # [G, D]
-            k, v = kv_buf[slot, :, 2 * h, :], kv_buf[slot, :, 2 * h + 1, :]
-            s = common.block_scores(q, k.astype(q.dtype), scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap,
+            k, v = tpu_rows.head_kv(kv_buf, slot, h, q.dtype, interpret=interpret_rows)
+            s = common.block_scores(q, k, scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap,
                                     precision=precision)
-            v = jnp.where(real, v.astype(q.dtype), 0)
+            v = jnp.where(real, v, 0)
             new_state.append(common.online_softmax_update(state[h], jnp.where(mask, s, common.MASK_VALUE), v,
                                                           precision=precision, keepdims=True))
         return tuple(new_state)
@@ -162,6 +163,7 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
         scratch_shapes=[pltpu.VMEM((2, block_kv, two_hkv, head_dim), kv_cache.dtype),
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
     )
-    kernel = functools.partial(_decode_kernel, page_size=page_size, pages_per_seq=pages_per_seq, **opts)
+    kernel = functools.partial(_decode_kernel, page_size=page_size, pages_per_seq=pages_per_seq,
+                               interpret_rows=tpu_rows.interpreted(interpret), **opts)
     return tpu_layout.call_in_place(kernel, grid_spec, "ragged_paged_attention_tpu_decode", scalars, scales,
                                     q_blocks, new_blocks, kv_cache, config.vmem_limit_bytes, interpret)

@@ -23,7 +23,7 @@ tokens of one path (tpu.py gathers each path's sequences into one contiguous ran
    from the cache, a chunk of this step's keys from the stored rows (never from the cache,
    which is being written), the chunk that straddles the cached length by both, into separate
    [2, N, 2Hkv, D] buffers that are selected per key. Each kv head then takes its K and V rows
-   out of the VMEM buffer (`buf[slot, :, 2h]`). Chunks past the causal end are not fetched, so
+   out of the VMEM buffers by strided loads (tpu_rows.py). Chunks past the causal end are not fetched, so
    a decode token costs one page. Blocks are double buffered: block j+1's DMAs are in flight
    while block j is computed.
 4. KV write, fused: each grid step copies its block's real tokens, all heads at once
@@ -40,11 +40,10 @@ tokens of one path (tpu.py gathers each path's sequences into one contiguous ran
 
 Supports bf16/f32 q, an unquantized cache of q's dtype or an int8/fp8 cache with per-kv-head
 scales (dequantized in VMEM), head_dim 64/128/256, page_size a multiple of the cache dtype's
-sublane packing, sliding window, soft cap. Runs under TPU interpret mode on the CPU (no ref
-reshapes, static DMA shapes) and lowers for TPU from the CPU. No real TPU has compiled it yet;
-the open risks are Mosaic's loads of one head's rows out of the [N, 2Hkv, D] buffers (an index
-on the second-minor, tiled axis: a sublane-strided load, packed for bfloat16 and int8), and the
-SMEM size of the flattened page table.
+sublane packing, sliding window, soft cap. Runs under TPU interpret mode on the CPU (static
+DMA shapes; the interpreter reads a head's rows from the loaded buffer, tpu_rows.py) and
+compiles for v5e / v6e / 7x from the CPU (tests/pallas_kernels/test_tpu_compile.py). No real
+TPU has run it yet.
 The shape limits and block sizes (`unsupported_reason`, `TpuConfig`) live in tpu_config.py.
 """
 from __future__ import annotations
@@ -57,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common, tpu_layout
+from pallas_kernels import common, tpu_layout, tpu_rows
 from pallas_kernels.tpu_config import KV_SCRATCH_BUFFERS, TpuConfig, kv_scratch_shape, softmax_state_shapes
 
 
@@ -71,7 +70,7 @@ def _attention_kernel(
     # scratch: [2, N, 2Hkv, D] double buffers of whole tokens (every head's K and V) from the
     # cache and the new rows; float32 online-softmax state per kv head; DMA semaphores
     cached_buf, new_buf, m_ref, l_ref, acc_ref, sems, write_sem,
-    *, block_q, pages_per_block, pages_per_seq, sm_scale, sliding_window, soft_cap, precision,
+    *, block_q, pages_per_block, pages_per_seq, sm_scale, sliding_window, soft_cap, precision, interpret_rows,
 ):
     num_kv_heads, rows_m, head_dim = q_ref.shape  # M = G * bq
     block_kv = cached_buf.shape[1]
@@ -107,9 +106,6 @@ def _attention_kernel(
                 src = pl.ds(page_size + p0 - delta, page_size)
                 getattr(pltpu.make_async_copy(new_hbm.at[src], new_buf.at[slot, dst], sems.at[slot]), action)()
 
-    def head_rows(buf, slot, row):  # [N, D]: row `row` (2h: K, 2h + 1: V of head h) of each key
-        return buf[slot, :, row, :]
-
     def attend_block(blk, slot, ctx_len, kv_end, row_pos, in_seq):
         """Every kv head's online-softmax state advanced by key block `blk`. Unfetched chunks
         hold stale VMEM: never selected."""
@@ -121,12 +117,13 @@ def _attention_kernel(
             mask = mask & (row_pos - kpos < sliding_window)
         for h in range(num_kv_heads):
             q = q_ref[h]  # [M, D]
-            k = jnp.where(cached, head_rows(cached_buf, slot, 2 * h), head_rows(new_buf, slot, 2 * h))
-            v = jnp.where(cached, head_rows(cached_buf, slot, 2 * h + 1), head_rows(new_buf, slot, 2 * h + 1))
-            s = common.block_scores(q, k.astype(q.dtype), scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap,
+            (k_cached, v_cached), (k_new, v_new) = (tpu_rows.head_kv(buf, slot, h, q.dtype, interpret=interpret_rows)
+                                                    for buf in (cached_buf, new_buf))
+            k, v = jnp.where(cached, k_cached, k_new), jnp.where(cached, v_cached, v_new)
+            s = common.block_scores(q, k, scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap,
                                     precision=precision)  # [M, N]
             s = jnp.where(mask, s, common.MASK_VALUE)
-            v = jnp.where(first + key_row < kv_end, v.astype(q.dtype), 0)  # stale VMEM, NaN too
+            v = jnp.where(first + key_row < kv_end, v, 0)  # stale VMEM, NaN too
             m, l, acc = common.online_softmax_update((m_ref[h], l_ref[h], acc_ref[h]), s, v,
                                                      precision=precision, keepdims=True)
             m_ref[h], l_ref[h], acc_ref[h] = m, l, acc
@@ -202,7 +199,7 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
     page_size = kv_cache.shape[1]
     kernel = functools.partial(
         _attention_kernel, block_q=config.block_q, pages_per_block=config.pages_per_block,
-        pages_per_seq=pages_per_seq, **opts)
+        pages_per_seq=pages_per_seq, interpret_rows=tpu_rows.interpreted(interpret), **opts)
     block = pl.BlockSpec((None, num_kv_heads, rows_m, head_dim), lambda b, *_: (b, 0, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kv_buf = pltpu.VMEM(kv_scratch_shape(config, page_size, num_kv_heads, head_dim), kv_cache.dtype)

@@ -99,15 +99,19 @@ def _kernel_eqns(jaxpr, name):
                     yield from _kernel_eqns(sub, name)
 
 
-def test_tpu_kernels_move_whole_pages_and_select_heads_in_vmem():
+def _kernels(case):
+    jaxpr = jax.make_jaxpr(lambda *a: tpu.ragged_paged_attention_tpu(*a, **case.scales(), sm_scale=0.1))(
+        *case.args())
+    return [eqn.params["jaxpr"] for eqn in _kernel_eqns(jaxpr.jaxpr, "pallas_call")]
+
+
+def test_tpu_kernels_move_whole_pages():
     """Every DMA of the TPU kernels (decode, mixed and prefill calls) moves whole keys (every kv
     head's K and V rows and every column: [n, 2Hkv, D], contiguous in HBM): a page of all heads
-    in one copy, never a per-head slice of the tiled HBM cache; each head's K and V are taken
-    from the VMEM buffers."""
+    in one copy, never a per-head slice of the tiled HBM cache."""
     heads, page = 4, 8
     case = make_case(q_lens=[5, 1], kv_lens=[40, 20], num_kv_heads=heads, page_size=page, seed=3)
-    jaxpr = jax.make_jaxpr(lambda *a: tpu.ragged_paged_attention_tpu(*a, sm_scale=0.1))(*case.args())
-    kernels = [eqn.params["jaxpr"] for eqn in _kernel_eqns(jaxpr.jaxpr, "pallas_call")]
+    kernels = _kernels(case)
     assert len(kernels) == 3
     whole = lambda i, n: isinstance(i, pl.Slice) and i.start == 0 and i.size == n and i.stride == 1  # noqa: E731
     for kernel in kernels:
@@ -120,8 +124,28 @@ def test_tpu_kernels_move_whole_pages_and_select_heads_in_vmem():
                 assert isinstance(keys, pl.Slice) and keys.stride == 1
                 sizes.add(keys.size)
         assert sizes == {1, page}  # a token written, a page fetched from the cache or this step's rows
-        heads_read = {int(i.val) for eqn in _kernel_eqns(kernel, "get")
-                      if eqn.invars[0].aval.shape[-2:] == (2 * heads, 64)
-                      for t in jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars[1:])
-                      for i in t.indices[-2:-1] if not isinstance(i, pl.Slice) and hasattr(i, "val")}
-        assert heads_read == set(range(2 * heads))  # K and V of each head: a static row of the buffers
+
+
+@pytest.mark.parametrize("cache_dtype,per_word", [(jnp.float32, 1), (jnp.bfloat16, 2), (jnp.int8, 4)])
+def test_tpu_kernels_read_a_heads_rows_by_strided_loads(cache_dtype, per_word):
+    """Compiled (not interpreted), each kv head's K and V come out of the VMEM buffers of whole
+    keys ([2, N, 2Hkv, D]) viewed as rows ([N * 2Hkv, D], as 32-bit words for a packed dtype):
+    one strided load of every (2Hkv / packing)-th row from the word holding row 2h. Indexing
+    the buffers' row axis instead has Mosaic gather one sublane per key (tpu_rows.py)."""
+    heads = 4
+    dtype = jnp.float32 if cache_dtype == jnp.float32 else jnp.bfloat16
+    case = make_case(q_lens=[5, 1, 20], kv_lens=[40, 20, 20], num_kv_heads=heads, page_size=32, seed=3,
+                     dtype=dtype, cache_dtype=cache_dtype)
+    for kernel in _kernels(case):
+        starts = set()
+        for eqn in _kernel_eqns(kernel, "get"):
+            shape = eqn.invars[0].aval.shape
+            if len(shape) != 4 or shape[0] != 2 or shape[1] % 32 or shape[2:] != (2 * heads, 64):
+                continue  # not a KV buffer: [2 slots, whole pages of 32 keys, 2Hkv, D]
+            first, *views, last = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars[1:])
+            assert [type(v).__name__ for v in views] == ["ReshapeTransform"] + ["BitcastTransform"] * (per_word > 1)
+            rows, cols = last.indices
+            assert isinstance(rows, pl.Slice) and rows.stride == 2 * heads // per_word, last
+            assert cols.size == 64 and isinstance(first.indices[2], pl.Slice), first  # whole keys
+            starts.add(rows.start)
+        assert starts == {r // per_word for r in range(2 * heads)}  # K and V of every head
