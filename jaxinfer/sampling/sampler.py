@@ -20,9 +20,10 @@ What `sample` does to one row (the order matters and the numpy reference in the 
      num_generated): the same sequence draws the same noise whatever batch or row it is in.
 
 Penalty histories (arrays.PenaltyHistory) are scatter-added into a [B, V] count array here, on
-the device. Nothing sorts the vocabulary unless a row needs it: the top-N logprobs (N static,
-the most any request may ask for) are computed under a conditional taken only when some row asked
-for them, and top-k / top-p masking only when some row samples with them; an all-greedy batch
+the device. Nothing sorts the vocabulary: top-k and top-p find their thresholds by bisecting
+the logits' order (`_top_k_top_p`), under a conditional taken only when some row samples with
+them; the top-N logprobs (N static, the most any request may ask for, XLA's TopK) under one
+taken only when some row asked for them; an all-greedy batch
 without logprobs runs neither (tests/jaxinfer/test_step_hlo.py reads the compiled step).
 
 Plain arrays (SamplingArrays.plain, static: its own compiled variant; the runner sets it where
@@ -154,23 +155,48 @@ def mask_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                 min_p: jax.Array) -> jax.Array:
     """Sets tokens outside top-k, then top-p, then min-p to -inf (temperature already applied)."""
     vocab = logits.shape[-1]
-    needs_sort = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    logits = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, p: x, logits, top_k, top_p)
+    needs_mask = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    logits = jax.lax.cond(needs_mask, _top_k_top_p, lambda x, k, p: x, logits, top_k, top_p)
     top = jnp.max(logits, axis=-1, keepdims=True)                         # [B, 1]
     # p_i >= min_p * p_max  <=>  logit_i - max >= log(min_p); min_p = 0 keeps everything
     keep = logits - top >= jnp.log(min_p)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
 
+_SEARCH_STEPS = 32  # halvings that take a range of 2^32 keys to one
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the floats' order (-inf lowest, -0.0 and 0.0 one key; no NaN)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _search(lo: jax.Array, hi: jax.Array, holds) -> jax.Array:
+    """The largest key t in [lo, hi] ([B, 1] each) where `holds(t)` ([B, 1] bool; true up to
+    some key, false past it), or lo where it holds nowhere: a bisection, no sort."""
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + ((hi - lo) & 1)  # the upper middle, without overflow
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (lo == hi), hi, mid - 1)
+    return jax.lax.fori_loop(0, _SEARCH_STEPS, step, (lo, hi))[0]
+
+
 def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keeps the logits at or above the k-th largest, then those at or above the top-p
+    threshold: the highest logit whose tokens at or above it hold at least top_p of the
+    probability top-k left (the smallest such set, ties with its last kept). Both thresholds are
+    found by bisecting the logits' order keys, 2 x 32 passes of compare-and-sum over [B, V]: no
+    sort of the vocabulary, which XLA:TPU compiles for ~10 s in every step variant."""
     vocab = logits.shape[-1]
-    sorted_logits = -jnp.sort(-logits, axis=-1)                           # [B, V] descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, k[:, None] - 1, axis=-1)     # [B, 1]
-    sorted_logits = jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)                        # [B, V]
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)       # a prefix of the sort
-    num_keep = jnp.sum(keep, axis=-1, keepdims=True)                      # [B, 1] >= 1
-    pth = jnp.take_along_axis(sorted_logits, num_keep - 1, axis=-1)       # [B, 1]
-    return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
+    keys = _order_keys(logits)                                            # [B, V]
+    lowest, highest = keys.min(axis=-1, keepdims=True), keys.max(axis=-1, keepdims=True)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]   # [B, 1]
+    kth = _search(lowest, highest, lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k)
+    probs = jax.nn.softmax(jnp.where(keys >= kth, logits, -jnp.inf), axis=-1)  # [B, V]
+    p = top_p[:, None]
+    pth = _search(lowest, highest, lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1,
+                                                      keepdims=True) >= p)
+    pth = jnp.where(p >= 1.0, lowest, pth)
+    return jnp.where(keys >= jnp.maximum(kth, pth), logits, -jnp.inf)

@@ -9,10 +9,9 @@ import pytest
 
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.arrays import SamplingArrays, make_sampling_arrays, max_top_logprobs
-from jaxinfer.sampling.sampler import apply_penalties, mask_logits, sample
+from jaxinfer.sampling.sampler import apply_penalties, sample
 
 sample_jit = jax.jit(sample, static_argnums=2)
-mask_jit = jax.jit(mask_logits)
 
 
 # --- SamplingParams -------------------------------------------------------------------------------
@@ -55,50 +54,6 @@ def test_sampling_params_normalizes_and_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 1.0
     assert max_top_logprobs([SamplingParams(logprobs=5), SamplingParams(), p]) == 5
-
-
-# --- masks ----------------------------------------------------------------------------------------
-def reference_mask(logits, top_k, top_p, min_p):
-    """Which tokens survive, computed token by token in float64."""
-    logits = logits.astype(np.float64)
-    order = sorted(range(len(logits)), key=lambda i: -logits[i])
-    kept = set(order)
-    if 0 < top_k < len(logits):
-        kth = logits[order[top_k - 1]]
-        kept = {i for i in kept if logits[i] >= kth}
-    if top_p < 1:
-        z = sum(math.exp(logits[i]) for i in kept)
-        mass, last = 0.0, None
-        for i in order:
-            if i in kept and mass < top_p:
-                mass += math.exp(logits[i]) / z
-                last = logits[i]
-        kept = {i for i in kept if logits[i] >= last}
-    probs = np.exp(logits - logits.max())
-    kept = {i for i in kept if probs[i] >= min_p * probs.max()}
-    return np.array([i in kept for i in range(len(logits))])
-
-
-def test_top_k_top_p_min_p_masks_match_numpy():
-    rng = np.random.default_rng(0)
-    batch, vocab = 64, 40
-    logits = rng.normal(size=(batch, vocab)).astype(np.float32) * 2
-    logits[::4] = np.round(logits[::4])  # ties at the thresholds
-    top_k = rng.choice([0, 0, 1, 3, 10, vocab, vocab + 5], size=batch).astype(np.int32)
-    top_p = rng.choice([1.0, 1.0, 0.05, 0.3, 0.75, 0.95], size=batch).astype(np.float32)
-    min_p = rng.choice([0.0, 0.0, 0.05, 0.3, 1.0], size=batch).astype(np.float32)
-    got = np.isfinite(np.asarray(mask_jit(logits, top_k, top_p, min_p)))
-    for row in range(batch):
-        want = reference_mask(logits[row], top_k[row], top_p[row], min_p[row])
-        np.testing.assert_array_equal(got[row], want, err_msg=f"row {row}: k={top_k[row]} "
-                                      f"p={top_p[row]} min_p={min_p[row]}")
-    # kept logits are unchanged
-    masked = np.asarray(mask_jit(logits, top_k, top_p, min_p))
-    np.testing.assert_array_equal(masked[got], logits[got])
-    # all filters off: nothing masked (and the sort is skipped)
-    off = mask_jit(logits, np.zeros(batch, np.int32), np.ones(batch, np.float32),
-                   np.zeros(batch, np.float32))
-    np.testing.assert_array_equal(np.asarray(off), logits)
 
 
 # --- sampling -------------------------------------------------------------------------------------

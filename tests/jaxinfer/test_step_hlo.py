@@ -116,6 +116,14 @@ def test_an_all_greedy_batch_without_logprobs_sorts_nothing(model):
     assert not {name: found for name, found in on_every_step.items() if found}
 
 
+def test_the_step_never_sorts_the_vocabulary(model):
+    """Top-k and top-p bisect for their thresholds: the step's only vocabulary-wide selection is
+    the top-N logprobs' TopK, under its conditional."""
+    hlo, _ = compiled_step(model, 8, max_model_len=512, num_pages=64)
+    found = [line for body in split_computations(hlo)[0].values() for line in vocab_sorts(body)]
+    assert found and all(re.search(r'"TopK"|\btopk\(', line) for line in found), found
+
+
 def test_an_all_greedy_decode_window_sorts_nothing(model):
     hlo, _ = compiled_step(model, 8, num_steps=4, max_model_len=512, num_pages=64)
     bodies, entry = split_computations(hlo)
