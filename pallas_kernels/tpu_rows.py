@@ -2,8 +2,9 @@
 
 The kernels copy whole pages ([page, 2Hkv, D]: every kv head's K and V rows, interleaved) into
 VMEM buffers [slots, N, 2Hkv, D]. Indexing their row axis (`buf[slot, :, 2h, :]`) has Mosaic
-load one sublane per token and shuffle N of them into [N, D] tiles: for 2048 tokens of 2 kv
-heads, over 50,000 vector operations per KV step. Viewed as [N * 2Hkv, D] rows instead, head
+load one sublane per token and shuffle N of them into [N, D] tiles: the decode kernel with KV
+steps of 2048 tokens and 2 kv heads held ~78,000 vector operations, ~8,000 read this way
+(benchmarks/RESULTS.md). Viewed as [N * 2Hkv, D] rows instead, head
 h's K rows are every 2Hkv-th row from row 2h, and a strided load reads a whole tile of them at
 once. Packed dtypes (bfloat16: two rows to a 32-bit word, int8 / float8: four) are read as
 32-bit words, every (2Hkv / packing)-th from the word holding row 2h; K and V are then shifted
