@@ -10,7 +10,8 @@ window at the decode-sized ones, the step is traced with the shapes and sharding
 gives it on that mesh (parameters of the shape by the model's logical axes, KV heads repeated
 where the layout asks; the paged KV cache; the inputs), compiled by XLA:TPU with the Pallas TPU
 kernel inside, and `memory_analysis()` gives one chip's arguments, outputs and temporaries beside
-its HBM, and `cache_copies` counts copies of a whole layer's cache in the compiled step. The KV
+its HBM, `cache_copies` counts copies of a whole layer's cache in the compiled step and
+`weight_copies` relayouts of a fused weight. The KV
 pool takes what the engine would take (`kv_cache_memory_fraction` of the HBM the weights leave) unless
 --num-pages says otherwise.
 With a `data` axis the step is vmapped over the replicas as the runner runs it (caches and inputs
@@ -127,6 +128,7 @@ class AotStep:
         return {**variant, "compile_s": round(seconds, 1),
                 "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
                 "cache_copies": len(self.cache_copies(hlo)),
+                "weight_copies": self.weight_copies(hlo),
                 "argument_gib": round(mem.argument_size_in_bytes / 2**30, 3),
                 "output_gib": round(mem.output_size_in_bytes / 2**30, 3),
                 "alias_gib": round(mem.alias_size_in_bytes / 2**30, 3),
@@ -141,6 +143,20 @@ class AotStep:
         dims = "|".join(",".join(map(str, shard[i:])) for i in range(len(shard) - 3))  # [1, P, ...] or [P, ...]
         pattern = re.compile(r"= \w+\[(?:" + dims + r")\]\S* (?:copy|copy-start)\(")
         return [line.strip()[:160] for line in hlo.splitlines() if pattern.search(line)]
+
+    def weight_copies(self, hlo: str) -> dict[str, int]:
+        """Copies (plain or fused) of each parameter field of 3 or more axes in the compiled step,
+        by field: a relayout of a fused weight before its matmul (sharding/weight_layout.py)."""
+        fields = {}
+        for path, p in jax.tree_util.tree_leaves_with_path(self.params):
+            if len(p.shape) >= 3:
+                fields[",".join(map(str, p.sharding.shard_shape(p.shape)))] = str(path[-1]).strip(".")
+        pattern = re.compile(r"= \w+\[(" + "|".join(fields) + r")\]\S* (?:copy|fusion)\(")
+        counts = {}
+        for line in hlo.splitlines():
+            if (m := pattern.search(line)) and "calls=%bitcast_fusion" not in line:  # a bitcast moves nothing
+                counts[fields[m.group(1)]] = counts.get(fields[m.group(1)], 0) + 1
+        return counts
 
     def summary(self) -> dict:
         return {"chip": self.chip, "devices": len(self.mesh.devices.flat), "mesh": dict(self.mesh.shape),

@@ -56,7 +56,8 @@ from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.step_variants import (as_greedy, decode_sized_buckets, decode_steps, greedy_variant_enabled,
                                     input_shardings, plain_padding, split_step_enabled, step_jits,
                                     window_compiler_options)
-from sharding import DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, replicated_spec, shard_params
+from sharding import (DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, pin_weight_layouts,
+                      replicated_spec, shard_params)
 from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int, fetch, put_inputs
 
@@ -76,8 +77,8 @@ class ModelRunner:
         self.num_replicas = axis_size(self.mesh, DATA)
         if self.family.compute_layout is not None:  # kept on the model: one copy of the weights
             model.params = self.family.compute_layout(model.params, self.mesh)
-        self.params = model.params if self.mesh is None else shard_params(
-            model.params, self.family.param_axes, self.mesh, self.layout)
+        self.params = pin_weight_layouts(model.params if self.mesh is None else shard_params(
+            model.params, self.family.param_axes, self.mesh, self.layout), self.family.param_axes)
         self.kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, model.params.embed.dtype)
         # Every host must allocate the same pool: process 0's number wins.
         self.num_pages = broadcast_int(

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from sharding.rules import HeadLayout, ParamAxes, PyTree, _leaf_name, logical_to_spec
+from sharding.weight_layout import weight_format
 
 
 class FieldSpec(Protocol):
@@ -153,11 +154,13 @@ def _placed_shape(name: str, shape: tuple[int, ...], param_axes: ParamAxes, mesh
 
 
 def param_structs(params: PyTree, param_axes: ParamAxes, mesh: Mesh, layout: HeadLayout) -> PyTree:
-    """What `shard_params` would make of a tree of parameters (arrays or shape structs), as
-    shape structs with their shardings: to compile a step ahead of time without the weights."""
+    """What `shard_params` and `pin_weight_layouts` would make of a tree of parameters (arrays or
+    shape structs), as shape structs with their shardings (and, for fused weights on a TPU, their
+    pinned layout): to compile a step ahead of time without the weights."""
     def struct(path: jax.tree_util.KeyPath, x) -> jax.ShapeDtypeStruct:
-        shape, sharding = _placed_shape(_leaf_name(path), x.shape, param_axes, mesh, layout)
-        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+        name = _leaf_name(path)
+        shape, sharding = _placed_shape(name, x.shape, param_axes, mesh, layout)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=weight_format(name, shape, sharding, param_axes))
 
     return jax.tree_util.tree_map_with_path(struct, params)
 

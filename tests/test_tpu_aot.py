@@ -38,6 +38,9 @@ def test_every_step_variant_compiles_for_a_tpu_slice(tensor4_on_v5e):
     for v in variants:
         assert "error" not in v, v
         assert v["tpu_custom_calls"] == 6, v  # the decode, mixed and prefill kernels per layer
+        # The fused q|k|v and gate|up weights are read in their pinned layout: without it XLA
+        # relays each before its matmul on every step (sharding/weight_layout.py).
+        assert v["weight_copies"] == {}, v
 
 
 def test_the_step_fits_the_chips_hbm_with_the_cache_in_place(tensor4_on_v5e):
@@ -72,6 +75,9 @@ def test_a_head_dim_64_step_keeps_its_cache_in_place(topology, mesh, kv_cache_dt
         assert step["bucket"] == 8 and step["num_steps"] == 1 and "error" not in step, step
         assert step["tpu_custom_calls"] == 6, step
         assert step["cache_copies"] == 0, step
+        # With data replicas (the step vmapped) XLA still relays q|k|v of every layer after the
+        # first to another order of its group axes; gate|up, the larger, is read as placed.
+        assert set(step["weight_copies"]) <= ({"w_qkv"} if "data" in mesh else set()), step
         assert step["argument_gib"] + step["temp_gib"] < step["hbm_gib"], step
     # one chip's 2 layers of [P, page, rows = its 2Hkv, D=64], each 64-wide row padded to 128 lanes
     logical = 2 * summary["num_pages"] * summary["page_size"] * rows * 64 * itemsize
