@@ -77,8 +77,11 @@ class ModelRunner:
         self.num_replicas = axis_size(self.mesh, DATA)
         if self.family.compute_layout is not None:  # kept on the model: one copy of the weights
             model.params = self.family.compute_layout(model.params, self.mesh)
-        self.params = pin_weight_layouts(model.params if self.mesh is None else shard_params(
-            model.params, self.family.param_axes, self.mesh, self.layout), self.family.param_axes)
+        placed = model.params if self.mesh is None else shard_params(
+            model.params, self.family.param_axes, self.mesh, self.layout)
+        self.params = pin_weight_layouts(placed, self.family.param_axes)
+        if any(a is not b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(self.params), strict=True)):
+            model.params = self.params  # relaid on a TPU: the model keeps no second copy
         self.kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, model.params.embed.dtype)
         # Every host must allocate the same pool: process 0's number wins.
         self.num_pages = broadcast_int(
