@@ -75,13 +75,7 @@ class ModelRunner:
         check_expert_axis(self.mesh, self.config.num_experts)
         self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         self.num_replicas = axis_size(self.mesh, DATA)
-        if self.family.compute_layout is not None:  # kept on the model: one copy of the weights
-            model.params = self.family.compute_layout(model.params, self.mesh)
-        placed = model.params if self.mesh is None else shard_params(
-            model.params, self.family.param_axes, self.mesh, self.layout)
-        self.params = pin_weight_layouts(placed, self.family.param_axes)
-        if any(a is not b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(self.params), strict=True)):
-            model.params = self.params  # relaid on a TPU: the model keeps no second copy
+        self.params = self._place_params(model)
         self.kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, model.params.embed.dtype)
         # Every host must allocate the same pool: process 0's number wins.
         self.num_pages = broadcast_int(
@@ -128,6 +122,19 @@ class ModelRunner:
         self.greedy_buckets = decode_sized if greedy_variant_enabled(engine.greedy_variant, self.num_replicas) else ()
         self.greedy_steps = self.num_decode_steps
         self.launcher = Launcher(dispatch_thread_enabled(engine.dispatch_thread))
+
+    def _place_params(self, model: LoadedModel):
+        """The parameters as the step computes with them: the family's layout, placed on the mesh,
+        fused weights pinned to their matmuls' layout on a TPU. The model is left holding one copy
+        of each weight."""
+        if self.family.compute_layout is not None:
+            model.params = self.family.compute_layout(model.params, self.mesh)
+        placed = model.params if self.mesh is None else shard_params(
+            model.params, self.family.param_axes, self.mesh, self.layout)
+        params = pin_weight_layouts(placed, self.family.param_axes)
+        if any(a is not b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params), strict=True)):
+            model.params = params  # relaid on a TPU
+        return params
 
     def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
         sharding = self._home
