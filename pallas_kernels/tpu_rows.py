@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 _LANES = 128
+_SUBLANES = 8
 
 
 def packing(dtype) -> int:
@@ -28,9 +29,12 @@ def packing(dtype) -> int:
 
 def strided(rows: int, head_dim: int, dtype) -> bool:
     """Whether `head_kv` reads a buffer of `rows` (2Hkv) rows of `dtype` by strided loads: the
-    rows fill whole words (one-byte caches need an even number of kv heads), and a row takes
-    at most 128 lanes."""
-    return rows % packing(dtype) == 0 and head_dim <= _LANES
+    rows fill whole words (one-byte caches need an even number of kv heads); Mosaic folds the
+    buffer's [N, rows] axes into one only where `rows` fills its 8-row tiles or divides one
+    (2, 4, 8, 16, 24, ...; 6, 10 or 12 rows, i.e. 3, 5 or 6 kv heads, are refused: "tiled
+    dimensions remain unchanged"); and a row takes at most 128 lanes."""
+    return (rows % packing(dtype) == 0 and (rows % _SUBLANES == 0 or _SUBLANES % rows == 0)
+            and head_dim <= _LANES)
 
 
 def interpreted(interpret) -> bool:

@@ -52,6 +52,8 @@ CASES = {
     # Query groups of 1 and 2 rows (decode [G, D] operands under one sublane tile).
     "v5e-group1-group2": ("v5e", dict(q_heads=4, kv_heads=2), {}),
     "v6e-mha": ("v6e", dict(q_heads=4, kv_heads=4), {}),
+    # SmolLM2's 3 kv heads: 6 rows a token, which Mosaic cannot fold for the strided read.
+    "v5e-d64-kv3": ("v5e", dict(q_heads=9, kv_heads=3, head_dim=64), {}),
 }
 # Must fail in Mosaic's allocator, with these words: one ragged call whose blocks need more VMEM
 # than the limit it asks for; a page table of 2 MiB (256 x 2048 pages) with the kernel's own
