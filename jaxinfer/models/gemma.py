@@ -103,7 +103,7 @@ def _attention(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, 
                sliding: bool):
     """x [T, E] -> x + post_norm(attention(norm(x))), and the layer's updated cache."""
     eps = config.rms_norm_eps
-    qkv = einsum("te,ekjd->tkjd", rms_norm(x, p.attn_norm, eps), p.w_qkv)  # [T, K, G+2, D]
+    qkv = L.project_qkv(rms_norm(x, p.attn_norm, eps), p.w_qkv)  # [T, K, G+2, D]
     t, kv_heads, group, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
     q = qkv[:, :, :group].reshape(t, kv_heads * group, d)  # [T, H, D]
     k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, K, D] each

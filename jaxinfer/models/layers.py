@@ -15,6 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.quant import einsum, embedding_rows
@@ -105,6 +106,17 @@ def decoder_stack(layer_fn, params, config: ModelConfig, tokens: jax.Array, posi
         x, kv_cache = layer_call(x, layer, kv_cache, cos, sin, meta, config, attn_impl)
         new_caches.append(kv_cache)
     return rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(new_caches)
+
+
+def project_qkv(x: jax.Array, w_qkv: jax.Array) -> jax.Array:
+    """x [T, E] -> q|k|v [T, K, G+2, D] in one matmul (w_qkv [E, K, G+2, D], maybe quantized),
+    its output pinned row-major. Left free, XLA:TPU may give this product a transposed output
+    when the attention kernels rearrange q (seen in the step vmapped over data replicas), and
+    then relays the whole weight to the layout such a product reads, on every step; pinned, the
+    weight is read as placed (sharding/weight_layout.py) and only the small output is moved.
+    XLA:CPU and XLA:GPU lay a dot's output out row-major anyway."""
+    qkv = einsum("te,ekjd->tkjd", x, w_qkv)
+    return with_layout_constraint(qkv, Layout(major_to_minor=tuple(range(qkv.ndim))))
 
 
 def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:

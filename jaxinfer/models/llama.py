@@ -173,7 +173,7 @@ def attention_block(x, p, kv_cache, cos, sin, meta, config: ModelConfig, attn_im
     """x [T, E] -> x + attention(norm(x)), and the layer's updated cache. `p` is any layer with
     LlamaLayer's attention fields (attn_norm, w_qkv, wo and the optional b_qkv, bo, q/k_norm)."""
     h = L.rms_norm(x, p.attn_norm, config.rms_norm_eps)  # [T, E]
-    qkv = einsum("te,ekjd->tkjd", h, p.w_qkv)  # [T, K, G+2, D]
+    qkv = L.project_qkv(h, p.w_qkv)  # [T, K, G+2, D]
     if p.b_qkv is not None:
         qkv = qkv + p.b_qkv
     t, kv_heads, group, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
