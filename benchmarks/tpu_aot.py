@@ -146,16 +146,26 @@ class AotStep:
 
     def weight_copies(self, hlo: str) -> dict[str, int]:
         """Copies (plain or fused) of each parameter field of 3 or more axes in the compiled step,
-        by field: a relayout of a fused weight before its matmul (sharding/weight_layout.py)."""
+        by field: a relayout of a fused weight before its matmul (sharding/weight_layout.py). A
+        copy counts by its element count (a shard's, of at least 2**20 elements; a tuple's arrays
+        together), so that a weight relaid into another shape (a reshape XLA could not make a
+        bitcast) or sliced into parts counts too."""
         fields = {}
         for path, p in jax.tree_util.tree_leaves_with_path(self.params):
-            if len(p.shape) >= 3:
-                fields[",".join(map(str, p.sharding.shard_shape(p.shape)))] = str(path[-1]).strip(".")
-        pattern = re.compile(r"= \w+\[(" + "|".join(fields) + r")\]\S* (?:copy|fusion)\(")
+            size = int(np.prod(p.sharding.shard_shape(p.shape)))
+            if len(p.shape) >= 3 and size >= 2**20:
+                fields.setdefault(size, str(path[-1]).strip("."))
+        # A fusion whose computation is a bitcast moves nothing.
+        bitcasts = set(re.findall(r"^%(\S+) .*\n(?:  .*\n)*?  ROOT \S+ = \S+ bitcast\(", hlo, re.M))
+        pattern = re.compile(r"= (\(?[^=]*?\)?) (?:copy|fusion)\(")  # its output: an array or a tuple
         counts = {}
         for line in hlo.splitlines():
-            if (m := pattern.search(line)) and "calls=%bitcast_fusion" not in line:  # a bitcast moves nothing
-                counts[fields[m.group(1)]] = counts.get(fields[m.group(1)], 0) + 1
+            called = re.search(r"calls=%([^,\s]+)", line)
+            if not (m := pattern.search(line)) or (called and called.group(1) in bitcasts):
+                continue
+            size = sum(int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"\[([\d,]+)\]", m.group(1)))
+            if (name := fields.get(size)) is not None:  # a tuple's arrays count together: a weight sliced apart
+                counts[name] = counts.get(name, 0) + 1
         return counts
 
     def summary(self) -> dict:

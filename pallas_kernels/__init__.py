@@ -8,6 +8,6 @@ reference, with one logged warning per cause, for shapes a kernel cannot take (d
 from __future__ import annotations
 
 from pallas_kernels.reference import kv_cache_shape, ragged_paged_attention_reference
-from pallas_kernels.dispatch import ragged_paged_attention
+from pallas_kernels.dispatch import ragged_paged_attention, target_backend
 
-__all__ = ["kv_cache_shape", "ragged_paged_attention", "ragged_paged_attention_reference"]
+__all__ = ["kv_cache_shape", "ragged_paged_attention", "ragged_paged_attention_reference", "target_backend"]

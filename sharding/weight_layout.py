@@ -8,8 +8,9 @@ on every step (about 2.2 GB of copies a step per chip for Llama-3.1-8B at tensor
 window hoists the copies out of its loop and keeps them all live (its temporaries then no longer
 fit a v5e's HBM beside the KV pool: benchmarks/RESULTS.md). Placed in the layout the matmuls
 read (the input axis second-minor, the groups major: major-to-minor (1, ..., n - 2, 0, n - 1)),
-the weights are read as they are. Other platforms keep the default (row-major) layout, which
-their matmuls read as one [in, out] matrix.
+the weights are read as they are. A mixture's stacked experts likewise take the layout its
+grouped matmuls read (each expert's [in, out] matrices whole). Other platforms keep the default
+(row-major) layout, which their matmuls read as one [in, out] matrix.
 """
 from __future__ import annotations
 
@@ -23,11 +24,19 @@ TILED_PLATFORMS = ("tpu",)
 
 def dot_layout(axes: tuple[str, ...] | None, ndim: int) -> tuple[int, ...] | None:
     """Major-to-minor order for a weight of these logical axes on a TPU, or None (the default):
-    weights [in, group..., out] with the input ("embed") axis first and at least one group axis
-    take their groups major and the input axis second-minor."""
-    if axes is None or len(axes) != ndim or ndim < 3 or axes[0] != "embed":
+    - [in, group..., out] with the input ("embed") axis first and at least one group axis
+      (q|k|v, gate|up): the groups major, the input axis second-minor;
+    - experts stacked, [experts, in, group..., out] (a mixture's gate|up and down): the experts
+      major, then the groups, then each [in, out] matrix, which is how the grouped matmul reads
+      them. XLA:TPU's own layouts for these shapes avoid lane padding (it put a [X, F, 576]
+      down projection's F minor) at the price of a copy before every grouped matmul."""
+    if axes is None or len(axes) != ndim or ndim < 3:
         return None
-    return (*range(1, ndim - 1), 0, ndim - 1)
+    if axes[0] == "embed":
+        return (*range(1, ndim - 1), 0, ndim - 1)
+    if axes[0] == "experts":
+        return (0, *range(2, ndim - 1), 1, ndim - 1)
+    return None
 
 
 def _platform(sharding: jax.sharding.Sharding) -> str:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxinfer.models.layers import gated_mlp
 from jaxinfer.quant import QuantizedWeight, dequantize, einsum
+from pallas_kernels import target_backend
 from pallas_kernels.common import next_pow2
 from sharding.experts import shard_experts
 
@@ -56,7 +57,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: Experts, w_down: Experts
     if isinstance(w_gate_up, tuple):
         return per_expert(x, weights, experts, w_gate_up, w_down)
     if impl == "auto":
-        impl = _AUTO.get(jax.default_backend(), "ragged")
+        impl = _AUTO.get(target_backend(), "ragged")  # the mesh's platform: a TPU step traced here too
     if impl not in _FORMS:
         raise ValueError(f"unknown MoE impl {impl!r}; known: 'auto', {', '.join(map(repr, _FORMS))}")
     return shard_experts(_FORMS[impl], x, weights, experts, w_gate_up, w_down)
@@ -74,17 +75,44 @@ def dense_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
     return jnp.einsum("xte,xt->te", out, combine)
 
 
+def replicas_as_rows(form):
+    """A stacked form that also runs vmapped over data replicas (the runner's step: jax.vmap over
+    [data]). Each token's output depends on that token alone, so the replicas' tokens run as the
+    rows of one call: lax.ragged_dot(_general) has no batching rule for weights the replicas share;
+    one call sorts all their rows by expert into one set of groups. Weights that differ per
+    replica run one replica after another."""
+    fn = jax.custom_batching.custom_vmap(form)
+
+    @fn.def_vmap
+    def _rule(axis_size, in_batched, x, weights, experts, w_gate_up, w_down):
+        args = (x, weights, experts, w_gate_up, w_down)
+        if any(jax.tree.leaves(in_batched[3:])):
+            def replica(r):
+                return form(*(jax.tree.map(lambda a, b: a[r] if b else a, arg, batched)
+                              for arg, batched in zip(args, in_batched)))
+            return jax.lax.map(replica, jnp.arange(axis_size)), True
+        rows = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, batched in zip(args[:3], in_batched[:3])]
+        out = fn(*(a.reshape(-1, *a.shape[2:]) for a in rows), w_gate_up, w_down)
+        return out.reshape(axis_size, -1, out.shape[-1]), True
+
+    return fn
+
+
+@replicas_as_rows
 def ragged_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
-    """Rows sorted by expert, grouped matmuls (gate and up as one [E, 2F] product); rows for an
-    id past the last expert (another shard's) sort last, outside every group, and add nothing."""
+    """Rows sorted by expert, grouped matmuls; rows for an id past the last expert (another
+    shard's) sort last, outside every group, and add nothing. Gate and up are one product with
+    the weight's [2, F] axes as its output: as an [X, E, 2F] product (a reshape) XLA:TPU relaid
+    the whole weight into that shape on every step (201 MB a layer per chip for Qwen3-30B-A3B
+    at tensor=4), and slicing gate and up apart copied it in halves."""
     (t, top_k), num_experts = experts.shape, w_gate_up.shape[0]
     flat = experts.reshape(-1)  # [T*k]: row j is token j // k's (j % k)-th choice
     order = jnp.argsort(flat, stable=True)  # rows grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [X]
     row_expert = jnp.minimum(flat[order], num_experts - 1)  # [T*k]: the expert of each sorted row
     xs = x[order // top_k]  # [T*k, E]
-    merged = _map(w_gate_up, lambda a: a.reshape(*a.shape[:2], -1))  # [X, E, 2F]
-    gate_up = _grouped_matmul(xs, merged, group_sizes, row_expert).reshape(t * top_k, 2, -1)
+    gate_up = _grouped_matmul(xs, w_gate_up, group_sizes, row_expert)  # [T*k, 2, F]
     hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]  # [T*k, F]
     out = _grouped_matmul(hidden, w_down, group_sizes, row_expert)  # [T*k, E], sorted
     out = jnp.where((flat[order] < num_experts)[:, None], out, 0)  # rows in no group: undefined
@@ -97,16 +125,22 @@ def _map(w, fn):
     return w.map(fn) if isinstance(w, QuantizedWeight) else fn(w)
 
 
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
 def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
-    """lax.ragged_dot(xs, w, group_sizes) for stacked weights w [X, in, out]: per-channel int8
-    runs on the integers and scales each row's output by its expert's scales; other quantized
-    layouts are dequantized first."""
+    """Grouped matmul (lax.ragged_dot_general) of rows xs [rows, in] sorted by expert with
+    stacked weights w [X, in, out...] -> [rows, out...]: per-channel int8 runs on the integers
+    and scales each row's output by its expert's scales; other quantized layouts are
+    dequantized first."""
+    grouped = lambda w: jax.lax.ragged_dot_general(xs, w, group_sizes, _GROUPED)  # noqa: E731
     if not isinstance(w, QuantizedWeight):
-        return jax.lax.ragged_dot(xs, w, group_sizes)
+        return grouped(w)
     if w.per_channel_int8:
-        y = jax.lax.ragged_dot(xs, w.values.astype(xs.dtype), group_sizes)  # [rows, out]
+        y = grouped(w.values.astype(xs.dtype))  # [rows, out...]
         return y * w.scales[:, 0].astype(y.dtype)[row_expert]
-    return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), group_sizes)
+    return grouped(dequantize(w, xs.dtype))
 
 
 def capacity_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:

@@ -107,6 +107,45 @@ def test_moe_grouped_matmuls_equal_the_dense_form(renormalize):
     assert np.allclose(weights.sum(-1), 1.0) == renormalize
 
 
+def test_moe_forms_run_vmapped_over_data_replicas():
+    """The runner vmaps its step over data replicas. lax.ragged_dot cannot be vmapped with
+    weights the replicas share, so the ragged form runs the replicas' tokens as rows of one call
+    (and weights that differ per replica one replica after another): each form vmapped equals
+    its calls one replica at a time."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 5)
+    x = jax.random.normal(keys[0], (3, 13, 48))  # [replicas, T, E]
+    router = jax.random.normal(keys[1], (48, 8))
+    w_gate_up, w_down = 0.1 * jax.random.normal(keys[2], (8, 48, 2, 24)), 0.1 * jax.random.normal(keys[3], (8, 24, 48))
+    for impl in ("ragged", "dense", "capacity"):
+        mlp = lambda x, w1=w_gate_up, w2=w_down, impl=impl: experts.moe_mlp(  # noqa: E731
+            x, router, w1, w2, top_k=3, renormalize=True, impl=impl)
+        one_by_one = np.stack([mlp(x[r]) for r in range(3)])
+        np.testing.assert_allclose(jax.jit(jax.vmap(mlp))(x), one_by_one, atol=1e-5, rtol=0)
+    weights, chosen = jax.vmap(lambda x: experts.route(x, router, 3, True))(x)  # per replica its choices
+    shared_rows = jax.vmap(experts.ragged_experts, in_axes=(None, 0, 0, None, None))(x[1], weights, chosen, w_gate_up, w_down)
+    np.testing.assert_allclose(shared_rows, np.stack([experts.ragged_experts(x[1], weights[r], chosen[r], w_gate_up, w_down)
+                                                      for r in range(3)]), atol=1e-5, rtol=0)
+    per_replica = jnp.stack([w_gate_up, 2 * w_gate_up, -w_gate_up])
+    mlp = lambda x, w1: experts.moe_mlp(x, router, w1, w_down, top_k=3, renormalize=True, impl="ragged")  # noqa: E731
+    np.testing.assert_allclose(jax.vmap(mlp)(x, per_replica), np.stack([mlp(x[r], per_replica[r]) for r in range(3)]),
+                               atol=1e-5, rtol=0)
+
+
+def test_moe_auto_form_follows_the_meshs_platform():
+    """"auto" picks the form of the platform the step is built for: a step traced here for TPU
+    chips (benchmarks/tpu_aot.py) runs the grouped matmuls a TPU would, not the CPU's dense form."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    x, router = jnp.zeros((4, 48)), jnp.zeros((48, 8))
+    w_gate_up, w_down = jnp.zeros((8, 48, 2, 24)), jnp.zeros((8, 24, 48))
+    trace = lambda: str(jax.make_jaxpr(lambda x: experts.moe_mlp(  # noqa: E731
+        x, router, w_gate_up, w_down, top_k=2, renormalize=True))(x))
+    assert "ragged_dot" not in trace()  # the CPU's own: dense
+    tpu = AbstractMesh((1,), ("tensor",), (AxisType.Auto,),
+                       abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu"))
+    with jax.sharding.use_abstract_mesh(tpu):
+        assert "ragged_dot" in trace()
+
+
 @pytest.mark.parametrize("tokens,num_experts,skew", [(1, 32, 0.0), (5, 32, 0.0), (11, 32, 0.0),
                                                     (300, 16, 0.0), (300, 16, 8.0)])
 def test_capacity_form_equals_the_dense_form(tokens, num_experts, skew):

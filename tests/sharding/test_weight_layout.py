@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import llama
+from jaxinfer.models import llama, moe
 from sharding.weight_layout import dot_layout, pin_weight_layouts, weight_format
 
 
@@ -21,6 +21,18 @@ def test_fused_weights_take_their_groups_major(name, want):
     assert dot_layout(axes, len(axes)) == want
     assert dot_layout(axes, len(axes) + 1) is None  # a leaf of another shape (e.g. quantized scales)
     assert dot_layout(None, 3) is None
+
+
+@pytest.mark.parametrize("name,want", [
+    ("experts_gate_up", (0, 2, 1, 3)),  # [X, E, 2, F]: each expert's gate and up [E, F] matrices
+    ("experts_down", (0, 1, 2)),        # [X, F, E]: each expert an [F, E] matrix, row-major
+    ("router", None), ("w_qkv", (1, 2, 0, 3)),
+])
+def test_stacked_experts_are_placed_as_the_grouped_matmuls_read_them(name, want):
+    """A mixture's experts on a TPU: each expert's matrices [in, out] whole, as the grouped
+    matmuls read them; XLA:TPU's own layout relaid them on every step."""
+    axes = moe.PARAM_AXES[name]
+    assert dot_layout(axes, len(axes)) == want
 
 
 def test_other_platforms_keep_the_default_layout():
