@@ -15,7 +15,10 @@ its HBM, `cache_copies` counts copies of a whole layer's cache in the compiled s
 pool takes what the engine would take (`kv_cache_memory_fraction` of the HBM the weights leave) unless
 --num-pages says otherwise.
 With a `data` axis the step is vmapped over the replicas as the runner runs it (caches and inputs
-with a leading [data] axis; replicas run single steps, no windows). One JSON line per compiled variant.
+with a leading [data] axis; replicas run single steps, no windows). `--quantization int8|int4`
+gives the linear weights the structure a quantized load gives them (integers, scales, int4
+offsets), so the pool and the temporaries are those of the quantized model. One JSON line per
+compiled variant.
 """
 from __future__ import annotations
 
@@ -41,7 +44,10 @@ from benchmarks.shapes import SHAPES, shape_config  # noqa: E402
 from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
+from jaxinfer.models.layers import LAYER_LINEARS  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
+from jaxinfer.quant.config import QuantConfig, component_shapes  # noqa: E402
+from jaxinfer.quant.weights import QuantizedWeight  # noqa: E402
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype, scales_array  # noqa: E402
 from jaxinfer.kv_pool import cache_struct, plan_num_pages  # noqa: E402
 from jaxinfer.step_variants import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,  # noqa: E402
@@ -57,11 +63,37 @@ def shard_bytes(structs) -> int:
                for s in jax.tree.leaves(structs))
 
 
+# The fused linear weights weight-only quantization replaces, by their input axes (as loaded:
+# jaxinfer.quant), a mixture's stacked experts included.
+QUANTIZED_INPUTS = {**LAYER_LINEARS, "experts_gate_up": (1,), "experts_down": (1,)}
+
+
+def _field(path: jax.tree_util.KeyPath) -> str:
+    """The field a parameter leaf sits under (a quantized weight's arrays: its field's name)."""
+    names = [getattr(k, "name", None) or getattr(k, "key", None) for k in path]
+    return next(n for n in reversed(names) if isinstance(n, str))
+
+
+def quantized(params, quant: QuantConfig | None):
+    """Shape structs of the parameters with each linear weight as the loader quantizes it: a
+    QuantizedWeight of its integers' and scales' (and int4 offsets') structs."""
+    def replace(path, x):
+        inputs = QUANTIZED_INPUTS.get(_field(path))
+        if quant is None or inputs is None:
+            return x
+        parts = {name: jax.ShapeDtypeStruct(shape, dtype)
+                 for name, (shape, dtype) in component_shapes(x.shape, inputs, quant, x.dtype).items()}
+        return QuantizedWeight(parts["values"], parts["scales"], None, quant.method, inputs, quant.group_size,
+                               parts.get("offsets"), x.dtype)
+
+    return jax.tree_util.tree_map_with_path(replace, params)
+
+
 class AotStep:
     """The engine's step for one model shape on a mesh of compile-only TPU devices."""
 
     def __init__(self, shape: str, topology: str, mesh: str, engine: EngineConfig, dtype: str,
-                 num_layers: int | None = None):
+                 num_layers: int | None = None, quant: QuantConfig | None = None):
         self.config = shape_config(shape, num_layers)
         self.family = get_family(self.config.family)
         self.devices = topologies.get_topology_desc(topology, "tpu").devices
@@ -72,7 +104,7 @@ class AotStep:
         layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         host = jax.eval_shape(functools.partial(self.family.init_params, self.config, jax.random.key(0),
                                                 resolve_dtype(dtype)))
-        self.params = param_structs(host, self.family.param_axes, self.mesh, layout)
+        self.params = param_structs(quantized(host, quant), self.family.param_axes, self.mesh, layout)
         with jax.set_mesh(self.mesh):
             self.chip = target_chip()
         self.hbm = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(self.chip), 1).hbm_capacity_bytes
@@ -145,27 +177,36 @@ class AotStep:
         return [line.strip()[:160] for line in hlo.splitlines() if pattern.search(line)]
 
     def weight_copies(self, hlo: str) -> dict[str, int]:
-        """Copies (plain or fused) of each parameter field of 3 or more axes in the compiled step,
-        by field: a relayout of a fused weight before its matmul (sharding/weight_layout.py). A
-        copy counts by its element count (a shard's, of at least 2**20 elements; a tuple's arrays
-        together), so that a weight relaid into another shape (a reshape XLA could not make a
-        bitcast) or sliced into parts counts too."""
+        """Copies of each parameter field of 3 or more axes in the compiled step, by field: a
+        relayout of a weight before its matmul (sharding/weight_layout.py). A copy is a `copy`
+        or a fusion that is not a bitcast, outside fused computations (a retiling inside the
+        fusion that reads the weight is no pass over memory of its own), whose output has a
+        weight shard's element count (at least 2**20; a tuple's arrays together), so that a
+        weight relaid into another shape or sliced into parts counts too. Fields of one element
+        count share a name ("w_gate_up|w_down": an int4 gate|up's bytes hold as many values as
+        the down projection's)."""
         fields = {}
         for path, p in jax.tree_util.tree_leaves_with_path(self.params):
             size = int(np.prod(p.sharding.shard_shape(p.shape)))
-            if len(p.shape) >= 3 and size >= 2**20:
-                fields.setdefault(size, str(path[-1]).strip("."))
-        # A fusion whose computation is a bitcast moves nothing.
-        bitcasts = set(re.findall(r"^%(\S+) .*\n(?:  .*\n)*?  ROOT \S+ = \S+ bitcast\(", hlo, re.M))
+            if len(p.shape) >= 3 and size >= 2**20 and _field(path) not in fields.get(size, "").split("|"):
+                fields[size] = f"{fields[size]}|{_field(path)}" if size in fields else _field(path)
+        computations = re.split(r"\n(?=(?:ENTRY )?%\S+ \()", hlo)
+        fused = set(re.findall(r" fusion\(.*?calls=%([^,\s]+)", hlo))
+        bitcasts = {c.split(" ", 1)[0].lstrip("%") for c in computations
+                    if re.search(r"\n  ROOT \S+ = \S+ bitcast\(", c)}
         pattern = re.compile(r"= (\(?[^=]*?\)?) (?:copy|fusion)\(")  # its output: an array or a tuple
         counts = {}
-        for line in hlo.splitlines():
-            called = re.search(r"calls=%([^,\s]+)", line)
-            if not (m := pattern.search(line)) or (called and called.group(1) in bitcasts):
+        for computation in computations:
+            if computation.split(" ", 1)[0].lstrip("%") in fused:
                 continue
-            size = sum(int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"\[([\d,]+)\]", m.group(1)))
-            if (name := fields.get(size)) is not None:  # a tuple's arrays count together: a weight sliced apart
-                counts[name] = counts.get(name, 0) + 1
+            for line in computation.splitlines():
+                called = re.search(r"calls=%([^,\s]+)", line)
+                if not (m := pattern.search(line)) or (called and called.group(1) in bitcasts):
+                    continue
+                size = sum(int(np.prod([int(d) for d in dims.split(",")]))
+                           for dims in re.findall(r"\[([\d,]+)\]", m.group(1)))
+                if (name := fields.get(size)) is not None:
+                    counts[name] = counts.get(name, 0) + 1
         return counts
 
     def summary(self) -> dict:
@@ -195,6 +236,8 @@ def main(argv=None) -> None:
     p.add_argument("--page-size", type=int)
     p.add_argument("--num-pages", type=int)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype), int8 or fp8")
+    p.add_argument("--quantization", choices=("int8", "int4"), help="weight-only quantization of the linear weights")
+    p.add_argument("--quantization-group-size", type=int, help="inputs per scale (int4 default: 32; int8: per channel)")
     p.add_argument("--buckets", type=int, nargs="+", help="token buckets to compile (default: all)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode window length (1: none)")
     p.add_argument("--split", action="store_true",
@@ -210,8 +253,10 @@ def main(argv=None) -> None:
                           page_size=args.page_size, num_pages=args.num_pages, token_buckets=buckets,
                           kv_cache_dtype=args.kv_cache_dtype,
                           compilation_cache_dir=None)
-    aot = AotStep(args.shape, args.topology, args.mesh, engine, args.dtype, args.num_layers)
-    print(json.dumps({"shape": args.shape, "topology": args.topology, **aot.summary()}), flush=True)
+    quant = QuantConfig.parse(args.quantization, args.quantization_group_size)
+    aot = AotStep(args.shape, args.topology, args.mesh, engine, args.dtype, args.num_layers, quant)
+    print(json.dumps({"shape": args.shape, "topology": args.topology, "quantization": args.quantization,
+                      **aot.summary()}), flush=True)
     decode_sized = decode_sized_buckets(aot.inputs, aot.buckets, args.max_num_seqs)
     for bucket in args.buckets or aot.buckets:
         print(json.dumps(aot.compile(bucket)), flush=True)

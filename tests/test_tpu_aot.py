@@ -98,6 +98,22 @@ def test_a_mixture_of_experts_compiles_as_a_tpu_runs_it_over_data_replicas():
     assert step["weight_copies"] == {} and step["cache_copies"] == 0, step
 
 
+def test_quantized_weights_compile_and_leave_more_of_the_chip_to_the_cache():
+    """--quantization gives the linear weights a quantized load's structure: int8 per channel
+    compiles for the slice with no weight relaid, and its pool is larger than with bf16."""
+    common = ("--shape", "llama-3.1-8b", "--num-layers", "2", "--topology", "v5e:2x2", "--mesh", "tensor=4",
+              "--buckets", "8", "--max-num-batched-tokens", "8", "--max-model-len", "8192", "--decode-steps", "1")
+    summary, step = aot(*common, "--quantization", "int8")
+    assert summary["quantization"] == "int8" and "error" not in step, step
+    assert step["weight_copies"] == {} and step["cache_copies"] == 0, step
+    assert step["tpu_custom_calls"] == 6, step
+    linear = 2 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)  # 2 layers' q|k|v, o, gate|up, down
+    embeddings = 2 * 4096 * 128256  # the embedding and the untied LM head stay bf16
+    per_chip = lambda linear_bytes: (linear * linear_bytes + embeddings * 2) / 4 / 2**30  # noqa: E731
+    assert summary["param_gib_per_chip"] == pytest.approx(per_chip(1), abs=0.005), summary  # + the scales
+    assert per_chip(2) - summary["param_gib_per_chip"] > 0.09, summary
+
+
 PADDING = """
 import json, jax.numpy as jnp
 from jax.experimental import topologies
