@@ -46,7 +46,7 @@ from jaxinfer.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.layers import LAYER_LINEARS  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
-from jaxinfer.quant.config import QuantConfig, component_shapes  # noqa: E402
+from jaxinfer.quant.config import DEFAULT_GROUP_SIZE, QuantConfig, component_shapes  # noqa: E402
 from jaxinfer.quant.weights import QuantizedWeight  # noqa: E402
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype, scales_array  # noqa: E402
 from jaxinfer.kv_pool import cache_struct, plan_num_pages  # noqa: E402
@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-pages", type=int)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype), int8 or fp8")
     p.add_argument("--quantization", choices=("int8", "int4"), help="weight-only quantization of the linear weights")
-    p.add_argument("--quantization-group-size", type=int, help="inputs per scale (int4 default: 32; int8: per channel)")
+    p.add_argument("--quantization-group-size", type=int, help=f"inputs per scale (int4 default: {DEFAULT_GROUP_SIZE}; int8: per channel)")
     p.add_argument("--buckets", type=int, nargs="+", help="token buckets to compile (default: all)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode window length (1: none)")
     p.add_argument("--split", action="store_true",
