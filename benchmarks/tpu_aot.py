@@ -178,8 +178,9 @@ class AotStep:
 
     def weight_copies(self, hlo: str) -> dict[str, int]:
         """Copies of each parameter field of 3 or more axes in the compiled step, by field: a
-        relayout of a weight before its matmul (sharding/weight_layout.py). A copy is a `copy`
-        or a fusion that is not a bitcast, outside fused computations (a retiling inside the
+        relayout of a weight before its matmul (sharding/weight_layout.py). A copy is a `copy`,
+        a `convert` (a quantized weight's integers turned to floats in memory) or a fusion that
+        is not a bitcast, outside fused computations (a retiling inside the
         fusion that reads the weight is no pass over memory of its own), whose output has a
         weight shard's element count (at least 2**20; a tuple's arrays together), so that a
         weight relaid into another shape or sliced into parts counts too. Fields of one element
@@ -194,7 +195,7 @@ class AotStep:
         fused = set(re.findall(r" fusion\(.*?calls=%([^,\s]+)", hlo))
         bitcasts = {c.split(" ", 1)[0].lstrip("%") for c in computations
                     if re.search(r"\n  ROOT \S+ = \S+ bitcast\(", c)}
-        pattern = re.compile(r"= (\(?[^=]*?\)?) (?:copy|fusion)\(")  # its output: an array or a tuple
+        pattern = re.compile(r"= (\(?[^=]*?\)?) (?:copy|fusion|convert)\(")  # its output: an array or a tuple
         counts = {}
         for computation in computations:
             if computation.split(" ", 1)[0].lstrip("%") in fused:

@@ -84,14 +84,18 @@ def test_a_head_dim_64_step_keeps_its_cache_in_place(topology, mesh, kv_cache_dt
     assert summary["kv_gib_per_chip"] == pytest.approx(2 * logical / 2**30, abs=1e-3)
 
 
-def test_a_mixture_of_experts_compiles_as_a_tpu_runs_it_over_data_replicas():
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_mixture_of_experts_compiles_as_a_tpu_runs_it_over_data_replicas(quantization):
     """The SmolLM2-shaped mixture over 4 data replicas: the TPU's form of the experts (grouped
     matmuls, `lax.ragged_dot`, which cannot be vmapped over shared weights: the replicas' tokens
     run as rows of one call), the experts read in their placed layout (no weight relaid into
-    another shape either), and 3 kv heads (6 rows a token: the kernels read them row by row)."""
+    another shape either; int8 experts go into the grouped matmuls as integers, not converted
+    to floats in memory first), and 3 kv heads (6 rows a token: the kernels read them row by
+    row)."""
     summary, step = aot("--shape", "smollm2-moe", "--num-layers", "2", "--topology", "v5e:2x2",
                         "--mesh", "data=4", "--buckets", "8", "--max-num-batched-tokens", "8",
-                        "--max-model-len", "2048", "--decode-steps", "1")
+                        "--max-model-len", "2048", "--decode-steps", "1",
+                        *(["--quantization", quantization] if quantization else []))
     assert summary["mesh"]["data"] == 4
     assert "error" not in step, step
     assert step["tpu_custom_calls"] > 6, step  # the attention kernels and the grouped matmuls'

@@ -134,11 +134,12 @@ def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Ar
     stacked weights w [X, in, out...] -> [rows, out...]: per-channel int8 runs on the integers
     and scales each row's output by its expert's scales; other quantized layouts are
     dequantized first."""
-    grouped = lambda w: jax.lax.ragged_dot_general(xs, w, group_sizes, _GROUPED)  # noqa: E731
+    grouped = lambda w: jax.lax.ragged_dot_general(xs, w, group_sizes, _GROUPED,  # noqa: E731
+                                                   preferred_element_type=xs.dtype)
     if not isinstance(w, QuantizedWeight):
         return grouped(w)
     if w.per_channel_int8:
-        y = grouped(w.values.astype(xs.dtype))  # [rows, out...]
+        y = grouped(w.values)  # [rows, out...]
         return y * w.scales[:, 0].astype(y.dtype)[row_expert]
     return grouped(dequantize(w, xs.dtype))
 
