@@ -54,7 +54,7 @@ from jaxinfer.step_variants import (decode_sized_buckets, decode_steps, input_sh
                                     step_jits)
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_config import target_chip  # noqa: E402
-from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, param_structs  # noqa: E402
+from sharding import DATA, axis_size, head_layout, kv_cache_spec, leaf_name, make_mesh, param_structs  # noqa: E402
 
 
 def shard_bytes(structs) -> int:
@@ -68,17 +68,11 @@ def shard_bytes(structs) -> int:
 QUANTIZED_INPUTS = {**LAYER_LINEARS, "experts_gate_up": (1,), "experts_down": (1,)}
 
 
-def _field(path: jax.tree_util.KeyPath) -> str:
-    """The field a parameter leaf sits under (a quantized weight's arrays: its field's name)."""
-    names = [getattr(k, "name", None) or getattr(k, "key", None) for k in path]
-    return next(n for n in reversed(names) if isinstance(n, str))
-
-
 def quantized(params, quant: QuantConfig | None):
     """Shape structs of the parameters with each linear weight as the loader quantizes it: a
     QuantizedWeight of its integers' and scales' (and int4 offsets') structs."""
     def replace(path, x):
-        inputs = QUANTIZED_INPUTS.get(_field(path))
+        inputs = QUANTIZED_INPUTS.get(leaf_name(path))
         if quant is None or inputs is None:
             return x
         parts = {name: jax.ShapeDtypeStruct(shape, dtype)
@@ -188,9 +182,9 @@ class AotStep:
         the down projection's)."""
         fields = {}
         for path, p in jax.tree_util.tree_leaves_with_path(self.params):
-            size = int(np.prod(p.sharding.shard_shape(p.shape)))
-            if len(p.shape) >= 3 and size >= 2**20 and _field(path) not in fields.get(size, "").split("|"):
-                fields[size] = f"{fields[size]}|{_field(path)}" if size in fields else _field(path)
+            size, name = int(np.prod(p.sharding.shard_shape(p.shape))), leaf_name(path)
+            if len(p.shape) >= 3 and size >= 2**20 and name not in fields.get(size, "").split("|"):
+                fields[size] = f"{fields[size]}|{name}" if size in fields else name
         computations = re.split(r"\n(?=(?:ENTRY )?%\S+ \()", hlo)
         fused = set(re.findall(r" fusion\(.*?calls=%([^,\s]+)", hlo))
         bitcasts = {c.split(" ", 1)[0].lstrip("%") for c in computations

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from sharding.rules import HeadLayout, ParamAxes, PyTree, _leaf_name, logical_to_spec
+from sharding.rules import HeadLayout, ParamAxes, PyTree, leaf_name, logical_to_spec
 from sharding.weight_layout import weight_format
 
 
@@ -158,7 +158,7 @@ def param_structs(params: PyTree, param_axes: ParamAxes, mesh: Mesh, layout: Hea
     shape structs), as shape structs with their shardings (and, for fused weights on a TPU, their
     pinned layout): to compile a step ahead of time without the weights."""
     def struct(path: jax.tree_util.KeyPath, x) -> jax.ShapeDtypeStruct:
-        name = _leaf_name(path)
+        name = leaf_name(path)
         shape, sharding = _placed_shape(name, x.shape, param_axes, mesh, layout)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=weight_format(name, shape, sharding, param_axes))
 
@@ -169,7 +169,7 @@ def shard_params(params: PyTree, param_axes: ParamAxes, mesh: Mesh, layout: Head
     """Places an in-memory parameter tree on the mesh (a no-op for arrays placed already)."""
 
     def place(path: jax.tree_util.KeyPath, x: jax.Array | np.ndarray) -> jax.Array:
-        name = _leaf_name(path)
+        name = leaf_name(path)
         shape, target = _placed_shape(name, x.shape, param_axes, mesh, layout)
         if shape == x.shape and isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
             return x

@@ -123,7 +123,7 @@ def head_layout(mesh: AnyMesh | None, num_heads: int, num_kv_heads: int) -> Head
     return HeadLayout(num_heads, num_kv_heads, axis_size(mesh, TENSOR))
 
 
-def _leaf_name(path: jax.tree_util.KeyPath) -> str:
+def leaf_name(path: jax.tree_util.KeyPath) -> str:
     """The field name a leaf sits under (its last attribute or key in the tree)."""
     for entry in reversed(path):
         name = getattr(entry, "name", None) or getattr(entry, "key", None)
@@ -135,7 +135,7 @@ def _leaf_name(path: jax.tree_util.KeyPath) -> str:
 def param_specs(params: PyTree, param_axes: ParamAxes, mesh: AnyMesh | None) -> PyTree:
     """PartitionSpec of every parameter, from the model's logical axes (a tree like params)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: logical_to_spec(param_axes[_leaf_name(path)], x.shape, mesh), params)
+        lambda path, x: logical_to_spec(param_axes[leaf_name(path)], x.shape, mesh), params)
 
 
 def param_shardings(params: PyTree, param_axes: ParamAxes, mesh: Mesh) -> PyTree:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 from jax.experimental.layout import Format, Layout
 
-from sharding.rules import ParamAxes, PyTree, _leaf_name
+from sharding.rules import ParamAxes, PyTree, leaf_name
 
 TILED_PLATFORMS = ("tpu",)
 
@@ -59,7 +59,7 @@ def pin_weight_layouts(params: PyTree, param_axes: ParamAxes) -> PyTree:
     def pin(path: jax.tree_util.KeyPath, x):
         if not isinstance(x, jax.Array):
             return x
-        target = weight_format(_leaf_name(path), x.shape, x.sharding, param_axes)
+        target = weight_format(leaf_name(path), x.shape, x.sharding, param_axes)
         return x if isinstance(target, jax.sharding.Sharding) else jax.device_put(x, target)
 
     return jax.tree_util.tree_map_with_path(pin, params)
