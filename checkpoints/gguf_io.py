@@ -65,6 +65,32 @@ class GGUFCheckpoint:
         return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
+@functools.cache
+def _reader_class():
+    """gguf's reader, reading through a plain ndarray view of its memory map.
+
+    gguf's GGUFReader slices its `np.memmap` for every value it parses (one slice per string of
+    a vocabulary: ~250k for SmolLM2), and each slice of a memmap builds a memmap subclass object:
+    5-10 s on a 2-core machine, four fifths of it in numpy's memmap bookkeeping. The same slices
+    of a plain view of the same buffer take a fifth of that; the tensors' data become plain
+    views of the map as well (so dequantizing them builds no memmaps either). Only `_get`, the
+    reader's one accessor, is replaced: the format is still parsed by gguf
+    (tests/checkpoints/test_readers.py compares both readers field by field)."""
+    import gguf
+
+    class PlainViewReader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            dtype, count = np.dtype(dtype), int(count)
+            arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))  # "I": as is
+
+    return PlainViewReader
+
+
 @functools.lru_cache(maxsize=2)
 def _parse(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, Any]]:
     """(tensors by name, metadata) of a GGUF file, parsed once per process for each version of
@@ -72,9 +98,7 @@ def _parse(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, Any]]:
     by one (~3 s for SmolLM2's 49k tokens and merges), and a process may open one file twice (a
     model as its own draft; an engine built again). The tensors are views of one read-only
     memory map."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = _reader_class()(path)
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
         try:

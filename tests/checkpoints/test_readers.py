@@ -9,9 +9,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf_builder import write_gguf
 from safetensors.numpy import save_file
-from testpaths import FIXTURES
+from testpaths import FIXTURES, smollm2_gguf_path
 
-from checkpoints import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint, SafetensorsFile
+from checkpoints import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint, SafetensorsFile, gguf_io
 
 
 def _tensors():
@@ -143,8 +143,8 @@ def test_a_gguf_file_is_parsed_once_per_version(tmp_path, monkeypatch):
     """gguf's reader walks every vocabulary string (seconds for a real model): a process that
     opens one file again reuses the parse, and a file rewritten in place is read afresh."""
     parses = []
-    real_reader = gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or real_reader(*a, **k))
+    real_reader = gguf_io._reader_class()
+    monkeypatch.setattr(gguf_io, "_reader_class", lambda: lambda *a: parses.append(a) or real_reader(*a))
     path = write_gguf(tmp_path / "once.gguf", "llama", {"general.name": "first"},
                       {"w": np.ones((2, 32), np.float32)})
     first, again = GGUFCheckpoint(path), GGUFCheckpoint(tmp_path / "." / "once.gguf")
@@ -161,3 +161,23 @@ def test_a_gguf_file_is_parsed_once_per_version(tmp_path, monkeypatch):
 def test_copy_of_fixture_loads(tmp_path):
     shutil.copytree(FIXTURES / "hf" / "qwen2", tmp_path / "m")
     assert "model.embed_tokens.weight" in SafetensorsCheckpoint(tmp_path / "m").keys()
+
+
+def test_the_plain_view_reader_parses_what_ggufs_own_reader_does():
+    """The default model's GGUF (a 49k-token vocabulary and merges, Q8_0 and F32 tensors) through
+    the reader GGUFCheckpoint uses and through gguf.GGUFReader itself: the same fields with the
+    same contents, the same tensors at the same offsets with equal data; and the fast one's
+    tensors are views of the file, not copies."""
+    path = str(smollm2_gguf_path())
+    fast, stock = gguf_io._reader_class()(path), gguf.GGUFReader(path)
+    assert type(fast) is not gguf.GGUFReader and isinstance(fast, gguf.GGUFReader)
+    assert list(fast.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert fast.fields[key].types == field.types, key
+        assert fast.fields[key].contents() == field.contents(), key
+    assert [t.name for t in fast.tensors] == [t.name for t in stock.tensors]
+    for a, b in zip(fast.tensors, stock.tensors):
+        assert (a.tensor_type, a.data_offset, a.n_bytes) == (b.tensor_type, b.data_offset, b.n_bytes), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert type(a.data) is np.ndarray and np.shares_memory(a.data, fast.data), a.name
+        np.testing.assert_array_equal(a.data, b.data)
