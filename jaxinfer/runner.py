@@ -54,8 +54,8 @@ from jaxinfer.sampling.arrays import fill_defaults
 from jaxinfer.sampling.device_defaults import DeviceDefaults
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.step_variants import (as_greedy, decode_sized_buckets, decode_steps, greedy_variant_enabled,
-                                    input_shardings, plain_padding, split_step_enabled, step_jits,
-                                    window_compiler_options)
+                                    input_shardings, split_step_enabled, step_jits, window_compiler_options)
+from jaxinfer.warm_up import compile_all, step_variants
 from sharding import (DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, pin_weight_layouts,
                       replicated_spec, shard_params)
 from sharding.experts import check_expert_axis
@@ -192,10 +192,12 @@ class ModelRunner:
         is donated and replaced. Returns the outputs on the device (ready once it is done), or
         with the launcher's thread on, a Future of them (launcher.landed). Inputs that qualify
         run the greedy twin (`greedy_buckets`) unless `greedy` is False."""
-        fn = self._variant(num_steps)
-        inputs = self._placed(as_greedy(inputs, num_steps, self.greedy_buckets if greedy else (),
-                                        self.greedy_steps))
-        return self.launcher.submit(self._launch, fn, inputs)
+        return self.launcher.submit(self._launch, *self._prepared(inputs, num_steps, greedy))
+
+    def _prepared(self, inputs: StepInputs, num_steps: int, greedy: bool) -> tuple:
+        """The jitted variant and its placed inputs (the greedy twin's where they qualify)."""
+        buckets = self.greedy_buckets if greedy else ()
+        return self._variant(num_steps), self._placed(as_greedy(inputs, num_steps, buckets, self.greedy_steps))
 
     def _launch(self, fn, inputs: StepInputs) -> SamplerOutput:
         """On the launcher: the page-table entries set, then the step; its caches and tokens kept."""
@@ -232,19 +234,18 @@ class ModelRunner:
         return self.launcher.submit(launch, self._defaults.fill(inputs.sampling if self.mesh is None else put_inputs(
             inputs.sampling, self._input_shardings(inputs).sampling)))
 
-    def trace(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Traced:
-        """The step traced for these inputs' shapes (to read its jaxpr; the step does not run,
-        the page-table entries the inputs carry are set)."""
-        inputs = as_greedy(inputs, num_steps, self.greedy_buckets, self.greedy_steps)
-        fn, inputs = self._variant(num_steps), self._placed(inputs)
+    def trace(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> jax.stages.Traced:
+        """The step traced as `dispatch` would run it (to read its jaxpr, or compile ahead; the
+        step does not run, the page-table entries the inputs carry are set)."""
+        fn, inputs = self._prepared(inputs, num_steps, greedy)
         with self._mesh_context():  # the table entries are set: the host's mirror has them
             inputs = self._set_table(inputs)
             return fn.trace(self.params, self.kv_caches, inputs, self._prev_tokens, self.page_table.array)
 
-    def lower(self, inputs: StepInputs, num_steps: int = 1) -> jax.stages.Lowered:
-        """The step lowered for these inputs' shapes (to read its HLO; nothing runs)."""
+    def lower(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> jax.stages.Lowered:
+        """The step lowered for these inputs' shapes (to read its HLO, or compile ahead)."""
         with self._mesh_context():
-            return self.trace(inputs, num_steps).lower()
+            return self.trace(inputs, num_steps, greedy).lower()
 
     def _variant(self, num_steps: int):
         if num_steps not in (1, self.num_decode_steps):
@@ -271,21 +272,16 @@ class ModelRunner:
         return input_shardings(self.mesh, inputs, self.num_replicas > 1)
 
     def warm_up(self) -> float:
-        """Compiles every (bucket, penalty history, prompt logprobs) variant; returns seconds."""
+        """Compiles every (bucket, penalty history, prompt logprobs) variant, the step's on a
+        pool of threads (warm_up.py), and runs each once; returns seconds."""
         start = time.perf_counter()
         for width in self.inputs.update_widths:  # the page-table scatter of each width
             with self._mesh_context():
                 self._set_table(self._placed(self.padding_inputs(self.buckets[0], False, table_width=width)))
-        for t_bucket in self.buckets:
-            for with_history in (False, True) if self.engine.penalties else (False,):
-                for prompt in (False, True) if self.engine.enable_prompt_logprobs else (False,):
-                    self.execute(self.padding_inputs(t_bucket, with_history, prompt=prompt), greedy=False)
-            if self.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
-                self.execute(self.padding_inputs(t_bucket, False, spec=True))
-        for t_bucket in self.window_buckets:
-            self.execute(self.padding_inputs(t_bucket, False), self.num_decode_steps, greedy=False)
-        for t_bucket in self.greedy_buckets:  # the greedy twin, on padding rows made plain
-            self.execute(plain_padding(self.padding_inputs(t_bucket, False)), self.greedy_steps)
+        variants = step_variants(self)
+        compile_all([self.lower(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants])
+        for inputs, num_steps, greedy in variants:
+            self.execute(inputs, num_steps, greedy)
         for t_bucket in self.split_buckets:
             inputs = self.padding_inputs(t_bucket, False)
             self.fetch(self.dispatch_sample(self.dispatch_forward(inputs), inputs))

@@ -1,0 +1,59 @@
+"""The step variants a runner compiles before its first request, and their compiles in parallel.
+
+`step_variants` lists every variant of the step and the decode window as (all-padding inputs,
+steps, greedy), in the order the runner's warm-up runs them: each token bucket with and without
+a penalty history and prompt logprobs, the verify step of speculative decoding, each decode-sized
+bucket's window and greedy twin.
+
+`compile_all` compiles lowered programs on a pool of threads. XLA's compile, and a read from
+JAX's persistent cache, release the GIL, so a machine with many cores builds the variants side by
+side instead of one after another (an accelerator host has dozens of cores and an engine tens of
+variants). Each program was traced and lowered on the calling thread first, as the jitted call
+would trace it: when the runner then executes each variant once, the jit finds the executable
+compiled here and compiles nothing again (tests/jaxinfer/test_warm_up.py counts backend
+compiles).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+
+from jaxinfer.inputs import StepInputs
+from jaxinfer.step_variants import plain_padding
+
+MAX_COMPILE_THREADS = 16
+
+
+def compile_threads(num_programs: int) -> int:
+    """Threads for `num_programs` compiles: one per core, at most MAX_COMPILE_THREADS."""
+    return max(1, min(num_programs, os.cpu_count() or 1, MAX_COMPILE_THREADS))
+
+
+def compile_all(lowered: list[jax.stages.Lowered]) -> list[jax.stages.Compiled]:
+    """Each program compiled (or read from the persistent cache), `compile_threads` at a time;
+    the first error is raised once all have finished."""
+    if len(lowered) <= 1 or compile_threads(len(lowered)) == 1:
+        return [program.compile() for program in lowered]
+    with ThreadPoolExecutor(compile_threads(len(lowered)), thread_name_prefix="compile") as pool:
+        return list(pool.map(lambda program: program.compile(), lowered))
+
+
+def step_variants(runner) -> list[tuple[StepInputs, int, bool]]:
+    """(padding inputs, num_steps, greedy) of each step and window variant of `runner` (a
+    ModelRunner), as `runner.execute` takes them."""
+    engine = runner.engine
+    variants = []
+    for t_bucket in runner.buckets:
+        for with_history in (False, True) if engine.penalties else (False,):
+            for prompt in (False, True) if engine.enable_prompt_logprobs else (False,):
+                variants.append((runner.padding_inputs(t_bucket, with_history, prompt=prompt), 1, False))
+        if runner.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
+            variants.append((runner.padding_inputs(t_bucket, False, spec=True), 1, True))
+    variants += [(runner.padding_inputs(t_bucket, False), runner.num_decode_steps, False)
+                 for t_bucket in runner.window_buckets]
+    # The greedy twin, on padding rows made plain (they qualify for it).
+    variants += [(plain_padding(runner.padding_inputs(t_bucket, False)), runner.greedy_steps, True)
+                 for t_bucket in runner.greedy_buckets]
+    return variants

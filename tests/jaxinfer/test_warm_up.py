@@ -1,0 +1,93 @@
+"""The warm-up compiles the step's variants on a pool of threads, and running each variant after
+them compiles nothing again (jaxinfer/warm_up.py)."""
+import threading
+
+import jax
+import pytest
+from testpaths import FIXTURES
+
+from jaxinfer import runner as runner_module
+from jaxinfer import warm_up
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.loader import load_model
+
+# A backend compile, or an executable read from JAX's persistent cache instead (a process whose
+# earlier tests turned the cache on reads what they compiled).
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(FIXTURES / "hf" / "llama3", dtype="float32")
+
+
+def test_the_variants_compile_side_by_side_and_their_first_runs_compile_nothing(model, monkeypatch):
+    engine = Engine(model, EngineConfig(max_model_len=128, num_pages=16, max_num_seqs=4, max_num_batched_tokens=32,
+                                        token_buckets=(4, 32), num_decode_steps=4, greedy_variant=True,
+                                        compilation_cache_dir=None),
+                    warm_up=False)
+    runner = engine.runner
+    variants = warm_up.step_variants(runner)
+    # Two buckets with and without a penalty history, the window and its greedy twin for bucket 4.
+    assert [(i.token_ids.shape[-1], steps, greedy) for i, steps, greedy in variants] == [
+        (4, 1, False), (4, 1, False), (32, 1, False), (32, 1, False), (4, 4, False), (4, 4, True)]
+    assert runner.split_buckets == ()  # off on the CPU: nothing is compiled after the loop below
+
+    phase, events = ["before"], []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append((phase[0], threading.current_thread().name))
+        if name in COMPILE_EVENTS else None)
+    lowered = []
+
+    def compile_all(programs):
+        lowered.extend(programs)
+        phase[0] = "compile_all"
+        try:
+            return warm_up.compile_all(programs)
+        finally:
+            phase[0] = "run"
+
+    monkeypatch.setattr(runner_module, "compile_all", compile_all)
+    monkeypatch.setattr(warm_up.os, "cpu_count", lambda: 4)
+    runner.warm_up()
+
+    assert len(lowered) == len(variants)
+    compiled = [thread for when, thread in events if when == "compile_all"]
+    assert len(compiled) >= len(variants), events
+    assert all(thread.startswith("compile") for thread in compiled), compiled
+    assert len(set(compiled)) > 1, compiled  # several threads
+    assert [e for e in events if e[0] == "run"] == []  # each variant ran on what was compiled
+    after = runner.num_compiled()
+    engine.add_request([1, 2, 3, 4, 5], engine_params())
+    while engine.has_unfinished():
+        engine.step()
+    assert runner.num_compiled() == after and [e for e in events if e[0] == "run"] == []
+
+
+def engine_params():
+    from jaxinfer import SamplingParams
+    return SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_compile_threads_follow_the_cores(monkeypatch):
+    monkeypatch.setattr(warm_up.os, "cpu_count", lambda: 2)
+    assert warm_up.compile_threads(10) == 2 and warm_up.compile_threads(1) == 1
+    monkeypatch.setattr(warm_up.os, "cpu_count", lambda: 224)
+    assert warm_up.compile_threads(40) == warm_up.MAX_COMPILE_THREADS
+    monkeypatch.setattr(warm_up.os, "cpu_count", lambda: None)
+    assert warm_up.compile_threads(5) == 1
+
+
+def test_a_failed_compile_is_raised():
+    class Broken:
+        def compile(self):
+            raise RuntimeError("no memory for this variant")
+
+    class Fine:
+        def compile(self):
+            return "compiled"
+
+    with pytest.raises(RuntimeError, match="no memory for this variant"):
+        warm_up.compile_all([Fine(), Broken(), Fine()])
+    assert warm_up.compile_all([Fine()]) == ["compiled"]
