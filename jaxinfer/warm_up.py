@@ -24,10 +24,18 @@ from jaxinfer.inputs import StepInputs
 from jaxinfer.step_variants import plain_padding
 
 MAX_COMPILE_THREADS = 16
+THREADS_VAR = "JAXINFER_COMPILE_THREADS"
 
 
 def compile_threads(num_programs: int) -> int:
-    """Threads for `num_programs` compiles: one per core, at most MAX_COMPILE_THREADS."""
+    """Threads for `num_programs` compiles: one per core, at most MAX_COMPILE_THREADS, or as
+    many as $JAXINFER_COMPILE_THREADS says (1: one compile after another; on a GPU XLA times its
+    candidate kernels while it compiles, and compiles side by side share the device)."""
+    setting = os.environ.get(THREADS_VAR, "").strip()
+    if setting:
+        if not setting.isdigit() or int(setting) < 1:
+            raise ValueError(f"{THREADS_VAR}={setting!r}: expected a whole number of threads >= 1")
+        return max(1, min(num_programs, int(setting)))
     return max(1, min(num_programs, os.cpu_count() or 1, MAX_COMPILE_THREADS))
 
 

@@ -49,6 +49,7 @@ def test_the_variants_compile_side_by_side_and_their_first_runs_compile_nothing(
             phase[0] = "run"
 
     monkeypatch.setattr(runner_module, "compile_all", compile_all)
+    monkeypatch.delenv(warm_up.THREADS_VAR, raising=False)
     monkeypatch.setattr(warm_up.os, "cpu_count", lambda: 4)
     runner.warm_up()
 
@@ -71,12 +72,25 @@ def engine_params():
 
 
 def test_compile_threads_follow_the_cores(monkeypatch):
+    monkeypatch.delenv(warm_up.THREADS_VAR, raising=False)
     monkeypatch.setattr(warm_up.os, "cpu_count", lambda: 2)
     assert warm_up.compile_threads(10) == 2 and warm_up.compile_threads(1) == 1
     monkeypatch.setattr(warm_up.os, "cpu_count", lambda: 224)
     assert warm_up.compile_threads(40) == warm_up.MAX_COMPILE_THREADS
     monkeypatch.setattr(warm_up.os, "cpu_count", lambda: None)
     assert warm_up.compile_threads(5) == 1
+
+
+def test_the_thread_count_can_be_set(monkeypatch):
+    monkeypatch.setattr(warm_up.os, "cpu_count", lambda: 64)
+    monkeypatch.setenv(warm_up.THREADS_VAR, "1")
+    assert warm_up.compile_threads(40) == 1
+    monkeypatch.setenv(warm_up.THREADS_VAR, "32")
+    assert warm_up.compile_threads(40) == 32 and warm_up.compile_threads(3) == 3
+    for bad in ("0", "-2", "four", "1.5"):
+        monkeypatch.setenv(warm_up.THREADS_VAR, bad)
+        with pytest.raises(ValueError, match=f"JAXINFER_COMPILE_THREADS='{bad}'"):
+            warm_up.compile_threads(4)
 
 
 def test_a_failed_compile_is_raised():
