@@ -279,7 +279,8 @@ class ModelRunner:
             with self._mesh_context():
                 self._set_table(self._placed(self.padding_inputs(self.buckets[0], False, table_width=width)))
         variants = step_variants(self)
-        compile_all([self.lower(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants])
+        compile_all([self.lower(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants],
+                    self.local_device.platform)
         for inputs, num_steps, greedy in variants:
             self.execute(inputs, num_steps, greedy)
         for t_bucket in self.split_buckets:

@@ -7,8 +7,9 @@ bucket's window and greedy twin.
 
 `compile_all` compiles lowered programs on a pool of threads. XLA's compile, and a read from
 JAX's persistent cache, release the GIL, so a machine with many cores builds the variants side by
-side instead of one after another (an accelerator host has dozens of cores and an engine tens of
-variants). Each program was traced and lowered on the calling thread first, as the jitted call
+side instead of one after another (a TPU host has dozens of cores and an engine tens of
+variants). GPUs compile one after another unless $JAXINFER_COMPILE_THREADS says otherwise
+(`compile_threads`). Each program was traced and lowered on the calling thread first, as the jitted call
 would trace it: when the runner then executes each variant once, the jit finds the executable
 compiled here and compiles nothing again (tests/jaxinfer/test_warm_up.py counts backend
 compiles).
@@ -25,26 +26,31 @@ from jaxinfer.step_variants import plain_padding
 
 MAX_COMPILE_THREADS = 16
 THREADS_VAR = "JAXINFER_COMPILE_THREADS"
+SERIAL_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def compile_threads(num_programs: int) -> int:
-    """Threads for `num_programs` compiles: one per core, at most MAX_COMPILE_THREADS, or as
-    many as $JAXINFER_COMPILE_THREADS says (1: one compile after another; on a GPU XLA times its
-    candidate kernels while it compiles, and compiles side by side share the device)."""
+def compile_threads(num_programs: int, platform: str = "cpu") -> int:
+    """Threads for `num_programs` compiles for `platform` ("cpu", "tpu", "gpu", ...): as many as
+    $JAXINFER_COMPILE_THREADS says, else one per core (at most MAX_COMPILE_THREADS), but one on
+    GPUs: there XLA times candidate kernels on the device while it compiles, and compiles side
+    by side would time them against each other (not yet measured on a GPU)."""
     setting = os.environ.get(THREADS_VAR, "").strip()
     if setting:
         if not setting.isdigit() or int(setting) < 1:
             raise ValueError(f"{THREADS_VAR}={setting!r}: expected a whole number of threads >= 1")
         return max(1, min(num_programs, int(setting)))
+    if platform in SERIAL_PLATFORMS:
+        return 1
     return max(1, min(num_programs, os.cpu_count() or 1, MAX_COMPILE_THREADS))
 
 
-def compile_all(lowered: list[jax.stages.Lowered]) -> list[jax.stages.Compiled]:
+def compile_all(lowered: list[jax.stages.Lowered], platform: str = "cpu") -> list[jax.stages.Compiled]:
     """Each program compiled (or read from the persistent cache), `compile_threads` at a time;
     the first error is raised once all have finished."""
-    if len(lowered) <= 1 or compile_threads(len(lowered)) == 1:
+    threads = compile_threads(len(lowered), platform)
+    if threads == 1:
         return [program.compile() for program in lowered]
-    with ThreadPoolExecutor(compile_threads(len(lowered)), thread_name_prefix="compile") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
         return list(pool.map(lambda program: program.compile(), lowered))
 
 

@@ -40,11 +40,11 @@ def test_the_variants_compile_side_by_side_and_their_first_runs_compile_nothing(
         if name in COMPILE_EVENTS else None)
     lowered = []
 
-    def compile_all(programs):
+    def compile_all(programs, platform):
         lowered.extend(programs)
         phase[0] = "compile_all"
         try:
-            return warm_up.compile_all(programs)
+            return warm_up.compile_all(programs, platform)
         finally:
             phase[0] = "run"
 
@@ -79,6 +79,8 @@ def test_compile_threads_follow_the_cores(monkeypatch):
     assert warm_up.compile_threads(40) == warm_up.MAX_COMPILE_THREADS
     monkeypatch.setattr(warm_up.os, "cpu_count", lambda: None)
     assert warm_up.compile_threads(5) == 1
+    monkeypatch.setattr(warm_up.os, "cpu_count", lambda: 16)
+    assert warm_up.compile_threads(10, "tpu") == 10 and warm_up.compile_threads(10, "gpu") == 1
 
 
 def test_the_thread_count_can_be_set(monkeypatch):
@@ -87,6 +89,7 @@ def test_the_thread_count_can_be_set(monkeypatch):
     assert warm_up.compile_threads(40) == 1
     monkeypatch.setenv(warm_up.THREADS_VAR, "32")
     assert warm_up.compile_threads(40) == 32 and warm_up.compile_threads(3) == 3
+    assert warm_up.compile_threads(40, "gpu") == 32  # the setting holds on GPUs too
     for bad in ("0", "-2", "four", "1.5"):
         monkeypatch.setenv(warm_up.THREADS_VAR, bad)
         with pytest.raises(ValueError, match=f"JAXINFER_COMPILE_THREADS='{bad}'"):
