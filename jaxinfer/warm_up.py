@@ -9,10 +9,10 @@ bucket's window and greedy twin.
 JAX's persistent cache, release the GIL, so a machine with many cores builds the variants side by
 side instead of one after another (a TPU host has dozens of cores and an engine tens of
 variants). GPUs compile one after another unless $JAXINFER_COMPILE_THREADS says otherwise
-(`compile_threads`). Each program was traced and lowered on the calling thread first, as the jitted call
-would trace it: when the runner then executes each variant once, the jit finds the executable
-compiled here and compiles nothing again (tests/jaxinfer/test_warm_up.py counts backend
-compiles).
+(`compile_threads`). Each program was traced and lowered on the calling thread first, as the
+jitted call would trace it: when the runner then executes each variant once, the jit finds the
+executable compiled here and compiles nothing again (tests/jaxinfer/test_warm_up.py counts
+backend compiles and persistent-cache reads).
 """
 from __future__ import annotations
 

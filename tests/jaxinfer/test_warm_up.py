@@ -6,8 +6,8 @@ import jax
 import pytest
 from testpaths import FIXTURES
 
+from jaxinfer import SamplingParams, warm_up
 from jaxinfer import runner as runner_module
-from jaxinfer import warm_up
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
@@ -60,15 +60,10 @@ def test_the_variants_compile_side_by_side_and_their_first_runs_compile_nothing(
     assert len(set(compiled)) > 1, compiled  # several threads
     assert [e for e in events if e[0] == "run"] == []  # each variant ran on what was compiled
     after = runner.num_compiled()
-    engine.add_request([1, 2, 3, 4, 5], engine_params())
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     assert runner.num_compiled() == after and [e for e in events if e[0] == "run"] == []
-
-
-def engine_params():
-    from jaxinfer import SamplingParams
-    return SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def test_compile_threads_follow_the_cores(monkeypatch):
