@@ -103,3 +103,8 @@ def test_a_failed_compile_is_raised():
     with pytest.raises(RuntimeError, match="no memory for this variant"):
         warm_up.compile_all([Fine(), Broken(), Fine()])
     assert warm_up.compile_all([Fine()]) == ["compiled"]
+
+
+def test_the_cli_help_names_the_setting():
+    from jaxinfer.cli import build_parser
+    assert f"{warm_up.THREADS_VAR}=N" in " ".join(build_parser().format_help().split())
