@@ -163,7 +163,7 @@ def bench_shape(args):
                           dispatch_thread={"on": True, "off": False}.get(args.dispatch_thread),
                           token_buckets=tuple(args.token_buckets) if args.token_buckets else None)
     startup = {}
-    if args.startup:  # an empty compilation cache, kept for the run: JAX keeps its first cache dir
+    if args.startup:  # an empty compilation cache, kept for the run (the main engine reads it back)
         cold_dir = tempfile.mkdtemp(prefix="jaxinfer-cold-")
         atexit.register(shutil.rmtree, cold_dir, ignore_errors=True)
         config = dataclasses.replace(config, compilation_cache_dir=cold_dir)
@@ -277,7 +277,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=32, help="with --shape: tokens decoded per request")
     ap.add_argument("--prefill-len", type=int, default=2048, help="with --shape: the prefill prompt's length")
     ap.add_argument("--startup", action="store_true", help="with --shape: time cold and warm start-up too")
-    ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache (with --shape)")
+    ap.add_argument("--cache-dir", default="auto", help="compilation cache (with --shape): a directory, none, or auto ($JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla)")
     ap.add_argument("--token-buckets", type=int, nargs="+", default=None,
                     help="with --shape: the engine's token buckets (default: powers of two up to the "
                          "budget); fewer buckets compile fewer variants, for a large model's cold start")

@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
                     help="weight-only quantization of both models (experts included)")
     ap.add_argument("--group-size", type=int, default=64, help="int4 group size")
-    ap.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla", help="compilation cache")
+    ap.add_argument("--cache-dir", default="auto", help="compilation cache: a directory, none, or auto (as jaxinfer)")
     args = ap.parse_args()
     if not SHAPES[args.moe].num_experts:
         ap.error(f"--moe {args.moe}: that shape has no experts")

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--cache-dir", default="~/.cache/jaxinfer/xla")
+    p.add_argument("--cache-dir", default="auto", help="compilation cache: a directory, none, or auto (as jaxinfer)")
     args = p.parse_args(argv)
 
     import jax

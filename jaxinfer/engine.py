@@ -41,9 +41,9 @@ from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode import build_speculator
-from jaxinfer.step_variants import enable_compilation_cache
 from jaxinfer.structured import GrammarBackend, grammar_for
 from jaxinfer.tokenizer.reasoning import reasoning_parser
+from jaxinfer.warm_up import enable_compilation_cache
 from sharding import StepChannel, is_leader, is_multiprocess
 from sharding.multihost import SHUTDOWN
 

@@ -71,7 +71,9 @@ class EngineConfig:
     # the process's glibc allocator, set once the weights are placed). False: glibc's defaults.
     cpu_heap_reuse: bool = True
     attn_impl: str = "auto"
-    compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"
+    # JAX's persistent compilation cache (warm_up.compilation_cache_path): "auto" is
+    # $JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla; a directory; None or "none": off.
+    compilation_cache_dir: str | None = "auto"
     seed: int = 0
     mesh: "str | dict | object | None" = None  # None: one device
     # Speculative decoding (spec_config.py): a dict such as {"method": "ngram",
@@ -112,6 +114,9 @@ class EngineConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"EngineConfig.reasoning_parser={self.reasoning_parser!r}: expected one of "
                              f"{REASONING_PARSERS} or None")
+        if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
+            raise ValueError(f"EngineConfig.compilation_cache_dir must be a directory, \"auto\" or None, "
+                             f"got {self.compilation_cache_dir!r}")
         if not isinstance(self.enable_prompt_logprobs, bool):
             raise ValueError(f"EngineConfig.enable_prompt_logprobs must be a bool, got {self.enable_prompt_logprobs!r}")
         if self.enable_prompt_logprobs and self.speculative_config is not None:

@@ -46,7 +46,7 @@ class LLM:
                  enable_prefix_caching: bool = True, async_scheduling: bool = True, num_decode_steps: int | None = None,
                  structured_output_overlap: bool | None = None, attn_impl: str = "auto", seed: int = 0,
                  token_buckets: Sequence[int] | None = None, penalties: bool = True,
-                 speculative_config: dict | str | None = None, compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla",
+                 speculative_config: dict | str | None = None, compilation_cache_dir: str | None = "auto",
                  mesh: str | dict | None = None, coordinator_address: str | None = None,
                  num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
                  quantization: str | None = "auto", quantization_group_size: int | None = None,
@@ -69,11 +69,11 @@ class LLM:
         dequantizes them at load; "auto" (default) is "gguf" for a GGUF file on an accelerator and
         "none" on the CPU, where native blocks decode slower. A checkpoint converted with a
         quantization loads as saved.
-        `cpu_heap_reuse=False` leaves glibc's allocator at its defaults on the CPU (host_memory.py).
-        `chat_template`: a jinja2 chat template (its file's path, or the text) instead of the
-        checkpoint's, e.g. one that renders tools. `reasoning_parser` ("qwen3", "deepseek_r1"):
-        structured output constrains a reasoning model's answer after `</think>`, not its thinking.
+        `cpu_heap_reuse=False`: glibc's allocator at its defaults on the CPU. `chat_template`: a
+        jinja2 chat template (a file, or the text) instead of the checkpoint's. `reasoning_parser`
+        ("qwen3", "deepseek_r1"): structured output constrains the answer after `</think>`.
         `enable_prompt_logprobs`: compile the steps that score prompts (SamplingParams.prompt_logprobs).
+        `compilation_cache_dir` "auto": $JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla.
         `engine_options`: any other EngineConfig field, e.g. greedy_variant=True, dispatch_thread=False."""
         quant = QuantConfig.parse(quantization, quantization_group_size, quantize_embedding)
         template = None if chat_template is None else load_chat_template(chat_template)

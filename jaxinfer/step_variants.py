@@ -2,7 +2,6 @@
 
     step_jits             the step, the decode window, the split step's two halves (jitted)
     window_compiler_options  the window's XLA options (CUDA graphs on NVIDIA GPUs)
-    enable_compilation_cache JAX's persistent cache of the compiled variants
     decode_steps          steps per decode window (EngineConfig.num_decode_steps)
     decode_sized_buckets  the token buckets a decode-only plan uses (windows, the split step)
     split_step_enabled    whether the split step is compiled (structured output's overlap)
@@ -16,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -31,17 +29,6 @@ DEFAULT_DECODE_STEPS = 8
 COMMAND_BUFFER_FLAG = "xla_gpu_enable_command_buffer"
 COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"
 logger = logging.getLogger(__name__)
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """JAX's persistent compilation cache in `directory` (None: off), so that later start-ups
-    load the variants compiled before."""
-    if not directory:
-        return
-    path = Path(directory).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def step_jits(family, config, attn_impl: str, max_seqs: int, num_replicas: int, num_decode_steps: int,

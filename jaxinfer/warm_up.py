@@ -13,13 +13,19 @@ variants). GPUs compile one after another unless $JAXINFER_COMPILE_THREADS says 
 jitted call would trace it: when the runner then executes each variant once, the jit finds the
 executable compiled here and compiles nothing again (tests/jaxinfer/test_warm_up.py counts
 backend compiles and persistent-cache reads).
+
+`enable_compilation_cache` points JAX's persistent cache, which is one per process, at the
+directory an engine's config names ("auto": $JAXINFER_COMPILATION_CACHE_DIR, else
+~/.cache/jaxinfer/xla), so that later start-ups read the variants instead of compiling them.
 """
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxinfer.inputs import StepInputs
 from jaxinfer.step_variants import plain_padding
@@ -27,6 +33,41 @@ from jaxinfer.step_variants import plain_padding
 MAX_COMPILE_THREADS = 16
 THREADS_VAR = "JAXINFER_COMPILE_THREADS"
 SERIAL_PLATFORMS = ("gpu", "cuda", "rocm")
+CACHE_DIR_VAR = "JAXINFER_COMPILATION_CACHE_DIR"
+DEFAULT_CACHE_DIR = "~/.cache/jaxinfer/xla"
+OFF = ("", "none")
+
+
+def compilation_cache_path(directory: str | None) -> Path | None:
+    """The persistent cache's directory for EngineConfig.compilation_cache_dir: "auto" is
+    $JAXINFER_COMPILATION_CACHE_DIR where that is set, else ~/.cache/jaxinfer/xla; None, "" or
+    "none" (in either) is no persistent cache."""
+    if directory == "auto":
+        directory = os.environ.get(CACHE_DIR_VAR, DEFAULT_CACHE_DIR)
+    if directory is None or directory.strip().lower() in OFF:
+        return None
+    return Path(directory).expanduser()
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Points JAX's persistent compilation cache at `directory` (compilation_cache_path), or
+    turns it off. JAX keeps one cache a process and reads its directory once, at the first
+    compile: a directory other than the one in use resets it, so that each engine's variants go
+    where its config says, not where an earlier engine's went."""
+    path = compilation_cache_path(directory)
+    if path is not None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"compilation_cache_dir={directory!r}: cannot create {str(path)!r} "
+                             f"({e.strerror or e})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"compilation_cache_dir={directory!r}: {str(path)!r} is not writable")
+    wanted = None if path is None else str(path)
+    if jax.config.jax_compilation_cache_dir != wanted:
+        jax.config.update("jax_compilation_cache_dir", wanted)
+        compilation_cache.reset_cache()
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def compile_threads(num_programs: int, platform: str = "cpu") -> int:

@@ -1,5 +1,6 @@
 """Shared test set-up: makes the helper modules in tests/support importable from any test, sets
-the suite's XLA flags before jax starts (tests/support/xla_env.py), sends the tests to
+the suite's XLA flags before jax starts and one compilation cache for the run
+(tests/support/xla_env.py), sends the tests to
 pytest-xdist workers module by module (README: the test command), and frees each module's
 compiled programs."""
 import sys
@@ -10,9 +11,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from testpaths import FIXTURES, TESTS, sentencepiece_model_path, smollm2_gguf_path  # noqa: E402,F401
-from xla_env import apply_suite_flags  # noqa: E402
+from xla_env import apply_suite_flags, share_compilation_cache  # noqa: E402
 
 apply_suite_flags()
+_RUN_CACHE = share_compilation_cache()  # made here: removed when the run ends
 
 
 def pytest_addoption(parser):
@@ -21,6 +23,12 @@ def pytest_addoption(parser):
         default=None, help="how the Pallas kernel tests run: compiled on the present accelerator, "
         "in interpret mode, or auto (compiled where the kernel's platform is the backend); "
         "default from JAXINFER_KERNELS, else auto")
+
+
+def pytest_unconfigure(config):
+    if _RUN_CACHE:
+        import shutil
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

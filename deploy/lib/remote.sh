@@ -6,7 +6,7 @@
 #   src/       the project at HEAD (git archive)     venv/     Python 3.12 venv (uv), jaxinfer[tpu]
 #   models/    copied models (models/<basename>)      secrets/  token, tls.crt, tls.key (700 / 600)
 # The server runs as the login user (who can open the TPU), so JAX's compilation cache is that
-# user's ~/.cache/jaxinfer/xla and survives restarts (`jaxinfer serve` has no flag to move it).
+# user's ~/.cache/jaxinfer/xla and survives restarts (`jaxinfer serve --compilation-cache-dir` moves it).
 
 UNIT=jaxinfer.service
 LIBTPU_FIND_LINKS=https://storage.googleapis.com/jax-releases/libtpu_releases.html

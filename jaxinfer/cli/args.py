@@ -94,6 +94,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "pallas_gpu", "pallas_tpu"])
     g.add_argument("--token-buckets", default=None,
                    help="comma-separated step sizes to compile (default: powers of two up to the budget)")
+    g.add_argument("--compilation-cache-dir", default="auto", metavar="DIR",
+                   help="JAX's persistent compilation cache, so later start-ups read the compiled step "
+                        "variants: a directory, or none; auto: $JAXINFER_COMPILATION_CACHE_DIR, else "
+                        "~/.cache/jaxinfer/xla")
     g.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr")
     d = p.add_argument_group("devices and hosts")
     d.add_argument("--mesh", default=None,
@@ -251,7 +255,7 @@ def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = T
               greedy_variant={"on": True, "off": False}.get(args.greedy_variant),
               dispatch_thread={"on": True, "off": False}.get(args.dispatch_thread),
               attn_impl=args.attn_impl, token_buckets=buckets, penalties=penalties,
-              cpu_heap_reuse=not args.no_cpu_heap_reuse,
+              cpu_heap_reuse=not args.no_cpu_heap_reuse, compilation_cache_dir=args.compilation_cache_dir,
               speculative_config=speculative_config(args),
               enable_prompt_logprobs=prompt_logprobs or getattr(args, "enable_prompt_logprobs", False),
               mesh=getattr(args, "mesh", None), coordinator_address=getattr(args, "coordinator_address", None),

@@ -16,11 +16,10 @@ from jaxinfer.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine():
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=6,
-                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=1, dispatch_thread=True,
-                          compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
+                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=1, dispatch_thread=True)
     return Engine(model, config)
 
 

@@ -116,7 +116,7 @@ def test_changed_input_lines_are_served_again(tmp_path, monkeypatch):
     from jaxinfer.sampling import SamplingParams
 
     llm = LLM(MODEL, "float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets=(4, 32), num_pages=40, page_size=8, compilation_cache_dir=str(tmp_path / "x"))
+              token_buckets=(4, 32), num_pages=40, page_size=8)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     first = [json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3]}),
              json.dumps({"id": "b", "prompt_token_ids": [4, 5, 6]})]

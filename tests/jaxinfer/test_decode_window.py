@@ -21,12 +21,11 @@ K = 4
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine():
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=6,
                           max_model_len=128, token_buckets=(8, 32), num_decode_steps=K, greedy_variant=True,
-                          dispatch_thread=True,
-                          compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
+                          dispatch_thread=True)
     return Engine(model, config)
 
 
@@ -138,12 +137,11 @@ def test_prefix_cache_hits(engine):
     compare(engine, requests)
 
 
-def test_context_end(tmp_path):
+def test_context_end():
     """A sequence that fills max_model_len exactly: its last tokens cannot take a whole window."""
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=20, page_size=8, max_num_batched_tokens=32, max_num_seqs=2,
-                          max_model_len=64, token_buckets=(2, 32), num_decode_steps=K,
-                          compilation_cache_dir=str(tmp_path))
+                          max_model_len=64, token_buckets=(2, 32), num_decode_steps=K)
     small = Engine(model, config)
     params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
     (tokens, reasons, _), steps = compare(small, {"end": (prompt(10, 53), params)})
@@ -165,12 +163,12 @@ def test_aborts_mid_stream_free_everything(engine):
 
 
 @pytest.mark.slow
-def test_stop_strings_mid_window_on_smollm2(tmp_path):
+def test_stop_strings_mid_window_on_smollm2():
     """Real tokenizer: a stop string inside a window ends the text there and drops the overrun."""
     model = load_model(smollm2_gguf_path(), dtype="float32")
     config = EngineConfig(num_pages=64, page_size=16, max_num_batched_tokens=32, max_num_seqs=4,
                           max_model_len=256, token_buckets=(4, 32), num_decode_steps=K,
-                          penalties=False, compilation_cache_dir=str(tmp_path))
+                          penalties=False)
     engine = Engine(model, config)
     ids = engine.tokenizer.encode("The capital of France is")
     greedy = SamplingParams(temperature=0, max_tokens=24)

@@ -21,14 +21,9 @@ def model():
     return load_model(FIXTURES / "hf" / "llama3", dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla_cache"))
-
-
-def make_engine(model, cache_dir, **overrides):
+def make_engine(model, **overrides):
     cfg = dict(num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8,
-               max_model_len=256, token_buckets=(8, 32), compilation_cache_dir=cache_dir)
+               max_model_len=256, token_buckets=(8, 32))
     cfg.update(overrides)
     return Engine(model, EngineConfig(**cfg))
 
@@ -53,8 +48,8 @@ def assert_pool_empty(engine):
 
 
 @pytest.fixture(scope="module")
-def engine(model, cache_dir):
-    return make_engine(model, cache_dir)
+def engine(model):
+    return make_engine(model)
 
 
 def test_greedy_batch_matches_hf_with_chunking_and_preemption(engine):
@@ -91,11 +86,11 @@ def test_nothing_compiles_after_warm_up(engine):
     assert [c for c in compiles if "backend_compile" in c] == []
 
 
-def test_prefix_cache_computes_only_new_tokens(model, cache_dir):
+def test_prefix_cache_computes_only_new_tokens(model):
     prefix = list(range(100, 164))  # 64 tokens = 4 full pages
     first, second = prefix + [7, 8, 9], prefix + [10, 11, 12, 13, 14]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    cached = make_engine(model, cache_dir, num_pages=64, num_decode_steps=1)  # one token a step
+    cached = make_engine(model, num_pages=64, num_decode_steps=1)  # one token a step
     cached.add_request(first, params, request_id="a")
     run_all(cached)
     before = cached.num_scheduled_tokens
@@ -104,7 +99,7 @@ def test_prefix_cache_computes_only_new_tokens(model, cache_dir):
     # 4 cached pages: only the 5 new prompt tokens, then 5 decode steps of one token each.
     assert cached.num_scheduled_tokens - before == len(second) - 64 + 5
     assert out_cached.usage.cached_prompt_tokens == 64
-    plain = make_engine(model, cache_dir, num_pages=64, enable_prefix_caching=False)
+    plain = make_engine(model, num_pages=64, enable_prefix_caching=False)
     plain.add_request(second, params, request_id="b")
     out_plain = run_all(plain)["b"]
     assert out_plain.usage.cached_prompt_tokens == 0
@@ -175,9 +170,9 @@ def test_bad_sampling_values(kwargs, match):
         SamplingParams(**kwargs)
 
 
-def test_engine_config_errors(model, cache_dir):
+def test_engine_config_errors(model):
     with pytest.raises(ValueError, match="max_model_len=999"):
-        make_engine(model, cache_dir, max_model_len=999)
+        make_engine(model, max_model_len=999)
     with pytest.raises(ValueError, match="page_size"):
         EngineConfig(page_size=0)
     with pytest.raises(ValueError, match="token_buckets"):

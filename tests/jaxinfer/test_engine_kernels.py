@@ -31,10 +31,9 @@ def run(engine, prompts, params) -> list[list[int]]:
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-def engine_for(model, impl, tmp_path, **overrides):
+def engine_for(model, impl, **overrides):
     cfg = dict(num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8,
-               max_model_len=256, token_buckets=(8, 32), attn_impl=impl,
-               compilation_cache_dir=str(tmp_path / "xla_cache"))
+               max_model_len=256, token_buckets=(8, 32), attn_impl=impl)
     cfg.update(overrides)
     return Engine(model, EngineConfig(**cfg))
 

@@ -43,10 +43,9 @@ prompts = st.one_of(st.lists(st.integers(1, 255), min_size=1, max_size=40),
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm():
     return LLM(str(FIXTURES / "hf" / "llama3"), "float32", max_model_len=256, max_num_seqs=8,
-               max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=48, max_n=4,
-               compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
+               max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=48, max_n=4)
 
 
 def assert_idle(llm):

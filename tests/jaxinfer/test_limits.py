@@ -10,12 +10,11 @@ from jaxinfer.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine():
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=96, page_size=16, max_num_batched_tokens=32, max_num_seqs=8,
                           max_model_len=256, token_buckets=(8, 32), max_n=16, max_seqs_per_request=4,
-                          max_request_tokens=128,
-                          compilation_cache_dir=str(tmp_path_factory.mktemp("xla_cache")))
+                          max_request_tokens=128)
     return Engine(model, config)
 
 

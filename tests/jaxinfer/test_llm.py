@@ -21,8 +21,8 @@ SMALL_ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--tok
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    return LLM(compilation_cache_dir=str(tmp_path_factory.mktemp("xla")), **SMALL)
+def llm():
+    return LLM(**SMALL)
 
 
 def greedy(**kw):
@@ -208,7 +208,7 @@ def test_cli_batch_checks_paths_first_and_never_empties_old_results(capsys, tmp_
     assert old.read_text() == '{"id": "kept"}\n'
 
 
-def test_cli_generate_prints_only_the_text(capsys, tmp_path, llm):
+def test_cli_generate_prints_only_the_text(capsys, llm):
     argv = ["generate", "--chat", QUESTION[0]["content"], "--max-tokens", "32", *SMALL_ARGS]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"

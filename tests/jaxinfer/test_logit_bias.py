@@ -204,12 +204,12 @@ def test_command_line_flag_and_batch_lines():
 
 
 # --- through the engine ---------------------------------------------------------------------------
-def test_the_engine_biases_steps_and_decode_windows_without_compiling(tmp_path):
+def test_the_engine_biases_steps_and_decode_windows_without_compiling():
     from testpaths import FIXTURES
 
     from jaxinfer.llm import LLM
 
-    llm = LLM(str(FIXTURES / "hf" / "llama3"), "float32", compilation_cache_dir=str(tmp_path), max_model_len=128,
+    llm = LLM(str(FIXTURES / "hf" / "llama3"), "float32", max_model_len=128,
               max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=32)
     compiled = llm.engine.runner.num_compiled()
     vocab = llm.engine.model.config.vocab_size

@@ -114,11 +114,10 @@ def test_the_device_table_follows_the_mirror_through_random_plans():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine():
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=3,
-                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=4,
-                          compilation_cache_dir=str(tmp_path_factory.mktemp("xla")))
+                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=4)
     return Engine(model, config)
 
 

@@ -35,11 +35,6 @@ def model():
     return load_model(FIXTURES / "hf" / "llama3", dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla"))
-
-
 # 32-token steps: the 64-token prompt is computed over two or three chunks; 12 pages of 16
 # tokens: two such prompts preempt. Async scheduling and decode windows: the defaults.
 ENGINE = dict(num_pages=13, page_size=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
@@ -47,8 +42,8 @@ ENGINE = dict(num_pages=13, page_size=16, max_num_batched_tokens=32, max_num_seq
 
 
 @pytest.fixture(scope="module")
-def engine(model, xla_cache):
-    return Engine(model, EngineConfig(**ENGINE, compilation_cache_dir=xla_cache))
+def engine(model):
+    return Engine(model, EngineConfig(**ENGINE))
 
 
 def run(engine, *requests) -> list:
@@ -140,10 +135,9 @@ def test_preemption_n_and_mixed_batches_score_each_prompt_once(engine):
     assert len(b.outputs) == 2 and c.prompt_logprobs is None and len(c.outputs[0].token_ids) == 4
 
 
-def test_the_synchronous_loop_scores_the_same(model, xla_cache):
+def test_the_synchronous_loop_scores_the_same(model):
     """The test oracle: one step at a time, no decode windows, no penalty variants."""
-    sync = Engine(model, EngineConfig(**ENGINE, async_scheduling=False, num_decode_steps=1, penalties=False,
-                                      compilation_cache_dir=xla_cache))
+    sync = Engine(model, EngineConfig(**ENGINE, async_scheduling=False, num_decode_steps=1, penalties=False))
     compiled = sync.runner.num_compiled()
     out, pair = run(sync, (PROMPT, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=TOP)),
                     (PROMPT[:40], SamplingParams(n=2, temperature=0, max_tokens=3, prompt_logprobs=1)))
@@ -158,10 +152,9 @@ def test_one_token_prompt_has_only_the_leading_none(engine):
     assert out.prompt_logprobs == [None]
 
 
-def test_engines_without_prompt_logprobs_refuse_them(model, tmp_path_factory):
+def test_engines_without_prompt_logprobs_refuse_them(model):
     plain = Engine(model, EngineConfig(num_pages=8, page_size=16, max_num_batched_tokens=8, max_num_seqs=2,
-                                       max_model_len=64, token_buckets=(8,), penalties=False,
-                                       compilation_cache_dir=str(tmp_path_factory.mktemp("xla"))), warm_up=False)
+                                       max_model_len=64, token_buckets=(8,), penalties=False), warm_up=False)
     with pytest.raises(ValueError, match=r"prompt_logprobs=1: .*enable_prompt_logprobs"):
         plain.add_request(PROMPT[:8], SamplingParams(prompt_logprobs=1))
     with pytest.raises(ValueError, match="prompt_logprobs=21"):

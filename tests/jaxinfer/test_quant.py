@@ -102,10 +102,9 @@ def test_param_bytes_from_the_arrays(models):
     assert layer.w_down.values.shape == (f // 2, e) and layer.w_down.scales.shape == (f // 16, e)
 
 
-def test_nothing_compiles_after_warm_up(models, tmp_path):
+def test_nothing_compiles_after_warm_up(models):
     engine = Engine(models["int8"], EngineConfig(num_pages=24, page_size=16, max_num_batched_tokens=32,
-                                                 max_num_seqs=8, max_model_len=256, token_buckets=(8, 32),
-                                                 compilation_cache_dir=str(tmp_path)))
+                                                 max_num_seqs=8, max_model_len=256, token_buckets=(8, 32)))
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None)

@@ -65,11 +65,11 @@ def test_logits_equal_dequantized_at_load(models):
 
 
 @pytest.mark.slow  # the engine's warm-up compiles the native model (~40-100 s on a 2-core CPU)
-def test_engine_greedy_matches_transformers(tmp_path):
+def test_engine_greedy_matches_transformers():
     # transformers dequantized the same GGUF (the dequantized-at-load engine gives these tokens
     # too, tests/jaxinfer/test_llm.py); the engine on the native blocks must give them as well.
     llm = LLM(dtype="float32", quantization="gguf", max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=64, token_buckets=(64,), compilation_cache_dir=str(tmp_path))
+              max_num_batched_tokens=64, token_buckets=(64,))
     assert llm.engine.model.quantization == GGUF
     stop = int(GOLDEN["greedy_stops_at"])
     out = llm.generate(GOLDEN["input_ids"].tolist(), SamplingParams(temperature=0, max_tokens=stop + 1),

@@ -29,27 +29,22 @@ def model():
     return load_model(FIXTURES / "hf" / "llama3", dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):  # one for the module: engines of the same shapes compile once
-    return str(tmp_path_factory.mktemp("xla"))
-
-
-def make_engine(model, cache_dir, spec, **overrides):
+def make_engine(model, spec, **overrides):
     cfg = dict(num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256,
-               token_buckets=(32,), compilation_cache_dir=cache_dir, speculative_config=spec)
+               token_buckets=(32,), speculative_config=spec)
     cfg.update(overrides)
     return Engine(model, EngineConfig(**cfg))
 
 
 @pytest.fixture(scope="module")
-def ngram(model, cache_dir):
-    return make_engine(model, cache_dir, {"method": "ngram", "num_speculative_tokens": 3})
+def ngram(model):
+    return make_engine(model, {"method": "ngram", "num_speculative_tokens": 3})
 
 
 @pytest.fixture(scope="module")
-def self_draft(model, cache_dir):
+def self_draft(model):
     spec = {"method": "draft_model", "model": str(FIXTURES / "hf" / "llama3"), "num_speculative_tokens": 3}
-    return make_engine(model, cache_dir, spec)
+    return make_engine(model, spec)
 
 
 def run(engine, requests, *, async_scheduling=True, abort_after=None):
@@ -115,9 +110,9 @@ def test_draft_model_itself_accepts_every_draft(self_draft):
     assert self_draft.runner.num_compiled() + self_draft.speculator.proposer.runner.num_compiled() == compiled
 
 
-def test_another_draft_checkpoint_keeps_the_goldens(model, cache_dir):
+def test_another_draft_checkpoint_keeps_the_goldens(model):
     spec = {"method": "draft_model", "model": str(FIXTURES / "hf" / "tied_gqa3"), "num_speculative_tokens": 3}
-    engine = make_engine(model, cache_dir, spec)
+    engine = make_engine(model, spec)
     results = run(engine, golden_requests())
     assert_golden(results)
     assert engine.num_preemptions > 0
@@ -193,14 +188,14 @@ def test_aborts_free_every_page(self_draft):
     assert dropped.token_ids == full["dropped"].outputs[0].token_ids[:len(dropped.token_ids)]
 
 
-def test_tiny_vocabulary_distributions_agree(model, cache_dir):
+def test_tiny_vocabulary_distributions_agree(model):
     """Vocabulary 24, temperature 1: each of the 2nd to 6th sampled tokens of 300 requests with
     speculation and 300 without (other seeds) pass a two-sample chi-square test (rare tokens
     pooled); with the same seed both give the same tokens."""
     config = dataclasses.replace(model.config, vocab_size=24)
     tiny = dataclasses.replace(model, config=config, tokenizer=None,
                                params=init_params(config, jax.random.key(3), scale=2.0))
-    engine = make_engine(tiny, cache_dir, {"method": "ngram", "num_speculative_tokens": 3},
+    engine = make_engine(tiny, {"method": "ngram", "num_speculative_tokens": 3},
                          num_pages=64, max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(64,),
                          penalties=False)
     n, head = 300, list(range(24)) * 2  # every token seen: each step has n-gram drafts

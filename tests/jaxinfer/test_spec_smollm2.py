@@ -39,8 +39,8 @@ def test_cli_flag_errors_exit_2(capsys, argv, match):
 
 
 @pytest.mark.slow
-def test_ngram_on_smollm2_matches_transformers(tmp_path):
-    llm = LLM(compilation_cache_dir=str(tmp_path), **SMALL,
+def test_ngram_on_smollm2_matches_transformers():
+    llm = LLM(**SMALL,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
     prompt = llm.render_chat(QUESTION)
     out = llm.generate(prompt, greedy(ignore_eos=True, skip_special_tokens=False), use_tqdm=False)[0]
@@ -57,9 +57,9 @@ def test_ngram_on_smollm2_matches_transformers(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_as_its_own_draft_accepts_every_token(tmp_path):
+def test_smollm2_as_its_own_draft_accepts_every_token():
     spec = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 4}
-    llm = LLM(compilation_cache_dir=str(tmp_path), **SMALL, speculative_config=spec)
+    llm = LLM(**SMALL, speculative_config=spec)
     out = llm.chat(QUESTION, greedy(ignore_eos=True, skip_special_tokens=False), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == GOLDEN["greedy"].tolist()
     m = out.metrics

@@ -118,13 +118,8 @@ ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, toke
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla"))
-
-
-@pytest.fixture(scope="module")
-def llm(cache_dir):  # on the CPU masks are filled before the step is dispatched
-    return LLM(**ENGINE, compilation_cache_dir=cache_dir)
+def llm():  # on the CPU masks are filled before the step is dispatched
+    return LLM(**ENGINE)
 
 
 def _chat(llm, content, params):
@@ -203,11 +198,11 @@ def test_command_line_flags_and_batch_lines(tmp_path):
         parse_line('{"prompt": "hi", "structured_output": {"regex": 5}}', 3, SamplingParams(), llm=None)
 
 
-def test_masks_filled_while_the_forward_runs_give_the_same_tokens(llm, cache_dir):
+def test_masks_filled_while_the_forward_runs_give_the_same_tokens(llm):
     """The split step (forward dispatched, then the step before lands, then the masks and the
     sampling call) yields the tokens of the engine that fills masks before dispatching; both
     halves launched from the launcher's thread, as on a GPU."""
-    overlapped = LLM(**ENGINE, compilation_cache_dir=cache_dir, structured_output_overlap=True,
+    overlapped = LLM(**ENGINE, structured_output_overlap=True,
                      dispatch_thread=True)
     runner = overlapped.engine.runner
     assert runner.split_buckets == (16,) and not llm.engine.runner.split_buckets and runner.launcher.enabled

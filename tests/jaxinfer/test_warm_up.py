@@ -12,8 +12,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
 
-# A backend compile, or an executable read from JAX's persistent cache instead (a process whose
-# earlier tests turned the cache on reads what they compiled).
+# A backend compile, or an executable read from JAX's persistent cache instead (where one is on).
 COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
 
 

@@ -22,9 +22,8 @@ TINY = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, token_
 
 
 @pytest.fixture(scope="package")
-def tiny_llm(tmp_path_factory):
-    return LLM(str(FIXTURES / "hf" / "llama3"), "float32", compilation_cache_dir=str(
-        tmp_path_factory.mktemp("xla")), **TINY)
+def tiny_llm():
+    return LLM(str(FIXTURES / "hf" / "llama3"), "float32", **TINY)
 
 
 @pytest.fixture

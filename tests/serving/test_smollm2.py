@@ -25,8 +25,8 @@ CASES = {  # name -> (prompt kind, SamplingParams fields)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    return LLM(compilation_cache_dir=str(tmp_path_factory.mktemp("xla")), max_model_len=512,
+def llm():
+    return LLM(max_model_len=512,
                max_num_batched_tokens=64, token_buckets=(16, 64), max_num_seqs=16, penalties=False)
 
 

@@ -15,10 +15,9 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11] * 4  # repeats: the n-gram lookup has drafts at
 
 
 @pytest.fixture(scope="module")
-def spec_llm(tmp_path_factory):
+def spec_llm():
     return LLM(str(FIXTURES / "hf" / "llama3"), "float32", max_model_len=256, max_num_seqs=8,
                max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=48, penalties=False,
-               compilation_cache_dir=str(tmp_path_factory.mktemp("xla")),
                speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
 
 

@@ -11,6 +11,7 @@ some CPUs, is one there. Benchmarks
 and the engine itself are not affected: the flag lives only in the test processes' environment.
 `JAXINFER_TEST_XLA_OPT=1` keeps XLA's default level (to run the suite as production compiles)."""
 import os
+import tempfile
 from pathlib import Path
 
 SUITE_FLAGS_VAR = "JAXINFER_TEST_XLA_FLAGS"
@@ -38,6 +39,22 @@ def apply_suite_flags() -> None:
     flags = os.environ.setdefault(SUITE_FLAGS_VAR, suite_flags())
     if flags and flags not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
+CACHE_DIR_VAR = "JAXINFER_COMPILATION_CACHE_DIR"  # jaxinfer.warm_up: where "auto" engines cache
+
+
+def share_compilation_cache() -> str | None:
+    """One persistent compilation cache for the whole run: every engine the tests build with the
+    default compilation_cache_dir ("auto"), in the xdist workers and in the processes tests
+    start (servers, CLI runs), reads and writes this directory, so a step compiled once is read
+    back everywhere else, and nothing lands in ~/.cache. The process that makes it (pytest's
+    controller, whose environment the workers inherit) returns it, to remove at the end; a
+    directory already set is used and kept (to keep compiles between local runs)."""
+    if os.environ.get(CACHE_DIR_VAR):
+        return None
+    os.environ[CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="jaxinfer-test-xla-")
+    return os.environ[CACHE_DIR_VAR]
 
 
 # libtpu for compiling TPU programs on this machine (tools/install.sh --test), off the venv's path.
