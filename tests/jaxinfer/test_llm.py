@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from testpaths import FIXTURES
+from testpaths import FIXTURES, SMOLLM2_SMALL, SMOLLM2_SMALL_ARGS
 
 from jaxinfer import cli
 from jaxinfer.cli.batch import run_batch
@@ -13,11 +13,10 @@ from jaxinfer.sampling import SamplingParams
 
 GOLDEN = np.load(FIXTURES / "smollm2" / "golden.npz")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-SMALL = dict(max_model_len=512, max_num_batched_tokens=64, token_buckets=(16, 64), max_num_seqs=16)
+SMALL = SMOLLM2_SMALL
 # The same engine from the command line: its step programs are the module engine's, which the
 # compilation cache then holds.
-SMALL_ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
-              "--max-num-seqs", "16"]
+SMALL_ARGS = SMOLLM2_SMALL_ARGS
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
-from testpaths import sentencepiece_model_path
+from testpaths import SMOLLM2_SMALL, sentencepiece_model_path
 
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams, StructuredOutput
@@ -114,7 +114,7 @@ def test_parallel_masks_equal_one_row_at_a_time(device_busy):
     assert (together[-1] == -1).all() and not (together[:-1] == -1).all()
 
 
-ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], num_pages=96)
+ENGINE = SMOLLM2_SMALL  # test_llm's engine: its variants are in the run's compilation cache
 
 
 @pytest.fixture(scope="module")

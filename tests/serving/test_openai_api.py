@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 from openai_support import ServedProcess, metric, raw_request, wait_for
+from testpaths import SMOLLM2_SMALL_ARGS
 
 from jaxinfer.cli import main
 from serving.client import Client
@@ -25,8 +26,8 @@ from serving.proto import jaxinfer_pb2 as pb
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = ("sk-first-key", "sk-second-key")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
-        "--max-num-seqs", "8", "--num-pages", "128", "--no-penalties", "--port", "0", "--http-port", "0",
+# test_smollm2.py's engine (its step variants are in the run's compilation cache), served.
+ARGS = [*SMOLLM2_SMALL_ARGS, "--no-penalties", "--port", "0", "--http-port", "0",
         "--max-body-bytes", str(1 << 20), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
         "--enable-prompt-logprobs"]
 

@@ -5,6 +5,7 @@ import asyncio
 import grpc
 import pytest
 from serving_support import client_of
+from testpaths import SMOLLM2_SMALL
 
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
@@ -26,8 +27,7 @@ CASES = {  # name -> (prompt kind, SamplingParams fields)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=512,
-               max_num_batched_tokens=64, token_buckets=(16, 64), max_num_seqs=16, penalties=False)
+    return LLM(**SMOLLM2_SMALL, penalties=False)  # the engine of test_openai_api's server
 
 
 def cases():

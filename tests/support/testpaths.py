@@ -1,4 +1,5 @@
-"""Paths of fixtures and of the real models that packages ship, for tests."""
+"""Paths of fixtures and of the real models that packages ship, for tests; the small engine that
+the SmolLM2 modules share."""
 import importlib.util
 from pathlib import Path
 
@@ -16,3 +17,12 @@ def sentencepiece_model_path() -> Path:
     """A real Llama-2-style sentencepiece model shipped by mistral-common."""
     spec = importlib.util.find_spec("mistral_common")
     return Path(spec.submodule_search_locations[0]) / "data" / "tokenizer.model.v1"
+
+
+# The SmolLM2 engine of test_llm, test_structured and the serving tests (with penalties compiled
+# out there, as a server's --no-penalties): one configuration, so that the modules after the
+# first read its step variants from the run's compilation cache (xla_env.share_compilation_cache)
+# instead of compiling them again.
+SMOLLM2_SMALL = dict(max_model_len=512, max_num_batched_tokens=64, token_buckets=(16, 64), max_num_seqs=16)
+SMOLLM2_SMALL_ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
+                      "--max-num-seqs", "16"]
