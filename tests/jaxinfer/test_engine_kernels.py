@@ -38,17 +38,17 @@ def engine_for(model, impl, **overrides):
     return Engine(model, EngineConfig(**cfg))
 
 
-def test_gpu_kernel_engine_matches_hf(tmp_path):
+def test_gpu_kernel_engine_matches_hf():
     """llama3 fixture (head_dim 16, GQA 4): 16 prompts, chunked prefill, preemptions."""
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
-    engine = engine_for(model, "pallas_gpu", tmp_path)
+    engine = engine_for(model, "pallas_gpu")
     greedy = SamplingParams(temperature=0, max_tokens=GOLDEN["max_new_tokens"], ignore_eos=True)
     assert run(engine, GOLDEN["prompts"], greedy) == GOLDEN["outputs"]
     assert engine.num_preemptions > 0
 
 
 @pytest.mark.slow
-def test_tpu_kernel_engine_matches_reference(tmp_path):
+def test_tpu_kernel_engine_matches_reference():
     """The TPU kernel needs head_dim >= 64: a random 2-layer model, the reference as the oracle."""
     fixture = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = dataclasses.replace(fixture.config, head_dim=64)
@@ -59,7 +59,7 @@ def test_tpu_kernel_engine_matches_reference(tmp_path):
     # One token bucket: its step and decode window are the interpreted kernel's only compiles (a
     # second bucket doubled the warm-up to ~55 s), and it still chunks the prompts.
     overrides = dict(num_pages=10, max_num_seqs=4, token_buckets=(32,))
-    want = run(engine_for(model, "reference", tmp_path, **overrides), prompts, greedy)
-    engine = engine_for(model, "pallas_tpu", tmp_path, **overrides)
+    want = run(engine_for(model, "reference", **overrides), prompts, greedy)
+    engine = engine_for(model, "pallas_tpu", **overrides)
     assert run(engine, prompts, greedy) == want
     assert engine.num_preemptions > 0
