@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
-from jaxinfer.loader import load_model
+from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quant import QuantConfig
 from jaxinfer.sampling import SamplingParams
@@ -38,8 +38,24 @@ Prompt = str | list[int]
 Message = dict[str, str]
 
 
+def _loaded(model: str | LoadedModel | None, dtype: str, mesh, quant: QuantConfig | None) -> LoadedModel:
+    """`model` read and placed over `mesh` (quantized as `quant` says), or a LoadedModel as it is,
+    on one device: its dtype and quantization were settled when it was loaded."""
+    if isinstance(model, LoadedModel):
+        if mesh is not None or (quant is not None and quant.method != "auto") or dtype != "auto":
+            raise ValueError(f"LLM(<loaded {model.path}>): a loaded model is served on one device as it was "
+                             "loaded; for another dtype, a quantization or a mesh, give LLM its path")
+        return model
+    place_for = None
+    if mesh is not None:
+        device_mesh = make_mesh(mesh)
+        place_for = lambda cfg, family: make_placer(  # noqa: E731
+            device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
+    return load_model(model, dtype, place_for=place_for, quantization=quant)
+
+
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", *, max_model_len: int | None = None,
+    def __init__(self, model: str | LoadedModel | None = None, dtype: str = "auto", *, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int | None = None,
                  max_n: int = 64, max_request_tokens: int | None = None, max_seqs_per_request: int = 16,
                  num_pages: int | None = None, kv_cache_memory_fraction: float = 0.85, kv_cache_dtype: str = "auto",
@@ -52,7 +68,9 @@ class LLM:
                  quantization: str | None = "auto", quantization_group_size: int | None = None,
                  quantize_embedding: bool = False, cpu_heap_reuse: bool = True, chat_template: str | None = None,
                  reasoning_parser: str | None = None, enable_prompt_logprobs: bool = False, **engine_options):
-        """Loads `model` (a model directory or a .gguf file; None = the embedded default).
+        """Loads `model` (a model directory or a .gguf file; None = the embedded default), or
+        serves a LoadedModel (`jaxinfer.loader.load_model`) as it is: several engines over one
+        copy of the weights, e.g. to compare settings, without loading them again.
 
         `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
         4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH,
@@ -90,13 +108,7 @@ class LLM:
             compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh,
             speculative_config=speculative_config, cpu_heap_reuse=cpu_heap_reuse,
             reasoning_parser=reasoning_parser, enable_prompt_logprobs=enable_prompt_logprobs, **engine_options)
-        place_for = None
-        if config.mesh is not None:
-            device_mesh = make_mesh(config.mesh)
-            place_for = lambda cfg, family: make_placer(  # noqa: E731
-                device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
-        self.engine = Engine(load_model(model, dtype, place_for=place_for, quantization=quant), config,
-                             warm_up=warm_up or is_multiprocess())
+        self.engine = Engine(_loaded(model, dtype, config.mesh, quant), config, warm_up=warm_up or is_multiprocess())
         self.tokenizer = _with_template(self.engine.tokenizer, template)
         self._inboxes: dict[str, collections.deque[RequestOutput]] = {}  # request id -> deltas
 

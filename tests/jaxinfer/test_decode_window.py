@@ -215,3 +215,16 @@ def test_llm_takes_engine_options_as_keywords():
     assert runner.greedy_buckets == (8, 32) and runner.launcher.enabled
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(model, "float32", no_such_option=1, **small)
+
+
+def test_llm_serves_a_loaded_model_as_it_is():
+    """One load, several engines: LLM takes a LoadedModel and refuses what only a load decides."""
+    from jaxinfer import LLM
+
+    model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
+    small = dict(num_pages=8, max_model_len=64, warm_up=False, token_buckets=(8,), max_num_batched_tokens=8)
+    llm = LLM(model, **small)
+    assert llm.engine.model is model
+    for bad in (dict(dtype="bfloat16"), dict(quantization="int8"), dict(mesh="tensor=1")):
+        with pytest.raises(ValueError, match="a loaded model is served on one device as it was loaded"):
+            LLM(model, **bad, **small)

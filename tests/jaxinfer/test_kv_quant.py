@@ -160,9 +160,9 @@ def test_smollm2_greedy_with_int8_and_fp8_kv_follows_the_float_cache():
     run's second choice, within 0.25 nats of its first (measured: int8 parts once in 3 prompts x
     24 tokens, at a 0.10-nat gap; fp8 once, at 0.005)."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-    runs = {}
+    runs, model = {}, load_model(dtype="float32")  # one load for the three engines
     for kv in ("auto", "int8", "fp8"):
-        llm = LLM(kv_cache_dtype=kv, max_model_len=256, num_pages=64, max_num_batched_tokens=32,
+        llm = LLM(model, kv_cache_dtype=kv, max_model_len=256, num_pages=64, max_num_batched_tokens=32,
                   token_buckets=[32], num_decode_steps=1, warm_up=False, compilation_cache_dir=None)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
         runs[kv] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
