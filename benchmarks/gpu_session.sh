@@ -22,6 +22,7 @@
 #   bash benchmarks/gpu_session.sh loop    # 1B step loop: as is, greedy twin off, launcher thread off; profiled
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
 #   bash benchmarks/gpu_session.sh lmhead  # the LM head's matmul by weight layout (tied or not)
+#   bash benchmarks/gpu_session.sh threads # 1B cold/warm start-up and decode, compiles 1 vs 16 at a time
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
 #
 # Size the limits for a cold machine (a 15-minute lease fits one command of at most 600 s after
@@ -42,7 +43,9 @@
 # then `lmhead:120 prefill:200` (the prefill goals were last measured on 2026-11-22), and
 # `CB=1 engine1b:240`: is the 1B's batch-1 window still launch-bound under CUDA graphs, and do
 # the sampler's conditionals (each a device-to-host copy of its predicate without them) show in
-# the profile as memcpy gaps?
+# the profile as memcpy gaps? And `threads:300`: GPUs compile the warm-up's variants one at a time
+# (jaxinfer/warm_up.py), since XLA:GPU times kernels on the device while it compiles; is the
+# cold start-up quicker with 16 at a time, and are the chosen kernels (the decode rows) as fast?
 #
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
@@ -50,7 +53,7 @@ set -uo pipefail
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b loop moe lmhead"
+parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b loop moe lmhead threads"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -136,6 +139,12 @@ run_part() {
         $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 64 \
             --new-tokens 48 --profile --profile-batches 1 64 --token-buckets 1 64 2048 \
             "${flags[@]}" | tee "$out/engine_1b_$name.md"
+      done ;;
+    threads)  # the warm-up's compile pool on a GPU: one compile at a time (the default) or 16
+      for n in 1 16; do
+        JAXINFER_COMPILE_THREADS=$n $py benchmarks/bench_engine.py --shape llama-3.2-1b --startup \
+            --prompt-lens 128 --batches 1 64 --new-tokens 48 --token-buckets 1 64 2048 \
+            | tee "$out/engine_1b_threads$n.md"
       done ;;
     lmhead)  # why the 1B's tied head reads at half the rate of every other matmul (~20 s)
       $py benchmarks/bench_lm_head.py | tee "$out/lm_head.md" ;;
