@@ -10,7 +10,7 @@ from testpaths import FIXTURES
 
 from jaxinfer import cli
 from jaxinfer.llm import LLM
-from jaxinfer.loader import default_model_path
+from jaxinfer.loader import default_model_path, load_model
 from jaxinfer.sampling import SamplingParams
 
 GOLDEN = np.load(FIXTURES / "smollm2" / "golden.npz")
@@ -19,6 +19,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 # compiled steps (plain and verify) per engine.
 SMALL = dict(max_model_len=512, max_num_batched_tokens=16, token_buckets=(16,), max_num_seqs=4, penalties=False,
              num_decode_steps=1)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(dtype="float32")  # one load for the module's engines
 
 
 def greedy(**kw):
@@ -39,8 +44,8 @@ def test_cli_flag_errors_exit_2(capsys, argv, match):
 
 
 @pytest.mark.slow
-def test_ngram_on_smollm2_matches_transformers():
-    llm = LLM(**SMALL,
+def test_ngram_on_smollm2_matches_transformers(smollm2):
+    llm = LLM(smollm2, **SMALL,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
     prompt = llm.render_chat(QUESTION)
     out = llm.generate(prompt, greedy(ignore_eos=True, skip_special_tokens=False), use_tqdm=False)[0]
@@ -57,9 +62,9 @@ def test_ngram_on_smollm2_matches_transformers():
 
 
 @pytest.mark.slow
-def test_smollm2_as_its_own_draft_accepts_every_token():
+def test_smollm2_as_its_own_draft_accepts_every_token(smollm2):
     spec = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 4}
-    llm = LLM(**SMALL, speculative_config=spec)
+    llm = LLM(smollm2, **SMALL, speculative_config=spec)
     out = llm.chat(QUESTION, greedy(ignore_eos=True, skip_special_tokens=False), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == GOLDEN["greedy"].tolist()
     m = out.metrics
