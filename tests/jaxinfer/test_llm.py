@@ -13,15 +13,13 @@ from jaxinfer.sampling import SamplingParams
 
 GOLDEN = np.load(FIXTURES / "smollm2" / "golden.npz")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-SMALL = SMOLLM2_SMALL
-# The same engine from the command line: its step programs are the module engine's, which the
-# compilation cache then holds.
-SMALL_ARGS = SMOLLM2_SMALL_ARGS
+# SMOLLM2_SMALL_ARGS: the same engine from the command line; its step programs are the module
+# engine's, which the compilation cache then holds.
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(**SMALL)
+    return LLM(**SMOLLM2_SMALL)
 
 
 def greedy(**kw):
@@ -208,12 +206,12 @@ def test_cli_batch_checks_paths_first_and_never_empties_old_results(capsys, tmp_
 
 
 def test_cli_generate_prints_only_the_text(capsys, llm):
-    argv = ["generate", "--chat", QUESTION[0]["content"], "--max-tokens", "32", *SMALL_ARGS]
+    argv = ["generate", "--chat", QUESTION[0]["content"], "--max-tokens", "32", *SMOLLM2_SMALL_ARGS]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
     # --chat-template renders the prompt instead of the checkpoint's template
     template = "<|im_start|>user\n{{ messages[0].content }}<|im_end|>\n<|im_start|>assistant\n"
-    assert cli.main([*argv[:4], "1", "--output-format", "jsonl", "--chat-template", template, *SMALL_ARGS]) == 0
+    assert cli.main([*argv[:4], "1", "--output-format", "jsonl", "--chat-template", template, *SMOLLM2_SMALL_ARGS]) == 0
     ids = llm.tokenizer.encode(f"<|im_start|>user\n{QUESTION[0]['content']}<|im_end|>\n<|im_start|>assistant",
                                add_special_tokens=False)  # jinja drops a template's last newline, as HF's does
     assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len(ids) < len(llm.render_chat(QUESTION))
@@ -273,7 +271,7 @@ def test_cli_info_shows_a_mixture_of_experts(capsys):
 
 def test_cli_chat_streams_replies_and_exits(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(QUESTION[0]["content"] + "\n/exit\n"))
-    argv = ["chat", "--max-tokens", "32", *SMALL_ARGS]
+    argv = ["chat", "--max-tokens", "32", *SMOLLM2_SMALL_ARGS]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
 

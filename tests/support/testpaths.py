@@ -24,5 +24,6 @@ def sentencepiece_model_path() -> Path:
 # first read its step variants from the run's compilation cache (xla_env.share_compilation_cache)
 # instead of compiling them again.
 SMOLLM2_SMALL = dict(max_model_len=512, max_num_batched_tokens=64, token_buckets=(16, 64), max_num_seqs=16)
-SMOLLM2_SMALL_ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
-                      "--max-num-seqs", "16"]
+SMOLLM2_SMALL_ARGS = [arg for name, value in SMOLLM2_SMALL.items()  # the same, as command-line flags
+                      for arg in (f"--{name.replace('_', '-')}",
+                                  ",".join(map(str, value)) if isinstance(value, tuple) else str(value))]
