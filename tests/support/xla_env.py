@@ -41,9 +41,6 @@ def apply_suite_flags() -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 
-CACHE_DIR_VAR = "JAXINFER_COMPILATION_CACHE_DIR"  # jaxinfer.warm_up: where "auto" engines cache
-
-
 def share_compilation_cache() -> str | None:
     """One persistent compilation cache for the whole run: every engine the tests build with the
     default compilation_cache_dir ("auto"), in the xdist workers and in the processes tests
@@ -51,6 +48,8 @@ def share_compilation_cache() -> str | None:
     back everywhere else, and nothing lands in ~/.cache. The process that makes it (pytest's
     controller, whose environment the workers inherit) returns it, to remove at the end; a
     directory already set is used and kept (to keep compiles between local runs)."""
+    from jaxinfer.warm_up import CACHE_DIR_VAR  # imports jax; its backends start later
+
     if os.environ.get(CACHE_DIR_VAR):
         return None
     os.environ[CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="jaxinfer-test-xla-")
