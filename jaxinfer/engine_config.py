@@ -8,6 +8,13 @@ import dataclasses
 
 from jaxinfer.spec_config import SpeculativeConfig
 
+# Start-up settings from the environment (read in jaxinfer/warm_up.py; named here, free of JAX, for
+# the CLI's help): the warm-up's compile threads, and where compilation_cache_dir="auto" points.
+THREADS_VAR = "JAXINFER_COMPILE_THREADS"
+MAX_COMPILE_THREADS = 16
+CACHE_DIR_VAR = "JAXINFER_COMPILATION_CACHE_DIR"
+DEFAULT_CACHE_DIR = "~/.cache/jaxinfer/xla"
+
 # "auto" = the model dtype; int8 and fp8 (e4m3; "fp8_e4m3" is the same) store K/V with static
 # per-head scales calibrated at start-up and hold 2x the pages of bfloat16 in the same bytes.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "float16", "int8", "fp8", "fp8_e4m3")

@@ -27,14 +27,11 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxinfer.engine_config import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
 from jaxinfer.inputs import StepInputs
 from jaxinfer.step_variants import plain_padding
 
-MAX_COMPILE_THREADS = 16
-THREADS_VAR = "JAXINFER_COMPILE_THREADS"
 SERIAL_PLATFORMS = ("gpu", "cuda", "rocm")
-CACHE_DIR_VAR = "JAXINFER_COMPILATION_CACHE_DIR"
-DEFAULT_CACHE_DIR = "~/.cache/jaxinfer/xla"
 OFF = ("", "none")
 
 

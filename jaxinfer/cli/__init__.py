@@ -20,9 +20,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from jaxinfer import warm_up
 from jaxinfer.cli import batch, convert, generate, info
 from jaxinfer.cli.args import USER_ERRORS, add_engine_args, add_sampling_args, make_llm, release_leaders
+from jaxinfer.engine_config import MAX_COMPILE_THREADS, THREADS_VAR
 
 __all__ = ["build_parser", "main", "make_llm", "add_engine_args", "add_sampling_args"]
 
@@ -30,8 +30,8 @@ __all__ = ["build_parser", "main", "make_llm", "add_engine_args", "add_sampling_
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxinfer", description="JAX/XLA LLM inference engine",
-        epilog=f"environment: {warm_up.THREADS_VAR}=N sets the threads an engine's warm-up compiles "
-               f"its step variants on (default: one per core, at most {warm_up.MAX_COMPILE_THREADS}; "
+        epilog=f"environment: {THREADS_VAR}=N sets the threads an engine's warm-up compiles "
+               f"its step variants on (default: one per core, at most {MAX_COMPILE_THREADS}; "
                "one on GPUs)")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.register(sub)
