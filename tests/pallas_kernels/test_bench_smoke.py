@@ -66,12 +66,12 @@ def test_bench_attention_tpu_smoke(capsys):
 
 
 def test_bench_attention_sweep_smoke(capsys):
-    """--sweep: the default config's neighbours (the first five, in a smoke run) each run,
+    """--sweep: the default config's neighbours (the first two, in a smoke run) each run,
     check and time; under the decode split they vary the call of the non-decode sequences."""
     load_bench().main(["--smoke", "--sweep", "--scenarios", "prefill", "--skip-reference"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     swept = [row for row in rows if "bkv=" in row]
-    assert len(swept) == 5 and all("pallas_gpu rest bq=" in row for row in swept)
+    assert len(swept) == 2 and all("pallas_gpu rest bq=" in row for row in swept)
     for row in swept:
         assert "FAIL" not in row and not row.split("|")[-2].strip(), row
 
