@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from testpaths import FIXTURES, TESTS, sentencepiece_model_path, smollm2_gguf_path  # noqa: E402,F401
+import compile_report  # noqa: E402
 from xla_env import apply_suite_flags, share_compilation_cache  # noqa: E402
 
 apply_suite_flags()
@@ -23,6 +24,7 @@ def pytest_addoption(parser):
         default=None, help="how the Pallas kernel tests run: compiled on the present accelerator, "
         "in interpret mode, or auto (compiled where the kernel's platform is the backend); "
         "default from JAXINFER_KERNELS, else auto")
+    compile_report.add_option(parser)
 
 
 def pytest_unconfigure(config):
@@ -35,6 +37,7 @@ def pytest_configure(config):
     import os
     mode = config.getoption("--kernels") or os.environ.get("JAXINFER_KERNELS", "auto")
     os.environ["JAXINFER_KERNELS"] = mode  # read by tests/pallas_kernels (kernel_mode.py)
+    compile_report.configure(config)
 
 
 # Tests that start processes of 8 forced CPU devices each: one worker runs them all under xdist.
