@@ -91,8 +91,9 @@ TPU_OPTIONS = {
 
 # Every shape and option lowers for v5e; v6e and 7x with their own default blocks. The chip only
 # enters through the blocks its VMEM fits (measured: these shapes lower to the same text for all
-# three chips); blocks past a chip's default VMEM limit are the test after this one's, and
-# Mosaic's chip-specific passes run in test_tpu_compile.py.
+# three chips). Blocks past a chip's default VMEM limit are checked per chip by
+# test_tpu_blocks_past_the_default_vmem_limit_ask_for_theirs; Mosaic's chip-specific passes run
+# in test_tpu_compile.py.
 TPU_CASES = [(shapes, options, "v5e") for shapes in sorted(TPU_SHAPES) for options in sorted(TPU_OPTIONS)] + [
     (shapes, "plain", chip) for shapes in sorted(TPU_SHAPES) for chip in ("v6e", "7x")]
 TPU_DEVICES = {"v5e": TPU_V5E, "v6e": TPU_V6E, "7x": TPU_7X}
