@@ -2,6 +2,7 @@
 seconds charged to the test that compiled, and the table by module. Checked on a toy suite run
 the way the test command runs (two xdist workers), in a subprocess."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,10 +51,12 @@ def test_compiles_are_charged_to_their_test_and_tabled_by_module(tmp_path):
     for name, text in TOY_TESTS.items():
         (tmp_path / name).write_text(text)
     report = tmp_path / "report"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # this run's xdist ids
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
                            "--compile-report", str(report), "."],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(f.name.startswith("gw") for f in report.iterdir()), list(report.iterdir())  # none from the controller
     tests = {}
     for file in report.glob("gw*.json"):
         tests.update(json.loads(file.read_text()))

@@ -1,6 +1,6 @@
 """Where the suite's time goes: JAX's tracing, lowering and XLA compile seconds, per test.
 
-    pytest -n 2 --dist loadgroup tests --compile-report DIR   # each process writes DIR/<worker>.json
+    pytest -n 2 --dist loadgroup tests --compile-report DIR   # each worker writes DIR/<worker id>.json
     python tests/support/compile_report.py DIR [ROWS]         # the table, by module
 
 JAX reports each trace, lowering and backend compile through `jax.monitoring`; the listener
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,12 +33,13 @@ def add_option(parser) -> None:
 
 def configure(config) -> None:
     if directory := config.getoption("--compile-report"):
-        config.pluginmanager.register(CompileReport(directory), "compile-report")
+        worker = getattr(config, "workerinput", {}).get("workerid", "main")  # an xdist worker's id
+        config.pluginmanager.register(CompileReport(Path(directory) / f"{worker}.json"), "compile-report")
 
 
 class CompileReport:
-    def __init__(self, directory: str):
-        self.path = Path(directory) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.json"
+    def __init__(self, path: Path):
+        self.path = path
         self.current = "<outside tests>"
         self.tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
@@ -64,6 +64,8 @@ class CompileReport:
         self.current = "<between tests>"
 
     def pytest_sessionfinish(self, session):
+        if not self.tests:  # xdist's controller runs none
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.tests))
 
