@@ -46,7 +46,8 @@ class CompileReport:
     def listen(self, event: str, seconds: float, **_) -> None:
         if (column := EVENTS.get(event)) is not None:
             self.tests[self.current][column] += seconds
-            self.tests[self.current]["compiles"] += column == "compile"
+            if column == "compile":
+                self.tests[self.current]["compiles"] += 1
 
     def pytest_configure(self, config):
         import jax.monitoring
