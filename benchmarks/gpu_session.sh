@@ -35,18 +35,14 @@
 # Seen on an H200, 2026-11-26 (third lease): `lmhead` printed one row in 45 s; `sweep-big`'s 1k
 # row took ~165 s (its 4k row did not start in 170 s); `engine8b` compiled 44 variants, ~3 min
 # cold, and needed ~240 s to its batch-256 row (it now compiles only its rows' 14).
-# Next: `loop:330` first. Each conditional in a step holds XLA:GPU's launching thread until the
-# device reaches it; since 2026-11-27 an all-greedy decode window runs none (the greedy twin),
-# steps launch from a thread of their own (the launcher), and windows compile with CUDA graphs.
-# Does the profile's "D2H copies per step" column fall to ~0 with the twin, and the device's idle
-# share with the twin and the thread, against each switched off? Then `engine8b:260` (batch 256 with the tuned 4-warp entry: does it reach 10k tok/s?),
-# then `lmhead:120 prefill:200` (the prefill goals were last measured on 2026-11-22), and
-# `CB=1 engine1b:240`: is the 1B's batch-1 window still launch-bound under CUDA graphs, and do
-# the sampler's conditionals (each a device-to-host copy of its predicate without them) show in
-# the profile as memcpy gaps? And `threads:300`: GPUs compile the warm-up's variants one at a time
-# (jaxinfer/warm_up.py), since XLA:GPU times kernels on the device while it compiles; is the
-# cold start-up quicker with 16 at a time, and are the chosen kernels (the decode rows) as fast?
-#
+# Seen on an H100, 2026-11-28: `loop` 104 s in all (three 1B engines, the cache warm after the
+# first); `engine8b` 88 s; `short` ~40 s; `prefill` reached the 4096 chunk in 190 s (~100 s of
+# it XLA constant-folding the reference, since fixed); `lmhead` two rows in 40 s.
+# Measured then (RESULTS.md): the greedy twin took the 1B batch-1 step 2.26 -> 1.60 ms and its
+# device idle 51% -> 14%; the launcher thread changed nothing with the twin on; 8B batch 256
+# 11,294 tok/s, batch 1 5.95 ms (95% of the floor). Next: `prefill:200` (chunks 2048-8192, the
+# 50% goal is far), `sweep-long:200` (the 80% goal is for 4k context and up), `threads:300`,
+# and the 1B batch-1 profile's full kernel list (`engine1b`): busy 1.69 ms against a 0.92 ms floor.
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: gpu_session.sh PART[:SECONDS] ..." >&2; exit 2; }
