@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan  # noqa: E402
 from jaxinfer.core.sequence import Sequence  # noqa: E402
-from jaxinfer.inputs import InputBuilder  # noqa: E402
+from jaxinfer.worker.inputs import InputBuilder  # noqa: E402
 from jaxinfer.sampling.params import SamplingParams  # noqa: E402
 
 PAGE = 16

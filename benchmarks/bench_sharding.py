@@ -41,9 +41,9 @@ from jaxinfer.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxinfer.loader import LoadedModel  # noqa: E402
 from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
-from jaxinfer.inputs import StepInputs  # noqa: E402
-from jaxinfer.page_table import padded_updates  # noqa: E402
-from jaxinfer.runner import ModelRunner  # noqa: E402
+from jaxinfer.worker.inputs import StepInputs  # noqa: E402
+from jaxinfer.worker.page_table import padded_updates  # noqa: E402
+from jaxinfer.worker.runner import ModelRunner  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 from jaxinfer.sampling.arrays import make_sampling_arrays  # noqa: E402
 from pallas_kernels import ragged_paged_attention  # noqa: E402

@@ -12,7 +12,7 @@ One engine serves four runs of `--batch` requests side by side, each `--repeats`
   tools     every request a chat's tool_choice "required" over 8 tools (the JSON list of calls
             serving/tools.py asks for: anyOf over each tool's name and parameters)
 Output tokens per second for each, the host time spent filling masks per constrained token
-(llguidance's fill_next_token_bitmask, measured around jaxinfer.inputs' call), and the time to
+(llguidance's fill_next_token_bitmask, measured around jaxinfer.worker.inputs' call), and the time to
 compile each run's grammar once (a request whose spec is not in the cache pays it).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
                         "(the split step; auto: on accelerators only)")
     args = p.parse_args(argv)
 
-    import jaxinfer.inputs as inputs_module
+    import jaxinfer.worker.inputs as inputs_module
     from jaxinfer.llm import LLM
     from jaxinfer.sampling import SamplingParams, StructuredOutput
     from serving.tools import tool_request

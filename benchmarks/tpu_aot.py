@@ -42,15 +42,15 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks.shapes import SHAPES, shape_config  # noqa: E402
 from jaxinfer.config import EngineConfig  # noqa: E402
-from jaxinfer.inputs import InputBuilder  # noqa: E402
+from jaxinfer.worker.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.layers import LAYER_LINEARS  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.quant.config import DEFAULT_GROUP_SIZE, QuantConfig, component_shapes  # noqa: E402
 from jaxinfer.quant.weights import QuantizedWeight  # noqa: E402
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype, scales_array  # noqa: E402
-from jaxinfer.kv_pool import cache_struct, plan_num_pages  # noqa: E402
-from jaxinfer.step_variants import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,  # noqa: E402
+from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages  # noqa: E402
+from jaxinfer.worker.step_variants import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,  # noqa: E402
                                     step_jits)
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_config import target_chip  # noqa: E402

@@ -37,13 +37,13 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
-from jaxinfer.runner import ModelRunner
+from jaxinfer.worker.runner import ModelRunner
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode import build_speculator
 from jaxinfer.structured import GrammarBackend, grammar_for
 from jaxinfer.tokenizer.reasoning import reasoning_parser
-from jaxinfer.warm_up import enable_compilation_cache
+from jaxinfer.worker.warm_up import enable_compilation_cache
 from sharding import StepChannel, is_leader, is_multiprocess
 from sharding.multihost import SHUTDOWN
 

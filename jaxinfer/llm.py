@@ -74,7 +74,7 @@ class LLM:
 
         `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
         4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH,
-        "num_speculative_tokens": 4} (jaxinfer/spec_config.py); off per request with
+        "num_speculative_tokens": 4} (jaxinfer/config/speculative.py); off per request with
         SamplingParams(speculative=False).
         `mesh`: e.g. "tensor=4" or "data=2,tensor=4" (sharding.make_mesh); parameters are
         placed shard by shard as they are read. `warm_up=False` leaves compiling to

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import shapes  # noqa: E402
 
 from jaxinfer.engine import Engine  # noqa: E402
-from jaxinfer.engine_config import EngineConfig  # noqa: E402
+from jaxinfer.config.engine import EngineConfig  # noqa: E402
 from jaxinfer.quant.weights import QuantizedWeight, dequantize  # noqa: E402
 from jaxinfer.sampling.params import SamplingParams  # noqa: E402
 

@@ -14,8 +14,8 @@ def describe(args: argparse.Namespace) -> dict:
 
     from jaxinfer.loader import load_model
     from jaxinfer.models.registry import features
-    from jaxinfer.kv_pool import kv_page_bytes
-    from jaxinfer.runner import ModelRunner
+    from jaxinfer.worker.kv_pool import kv_page_bytes
+    from jaxinfer.worker.runner import ModelRunner
 
     from jaxinfer.quant import QuantConfig, param_bytes, param_count, quantization_of, quantized_tensors
 

@@ -6,7 +6,7 @@
     scheduler.py  Scheduler: admission, chunked prefill, preemption, stops
 
 Tested on its own with exact page ids; the device side only ever sees the numpy arrays that
-`jaxinfer.inputs` builds from a plan.
+`jaxinfer.worker.inputs` builds from a plan.
 """
 from jaxinfer.core.paging import NULL_PAGE, OutOfPagesError, PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan

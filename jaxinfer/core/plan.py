@@ -5,7 +5,7 @@ tokens are computed (a contiguous chunk starting at its `num_computed_tokens`), 
 hold them, and whether the chunk reaches the end of the known tokens (then one token is sampled).
 A speculating sequence's chunk is its last known token followed by `drafts` (speculative
 decoding): the step writes K/V for all of them and verifies the drafts (spec_decode/).
-Plain data (no JAX): `jaxinfer.inputs` turns it into padded arrays.
+Plain data (no JAX): `jaxinfer.worker.inputs` turns it into padded arrays.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ a mesh (KV heads over `tensor`, a leading [data] axis for replicas): the scales 
 heads they belong to, repeated KV heads included. The kernel contract takes the scales as
 `k_scale`, `v_scale` f32[K]; `k_scale` / `v_scale` slice them out of this layout.
 
-Scales are static: chosen once when the engine starts (jaxinfer/kv_calibration.py) and never
+Scales are static: chosen once when the engine starts (jaxinfer/worker/kv_calibration.py) and never
 changed, so every page, whenever written, is read back with the scale it was written with. The
 unquantized engine keeps a plain array per layer; model code passes either form through to
 `layers.paged_attention` untouched.

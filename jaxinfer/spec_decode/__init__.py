@@ -5,7 +5,7 @@
     draft.py       DraftModelProposer: a second model with its own runner and KV pages
     speculator.py  Speculator: proposals into the plan, verified tokens out of the step
 
-Configured by EngineConfig.speculative_config (jaxinfer/spec_config.py); the host bookkeeping is
+Configured by EngineConfig.speculative_config (jaxinfer/config/speculative.py); the host bookkeeping is
 jaxinfer/core/spec.py and the in-jit verification jaxinfer/sampling/rejection.py.
 """
 from jaxinfer.spec_decode.draft import DraftModelProposer

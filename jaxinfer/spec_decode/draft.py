@@ -28,7 +28,7 @@ from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence
 from jaxinfer.loader import LoadedModel
-from jaxinfer.runner import ModelRunner
+from jaxinfer.worker.runner import ModelRunner
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.spec_decode.proposer import Proposer
 

@@ -38,10 +38,10 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import Sequence
 from jaxinfer.core.spec import accept_draft, roll_back
 from jaxinfer.loader import LoadedModel, load_model
-from jaxinfer.runner import ModelRunner
+from jaxinfer.worker.runner import ModelRunner
 from jaxinfer.sampling.rejection import VerifyOutput
 from jaxinfer.sampling.sampler import SamplerOutput
-from jaxinfer.spec_config import SpeculativeConfig
+from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.spec_decode.draft import DraftModelProposer
 from jaxinfer.spec_decode.ngram import NgramProposer
 from jaxinfer.spec_decode.proposer import Proposer

@@ -1,5 +1,5 @@
 """JAX's persistent compilation cache goes where each engine's compilation_cache_dir says
-(jaxinfer/warm_up.py): "auto" is $JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla; a
+(jaxinfer/worker/warm_up.py): "auto" is $JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla; a
 later engine naming another directory, or none, moves or stops the process's one cache."""
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import pytest
 from jaxinfer import cli
 from jaxinfer import llm as llm_module
 from jaxinfer.config import EngineConfig
-from jaxinfer.warm_up import CACHE_DIR_VAR, compilation_cache_path, enable_compilation_cache
+from jaxinfer.worker.warm_up import CACHE_DIR_VAR, compilation_cache_path, enable_compilation_cache
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Host heap reuse on the CPU (jaxinfer/host_memory.py): what it changes, when it stays off."""
+"""Host heap reuse on the CPU (jaxinfer/worker/host_memory.py): what it changes, when it stays off."""
 from __future__ import annotations
 
 import ctypes
@@ -12,18 +12,18 @@ import jax
 import pytest
 from testpaths import FIXTURES
 
-from jaxinfer import host_memory
+from jaxinfer.worker import host_memory
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
-from jaxinfer.runner import ModelRunner
+from jaxinfer.worker.runner import ModelRunner
 
 # Page faults of writing a freshly allocated 64 MiB block after a block of that size was freed:
 # glibc's default unmaps it on free (one fault per page written again); with the heap kept, the
 # same pages come back.
 PROBE = r"""
 import ctypes, json, resource
-from jaxinfer import host_memory
+from jaxinfer.worker import host_memory
 
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -92,7 +92,7 @@ CONFIG = ModelConfig(model_type="llama", family="llama", vocab_size=64, hidden_s
 @pytest.mark.parametrize("reuse", [True, False])
 def test_the_cpu_runner_applies_it_unless_configured_off(monkeypatch, reuse):
     calls = []
-    monkeypatch.setattr("jaxinfer.runner.reuse_freed_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr("jaxinfer.worker.runner.reuse_freed_heap", lambda: calls.append(1) or True)
     family = get_family("llama")
     model = LoadedModel(CONFIG, family.init_params(CONFIG, jax.random.key(0)), None, family, Path("random"))
     ModelRunner(model, EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
@@ -108,7 +108,7 @@ def test_the_serve_flag_reaches_the_runner(monkeypatch, flags, reuse):
     from jaxinfer.cli.args import make_llm
 
     calls = []
-    monkeypatch.setattr("jaxinfer.runner.reuse_freed_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr("jaxinfer.worker.runner.reuse_freed_heap", lambda: calls.append(1) or True)
     args = cli.build_parser().parse_args(["serve", "--model", str(FIXTURES / "hf" / "llama3"), "--dtype",
                                           "float32", "--num-pages", "8", "--max-model-len", "64",
                                           "--token-buckets", "8,512", *flags])

@@ -7,7 +7,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.core.paging import NULL_PAGE
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence
-from jaxinfer.inputs import InputBuilder
+from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.sampling.arrays import fill_defaults
 from jaxinfer.sampling.params import MAX_LOGIT_BIAS, SamplingParams
 

@@ -12,12 +12,12 @@ from testpaths import FIXTURES
 from jaxinfer import cli
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
-from jaxinfer.kv_calibration import calibration_tokens, kv_absmax, quantized_caches
+from jaxinfer.worker.kv_calibration import calibration_tokens, kv_absmax, quantized_caches
 from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.quant.kv_cache import QuantizedKVCache, resolve_kv_dtype
-from jaxinfer.kv_pool import kv_page_bytes, plan_num_pages
-from jaxinfer.runner import ModelRunner
+from jaxinfer.worker.kv_pool import kv_page_bytes, plan_num_pages
+from jaxinfer.worker.runner import ModelRunner
 from jaxinfer.sampling import SamplingParams
 from model_harness import SingleSequence
 

@@ -7,8 +7,8 @@ import time
 import jax
 import pytest
 
-from jaxinfer.launcher import Launcher, dispatch_thread_enabled, landed
-from jaxinfer.step_variants import greedy_variant_enabled
+from jaxinfer.worker.launcher import Launcher, dispatch_thread_enabled, landed
+from jaxinfer.worker.step_variants import greedy_variant_enabled
 
 
 def test_launches_run_in_order_on_one_thread_and_the_caller_goes_on():

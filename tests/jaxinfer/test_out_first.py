@@ -14,7 +14,7 @@ from jaxinfer.models import layers as L
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import einsum
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
-from jaxinfer.runner import ModelRunner
+from jaxinfer.worker.runner import ModelRunner
 
 SPECS = [("te,ekjd->tkjd", (6, 2, 3, 4), (0,)), ("thd,hde->te", (3, 4, 5), (0, 1)),
          ("te,ecf->tcf", (6, 2, 7), (0,)), ("tf,fe->te", (6, 5), (0,))]

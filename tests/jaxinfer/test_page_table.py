@@ -15,7 +15,7 @@ from jaxinfer.core.plan import ScheduledSeq
 from jaxinfer.core.sequence import Sequence
 from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
-from jaxinfer.page_table import (NULL_ROW, PageTableMirror, apply_updates, no_updates, padded_updates,
+from jaxinfer.worker.page_table import (NULL_ROW, PageTableMirror, apply_updates, no_updates, padded_updates,
                                  update_widths)
 from jaxinfer.sampling.params import SamplingParams
 

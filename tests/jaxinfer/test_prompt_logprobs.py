@@ -19,10 +19,10 @@ from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import Sequence, SequenceStatus
 from jaxinfer.engine import Engine
-from jaxinfer.inputs import InputBuilder, prompt_inputs
+from jaxinfer.worker.inputs import InputBuilder, prompt_inputs
 from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.models.registry import get_family
-from jaxinfer.runner import ModelRunner
+from jaxinfer.worker.runner import ModelRunner
 from jaxinfer.sampling import SamplingParams
 
 GOLDEN = np.load(FIXTURES / "hf" / "llama3" / "golden.npz")

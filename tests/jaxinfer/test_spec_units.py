@@ -17,7 +17,7 @@ from jaxinfer.sampling.rejection import SpecInputs, VerifyOutput, rejection_samp
 from jaxinfer.sampling.rejection import verify as verify_fn
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.sampling.sampler import sample as sample_fn
-from jaxinfer.spec_config import SpeculativeConfig
+from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.spec_decode import NgramProposer, Speculator, ngram_lookup
 
 

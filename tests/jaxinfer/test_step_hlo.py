@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from jax.experimental.layout import Format, Layout
 
-from jaxinfer import kv_pool
+from jaxinfer.worker import kv_pool
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
-from jaxinfer.runner import ModelRunner
-from jaxinfer.step_variants import plain_padding
+from jaxinfer.worker.runner import ModelRunner
+from jaxinfer.worker.step_variants import plain_padding
 
 CONFIG = ModelConfig(model_type="llama", family="llama", vocab_size=256, hidden_size=64,
                      intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -257,7 +257,7 @@ def test_every_jit_hands_the_caches_back_in_their_pinned_layout(model, monkeypat
 def test_cuda_graph_options_for_windows_only_on_gpus(monkeypatch, caplog):
     """window_compiler_options: CUDA graphs over the window on a GPU, unless XLA_FLAGS sets them
     (the user's choice) or this XLA refuses the option (a warning; windows compile as before)."""
-    from jaxinfer import step_variants
+    from jaxinfer.worker import step_variants
 
     assert step_variants.window_compiler_options() is None  # the CPU
     monkeypatch.setattr(step_variants.jax, "default_backend", lambda: "gpu")
@@ -274,7 +274,7 @@ def test_cuda_graph_options_for_windows_only_on_gpus(monkeypatch, caplog):
 def test_the_window_alone_compiles_with_the_window_options(model, monkeypatch):
     """The runner hands window_compiler_options to the window's jit and to no other: an option
     XLA refuses fails the window's compile and leaves the single step's alone."""
-    monkeypatch.setattr("jaxinfer.runner.window_compiler_options",
+    monkeypatch.setattr("jaxinfer.worker.runner.window_compiler_options",
                         lambda: {"xla_gpu_enable_command_buffer": "NO_SUCH_KIND"})
     runner = make_runner(model, 4, max_model_len=512, num_pages=64)
     inputs = runner.padding_inputs(8, False)

@@ -1,5 +1,5 @@
 """The warm-up compiles the step's variants on a pool of threads, and running each variant after
-them compiles nothing again (jaxinfer/warm_up.py)."""
+them compiles nothing again (jaxinfer/worker/warm_up.py)."""
 import threading
 
 import jax
@@ -7,7 +7,7 @@ import pytest
 from testpaths import FIXTURES
 
 from jaxinfer import SamplingParams, warm_up
-from jaxinfer import runner as runner_module
+from jaxinfer.worker import runner as runner_module
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxinfer.inputs import InputBuilder, StepInputs
+from jaxinfer.worker.inputs import InputBuilder, StepInputs
 from jaxinfer.sampling.arrays import is_plain, unsent_defaults
-from jaxinfer.step import decode_window, forward_part, sample_part, step
+from jaxinfer.worker.step import decode_window, forward_part, sample_part, step
 from sharding import DATA, is_multiprocess, replicated_spec, tokens_spec
 
 DEFAULT_DECODE_STEPS = 8

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxinfer.spec_config import SpeculativeConfig
+from jaxinfer.config.speculative import SpeculativeConfig
 
-# Start-up settings from the environment (read in jaxinfer/warm_up.py; named here, free of JAX, for
+# Start-up settings from the environment (read in jaxinfer/worker/warm_up.py; named here, free of JAX, for
 # the CLI's help): the warm-up's compile threads, and where compilation_cache_dir="auto" points.
 THREADS_VAR = "JAXINFER_COMPILE_THREADS"
 MAX_COMPILE_THREADS = 16

@@ -27,9 +27,9 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxinfer.engine_config import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
-from jaxinfer.inputs import StepInputs
-from jaxinfer.step_variants import plain_padding
+from jaxinfer.config.engine import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
+from jaxinfer.worker.inputs import StepInputs
+from jaxinfer.worker.step_variants import plain_padding
 
 SERIAL_PLATFORMS = ("gpu", "cuda", "rocm")
 OFF = ("", "none")

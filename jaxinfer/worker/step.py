@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.inputs import StepInputs
+from jaxinfer.worker.inputs import StepInputs
 from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.params import MAX_LOGPROBS

@@ -1,9 +1,8 @@
-"""Model configuration, read from an HF `config.json` or from GGUF metadata; and EngineConfig.
+"""Model configuration, read from an HF `config.json` or from GGUF metadata.
 
 Both sources end in one `ModelConfig`: the shapes and numerics a model family needs, nothing about
 serving. Errors name the missing or unsupported field, since a wrong config is a user's mistake.
 The fields only some families have are read in config_families.py.
-`EngineConfig` (serving limits and static shapes) lives in engine_config.py and is exported here.
 """
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from typing import Any, Collection, Mapping
 from jaxinfer.config_families import (GEMMA_HF_TYPES, ConfigError, check_layer_types, gemma_from_gguf, gemma_from_hf,
                                      gemma_rope_config, gemma_to_hf, gguf_model_type, is_sliding_layer,
                                      llama_sliding_window, moe_from_gguf, moe_from_hf, require)
-from jaxinfer.engine_config import EngineConfig
 
-__all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling"]
+__all__ = ["ConfigError", "ModelConfig", "RopeScaling"]
 
 # HF model_type -> the model family that runs it.
 HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "mixtral": "moe", "qwen3_moe": "moe",

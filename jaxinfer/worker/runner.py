@@ -42,20 +42,20 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.core.plan import SchedulerPlan
-from jaxinfer.host_memory import reuse_freed_heap
-from jaxinfer.inputs import InputBuilder, StepInputs
-from jaxinfer.kv_calibration import calibrated_caches
-from jaxinfer.kv_pool import cache_struct, plan_num_pages, zeroed_caches
-from jaxinfer.launcher import Launcher, dispatch_thread_enabled, landed
+from jaxinfer.worker.host_memory import reuse_freed_heap
+from jaxinfer.worker.inputs import InputBuilder, StepInputs
+from jaxinfer.worker.kv_calibration import calibrated_caches
+from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages, zeroed_caches
+from jaxinfer.worker.launcher import Launcher, dispatch_thread_enabled, landed
 from jaxinfer.loader import LoadedModel
-from jaxinfer.page_table import DevicePageTable
+from jaxinfer.worker.page_table import DevicePageTable
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
 from jaxinfer.sampling.arrays import fill_defaults
 from jaxinfer.sampling.device_defaults import DeviceDefaults
 from jaxinfer.sampling.sampler import SamplerOutput
-from jaxinfer.step_variants import (as_greedy, decode_sized_buckets, decode_steps, greedy_variant_enabled,
+from jaxinfer.worker.step_variants import (as_greedy, decode_sized_buckets, decode_steps, greedy_variant_enabled,
                                     input_shardings, split_step_enabled, step_jits, window_compiler_options)
-from jaxinfer.warm_up import compile_all, step_variants
+from jaxinfer.worker.warm_up import compile_all, step_variants
 from sharding import (DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, pin_weight_layouts,
                       replicated_spec, shard_params)
 from sharding.experts import check_expert_axis

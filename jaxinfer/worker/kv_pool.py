@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine_config import DEFAULT_PAGE_SIZE
+from jaxinfer.config.engine import DEFAULT_PAGE_SIZE
 from pallas_kernels import kv_cache_shape
 from pallas_kernels.kv_layout import kv_cache_format, layout_bytes
 

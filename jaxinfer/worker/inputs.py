@@ -41,7 +41,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER
 from jaxinfer.models.layers import AttentionMetadata
-from jaxinfer.page_table import (NULL_ROW, PageTableMirror, PageTableUpdates, no_updates, padded_updates,
+from jaxinfer.worker.page_table import (NULL_ROW, PageTableMirror, PageTableUpdates, no_updates, padded_updates,
                                  update_widths)
 from jaxinfer.sampling.arrays import (SamplingArrays, fill_defaults, make_sampling_arrays,
                                      sampling_arrays_for_sequences, unsent_defaults)
