@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import json
 import os
 import platform
@@ -166,7 +165,7 @@ def bench_shape(args):
     if args.startup:  # an empty compilation cache, kept for the run (the main engine reads it back)
         cold_dir = tempfile.mkdtemp(prefix="jaxinfer-cold-")
         atexit.register(shutil.rmtree, cold_dir, ignore_errors=True)
-        config = dataclasses.replace(config, compilation_cache_dir=cold_dir)
+        config = config.replace(compilation_cache_dir=cold_dir)
         for kind in ("cold", "warm"):
             start = time.perf_counter()
             engine = Engine(model, config)

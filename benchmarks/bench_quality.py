@@ -92,12 +92,12 @@ def score(runner, ids: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray,
     """Teacher-forced log-probabilities of ids[1:] per window (see the module docstring) through
     `runner`'s params and KV pool (one sequence on pages 1..n). Returns (logprobs f32[N],
     argmax predictions i32[N]) over the scored positions, in text order."""
-    if window % chunk or window % runner.engine.page_size:
+    if window % chunk or window % runner.engine.cache.page_size:
         raise ValueError(f"--window {window} must be a multiple of --chunk {chunk} and the page size")
     step = jax.jit(functools.partial(_chunk_logprobs, runner.family, runner.config,
-                                     runner.engine.attn_impl), donate_argnums=(1,),
+                                     runner.engine.compile.attn_impl), donate_argnums=(1,),
                    out_shardings=(None, None, jax.tree.map(lambda c: c.format, runner.kv_caches)))
-    pages = window // runner.engine.page_size
+    pages = window // runner.engine.cache.page_size
     page_table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
     logprobs, argmax = [], []
     for w0 in range(0, len(ids) - 1, window):

@@ -109,10 +109,9 @@ def main(argv=None) -> int:
 
 
 def _set_loop(engine, defaults, loop: dict) -> None:
-    import dataclasses
 
     config, steps = defaults
-    engine.config = dataclasses.replace(config, async_scheduling=loop.get("async_scheduling", config.async_scheduling))
+    engine.config = config.replace(async_scheduling=loop.get("async_scheduling", config.scheduler.async_scheduling))
     engine.runner.num_decode_steps = loop.get("num_decode_steps", steps)
 
 

@@ -23,7 +23,6 @@ compiled variant.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import re
@@ -93,7 +92,7 @@ class AotStep:
         self.devices = topologies.get_topology_desc(topology, "tpu").devices
         self.mesh = make_mesh(mesh, self.devices)
         self.replicas = axis_size(self.mesh, DATA)  # the runner's data replicas: a leading [data] axis
-        self.max_model_len = engine.max_model_len or self.config.max_position_embeddings
+        self.max_model_len = engine.scheduler.max_model_len or self.config.max_position_embeddings
         self.engine = engine = engine.with_page_size(self.max_model_len)
         layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         host = jax.eval_shape(functools.partial(self.family.init_params, self.config, jax.random.key(0),
@@ -102,22 +101,22 @@ class AotStep:
         with jax.set_mesh(self.mesh):
             self.chip = target_chip()
         self.hbm = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(self.chip), 1).hbm_capacity_bytes
-        kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, self.params.embed.dtype)
+        kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, self.params.embed.dtype)
         # The engine's pool: its fraction of what the weights leave of the chip's HBM.
-        budget = int((self.hbm - shard_bytes(self.params)) * engine.kv_cache_memory_fraction)
-        self.num_pages = plan_num_pages(self.config, dataclasses.replace(engine, kv_cache_bytes=budget),
+        budget = int((self.hbm - shard_bytes(self.params)) * engine.cache.kv_cache_memory_fraction)
+        self.num_pages = plan_num_pages(self.config, engine.replace(kv_cache_bytes=budget),
                                         kv_dtype, layout.kv_heads_per_device, self.devices[0])
         # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout); int8 /
         # fp8 pages with their per-head scales.
         placed = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.replicas > 1))
-        cache = cache_struct(self.num_pages, engine.page_size, layout.cache_kv_heads, self.config.head_dim,
+        cache = cache_struct(self.num_pages, engine.cache.page_size, layout.cache_kv_heads, self.config.head_dim,
                              kv_dtype, placed, self.replicas)
         if is_quantized_kv(kv_dtype):
             scales = (*cache.shape[:-4], *scales_array(np.ones(2 * layout.cache_kv_heads)).shape)
             cache = QuantizedKVCache(cache, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=placed))
         self.caches = (cache,) * self.config.num_layers
         self.buckets = engine.buckets()
-        self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=-(-self.max_model_len // engine.page_size),
+        self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=-(-self.max_model_len // engine.cache.page_size),
                                    max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
                                    num_replicas=self.replicas, num_speculative_tokens=0)
         self.max_seqs = engine.seq_bucket(self.buckets[-1])
@@ -135,7 +134,7 @@ class AotStep:
         table = jax.ShapeDtypeStruct((*prev_shape[:-1], self.max_seqs + 1, self.inputs.pages_per_seq), jnp.int32,
                                      sharding=replicated)
         out_shardings = (replicated, jax.tree.map(lambda c: c.format, self.caches), replicated)
-        step_fn, window, forward, _ = step_jits(self.family, self.config, self.engine.attn_impl, self.max_seqs,
+        step_fn, window, forward, _ = step_jits(self.family, self.config, self.engine.compile.attn_impl, self.max_seqs,
                                                 self.replicas, num_steps, out_shardings)
         jitted = forward if split else step_fn if num_steps == 1 else window
         variant = {"bucket": bucket, "num_steps": num_steps, **({"split": True} if split else {}),
@@ -206,7 +205,7 @@ class AotStep:
 
     def summary(self) -> dict:
         return {"chip": self.chip, "devices": len(self.mesh.devices.flat), "mesh": dict(self.mesh.shape),
-                "page_size": self.engine.page_size, "num_pages": self.num_pages,
+                "page_size": self.engine.cache.page_size, "num_pages": self.num_pages,
                 "max_model_len": self.max_model_len, "param_gib_per_chip": round(shard_bytes(self.params) / 2**30, 3),
                 "kv_dtype": str(self.pages[0].dtype),
                 "kv_gib_per_chip": round(sum(layout_bytes(c.sharding.shard_shape(c.shape), c.dtype, self.devices[0])

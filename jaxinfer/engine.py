@@ -62,11 +62,11 @@ class Engine:
         config = config or EngineConfig()
         self.model, self.tokenizer = model, model.tokenizer
         model_len = model.config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {model_len} tokens")
-        self.max_model_len = config.max_model_len or model_len
+        if config.scheduler.max_model_len is not None and config.scheduler.max_model_len > model_len:
+            raise ValueError(f"max_model_len={config.scheduler.max_model_len} exceeds the model's context of {model_len} tokens")
+        self.max_model_len = config.scheduler.max_model_len or model_len
         self.config = config = config.with_page_size(self.max_model_len)
-        enable_compilation_cache(config.compilation_cache_dir)
+        enable_compilation_cache(config.compile.compilation_cache_dir)
         self.runner = ModelRunner(model, config, self.max_model_len)
         self.replicas = [self._make_replica(r) for r in range(self.runner.num_replicas)]
         # Replica 0 (the only one without data parallelism).
@@ -75,7 +75,7 @@ class Engine:
         self._channel = StepChannel() if is_multiprocess() else None
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = None if self.tokenizer is None else GrammarBackend(  # structured output: llguidance
-            self.tokenizer, model.config.vocab_size, reasoning_parser(config.reasoning_parser))
+            self.tokenizer, model.config.vocab_size, reasoning_parser(config.load.reasoning_parser))
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
         self._flight: _Flight | None = None  # the step dispatched last, tokens not fetched yet
@@ -93,14 +93,14 @@ class Engine:
 
     def _make_replica(self, index: int) -> Replica:
         config = self.config
-        pool = PagePool(self.runner.num_pages, config.page_size,
-                        enable_prefix_caching=config.enable_prefix_caching)
+        pool = PagePool(self.runner.num_pages, config.cache.page_size,
+                        enable_prefix_caching=config.cache.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model.config.eos_token_ids
         scheduler = Scheduler(
-            pool, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-            eos_token_ids=eos, seed=config.seed + index,
-            max_seqs_per_request=config.max_seqs_per_request)
+            pool, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+            eos_token_ids=eos, seed=config.scheduler.seed + index,
+            max_seqs_per_request=config.scheduler.max_seqs_per_request)
         return Replica(pool, scheduler)
 
     # --- requests -------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ class Engine:
         self.config.check_params(params)
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
         check_prompt_length(len(ids), params, max_model_len=self.max_model_len,
-                            max_request_tokens=self.config.max_request_tokens)
+                            max_request_tokens=self.config.scheduler.max_request_tokens)
         check_request(None, ids, params, 0, max_model_len=self.max_model_len, pool=self.pool)
         grammar_for(self.grammars, params)
         check_logit_bias_vocab(params, self.model.config.vocab_size)
@@ -181,7 +181,7 @@ class Engine:
                 flight = self._dispatch(plans, previous)
             if previous is not None:
                 outputs += self._land(previous)
-        if flight is not None and not self.config.async_scheduling:
+        if flight is not None and not self.config.scheduler.async_scheduling:
             outputs += self._land(flight)
             flight = None
         self._flight = flight
@@ -197,7 +197,7 @@ class Engine:
         running = [s for r in self.replicas for s in r.scheduler.running]
         penalties = any(s.sampling_params.uses_penalties for s in running)
         grammar = any(s.grammar is not None for s in running)
-        if grammar and not penalties and self.runner.split_buckets and self.config.async_scheduling:
+        if grammar and not penalties and self.runner.split_buckets and self.config.scheduler.async_scheduling:
             return "late"
         return "first" if penalties or grammar else None
 

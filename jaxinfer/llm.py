@@ -21,7 +21,8 @@ results; on the others `generate` and `stream` run process 0's steps and return 
 from __future__ import annotations
 
 import collections
-from typing import Iterator, Sequence
+import inspect
+from typing import Any, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -38,11 +39,14 @@ Prompt = str | list[int]
 Message = dict[str, str]
 
 
-def _loaded(model: str | LoadedModel | None, dtype: str, mesh, quant: QuantConfig | None) -> LoadedModel:
-    """`model` read and placed over `mesh` (quantized as `quant` says), or a LoadedModel as it is,
-    on one device: its dtype and quantization were settled when it was loaded."""
-    if isinstance(model, LoadedModel):
-        if mesh is not None or (quant is not None and quant.method != "auto") or dtype != "auto":
+def _loaded(model: LoadedModel | None, config: EngineConfig) -> LoadedModel:
+    """The model `config` names, read and placed over its mesh (quantized as it says), or a
+    LoadedModel as it is, on one device: its dtype and quantization were settled when it was
+    loaded."""
+    load, mesh = config.load, config.parallel.mesh
+    quant = QuantConfig.parse(load.quantization, load.quantization_group_size, load.quantize_embedding)
+    if model is not None:
+        if mesh is not None or (quant is not None and quant.method != "auto") or load.dtype != "auto":
             raise ValueError(f"LLM(<loaded {model.path}>): a loaded model is served on one device as it was "
                              "loaded; for another dtype, a quantization or a mesh, give LLM its path")
         return model
@@ -51,64 +55,28 @@ def _loaded(model: str | LoadedModel | None, dtype: str, mesh, quant: QuantConfi
         device_mesh = make_mesh(mesh)
         place_for = lambda cfg, family: make_placer(  # noqa: E731
             device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
-    return load_model(model, dtype, place_for=place_for, quantization=quant)
+    return load_model(load.model, load.dtype, place_for=place_for, quantization=quant)
 
 
 class LLM:
-    def __init__(self, model: str | LoadedModel | None = None, dtype: str = "auto", *, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int | None = None,
-                 max_n: int = 64, max_request_tokens: int | None = None, max_seqs_per_request: int = 16,
-                 num_pages: int | None = None, kv_cache_memory_fraction: float = 0.85, kv_cache_dtype: str = "auto",
-                 enable_prefix_caching: bool = True, async_scheduling: bool = True, num_decode_steps: int | None = None,
-                 structured_output_overlap: bool | None = None, attn_impl: str = "auto", seed: int = 0,
-                 token_buckets: Sequence[int] | None = None, penalties: bool = True,
-                 speculative_config: dict | str | None = None, compilation_cache_dir: str | None = "auto",
-                 mesh: str | dict | None = None, coordinator_address: str | None = None,
-                 num_processes: int | None = None, process_id: int | None = None, warm_up: bool = True,
-                 quantization: str | None = "auto", quantization_group_size: int | None = None,
-                 quantize_embedding: bool = False, cpu_heap_reuse: bool = True, chat_template: str | None = None,
-                 reasoning_parser: str | None = None, enable_prompt_logprobs: bool = False, **engine_options):
+    def __init__(self, model: str | LoadedModel | None = None, dtype: str = "auto", *, warm_up: bool = True,
+                 **options: Any):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default), or
         serves a LoadedModel (`jaxinfer.loader.load_model`) as it is: several engines over one
         copy of the weights, e.g. to compare settings, without loading them again.
 
-        `speculative_config`: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens":
-        4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH,
-        "num_speculative_tokens": 4} (jaxinfer/config/speculative.py); off per request with
-        SamplingParams(speculative=False).
-        `mesh`: e.g. "tensor=4" or "data=2,tensor=4" (sharding.make_mesh); parameters are
-        placed shard by shard as they are read. `warm_up=False` leaves compiling to
-        `llm.engine.warm_up()` (or to the first step that needs each variant); on several hosts
-        every process compiles at start-up regardless, since they must compile together.
-        `quantization`: "int8" (per output channel, or per `quantization_group_size` inputs if
-        given) or "int4" (groups of `quantization_group_size` inputs, default 64, with offsets) weight-only quantization of every linear layer,
-        applied at load (`quantize_embedding=True`: the embedding and LM head too); "gguf" keeps
-        a GGUF file's own quantized blocks (repacked, dequantized inside the step); "none"
-        dequantizes them at load; "auto" (default) is "gguf" for a GGUF file on an accelerator and
-        "none" on the CPU, where native blocks decode slower. A checkpoint converted with a
-        quantization loads as saved.
-        `cpu_heap_reuse=False`: glibc's allocator at its defaults on the CPU. `chat_template`: a
-        jinja2 chat template (a file, or the text) instead of the checkpoint's. `reasoning_parser`
-        ("qwen3", "deepseek_r1"): structured output constrains the answer after `</think>`.
-        `enable_prompt_logprobs`: compile the steps that score prompts (SamplingParams.prompt_logprobs).
-        `compilation_cache_dir` "auto": $JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla.
-        `engine_options`: any other EngineConfig field, e.g. greedy_variant=True, dispatch_thread=False."""
-        quant = QuantConfig.parse(quantization, quantization_group_size, quantize_embedding)
-        template = None if chat_template is None else load_chat_template(chat_template)
-        initialize(coordinator_address, num_processes, process_id)  # before any device is used
-        config = EngineConfig(
-            page_size=page_size, num_pages=num_pages, kv_cache_memory_fraction=kv_cache_memory_fraction,
-            kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_n=max_n,
-            max_request_tokens=max_request_tokens, max_seqs_per_request=max_seqs_per_request,
-            token_buckets=tuple(token_buckets) if token_buckets else None,
-            enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-            num_decode_steps=num_decode_steps, structured_output_overlap=structured_output_overlap,
-            attn_impl=attn_impl, penalties=penalties,
-            compilation_cache_dir=compilation_cache_dir, seed=seed, mesh=mesh,
-            speculative_config=speculative_config, cpu_heap_reuse=cpu_heap_reuse,
-            reasoning_parser=reasoning_parser, enable_prompt_logprobs=enable_prompt_logprobs, **engine_options)
-        self.engine = Engine(_loaded(model, dtype, config.mesh, quant), config, warm_up=warm_up or is_multiprocess())
+        `options`: any EngineConfig option, by its flat name (the signature lists them all, and
+        each `jaxinfer` flag is one of them): e.g. max_num_seqs=32, mesh="data=2,tensor=4",
+        quantization="int8", speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        enable_prompt_logprobs=True. `warm_up=False` leaves compiling to `llm.engine.warm_up()`
+        (or to the first step that needs each variant); on several hosts every process compiles
+        at start-up regardless, since they must compile together."""
+        loaded = model if isinstance(model, LoadedModel) else None
+        config = EngineConfig(model=None if loaded else model, dtype=dtype, **options)
+        parallel = config.parallel
+        initialize(parallel.coordinator_address, parallel.num_processes, parallel.process_id)  # before any device
+        template = None if config.load.chat_template is None else load_chat_template(config.load.chat_template)
+        self.engine = Engine(_loaded(loaded, config), config, warm_up=warm_up or is_multiprocess())
         self.tokenizer = _with_template(self.engine.tokenizer, template)
         self._inboxes: dict[str, collections.deque[RequestOutput]] = {}  # request id -> deltas
 
@@ -252,3 +220,19 @@ def _check_messages(messages: object) -> None:
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             raise ValueError(f"messages[{i}].content={m.get('content')!r:.80}: must be a string (or None "
                              "beside tool_calls)")
+
+
+def _signature() -> inspect.Signature:
+    """LLM(model, dtype, *, warm_up, <every EngineConfig option with its default>): generated, so
+    help(LLM) and editors list the options EngineConfig declares."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                annotation="str | LoadedModel | None"),
+              inspect.Parameter("dtype", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="auto", annotation="str"),
+              inspect.Parameter("warm_up", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool")]
+    params += [inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, default=d.default, annotation=d.annotation)
+               for _, d in EngineConfig.declared() if d.name not in ("model", "dtype")]
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

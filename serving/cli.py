@@ -49,8 +49,6 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
     g.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
     g.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
-    g.add_argument("--no-penalties", action="store_true",
-                   help="compile no penalty variants (faster start); penalty requests are refused")
     _add_http_args(serve)
     _add_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -140,7 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_keys=tuple(read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV) or None)),
         **_limit_options(args))
     signal.signal(signal.SIGTERM, _terminated_while_starting)
-    engine = make_llm(args, penalties=not args.no_penalties).engine
+    engine = make_llm(args).engine
     try:
         return asyncio.run(_serve(engine, options))
     except OSError as e:

@@ -45,8 +45,8 @@ class ModelLimits:
         """The limits of a running Engine."""
         cfg = engine.config
         return cls(vocab_size=engine.model.config.vocab_size, max_model_len=engine.max_model_len,
-                   penalties_enabled=cfg.penalties, max_n=cfg.max_n, max_request_tokens=cfg.max_request_tokens,
-                   grammars=engine.grammars, prompt_logprobs_enabled=cfg.enable_prompt_logprobs)
+                   penalties_enabled=cfg.compile.penalties, max_n=cfg.scheduler.max_n, max_request_tokens=cfg.scheduler.max_request_tokens,
+                   grammars=engine.grammars, prompt_logprobs_enabled=cfg.compile.enable_prompt_logprobs)
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:

@@ -57,12 +57,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                  reasoning_parser: str | None = None):
         engine = engine_loop.engine
         self.tool_parser, self.reasoning = output_readers(engine.tokenizer, tool_call_parser, reasoning_parser)
-        self.reasoning_gated = engine.config.reasoning_parser is not None  # grammars start after </think>
+        self.reasoning_gated = engine.config.load.reasoning_parser is not None  # grammars start after </think>
         self._engine_loop = engine_loop
         self._tokenizer = engine.tokenizer
         self._limits = ModelLimits.of(engine)
         # At most max_num_seqs running plus max_waiting queued calls are admitted at once.
-        self.max_in_flight = engine.config.max_num_seqs + max_waiting
+        self.max_in_flight = engine.config.scheduler.max_num_seqs + max_waiting
         self._metrics = metrics
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-tok")
         self._streams: dict[str, asyncio.Queue] = {}
@@ -291,8 +291,8 @@ def _model_info(engine, tool_parser) -> pb.GetModelInfoResponse:
         model=str(model.path), model_type=model.config.model_type, dtype=dtype,
         vocab_size=model.config.vocab_size, max_model_len=engine.max_model_len, eos_token_ids=list(eos),
         has_tokenizer=tok is not None, has_chat_template=getattr(tok, "chat_template", None) is not None,
-        page_size=cfg.page_size, kv_pages_total=engine.pool.num_usable_pages, max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, penalties_enabled=cfg.penalties,
+        page_size=cfg.cache.page_size, kv_pages_total=engine.pool.num_usable_pages, max_num_seqs=cfg.scheduler.max_num_seqs,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, penalties_enabled=cfg.compile.penalties,
         max_logprobs=MAX_LOGPROBS, tool_call_format=tool_parser.name if tool_parser else "",
-        prompt_logprobs_enabled=cfg.enable_prompt_logprobs)
+        prompt_logprobs_enabled=cfg.compile.enable_prompt_logprobs)
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from jaxinfer.cli import batch, convert, generate, info
 from jaxinfer.cli.args import USER_ERRORS, add_engine_args, add_sampling_args, make_llm, release_leaders
-from jaxinfer.config.engine import MAX_COMPILE_THREADS, THREADS_VAR
+from jaxinfer.config.compile import MAX_COMPILE_THREADS, THREADS_VAR
 
 __all__ = ["build_parser", "main", "make_llm", "add_engine_args", "add_sampling_args"]
 

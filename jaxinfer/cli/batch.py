@@ -157,7 +157,7 @@ def run_batch(llm: LLM, lines: Iterable[str], out: TextIO, defaults: SamplingPar
     """Serves every line, reading the input as it goes (at most `max_in_flight` requests in the
     engine) and writing results to `out` in input order. With a journal, lines it holds for
     the same input text are not served again and each new result is journaled as it finishes."""
-    max_in_flight = max_in_flight or 4 * llm.engine.config.max_num_seqs
+    max_in_flight = max_in_flight or 4 * llm.engine.config.scheduler.max_num_seqs
     with tqdm(total=total, desc="batch", unit="req", disable=not use_tqdm) as bar:
         job = _Job(llm, out, journal, bar)
         try:

@@ -5,8 +5,10 @@ import argparse
 import dataclasses
 import json
 
-from jaxinfer.cli.args import add_engine_args
+from jaxinfer.cli.args import add_engine_args, engine_options
+from jaxinfer.cli.options import read_options
 from jaxinfer.config import EngineConfig
+from jaxinfer.config.engine import OPTION_GROUPS
 
 
 def describe(args: argparse.Namespace) -> dict:
@@ -19,14 +21,11 @@ def describe(args: argparse.Namespace) -> dict:
 
     from jaxinfer.quant import QuantConfig, param_bytes, param_count, quantization_of, quantized_tensors
 
-    quant = QuantConfig.parse(args.quantization, args.quantization_group_size, args.quantize_embedding)
-    model = load_model(args.model, args.dtype, quantization=quant)
-    engine = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
-                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                          kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          mesh=args.mesh, attn_impl=args.attn_impl)
-    max_len = engine.max_model_len or model.config.max_position_embeddings
+    engine = EngineConfig(**read_options(args, engine_options()))
+    load = engine.load
+    quant = QuantConfig.parse(load.quantization, load.quantization_group_size, load.quantize_embedding)
+    model = load_model(load.model, load.dtype, quantization=quant)
+    max_len = engine.scheduler.max_model_len or model.config.max_position_embeddings
     runner = ModelRunner(model, engine, max_len)
     num_params = param_count(model.params)
     usable = runner.num_pages - 1  # page 0 is the null page
@@ -40,19 +39,33 @@ def describe(args: argparse.Namespace) -> dict:
                   "tokenizer": repr(model.tokenizer), "tool_call_format": _tool_call_format(args, model.tokenizer)},
         "devices": [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
         "backend": jax.default_backend(),
-        "kv_cache": {"pages": usable, "page_size": runner.engine.page_size, "tokens": usable * runner.engine.page_size,
+        "kv_cache": {"pages": usable, "page_size": runner.engine.cache.page_size, "tokens": usable * runner.engine.cache.page_size,
                      "per": "data replica" if runner.num_replicas > 1 else "engine",
                      "bytes": runner.kv_cache_bytes, "bytes_per_token":
-                     kv_page_bytes(model.config, runner.engine.page_size, runner.kv_dtype) // runner.engine.page_size,
+                     kv_page_bytes(model.config, runner.engine.cache.page_size, runner.kv_dtype) // runner.engine.cache.page_size,
                      # what one device holds of the pool, in its memory layout (a TPU pads head_dim 64)
                      "device_bytes": runner.num_pages * kv_page_bytes(
-                         model.config, runner.engine.page_size, runner.kv_dtype, runner.layout.kv_heads_per_device,
+                         model.config, runner.engine.cache.page_size, runner.kv_dtype, runner.layout.kv_heads_per_device,
                          runner.local_device),
                      "dtype": str(runner.kv_dtype), "max_model_len": max_len},
         "token_buckets": list(engine.buckets()),
+        "engine_config": _options_json(engine),
         "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
         "data_replicas": runner.num_replicas,
     }
+
+
+def _options_json(config: EngineConfig) -> dict:
+    """Every EngineConfig option by group, as this command would start an engine with it."""
+    out: dict = {}
+    for name, value in config.options().items():
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        elif not isinstance(value, (str, int, float, bool, list, tuple, dict, type(None))):
+            value = str(value)  # a jax Mesh
+        group = OPTION_GROUPS[name]
+        (out.setdefault(group, {}) if group else out)[name] = value
+    return out
 
 
 def _tool_call_format(args: argparse.Namespace, tokenizer) -> str | None:

@@ -1,11 +1,22 @@
 """Configuration, free of JAX until an engine is built from it.
 
-    engine.py       EngineConfig: serving limits and the static shapes the step compiles for
+    engine.py       EngineConfig: every option of an engine, in the typed groups below
+    load.py         LoadConfig: the model, its weights' dtype and quantization, its text format
+    cache.py        CacheConfig: the paged KV cache
+    scheduler.py    SchedulerConfig: step budget, context length, per-request limits, step loop
+    compile.py      CompileConfig: step variants, launch, compilation cache
+    parallel.py     ParallelConfig: device mesh and hosts
     speculative.py  SpeculativeConfig: speculative decoding's method and sizes
     model.py        ModelConfig, read from an HF config.json or GGUF metadata
 """
+from jaxinfer.config.cache import CacheConfig
+from jaxinfer.config.compile import CompileConfig
 from jaxinfer.config.engine import EngineConfig
+from jaxinfer.config.load import LoadConfig
 from jaxinfer.config.model import ConfigError, ModelConfig, RopeScaling
+from jaxinfer.config.parallel import ParallelConfig
+from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.config.speculative import SpeculativeConfig
 
-__all__ = ["ConfigError", "EngineConfig", "ModelConfig", "RopeScaling", "SpeculativeConfig"]
+__all__ = ["CacheConfig", "CompileConfig", "ConfigError", "EngineConfig", "LoadConfig", "ModelConfig",
+           "ParallelConfig", "RopeScaling", "SchedulerConfig", "SpeculativeConfig"]

@@ -14,6 +14,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxinfer.options import APPEND, CSV, DISABLE, ENABLE, JSON, NONE, option
+
+STRUCTURED_TITLE = "structured output (one of)"
 MAX_LOGPROBS = 20
 # logit_bias: at most this many tokens a request (300, OpenAI's cap; also the static width L of
 # SamplingArrays.bias_ids), each biased by a number in [-MAX_BIAS, MAX_BIAS] (OpenAI's range).
@@ -114,12 +117,17 @@ class StructuredOutput:
     """Constrains a request's output; exactly one field is set (vLLM's guided decoding):
     `json` a JSON schema (dict or JSON text; the output is one JSON value it accepts),
     `json_object` any JSON object, `regex` a regular expression the whole output matches,
-    `choice` one of these strings, `grammar` a Lark grammar (llguidance's dialect)."""
-    json: dict | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
+    `choice` one of these strings, `grammar` a Lark grammar (llguidance's dialect). On the command
+    line these are one group of mutually exclusive flags."""
+    json: dict | str | None = option(
+        None, "the output is JSON this schema accepts (a file, or the schema's JSON text)", flag="--json-schema",
+        metavar="FILE_OR_JSON", group=STRUCTURED_TITLE)
+    json_object: bool = option(False, "the output is a JSON object", form=ENABLE, group=STRUCTURED_TITLE)
+    regex: str | None = option(None, "the whole output matches this regular expression", group=STRUCTURED_TITLE)
+    choice: tuple[str, ...] | None = option(None, "the output is one of these (repeatable)", form=APPEND,
+                                            group=STRUCTURED_TITLE)
+    grammar: str | None = option(None, "a Lark grammar (llguidance's dialect)", metavar="FILE",
+                                 group=STRUCTURED_TITLE)
 
     def __post_init__(self):
         if self.choice is not None:
@@ -158,35 +166,51 @@ class StructuredOutput:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. Validated at construction; the bad value is named."""
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = -1                    # -1 or 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()         # a str or a list of str; matched on text by the engine
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None        # top-N logprobs per token, 0..MAX_LOGPROBS
+    """How to sample one request. Validated at construction; the bad value is named.
+
+    Each field declares its help text and command-line form (jaxinfer/options.py): the CLI's
+    sampling flags are generated from them; the command line decodes greedily, up to 128 tokens,
+    by default."""
+    n: int = option(1, "samples per prompt", flag="-n")
+    max_tokens: int = option(16, "most tokens to generate", cli_default=128)
+    temperature: float = option(1.0, "0 = greedy", cli_default=0.0)
+    top_k: int = option(-1, "0 = off", cli_default=0)  # -1 or 0: off
+    top_p: float = option(1.0, "sample from the smallest set of likeliest tokens whose probability reaches this")
+    min_p: float = option(0.0, "drop tokens less likely than this fraction of the likeliest token's probability")
+    repetition_penalty: float = option(1.0, "scales down the logits of tokens already in the prompt or output (1 = off)")
+    presence_penalty: float = option(0.0, "subtracted from the logits of tokens seen in the output (-2..2)")
+    frequency_penalty: float = option(
+        0.0, "subtracted from a token's logit once per time it occurs in the output (-2..2)")
+    seed: int | None = option(None, "per-request seed (reproducible sampling)")
+    # A str or a list of str; matched on text by the engine.
+    stop: tuple[str, ...] = option((), "stop string (repeatable)", form=APPEND)
+    stop_token_ids: tuple[int, ...] = option((), "comma-separated token ids that end the output", form=CSV)
+    ignore_eos: bool = option(False, "keep generating past the end-of-sequence token", form=ENABLE)
+    logprobs: int | None = option(  # top-N logprobs per token, 0..MAX_LOGPROBS
+        None, "each output token's logprob and the N most likely tokens' (0..20)", metavar="N")
     # The logprob of each prompt token after the first (and its top-N, 0..MAX_LOGPROBS) under
     # the model: RequestOutput.prompt_logprobs. The engine needs enable_prompt_logprobs.
-    prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    structured_output: StructuredOutput | None = None  # constrain the output (JSON, regex, ...)
+    prompt_logprobs: int | None = option(
+        None, "each prompt token's logprob and the N most likely tokens' (0..20; the engine needs "
+        "--enable-prompt-logprobs)", metavar="N")
+    include_stop_str_in_output: bool = option(False, "keep the stop string that ended the output in it",
+                                              form=ENABLE)
+    skip_special_tokens: bool = option(True, "keep special tokens in the output text", form=DISABLE,
+                                       flag="--no-skip-special-tokens")
+    # Constrain the output (JSON, regex, ...): the flags of StructuredOutput's fields, one of them.
+    structured_output: StructuredOutput | None = option(
+        None, "constrain the output", form=NONE, not_on_cli="its flags are StructuredOutput's, one of them")
     # {token id: bias} added to those tokens' logits after the penalties, before the structured-
     # output mask and before greedy or sampled choice (not to logprobs, which read the raw
     # logits); -100 bans a token, +100 all but forces it. At most MAX_LOGIT_BIAS entries.
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | None = option(
+        None, "token id -> bias added to its logit, e.g. '{\"123\": 5.0}' (each in [-100, 100]: -100 bans the "
+        "token, 100 all but forces it)", form=JSON, metavar="JSON")
     # Speculative decoding, when the engine has it on: False runs this request without drafts.
     # Requests with penalties or structured output never speculate (nor does a batch holding one
     # with penalties).
-    speculative: bool = True
+    speculative: bool = option(True, "decode these requests without drafts when the engine speculates",
+                               form=DISABLE, flag="--no-speculation")
 
     def __post_init__(self):
         for name, kind, what in (("stop", str, "a string or a list of strings"),

@@ -17,7 +17,6 @@ proposing nothing meanwhile; one whose pages do not fit proposes nothing.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Sequence as Seq
 
@@ -50,12 +49,12 @@ class DraftModelProposer(Proposer):
                              f"{model.config.max_position_embeddings} tokens is shorter than "
                              f"max_model_len={max_model_len}")
         self.k = k
-        config = dataclasses.replace(
-            engine, speculative_config=None, num_pages=num_pages, kv_cache_bytes=None, kv_cache_dtype="auto",
+        config = engine.replace(
+            speculative_config=None, num_pages=num_pages, kv_cache_bytes=None, kv_cache_dtype="auto",
             penalties=False, enable_prefix_caching=False, structured_output_overlap=False, dispatch_thread=False,
             num_decode_steps=max(k - 1, 1), mesh=None)
         self.runner = ModelRunner(model, config, max_model_len)
-        self.pool = PagePool(self.runner.num_pages, self.runner.engine.page_size, enable_prefix_caching=False)
+        self.pool = PagePool(self.runner.num_pages, self.runner.engine.cache.page_size, enable_prefix_caching=False)
         self.budget = self.runner.buckets[-1]
         self._seqs: dict[int, _DraftSeq] = {}
         self.num_proposals = 0

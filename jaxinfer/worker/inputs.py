@@ -139,7 +139,7 @@ class InputBuilder:
             e.seq.seq_id: row for row, e in enumerate(previous.seqs) if e.sample}
         offset = 0
         for i, s in enumerate(plan.seqs):
-            if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.page_size:
+            if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.cache.page_size:
                 raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
             ids = s.token_ids  # a slice of the sequence's tokens, built once
             tokens[offset:offset + s.num_new_tokens] = ids

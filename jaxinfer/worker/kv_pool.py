@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.config.engine import DEFAULT_PAGE_SIZE
+from jaxinfer.config.cache import DEFAULT_PAGE_SIZE
 from pallas_kernels import kv_cache_shape
 from pallas_kernels.kv_layout import kv_cache_format, layout_bytes
 
@@ -27,18 +27,18 @@ def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int 
 def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_heads: int | None = None,
                    device=None) -> int:
     """Pages per replica: given, or as many as fit one device's budget."""
-    if engine.num_pages is not None:
-        return engine.num_pages
+    if engine.cache.num_pages is not None:
+        return engine.cache.num_pages
     device = jax.local_devices()[0] if device is None else device
-    budget = engine.kv_cache_bytes
+    budget = engine.cache.kv_cache_bytes
     if budget is None:
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            budget = int(free * engine.kv_cache_memory_fraction)
+            budget = int(free * engine.cache.kv_cache_memory_fraction)
         else:
             budget = CPU_DEFAULT_KV_BYTES
-    page_size = engine.page_size or DEFAULT_PAGE_SIZE  # as a runner resolves it off the TPU kernel
+    page_size = engine.cache.page_size or DEFAULT_PAGE_SIZE  # as a runner resolves it off the TPU kernel
     return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads, device))
 
 

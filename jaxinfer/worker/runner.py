@@ -70,19 +70,19 @@ class ModelRunner:
         self.model, self.config, self.engine = model, model.config, engine
         self.family = model.family
         self.max_model_len = max_model_len
-        self.pages_per_seq = -(-max_model_len // engine.page_size)
-        self.mesh = make_mesh(engine.mesh) if engine.mesh is not None else None
+        self.pages_per_seq = -(-max_model_len // engine.cache.page_size)
+        self.mesh = make_mesh(engine.parallel.mesh) if engine.parallel.mesh is not None else None
         check_expert_axis(self.mesh, self.config.num_experts)
         self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         self.num_replicas = axis_size(self.mesh, DATA)
         self.params = self._place_params(model)
-        self.kv_dtype = resolve_kv_dtype(engine.kv_cache_dtype, model.params.embed.dtype)
+        self.kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, model.params.embed.dtype)
         # Every host must allocate the same pool: process 0's number wins.
         self.num_pages = broadcast_int(
             plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device,
                            self.local_device))
         self.kv_caches = self._allocate_kv_caches()
-        if engine.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
+        if engine.compile.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
             reuse_freed_heap()
         # Token buckets split evenly over the sequence axis.
         sp = axis_size(self.mesh, SEQUENCE)
@@ -109,19 +109,19 @@ class ModelRunner:
         self.page_table = DevicePageTable(*self.inputs.tables[0].rows.shape, home, self.num_replicas, DATA)
         self._defaults = DeviceDefaults(self.config.vocab_size, home, self.mesh, self.num_replicas)
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
-        self.num_decode_steps = decode_steps(engine.num_decode_steps, self.num_replicas)
+        self.num_decode_steps = decode_steps(engine.scheduler.num_decode_steps, self.num_replicas)
         self._step, self._window, self._forward, self._sample = step_jits(
-            self.family, self.config, engine.attn_impl, max_seqs, self.num_replicas, self.num_decode_steps,
+            self.family, self.config, engine.compile.attn_impl, max_seqs, self.num_replicas, self.num_decode_steps,
             out_shardings, window_compiler_options() if self.num_decode_steps > 1 else None)
-        decode_sized = decode_sized_buckets(self.inputs, self.buckets, engine.max_num_seqs)
+        decode_sized = decode_sized_buckets(self.inputs, self.buckets, engine.scheduler.max_num_seqs)
         self.window_buckets = decode_sized if self.num_decode_steps > 1 else ()
         # The step split in two (structured output: masks filled while the forward runs).
         self.split_buckets = decode_sized if split_step_enabled(
-            engine.structured_output_overlap, self.num_replicas) else ()
+            engine.compile.structured_output_overlap, self.num_replicas) else ()
         # The greedy twin of each decode-sized bucket's decode step: its window, if windows run.
-        self.greedy_buckets = decode_sized if greedy_variant_enabled(engine.greedy_variant, self.num_replicas) else ()
+        self.greedy_buckets = decode_sized if greedy_variant_enabled(engine.compile.greedy_variant, self.num_replicas) else ()
         self.greedy_steps = self.num_decode_steps
-        self.launcher = Launcher(dispatch_thread_enabled(engine.dispatch_thread))
+        self.launcher = Launcher(dispatch_thread_enabled(engine.compile.dispatch_thread))
 
     def _place_params(self, model: LoadedModel):
         """The parameters as the step computes with them: the family's layout, placed on the mesh,
@@ -140,12 +140,12 @@ class ModelRunner:
         sharding = self._home
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
-        caches = zeroed_caches(cache_struct(self.num_pages, self.engine.page_size, self.layout.cache_kv_heads,
+        caches = zeroed_caches(cache_struct(self.num_pages, self.engine.cache.page_size, self.layout.cache_kv_heads,
                                             self.config.head_dim, self.kv_dtype, sharding, self.num_replicas),
                                self.config.num_layers)
         if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
             caches = calibrated_caches(caches, self.model, self.params, self.layout.cache_kv_heads,
-                                       self.engine.attn_impl, self.mesh)
+                                       self.engine.compile.attn_impl, self.mesh)
         return caches
 
     @property

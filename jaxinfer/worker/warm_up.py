@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxinfer.config.engine import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
+from jaxinfer.config.compile import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
 from jaxinfer.worker.inputs import StepInputs
 from jaxinfer.worker.step_variants import plain_padding
 
@@ -98,8 +98,8 @@ def step_variants(runner) -> list[tuple[StepInputs, int, bool]]:
     engine = runner.engine
     variants = []
     for t_bucket in runner.buckets:
-        for with_history in (False, True) if engine.penalties else (False,):
-            for prompt in (False, True) if engine.enable_prompt_logprobs else (False,):
+        for with_history in (False, True) if engine.compile.penalties else (False,):
+            for prompt in (False, True) if engine.compile.enable_prompt_logprobs else (False,):
                 variants.append((runner.padding_inputs(t_bucket, with_history, prompt=prompt), 1, False))
         if runner.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
             variants.append((runner.padding_inputs(t_bucket, False, spec=True), 1, True))

@@ -132,7 +132,7 @@ async def chat_completions(ctx: ApiContext, request: Request) -> Response:
     record = _admitted(request, head.id, req, inputs,
                        lambda: [m.model_dump(exclude_none=True) for m in req.messages])
     reasoning = reasoning_for(ctx.reasoning, inputs.params.structured_output,
-                              ctx.engine_loop.engine.config.reasoning_parser is not None)
+                              ctx.engine_loop.engine.config.load.reasoning_parser is not None)
     if req.stream:
         head.object = "chat.completion.chunk"
         writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), tools=inputs.tools,

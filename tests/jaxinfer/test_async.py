@@ -3,7 +3,6 @@ exactly the synchronous engine's tokens: chunked prefill, preemption under a tin
 sampling, stop ids and max_tokens, n > 1, prefix-cache hits, penalties, aborts; every page free.
 Single steps here (num_decode_steps=1); test_decode_window.py runs windows sync and async. Both
 launch their steps from the launcher's thread (dispatch_thread), as on a GPU."""
-import dataclasses
 import threading
 
 import pytest
@@ -25,7 +24,7 @@ def engine():
 
 def run(engine, requests, *, async_scheduling, abort_after=None):
     """requests: {id: (prompt ids, params)} -> ({id: [tokens per sample]}, {id: finish reasons})."""
-    engine.config = dataclasses.replace(engine.config, async_scheduling=async_scheduling)
+    engine.config = engine.config.replace(async_scheduling=async_scheduling)
     for rid, (prompt, params) in requests.items():
         engine.add_request(prompt, params, request_id=rid)
     tokens, reasons, steps = {}, {}, 0

@@ -7,7 +7,6 @@ One engine per model, compiled with windows of 4 and their greedy twins (greedy_
 all-greedy window runs with no conditional), its steps launched from the launcher's thread
 (dispatch_thread) as on a GPU; the baseline runs with windows switched off
 (`runner.num_decode_steps = 1`), so both sides share the same compiled steps."""
-import dataclasses
 
 import pytest
 from testpaths import FIXTURES, smollm2_gguf_path
@@ -31,7 +30,7 @@ def engine():
 
 def run(engine, requests, *, windows, async_scheduling=True, abort_after=None):
     """requests: {id: (prompt, params)} -> ({id: [tokens per sample]}, {id: reasons}, {id: [logprobs]})."""
-    engine.config = dataclasses.replace(engine.config, async_scheduling=async_scheduling)
+    engine.config = engine.config.replace(async_scheduling=async_scheduling)
     engine.runner.num_decode_steps = K if windows else 1
     window_steps = []
     dispatch = engine.runner.dispatch

@@ -113,4 +113,4 @@ def test_the_serve_flag_reaches_the_runner(monkeypatch, flags, reuse):
                                           "float32", "--num-pages", "8", "--max-model-len", "64",
                                           "--token-buckets", "8,512", *flags])
     engine = make_llm(args, warm_up=False).engine
-    assert engine.config.cpu_heap_reuse is reuse and calls == ([1] if reuse else [])
+    assert engine.config.compile.cpu_heap_reuse is reuse and calls == ([1] if reuse else [])

@@ -7,6 +7,7 @@ import pytest
 from testpaths import FIXTURES, SMOLLM2_SMALL, SMOLLM2_SMALL_ARGS
 
 from jaxinfer import cli
+from jaxinfer.config import EngineConfig
 from jaxinfer.cli.batch import run_batch
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
@@ -244,6 +245,12 @@ def test_cli_info_reports_kv_capacity(capsys):
     # 30 layers x (K + V) x 3 kv heads x 64 dims x 4 bytes (float32 on the CPU)
     assert info["kv_cache"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 4
     assert info["kv_cache"]["device_bytes"] == info["kv_cache"]["bytes"] == 100 * 16 * 30 * 2 * 3 * 64 * 4
+    # every option of the engine the flags describe, by config group (generated from the fields)
+    config = info["engine_config"]
+    assert config["cache"]["num_pages"] == 100 and config["scheduler"]["max_model_len"] == 1024
+    assert config["scheduler"]["max_num_seqs"] == 64 and config["speculative_config"] is None
+    names = [n for group in config.values() if isinstance(group, dict) for n in group] + ["speculative_config"]
+    assert sorted(names) == sorted(d.name for _, d in EngineConfig.declared())
 
 
 def test_cli_info_names_the_family_and_its_features(capsys):

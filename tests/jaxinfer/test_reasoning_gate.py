@@ -13,7 +13,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.sampling.params import StructuredOutput
 from jaxinfer.structured import GrammarBackend, fill_bitmask
 from jaxinfer.structured.reasoning_gate import ReasoningGate
-from jaxinfer.config.engine import REASONING_PARSERS
+from jaxinfer.config.load import REASONING_PARSERS
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.tokenizer.reasoning import PARSERS, reasoning_parser
 from testpaths import FIXTURES

@@ -50,7 +50,7 @@ def self_draft(model):
 def run(engine, requests, *, async_scheduling=True, abort_after=None):
     """requests: {id: (prompt, params)} -> {id: accumulated RequestOutput}; checks every page is
     back in the target's pool (and the draft model's)."""
-    engine.config = dataclasses.replace(engine.config, async_scheduling=async_scheduling)
+    engine.config = engine.config.replace(async_scheduling=async_scheduling)
     for rid, (prompt, params) in requests.items():
         engine.add_request(prompt, params, request_id=rid)
     results, steps = {}, 0

@@ -30,7 +30,7 @@ def make_runner(model, num_steps: int = 1, **engine) -> ModelRunner:
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                           penalties=False, compilation_cache_dir=None, num_decode_steps=num_steps,
                           **engine)
-    return ModelRunner(model, config, config.max_model_len)
+    return ModelRunner(model, config, config.scheduler.max_model_len)
 
 
 def compiled_step(model, bucket: int, num_steps: int = 1, **engine) -> tuple[str, ModelRunner]:

@@ -6,7 +6,8 @@ import jax
 import pytest
 from testpaths import FIXTURES
 
-from jaxinfer import SamplingParams, warm_up
+from jaxinfer import SamplingParams
+from jaxinfer.worker import warm_up
 from jaxinfer.worker import runner as runner_module
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine

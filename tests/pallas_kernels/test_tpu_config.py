@@ -145,11 +145,11 @@ def test_the_engine_picks_its_page_size_for_the_tpu_kernel():
     whose table fits SMEM (32 tokens at least for int8 caches); a given size is kept as is."""
     from jaxinfer.config import EngineConfig
 
-    assert EngineConfig().with_page_size(131072).page_size == 16
-    assert EngineConfig(attn_impl="pallas_tpu").with_page_size(131072).page_size == 64
-    assert EngineConfig(attn_impl="pallas_tpu", max_num_seqs=256).with_page_size(8192).page_size == 16
-    assert EngineConfig(attn_impl="pallas_tpu", kv_cache_dtype="int8").with_page_size(2048).page_size == 32
-    assert EngineConfig(attn_impl="pallas_tpu", page_size=16).with_page_size(131072).page_size == 16
+    assert EngineConfig().with_page_size(131072).cache.page_size == 16
+    assert EngineConfig(attn_impl="pallas_tpu").with_page_size(131072).cache.page_size == 64
+    assert EngineConfig(attn_impl="pallas_tpu", max_num_seqs=256).with_page_size(8192).cache.page_size == 16
+    assert EngineConfig(attn_impl="pallas_tpu", kv_cache_dtype="int8").with_page_size(2048).cache.page_size == 32
+    assert EngineConfig(attn_impl="pallas_tpu", page_size=16).with_page_size(131072).cache.page_size == 16
 
 
 def test_the_engine_runs_on_the_page_size_it_chose():
@@ -168,5 +168,5 @@ def test_the_engine_runs_on_the_page_size_it_chose():
     model = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
     engine = Engine(model, EngineConfig(attn_impl="pallas_tpu", num_pages=8, max_num_seqs=512,
                                         compilation_cache_dir=None), warm_up=False)
-    assert engine.config.page_size == engine.pool.page_size == engine.runner.engine.page_size == 32
+    assert engine.config.cache.page_size == engine.pool.page_size == engine.runner.engine.cache.page_size == 32
     assert engine.runner.pages_per_seq == 256 and engine.runner.kv_caches[0].shape[1] == 32

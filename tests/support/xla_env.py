@@ -48,7 +48,7 @@ def share_compilation_cache() -> str | None:
     back everywhere else, and nothing lands in ~/.cache. The process that makes it (pytest's
     controller, whose environment the workers inherit) returns it, to remove at the end; a
     directory already set is used and kept (to keep compiles between local runs)."""
-    from jaxinfer.config.engine import CACHE_DIR_VAR
+    from jaxinfer.config.compile import CACHE_DIR_VAR
 
     if os.environ.get(CACHE_DIR_VAR):
         return None
