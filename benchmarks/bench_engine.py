@@ -172,7 +172,7 @@ def bench_shape(args):
             startup[kind] = time.perf_counter() - start
             del engine
     engine = Engine(model, config)
-    variants = engine.runner.num_compiled()
+    variants = engine.worker.num_compiled()
     print(f"[{time.strftime('%H:%M:%S')}] engine ready ({variants} variants)", file=sys.stderr, flush=True)
     rows = []
     for prompt_len in args.prompt_lens:
@@ -195,16 +195,16 @@ def bench_shape(args):
     rows.append((f"prefill, one {args.prefill_len}-token prompt", args.prefill_len / ttft, ttft,
                  prefill_floor_s(model, args.prefill_len, ceil["matmul_flops_per_s"]),
                  hf and hf["prefill_tokens_per_s"]))
-    assert engine.runner.num_compiled() == variants, "a step compiled after warm-up"
+    assert engine.worker.num_compiled() == variants, "a step compiled after warm-up"
     dtype = model.params.embed.dtype
     layers = f"{args.layers} of its layers, " if args.layers else ""
     print(f"Device: {ceil['device']}; jax {jax.__version__}; shape {args.shape} ({layers}{dtype}"
           f"{', weights ' + args.quantization if args.quantization else ''}, "
           f"{param_bytes(model) / 2**30:.2f} GiB of weights); async scheduling "
           f"{'off' if args.no_async_scheduling else 'on'}; decode windows of "
-          f"{engine.runner.num_decode_steps} steps; greedy twin "
-          f"{'on' if engine.runner.greedy_buckets else 'off'}; launcher thread "
-          f"{'on' if engine.runner.launcher.enabled else 'off'}; {variants} variants")
+          f"{engine.worker.step.num_decode_steps} steps; greedy twin "
+          f"{'on' if engine.worker.step.greedy_buckets else 'off'}; launcher thread "
+          f"{'on' if engine.worker.step.launcher.enabled else 'off'}; {variants} variants")
     rated = (f" (rated {ceil['rated_bytes_per_s'] / 1e12:.2f} TB/s, {ceil['rated_flops_per_s'] / 1e12:.0f} "
              f"TFLOP/s)" if ceil["rated_bytes_per_s"] else "")
     print(f"Measured ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
@@ -305,12 +305,12 @@ def main():
 
     llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048, penalties=False,
               **({"quantization": args.quantization} if args.quantization else {}))
-    variants = llm.engine.runner.num_compiled()
+    variants = llm.engine.worker.num_compiled()
     ours = {"prefill_tokens_per_s": bench_prefill(llm, 256, args.repeats), "decode": {}}
     for b in args.batches:
         ours["decode"][str(b)] = statistics.median(bench_decode(llm, b, 64) for _ in range(args.repeats))
     streams = [bench_stream(llm, r, args.stream_requests) for r in args.stream_rates]
-    assert llm.engine.runner.num_compiled() == variants, "a step compiled after warm-up"
+    assert llm.engine.worker.num_compiled() == variants, "a step compiled after warm-up"
     hf = run_hf(args.hf_python, args.batches, args.stream_rates, args.stream_requests)
 
     print(f"Hardware: {platform.processor() or platform.machine()}, {jax.device_count()} x "

@@ -48,10 +48,10 @@ def main() -> int:
     path = Path(args.model) if args.model else gemma_path()
     llm = LLM(model=str(path), dtype="float32", max_num_seqs=max(args.batches), max_num_batched_tokens=256,
               max_model_len=512, penalties=False)
-    variants = llm.engine.runner.num_compiled()
+    variants = llm.engine.worker.num_compiled()
     prefill = bench_prefill(llm, 256, args.repeats)
     decode = {b: statistics.median(bench_decode(llm, b, 64) for _ in range(args.repeats)) for b in args.batches}
-    assert llm.engine.runner.num_compiled() == variants, "a step compiled after warm-up"
+    assert llm.engine.worker.num_compiled() == variants, "a step compiled after warm-up"
     del llm  # its weights and KV cache, before HF loads its own copy
     hf = run_hf(args.hf_python, path, args.batches, args.repeats) if args.hf_python else None
     print(f"Model: {path.name}; hardware: {platform.processor() or platform.machine()}, {jax.device_count()} x "

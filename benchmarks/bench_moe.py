@@ -45,7 +45,7 @@ def measure(shape: str, args) -> dict:
                           token_buckets=tuple(sorted({*args.batches, budget})),
                           max_model_len=2048, penalties=False, compilation_cache_dir=args.cache_dir)
     engine = Engine(model, config)
-    variants = engine.runner.num_compiled()
+    variants = engine.worker.num_compiled()
     out = {"decode": {}, **sizes}
     for b in args.batches:
         out["decode"][b] = statistics.median(run_engine_decode(engine, b, args.prompt_len, args.new_tokens, seed)
@@ -54,7 +54,7 @@ def measure(shape: str, args) -> dict:
               file=sys.stderr, flush=True)
     out["prefill"] = statistics.median(run_engine_prefill(engine, args.prefill_len, seed)
                                        for seed in range(args.repeats))
-    assert engine.runner.num_compiled() == variants, "a step compiled after warm-up"
+    assert engine.worker.num_compiled() == variants, "a step compiled after warm-up"
     out["dtype"] = str(model.params.embed.dtype)
     del engine, model
     gc.collect()

@@ -92,12 +92,12 @@ def score(runner, ids: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray,
     """Teacher-forced log-probabilities of ids[1:] per window (see the module docstring) through
     `runner`'s params and KV pool (one sequence on pages 1..n). Returns (logprobs f32[N],
     argmax predictions i32[N]) over the scored positions, in text order."""
-    if window % chunk or window % runner.engine.cache.page_size:
+    if window % chunk or window % runner.step.engine.cache.page_size:
         raise ValueError(f"--window {window} must be a multiple of --chunk {chunk} and the page size")
-    step = jax.jit(functools.partial(_chunk_logprobs, runner.family, runner.config,
-                                     runner.engine.compile.attn_impl), donate_argnums=(1,),
-                   out_shardings=(None, None, jax.tree.map(lambda c: c.format, runner.kv_caches)))
-    pages = window // runner.engine.cache.page_size
+    step = jax.jit(functools.partial(_chunk_logprobs, runner.state.family, runner.state.config,
+                                     runner.step.engine.compile.attn_impl), donate_argnums=(1,),
+                   out_shardings=(None, None, jax.tree.map(lambda c: c.format, runner.state.kv_caches)))
+    pages = window // runner.step.engine.cache.page_size
     page_table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
     logprobs, argmax = [], []
     for w0 in range(0, len(ids) - 1, window):
@@ -108,7 +108,7 @@ def score(runner, ids: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray,
             targets = np.zeros(chunk, np.int32)
             part = seq[c0:min(c0 + chunk, n_scored)]
             tokens[:len(part)], targets[:len(part)] = part, seq[c0 + 1:c0 + 1 + len(part)]
-            lp, am, runner.kv_caches = step(runner.params, runner.kv_caches, jnp.asarray(tokens),
+            lp, am, runner.state.kv_caches = step(runner.state.params, runner.state.kv_caches, jnp.asarray(tokens),
                                             jnp.asarray(targets), jnp.int32(c0), page_table)
             logprobs.append(np.asarray(lp)[:len(part)])
             argmax.append(np.asarray(am)[:len(part)])
@@ -124,13 +124,13 @@ def run_config(name: str, args: argparse.Namespace, ids: np.ndarray) -> dict:
     llm = LLM(args.model, **kwargs, max_model_len=args.window, num_pages=pages,
               page_size=args.page_size, max_num_seqs=1, max_num_batched_tokens=args.chunk,
               warm_up=False, attn_impl=args.attn_impl)
-    runner = llm.engine.runner
+    runner = llm.engine.worker
     setup = time.perf_counter() - start
     start = time.perf_counter()
     logprobs, argmax = score(runner, ids, args.window, args.chunk)
     seconds = time.perf_counter() - start
     nll = float(-logprobs.mean())
-    return {"name": name, "dtype": kwargs["dtype"], "kv": str(runner.kv_dtype), "nll": nll,
+    return {"name": name, "dtype": kwargs["dtype"], "kv": str(runner.state.kv_dtype), "nll": nll,
             "ppl": float(np.exp(nll)), "argmax": argmax, "setup_s": setup, "score_s": seconds,
             "tokens": len(logprobs)}
 

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prompt_logprobs=True, penalties=False,
               compilation_cache_dir=args.cache_dir)
     engine = llm.engine
-    compiled = engine.runner.num_compiled()
+    compiled = engine.worker.num_compiled()
     vocab = engine.model.config.vocab_size
     print(f"{jax.devices()[0].device_kind}, vocabulary {vocab}, {args.prompts} prompts of {args.prompt_len} "
           f"tokens, steps of {args.max_num_batched_tokens} tokens; warm-up {engine.warm_up_seconds:.1f}s, "
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     for name in cases:
         rate = statistics.median(rates[name])
         print(f"| {name} | {rate:.0f} | {rate / plain:.2f}x |")
-    grown = engine.runner.num_compiled() - compiled
+    grown = engine.worker.num_compiled() - compiled
     print(f"\ncompiled after warm-up: {grown}")
     return 0 if grown == 0 else 1
 

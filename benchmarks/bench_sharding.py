@@ -7,7 +7,7 @@ before jax is imported). These are CPU figures: the "devices" share this machine
 tensor parallelism cannot speed anything up here; the table shows what splitting costs
 (collectives, smaller matmuls, per-shard kernel calls), not a TPU/GPU scaling curve.
 
-  tensor:    one jitted engine step (ModelRunner.execute: forward + KV write + sampling) of a
+  tensor:    one jitted engine step (CompiledStep.execute: forward + KV write + sampling) of a
              fixed random Llama-like model (MODEL, ~27M parameters, float32), decode (8 sequences
              x 1 token, 256 tokens of context each) and prefill (one 256-token chunk), for
              tensor = 1, 2, 4, 8.
@@ -43,7 +43,7 @@ from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.worker.inputs import StepInputs  # noqa: E402
 from jaxinfer.worker.page_table import padded_updates  # noqa: E402
-from jaxinfer.worker.runner import ModelRunner  # noqa: E402
+from jaxinfer.worker.worker import Worker  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 from jaxinfer.sampling.arrays import make_sampling_arrays  # noqa: E402
 from pallas_kernels import ragged_paged_attention  # noqa: E402
@@ -70,10 +70,10 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
-def step_inputs(runner: ModelRunner, lens: list[int], new: list[int], t_bucket: int) -> StepInputs:
+def step_inputs(runner: Worker, lens: list[int], new: list[int], t_bucket: int) -> StepInputs:
     """A step over sequences with kv_len lens[i], the last new[i] tokens of each computed now."""
-    s_bucket = runner.engine.seq_bucket(t_bucket)
-    pages = np.zeros((s_bucket, runner.pages_per_seq), np.int32)
+    s_bucket = runner.step.engine.seq_bucket(t_bucket)
+    pages = np.zeros((s_bucket, runner.state.pages_per_seq), np.int32)
     cu = np.zeros(s_bucket + 1, np.int32)
     kv_lens = np.zeros(s_bucket, np.int32)
     positions = np.zeros(t_bucket, np.int32)
@@ -92,7 +92,7 @@ def step_inputs(runner: ModelRunner, lens: list[int], new: list[int], t_bucket: 
     meta = AttentionMetadata(kv_lens, None, cu, np.array([len(lens)], np.int32))
     tokens = rng.integers(0, MODEL.vocab_size, t_bucket).astype(np.int32)
     rows, cols = np.nonzero(pages)  # sequence i's block table in the device table's row i + 1
-    table = padded_updates([(rows + 1, cols, pages[rows, cols])], runner.inputs.update_widths)
+    table = padded_updates([(rows + 1, cols, pages[rows, cols])], runner.step.inputs.update_widths)
     slots = np.where(np.arange(s_bucket) < len(lens), np.arange(1, s_bucket + 1), 0).astype(np.int32)
     return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, np.full(t_bucket, -1, np.int32),
                       slots, table=table)
@@ -109,14 +109,14 @@ def bench_tensor(repeats: int) -> str:
         engine = EngineConfig(num_pages=160, page_size=PAGE, max_num_batched_tokens=PREFILL, max_num_seqs=8,
                               max_model_len=1024, token_buckets=(8, PREFILL), penalties=False,
                               compilation_cache_dir=None, mesh=f"tensor={tp}")
-        runner = ModelRunner(model, engine, 1024)
+        runner = Worker(model, engine, 1024)
         decode = step_inputs(runner, [256] * 8, [1] * 8, 8)
         prefill = step_inputs(runner, [PREFILL], [PREFILL], PREFILL)
         t_decode, t_prefill = [], []
         for _ in range(repeats):  # interleave decode and prefill
-            t_decode += timed(lambda: runner.execute(decode), 1)
-            t_prefill += timed(lambda: runner.execute(prefill), 1)
-        shard_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.params))
+            t_decode += timed(lambda: runner.step.execute(decode), 1)
+            t_prefill += timed(lambda: runner.step.execute(prefill), 1)
+        shard_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.state.params))
         rows.append(f"| tensor={tp} | {1e3 * statistics.median(t_decode):.1f} | "
                     f"{1e3 * statistics.median(t_prefill):.1f} | {shard_bytes / 2**20:.1f} |")
         print(rows[-1], file=sys.stderr, flush=True)

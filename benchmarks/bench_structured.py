@@ -74,9 +74,9 @@ def main(argv=None) -> int:
                                  structured_output=tool_request(TOOLS, "required", None, None).structured_output), {}),
     }
     engine = llm.engine
-    defaults = (engine.config, engine.runner.num_decode_steps)
-    split = bool(engine.runner.split_buckets)
-    print(f"batch {args.batch}, {args.max_tokens} tokens, decode windows of {engine.runner.num_decode_steps}; "
+    defaults = (engine.config, engine.worker.step.num_decode_steps)
+    split = bool(engine.worker.step.split_buckets)
+    print(f"batch {args.batch}, {args.max_tokens} tokens, decode windows of {engine.worker.step.num_decode_steps}; "
           f"constrained rows {'fill masks while the forward runs (split step)' if split else 'land each step first'}\n")
     compile_ms = {}
     for name in args.runs.split(","):
@@ -112,7 +112,7 @@ def _set_loop(engine, defaults, loop: dict) -> None:
 
     config, steps = defaults
     engine.config = config.replace(async_scheduling=loop.get("async_scheduling", config.scheduler.async_scheduling))
-    engine.runner.num_decode_steps = loop.get("num_decode_steps", steps)
+    engine.worker.step.num_decode_steps = loop.get("num_decode_steps", steps)
 
 
 if __name__ == "__main__":

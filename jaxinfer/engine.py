@@ -2,11 +2,12 @@
 
     add_request(prompt, SamplingParams) -> validated, tokenized, queued in the Scheduler
     step():
-        plan   = scheduler.schedule()        # which sequences, how many tokens each
-        inputs = runner.prepare(plan)         # numpy, padded to a bucket
-        out    = runner.execute(inputs)       # forward + KV write + sampling, one jitted call
-        scheduler.update(plan, out.tokens)    # append tokens, stop on eos / stop ids / length
-        outputs.on_token / outputs.delta      # detokenize, stop strings -> RequestOutput deltas
+        plan   = scheduler.schedule()            # which sequences, how many tokens each
+        handle = worker.execute([plan], previous) # inputs padded to a bucket, ONE jitted call launched
+        scheduler.advance(plan)                   # the step's tokens count as computed
+        out    = previous.result()                # the step before lands meanwhile (async scheduling)
+        scheduler.resolve(plan, out.tokens)       # append tokens, stop on eos / stop ids / length
+        outputs.on_token / outputs.delta          # detokenize, stop strings -> RequestOutput deltas
 
 Output building is the OutputProcessor's. Bad requests raise ValueError at add_request and
 leave every other request untouched.
@@ -15,12 +16,11 @@ Data parallelism (a mesh with data=N): N replicas, each with its own PagePool an
 new request goes to the replica with the least outstanding work (prompt + max_tokens of its
 unfinished requests); each step schedules every replica and runs all N plans in one jitted call.
 
-Several hosts: only process 0 schedules; each step's padded inputs are broadcast before the
-call (sharding.StepChannel) to the other processes, which run the same steps in `follow()`.
+Several hosts: only process 0 schedules; its worker broadcasts each step's padded inputs
+(sharding.StepChannel) to the other processes, whose workers run the same steps in `follow()`.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -37,24 +37,16 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
-from jaxinfer.worker.runner import ModelRunner
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode import build_speculator
 from jaxinfer.structured import GrammarBackend, grammar_for
 from jaxinfer.tokenizer.reasoning import reasoning_parser
 from jaxinfer.worker.warm_up import enable_compilation_cache
+from jaxinfer.worker.worker import StepHandle, Worker
 from sharding import StepChannel, is_leader, is_multiprocess
-from sharding.multihost import SHUTDOWN
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Flight:
-    """A dispatched step whose tokens have not reached the host yet."""
-    plans: list[SchedulerPlan]  # one per data replica
-    out: SamplerOutput  # on the device
 
 
 class Engine:
@@ -67,21 +59,20 @@ class Engine:
         self.max_model_len = config.scheduler.max_model_len or model_len
         self.config = config = config.with_page_size(self.max_model_len)
         enable_compilation_cache(config.compile.compilation_cache_dir)
-        self.runner = ModelRunner(model, config, self.max_model_len)
-        self.replicas = [self._make_replica(r) for r in range(self.runner.num_replicas)]
+        self.worker = Worker(model, config, self.max_model_len, StepChannel() if is_multiprocess() else None)
+        self.replicas = [self._make_replica(r) for r in range(self.worker.num_replicas)]
         # Replica 0 (the only one without data parallelism).
         self.pool, self.scheduler = self.replicas[0].pool, self.replicas[0].scheduler
         self.is_leader = is_leader()
-        self._channel = StepChannel() if is_multiprocess() else None
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = None if self.tokenizer is None else GrammarBackend(  # structured output: llguidance
             self.tokenizer, model.config.vocab_size, reasoning_parser(config.load.reasoning_parser))
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
-        self._flight: _Flight | None = None  # the step dispatched last, tokens not fetched yet
+        self._flight: StepHandle | None = None  # the step launched last, tokens not fetched yet
         self._ids = itertools.count()
         self.num_preemptions = 0
-        self.speculator = build_speculator(config, model, self.runner, self.max_model_len)  # None: off
+        self.speculator = build_speculator(config, model, self.worker, self.max_model_len)  # None: off
         self.num_scheduled_tokens = 0  # tokens computed by steps so far (prefix hits excluded)
         self.warm_up_seconds = 0.0
         if warm_up:
@@ -89,11 +80,11 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compiles every step variant now (else each compiles when first needed)."""
-        self.warm_up_seconds += self.runner.warm_up() + (self.speculator.warm_up() if self.speculator else 0.0)
+        self.warm_up_seconds += self.worker.warm_up() + (self.speculator.warm_up() if self.speculator else 0.0)
 
     def _make_replica(self, index: int) -> Replica:
         config = self.config
-        pool = PagePool(self.runner.num_pages, config.cache.page_size,
+        pool = PagePool(self.worker.num_pages, self.worker.page_size,
                         enable_prefix_caching=config.cache.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model.config.eos_token_ids
         scheduler = Scheduler(
@@ -154,13 +145,13 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Dispatches one jitted step; returns the deltas of the requests that advanced or ended.
+        """Launches one jitted step; returns the deltas of the requests that advanced or ended.
 
-        With async scheduling (the default) the step is dispatched before the previous one's
+        With async scheduling (the default) the step is launched before the previous one's
         tokens are fetched, and the deltas returned are the previous step's. Rows with penalties
         need every earlier token on the host, so the previous step lands first; rows with a
-        grammar need their mask to follow the token before: either the same, or (runner's split
-        step) the mask is filled after the landing, while this step's forward runs."""
+        grammar need their mask to follow the token before: either the same, or (the worker's
+        split step) the mask is filled after the landing, while this step's forward runs."""
         outputs, self._pending = self._pending, []
         previous, self._flight = self._flight, None
         landing = self._landing(previous) if previous is not None else None
@@ -169,73 +160,48 @@ class Engine:
             previous = None
         if self.speculator is not None:  # drafts of the sequences that speculate (spec_decode/)
             self.speculator.propose(self.scheduler)
-        plans = [replica.scheduler.schedule(self.runner.num_decode_steps) for replica in self.replicas]
+        plans = [replica.scheduler.schedule(self.worker.num_decode_steps) for replica in self.replicas]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         self.num_scheduled_tokens += sum(plan.num_batched_tokens * plan.num_steps for plan in plans)
-        flight = None
-        if landing == "late":
-            flight, landed = self._dispatch_late(plans[0], previous)
-            outputs += landed
-        else:
-            if any(plan.seqs for plan in plans):
-                flight = self._dispatch(plans, previous)
-            if previous is not None:
-                outputs += self._land(previous)
+        flight = self._launch(plans, previous, masks_later=landing == "late") if any(p.seqs for p in plans) else None
+        if previous is not None:
+            outputs += self._land(previous)
+        if flight is not None and flight.waits_for_masks:  # its grammar rows are past `previous` now
+            flight.sample()
         if flight is not None and not self.config.scheduler.async_scheduling:
             outputs += self._land(flight)
             flight = None
         self._flight = flight
         return outputs
 
-    def _landing(self, previous: _Flight) -> str | None:
+    def _landing(self, previous: StepHandle) -> str | None:
         """"first": rows with penalties need every earlier token on the host (and grammar rows their
         matcher advanced past it), so the step in flight lands before the plan (so do speculating
         rows: Speculator.must_land_first); "late": grammar rows' masks are filled after it lands,
-        while the next forward runs (the runner's split step); None: plain async scheduling."""
+        while the next forward runs (the worker's split step); None: plain async scheduling."""
         if self.speculator is not None and self.speculator.must_land_first(self.scheduler, previous.plans):
             return "first"
         running = [s for r in self.replicas for s in r.scheduler.running]
         penalties = any(s.sampling_params.uses_penalties for s in running)
         grammar = any(s.grammar is not None for s in running)
-        if grammar and not penalties and self.runner.split_buckets and self.config.scheduler.async_scheduling:
+        if grammar and not penalties and self.worker.overlaps_masks and self.config.scheduler.async_scheduling:
             return "late"
         return "first" if penalties or grammar else None
 
-    def _dispatch(self, plans: list[SchedulerPlan], previous: _Flight | None) -> _Flight:
-        inputs = self._prepare(plans, previous)
-        if self._channel is not None:
-            self._channel.send(*self.runner.for_followers(inputs))
-        return _Flight(plans, self.runner.dispatch(inputs, plans[0].num_steps))
-
-    def _dispatch_late(self, plan: SchedulerPlan, previous: _Flight) -> tuple[_Flight | None, list[RequestOutput]]:
-        """Step N+1 prepared and (split step) its forward dispatched, then step N landed (each
-        grammar advanced past its token), then N+1's allowed-token bits and its sampling."""
-        if not plan.seqs or plan.num_steps > 1:  # a window has no grammar row
-            return self._dispatch([plan], previous) if plan.seqs else None, self._land(previous)
-        inputs = self._prepare([plan], previous, masks=False)
-        split = (plan.num_batched_tokens <= self.runner.split_buckets[-1]  # else the fused step,
-                 and inputs.sampling.history is None and inputs.prompt is None)  # after the landing
-        hidden = self.runner.dispatch_forward(inputs) if split else None
-        landed = self._land(previous)
-        self.runner.inputs.fill_masks(plan, inputs, device_busy=split)
-        out = self.runner.dispatch_sample(hidden, inputs) if split else self.runner.dispatch(inputs)
-        return _Flight([plan], out), landed
-
-    def _prepare(self, plans: list[SchedulerPlan], previous: _Flight | None, masks: bool = True):
+    def _launch(self, plans: list[SchedulerPlan], previous: StepHandle | None, masks_later: bool) -> StepHandle:
         start = time.monotonic()
         for entry in (entry for plan in plans for entry in plan.seqs):
             state = self._requests[entry.seq.request_id]
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time, state.cached_prompt_tokens = start, entry.start
-        inputs = self.runner.prepare(plans if len(plans) > 1 else plans[0],
-                                     previous.plans if previous is not None else None, masks=masks)
+        handle = self.worker.execute(plans, previous, masks_later=masks_later)
         for replica, plan in zip(self.replicas, plans):
             replica.scheduler.advance(plan)
-        return inputs
+        return handle
 
-    def _land(self, flight: _Flight) -> list[RequestOutput]:
-        """Fetches a dispatched step's tokens, resolves them and builds the deltas."""
-        out = self.runner.fetch(flight.out)
+    def _land(self, flight: StepHandle) -> list[RequestOutput]:
+        """Fetches a launched step's tokens, resolves them and builds the deltas."""
+        out = flight.result()
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for r, plan in enumerate(flight.plans):
@@ -273,19 +239,14 @@ class Engine:
     def follow(self) -> bool:
         """On processes other than 0: runs process 0's steps until it releases this process.
         False when process 0 shut the followers down (no more steps will come)."""
-        if self._channel is None or self.is_leader:
+        if self.is_leader:
             raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
-        while True:
-            command, inputs = self._channel.receive(lambda bucket, history, prompt, table_width:
-                                                    self.runner.padding_inputs(bucket, history, False, prompt, table_width))
-            if inputs is None:
-                return command != SHUTDOWN
-            self.runner.execute(inputs)
+        return self.worker.follow()
 
     def release_followers(self, shutdown: bool = False) -> None:
         """On process 0: ends the other processes' `follow()` (a no-op on one process)."""
-        if self._channel is not None and self.is_leader:
-            self._channel.release(shutdown)
+        if self.is_leader:
+            self.worker.release_followers(shutdown)
 
     def _delta(self, state: RequestState, now: float) -> RequestOutput:
         out = self.outputs.delta(state, now)
@@ -296,5 +257,5 @@ class Engine:
 
     def stats(self) -> dict:
         return {**replica_stats(self.replicas), "preemptions": self.num_preemptions,
-                "compiled_variants": self.runner.num_compiled(),
+                "compiled_variants": self.worker.num_compiled(),
                 **(self.speculator.stats() if self.speculator is not None else {})}

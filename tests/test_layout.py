@@ -41,7 +41,7 @@ BREAKAGES = {
     "a kernel imports the engine": ("pallas_kernels/common.py", "import jaxinfer.engine", "packages"),
     "checkpoints import sharding": ("checkpoints/errors.py", "import sharding", "packages"),
     "jaxinfer imports serving": ("jaxinfer/llm.py", "import serving.server", "packages"),
-    "the runner imports the engine": ("jaxinfer/worker/runner.py", "import jaxinfer.engine", "jaxinfer-layers"),
+    "the worker imports the engine": ("jaxinfer/worker/worker.py", "import jaxinfer.engine", "jaxinfer-layers"),
     "a cycle between siblings": ("jaxinfer/tokenizer/gguf_vocab.py", "import jaxinfer.tokenizer.load",
                                  "acyclic"),
 }

@@ -17,7 +17,7 @@ def describe(args: argparse.Namespace) -> dict:
     from jaxinfer.loader import load_model
     from jaxinfer.models.registry import features
     from jaxinfer.worker.kv_pool import kv_page_bytes
-    from jaxinfer.worker.runner import ModelRunner
+    from jaxinfer.worker.device_state import DeviceState
 
     from jaxinfer.quant import QuantConfig, param_bytes, param_count, quantization_of, quantized_tensors
 
@@ -26,32 +26,32 @@ def describe(args: argparse.Namespace) -> dict:
     quant = QuantConfig.parse(load.quantization, load.quantization_group_size, load.quantize_embedding)
     model = load_model(load.model, load.dtype, quantization=quant)
     max_len = engine.scheduler.max_model_len or model.config.max_position_embeddings
-    runner = ModelRunner(model, engine, max_len)
+    state = DeviceState(model, engine, max_len)  # the pool as an engine would allocate it; nothing compiles
     num_params = param_count(model.params)
-    usable = runner.num_pages - 1  # page 0 is the null page
+    usable = state.num_pages - 1  # page 0 is the null page
     return {
         "model": {"path": str(model.path), **{k: v for k, v in dataclasses.asdict(model.config).items()},
                   "features": features(model.config),
                   "parameters": int(num_params), "dtype": str(model.params.embed.dtype),
                   "quantization": model.quantization and model.quantization.method,
                   "quantized_storage": quantization_of(model.params),
-                  "quantized_tensors": quantized_tensors(model.params), "param_bytes": param_bytes(runner.params),
+                  "quantized_tensors": quantized_tensors(model.params), "param_bytes": param_bytes(state.params),
                   "tokenizer": repr(model.tokenizer), "tool_call_format": _tool_call_format(args, model.tokenizer)},
         "devices": [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
         "backend": jax.default_backend(),
-        "kv_cache": {"pages": usable, "page_size": runner.engine.cache.page_size, "tokens": usable * runner.engine.cache.page_size,
-                     "per": "data replica" if runner.num_replicas > 1 else "engine",
-                     "bytes": runner.kv_cache_bytes, "bytes_per_token":
-                     kv_page_bytes(model.config, runner.engine.cache.page_size, runner.kv_dtype) // runner.engine.cache.page_size,
+        "kv_cache": {"pages": usable, "page_size": state.page_size, "tokens": usable * state.page_size,
+                     "per": "data replica" if state.num_replicas > 1 else "engine",
+                     "bytes": state.kv_cache_bytes, "bytes_per_token":
+                     kv_page_bytes(model.config, state.page_size, state.kv_dtype) // state.page_size,
                      # what one device holds of the pool, in its memory layout (a TPU pads head_dim 64)
-                     "device_bytes": runner.num_pages * kv_page_bytes(
-                         model.config, runner.engine.cache.page_size, runner.kv_dtype, runner.layout.kv_heads_per_device,
-                         runner.local_device),
-                     "dtype": str(runner.kv_dtype), "max_model_len": max_len},
+                     "device_bytes": state.num_pages * kv_page_bytes(
+                         model.config, state.page_size, state.kv_dtype, state.layout.kv_heads_per_device,
+                         state.local_device),
+                     "dtype": str(state.kv_dtype), "max_model_len": max_len},
         "token_buckets": list(engine.buckets()),
         "engine_config": _options_json(engine),
-        "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
-        "data_replicas": runner.num_replicas,
+        "mesh": None if state.mesh is None else dict(state.mesh.shape),
+        "data_replicas": state.num_replicas,
     }
 
 

@@ -76,7 +76,7 @@ def dense_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
 
 
 def replicas_as_rows(form):
-    """A stacked form that also runs vmapped over data replicas (the runner's step: jax.vmap over
+    """A stacked form that also runs vmapped over data replicas (the compiled step: jax.vmap over
     [data]). Each token's output depends on that token alone, so the replicas' tokens run as the
     rows of one call: lax.ragged_dot(_general) has no batching rule for weights the replicas share;
     one call sorts all their rows by expert into one set of groups. Weights that differ per

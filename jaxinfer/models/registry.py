@@ -1,4 +1,4 @@
-"""Model families by name, and the typed record every family provides to the loader and runner.
+"""Model families by name, and the typed record every family provides to the loader and the worker.
 
 A family is model code only: a forward pass over the ragged batch, the LM head, random init, how
 to assemble its parameter tree from loaded arrays, its checkpoint name map (TensorSpecs) and the
@@ -71,7 +71,7 @@ class ModelFamily:
     # Linear weights weight-only quantization may replace (jaxinfer.quant): field -> input axes.
     linear_inputs: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     traits: tuple[str, ...] = ()  # what every model of the family does (for `jaxinfer info`)
-    # (params, mesh or None) -> params in the layout the step computes with there (the runner's).
+    # (params, mesh or None) -> params in the layout the step computes with there (the worker's).
     compute_layout: Callable[[Any, Any], Any] | None = None
 
 

@@ -11,7 +11,7 @@ dot (the matrix-vector kernel already streams at full rate), and so do larger ro
     w = OutFirstWeight.of(w_in_first, inputs=(0,))      # [E, 2, F] -> stored [2, F, E]
     einsum("te,ecf->tcf", x, w)                         # (quant.einsum) the spec of the original
 
-The runner converts a model's float32 linear weights on one CPU device without a mesh
+The worker converts a model's float32 linear weights on one CPU device without a mesh
 (`to_out_first`); everywhere else weights keep their [in..., out...] layout.
 """
 from __future__ import annotations

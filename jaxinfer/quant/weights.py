@@ -22,7 +22,7 @@ wider of it and the scales' dtype (GGUF scales are float16 / float32), then cast
 
 `einsum` is the one matmul every linear layer calls. Plain arrays go to jnp.einsum (one 2-D dot
 where several leading weight axes are contracted: `_merged_contraction`); out-first weights (the
-CPU runner's layout, out_first.py) and weights contracted on their trailing axes (the tied LM
+CPU step's layout, out_first.py) and weights contracted on their trailing axes (the tied LM
 head) to `out_first.contract_rows`;
 per-channel int8 runs the dot on the integers converted to the activation dtype and scales its
 output columns; every other layout is dequantized first (its scales vary along the contraction).

@@ -20,12 +20,12 @@ multiple of 1/16 in [-100, 100] is exact; the logits they are added to are float
 slot, 1.8 KB a row, a ninth of what the allowed-token bits of a 128k vocabulary cost a row.
 
 Defaults that need not travel: when no row of a batch has a grammar, or none has a logit bias,
-the builder leaves `allowed`, or the bias pair, None (`unsent_defaults`) and the runner fills them
+the builder leaves `allowed`, or the bias pair, None (`unsent_defaults`) and the compiled step fills them
 on the device from arrays it keeps (`fill_defaults`), so a plain batch does not upload its all-set
 bits (4 MB a step at batch 256 with a 128k vocabulary) or its empty bias rows.
 
 Plain arrays: when every row is greedy and none asks for top logprobs, a bias, a grammar or a
-penalty (`is_plain`), the runner may mark the arrays `plain` (static) for the decode step's greedy
+penalty (`is_plain`), the compiled step may mark the arrays `plain` (static) for the decode step's greedy
 twin, whose sampler takes the argmax with no conditional; their unsent defaults stay unsent.
 
 Penalty histories: a row's prompt ids (only when its repetition penalty is on) then its output
@@ -164,7 +164,7 @@ def is_plain(arrays: SamplingArrays) -> bool:
 
 def fill_defaults(arrays: SamplingArrays, vocab_size: int | None, full=np.full) -> SamplingArrays:
     """`arrays` with each None default filled, shaped like its rows: allowed all set, no bias.
-    `full(shape, value, dtype)` makes them (numpy; the runner passes its cached device arrays).
+    `full(shape, value, dtype)` makes them (numpy; the compiled step passes its cached device arrays).
     Plain arrays stay as they are: their sampler reads neither."""
     if arrays.plain:
         return arrays

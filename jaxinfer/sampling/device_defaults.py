@@ -1,6 +1,6 @@
 """The sampling defaults a batch leaves unsent (arrays.unsent_defaults), kept on the device.
 
-A batch with no grammar row or no logit bias sends no allowed bits or bias rows; the runner fills
+A batch with no grammar row or no logit bias sends no allowed bits or bias rows; the compiled step fills
 them here from device arrays made once per shape, so every batch reaches the step with the same
 structure of committed device arrays and runs the same compiled variant. Plain arrays
 (SamplingArrays.plain) stay as they are: their sampler reads neither.

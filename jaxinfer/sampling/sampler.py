@@ -26,7 +26,7 @@ them; the top-N logprobs (N static, the most any request may ask for, XLA's TopK
 taken only when some row asked for them; an all-greedy batch
 without logprobs runs neither (tests/jaxinfer/test_step_hlo.py reads the compiled step).
 
-Plain arrays (SamplingArrays.plain, static: its own compiled variant; the runner sets it where
+Plain arrays (SamplingArrays.plain, static: its own compiled variant; the compiled step sets it where
 it has compiled that variant and has checked every row is greedy with no top logprobs, logit
 bias, grammar or penalty) take the argmax with no conditional at all. On XLA:GPU a conditional
 copies its predicate to the host and waits for the device to reach it before the host launches

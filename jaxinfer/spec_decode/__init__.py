@@ -2,7 +2,7 @@
 
     proposer.py    Proposer: the interface the engine calls (propose / release / warm_up)
     ngram.py       NgramProposer: prompt lookup over the sequence's own tokens (numpy)
-    draft.py       DraftModelProposer: a second model with its own runner and KV pages
+    draft.py       DraftModelProposer: a second model with its own worker and KV pages
     speculator.py  Speculator: proposals into the plan, verified tokens out of the step
 
 Configured by EngineConfig.speculative_config (jaxinfer/config/speculative.py); the host bookkeeping is

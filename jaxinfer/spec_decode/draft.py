@@ -1,8 +1,8 @@
 """A draft model: a second, smaller model (same vocabulary) that proposes k tokens greedily.
 
-It has its own ModelRunner (parameters, KV pages, compiled steps) and PagePool, and runs in the
+It has its own Worker (parameters, KV pages, compiled steps) and PagePool, and runs in the
 engine loop before the target's step: per speculating sequence a draft-side Sequence mirrors the
-target's tokens. One propose() call is two dispatches of the draft runner:
+target's tokens. One propose() call is two launches of the draft's worker:
 
     catch-up  the tokens the draft has not computed (the whole prompt at first, then the one or
               two tokens verified since), as one ragged step that samples d0 (argmax)
@@ -27,7 +27,7 @@ from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence
 from jaxinfer.loader import LoadedModel
-from jaxinfer.worker.runner import ModelRunner
+from jaxinfer.worker.worker import Worker
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.spec_decode.proposer import Proposer
 
@@ -53,15 +53,15 @@ class DraftModelProposer(Proposer):
             speculative_config=None, num_pages=num_pages, kv_cache_bytes=None, kv_cache_dtype="auto",
             penalties=False, enable_prefix_caching=False, structured_output_overlap=False, dispatch_thread=False,
             num_decode_steps=max(k - 1, 1), mesh=None)
-        self.runner = ModelRunner(model, config, max_model_len)
-        self.pool = PagePool(self.runner.num_pages, self.runner.engine.cache.page_size, enable_prefix_caching=False)
-        self.budget = self.runner.buckets[-1]
+        self.worker = Worker(model, config, max_model_len)
+        self.pool = PagePool(self.worker.num_pages, self.worker.page_size, enable_prefix_caching=False)
+        self.budget = self.worker.max_batched_tokens
         self._seqs: dict[int, _DraftSeq] = {}
         self.num_proposals = 0
         self.seconds = 0.0
 
     def warm_up(self) -> float:
-        return self.runner.warm_up()
+        return self.worker.warm_up()
 
     def release(self, live_seq_ids: set[int]) -> None:
         for seq_id in [s for s in self._seqs if s not in live_seq_ids]:
@@ -113,7 +113,7 @@ class DraftModelProposer(Proposer):
     def _run(self, entries: list[ScheduledSeq]) -> dict[int, list[int]]:
         """The catch-up step, then the window; the drafts of each sequence that sampled."""
         first = SchedulerPlan(entries)
-        outs = [self.runner.dispatch(self.runner.prepare(first))]
+        handles = [self.worker.execute([first])]
         for e in entries:
             e.seq.num_computed_tokens = e.kv_len
             if e.sample:
@@ -121,9 +121,9 @@ class DraftModelProposer(Proposer):
         rows = [row for row, e in enumerate(entries) if e.sample]
         if rows and self.k > 1:
             window = SchedulerPlan([ScheduledSeq(entries[r].seq, entries[r].kv_len, 1, tuple(entries[r].seq.pages),
-                                                 sample=True) for r in rows], num_steps=self.runner.num_decode_steps)
-            outs.append(self.runner.dispatch(self.runner.prepare(window, [first]), window.num_steps))
-        outs = [self.runner.fetch(out).tokens for out in outs]
+                                                 sample=True) for r in rows], num_steps=self.worker.num_decode_steps)
+            handles.append(self.worker.execute([window], handles[0]))
+        outs = [h.result().tokens for h in handles]
         later = np.asarray(outs[1]).reshape(-1, outs[1].shape[-1]) if len(outs) > 1 else np.zeros((0, len(rows)))
         drafts = {}
         for i, row in enumerate(rows):

@@ -6,7 +6,7 @@
       speculator.propose(scheduler)       drafts for each running sequence that decodes
                                           (seq.draft_token_ids), from the proposer
       scheduler.schedule()                a drafting sequence takes 1 + d tokens (core/spec.py)
-      runner.dispatch                     the verify variant of the one ragged step: logits at
+      worker.execute                      the verify variant of the one ragged step: logits at
                                           every drafted position, in-jit verification
                                           (sampling/rejection.py)
       speculator.resolve(plan, out, ...)  the accepted tokens one position at a time (stops
@@ -38,7 +38,7 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import Sequence
 from jaxinfer.core.spec import accept_draft, roll_back
 from jaxinfer.loader import LoadedModel, load_model
-from jaxinfer.worker.runner import ModelRunner
+from jaxinfer.worker.worker import Worker
 from jaxinfer.sampling.rejection import VerifyOutput
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.config.speculative import SpeculativeConfig
@@ -147,23 +147,23 @@ class Speculator:
                 **self.proposer.stats()}
 
 
-def build_speculator(config: EngineConfig, model: LoadedModel, runner: ModelRunner,
+def build_speculator(config: EngineConfig, model: LoadedModel, worker: Worker,
                      max_model_len: int) -> Speculator | None:
     """The Speculator of `config.speculative_config` (None: speculation off)."""
     spec = config.speculative_config
     if spec is None:
         return None
-    if runner.num_replicas > 1:
+    if worker.num_replicas > 1:
         raise ValueError("speculative_config: speculative decoding needs a single data replica "
-                         f"(the mesh has data={runner.num_replicas})")
+                         f"(the mesh has data={worker.num_replicas})")
     if is_multiprocess():
         raise ValueError("speculative_config: speculative decoding runs on one host only")
     if spec.method == "ngram":
         proposer: Proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                            spec.prompt_lookup_max)
     else:
-        dtype = str(runner.params.embed.dtype)
+        dtype = str(model.params.embed.dtype)
         draft = load_model(spec.model, dtype, with_tokenizer=False)
-        proposer = DraftModelProposer(draft, model, config, max_model_len, runner.num_pages,
+        proposer = DraftModelProposer(draft, model, config, max_model_len, worker.num_pages,
                                       spec.num_speculative_tokens)
     return Speculator(spec, proposer, max_model_len)

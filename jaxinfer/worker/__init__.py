@@ -1,6 +1,8 @@
 """The device side: parameters and KV caches on the devices, the compiled step and its launch.
 
-    runner.py         ModelRunner: places parameters and caches, compiles and launches steps
+    worker.py         Worker: the engine's one door (a plan in, a StepHandle out, tokens when they land)
+    device_state.py   DeviceState: the placed parameters and the KV caches, and their mesh
+    compiled_step.py  CompiledStep: the step's jitted variants, their warm-up and launch
     step.py           the jitted step: forward + KV write + sample over a ragged batch
     step_variants.py  which variants compile (buckets, penalties, greedy twin, prompt logprobs)
     warm_up.py        compiling every variant at start-up; JAX's persistent compilation cache

@@ -24,7 +24,7 @@ row `prev_rows` names (-1: the id in token_ids is the input).
 
 What did not change is not sent: the page table's rows stay on the device (only changed entries
 travel), and the allowed-token bits and logit-bias rows are None when no row of the plan has a
-grammar or a bias (sampling.arrays.unsent_defaults; the runner fills them on the device).
+grammar or a bias (sampling.arrays.unsent_defaults; the compiled step fills them on the device).
 
 Padding is harmless by construction: padding tokens belong to no sequence (cu_q_lens stops at
 the real count), padding sequences have kv_len 0 and the null row of the page table (all the null page 0,
@@ -66,7 +66,7 @@ class StepInputs:
 
 
 class InputBuilder:
-    """Builds the padded inputs of the runner's compiled step variants."""
+    """Builds the padded inputs of the compiled step's variants."""
 
     def __init__(self, engine: EngineConfig, buckets: tuple[int, ...], *, pages_per_seq: int,
                  max_model_len: int, vocab_size: int, num_replicas: int = 1,

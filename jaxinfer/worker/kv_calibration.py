@@ -3,7 +3,7 @@
     tokens = calibration_tokens(tokenizer, vocab_size)   # a chat + a fixed text (or fixed random ids)
     absmax = kv_absmax(family, config, params, tokens, ...)  # f32[L, 2K]: |K|, |V| max per head
     caches = quantized_caches(pages, absmax, dtype)      # a QuantizedKVCache per layer
-    caches = calibrated_caches(pages, model, params, ...)   # the three in one (the runner's call)
+    caches = calibrated_caches(pages, model, params, ...)   # the three in one (the device state's call)
 
 Why static per-head scales: the kernel contract takes one float32 scale per KV head for K and one
 for V (`k_scale`, `v_scale`), which every kernel applies inside its inner loop; per-token scales
@@ -151,7 +151,7 @@ def quantized_caches(pages: tuple[jax.Array, ...], absmax: np.ndarray, dtype,
 def calibrated_caches(pages: tuple[jax.Array, ...], model: LoadedModel, params: ModelParams,
                       cache_kv_heads: int, attn_impl: str, mesh: Mesh | None
                       ) -> tuple[QuantizedKVCache, ...]:
-    """The runner's zeroed int8/fp8 pages with scales calibrated on `model` (its placed `params`,
+    """The device state's zeroed int8/fp8 pages with scales calibrated on `model` (its placed `params`,
     the float forward in the model's dtype)."""
     tokens = calibration_tokens(model.tokenizer, model.config.vocab_size)
     absmax = kv_absmax(model.family, model.config, params, tokens, cache_kv_heads=cache_kv_heads,

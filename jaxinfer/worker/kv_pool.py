@@ -38,13 +38,13 @@ def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_head
             budget = int(free * engine.cache.kv_cache_memory_fraction)
         else:
             budget = CPU_DEFAULT_KV_BYTES
-    page_size = engine.cache.page_size or DEFAULT_PAGE_SIZE  # as a runner resolves it off the TPU kernel
+    page_size = engine.cache.page_size or DEFAULT_PAGE_SIZE  # as the device state resolves it off the TPU kernel
     return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads, device))
 
 
 def cache_struct(num_pages: int, page_size: int, cache_kv_heads: int, head_dim: int, dtype,
                  sharding: jax.sharding.Sharding, replicas: int = 1) -> jax.ShapeDtypeStruct:
-    """One layer's cache as the runner allocates it: [P, page, 2K, D] ([data, ...] with several
+    """One layer's cache as the device state allocates it: [P, page, 2K, D] ([data, ...] with several
     replicas), placed by `sharding`, its row-major layout pinned."""
     shape = kv_cache_shape(num_pages, page_size, cache_kv_heads, head_dim)
     if replicas > 1:

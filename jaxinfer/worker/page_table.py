@@ -138,11 +138,11 @@ class PageTableMirror:
 
 class DevicePageTable:
     """The table on the device (one per data replica, stacked) and the jitted scatter that sets
-    a step's entries in place (the runner's warm-up compiles it for each update width)."""
+    a step's entries in place (the worker's warm-up compiles it for each update width)."""
 
     def __init__(self, num_rows: int, pages_per_seq: int, sharding, num_replicas: int, vmap_axis: str):
         shape = (num_rows, pages_per_seq) if num_replicas == 1 else (num_replicas, num_rows, pages_per_seq)
-        self.array = jax.device_put(jnp.zeros(shape, jnp.int32), sharding)  # as the runner's prev tokens
+        self.array = jax.device_put(jnp.zeros(shape, jnp.int32), sharding)  # as the compiled step's prev tokens
         fn = apply_updates if num_replicas == 1 else jax.vmap(apply_updates, spmd_axis_name=vmap_axis)
         self._update = jax.jit(fn, donate_argnums=(0,), out_shardings=sharding)
         self.num_replicas = num_replicas

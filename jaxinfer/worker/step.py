@@ -1,4 +1,4 @@
-"""The pure functions the runner jits: one step, a decode window, and the step split in two.
+"""The pure functions the compiled step jits: one step, a decode window, and the step split in two.
 
     step          = forward_part + sample_part in one call (the usual variant)
     decode_window = `num_steps` steps of a decode-only batch in one call (lax.scan)

@@ -1,4 +1,4 @@
-"""The step's compiled variants: which the runner builds, and how they take their inputs.
+"""The step's compiled variants: which the compiled step builds, and how they take their inputs.
 
     step_jits             the step, the decode window, the split step's two halves (jitted)
     window_compiler_options  the window's XLA options (CUDA graphs on NVIDIA GPUs)
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def step_jits(family, config, attn_impl: str, max_seqs: int, num_replicas: int, num_decode_steps: int,
               out_shardings, window_options: dict | None = None) -> tuple:
-    """The runner's jitted functions: the step and the decode window, fn(params, caches, inputs,
+    """The compiled step's jitted functions: the step and the decode window, fn(params, caches, inputs,
     prev_tokens, page_table), vmapped over data replicas (`spmd_axis_name="data"`); the split step's forward
     and sampling halves. The caches are donated and come back as `out_shardings[1]` says. The
     window compiles with `window_options` (XLA options; window_compiler_options)."""

@@ -1,7 +1,7 @@
-"""The step variants a runner compiles before its first request, and their compiles in parallel.
+"""The step variants a worker compiles before its first request, and their compiles in parallel.
 
 `step_variants` lists every variant of the step and the decode window as (all-padding inputs,
-steps, greedy), in the order the runner's warm-up runs them: each token bucket with and without
+steps, greedy), in the order the worker's warm-up runs them: each token bucket with and without
 a penalty history and prompt logprobs, the verify step of speculative decoding, each decode-sized
 bucket's window and greedy twin.
 
@@ -10,7 +10,7 @@ JAX's persistent cache, release the GIL, so a machine with many cores builds the
 side instead of one after another (a TPU host has dozens of cores and an engine tens of
 variants). GPUs compile one after another unless $JAXINFER_COMPILE_THREADS says otherwise
 (`compile_threads`). Each program was traced and lowered on the calling thread first, as the
-jitted call would trace it: when the runner then executes each variant once, the jit finds the
+jitted call would trace it: when the compiled step then executes each variant once, the jit finds the
 executable compiled here and compiles nothing again (tests/jaxinfer/test_warm_up.py counts
 backend compiles and persistent-cache reads).
 
@@ -92,20 +92,20 @@ def compile_all(lowered: list[jax.stages.Lowered], platform: str = "cpu") -> lis
         return list(pool.map(lambda program: program.compile(), lowered))
 
 
-def step_variants(runner) -> list[tuple[StepInputs, int, bool]]:
-    """(padding inputs, num_steps, greedy) of each step and window variant of `runner` (a
-    ModelRunner), as `runner.execute` takes them."""
-    engine = runner.engine
+def step_variants(step) -> list[tuple[StepInputs, int, bool]]:
+    """(padding inputs, num_steps, greedy) of each step and window variant of `step` (a
+    CompiledStep), as `step.execute` takes them."""
+    engine = step.engine
     variants = []
-    for t_bucket in runner.buckets:
+    for t_bucket in step.buckets:
         for with_history in (False, True) if engine.compile.penalties else (False,):
             for prompt in (False, True) if engine.compile.enable_prompt_logprobs else (False,):
-                variants.append((runner.padding_inputs(t_bucket, with_history, prompt=prompt), 1, False))
-        if runner.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
-            variants.append((runner.padding_inputs(t_bucket, False, spec=True), 1, True))
-    variants += [(runner.padding_inputs(t_bucket, False), runner.num_decode_steps, False)
-                 for t_bucket in runner.window_buckets]
+                variants.append((step.padding_inputs(t_bucket, with_history, prompt=prompt), 1, False))
+        if step.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
+            variants.append((step.padding_inputs(t_bucket, False, spec=True), 1, True))
+    variants += [(step.padding_inputs(t_bucket, False), step.num_decode_steps, False)
+                 for t_bucket in step.window_buckets]
     # The greedy twin, on padding rows made plain (they qualify for it).
-    variants += [(plain_padding(runner.padding_inputs(t_bucket, False)), runner.greedy_steps, True)
-                 for t_bucket in runner.greedy_buckets]
+    variants += [(plain_padding(step.padding_inputs(t_bucket, False)), step.greedy_steps, True)
+                 for t_bucket in step.greedy_buckets]
     return variants

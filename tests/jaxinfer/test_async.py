@@ -45,9 +45,9 @@ def run(engine, requests, *, async_scheduling, abort_after=None):
 
 def both(engine, requests, **kw):
     sync = run(engine, requests, async_scheduling=False, **kw)
-    compiled = engine.runner.num_compiled()
+    compiled = engine.worker.num_compiled()
     overlapped = run(engine, requests, async_scheduling=True, **kw)
-    assert engine.runner.num_compiled() == compiled, "async scheduling compiled a new variant"
+    assert engine.worker.num_compiled() == compiled, "async scheduling compiled a new variant"
     return sync, overlapped
 
 
@@ -57,12 +57,12 @@ def prompt(seed, length):
 
 def test_greedy_with_chunked_prefill_and_preemption(engine, monkeypatch):
     filled_on_device = []  # input tokens per step taken from the step in flight
-    dispatch = engine.runner.dispatch
-    monkeypatch.setattr(engine.runner, "dispatch",
+    dispatch = engine.worker.step.dispatch
+    monkeypatch.setattr(engine.worker.step, "dispatch",
                         lambda inputs, n=1: filled_on_device.append(int((inputs.prev_rows >= 0).sum())) or dispatch(inputs, n))
     launched_on = set()
-    launch = engine.runner._launch
-    monkeypatch.setattr(engine.runner, "_launch", lambda fn, inputs: launched_on.add(
+    launch = engine.worker.step._launch
+    monkeypatch.setattr(engine.worker.step, "_launch", lambda fn, inputs: launched_on.add(
         threading.current_thread().name) or launch(fn, inputs))
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     requests = {str(i): (prompt(i, 5 + 9 * i), greedy) for i in range(5)}  # 14 pages: preemptions

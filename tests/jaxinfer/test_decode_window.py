@@ -6,7 +6,7 @@ hits, aborts; every page back in the pool and nothing compiled after warm-up.
 One engine per model, compiled with windows of 4 and their greedy twins (greedy_variant: an
 all-greedy window runs with no conditional), its steps launched from the launcher's thread
 (dispatch_thread) as on a GPU; the baseline runs with windows switched off
-(`runner.num_decode_steps = 1`), so both sides share the same compiled steps."""
+(`runner.step.num_decode_steps = 1`), so both sides share the same compiled steps."""
 
 import pytest
 from testpaths import FIXTURES, smollm2_gguf_path
@@ -31,10 +31,10 @@ def engine():
 def run(engine, requests, *, windows, async_scheduling=True, abort_after=None):
     """requests: {id: (prompt, params)} -> ({id: [tokens per sample]}, {id: reasons}, {id: [logprobs]})."""
     engine.config = engine.config.replace(async_scheduling=async_scheduling)
-    engine.runner.num_decode_steps = K if windows else 1
+    engine.worker.step.num_decode_steps = K if windows else 1
     window_steps = []
-    dispatch = engine.runner.dispatch
-    engine.runner.dispatch = lambda inputs, n=1: window_steps.append(n) or dispatch(inputs, n)
+    dispatch = engine.worker.step.dispatch
+    engine.worker.step.dispatch = lambda inputs, n=1: window_steps.append(n) or dispatch(inputs, n)
     try:
         for rid, (prompt, params) in requests.items():
             engine.add_request(prompt, params, request_id=rid)
@@ -53,20 +53,20 @@ def run(engine, requests, *, windows, async_scheduling=True, abort_after=None):
             if abort_after and steps in abort_after:
                 engine.abort(abort_after[steps])
     finally:
-        del engine.runner.dispatch
+        del engine.worker.step.dispatch
     assert engine.pool.num_free_pages == engine.pool.num_usable_pages, "KV pages leaked"
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
     return (tokens, reasons, logprobs), window_steps
 
 
 def compare(engine, requests, **kw):
-    compiled = engine.runner.num_compiled()
+    compiled = engine.worker.num_compiled()
     single, steps = run(engine, requests, windows=False, **kw)
     assert set(steps) == {1}
     for async_scheduling in (True, False):
         windowed, steps = run(engine, requests, windows=True, async_scheduling=async_scheduling, **kw)
         assert windowed == single, f"async_scheduling={async_scheduling}"
-    assert engine.runner.num_compiled() == compiled, "a decode window compiled after warm-up"
+    assert engine.worker.num_compiled() == compiled, "a decode window compiled after warm-up"
     return single, steps
 
 
@@ -109,8 +109,8 @@ def test_all_greedy_windows_run_the_greedy_twin(engine):
     tokens as single steps, which run the general step); one sampled row keeps the batch on the
     general window."""
     plain = []
-    placed = engine.runner._placed
-    engine.runner._placed = lambda inputs: plain.append(inputs.sampling.plain) or placed(inputs)
+    placed = engine.worker.step._placed
+    engine.worker.step._placed = lambda inputs: plain.append(inputs.sampling.plain) or placed(inputs)
     try:
         greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
         _, steps = compare(engine, {str(i): (prompt(i, 6 + i), greedy) for i in range(3)})
@@ -120,7 +120,7 @@ def test_all_greedy_windows_run_the_greedy_twin(engine):
         _, steps = compare(engine, {"g": (prompt(1, 6), greedy), "s": (prompt(2, 7), sampled)})
         assert steps.count(K) >= 2 and not any(plain)
     finally:
-        del engine.runner._placed
+        del engine.worker.step._placed
 
 
 def test_penalties_run_single_steps(engine):
@@ -177,7 +177,7 @@ def test_stop_strings_mid_window_on_smollm2():
     params = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
     outs = {}
     for windows in (False, True):  # deltas accumulated: a window delivers several tokens at once
-        engine.runner.num_decode_steps = K if windows else 1
+        engine.worker.step.num_decode_steps = K if windows else 1
         engine.add_request(ids, params, request_id=f"w{windows}")
         text, token_ids = "", []
         while engine.has_unfinished():
@@ -200,9 +200,9 @@ def test_the_greedy_variant_flag_reaches_the_runner(flag, compiled):
                                           "float32", "--num-pages", "8", "--max-model-len", "64",
                                           "--token-buckets", "8,32", "--max-num-batched-tokens", "32",
                                           "--greedy-variant", flag, "--dispatch-thread", flag])
-    runner = make_llm(args, warm_up=False).engine.runner
-    assert runner.greedy_buckets == ((8, 32) if compiled else ())
-    assert runner.launcher.enabled is compiled
+    runner = make_llm(args, warm_up=False).engine.worker
+    assert runner.step.greedy_buckets == ((8, 32) if compiled else ())
+    assert runner.step.launcher.enabled is compiled
 
 
 def test_llm_takes_engine_options_as_keywords():
@@ -210,8 +210,8 @@ def test_llm_takes_engine_options_as_keywords():
 
     model, small = str(FIXTURES / "hf" / "llama3"), dict(num_pages=8, max_model_len=64, warm_up=False,
                                                          token_buckets=(8, 32), max_num_batched_tokens=32)
-    runner = LLM(model, "float32", greedy_variant=True, dispatch_thread=True, **small).engine.runner
-    assert runner.greedy_buckets == (8, 32) and runner.launcher.enabled
+    runner = LLM(model, "float32", greedy_variant=True, dispatch_thread=True, **small).engine.worker
+    assert runner.step.greedy_buckets == (8, 32) and runner.step.launcher.enabled
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(model, "float32", no_such_option=1, **small)
 

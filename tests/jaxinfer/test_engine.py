@@ -70,7 +70,7 @@ def test_nothing_compiles_after_warm_up(engine):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if "compile" in name else None)
-    variants = engine.runner.num_compiled()
+    variants = engine.worker.num_compiled()
     rng = np.random.default_rng(0)
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=9),
               SamplingParams(temperature=1.0, min_p=0.1, seed=2, max_tokens=5, logprobs=3),
@@ -82,7 +82,7 @@ def test_nothing_compiles_after_warm_up(engine):
         prompt = rng.integers(0, 512, size=int(rng.integers(1, 90))).tolist()
         engine.add_request(prompt, params[i % len(params)])
     run_all(engine)
-    assert engine.runner.num_compiled() == variants
+    assert engine.worker.num_compiled() == variants
     assert [c for c in compiles if "backend_compile" in c] == []
 
 

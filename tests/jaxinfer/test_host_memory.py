@@ -16,7 +16,7 @@ from jaxinfer.worker import host_memory
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
-from jaxinfer.worker.runner import ModelRunner
+from jaxinfer.worker.worker import Worker
 
 # Page faults of writing a freshly allocated 64 MiB block after a block of that size was freed:
 # glibc's default unmaps it on free (one fault per page written again); with the heap kept, the
@@ -92,10 +92,10 @@ CONFIG = ModelConfig(model_type="llama", family="llama", vocab_size=64, hidden_s
 @pytest.mark.parametrize("reuse", [True, False])
 def test_the_cpu_runner_applies_it_unless_configured_off(monkeypatch, reuse):
     calls = []
-    monkeypatch.setattr("jaxinfer.worker.runner.reuse_freed_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr("jaxinfer.worker.device_state.reuse_freed_heap", lambda: calls.append(1) or True)
     family = get_family("llama")
     model = LoadedModel(CONFIG, family.init_params(CONFIG, jax.random.key(0)), None, family, Path("random"))
-    ModelRunner(model, EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
+    Worker(model, EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                                     compilation_cache_dir=None, num_pages=16, max_model_len=64,
                                     cpu_heap_reuse=reuse), 64)
     assert calls == ([1] if reuse else [])
@@ -108,7 +108,7 @@ def test_the_serve_flag_reaches_the_runner(monkeypatch, flags, reuse):
     from jaxinfer.cli.args import make_llm
 
     calls = []
-    monkeypatch.setattr("jaxinfer.worker.runner.reuse_freed_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr("jaxinfer.worker.device_state.reuse_freed_heap", lambda: calls.append(1) or True)
     args = cli.build_parser().parse_args(["serve", "--model", str(FIXTURES / "hf" / "llama3"), "--dtype",
                                           "float32", "--num-pages", "8", "--max-model-len", "64",
                                           "--token-buckets", "8,512", *flags])

@@ -17,7 +17,7 @@ from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.quant.kv_cache import QuantizedKVCache, resolve_kv_dtype
 from jaxinfer.worker.kv_pool import kv_page_bytes, plan_num_pages
-from jaxinfer.worker.runner import ModelRunner
+from jaxinfer.worker.worker import Worker
 from jaxinfer.sampling import SamplingParams
 from model_harness import SingleSequence
 
@@ -65,15 +65,15 @@ def test_engine_allocates_quantized_pages_with_scales(llama, tmp_path):
                                              token_buckets=(8, 32), max_num_batched_tokens=32,
                                              compilation_cache_dir=None), warm_up=False)
                for d in ("float32", "int8")}
-    f32, q8 = engines["float32"].runner, engines["int8"].runner
-    assert q8.num_pages == 4 * f32.num_pages and q8.kv_dtype == INT8
+    f32, q8 = engines["float32"].worker, engines["int8"].worker
+    assert q8.num_pages == 4 * f32.num_pages and q8.state.kv_dtype == INT8
     assert engines["int8"].pool.num_usable_pages == q8.num_pages - 1
-    cache = q8.kv_caches[0]
+    cache = q8.state.kv_caches[0]
     assert isinstance(cache, QuantizedKVCache) and cache.pages.dtype == INT8
     assert cache.pages.shape == (q8.num_pages, 16, 4, 16) and cache.scales.shape == (1, 1, 4, 1)
     assert cache.k_scale.shape == cache.v_scale.shape == (2,) and bool(jnp.all(cache.scales > 0))
     # The scales cost 4 floats per layer beyond the pages: the same bytes as the float pool.
-    assert q8.kv_cache_bytes == f32.kv_cache_bytes + 2 * 4 * 4
+    assert q8.state.kv_cache_bytes == f32.state.kv_cache_bytes + 2 * 4 * 4
 
 
 def test_scales_are_the_calibrated_maxima(llama):
@@ -191,10 +191,10 @@ def test_smollm2_greedy_with_int8_and_fp8_kv_follows_the_float_cache():
 _FP8_KNOWN = "fp8 KV departs further from the float cache on some CPUs (see _FP8_KNOWN)"
 
 
-def _page_copies(runner: ModelRunner, num_steps: int) -> list[str]:
+def _page_copies(runner: Worker, num_steps: int) -> list[str]:
     """Copy instructions in the compiled step as large as a layer's int8 pages."""
-    hlo = runner.lower(runner.padding_inputs(8, False), num_steps).compile().as_text()
-    shape = runner.kv_caches[0].pages.shape
+    hlo = runner.step.lower(runner.step.padding_inputs(8, False), num_steps).compile().as_text()
+    shape = runner.state.kv_caches[0].pages.shape
     assert f"s8[{','.join(map(str, shape))}]" in hlo  # the pages are in the step, as s8
     size = int(np.prod(shape))
     shapes = re.findall(r"= s8\[([\d,]+)\]\S* (?:copy|copy-start)\(", hlo)
@@ -208,8 +208,8 @@ def test_the_step_updates_an_int8_cache_in_place(llama):
         config = EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(8,), num_pages=300,
                               max_model_len=256, penalties=False, num_decode_steps=num_steps,
                               kv_cache_dtype="int8", compilation_cache_dir=None)
-        runner = ModelRunner(llama, config, 256)
-        assert isinstance(runner.kv_caches[0], QuantizedKVCache)
+        runner = Worker(llama, config, 256)
+        assert isinstance(runner.state.kv_caches[0], QuantizedKVCache)
         assert not _page_copies(runner, num_steps)
 
 
@@ -221,4 +221,4 @@ def test_serve_flag_reaches_the_engine():
                                           "--kv-cache-dtype", "fp8", "--num-pages", "8",
                                           "--max-model-len", "64", "--token-buckets", "8,512"])
     engine = make_llm(args, warm_up=False).engine
-    assert engine.runner.kv_dtype == FP8 and engine.runner.kv_caches[0].pages.dtype == FP8
+    assert engine.worker.state.kv_dtype == FP8 and engine.worker.state.kv_caches[0].pages.dtype == FP8

@@ -24,7 +24,7 @@ def test_chunked_scoring_equals_one_forward():
     ids = np.random.default_rng(3).integers(0, model.config.vocab_size, 150).astype(np.int32)
     runner = Engine(model, EngineConfig(num_pages=8, max_model_len=64, max_num_batched_tokens=16,
                                         token_buckets=(16,), compilation_cache_dir=None),
-                    warm_up=False).runner
+                    warm_up=False).worker
     logprobs, argmax = bench_quality.score(runner, ids, window=64, chunk=16)
     want_lp, want_argmax = [], []
     for w0 in range(0, len(ids) - 1, 64):  # windows of 64 scored tokens, each from a fresh cache

@@ -24,7 +24,7 @@ for mesh in (None, "tensor=4", "data=2,tensor=2"):
               token_buckets=[8, 32], num_decode_steps=1, num_pages=32, mesh=mesh, kv_cache_dtype="int8",
               compilation_cache_dir=None, warm_up=False)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    cache = llm.engine.runner.kv_caches[0]  # the step donates the caches: read them afterwards
+    cache = llm.engine.worker.state.kv_caches[0]  # the step donates the caches: read them afterwards
     out[str(mesh)] = {
         "tokens": tokens,
         "scales": np.asarray(cache.scales).reshape(-1).tolist(),

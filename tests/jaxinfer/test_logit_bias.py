@@ -211,7 +211,7 @@ def test_the_engine_biases_steps_and_decode_windows_without_compiling():
 
     llm = LLM(str(FIXTURES / "hf" / "llama3"), "float32", max_model_len=128,
               max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=32)
-    compiled = llm.engine.runner.num_compiled()
+    compiled = llm.engine.worker.num_compiled()
     vocab = llm.engine.model.config.vocab_size
     prompt = [1, 2, 3, 4, 5]
 
@@ -227,6 +227,6 @@ def test_the_engine_biases_steps_and_decode_windows_without_compiling():
     tokens = [o.outputs[0].token_ids for o in outs]
     assert tokens[0] == tokens[1] == [forced] * 12  # prefill step, single steps and decode windows
     assert tokens[2][0] != plain[0] and tokens[3] == plain  # the unbiased row is untouched
-    assert llm.engine.runner.num_compiled() == compiled
+    assert llm.engine.worker.num_compiled() == compiled
     with pytest.raises(ValueError, match=rf"logit_bias\[{vocab}\]: token ids out of the vocabulary"):
         llm.generate(prompt, run(logit_bias={vocab: 1.0}), use_tqdm=False)

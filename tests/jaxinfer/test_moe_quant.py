@@ -148,5 +148,5 @@ def test_llm_generates_with_quantized_experts():
     out = llm.generate([PROMPT, PROMPT[:5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                        use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
-    layer = next(layer for layer in llm.engine.runner.params.layers if layer.router is not None)
+    layer = next(layer for layer in llm.engine.worker.state.params.layers if layer.router is not None)
     assert isinstance(layer.experts_gate_up, tuple) and isinstance(layer.experts_gate_up[0], QuantizedWeight)

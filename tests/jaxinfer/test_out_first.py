@@ -14,7 +14,7 @@ from jaxinfer.models import layers as L
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import einsum
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
-from jaxinfer.worker.runner import ModelRunner
+from jaxinfer.worker.worker import Worker
 
 SPECS = [("te,ekjd->tkjd", (6, 2, 3, 4), (0,)), ("thd,hde->te", (3, 4, 5), (0, 1)),
          ("te,ecf->tcf", (6, 2, 7), (0,)), ("tf,fe->te", (6, 5), (0,))]
@@ -53,7 +53,7 @@ def test_the_cpu_runner_holds_layer_linears_out_first_and_a_mesh_gets_them_back(
     family = get_family("llama")
     params = family.init_params(CONFIG, jax.random.key(0))
     model = LoadedModel(CONFIG, params, None, family, Path("random"))
-    ModelRunner(model, EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
+    Worker(model, EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                                     compilation_cache_dir=None, num_pages=16, max_model_len=64), 64)
     layer = model.params.layers[0]
     for name in L.LAYER_LINEARS:

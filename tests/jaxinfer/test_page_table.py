@@ -125,7 +125,7 @@ def test_the_engines_device_table_matches_its_mirror_after_every_step(engine, mo
     """Five requests through three slots, a pool small enough to preempt: after each step the
     device's table is the mirror's; decode steps that start no page send no entries."""
     sent = []  # (decode-only step, entries sent)
-    dispatch = engine.runner.dispatch
+    dispatch = engine.worker.step.dispatch
 
     def recording(inputs, num_steps=1):
         real = int(inputs.meta.num_seqs[0])
@@ -133,15 +133,15 @@ def test_the_engines_device_table_matches_its_mirror_after_every_step(engine, mo
         sent.append((decode, 0 if inputs.table is None else int((inputs.table.slots != 0).sum())))
         return dispatch(inputs, num_steps)
 
-    monkeypatch.setattr(engine.runner, "dispatch", recording)
-    compiled = engine.runner.num_compiled()
+    monkeypatch.setattr(engine.worker.step, "dispatch", recording)
+    compiled = engine.worker.num_compiled()
     for r in range(5):
         engine.add_request([(r * 31 + i * 7) % 200 + 1 for i in range(20 + 9 * r)],
                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), request_id=f"q{r}")
     while engine.has_unfinished():
         engine.step()
-        np.testing.assert_array_equal(np.asarray(engine.runner.page_table.array), engine.runner.inputs.tables[0].rows)
-    assert engine.runner.num_compiled() == compiled, "the page table compiled a new variant"
+        np.testing.assert_array_equal(np.asarray(engine.worker.step.page_table.array), engine.worker.step.inputs.tables[0].rows)
+    assert engine.worker.num_compiled() == compiled, "the page table compiled a new variant"
     assert engine.num_preemptions > 0 and engine.pool.num_free_pages == engine.pool.num_usable_pages
     decodes = [n for decode, n in sent if decode]
     assert decodes.count(0) > len(decodes) // 2, sent  # a window of 4 starts a page of 8 every other time

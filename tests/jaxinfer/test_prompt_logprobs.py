@@ -22,7 +22,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.worker.inputs import InputBuilder, prompt_inputs
 from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.models.registry import get_family
-from jaxinfer.worker.runner import ModelRunner
+from jaxinfer.worker.worker import Worker
 from jaxinfer.sampling import SamplingParams
 
 GOLDEN = np.load(FIXTURES / "hf" / "llama3" / "golden.npz")
@@ -85,7 +85,7 @@ def check_against_hf(prompt_logprobs, prompt=PROMPT, top=TOP):
 
 
 def test_prompt_logprobs_match_hf_over_chunked_prefill(engine):
-    compiled = engine.runner.num_compiled()
+    compiled = engine.worker.num_compiled()
     (out,) = run(engine, (PROMPT, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=TOP)))
     check_against_hf(out.prompt_logprobs)
     assert out.outputs[0].logprobs is None  # the sampled tokens' logprobs were not asked for
@@ -100,7 +100,7 @@ def test_prompt_logprobs_match_hf_over_chunked_prefill(engine):
     np.testing.assert_allclose([lp.logprob for lp in again.prompt_logprobs[1:]],
                                [lp.logprob for lp in out.prompt_logprobs[1:]], atol=1e-6)
     assert all(lp.top == {} for lp in again.prompt_logprobs[1:])  # prompt_logprobs=0: the token's own
-    assert engine.runner.num_compiled() == compiled  # every variant was compiled at warm-up
+    assert engine.worker.num_compiled() == compiled  # every variant was compiled at warm-up
 
 
 def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs(engine):
@@ -138,13 +138,13 @@ def test_preemption_n_and_mixed_batches_score_each_prompt_once(engine):
 def test_the_synchronous_loop_scores_the_same(model):
     """The test oracle: one step at a time, no decode windows, no penalty variants."""
     sync = Engine(model, EngineConfig(**ENGINE, async_scheduling=False, num_decode_steps=1, penalties=False))
-    compiled = sync.runner.num_compiled()
+    compiled = sync.worker.num_compiled()
     out, pair = run(sync, (PROMPT, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=TOP)),
                     (PROMPT[:40], SamplingParams(n=2, temperature=0, max_tokens=3, prompt_logprobs=1)))
     check_against_hf(out.prompt_logprobs)
     check_against_hf(pair.prompt_logprobs, PROMPT[:40], top=1)
     assert out.outputs[0].token_ids == GOLDEN["greedy"][:6].tolist()
-    assert sync.runner.num_compiled() == compiled
+    assert sync.worker.num_compiled() == compiled
 
 
 def test_one_token_prompt_has_only_the_leading_none(engine):
@@ -222,12 +222,12 @@ def test_only_the_scoring_variant_runs_the_lm_head_over_every_row():
                          rope_theta=10000.0, max_position_embeddings=512)
     family = get_family("llama")
     tiny = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
-    runner = ModelRunner(tiny, EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=2, token_buckets=(8,),
+    runner = Worker(tiny, EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=2, token_buckets=(8,),
                                             penalties=False, num_pages=8, compilation_cache_dir=None,
                                             enable_prompt_logprobs=True), 512)
 
     def lm_head_rows(prompt: bool) -> list[int]:
-        text = runner.lower(runner.padding_inputs(8, False, prompt=prompt)).as_text()
+        text = runner.step.lower(runner.step.padding_inputs(8, False, prompt=prompt)).as_text()
         return sorted(int(m) for m in re.findall(r"dot_general .*-> tensor<(\d+)x256xf32>", text))
 
     assert lm_head_rows(False) == [2] and lm_head_rows(True) == [2, 8]

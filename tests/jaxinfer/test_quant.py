@@ -108,14 +108,14 @@ def test_nothing_compiles_after_warm_up(models):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None)
-    variants = engine.runner.num_compiled()
+    variants = engine.worker.num_compiled()
     rng = np.random.default_rng(0)
     for i in range(6):
         prompt = rng.integers(0, 512, size=int(rng.integers(1, 60))).tolist()
         engine.add_request(prompt, SamplingParams(temperature=0.7 * (i % 2), seed=i, max_tokens=9))
     while engine.has_unfinished():
         engine.step()
-    assert engine.runner.num_compiled() == variants and compiles == []
+    assert engine.worker.num_compiled() == variants and compiles == []
 
 
 @pytest.mark.parametrize("quant", [QuantConfig("int8"), QuantConfig("int8", 16), INT4])

@@ -87,27 +87,27 @@ def assert_golden(results):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_ngram_greedy_matches_hf_with_preemption(ngram, async_scheduling):
-    compiled, preemptions = ngram.runner.num_compiled(), ngram.num_preemptions
+    compiled, preemptions = ngram.worker.num_compiled(), ngram.num_preemptions
     results = run(ngram, golden_requests(), async_scheduling=async_scheduling)
     assert_golden(results)
     assert ngram.num_preemptions > preemptions  # 24 pages cannot hold all 16 sequences
     drafted = sum(r.metrics.num_draft_tokens for r in results.values())
     accepted = sum(r.metrics.num_accepted_tokens for r in results.values())
     assert drafted > 100 and 0 < accepted < drafted
-    assert ngram.runner.num_compiled() == compiled, "a step compiled after warm-up"
+    assert ngram.worker.num_compiled() == compiled, "a step compiled after warm-up"
     stats_ = ngram.stats()
     assert stats_["spec_draft_tokens"] >= drafted and 0 < stats_["spec_acceptance_rate"] < 1
 
 
 def test_draft_model_itself_accepts_every_draft(self_draft):
-    compiled = self_draft.runner.num_compiled() + self_draft.speculator.proposer.runner.num_compiled()
+    compiled = self_draft.worker.num_compiled() + self_draft.speculator.proposer.worker.num_compiled()
     results = run(self_draft, golden_requests())
     assert_golden(results)
     for out in results.values():
         m = out.metrics
         assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens
         assert m.acceptance_rate == 1.0 and m.mean_accepted_length > 3
-    assert self_draft.runner.num_compiled() + self_draft.speculator.proposer.runner.num_compiled() == compiled
+    assert self_draft.worker.num_compiled() + self_draft.speculator.proposer.worker.num_compiled() == compiled
 
 
 def test_another_draft_checkpoint_keeps_the_goldens(model):

@@ -11,7 +11,7 @@ from jaxinfer.worker import kv_pool
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
-from jaxinfer.worker.runner import ModelRunner
+from jaxinfer.worker.worker import Worker
 from jaxinfer.worker.step_variants import plain_padding
 
 CONFIG = ModelConfig(model_type="llama", family="llama", vocab_size=256, hidden_size=64,
@@ -26,17 +26,17 @@ def model():
     return LoadedModel(CONFIG, params, None, family, Path("random"))
 
 
-def make_runner(model, num_steps: int = 1, **engine) -> ModelRunner:
+def make_runner(model, num_steps: int = 1, **engine) -> Worker:
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                           penalties=False, compilation_cache_dir=None, num_decode_steps=num_steps,
                           **engine)
-    return ModelRunner(model, config, config.scheduler.max_model_len)
+    return Worker(model, config, config.scheduler.max_model_len)
 
 
-def compiled_step(model, bucket: int, num_steps: int = 1, **engine) -> tuple[str, ModelRunner]:
+def compiled_step(model, bucket: int, num_steps: int = 1, **engine) -> tuple[str, Worker]:
     runner = make_runner(model, num_steps, **engine)
-    inputs = runner.padding_inputs(bucket, False)
-    return runner.lower(inputs, num_steps).compile().as_text(), runner
+    inputs = runner.step.padding_inputs(bucket, False)
+    return runner.step.lower(inputs, num_steps).compile().as_text(), runner
 
 
 def cache_copies(hlo: str, cache_shape: tuple[int, ...], entry_only: bool = True) -> list[str]:
@@ -58,7 +58,7 @@ def test_the_step_never_copies_a_layers_cache(model, max_model_len, bucket):
     """The cache is donated and updated in place: a decode step's cost follows the batch's
     contexts, not the pool (a one-token write used to copy every layer's cache each step)."""
     hlo, runner = compiled_step(model, bucket, max_model_len=max_model_len, num_pages=300)
-    assert not cache_copies(hlo, runner.kv_caches[0].shape)
+    assert not cache_copies(hlo, runner.state.kv_caches[0].shape)
 
 
 @pytest.mark.parametrize("max_model_len", [512, 8192])
@@ -66,7 +66,7 @@ def test_a_decode_window_never_copies_a_layers_cache(model, max_model_len):
     """Four decode steps in one call: the cache is carried through the loop and updated in place."""
     hlo, runner = compiled_step(model, 8, num_steps=4, max_model_len=max_model_len, num_pages=300)
     assert "while(" in hlo or "while (" in hlo
-    assert not cache_copies(hlo, runner.kv_caches[0].shape, entry_only=False)
+    assert not cache_copies(hlo, runner.state.kv_caches[0].shape, entry_only=False)
 
 
 def split_computations(hlo: str) -> tuple[dict[str, str], str]:
@@ -154,9 +154,9 @@ def test_the_greedy_twin_runs_no_conditional(model, num_steps):
     until the device reaches it. The general step keeps them, for the rows that need them."""
     _, runner = compiled_step(model, 8, num_steps=num_steps, max_model_len=512, num_pages=64,
                               greedy_variant=True)
-    inputs = runner.padding_inputs(8, False)
-    general = runner.lower(inputs, num_steps).compile().as_text()
-    twin = runner.lower(plain_padding(inputs), num_steps).compile().as_text()
+    inputs = runner.step.padding_inputs(8, False)
+    general = runner.step.lower(inputs, num_steps).compile().as_text()
+    twin = runner.step.lower(plain_padding(inputs), num_steps).compile().as_text()
     conditionals = lambda hlo: re.findall(r"= .*\bconditional\(", hlo)  # noqa: E731
     assert conditionals(general) and not conditionals(twin)
     assert not vocab_sorts(twin) and not vocab_scatters(twin)
@@ -192,9 +192,9 @@ def weight_dots(model) -> dict[str, int]:
     """How many contractions of the traced step (bucket 8) read each parameter, by its path."""
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                           penalties=False, compilation_cache_dir=None, num_pages=64, max_model_len=512)
-    runner = ModelRunner(model, config, 512)
-    jaxpr = runner.trace(runner.padding_inputs(8, False)).jaxpr.jaxpr
-    leaves = jax.tree_util.tree_flatten_with_path(runner.params)[0]
+    runner = Worker(model, config, 512)
+    jaxpr = runner.step.trace(runner.step.padding_inputs(8, False)).jaxpr.jaxpr
+    leaves = jax.tree_util.tree_flatten_with_path(runner.state.params)[0]
     paths = [jax.tree_util.keystr(path).removesuffix(".t") for path, _ in leaves]
     counts = dict.fromkeys(paths, 0)
     # the parameters are the step's first arguments; only matrices are weights of a contraction
@@ -215,7 +215,7 @@ def test_the_step_never_transposes_copies_or_concatenates_a_weight(model, bucket
     """Nowhere in the compiled step, fusions and loop bodies included: XLA:CPU used to transpose
     the whole [H, D, E] output projection on every step to match the attention output's layout."""
     hlo, runner = compiled_step(model, bucket, num_steps=num_steps, max_model_len=512, num_pages=64)
-    layer = runner.params.layers[0]
+    layer = runner.state.params.layers[0]
     sizes = {int(np.prod(getattr(layer, f).shape)) for f in ("w_qkv", "wo", "w_gate_up", "w_down")}
     for line in hlo.splitlines():  # of stored data: a parameter (of a fusion) or a tuple's element
         m = re.search(r"= \w+\[([\d,]+)\]\S* (concatenate|copy|transpose)\(%(param|get-tuple-element)", line)
@@ -237,18 +237,18 @@ def test_every_jit_hands_the_caches_back_in_their_pinned_layout(model, monkeypat
     config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
                           penalties=False, compilation_cache_dir=None, num_decode_steps=4,
                           structured_output_overlap=True, num_pages=40, kv_cache_dtype=kv_cache_dtype)
-    runner = ModelRunner(model, config, 512)
+    runner = Worker(model, config, 512)
 
     def pinned() -> bool:
         return all(c.format.layout.major_to_minor == ODD_LAYOUT
-                   for c in jax.tree.leaves(runner.kv_caches) if c.ndim == 4 and c.shape[0] == 40)
+                   for c in jax.tree.leaves(runner.state.kv_caches) if c.ndim == 4 and c.shape[0] == 40)
 
     assert pinned()
     runner.warm_up()
     compiled = runner.num_compiled()
-    inputs = runner.padding_inputs(8, False)
-    for run in (lambda: runner.execute(inputs), lambda: runner.execute(inputs, 4),
-                lambda: runner.dispatch_sample(runner.dispatch_forward(inputs), inputs)):
+    inputs = runner.step.padding_inputs(8, False)
+    for run in (lambda: runner.step.execute(inputs), lambda: runner.step.execute(inputs, 4),
+                lambda: runner.step.dispatch_sample(runner.step.dispatch_forward(inputs), inputs)):
         jax.block_until_ready(run())
         assert pinned()
     assert runner.num_compiled() == compiled
@@ -274,10 +274,10 @@ def test_cuda_graph_options_for_windows_only_on_gpus(monkeypatch, caplog):
 def test_the_window_alone_compiles_with_the_window_options(model, monkeypatch):
     """The runner hands window_compiler_options to the window's jit and to no other: an option
     XLA refuses fails the window's compile and leaves the single step's alone."""
-    monkeypatch.setattr("jaxinfer.worker.runner.window_compiler_options",
+    monkeypatch.setattr("jaxinfer.worker.compiled_step.window_compiler_options",
                         lambda: {"xla_gpu_enable_command_buffer": "NO_SUCH_KIND"})
     runner = make_runner(model, 4, max_model_len=512, num_pages=64)
-    inputs = runner.padding_inputs(8, False)
-    runner.lower(inputs, 1).compile()
+    inputs = runner.step.padding_inputs(8, False)
+    runner.step.lower(inputs, 1).compile()
     with pytest.raises(jax.errors.JaxRuntimeError, match="NO_SUCH_KIND"):
-        runner.lower(inputs, 4).compile()
+        runner.step.lower(inputs, 4).compile()

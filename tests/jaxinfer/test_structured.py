@@ -128,13 +128,13 @@ def _chat(llm, content, params):
 
 @pytest.mark.parametrize("schema", [PERSON, NESTED, ENUM], ids=["person", "nested", "enum"])
 def test_json_schema_outputs_validate(llm, schema):
-    compiled = llm.engine.runner.num_compiled()
+    compiled = llm.engine.worker.num_compiled()
     params = [SamplingParams(max_tokens=120, temperature=t, seed=s, structured_output=StructuredOutput(json=schema))
               for t, s in ((0.0, None), (0.9, 1), (0.9, 2))]
     for out in _chat(llm, "Describe something as JSON.", params):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
-    assert llm.engine.runner.num_compiled() == compiled, "a constrained batch compiled a new step"
+    assert llm.engine.worker.num_compiled() == compiled, "a constrained batch compiled a new step"
 
 
 def test_json_object_regex_and_choice(llm):
@@ -204,11 +204,11 @@ def test_masks_filled_while_the_forward_runs_give_the_same_tokens(llm):
     halves launched from the launcher's thread, as on a GPU."""
     overlapped = LLM(**ENGINE, structured_output_overlap=True,
                      dispatch_thread=True)
-    runner = overlapped.engine.runner
-    assert runner.split_buckets == (16,) and not llm.engine.runner.split_buckets and runner.launcher.enabled
+    runner = overlapped.engine.worker
+    assert runner.step.split_buckets == (16,) and not llm.engine.worker.step.split_buckets and runner.step.launcher.enabled
     compiled, split_calls = runner.num_compiled(), []
-    sample = runner.dispatch_sample
-    runner.dispatch_sample = lambda hidden, inputs: split_calls.append(1) or sample(hidden, inputs)
+    sample = runner.step.dispatch_sample
+    runner.step.dispatch_sample = lambda hidden, inputs: split_calls.append(1) or sample(hidden, inputs)
     params = [SamplingParams(max_tokens=60, temperature=0.0, structured_output=StructuredOutput(json=PERSON)),
               SamplingParams(max_tokens=60, temperature=0.9, seed=3, structured_output=StructuredOutput(json=ENUM)),
               SamplingParams(max_tokens=20, temperature=0.8, seed=5, n=2,

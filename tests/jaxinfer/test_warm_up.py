@@ -8,7 +8,7 @@ from testpaths import FIXTURES
 
 from jaxinfer import SamplingParams
 from jaxinfer.worker import warm_up
-from jaxinfer.worker import runner as runner_module
+from jaxinfer.worker import compiled_step as runner_module
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
@@ -27,12 +27,12 @@ def test_the_variants_compile_side_by_side_and_their_first_runs_compile_nothing(
                                         token_buckets=(4, 32), num_decode_steps=4, greedy_variant=True,
                                         compilation_cache_dir=None),
                     warm_up=False)
-    runner = engine.runner
-    variants = warm_up.step_variants(runner)
+    runner = engine.worker
+    variants = warm_up.step_variants(runner.step)
     # Two buckets with and without a penalty history, the window and its greedy twin for bucket 4.
     assert [(i.token_ids.shape[-1], steps, greedy) for i, steps, greedy in variants] == [
         (4, 1, False), (4, 1, False), (32, 1, False), (32, 1, False), (4, 4, False), (4, 4, True)]
-    assert runner.split_buckets == ()  # off on the CPU: nothing is compiled after the loop below
+    assert runner.step.split_buckets == ()  # off on the CPU: nothing is compiled after the loop below
 
     phase, events = ["before"], []
     jax.monitoring.register_event_duration_secs_listener(

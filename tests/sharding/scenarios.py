@@ -68,17 +68,17 @@ def scenario_engine(name: str, mesh: str) -> dict:
     """Greedy outputs through the engine on `mesh`, against HF's (= the single-device run's)."""
     model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
     engine = Engine(model, EngineConfig(**ENGINE, mesh=None if mesh == "none" else mesh))
-    compiled = engine.runner.num_compiled()
+    compiled = engine.worker.num_compiled()
     prompts, expected, max_tokens = prompts_and_expected(name)
     results, replicas = run_engine(engine, prompts, max_tokens)
     pools_empty = all(r.pool.num_free_pages == r.pool.num_usable_pages for r in engine.replicas)
     return {
         "mismatched": [i for i, want in enumerate(expected) if results[str(i)] != want],
         "num_prompts": len(prompts), "preemptions": engine.num_preemptions,
-        "recompiled": engine.runner.num_compiled() - compiled, "pools_empty": pools_empty,
+        "recompiled": engine.worker.num_compiled() - compiled, "pools_empty": pools_empty,
         "requests_per_replica": np.bincount(replicas, minlength=len(engine.replicas)).tolist(),
-        "cache_shape": list(engine.runner.kv_caches[0].shape),
-        "cache_shard_shape": list(engine.runner.kv_caches[0].addressable_shards[0].data.shape),
+        "cache_shape": list(engine.worker.state.kv_caches[0].shape),
+        "cache_shard_shape": list(engine.worker.state.kv_caches[0].addressable_shards[0].data.shape),
     }
 
 
@@ -149,15 +149,15 @@ def scenario_hlo(name: str, mesh: str) -> dict:
     """Collectives in the compiled decode step (token bucket 8), and parameter bytes per device."""
     model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
     engine = Engine(model, EngineConfig(**ENGINE, mesh=mesh), warm_up=False)
-    runner = engine.runner
-    text = runner.lower(runner.padding_inputs(8, False)).compile().as_text()
+    runner = engine.worker
+    text = runner.step.lower(runner.step.padding_inputs(8, False)).compile().as_text()
     collectives = [(kind, shape.split("{")[0]) for shape, kind in _COLLECTIVE.findall(text)]
-    specs = jax.tree.leaves(param_specs(runner.params, model.family.param_axes, runner.mesh),
+    specs = jax.tree.leaves(param_specs(runner.state.params, model.family.param_axes, runner.state.mesh),
                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    leaves = jax.tree.leaves(runner.params)
+    leaves = jax.tree.leaves(runner.state.params)
     weight_shapes = sorted({str(list(x.shape)) for x in leaves}
                            | {str(list(x.addressable_shards[0].data.shape)) for x in leaves})
-    per_device = per_device_bytes(runner.params)
+    per_device = per_device_bytes(runner.state.params)
     return {
         "collectives": collectives, "weight_shapes": weight_shapes,
         "num_layers": model.config.num_layers, "hidden": model.config.hidden_size,

@@ -26,8 +26,8 @@ for case in sys.argv[2].split(";"):
                   token_buckets=[8, 32], num_pages=32, warm_up=False, mesh=m, quantization=method,
                   quantization_group_size=int(group) if group else None, compilation_cache_dir=None)
         runs[m] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    layer = next(l for l in llm.engine.runner.params.layers if getattr(l, "router", None) is not None) \
-        if name != "llama3" else llm.engine.runner.params.layers[0]
+    layer = next(l for l in llm.engine.worker.state.params.layers if getattr(l, "router", None) is not None) \
+        if name != "llama3" else llm.engine.worker.state.params.layers[0]
     arrays = {"down": layer.w_down, "qkv": layer.w_qkv} if name == "llama3" else \
         {"gate_up": layer.experts_gate_up, "down": layer.experts_down}
     out[case] = {"equal": runs[None] == runs[mesh], "devices": len(jax.devices()),

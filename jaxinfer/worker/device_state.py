@@ -1,0 +1,96 @@
+"""DeviceState: what an engine keeps on its devices -- the placed parameters and the paged KV
+caches -- and the mesh they live on.
+
+Built once per engine, before anything compiles: the mesh from EngineConfig.parallel, the
+parameters placed by the family's logical-axis rules (sharding/), then the KV pool sized to what
+memory is left (kv_pool.py), zeroed in the pinned row-major layout the attention kernels read and,
+for int8 / fp8 caches, calibrated (kv_calibration.py). The compiled step (compiled_step.py)
+donates `kv_caches` to every launch and puts the returned caches back here.
+
+On a mesh the parameters are split by the family's rules, each layer's cache by KV heads over
+`tensor`; with `data` > 1 every cache gets a leading [data] axis (one pool per replica). Every
+host allocates the same pool: process 0's page count wins.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.loader import LoadedModel
+from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
+from jaxinfer.worker.host_memory import reuse_freed_heap
+from jaxinfer.worker.kv_calibration import calibrated_caches
+from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages, zeroed_caches
+from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, pin_weight_layouts, shard_params
+from sharding.experts import check_expert_axis
+from sharding.multihost import broadcast_int
+
+
+class DeviceState:
+    def __init__(self, model: LoadedModel, engine: EngineConfig, max_model_len: int):
+        engine = engine.with_page_size(max_model_len)
+        self.model, self.config, self.engine = model, model.config, engine
+        self.family = model.family
+        self.max_model_len = max_model_len
+        self.page_size: int = engine.cache.page_size  # type: ignore[assignment]  # set by with_page_size
+        self.pages_per_seq = -(-max_model_len // self.page_size)
+        self.mesh = make_mesh(engine.parallel.mesh) if engine.parallel.mesh is not None else None
+        check_expert_axis(self.mesh, self.config.num_experts)
+        self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
+        self.num_replicas = axis_size(self.mesh, DATA)
+        self.params = self._place_params(model)
+        self.kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, model.params.embed.dtype)
+        self.num_pages = broadcast_int(
+            plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device, self.local_device))
+        self.kv_caches = self._allocate_kv_caches()
+        if engine.compile.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
+            reuse_freed_heap()
+
+    def _place_params(self, model: LoadedModel):
+        """The parameters as the step computes with them: the family's layout, placed on the mesh,
+        fused weights pinned to their matmuls' layout on a TPU. The model is left holding one copy
+        of each weight."""
+        if self.family.compute_layout is not None:
+            model.params = self.family.compute_layout(model.params, self.mesh)
+        placed = model.params if self.mesh is None else shard_params(
+            model.params, self.family.param_axes, self.mesh, self.layout)
+        params = pin_weight_layouts(placed, self.family.param_axes)
+        if any(a is not b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params), strict=True)):
+            model.params = params  # relaid on a TPU
+        return params
+
+    def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
+        sharding = self.home
+        if self.mesh is not None:
+            sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
+        caches = zeroed_caches(cache_struct(self.num_pages, self.page_size, self.layout.cache_kv_heads,
+                                            self.config.head_dim, self.kv_dtype, sharding, self.num_replicas),
+                               self.config.num_layers)
+        if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
+            caches = calibrated_caches(caches, self.model, self.params, self.layout.cache_kv_heads,
+                                       self.engine.compile.attn_impl, self.mesh)
+        return caches
+
+    @property
+    def home(self) -> SingleDeviceSharding | NamedSharding:
+        """Where the step's small carried arrays live: the device of a model without a mesh (its
+        embedding table's), else replicated over the mesh."""
+        if self.mesh is not None:
+            return NamedSharding(self.mesh, P())
+        return SingleDeviceSharding(next(iter(self.params.embed.devices())))
+
+    @property
+    def local_device(self):
+        """A device of this process holding the model: its platform and memory plan the pool."""
+        return jax.tree.leaves(self.params.embed)[0].addressable_shards[0].device
+
+    def mesh_context(self):
+        """The mesh the step is traced and launched under (layers read it back)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.nbytes for c in jax.tree.leaves(self.kv_caches))

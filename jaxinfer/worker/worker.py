@@ -1,0 +1,155 @@
+"""Worker: the engine's one door to the devices -- a plan in, a handle out, tokens when they land.
+
+    worker = Worker(model, config, max_model_len)
+    handle = worker.execute(plans, previous)   # inputs built, the step launched; returns at once
+    ...                                        # the host plans the next step meanwhile
+    out = handle.result()                      # numpy tokens (+ logprobs) once they land
+
+It holds the DeviceState (parameters and KV caches, device_state.py) and the CompiledStep (the
+jitted variants, their warm-up and launch, compiled_step.py). `previous` is the handle of the
+step still in flight: its sampled tokens stand for this step's placeholders and never visit the
+host on the way.
+
+Structured output, overlapped (`overlaps_masks`): a grammar row's mask must follow the token
+before it, which the host learns only when the previous step lands. `execute(...,
+masks_later=True)` launches the forward alone (the split step, where the plan fits one of its
+buckets); the engine lands the previous step and advances its matchers; then `handle.sample()`
+fills the allowed-token bits and launches the LM head and sampling (or, where the split step does
+not apply, the whole step).
+
+Several hosts: process 0's worker sends each step's padded inputs to the others over a
+StepChannel before launching; their workers run the same steps in `follow()`.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.loader import LoadedModel
+from jaxinfer.sampling.sampler import SamplerOutput
+from jaxinfer.worker.compiled_step import CompiledStep
+from jaxinfer.worker.device_state import DeviceState
+from jaxinfer.worker.inputs import InputBuilder, StepInputs
+from sharding import StepChannel
+from sharding.multihost import SHUTDOWN
+
+
+class StepHandle:
+    """A launched step: its plans (one per data replica) and its outputs once they land."""
+
+    def __init__(self, plans: list[SchedulerPlan], out: SamplerOutput | Future | None, step: CompiledStep,
+                 late: tuple[StepInputs, object] | None = None):
+        self.plans = plans
+        self._out, self._step, self._late = out, step, late
+        self._result: SamplerOutput | None = None
+
+    @property
+    def waits_for_masks(self) -> bool:
+        return self._late is not None
+
+    def sample(self) -> None:
+        """Of a step launched with masks_later: fills its grammar rows' allowed-token bits (their
+        matchers are now past the previous step's tokens) and launches the rest of the step."""
+        if self._late is None:
+            raise RuntimeError("sample(): this step was launched whole")
+        inputs, hidden = self._late
+        self._late = None
+        InputBuilder.fill_masks(self.plans[0], inputs, device_busy=hidden is not None)
+        self._out = (self._step.dispatch_sample(hidden, inputs) if hidden is not None
+                     else self._step.dispatch(inputs))
+
+    def result(self) -> SamplerOutput:
+        """The step's outputs as numpy (waits for them once; a replica axis leads with data > 1)."""
+        if self._late is not None:
+            raise RuntimeError("result(): sample() the step first (it was launched with masks_later)")
+        if self._result is None:
+            self._result = self._step.fetch(self._out)
+            self._out = None
+        return self._result
+
+
+class Worker:
+    def __init__(self, model: LoadedModel, config: EngineConfig, max_model_len: int,
+                 channel: StepChannel | None = None):
+        self.state = DeviceState(model, config, max_model_len)
+        self.step = CompiledStep(self.state)
+        self._channel = channel
+
+    # --- what the engine plans with -------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return self.state.num_replicas
+
+    @property
+    def num_pages(self) -> int:
+        """KV pages per replica (page 0 is the null page)."""
+        return self.state.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.state.page_size
+
+    @property
+    def num_decode_steps(self) -> int:
+        """Steps in a decode window (1: none); the scheduler plans windows of this many."""
+        return self.step.num_decode_steps
+
+    @property
+    def max_batched_tokens(self) -> int:
+        """The largest token bucket: the most tokens one step can hold."""
+        return self.step.buckets[-1]
+
+    @property
+    def overlaps_masks(self) -> bool:
+        """Whether grammar masks can be filled while a step's forward runs (`execute(...,
+        masks_later=True)` then splits the step)."""
+        return bool(self.step.split_buckets)
+
+    # --- the step --------------------------------------------------------------------------------
+    def execute(self, plans: list[SchedulerPlan], previous: StepHandle | None = None, *,
+                masks_later: bool = False) -> StepHandle:
+        """Builds the plans' inputs (one plan per data replica) and launches the step; a plan of
+        several steps runs as a decode window. With `masks_later` (one plan, `overlaps_masks`)
+        the handle waits for `sample()` (module docstring)."""
+        prev = previous.plans if previous is not None else None
+        plan = plans if len(plans) > 1 else plans[0]
+        if masks_later and len(plans) == 1 and plans[0].num_steps == 1:
+            return self._execute_late(plans[0], prev)
+        inputs = self.step.prepare(plan, prev)
+        if self._channel is not None:
+            self._channel.send(*self.step.for_followers(inputs))
+        return StepHandle(plans, self.step.dispatch(inputs, plans[0].num_steps), self.step)
+
+    def _execute_late(self, plan: SchedulerPlan, previous: list[SchedulerPlan] | None) -> StepHandle:
+        inputs = self.step.prepare(plan, previous, masks=False)
+        split = (plan.num_batched_tokens <= self.step.split_buckets[-1]  # else the fused step, later
+                 and inputs.sampling.history is None and inputs.prompt is None)
+        hidden = self.step.dispatch_forward(inputs) if split else None
+        return StepHandle([plan], None, self.step, late=(inputs, hidden))
+
+    def warm_up(self) -> float:
+        """Compiles (and runs once) every variant of the step; returns seconds."""
+        return self.step.warm_up()
+
+    def num_compiled(self) -> int:
+        return self.step.num_compiled()
+
+    # --- several hosts ------------------------------------------------------------------------------
+    def follow(self) -> bool:
+        """On processes other than 0: runs process 0's steps until it releases this process.
+        False when process 0 shut the followers down (no more steps will come)."""
+        if self._channel is None:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
+        step = self.step
+        while True:
+            command, inputs = self._channel.receive(lambda bucket, history, prompt, table_width:
+                                                    step.padding_inputs(bucket, history, False, prompt, table_width))
+            if inputs is None:
+                return command != SHUTDOWN
+            step.execute(inputs)
+
+    def release_followers(self, shutdown: bool = False) -> None:
+        """On process 0: ends the other processes' `follow()` (a no-op on one process)."""
+        if self._channel is not None:
+            self._channel.release(shutdown)
