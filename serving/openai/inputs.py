@@ -2,7 +2,7 @@
 
 Plain functions, no I/O (tokenizing runs on a worker thread). Every user error is a 400 APIError
 naming the request's own field (`max_completion_tokens`, `top_logprobs`, `prompt[1]`), even when
-the check is SamplingParams' or serving.convert's, which name the engine's fields. Chat messages become
+the check is SamplingParams' or serving.model_limits', which name the engine's fields. Chat messages become
 the prompt in messages.py.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
-from serving import convert
-from serving.convert import ModelLimits, RequestError
+from serving.errors import RequestError
+from serving.model_limits import ModelLimits, check_params
 from serving.openai.errors import bad_request, named_400
 from serving.openai.messages import render_messages
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -189,7 +189,7 @@ def _params(kwargs: dict, names: dict[str, str]) -> SamplingParams:
 
 def _check(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int, names: dict[str, str]) -> None:
     try:
-        convert.check_params(params, limits, num_prompt_tokens)
+        check_params(params, limits, num_prompt_tokens)
     except RequestError as e:  # "sampling.max_tokens=600: with the prompt's ..."
         raise _renamed(str(e).removeprefix("sampling."), names) from None
 

@@ -25,7 +25,7 @@ import uvicorn
 from jaxinfer.loader import DEFAULT_MODEL_FILE
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
-from serving.convert import ModelLimits
+from serving.model_limits import ModelLimits
 from serving.engine_loop import EngineLoop
 from serving.metrics import ServerMetrics
 from serving.openai.admission import Admission
