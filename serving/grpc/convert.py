@@ -19,12 +19,25 @@ from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving import tools as serving_tools
 from serving.errors import RequestError
 from serving.grpc.proto import jaxinfer_pb2 as pb
+from serving.sampling_fields import FieldMapping, SamplingTable
 from serving.tools import ChatReplies, ToolRequest
 
-# SamplingOptions fields that are `optional` scalars and map 1:1 onto SamplingParams.
-_SCALAR_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
-                  "include_stop_str_in_output", "skip_special_tokens", "speculative", "prompt_logprobs")
+_OPTIONAL = "an `optional` scalar of the same name; unset: the SamplingParams default"
+# SamplingOptions -> SamplingParams, field by field (serving.sampling_fields). Every SamplingParams
+# field is on the wire today: the proto mirrors them one to one.
+SAMPLING_TABLE = SamplingTable("gRPC SamplingOptions", mapped=(
+    *(FieldMapping((name,), name, _OPTIONAL) for name in (
+        "n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "seed", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+        "speculative", "prompt_logprobs")),
+    FieldMapping(("stop",), "stop", "repeated string -> tuple"),
+    FieldMapping(("stop_token_ids",), "stop_token_ids", "repeated int32 -> tuple"),
+    FieldMapping(("logit_bias",), "logit_bias", "map<int32, double> -> dict; empty: None"),
+    FieldMapping(("structured_output",), "structured_output",
+                 "StructuredOutput message: its oneof json_schema (JSON text) | json_object | regex | "
+                 "choice.choices | grammar -> StructuredOutput; unset: None"),
+))
+_SCALAR_FIELDS = tuple(m.params for m in SAMPLING_TABLE.mapped if m.conversion == _OPTIONAL)
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:

@@ -19,12 +19,11 @@ from serving.model_limits import ModelLimits, check_params
 from serving.openai.errors import bad_request, named_400
 from serving.openai.messages import render_messages
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serving.openai.sampling_table import SAMPLING_TABLE
 from serving.tools import ToolRequest, sampling_updates, tool_request
 
-# Request fields that are SamplingParams fields of the same name and meaning.
-_SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-              "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-              "speculative", "prompt_logprobs")
+# Request fields that are SamplingParams fields of the same name and meaning (sampling_table.py).
+_SAME_NAME = SAMPLING_TABLE.same_name()
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
