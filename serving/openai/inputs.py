@@ -211,31 +211,53 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+def _token_ids(value, field: str) -> list[int] | None:
+    """A non-empty list of numbers as token ids, None for any other value. Integral numbers
+    written as floats (272.0) are ids, as in vLLM's API (JSON Schema's integer); any other number
+    is a 400 naming the element (`prompt[3]: 272.5 is not an integer token id`)."""
+    if not isinstance(value, list) or not value or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) for t in value):
+        return None
+    for j, t in enumerate(value):
+        if isinstance(t, float) and not t.is_integer():
+            raise bad_request(field, f"{field}[{j}]: {t!r} is not an integer token id")
+    return [int(t) for t in value]
+
+
+def _prompt_shapes(prompt) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, token ids, or a non-empty list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if (ids := _token_ids(prompt, "prompt")) is not None:
+        return [ids]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        lists = [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if all(ids is not None for ids in lists):
+            return lists
+    raise bad_request("prompt", "prompt: must be a string, a list of strings, a list of token ids or a "
+                                "list of token-id lists (none empty)")
 
 
 def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[list[int]]:
-    if not (isinstance(prompt, str) or _is_ids(prompt) or (
-            isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
-                                                     or all(_is_ids(p) for p in prompt)))):
-        raise bad_request("prompt", "prompt: must be a string, a list of strings, a list of token ids or a "
-                                    "list of token-id lists (none empty)")
-    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    """Each prompt as token ids. Text is tokenized as /tokenize does it; an empty string is a
+    prompt when the tokenizer gives it a token (BOS), and refused when it gives none, as vLLM
+    refuses a prompt of no tokens: generation has nothing to start from."""
+    prompts = _prompt_shapes(prompt)
     if len(prompts) > limits.max_n:
         raise bad_request("prompt", f"prompt: {len(prompts)} prompts in one request; at most {limits.max_n}")
     out = []
     for i, p in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            if not p:
-                raise bad_request(field, f"{field}: empty")
             if tokenizer is None:
                 raise bad_request(field, f"{field}: this model has no tokenizer; send token ids")
             ids = tokenizer.encode(p)
+            if not ids:
+                raise bad_request(field, f"{field}: the prompt has no tokens; a completion needs at least one")
         else:
-            ids = list(p)
+            ids = p
             bad = [t for t in ids if not 0 <= t < limits.vocab_size]
             if bad:
                 raise bad_request(field, f"{field}: token ids out of range [0, {limits.vocab_size}): {bad[:5]}")

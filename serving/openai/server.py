@@ -79,8 +79,8 @@ class HttpServer:
         ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser, reasoning)
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
-        self.gate = Gate(build_app(ctx, metrics), admission=admission, max_body_bytes=options.max_body_bytes,
-                         keys=keys, metrics=metrics, request_log=request_log)
+        self.gate = Gate(build_app(ctx, metrics, api_keys=keys is not None), admission=admission,
+                         max_body_bytes=options.max_body_bytes, keys=keys, metrics=metrics, request_log=request_log)
         self.port: int | None = None
         self._socket: socket.socket | None = None
         self._server: _Server | None = None
