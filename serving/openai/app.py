@@ -88,7 +88,7 @@ class _Endpoints:
 
 def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: bool = False) -> Starlette:
     """`api_keys`: the Gate requires them (the schema then says so)."""
-    ep, docs = _Endpoints(ctx, metrics), Docs(api_keys)
+    ep, docs = _Endpoints(ctx, metrics), Docs(ctx.model_name, api_keys)
     routes = [
         Route("/v1/completions", functools.partial(handlers.completions, ctx), methods=["POST"]),
         Route("/v1/chat/completions", functools.partial(handlers.chat_completions, ctx), methods=["POST"]),

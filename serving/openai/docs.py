@@ -46,11 +46,11 @@ def _assets_dir() -> Path:
 
 
 class Docs:
-    def __init__(self, api_keys: bool):
-        self.api_keys = api_keys
+    def __init__(self, model_name: str, api_keys: bool):
+        self._schema = JSONResponse(openapi_schema(model_name, api_keys)).body  # written once
 
     async def schema(self, request: Request) -> Response:
-        return JSONResponse(openapi_schema(self.api_keys))
+        return Response(self._schema, media_type="application/json")
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(_PAGE.format(title="jaxinfer API: Swagger UI"))

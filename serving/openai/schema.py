@@ -5,14 +5,15 @@
                 schemas pydantic writes for those same models
 
 The request bodies are the models handlers.parse validates, so the schema cannot drift from
-what the server reads. Every error answers ErrorResponse (OpenAI's error JSON). With API keys,
+what the server reads; the one fact a model cannot know, the served model's name, is written in
+as the only value of each `model` (any other answers 404). Every error answers ErrorResponse
+(OpenAI's error JSON). With API keys,
 the routes that need one carry the bearer security scheme (/health, /metrics and these
 documents stay open, as middleware.OPEN_PATHS says).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 from pydantic import BaseModel
@@ -28,6 +29,10 @@ _STATUS_TEXT = {400: "a bad request: the message and `param` name the field", 40
                 500: "a server error", 503: "busy (Retry-After: 1) or shutting down"}
 _BODY_ERRORS = (400, 413)  # a POST's body is read: too large, or not what the model says
 _ALWAYS = (500, 503)
+# One server-sent event of a streamed answer (OpenAPI 3.1: `schema` describes each event).
+_EVENT = {"type": "object", "required": ["data"], "description": "with `\"stream\": true`: one event per chunk",
+          "properties": {"data": {"type": "string", "description": "a chunk (JSON: the response's shape, whose "
+                                  "choices carry deltas; an error as ErrorResponse), then `[DONE]` last"}}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +69,16 @@ OPERATIONS = (
 )
 
 
-@functools.lru_cache(maxsize=4)
-def openapi_schema(api_keys: bool) -> dict:
-    """The schema of this API (`api_keys`: the server requires them)."""
+def openapi_schema(model_name: str, api_keys: bool = False) -> dict:
+    """The schema of this API serving `model_name` (`api_keys`: the server requires them)."""
     models = [(op.request, "validation") for op in OPERATIONS if op.request is not None]
     models += [(m, "serialization") for m in (*(op.response for op in OPERATIONS if not isinstance(op.response, str)),
                                               responses.ErrorResponse)]
     refs, defs = models_json_schema(models, ref_template=_REF)
     paths: dict[str, dict] = {}
     for op in OPERATIONS:
-        paths.setdefault(op.path, {})[op.method] = _operation(op, refs, api_keys)
-    components: dict = {"schemas": defs.get("$defs", {})}
+        paths.setdefault(op.path, {})[op.method] = _operation(op, refs, api_keys, model_name)
+    components: dict = {"schemas": _naming_the_model(defs.get("$defs", {}), model_name)}
     if api_keys:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
                                                     "description": "Authorization: Bearer <API key>"}}
@@ -85,14 +89,25 @@ def openapi_schema(api_keys: bool) -> dict:
             "paths": paths, "components": components}
 
 
-def _operation(op: Operation, refs: dict, api_keys: bool) -> dict:
+def _naming_the_model(schemas: dict, model_name: str) -> dict:
+    """Each request's `model`: the served model's name (or null where the field is optional)."""
+    named = {"type": "string", "enum": [model_name]}
+    for schema in schemas.values():
+        field = schema.get("properties", {}).get("model")
+        if field is not None and "anyOf" in field:
+            field["anyOf"] = [named if branch.get("type") == "string" else branch for branch in field["anyOf"]]
+        elif field is not None:
+            field.update(named)
+    return schemas
+
+
+def _operation(op: Operation, refs: dict, api_keys: bool, model_name: str) -> dict:
     if isinstance(op.response, str):
         ok = {op.response: {"schema": {"type": "string"}}}
     else:
         ok = {"application/json": {"schema": refs[(op.response, "serialization")]}}
         if op.streams:
-            ok["text/event-stream"] = {"schema": {"type": "string", "description": "with `\"stream\": true`: "
-                                                  "`data: <chunk>` events, then `data: [DONE]`"}}
+            ok["text/event-stream"] = {"schema": _EVENT}
     error = {"application/json": {"schema": refs[(responses.ErrorResponse, "serialization")]}}
     answers = {"200": {"description": "OK", "content": ok}}
     answers.update({str(code): {"description": _STATUS_TEXT[code], "content": error} for code in op.statuses})
@@ -102,7 +117,8 @@ def _operation(op: Operation, refs: dict, api_keys: bool) -> dict:
         spec["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": refs[(op.request, "validation")]}}}
     if "{model}" in op.path:
-        spec["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        spec["parameters"] = [{"name": "model", "in": "path", "required": True,
+                               "schema": {"type": "string", "enum": [model_name]}}]
     if api_keys and not op.open:
         spec["security"] = [{"bearer": []}]
     return spec

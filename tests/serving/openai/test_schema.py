@@ -52,24 +52,29 @@ def _inline(schema, components):
 def test_every_route_is_documented(app):
     served = {(route.path.replace("{model:path}", "{model}"), method.lower()) for route in app.routes
               for method in route.methods if method != "HEAD" and route.path not in NOT_DOCUMENTED}
-    schema = openapi_schema(False)
+    schema = openapi_schema("m")
     assert {(path, method) for path, ops in schema["paths"].items() for method in ops} == served
     assert schema["openapi"] == "3.1.0" and "securitySchemes" not in schema["components"]
 
 
 def test_request_bodies_are_the_parsed_models():
-    schema = openapi_schema(False)
+    schema = openapi_schema("m")
     for op in OPERATIONS:
         if op.request is None:
             continue
         ref = schema["paths"][op.path][op.method]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         own = op.request.model_json_schema(ref_template=REF)
         own.pop("$defs", None)
-        assert schema["components"]["schemas"][ref.rsplit("/", 1)[1]] == own
+        served = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
+        model = served["properties"].pop("model")  # the served model's name, written in
+        assert [model] == [{"type": "string", "enum": ["m"], "title": "Model"}] or \
+            model["anyOf"] == [{"type": "string", "enum": ["m"]}, {"type": "null"}]
+        own["properties"].pop("model")
+        assert served == own
 
 
 def test_every_optional_field_is_nullable():
-    components = openapi_schema(False)["components"]["schemas"]
+    components = openapi_schema("m")["components"]["schemas"]
     models = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
               protocol.DetokenizeRequest, protocol.StreamOptions, protocol.ChatMessage]
     for model in models:
@@ -80,7 +85,7 @@ def test_every_optional_field_is_nullable():
 
 
 def test_errors_and_security_are_documented():
-    schema = openapi_schema(True)
+    schema = openapi_schema("m", api_keys=True)
     completions = schema["paths"]["/v1/completions"]["post"]
     assert set(completions["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}
     assert set(completions["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
@@ -103,7 +108,7 @@ def test_docs_page_loads_swagger_ui_from_local_files(app):
     status, _, body = asgi_request(app, "GET", "/docs/index.html")  # only the two files the page loads
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
     status, _, body = asgi_request(app, "GET", "/openapi.json")
-    assert status == 200 and json.loads(body) == json.loads(json.dumps(openapi_schema(False)))
+    assert status == 200 and json.loads(body) == json.loads(json.dumps(openapi_schema("m")))
 
 
 def test_405_keeps_the_allow_header(app):
