@@ -43,15 +43,16 @@ _TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, {
         "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}, _NULL]}
 
 
-def _range(low: float | None = None, high: float | None = None, exclusive_low: bool = False, **extra) -> Any:
-    """Field(None) documenting SamplingParams' range in the schema (inputs.py and SamplingParams
-    enforce it, naming the field, so pydantic does not)."""
+def _documented(low: float | None = None, high: float | None = None, exclusive_low: bool = False, **extra) -> Any:
+    """Field(None) whose schema states what is accepted (SamplingParams' range, `extra` keywords);
+    inputs.py and SamplingParams enforce it, naming the field, so pydantic does not."""
     bounds = {**({} if low is None else {"exclusiveMinimum" if exclusive_low else "minimum": low}),
               **({} if high is None else {"maximum": high}), **extra}
     return Field(None, json_schema_extra=bounds)
 
 
 def _typed(schema: dict, nullable: bool = True) -> WithJsonSchema:
+    """The schema of a field typed Any (read by hand), null allowed unless it is required."""
     return WithJsonSchema({"anyOf": [*schema.get("anyOf", [schema]), _NULL]} if nullable else schema)
 
 
@@ -82,17 +83,17 @@ class SamplingFields(_Body):
     """What completions and chat completions share: OpenAI's fields, then the engine's extras
     (the top-level names vLLM accepts)."""
     model: str
-    max_tokens: int | None = _range(0)
-    temperature: float | None = _range(0)
-    top_p: float | None = _range(0, 1, exclusive_low=True)
-    n: int | None = _range(1)
+    max_tokens: int | None = _documented(0)
+    temperature: float | None = _documented(0)
+    top_p: float | None = _documented(0, 1, exclusive_low=True)
+    n: int | None = _documented(1)
     stop: Annotated[Any, _typed({"anyOf": [{"type": "string", "minLength": 1},
                                            {**_STRINGS, "items": {"type": "string", "minLength": 1}}]})] = None
     seed: int | None = None
-    presence_penalty: float | None = _range(-2, 2)
-    frequency_penalty: float | None = _range(-2, 2)
+    presence_penalty: float | None = _documented(-2, 2)
+    frequency_penalty: float | None = _documented(-2, 2)
     # {"50256": -100}: token id -> bias
-    logit_bias: dict[str, float] | None = _range(
+    logit_bias: dict[str, float] | None = _documented(
         maxProperties=MAX_LOGIT_BIAS, propertyNames={"pattern": "^[0-9]+$"},
         additionalProperties={"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS})
     user: str | None = None
@@ -100,24 +101,24 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None  # only with stream: true
     response_format: ResponseFormat | None = None
     # engine extras
-    top_k: int | None = _range(-1)
-    min_p: float | None = _range(0, 1)
-    repetition_penalty: float | None = _range(0, exclusive_low=True)
+    top_k: int | None = _documented(-1)
+    min_p: float | None = _documented(0, 1)
+    repetition_penalty: float | None = _documented(0, exclusive_low=True)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = _range(items={"type": "integer", "minimum": 0})
+    stop_token_ids: list[int] | None = _documented(items={"type": "integer", "minimum": 0})
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     speculative: bool | None = None  # false: no speculative decoding for this request
-    prompt_logprobs: int | None = _range(0, MAX_LOGPROBS)  # each prompt token's logprob and top-N
+    prompt_logprobs: int | None = _documented(0, MAX_LOGPROBS)  # each prompt token's logprob and top-N
     guided_json: Annotated[Any, _typed({"anyOf": [{"type": "object"}, {"type": "string"}]})] = None  # a JSON schema
-    guided_regex: str | None = _range(minLength=1)
-    guided_choice: list[str] | None = _range(minItems=1, items={"type": "string", "minLength": 1})
-    guided_grammar: str | None = _range(minLength=1)  # Lark (llguidance's dialect)
+    guided_regex: str | None = _documented(minLength=1)
+    guided_choice: list[str] | None = _documented(minItems=1, items={"type": "string", "minLength": 1})
+    guided_grammar: str | None = _documented(minLength=1)  # Lark (llguidance's dialect)
 
 
 class CompletionRequest(SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT)]  # inputs.py reads each shape
-    logprobs: int | None = _range(0, MAX_LOGPROBS)
+    logprobs: int | None = _documented(0, MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None   # refused when not empty
     best_of: int | None = None  # only best_of == n
@@ -132,16 +133,16 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     # an assistant's calls: {"id", "type", "function": {"name", "arguments"}}
-    tool_calls: list[Any] | None = _range(items={"type": "object"})
+    tool_calls: list[Any] | None = _documented(items={"type": "object"})
     tool_call_id: str | None = None      # a tool message: the call it answers
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_completion_tokens: int | None = _range(1)
+    max_completion_tokens: int | None = _documented(1)
     logprobs: bool | None = False
-    top_logprobs: int | None = _range(0, MAX_LOGPROBS)  # needs logprobs: true
+    top_logprobs: int | None = _documented(0, MAX_LOGPROBS)  # needs logprobs: true
     tools: Annotated[Any, WithJsonSchema(_TOOLS)] = None
     tool_choice: Annotated[Any, WithJsonSchema(_TOOL_CHOICE)] = None
     parallel_tool_calls: bool | None = None
