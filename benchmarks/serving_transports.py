@@ -1,4 +1,4 @@
-"""The transports bench_serving.py streams requests over: gRPC (serving.client.AsyncClient) and
+"""The transports bench_serving.py streams requests over: gRPC (serving.grpc.client.AsyncClient) and
 the OpenAI-compatible HTTP API (POST /v1/completions with `stream: true`, over httpx2).
 
 Both send the same request: the prompt as token ids, max_tokens, temperature 0, ignore_eos. Both
@@ -33,7 +33,7 @@ import math
 import time
 from pathlib import Path
 
-from serving.client import AsyncClient
+from serving.grpc.client import AsyncClient
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@
     JAXINFER_API_KEYS=k1,k2 jaxinfer serve --http-port 8000   # or --api-keys-file FILE
     jaxinfer serve --rate-limit-rpm 60 --rate-limit-tpm 100000 --max-concurrent-per-key 4 \
         --request-log requests.jsonl [--log-prompts]    # per-key limits (both transports), JSON lines
-    jaxinfer client ...                                # serving/client_cli.py
+    jaxinfer client ...                                # serving/grpc/client_cli.py
 
 `serve` prints one line "listening on HOST:PORT" on stdout once it accepts calls (with the HTTP
 API: "listening on HOST:PORT (http://HOST:PORT)", or "listening on http://HOST:PORT" with
@@ -21,7 +21,7 @@ import signal
 import sys
 from typing import Callable
 
-from serving.client_cli import TOKEN_ENV, add_client_parser
+from serving.grpc.client_cli import TOKEN_ENV, add_client_parser
 from serving.openai.auth import API_KEYS_ENV
 
 
@@ -112,7 +112,7 @@ def _limit_options(args: argparse.Namespace) -> dict:
 # --- serve --------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxinfer.cli.args import check_file, make_llm
-    from serving.auth import read_token
+    from serving.grpc.auth import read_token
     from serving.openai.auth import read_api_keys
     from serving.server import ServerOptions
 

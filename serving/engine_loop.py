@@ -10,7 +10,8 @@ the event loop and the event loop never waits for a step. A sink receives Reques
 and, instead of a final delta, possibly one exception: RequestRejected (the engine refused it:
 INVALID_ARGUMENT), ServerShuttingDown, or any other exception (INTERNAL). Failures stay with
 their request: a failing add_request or sink only ends that request; a failing step() ends the
-requests that were in the engine then, and the loop keeps serving new ones.
+requests that were in the engine then, and the loop keeps serving new ones. A handler that finds
+several deltas of one request queued (a slow reader) sends them as one: merge_deltas.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import time
 from typing import Any, Callable
 
 from jaxinfer.engine import Engine
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,18 @@ class RequestRejected(ValueError):
 
 class ServerShuttingDown(RuntimeError):
     """The server stopped before the request finished."""
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """Several queued deltas of one request as one (a slow reader gets fewer, larger messages)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    head = dataclasses.replace(deltas[0], outputs=[dataclasses.replace(
+        c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
+        for c in deltas[0].outputs])
+    for delta in deltas[1:]:
+        head.merge(delta)
+    return head
 
 
 @dataclasses.dataclass

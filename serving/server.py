@@ -1,10 +1,11 @@
-"""InferenceServer: one Engine behind a grpc.aio server and/or the OpenAI-compatible HTTP API
-(serving.openai, uvicorn on the same event loop), and their life cycle.
+"""InferenceServer: one Engine behind the gRPC server (serving.grpc) and/or the OpenAI-compatible
+HTTP API (serving.openai, uvicorn on the same event loop), and their life cycle. The one module
+that knows both transports; neither imports the other.
 
-    start():  sockets bound -> EngineLoop thread up -> grpc.aio server with InferenceService, the
-              standard health service and server reflection (bearer-token interceptor and TLS
-              when configured) -> the HTTP API -> health SERVING -> Prometheus /metrics on its
-              own port when asked for
+    start():  sockets bound -> EngineLoop thread up -> the grpc.aio server (InferenceService,
+              health, reflection; bearer-token interceptor and TLS when configured: GrpcServer)
+              -> the HTTP API -> health SERVING -> Prometheus /metrics on its own port when
+              asked for
     stop():   health NOT_SERVING, new gRPC calls refused (UNAVAILABLE), new HTTP requests 503
               -> in-flight calls and requests of both get `grace_period_s` to finish -> the
               engine loop stops, ending what is left (UNAVAILABLE / 503 / an error event)
@@ -26,26 +27,18 @@ import dataclasses
 import logging
 import threading
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from jaxinfer.engine import Engine
-from serving.auth import BearerTokenInterceptor
 from serving.engine_loop import EngineLoop
+from serving.grpc.server import GrpcOptions, GrpcServer
+from serving.grpc.servicer import InferenceServicer
 from serving.limits import RateLimiter, RateLimits
 from serving.metrics import ServerMetrics
 from serving.openai.admission import Admission
 from serving.openai.auth import key_id
 from serving.openai.server import DEFAULT_MAX_BODY_BYTES, HttpOptions, HttpServer, served_model_name
-from serving.proto import jaxinfer_pb2 as pb
-from serving.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.request_log import RequestLog
-from serving.servicer import InferenceServicer
 
 logger = logging.getLogger(__name__)
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name  # jaxinfer.v1.InferenceService
 
 
 @dataclasses.dataclass
@@ -99,11 +92,9 @@ class InferenceServer:
                                           key_id=key_id(opts.auth_token) if opts.auth_token else None,
                                           tool_call_parser=opts.tool_call_parser,
                                           reasoning_parser=opts.reasoning_parser)
-        self.health = health.aio.HealthServicer()
         self.http = self._http_server() if self.options.http_port is not None else None
-        self.port: int | None = None
+        self.grpc: GrpcServer | None = None  # made in start(): a grpc.aio server belongs to its event loop
         self.metrics_port: int | None = None
-        self._server: grpc.aio.Server | None = None
         self._started = False
 
     def _http_server(self) -> HttpServer:
@@ -118,6 +109,11 @@ class InferenceServer:
             tool_parser=self.servicer.tool_parser, reasoning=self.servicer.reasoning)
 
     @property
+    def port(self) -> int | None:
+        """The gRPC port once bound (None without gRPC)."""
+        return self.grpc.port if self.grpc is not None else None
+
+    @property
     def address(self) -> str:
         """The gRPC address, or the HTTP one when there is no gRPC server."""
         if self.options.port is None:
@@ -126,55 +122,27 @@ class InferenceServer:
 
     async def start(self) -> "InferenceServer":
         opts = self.options
-        server = self._grpc_server() if opts.port is not None else None
-        if server is not None:
-            self.port = self._bind(server)
+        if opts.port is not None:
+            self.grpc = GrpcServer(self.servicer, GrpcOptions(
+                host=opts.host, port=opts.port, auth_token=opts.auth_token, tls_cert_file=opts.tls_cert_file,
+                tls_key_file=opts.tls_key_file, max_message_bytes=opts.max_message_bytes))
+            self.grpc.bind()
         if self.http is not None:
             self.http.bind()
         self.engine_loop.start()
         self._started = True
-        if server is not None:
-            await server.start()
-            self._server = server
+        if self.grpc is not None:
+            await self.grpc.start()
         if self.http is not None:
             await self.http.start()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.grpc is not None:
+            await self.grpc.serving()
         if opts.metrics_port is not None:
             self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_host)
         logger.info("serving on %s (%s)%s%s", self.address, "TLS" if opts.tls_cert_file else "plaintext",
                     f", HTTP API on {self.http.url}" if self.http else "",
                     f", metrics on :{self.metrics_port}" if self.metrics_port else "")
         return self
-
-    def _grpc_server(self) -> grpc.aio.Server:
-        opts = self.options
-        interceptors = [BearerTokenInterceptor(opts.auth_token)] if opts.auth_token else []
-        server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", opts.max_message_bytes),
-            ("grpc.max_send_message_length", opts.max_message_bytes),
-            ("grpc.so_reuseport", 0)])  # a second server on a taken port fails instead of sharing it
-        pb_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        return server
-
-    def _bind(self, server: grpc.aio.Server) -> int:
-        opts = self.options
-        address = f"{opts.host}:{opts.port}"
-        try:
-            if opts.tls_cert_file:
-                with open(opts.tls_key_file, "rb") as k, open(opts.tls_cert_file, "rb") as c:
-                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-                port = server.add_secure_port(address, creds)
-            else:
-                port = server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {address}: {e}") from None
-        if not port:
-            raise OSError(f"cannot listen on {address}")
-        return port
 
     @property
     def num_in_flight(self) -> int:
@@ -189,10 +157,8 @@ class InferenceServer:
         self.servicer.draining = True
         if self.http is not None:
             self.http.begin_draining()
-        await self.health.enter_graceful_shutdown()
-        closing = None
-        if self._server is not None:
-            closing = asyncio.create_task(self._server.stop(grace + 5.0))  # refuses new calls at once
+        if self.grpc is not None:
+            await self.grpc.begin_stopping(grace + 5.0)  # refuses new calls at once
         loop = asyncio.get_running_loop()
         end = loop.time() + grace
         while self.num_in_flight and loop.time() < end:
@@ -200,18 +166,17 @@ class InferenceServer:
         if self.num_in_flight:
             logger.warning("grace period over: ending %d calls/requests", self.num_in_flight)
         await asyncio.to_thread(self.engine_loop.stop)
-        if closing is not None:
-            await closing
+        if self.grpc is not None:
+            await self.grpc.stopped()
         if self.http is not None:
             await self.http.stop()
-        self._server = None
         self.metrics.close()
         self.request_log.close()
         self._executor.shutdown(wait=False)
 
     async def wait_for_termination(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
+        if self.grpc is not None:
+            await self.grpc.wait_for_termination()
 
 
 class BackgroundServer:

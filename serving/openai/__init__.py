@@ -8,10 +8,16 @@ transports, one event loop, one shutdown).
                         abort when the client leaves -> outputs.py (OpenAI JSON) / sse.py (chunks)
 
     protocol.py   request bodies (pydantic)         errors.py   OpenAI's error JSON, status codes
-    inputs.py     body -> prompt ids + SamplingParams (response_format / guided_* -> StructuredOutput)
+    responses.py  response bodies (pydantic; for the schema)
+    schema.py     the OpenAPI schema from those models   docs.py   /openapi.json, /docs (Swagger UI)
+    inputs.py     body -> prompt ids + SamplingParams (response_format / guided_* -> StructuredOutput),
+                  by sampling_table.py (request field -> SamplingParams field)
     outputs.py    RequestOutput -> responses, chunks
     sse.py        `data: ...` events, disconnect-aware streaming response
     generation.py one request's engine requests     admission.py in-flight limit + per-key rate limits
     auth.py       API keys (sha256, constant time)  middleware.py  the Gate
     app.py        routes, error handlers            server.py   HttpServer (uvicorn) life cycle
+
+It shares the engine loop, limits, metrics, request log and tool reading with the gRPC
+transport through serving's shared modules, and never imports serving.grpc, protobuf or grpc.
 """

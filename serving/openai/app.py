@@ -4,8 +4,10 @@
     GET  /v1/models, /v1/models/{model}          the one served model
     POST /tokenize, /detokenize                   vLLM's shapes
     GET  /health, /metrics                        open (no API key); /metrics is the gRPC server's registry
+    GET  /openapi.json, /docs                     the schema of all this and Swagger UI (docs.py), open
 
-Every error, including unknown routes (404) and a bug in a handler (500), answers
+Every error, including unknown routes (404), a known route asked with another method (405, with
+the `Allow` header naming the methods it takes) and a bug in a handler (500), answers
 `{"error": {"message", "type", "param", "code"}}`. The Gate middleware (middleware.py) wraps it.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.routing import Route
 
 from serving.metrics import ServerMetrics
 from serving.openai import handlers
+from serving.openai.docs import Docs
 from serving.openai.errors import APIError, bad_request, not_found_route
 from serving.openai.handlers import ApiContext, parse
 from serving.openai.messages import render_messages, template_tools
@@ -83,8 +86,9 @@ class _Endpoints:
         return JSONResponse({"prompt": text})
 
 
-def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None) -> Starlette:
-    ep = _Endpoints(ctx, metrics)
+def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: bool = False) -> Starlette:
+    """`api_keys`: the Gate requires them (the schema then says so)."""
+    ep, docs = _Endpoints(ctx, metrics), Docs(ctx.model_name, api_keys)
     routes = [
         Route("/v1/completions", functools.partial(handlers.completions, ctx), methods=["POST"]),
         Route("/v1/chat/completions", functools.partial(handlers.chat_completions, ctx), methods=["POST"]),
@@ -94,6 +98,9 @@ def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None) -> Starlett
         Route("/detokenize", ep.detokenize, methods=["POST"]),
         Route("/health", ep.health, methods=["GET"]),
         Route("/metrics", ep.prometheus, methods=["GET"]),
+        Route("/openapi.json", docs.schema, methods=["GET"]),
+        Route("/docs", docs.page, methods=["GET"]),
+        Route("/docs/{asset}", docs.asset, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal})
@@ -106,7 +113,9 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
         return not_found_route(request.url.path).response()
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+    # 405 carries `Allow` (the route's methods): kept, as HTTP requires
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                    headers=exc.headers).response()
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:

@@ -22,8 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from jaxinfer.outputs import RequestOutput
-from serving import convert
-from serving.engine_loop import EngineLoop
+from serving.engine_loop import EngineLoop, merge_deltas
 from serving.openai.errors import from_engine
 from serving.openai.inputs import EngineInputs
 from serving.request_log import RequestRecord
@@ -66,7 +65,7 @@ class EngineRequests:
                     raise from_engine(item)
                 by_prompt.setdefault(i, []).append(item)
             for i, deltas in by_prompt.items():
-                merged = convert.merge_deltas(deltas)
+                merged = merge_deltas(deltas)
                 if self._inputs.echo_only:
                     merged = prompt_only(merged)
                 if self._record is not None:

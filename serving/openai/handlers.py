@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
-from serving.convert import ModelLimits
+from serving.model_limits import ModelLimits
 from serving.engine_loop import EngineLoop
 from serving.openai import outputs, sse
 from serving.openai.admission import charge_tokens

@@ -2,7 +2,7 @@
 
 Plain functions, no I/O (tokenizing runs on a worker thread). Every user error is a 400 APIError
 naming the request's own field (`max_completion_tokens`, `top_logprobs`, `prompt[1]`), even when
-the check is SamplingParams' or serving.convert's, which name the engine's fields. Chat messages become
+the check is SamplingParams' or serving.model_limits', which name the engine's fields. Chat messages become
 the prompt in messages.py.
 """
 from __future__ import annotations
@@ -14,17 +14,16 @@ from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
-from serving import convert
-from serving.convert import ModelLimits, RequestError
+from serving.errors import RequestError
+from serving.model_limits import ModelLimits, check_params
 from serving.openai.errors import bad_request, named_400
 from serving.openai.messages import render_messages
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serving.openai.sampling_table import SAMPLING_TABLE
 from serving.tools import ToolRequest, sampling_updates, tool_request
 
-# Request fields that are SamplingParams fields of the same name and meaning.
-_SAME_NAME = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-              "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-              "speculative", "prompt_logprobs")
+# Request fields that are SamplingParams fields of the same name and meaning (sampling_table.py).
+_SAME_NAME = SAMPLING_TABLE.same_name()
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
@@ -189,7 +188,7 @@ def _params(kwargs: dict, names: dict[str, str]) -> SamplingParams:
 
 def _check(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int, names: dict[str, str]) -> None:
     try:
-        convert.check_params(params, limits, num_prompt_tokens)
+        check_params(params, limits, num_prompt_tokens)
     except RequestError as e:  # "sampling.max_tokens=600: with the prompt's ..."
         raise _renamed(str(e).removeprefix("sampling."), names) from None
 
@@ -212,31 +211,53 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+def _token_ids(value, field: str) -> list[int] | None:
+    """A non-empty list of numbers as token ids, None for any other value. Integral numbers
+    written as floats (272.0) are ids, as in vLLM's API (JSON Schema's integer); any other number
+    is a 400 naming the element (`prompt[3]: 272.5 is not an integer token id`)."""
+    if not isinstance(value, list) or not value or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) for t in value):
+        return None
+    for j, t in enumerate(value):
+        if isinstance(t, float) and not t.is_integer():
+            raise bad_request(field, f"{field}[{j}]: {t!r} is not an integer token id")
+    return [int(t) for t in value]
+
+
+def _prompt_shapes(prompt) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, token ids, or a non-empty list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if (ids := _token_ids(prompt, "prompt")) is not None:
+        return [ids]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        lists = [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if all(ids is not None for ids in lists):
+            return lists
+    raise bad_request("prompt", "prompt: must be a string, a list of strings, a list of token ids or a "
+                                "list of token-id lists (none empty)")
 
 
 def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[list[int]]:
-    if not (isinstance(prompt, str) or _is_ids(prompt) or (
-            isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
-                                                     or all(_is_ids(p) for p in prompt)))):
-        raise bad_request("prompt", "prompt: must be a string, a list of strings, a list of token ids or a "
-                                    "list of token-id lists (none empty)")
-    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    """Each prompt as token ids. Text is tokenized as /tokenize does it; an empty string is a
+    prompt when the tokenizer gives it a token (BOS), and refused when it gives none, as vLLM
+    refuses a prompt of no tokens: generation has nothing to start from."""
+    prompts = _prompt_shapes(prompt)
     if len(prompts) > limits.max_n:
         raise bad_request("prompt", f"prompt: {len(prompts)} prompts in one request; at most {limits.max_n}")
     out = []
     for i, p in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            if not p:
-                raise bad_request(field, f"{field}: empty")
             if tokenizer is None:
                 raise bad_request(field, f"{field}: this model has no tokenizer; send token ids")
             ids = tokenizer.encode(p)
+            if not ids:
+                raise bad_request(field, f"{field}: the prompt has no tokens; a completion needs at least one")
         else:
-            ids = list(p)
+            ids = p
             bad = [t for t in ids if not 0 <= t < limits.vocab_size]
             if bad:
                 raise bad_request(field, f"{field}: token ids out of range [0, {limits.vocab_size}): {bad[:5]}")

@@ -2,7 +2,7 @@
 
     draining?            -> 503 (health checks too: a load balancer stops sending traffic;
                             /metrics stays up to watch the drain)
-    API key (not /health, /metrics) -> 401
+    API key (not /health, /metrics, /openapi.json, /docs) -> 401
     body over max_body_bytes -> 413, decided on Content-Length or while reading, before any
                             JSON parsing; the body read here is replayed to the app
     generation routes    -> Admission.enter(key id): 503 when busy, 429 past the key's requests
@@ -29,7 +29,8 @@ from serving.request_log import RequestLog
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+DOCS_ASSETS = "/docs/"  # Swagger UI's files: open too, as the page that loads them
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 ROUTES = OPEN_PATHS | GENERATION_PATHS | {"/v1/models", "/tokenize", "/detokenize"}
 
@@ -85,7 +86,7 @@ class Gate:
         if self.keys is None:
             return None
         accepted, key_id = self.keys.check(authorization)
-        if accepted or path in OPEN_PATHS:
+        if accepted or path in OPEN_PATHS or path.startswith(DOCS_ASSETS):
             return key_id if accepted else None
         logger.warning("401 for %s %s: %s", scope["method"], path,
                        f"invalid API key (id {key_id})" if key_id else "no API key")
@@ -119,7 +120,8 @@ class Gate:
 
     def _observed(self, scope: Scope, send: Send) -> Send:
         path = scope["path"]
-        route = path if path in ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        route = path if path in ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else
+                                            "/docs/{asset}" if path.startswith(DOCS_ASSETS) else "other")
 
         async def observed(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -25,7 +25,7 @@ import uvicorn
 from jaxinfer.loader import DEFAULT_MODEL_FILE
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
-from serving.convert import ModelLimits
+from serving.model_limits import ModelLimits
 from serving.engine_loop import EngineLoop
 from serving.metrics import ServerMetrics
 from serving.openai.admission import Admission
@@ -79,8 +79,8 @@ class HttpServer:
         ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser, reasoning)
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
-        self.gate = Gate(build_app(ctx, metrics), admission=admission, max_body_bytes=options.max_body_bytes,
-                         keys=keys, metrics=metrics, request_log=request_log)
+        self.gate = Gate(build_app(ctx, metrics, api_keys=keys is not None), admission=admission,
+                         max_body_bytes=options.max_body_bytes, keys=keys, metrics=metrics, request_log=request_log)
         self.port: int | None = None
         self._socket: socket.socket | None = None
         self._server: _Server | None = None

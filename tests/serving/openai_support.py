@@ -75,3 +75,30 @@ def metric(server: ServedProcess, name: str, labels: str = "") -> float:
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
     """serving_support.wait_for with a longer default (a subprocess server on a busy CPU)."""
     return _wait_for(predicate, timeout, interval)
+
+
+def asgi_request(app, method: str, path: str, body=None, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of one request handed straight to an ASGI app (no socket, no server)."""
+    import asyncio
+
+    raw = b"" if body is None else json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "state": {},
+             "headers": [(k.lower().encode(), v.encode()) for k, v in
+                         {"content-type": "application/json", "content-length": str(len(raw)), **(headers or {})}.items()]}
+    sent, messages = [], []
+
+    async def receive():
+        if not sent:
+            sent.append(True)
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+
+    async def send(message):
+        messages.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = messages[0]
+    return (start["status"], {k.decode().lower(): v.decode() for k, v in start.get("headers", [])},
+            b"".join(m.get("body", b"") for m in messages[1:]))

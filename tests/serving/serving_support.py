@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from serving.client import Client
+from serving.grpc.client import Client
 
 
 def assert_pages_free(engine):

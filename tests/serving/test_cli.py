@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from testpaths import FIXTURES
 
-from serving.client import Client
+from serving.grpc.client import Client
 
 JAXINFER = [sys.executable, "-m", "jaxinfer.cli"]
 TINY_ARGS = ["--model", str(FIXTURES / "hf" / "llama3"), "--dtype", "float32", "--max-model-len", "256",

@@ -16,14 +16,15 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.structured import GrammarBackend
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.tokenizer.tool_calls import HermesParser, Llama3JsonParser, MistralParser
-from serving import convert
-from serving.convert import ModelLimits, RequestError
+from serving.errors import RequestError
+from serving.grpc import convert
+from serving.grpc.proto import jaxinfer_pb2 as pb
+from serving.model_limits import ModelLimits
 from serving.openai import outputs
 from serving.openai.errors import APIError
 from serving.openai.inputs import chat_inputs
 from serving.openai.protocol import ChatCompletionRequest
 from serving.openai.tools import ToolStream, message
-from serving.proto import jaxinfer_pb2 as pb
 from serving.tools import ChatReplies, tool_request
 
 LIMITS = ModelLimits(vocab_size=49152, max_model_len=512, penalties_enabled=False, max_n=4)

@@ -20,13 +20,13 @@ from openai_support import ServedProcess, metric, raw_request, wait_for
 from testpaths import SMOLLM2_SMALL_ARGS
 
 from jaxinfer.cli import main
-from serving.client import Client
-from serving.proto import jaxinfer_pb2 as pb
+from serving.grpc.client import Client
+from serving.grpc.proto import jaxinfer_pb2 as pb
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = ("sk-first-key", "sk-second-key")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-# test_smollm2.py's engine (its step variants are in the run's compilation cache), served.
+# grpc/test_smollm2.py's engine (its step variants are in the run's compilation cache), served.
 ARGS = [*SMOLLM2_SMALL_ARGS, "--no-penalties", "--port", "0", "--http-port", "0",
         "--max-body-bytes", str(1 << 20), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
         "--enable-prompt-logprobs"]

@@ -20,8 +20,8 @@ from typing import AsyncIterator, Iterable, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.proto import jaxinfer_pb2 as pb
-from serving.proto import jaxinfer_pb2_grpc as pb_grpc
+from serving.grpc.proto import jaxinfer_pb2 as pb
+from serving.grpc.proto import jaxinfer_pb2_grpc as pb_grpc
 
 Prompt = str | Sequence[int]  # text, or token ids
 _SAMPLING_FIELDS = frozenset(f.name for f in pb.SamplingOptions.DESCRIPTOR.fields)

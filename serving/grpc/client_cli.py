@@ -57,8 +57,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
     from jaxinfer.cli.args import check_file
-    from serving.auth import read_token
-    from serving.client import Client
+    from serving.grpc.auth import read_token
+    from serving.grpc.client import Client
 
     check_file("--auth-token-file", args.auth_token_file)
     check_file("--tls-ca", args.tls_ca)
@@ -89,7 +89,7 @@ def _tools_arg(value: str | None) -> list | None:
 
 def _generate(client, args) -> int:
     from jaxinfer.cli.args import logit_bias, structured_output
-    from serving.convert import structured_message
+    from serving.grpc.convert import structured_message
 
     if args.token_ids is not None:
         try:

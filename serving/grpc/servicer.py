@@ -31,12 +31,13 @@ import jax
 from google.protobuf import json_format
 
 from jaxinfer.sampling import MAX_LOGPROBS
-from serving import convert
-from serving.convert import ModelLimits, RequestError
-from serving.engine_loop import EngineLoop, RequestRejected, ServerShuttingDown
+from serving.engine_loop import EngineLoop, RequestRejected, ServerShuttingDown, merge_deltas
+from serving.errors import RequestError
+from serving.grpc import convert
+from serving.grpc.proto import jaxinfer_pb2 as pb
+from serving.grpc.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.limits import Grant, RateLimited, RateLimiter, token_cost
-from serving.proto import jaxinfer_pb2 as pb
-from serving.proto import jaxinfer_pb2_grpc as pb_grpc
+from serving.model_limits import ModelLimits, check_params
 from serving.request_log import RequestLog, RequestRecord
 from serving.tools import output_readers
 
@@ -158,7 +159,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             while not finished:
                 deltas, error = await _next_items(queue, deadline, loop)
                 if deltas:
-                    out = convert.merge_deltas(deltas)
+                    out = merge_deltas(deltas)
                     record.observe(0, out)
                     finished = out.finished
                     yield convert.response(out, replies)
@@ -177,7 +178,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         tools = convert.chat_tools(request.chat, self.tool_parser) if request.HasField("chat") else None
         ids = convert.prompt_token_ids(request, self._tokenizer, self._limits, tools)
         params = convert.with_tools(params, tools, request.sampling)
-        convert.check_params(params, self._limits, len(ids))
+        check_params(params, self._limits, len(ids))
         return ids, params, convert.chat_replies(request, tools, self.reasoning, params.structured_output,
                                                  self.reasoning_gated)
 

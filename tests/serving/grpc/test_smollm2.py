@@ -9,7 +9,7 @@ from testpaths import SMOLLM2_SMALL
 
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
-from serving.client import Accumulator, AsyncClient
+from serving.grpc.client import Accumulator, AsyncClient
 from serving.server import BackgroundServer, ServerOptions
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -27,7 +27,7 @@ CASES = {  # name -> (prompt kind, SamplingParams fields)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(**SMOLLM2_SMALL, penalties=False)  # the engine of test_openai_api's server
+    return LLM(**SMOLLM2_SMALL, penalties=False)  # the engine of openai/test_api.py's server
 
 
 def cases():

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from serving_support import assert_pages_free, client_of
 
-from serving.proto import jaxinfer_pb2 as pb
+from serving.grpc.proto import jaxinfer_pb2 as pb
 
 INT32 = st.integers(-2**31, 2**31 - 1)
 FIELD_NAMES = {f.name for f in pb.SamplingOptions.DESCRIPTOR.fields}

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from serving.proto import jaxinfer_pb2 as serving_dot_proto_dot_jaxinfer__pb2
+from serving.grpc.proto import jaxinfer_pb2 as serving_dot_grpc_dot_proto_dot_jaxinfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in serving/proto/jaxinfer_pb2_grpc.py depends on'
+        + ' but the generated code in serving/grpc/proto/jaxinfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class InferenceServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/jaxinfer.v1.InferenceService/Generate',
-                request_serializer=serving_dot_proto_dot_jaxinfer__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=serving_dot_proto_dot_jaxinfer__pb2.GenerateResponse.FromString,
+                request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/jaxinfer.v1.InferenceService/Tokenize',
-                request_serializer=serving_dot_proto_dot_jaxinfer__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=serving_dot_proto_dot_jaxinfer__pb2.TokenizeResponse.FromString,
+                request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
                 '/jaxinfer.v1.InferenceService/Detokenize',
-                request_serializer=serving_dot_proto_dot_jaxinfer__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=serving_dot_proto_dot_jaxinfer__pb2.DetokenizeResponse.FromString,
+                request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/jaxinfer.v1.InferenceService/GetModelInfo',
-                request_serializer=serving_dot_proto_dot_jaxinfer__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=serving_dot_proto_dot_jaxinfer__pb2.GetModelInfoResponse.FromString,
+                request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
         self.GetServerStats = channel.unary_unary(
                 '/jaxinfer.v1.InferenceService/GetServerStats',
-                request_serializer=serving_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.SerializeToString,
-                response_deserializer=serving_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.FromString,
+                request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -102,28 +102,28 @@ def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=serving_dot_proto_dot_jaxinfer__pb2.GenerateRequest.FromString,
-                    response_serializer=serving_dot_proto_dot_jaxinfer__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GenerateRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=serving_dot_proto_dot_jaxinfer__pb2.TokenizeRequest.FromString,
-                    response_serializer=serving_dot_proto_dot_jaxinfer__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.TokenizeRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.TokenizeResponse.SerializeToString,
             ),
             'Detokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Detokenize,
-                    request_deserializer=serving_dot_proto_dot_jaxinfer__pb2.DetokenizeRequest.FromString,
-                    response_serializer=serving_dot_proto_dot_jaxinfer__pb2.DetokenizeResponse.SerializeToString,
+                    request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.DetokenizeRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=serving_dot_proto_dot_jaxinfer__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=serving_dot_proto_dot_jaxinfer__pb2.GetModelInfoResponse.SerializeToString,
+                    request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetModelInfoResponse.SerializeToString,
             ),
             'GetServerStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerStats,
-                    request_deserializer=serving_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.FromString,
-                    response_serializer=serving_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.SerializeToString,
+                    request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -151,8 +151,8 @@ class InferenceService:
             request,
             target,
             '/jaxinfer.v1.InferenceService/Generate',
-            serving_dot_proto_dot_jaxinfer__pb2.GenerateRequest.SerializeToString,
-            serving_dot_proto_dot_jaxinfer__pb2.GenerateResponse.FromString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GenerateRequest.SerializeToString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -178,8 +178,8 @@ class InferenceService:
             request,
             target,
             '/jaxinfer.v1.InferenceService/Tokenize',
-            serving_dot_proto_dot_jaxinfer__pb2.TokenizeRequest.SerializeToString,
-            serving_dot_proto_dot_jaxinfer__pb2.TokenizeResponse.FromString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.TokenizeRequest.SerializeToString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -205,8 +205,8 @@ class InferenceService:
             request,
             target,
             '/jaxinfer.v1.InferenceService/Detokenize',
-            serving_dot_proto_dot_jaxinfer__pb2.DetokenizeRequest.SerializeToString,
-            serving_dot_proto_dot_jaxinfer__pb2.DetokenizeResponse.FromString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.DetokenizeRequest.SerializeToString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -232,8 +232,8 @@ class InferenceService:
             request,
             target,
             '/jaxinfer.v1.InferenceService/GetModelInfo',
-            serving_dot_proto_dot_jaxinfer__pb2.GetModelInfoRequest.SerializeToString,
-            serving_dot_proto_dot_jaxinfer__pb2.GetModelInfoResponse.FromString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetModelInfoRequest.SerializeToString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -259,8 +259,8 @@ class InferenceService:
             request,
             target,
             '/jaxinfer.v1.InferenceService/GetServerStats',
-            serving_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.SerializeToString,
-            serving_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.FromString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.SerializeToString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,7 @@ from testpaths import FIXTURES
 
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, Usage
 from jaxinfer.tokenizer import load_tokenizer
-from serving.convert import ModelLimits
+from serving.model_limits import ModelLimits
 from serving.openai import generation, outputs, sse
 from serving.openai.auth import APIKeys, key_id, read_api_keys
 from serving.openai.errors import APIError, from_validation

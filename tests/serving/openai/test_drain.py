@@ -14,7 +14,7 @@ from jaxinfer.cli import main
 
 MODEL = "SmolLM2-135M-Instruct"
 ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
-        "--max-num-seqs", "8", "--num-pages", "128", "--no-penalties"]  # as test_openai_api: compiled once
+        "--max-num-seqs", "8", "--num-pages", "128", "--no-penalties"]  # as openai/test_api.py: compiled once
 MAX_TOKENS = 48  # two streams: ~3 s of engine steps on a 2-core CPU
 
 

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 
 from jaxinfer.sampling import SamplingParams
-from serving import convert
-from serving.proto import jaxinfer_pb2 as pb
-from serving.proto import regen
+from serving.errors import RequestError
+from serving.grpc import convert
+from serving.grpc.proto import jaxinfer_pb2 as pb
+from serving.grpc.proto import regen
+from serving.model_limits import ModelLimits, check_params
 
 PROTO_DIR = Path(regen.__file__).parent
 
@@ -18,7 +20,7 @@ def test_generated_code_matches_the_proto(tmp_path):
     for generated in regen.generate(tmp_path):
         committed = PROTO_DIR / generated.name
         assert generated.read_text() == committed.read_text(), (
-            f"{committed} is stale: run `python -m serving.proto.regen` and commit the result")
+            f"{committed} is stale: run `python -m serving.grpc.proto.regen` and commit the result")
 
 
 def test_sampling_options_cover_every_sampling_param():
@@ -38,9 +40,9 @@ def test_unset_options_take_sampling_param_defaults():
 
 
 def test_bad_option_names_the_field():
-    with pytest.raises(convert.RequestError, match=r"^sampling\.min_p=2\.0: must be in \[0, 1\]"):
+    with pytest.raises(RequestError, match=r"^sampling\.min_p=2\.0: must be in \[0, 1\]"):
         convert.sampling_params(pb.SamplingOptions(min_p=2.0))
-    with pytest.raises(convert.RequestError, match=r"^sampling\.stop_token_ids"):
+    with pytest.raises(RequestError, match=r"^sampling\.stop_token_ids"):
         convert.sampling_params(pb.SamplingOptions(stop_token_ids=[-1]))
 
 
@@ -55,21 +57,21 @@ def test_logit_bias_round_trips_and_is_checked():
     assert pb.SamplingOptions.FromString(options.SerializeToString()) == options
     assert convert.sampling_params(convert.sampling_options(SamplingParams())) == SamplingParams()
     assert convert.sampling_params(pb.SamplingOptions(logit_bias={})).logit_bias is None
-    with pytest.raises(convert.RequestError, match=r"^sampling\.logit_bias\[5\]=200\.0: must be a number in"):
+    with pytest.raises(RequestError, match=r"^sampling\.logit_bias\[5\]=200\.0: must be a number in"):
         convert.sampling_params(pb.SamplingOptions(logit_bias={5: 200}))
-    with pytest.raises(convert.RequestError, match=r"^sampling\.logit_bias\[-1\]: a token id"):
+    with pytest.raises(RequestError, match=r"^sampling\.logit_bias\[-1\]: a token id"):
         convert.sampling_params(pb.SamplingOptions(logit_bias={-1: 1}))
-    limits = convert.ModelLimits(vocab_size=100, max_model_len=64, penalties_enabled=False)
-    convert.check_params(SamplingParams(logit_bias={99: 1.0}), limits, 3)
-    with pytest.raises(convert.RequestError, match=r"^sampling\.logit_bias\[100\]: token ids out of the "
+    limits = ModelLimits(vocab_size=100, max_model_len=64, penalties_enabled=False)
+    check_params(SamplingParams(logit_bias={99: 1.0}), limits, 3)
+    with pytest.raises(RequestError, match=r"^sampling\.logit_bias\[100\]: token ids out of the "
                                                    r"vocabulary \[0, 100\): \[100\]"):
-        convert.check_params(SamplingParams(logit_bias={100: 1.0, 5: 2.0}), limits, 3)
+        check_params(SamplingParams(logit_bias={100: 1.0, 5: 2.0}), limits, 3)
 
 
 def test_client_command_sends_logit_bias():
     from jaxinfer.cli import build_parser
-    from serving.client_cli import _generate
-    from serving.client import build_request
+    from serving.grpc.client_cli import _generate
+    from serving.grpc.client import build_request
 
     sent = {}
 

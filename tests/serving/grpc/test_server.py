@@ -12,8 +12,8 @@ from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from jaxinfer.sampling import SamplingParams
-from serving import convert
-from serving.client import AsyncClient, build_request
+from serving.grpc import convert
+from serving.grpc.client import AsyncClient, build_request
 
 PROMPTS = [[1, 2, 3, 4, 5], [7] * 20, list(range(10, 50)), [300, 301], list(range(100, 170))]
 SETTINGS = [  # (sampling kwargs for the client == SamplingParams fields)

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from serving_support import client_of
 
-from serving.auth import read_token
+from serving.grpc.auth import read_token
 
 TOKEN = "s3cret-token"
 

@@ -1,6 +1,8 @@
 """Between the wire and the engine: GenerateRequest -> (token ids, SamplingParams), RequestOutput
 deltas -> GenerateResponse. Plain functions, no I/O; every user error is a RequestError that
-names the request field, which the servicer returns as INVALID_ARGUMENT.
+names the request field, which the servicer returns as INVALID_ARGUMENT. What a request is checked
+against once converted (ModelLimits, check_params) is serving.model_limits, which the HTTP API
+shares.
 """
 from __future__ import annotations
 
@@ -10,43 +12,32 @@ import json
 
 from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.sampling import SamplingParams, StructuredOutput
-from jaxinfer.sampling.params import check_logit_bias_vocab
-from jaxinfer.structured import GrammarBackend
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.chat_template import check_template_kwargs
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving import tools as serving_tools
 from serving.errors import RequestError
-from serving.proto import jaxinfer_pb2 as pb
+from serving.grpc.proto import jaxinfer_pb2 as pb
+from serving.sampling_fields import FieldMapping, SamplingTable
 from serving.tools import ChatReplies, ToolRequest
 
-# SamplingOptions fields that are `optional` scalars and map 1:1 onto SamplingParams.
-_SCALAR_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
-                  "include_stop_str_in_output", "skip_special_tokens", "speculative", "prompt_logprobs")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelLimits:
-    """What a prompt is checked against before it is queued."""
-    vocab_size: int
-    max_model_len: int
-    penalties_enabled: bool
-    max_n: int = 64
-    prompt_logprobs_enabled: bool = False
-    max_request_tokens: int | None = None  # None: max_model_len
-    # The engine's GrammarBackend: structured-output specs are compiled (and cached) by
-    # check_params on a worker thread, so the engine thread never waits for a schema.
-    grammars: GrammarBackend | None = None
-
-    @classmethod
-    def of(cls, engine) -> "ModelLimits":
-        """The limits of a running Engine."""
-        cfg = engine.config
-        return cls(vocab_size=engine.model.config.vocab_size, max_model_len=engine.max_model_len,
-                   penalties_enabled=cfg.compile.penalties, max_n=cfg.scheduler.max_n, max_request_tokens=cfg.scheduler.max_request_tokens,
-                   grammars=engine.grammars, prompt_logprobs_enabled=cfg.compile.enable_prompt_logprobs)
+_OPTIONAL = "an `optional` scalar of the same name; unset: the SamplingParams default"
+# SamplingOptions -> SamplingParams, field by field (serving.sampling_fields). Every SamplingParams
+# field is on the wire today: the proto mirrors them one to one.
+SAMPLING_TABLE = SamplingTable("gRPC SamplingOptions", mapped=(
+    *(FieldMapping((name,), name, _OPTIONAL) for name in (
+        "n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "seed", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+        "speculative", "prompt_logprobs")),
+    FieldMapping(("stop",), "stop", "repeated string -> tuple"),
+    FieldMapping(("stop_token_ids",), "stop_token_ids", "repeated int32 -> tuple"),
+    FieldMapping(("logit_bias",), "logit_bias", "map<int32, double> -> dict; empty: None"),
+    FieldMapping(("structured_output",), "structured_output",
+                 "StructuredOutput message: its oneof json_schema (JSON text) | json_object | regex | "
+                 "choice.choices | grammar -> StructuredOutput; unset: None"),
+))
+_SCALAR_FIELDS = tuple(m.params for m in SAMPLING_TABLE.mapped if m.conversion == _OPTIONAL)
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
@@ -211,47 +202,6 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, l
         raise RequestError(f"{kind}: the prompt has {len(ids)} tokens; the context holds "
                            f"{limits.max_model_len} and must keep room for one generated token")
     return ids
-
-
-def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int) -> None:
-    if params.n > limits.max_n:
-        raise RequestError(f"sampling.n={params.n}: exceeds this server's max_n={limits.max_n}")
-    total = num_prompt_tokens + params.max_tokens
-    if limits.max_request_tokens is not None and total > limits.max_request_tokens:
-        raise RequestError(f"sampling.max_tokens={params.max_tokens}: with the prompt's {num_prompt_tokens} "
-                           f"tokens that is {total} tokens, more than max_request_tokens={limits.max_request_tokens}")
-    if total > limits.max_model_len:
-        raise RequestError(f"sampling.max_tokens={params.max_tokens}: with the prompt's {num_prompt_tokens} "
-                           f"tokens that is {total} tokens, more than max_model_len={limits.max_model_len}")
-    try:
-        check_logit_bias_vocab(params, limits.vocab_size)
-    except ValueError as e:  # "SamplingParams.logit_bias[50257]: token ids out of ..."
-        raise RequestError(f"sampling.{str(e).removeprefix('SamplingParams.')}") from None
-    if params.uses_penalties and not limits.penalties_enabled:
-        raise RequestError("sampling.repetition_penalty/presence_penalty/frequency_penalty: penalties "
-                           "are off on this server (started with --no-penalties)")
-    if params.prompt_logprobs is not None and not limits.prompt_logprobs_enabled:
-        raise RequestError(f"sampling.prompt_logprobs={params.prompt_logprobs}: prompt logprobs are off on "
-                           "this server (start it with --enable-prompt-logprobs)")
-    if params.structured_output is not None:
-        if limits.grammars is None:
-            raise RequestError("sampling.structured_output: this model has no tokenizer to constrain")
-        try:
-            limits.grammars.compile(params.structured_output)
-        except ValueError as e:  # "StructuredOutput.regex: invalid regex ..."
-            raise RequestError(f"sampling.structured_output: {str(e).removeprefix('StructuredOutput.')}") from None
-
-
-def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
-    """Several queued deltas of one request as one (a slow reader gets fewer, larger messages)."""
-    if len(deltas) == 1:
-        return deltas[0]
-    head = dataclasses.replace(deltas[0], outputs=[dataclasses.replace(
-        c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
-        for c in deltas[0].outputs])
-    for delta in deltas[1:]:
-        head.merge(delta)
-    return head
 
 
 def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.GenerateResponse:
