@@ -87,8 +87,12 @@ def _tools_arg(value: str | None) -> list | None:
     return tools
 
 
+def _as_tuple(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
+
+
 def _generate(client, args) -> int:
-    from jaxinfer.cli.args import logit_bias, structured_output
+    from jaxinfer.cli.args import sampling_kwargs, sampling_options
     from serving.grpc.convert import structured_message
 
     if args.token_ids is not None:
@@ -100,16 +104,14 @@ def _generate(client, args) -> int:
         raise ValueError("no prompt: pass PROMPT or --token-ids")
     else:
         prompt = args.prompt
-    kwargs = dict(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
-                  ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
-    for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        if getattr(args, name) != off:  # unset stays unset: servers started --no-penalties accept it
-            kwargs[name] = getattr(args, name)
-    structured = structured_output(args)
-    if structured is not None:
-        kwargs["structured_output"] = structured_message(structured)
-    kwargs["logit_bias"] = logit_bias(args)  # the server checks the values and the vocabulary
+    # Every sampling flag, as SamplingParams' fields; a field at SamplingParams' own default stays
+    # unset on the wire (a server started --no-penalties accepts the default penalties). The
+    # server checks the values (and the logit bias against its vocabulary).
+    defaults = {d.name: d.default for d in sampling_options()}
+    kwargs = {name: value for name, value in sampling_kwargs(args).items()
+              if value is not None and _as_tuple(value) != _as_tuple(defaults[name])}
+    if "structured_output" in kwargs:
+        kwargs["structured_output"] = structured_message(kwargs["structured_output"])
     if (args.tools or args.tool_choice) and not args.chat:
         raise ValueError("--tools / --tool-choice: only with --chat")
     if args.chat:

@@ -19,6 +19,7 @@ from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving import tools as serving_tools
 from serving.errors import RequestError
 from serving.grpc.proto import jaxinfer_pb2 as pb
+from serving.model_limits import ModelLimits
 from serving.sampling_fields import FieldMapping, SamplingTable
 from serving.tools import ChatReplies, ToolRequest
 
