@@ -11,9 +11,9 @@
 Output building is the OutputProcessor's. Bad requests raise ValueError at add_request and
 leave every other request untouched.
 
-Data parallelism (a mesh with data=N): N replicas, each with its own KV cache manager and Scheduler. A
-new request goes to the replica with the least outstanding work (prompt + max_tokens of its
-unfinished requests); each step schedules every replica and runs all N plans in one jitted call.
+Data parallelism (a mesh with data=N): N replicas, each with its own KVCacheManager and
+Scheduler. A new request goes to the replica with the least outstanding work (prompt + max_tokens
+of its unfinished requests); each step schedules every replica, all N plans in one jitted call.
 
 Several hosts: only process 0 schedules; each step's padded inputs are broadcast before the
 call (sharding.StepChannel) to the other processes, which run the same steps in `follow()`.

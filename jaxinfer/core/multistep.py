@@ -6,8 +6,7 @@ needs the token before it), the step loop can run k decode
 steps on the device with the sampler inside, paying the host's dispatch, transfer and planning
 costs once per k tokens. `decode_window` reserves pages for all k tokens first, for every
 sequence or none (never preempting: if they do not fit, it declines and the scheduler plans one
-step as usual), and every sequence
-must have room for k more positions within max_model_len.
+step as usual), and every sequence must have room for k more positions within max_model_len.
 
 Tokens past a stop (eos, stop ids or strings, max_tokens) inside the window are overrun: the
 scheduler's `finish` drops them (they are never emitted) and frees the pages, as for async

@@ -1,8 +1,8 @@
 """A draft model: a second, smaller model (same vocabulary) that proposes k tokens greedily.
 
-It has its own ModelRunner (parameters, KV pages, compiled steps) and KV cache manager, and runs in the
-engine loop before the target's step: per speculating sequence a draft-side Sequence mirrors the
-target's tokens. One propose() call is two dispatches of the draft runner:
+It has its own ModelRunner (parameters, KV pages, compiled steps) and KV cache manager, and runs
+in the engine loop before the target's step: per speculating sequence a draft-side Sequence
+mirrors the target's tokens. One propose() call is two dispatches of the draft runner:
 
     catch-up  the tokens the draft has not computed (the whole prompt at first, then the one or
               two tokens verified since), as one ragged step that samples d0 (argmax)
