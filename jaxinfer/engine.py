@@ -12,9 +12,9 @@
 Output building is the OutputProcessor's. Bad requests raise ValueError at add_request and
 leave every other request untouched.
 
-Data parallelism (a mesh with data=N): N replicas, each with its own PagePool and Scheduler. A
-new request goes to the replica with the least outstanding work (prompt + max_tokens of its
-unfinished requests); each step schedules every replica and runs all N plans in one jitted call.
+Data parallelism (a mesh with data=N): N replicas, each with its own KVCacheManager and
+Scheduler. A new request goes to the replica with the least outstanding work (prompt + max_tokens
+of its unfinished requests); each step schedules every replica, all N plans in one jitted call.
 
 Several hosts: only process 0 schedules; its worker broadcasts each step's padded inputs
 (sharding.StepChannel) to the other processes, whose workers run the same steps in `follow()`.
@@ -29,11 +29,11 @@ import jax
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.core.admission import check_request
-from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.prompts import check_prompt_length, tokenize_prompt
 from jaxinfer.core.replica import Replica, replica_stats
 from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.kv import KVCacheManager
 from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
@@ -62,7 +62,7 @@ class Engine:
         self.worker = Worker(model, config, self.max_model_len, StepChannel() if is_multiprocess() else None)
         self.replicas = [self._make_replica(r) for r in range(self.worker.num_replicas)]
         # Replica 0 (the only one without data parallelism).
-        self.pool, self.scheduler = self.replicas[0].pool, self.replicas[0].scheduler
+        self.kv_cache, self.scheduler = self.replicas[0].kv_cache, self.replicas[0].scheduler
         self.is_leader = is_leader()
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = None if self.tokenizer is None else GrammarBackend(  # structured output: llguidance
@@ -84,15 +84,15 @@ class Engine:
 
     def _make_replica(self, index: int) -> Replica:
         config = self.config
-        pool = PagePool(self.worker.num_pages, self.worker.page_size,
-                        enable_prefix_caching=config.cache.enable_prefix_caching)
+        kv_cache = KVCacheManager(self.worker.num_pages, self.worker.page_size,
+                                  enable_prefix_caching=config.cache.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model.config.eos_token_ids
         scheduler = Scheduler(
-            pool, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            kv_cache, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             eos_token_ids=eos, seed=config.scheduler.seed + index,
             max_seqs_per_request=config.scheduler.max_seqs_per_request)
-        return Replica(pool, scheduler)
+        return Replica(kv_cache, scheduler)
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -126,7 +126,7 @@ class Engine:
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
         check_prompt_length(len(ids), params, max_model_len=self.max_model_len,
                             max_request_tokens=self.config.scheduler.max_request_tokens)
-        check_request(None, ids, params, 0, max_model_len=self.max_model_len, pool=self.pool)
+        check_request(None, ids, params, 0, max_model_len=self.max_model_len, kv_cache=self.kv_cache)
         grammar_for(self.grammars, params)
         check_logit_bias_vocab(params, self.model.config.vocab_size)
         return text, ids, params

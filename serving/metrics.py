@@ -98,10 +98,10 @@ class ServerMetrics:
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
         self.kv_free.set(stats["kv_pages_free"])
-        pool = engine.pool
+        kv_cache = engine.kv_cache
         for key, counter, value in (("preemptions", self.preemptions, engine.num_preemptions),
-                                    ("queries", self.prefix_queries, pool.prefix_cache_queries),
-                                    ("hits", self.prefix_hits, pool.prefix_cache_hits)):
+                                    ("queries", self.prefix_queries, kv_cache.prefix_cache_queries),
+                                    ("hits", self.prefix_hits, kv_cache.prefix_cache_hits)):
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
             self._seen[key] = value

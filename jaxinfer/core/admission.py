@@ -16,8 +16,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jaxinfer.core.paging import PagePool
 from jaxinfer.core.sequence import Sequence
+from jaxinfer.kv import KVCacheManager
 from jaxinfer.sampling.params import SamplingParams
 
 
@@ -48,9 +48,9 @@ class RequestEntry:
 
 
 def check_request(request_id: str | None, prompt: list[int], params: SamplingParams, priority: int, *,
-                  max_model_len: int, pool: PagePool) -> None:
+                  max_model_len: int, kv_cache: KVCacheManager) -> None:
     """ValueError naming the numbers when a request can never run: an empty prompt, prompt +
-    max_tokens over max_model_len, or more KV pages than the pool holds. A sequence keeps KV for
+    max_tokens over max_model_len, or more KV pages than the cache holds. A sequence keeps KV for
     at most prompt + max_tokens - 1 tokens (the last sampled token is never fed back)."""
     who = f"request {request_id!r}: " if request_id is not None else ""
     if not prompt:
@@ -62,9 +62,9 @@ def check_request(request_id: str | None, prompt: list[int], params: SamplingPar
         raise ValueError(
             f"{who}prompt of {len(prompt)} tokens + max_tokens="
             f"{params.max_tokens} = {total} tokens exceeds max_model_len={max_model_len}")
-    pages = pool.pages_for(total - 1)
-    if pages > pool.num_usable_pages:
+    pages = kv_cache.pages_for(total - 1)
+    if pages > kv_cache.num_usable_pages:
         raise ValueError(
             f"{who}prompt of {len(prompt)} tokens + max_tokens="
-            f"{params.max_tokens} needs {pages} KV pages of {pool.page_size} tokens, "
-            f"but the pool has only {pool.num_usable_pages}")
+            f"{params.max_tokens} needs {pages} KV pages of {kv_cache.page_size} tokens, "
+            f"but the pool has only {kv_cache.num_usable_pages}")

@@ -4,9 +4,9 @@ When every sequence the scheduler would run is a plain decode (one token to comp
 waiting to be admitted, no penalty history to keep on the host, no grammar whose next mask
 needs the token before it), the step loop can run k decode
 steps on the device with the sampler inside, paying the host's dispatch, transfer and planning
-costs once per k tokens. `decode_window` reserves pages for all k tokens first (never preempting:
-if they do not fit, it declines and the scheduler plans one step as usual), and every sequence
-must have room for k more positions within max_model_len.
+costs once per k tokens. `decode_window` reserves pages for all k tokens first, for every
+sequence or none (never preempting: if they do not fit, it declines and the scheduler plans one
+step as usual), and every sequence must have room for k more positions within max_model_len.
 
 Tokens past a stop (eos, stop ids or strings, max_tokens) inside the window are overrun: the
 scheduler's `finish` drops them (they are never emitted) and frees the pages, as for async
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import Sequence
 from jaxinfer.core.stops import is_awaiting_results
+from jaxinfer.kv import KVCacheManager
 
 
 class _SchedulerState(Protocol):  # what a window reads of the Scheduler (no import cycle)
-    pool: PagePool
+    kv_cache: KVCacheManager
     running: list[Sequence]
     max_model_len: int
     max_num_batched_tokens: int
@@ -49,12 +49,7 @@ def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan |
                 or seq.grammar is not None or seq.draft_token_ids
                 or seq.num_tokens + num_steps - 1 > scheduler.max_model_len):
             return None
-    pool = scheduler.pool
-    need = [max(0, pool.pages_for(s.num_computed_tokens + num_steps) - len(s.pages)) for s in seqs]
-    if not pool.can_allocate(sum(need)):
+    if not scheduler.kv_cache.allocate_all([(s, s.num_computed_tokens + num_steps) for s in seqs]):
         return None
-    entries = []
-    for seq, n in zip(seqs, need):
-        seq.pages += pool.allocate(n)
-        entries.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, tuple(seq.pages), sample=True))
+    entries = [ScheduledSeq(s, s.num_computed_tokens, 1, tuple(s.pages), sample=True) for s in seqs]
     return SchedulerPlan(entries, num_steps=num_steps)

@@ -5,16 +5,17 @@ to its length. `schedule()` fills a budget of `max_num_batched_tokens` over at m
 `max_num_seqs` running sequences: (1) running sequences that decode, by (priority, arrival);
 (2) running sequences part-way through their prompt (chunked prefill), taking what budget they
 need; (3) waiting sequences, by (priority, arrival), each taking its cached prefix from the
-PagePool (never the last token; a prompt whose logprobs are being scored takes only pages it
-scored itself, Sequence.cacheable_pages) and a chunk of the rest; the head of the queue blocks
+KV cache manager (never the last token; a prompt whose logprobs are being scored takes only pages
+it scored itself, Sequence.cacheable_pages) and a chunk of the rest; the head of the queue blocks
 those behind it when its pages do not fit, and nothing is admitted in a step that had to
 preempt. Siblings of an n > 1 request queue as admission.py lets them. Requests that can never
 run are refused by `add_request` (admission.check_request).
 
-Pages are reserved for exactly the tokens a step computes. When none is free, the lowest-priority,
-newest running sequence (possibly the one asking) is preempted: pages freed, back to its place in
-the queue, recomputed later (mostly from the prefix cache); if already planned, its tokens go back
-to the budget.
+Pages come from the KV cache manager (jaxinfer.kv), the scheduler's only view of them: reserved
+for exactly the tokens a step computes, cached once computed, freed at the end. When none is
+free, the lowest-priority, newest running sequence (possibly the one asking) is preempted: pages
+freed, back to its place in the queue, recomputed later (mostly from the prefix cache); if
+already planned, its tokens go back to the budget.
 
 `advance(plan)` (at dispatch) moves `num_computed_tokens` on and appends a PLACEHOLDER for each
 token the step samples; `resolve(plan, sampled)` (when the tokens reach the host) fills them in,
@@ -37,11 +38,11 @@ from typing import Iterable
 
 from jaxinfer.core.admission import RequestEntry, check_request
 from jaxinfer.core.multistep import decode_window
-from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, sample_seed
 from jaxinfer.core.spec import fit_drafts
 from jaxinfer.core.stops import StopChecker, is_awaiting_results, stop_decision
+from jaxinfer.kv import KVCacheManager
 from jaxinfer.sampling.params import SamplingParams
 
 
@@ -56,7 +57,7 @@ class _Step:  # the plan being built, with the budget that is left
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, *, max_num_batched_tokens: int, max_num_seqs: int,
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: Iterable[int] = (),
                  stop_checker: StopChecker | None = None, seed: int = 0,
                  max_seqs_per_request: int | None = None):
@@ -65,7 +66,7 @@ class Scheduler:
                             ("max_seqs_per_request", max_seqs_per_request or 1)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
-        self.pool = pool
+        self.kv_cache = kv_cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -87,7 +88,7 @@ class Scheduler:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(request_id, prompt_token_ids, sampling_params, priority,
-                      max_model_len=self.max_model_len, pool=self.pool)
+                      max_model_len=self.max_model_len, kv_cache=self.kv_cache)
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
         base_seed = (sampling_params.seed if sampling_params.seed is not None
                      else self._rng.getrandbits(64))
@@ -131,8 +132,7 @@ class Scheduler:
             self.running.remove(seq)  # at most max_num_seqs long
         else:
             self._dequeue(seq)
-        self.pool.free(seq.pages)
-        seq.pages = []
+        self.kv_cache.free(seq)
         if seq.num_pending:  # tokens of steps in flight past the end: overrun, never emitted
             del seq.token_ids[-seq.num_pending:]
             seq.num_pending = 0
@@ -196,7 +196,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
-            n += fit_drafts(self.pool, seq, step.budget - n)  # speculative decoding (spec.py)
+            n += fit_drafts(self.kv_cache, seq, step.budget - n)  # speculative decoding (spec.py)
             if self._reserve_pages(seq, seq.num_computed_tokens + n, step):
                 self._plan(seq, n, step)
         if not step.preempted:
@@ -214,13 +214,11 @@ class Scheduler:
 
     def _reserve_pages(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
         """Gives `seq` pages for `num_tokens`, preempting others; False if `seq` itself was."""
-        need = max(0, self.pool.pages_for(num_tokens) - len(seq.pages))
-        while not self.pool.can_allocate(need):
+        while not self.kv_cache.allocate(seq, num_tokens):
             victim = max(self.running, key=_sort_key)
             self._preempt(victim, step)
             if victim is seq:
                 return False
-        seq.pages += self.pool.allocate(need)
         return True
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
@@ -228,26 +226,19 @@ class Scheduler:
         if entry is not None:
             step.budget += entry.num_new_tokens
         self.running.remove(seq)
-        self.pool.free(seq.pages)
-        seq.pages, seq.num_computed_tokens, seq.num_cached_pages, seq.draft_token_ids = [], 0, 0, []
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens, seq.draft_token_ids = 0, []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_sort_key)
         step.preempted.append(seq)
 
     def _admit(self, seq: Sequence, step: _Step) -> bool:
-        pool = self.pool
-        if pool.enable_prefix_caching:
-            pool.extend_page_hashes(seq.page_hashes, seq.token_ids)
-        cached = pool.match_prefix(seq.page_hashes, seq.token_ids)[:seq.cacheable_pages(pool.page_size)]
-        num_cached_tokens = len(cached) * pool.page_size
-        n = min(seq.num_tokens - num_cached_tokens, step.budget)
-        need = self.pool.pages_for(num_cached_tokens + n) - len(cached)
-        if not pool.can_allocate(need, cached):
+        prefix = self.kv_cache.computed_prefix(seq)
+        n = min(seq.num_tokens - prefix.num_tokens, step.budget)
+        if not self.kv_cache.allocate(seq, prefix.num_tokens + n, prefix):
             return False
-        seq.pages = pool.allocate(need, cached)
-        pool.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
-        seq.num_computed_tokens, seq.num_cached_pages = num_cached_tokens, len(cached)
+        seq.num_computed_tokens = prefix.num_tokens
         del self.waiting[0]  # the head of the queue
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
@@ -287,7 +278,7 @@ class Scheduler:
             seq.token_ids[entry.known_len + step] = int(token)  # the first placeholder left
             seq.num_pending -= 1
             if seq.status is SequenceStatus.RUNNING:
-                self.pool.cache_computed_pages(seq)
+                self.kv_cache.cache_computed(seq)
             if (decision := stop_decision(seq, self.eos_token_ids, self.max_model_len, self.stop_checker)):
                 self.finish(seq, *decision)
             updated.append(seq)

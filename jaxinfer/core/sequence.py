@@ -80,6 +80,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_scored_prompt = 0        # prompt positions whose logprobs landed (prompt_logprobs)
+        # KV pages: written by the KV cache manager (jaxinfer.kv) alone, read by plans.
         self.pages: list[int] = []        # block table: page i holds tokens [i*ps, (i+1)*ps)
         self.page_hashes: list = []       # chained hashes of the full pages of token_ids
         self.num_cached_pages = 0         # leading pages registered in the prefix cache

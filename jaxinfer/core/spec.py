@@ -12,7 +12,7 @@
                         computed token, stops are checked after each (eos, stop ids, max_tokens,
                         the context; stop strings by the output processor), tokens after a stop
                         are dropped
-    roll_back           frees the pages that hold only rejected drafts' K/V; slots of rejected
+    roll_back           gives back the pages that hold only rejected drafts' K/V; slots of rejected
                         drafts in a kept page lie past num_computed_tokens and are overwritten
                         before anything reads them (attention reads kv_len tokens)
 
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq
 from jaxinfer.core.sequence import Sequence, SequenceStatus
 from jaxinfer.core.stops import StopChecker, stop_decision
+from jaxinfer.kv import KVCacheManager
 
 
 class _SchedulerState(Protocol):  # what accept_draft uses of the Scheduler (no import cycle)
-    pool: PagePool
+    kv_cache: KVCacheManager
     eos_token_ids: frozenset[int]
     max_model_len: int
     stop_checker: StopChecker | None
@@ -37,14 +37,15 @@ class _SchedulerState(Protocol):  # what accept_draft uses of the Scheduler (no 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None): ...
 
 
-def fit_drafts(pool: PagePool, seq: Sequence, budget: int) -> int:
-    """Cuts seq's drafts to `budget` tokens and to the pages free now; returns how many are left."""
+def fit_drafts(kv_cache: KVCacheManager, seq: Sequence, budget: int) -> int:
+    """Cuts seq's drafts to `budget` tokens and to the pages free now, and reserves pages for the
+    known token and the drafts left; returns how many drafts are left."""
     drafts = seq.draft_token_ids
     if not drafts:
         return 0
     n = min(len(drafts), max(budget, 0))
     first = seq.num_computed_tokens + 1  # the known token's slot comes first
-    while n and not pool.can_allocate(max(0, pool.pages_for(first + n) - len(seq.pages))):
+    while n and not kv_cache.allocate(seq, first + n):  # nothing changes when it fails
         n -= 1
     del drafts[n:]
     return n
@@ -59,18 +60,15 @@ def accept_draft(scheduler: _SchedulerState, entry: ScheduledSeq, token: int) ->
         return False
     seq.num_computed_tokens += 1
     seq.token_ids.append(int(token))
-    scheduler.pool.cache_computed_pages(seq)
+    scheduler.kv_cache.cache_computed(seq)
     decision = stop_decision(seq, scheduler.eos_token_ids, scheduler.max_model_len, scheduler.stop_checker)
     if decision:
         scheduler.finish(seq, *decision)
     return True
 
 
-def roll_back(pool: PagePool, seq: Sequence) -> None:
+def roll_back(kv_cache: KVCacheManager, seq: Sequence) -> None:
     """After a verify step: frees the pages past those the sequence's tokens need."""
     if seq.status is not SequenceStatus.RUNNING:
         return  # finished: every page is free already
-    keep = pool.pages_for(seq.num_tokens)
-    if len(seq.pages) > keep:
-        pool.free(seq.pages[keep:])
-        del seq.pages[keep:]
+    kv_cache.truncate(seq, seq.num_tokens)

@@ -1,8 +1,8 @@
 """A draft model: a second, smaller model (same vocabulary) that proposes k tokens greedily.
 
-It has its own Worker (parameters, KV pages, compiled steps) and PagePool, and runs in the
-engine loop before the target's step: per speculating sequence a draft-side Sequence mirrors the
-target's tokens. One propose() call is two launches of the draft's worker:
+It has its own Worker (parameters, KV pages, compiled steps) and KV cache manager, and runs in
+the engine loop before the target's step: per speculating sequence a draft-side Sequence mirrors
+the target's tokens. One propose() call is two launches of the draft's worker:
 
     catch-up  the tokens the draft has not computed (the whole prompt at first, then the one or
               two tokens verified since), as one ragged step that samples d0 (argmax)
@@ -23,9 +23,9 @@ from typing import Sequence as Seq
 import numpy as np
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence
+from jaxinfer.kv import KVCacheManager
 from jaxinfer.loader import LoadedModel
 from jaxinfer.worker.worker import Worker
 from jaxinfer.sampling.params import SamplingParams
@@ -54,7 +54,7 @@ class DraftModelProposer(Proposer):
             penalties=False, enable_prefix_caching=False, structured_output_overlap=False, dispatch_thread=False,
             num_decode_steps=max(k - 1, 1), mesh=None)
         self.worker = Worker(model, config, max_model_len)
-        self.pool = PagePool(self.worker.num_pages, self.worker.page_size, enable_prefix_caching=False)
+        self.kv_cache = KVCacheManager(self.worker.num_pages, self.worker.page_size, enable_prefix_caching=False)
         self.budget = self.worker.max_batched_tokens
         self._seqs: dict[int, _DraftSeq] = {}
         self.num_proposals = 0
@@ -65,10 +65,10 @@ class DraftModelProposer(Proposer):
 
     def release(self, live_seq_ids: set[int]) -> None:
         for seq_id in [s for s in self._seqs if s not in live_seq_ids]:
-            self.pool.free(self._seqs.pop(seq_id).pages)
+            self.kv_cache.free(self._seqs.pop(seq_id))
 
     def stats(self) -> dict:
-        return {"draft_kv_pages_free": self.pool.num_free_pages, "draft_seconds": self.seconds}
+        return {"draft_kv_pages_free": self.kv_cache.num_free_pages, "draft_seconds": self.seconds}
 
     def propose(self, seqs: Seq[Sequence], max_drafts: Seq[int]) -> list[list[int]]:
         start = time.perf_counter()
@@ -104,10 +104,8 @@ class DraftModelProposer(Proposer):
         if n <= 0:
             return None
         end = draft.num_computed_tokens + n + (self.k - 1 if n == todo else 0)
-        need = max(0, self.pool.pages_for(end) - len(draft.pages))
-        if not self.pool.can_allocate(need):
+        if not self.kv_cache.allocate(draft, end):
             return None
-        draft.pages += self.pool.allocate(need)
         return ScheduledSeq(draft, draft.num_computed_tokens, n, tuple(draft.pages), sample=n == todo)
 
     def _run(self, entries: list[ScheduledSeq]) -> dict[int, list[int]]:

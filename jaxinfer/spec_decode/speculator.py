@@ -137,7 +137,7 @@ class Speculator:
             misses = self._misses[seq.seq_id] = 0 if accepted[r] else self._misses.get(seq.seq_id, 0) + 1
             if misses >= 2:
                 self._skip[seq.seq_id] = min(2 ** (misses - 2), MAX_SKIP)
-            roll_back(scheduler.pool, seq)
+            roll_back(scheduler.kv_cache, seq)
 
     def stats(self) -> dict:
         drafted, accepted, steps = self.num_draft_tokens, self.num_accepted_tokens, self.num_verify_steps

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.core.paging import NULL_PAGE
+from jaxinfer.kv import NULL_PAGE
 from jaxinfer.core.plan import ScheduledSeq
 
 NULL_ROW = 0

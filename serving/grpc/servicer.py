@@ -292,7 +292,8 @@ def _model_info(engine, tool_parser) -> pb.GetModelInfoResponse:
         model=str(model.path), model_type=model.config.model_type, dtype=dtype,
         vocab_size=model.config.vocab_size, max_model_len=engine.max_model_len, eos_token_ids=list(eos),
         has_tokenizer=tok is not None, has_chat_template=getattr(tok, "chat_template", None) is not None,
-        page_size=cfg.cache.page_size, kv_pages_total=engine.pool.num_usable_pages, max_num_seqs=cfg.scheduler.max_num_seqs,
+        page_size=cfg.cache.page_size, kv_pages_total=engine.kv_cache.num_usable_pages,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, penalties_enabled=cfg.compile.penalties,
         max_logprobs=MAX_LOGPROBS, tool_call_format=tool_parser.name if tool_parser else "",
         prompt_logprobs_enabled=cfg.compile.enable_prompt_logprobs)

@@ -3,15 +3,15 @@ bounded, and aborting or finishing costs O(the request's samples) (counted, not 
 import sys
 
 from jaxinfer.core import admission, scheduler
-from jaxinfer.core.paging import PagePool
 from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.kv import KVCacheManager
 from jaxinfer.sampling import SamplingParams
 
 TOKEN = 1000
 
 
 def make(window=None, *, num_pages=512, max_num_seqs=8):
-    return Scheduler(PagePool(num_pages, 4), max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
+    return Scheduler(KVCacheManager(num_pages, 4), max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
                      max_model_len=256, max_seqs_per_request=window)
 
 
@@ -32,7 +32,7 @@ def steps_until_done(sched, request_id, limit=1000):
 def drain(sched):
     while sched.has_unfinished():
         run_step(sched)
-    assert sched.pool.num_free_pages == sched.pool.num_usable_pages and not sched.requests
+    assert sched.kv_cache.num_free_pages == sched.kv_cache.num_usable_pages and not sched.requests
 
 
 def test_a_small_request_is_not_stuck_behind_a_large_n():
@@ -60,7 +60,7 @@ def test_the_queue_holds_at_most_a_window_of_one_request():
         active = [s for s in seqs if s in sched.waiting or s in sched.running]
         assert len(active) <= 3
     assert all(s.num_output_tokens == 3 for s in seqs)
-    assert sched.pool.num_free_pages == sched.pool.num_usable_pages
+    assert sched.kv_cache.num_free_pages == sched.kv_cache.num_usable_pages
 
 
 def lines_executed(fn):
@@ -91,7 +91,7 @@ def abort_cost(n, window):
         run_step(sched)
     cost = lines_executed(lambda: sched.abort("big"))
     assert not sched.has_unfinished() and not sched.requests
-    assert sched.pool.num_free_pages == sched.pool.num_usable_pages
+    assert sched.kv_cache.num_free_pages == sched.kv_cache.num_usable_pages
     return cost
 
 

@@ -38,7 +38,7 @@ def run(engine, requests, *, async_scheduling, abort_after=None):
         steps += 1
         if abort_after and steps in abort_after:
             engine.abort(abort_after[steps])
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages, "KV pages leaked"
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages, "KV pages leaked"
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
     return tokens, reasons
 

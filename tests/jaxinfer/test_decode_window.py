@@ -54,7 +54,7 @@ def run(engine, requests, *, windows, async_scheduling=True, abort_after=None):
                 engine.abort(abort_after[steps])
     finally:
         del engine.worker.step.dispatch
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages, "KV pages leaked"
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages, "KV pages leaked"
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
     return (tokens, reasons, logprobs), window_steps
 
@@ -187,7 +187,7 @@ def test_stop_strings_mid_window_on_smollm2():
                     outs[windows] = (text, token_ids, out.outputs[0].finish_reason)
     assert outs[False] == outs[True]
     assert outs[True][2] == "stop" and stop not in outs[True][0]
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
 
 
 @pytest.mark.parametrize("flag, compiled", [("auto", False), ("on", True), ("off", False)])

@@ -42,8 +42,8 @@ def run_all(engine) -> dict:
 
 
 def assert_pool_empty(engine):
-    pool = engine.pool
-    assert pool.num_free_pages == pool.num_usable_pages, "pages leaked"
+    kv_cache = engine.kv_cache
+    assert kv_cache.num_free_pages == kv_cache.num_usable_pages, "pages leaked"
     assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
 
 

@@ -27,7 +27,7 @@ def run(engine, prompts, params) -> list[list[int]]:
     while engine.has_unfinished():
         for delta in engine.step():
             tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages, "pages leaked"
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages, "pages leaked"
     return [tokens[str(i)] for i in range(len(prompts))]
 
 

@@ -51,7 +51,7 @@ def llm():
 def assert_idle(llm):
     engine = llm.engine
     assert not engine.has_unfinished()
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages, "KV pages leaked"
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages, "KV pages leaked"
 
 
 def build(kwargs):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.core.paging import NULL_PAGE
+from jaxinfer.kv import NULL_PAGE
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence
 from jaxinfer.worker.inputs import InputBuilder

@@ -67,7 +67,7 @@ def test_engine_allocates_quantized_pages_with_scales(llama, tmp_path):
                for d in ("float32", "int8")}
     f32, q8 = engines["float32"].worker, engines["int8"].worker
     assert q8.num_pages == 4 * f32.num_pages and q8.state.kv_dtype == INT8
-    assert engines["int8"].pool.num_usable_pages == q8.num_pages - 1
+    assert engines["int8"].kv_cache.num_usable_pages == q8.num_pages - 1
     cache = q8.state.kv_caches[0]
     assert isinstance(cache, QuantizedKVCache) and cache.pages.dtype == INT8
     assert cache.pages.shape == (q8.num_pages, 16, 4, 16) and cache.scales.shape == (1, 1, 4, 1)
@@ -123,7 +123,7 @@ def _greedy(engine: Engine, prompts, max_tokens: int) -> list[list[int]]:
     while engine.has_unfinished():
         for delta in engine.step():
             tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
     return [tokens[str(i)] for i in range(len(prompts))]
 
 

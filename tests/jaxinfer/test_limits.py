@@ -20,7 +20,7 @@ def engine():
 
 def assert_idle(engine):
     assert not engine.has_unfinished()
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
     assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
 
 

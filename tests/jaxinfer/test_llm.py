@@ -73,7 +73,7 @@ def test_generate_keeps_input_order_and_stream_matches(llm):
     streamed = list(llm.stream(prompts[1], params))
     assert "".join(d.outputs[0].text for d in streamed) == outs[1].outputs[0].text
     assert streamed[-1].finished and streamed[-1].outputs[0].finish_reason == "length"
-    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+    assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
 
 def test_stopping_a_stream_early_frees_its_pages(llm):
@@ -82,7 +82,7 @@ def test_stopping_a_stream_early_frees_its_pages(llm):
     next(stream)
     stream.close()
     assert not llm.engine.scheduler.has_unfinished()
-    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+    assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
 
 def test_a_stream_left_open_while_generate_runs_gets_all_its_tokens(llm):
@@ -97,7 +97,7 @@ def test_a_stream_left_open_while_generate_runs_gets_all_its_tokens(llm):
     assert rest and rest[-1].finished
     assert first.outputs[0].token_ids + [t for d in rest for t in d.outputs[0].token_ids] == expected.token_ids
     assert "".join(d.outputs[0].text for d in [first, *rest]) == expected.text
-    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+    assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
 
 def test_two_zipped_streams_each_get_exactly_their_own_tokens(llm):
@@ -111,7 +111,7 @@ def test_two_zipped_streams_each_get_exactly_their_own_tokens(llm):
         got[1] += db.outputs[0].token_ids
     got[1] += [t for d in b for t in d.outputs[0].token_ids]
     assert got == want
-    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+    assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
 
 @pytest.mark.parametrize("prompt,match", [("", "empty"), ("word " * 600, "does not fit the context of 512")])
@@ -149,7 +149,7 @@ def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
         assert "outputs" in record or f"line {lineno}" in record["error"]
     assert "line 8" in records[7]["error"] and "stop=5" in records[8]["error"]
     assert records[9]["error"].startswith("line 10: not valid JSON (nested too deeply)")
-    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+    assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -10,7 +10,7 @@ import pytest
 from testpaths import FIXTURES
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.core.paging import NULL_PAGE
+from jaxinfer.kv import NULL_PAGE
 from jaxinfer.core.plan import ScheduledSeq
 from jaxinfer.core.sequence import Sequence
 from jaxinfer.engine import Engine
@@ -142,7 +142,7 @@ def test_the_engines_device_table_matches_its_mirror_after_every_step(engine, mo
         engine.step()
         np.testing.assert_array_equal(np.asarray(engine.worker.step.page_table.array), engine.worker.step.inputs.tables[0].rows)
     assert engine.worker.num_compiled() == compiled, "the page table compiled a new variant"
-    assert engine.num_preemptions > 0 and engine.pool.num_free_pages == engine.pool.num_usable_pages
+    assert engine.num_preemptions > 0 and engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
     decodes = [n for decode, n in sent if decode]
     assert decodes.count(0) > len(decodes) // 2, sent  # a window of 4 starts a page of 8 every other time
     assert max(decodes) <= 3, sent  # at most one new page per sequence

@@ -14,11 +14,11 @@ import pytest
 from testpaths import FIXTURES
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.core.paging import PagePool
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import Sequence, SequenceStatus
 from jaxinfer.engine import Engine
+from jaxinfer.kv import KVCacheManager
 from jaxinfer.worker.inputs import InputBuilder, prompt_inputs
 from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.models.registry import get_family
@@ -56,7 +56,7 @@ def run(engine, *requests) -> list:
                 results[delta.request_id].merge(delta)
             else:
                 results[delta.request_id] = delta
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
     return [results[i] for i in ids]
 
 
@@ -195,7 +195,7 @@ def test_a_prompt_being_scored_takes_only_cached_pages_it_has_scored():
     """Cached prefix pages were computed without scoring: a prompt being scored computes every
     position itself, except (computed again after a preemption) the pages it has scored; a
     request without prompt logprobs, or one whose prompt is scored, takes the whole prefix."""
-    sched = Scheduler(PagePool(33, 4), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
+    sched = Scheduler(KVCacheManager(33, 4), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
     shared = list(range(100, 112))
     sched.add_request("first", shared + [1, 2], SamplingParams(max_tokens=1))
     sched.update(sched.schedule(), [7])  # first's pages of `shared` are in the prefix cache

@@ -206,11 +206,11 @@ def fake_logits(seq, vocab=64):
 
 def generate(requests, num_pages, batch_size=8):
     """Runs requests (id, prompt, params) through Scheduler + sampler; returns their outputs."""
-    from jaxinfer.core.paging import PagePool
     from jaxinfer.core.scheduler import Scheduler
+    from jaxinfer.kv import KVCacheManager
     from jaxinfer.sampling.arrays import sampling_arrays_for_sequences
 
-    sched = Scheduler(PagePool(num_pages, 4), max_num_batched_tokens=16, max_num_seqs=batch_size,
+    sched = Scheduler(KVCacheManager(num_pages, 4), max_num_batched_tokens=16, max_num_seqs=batch_size,
                       max_model_len=64, seed=len(requests))
     seqs = {rid: sched.add_request(rid, prompt, p) for rid, prompt, p in requests}
     preempted = 0
@@ -223,7 +223,7 @@ def generate(requests, num_pages, batch_size=8):
         arrays = sampling_arrays_for_sequences([e.seq for e in plan.seqs], batch_size,
                                                history_len=64)
         sched.update(plan, np.asarray(sample_jit(logits, arrays, 0).tokens))
-    assert sched.pool.num_free_pages == sched.pool.num_usable_pages
+    assert sched.kv_cache.num_free_pages == sched.kv_cache.num_usable_pages
     return {rid: [s.output_token_ids for s in ss] for rid, ss in seqs.items()}, preempted
 
 

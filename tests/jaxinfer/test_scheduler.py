@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from jaxinfer.core.paging import PagePool
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import SequenceStatus, sample_seed
+from jaxinfer.kv import KVCacheManager
 
 TOKEN = 1000  # what the fake model samples unless a test says otherwise
 
@@ -18,15 +18,14 @@ def make_sched():
     made = []
 
     def make(num_pages, page_size, *, budget=64, max_num_seqs=8, max_model_len=256, **kw):
-        pool = PagePool(num_pages, page_size)
-        made.append(Scheduler(pool, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+        made.append(Scheduler(KVCacheManager(num_pages, page_size), max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                               max_model_len=max_model_len, **kw))
         return made[-1]
 
     yield make
     for sched in made:
         assert not sched.has_unfinished() and not sched.requests
-        pool = sched.pool
+        pool = sched.kv_cache.pool
         assert pool.num_free_pages == pool.num_usable_pages
         assert all(pool.ref_count(p) == 0 for p in range(pool.num_pages))
 
@@ -56,12 +55,12 @@ def test_one_request_from_prefill_to_length(make_sched):
     tokens = iter([100, 101, 102])
     nxt = lambda s: next(tokens)
     assert step(sched, nxt) == [("a", 0, 6, (1, 2), True)]
-    assert sched.pool.is_cached(1) and not sched.pool.is_cached(2)
+    assert sched.kv_cache.pool.is_cached(1) and not sched.kv_cache.pool.is_cached(2)
     assert step(sched, nxt) == [("a", 6, 1, (1, 2), True)]
     assert step(sched, nxt) == [("a", 7, 1, (1, 2), True)]
     assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.finish_reason == "length"
     assert seq.output_token_ids == [100, 101, 102] and seq.pages == []
-    assert sched.pool.free_page_ids() == [3, 4, 5, 6, 7, 8, 2, 1]  # cached pages, head last
+    assert sched.kv_cache.pool.free_page_ids() == [3, 4, 5, 6, 7, 8, 2, 1]  # cached pages, head last
     assert step(sched) == []
 
 
@@ -118,7 +117,7 @@ def test_newest_sequence_is_preempted_and_recomputed_from_the_prefix_cache(make_
     assert [(e.seq.request_id, e.start, e.pages) for e in plan.seqs] == [("a", 4, (1, 2, 4))]
     assert plan.preempted == [b] and b.status is SequenceStatus.PREEMPTED
     assert b.num_preemptions == 1 and b.pages == [] and b.num_computed_tokens == 0
-    assert sched.pool.free_page_ids() == [3]  # b's first page, still cached
+    assert sched.kv_cache.pool.free_page_ids() == [3]  # b's first page, still cached
     sched.update(plan, [TOKEN])
     # b cannot come back yet: it needs its cached page 3 plus two fresh ones
     assert step(sched) == [("a", 5, 1, (1, 2, 4), True)]
@@ -128,7 +127,7 @@ def test_newest_sequence_is_preempted_and_recomputed_from_the_prefix_cache(make_
     assert step(sched) == [("b", 2, 3, (3, 4, 2), True)]
     assert step(sched) == [("b", 5, 1, (3, 4, 2), True)]
     assert b.status is SequenceStatus.FINISHED_LENGTH and b.output_token_ids == [TOKEN] * 4
-    assert (sched.pool.prefix_cache_queries, sched.pool.prefix_cache_hits) == (11, 2)
+    assert (sched.kv_cache.pool.prefix_cache_queries, sched.kv_cache.pool.prefix_cache_hits) == (11, 2)
 
 
 def test_a_planned_lower_priority_decode_is_taken_out_of_the_plan(make_sched):
@@ -243,7 +242,7 @@ def test_parallel_samples_share_the_prompt_pages(make_sched):
     # then take its full prompt pages and recompute only the partial last page
     assert step(sched) == [("n3", 10, 1, (1, 2, 3), True),
                            ("n3", 8, 2, (1, 2, 4), True), ("n3", 8, 2, (1, 2, 5), True)]
-    assert [sched.pool.ref_count(p) for p in (1, 2, 3, 4, 5)] == [2, 2, 0, 1, 1]
+    assert [sched.kv_cache.pool.ref_count(p) for p in (1, 2, 3, 4, 5)] == [2, 2, 0, 1, 1]
     drain(sched)
     assert all(s.output_token_ids == [TOKEN, TOKEN] for s in seqs)
     assert sched.abort("n3") == []
@@ -257,13 +256,13 @@ def test_second_request_computes_only_what_the_prefix_cache_lacks(make_sched):
     (second,) = sched.add_request("second", shared + [3, 4, 5], params(max_tokens=1))
     # first's partial last page 4 was uncached, so it is the first page reused
     assert step(sched) == [("second", 12, 3, (1, 2, 3, 4), True)]
-    pool = sched.pool
+    pool = sched.kv_cache.pool
     assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (29, 12)
 
 
 def test_unseeded_requests_get_reproducible_distinct_seeds():
     def seeds(sched_seed):
-        sched = Scheduler(PagePool(9, 4), max_num_batched_tokens=8, max_num_seqs=4,
+        sched = Scheduler(KVCacheManager(9, 4), max_num_batched_tokens=8, max_num_seqs=4,
                           max_model_len=32, seed=sched_seed)
         return [s.seed for rid in "ab" for s in sched.add_request(rid, [1], params(n=2))]
 
@@ -274,7 +273,7 @@ def test_unseeded_requests_get_reproducible_distinct_seeds():
 def test_random_workload_keeps_the_invariants(make_sched):
     rng = random.Random(0)
     sched = make_sched(13, 4, budget=16, max_num_seqs=5, max_model_len=40)
-    pool, next_id = sched.pool, 0
+    pool, next_id = sched.kv_cache.pool, 0
     for _ in range(400):
         if rng.random() < 0.3 and len(sched.requests) < 8:
             prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]  # shared prefixes

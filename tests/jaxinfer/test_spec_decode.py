@@ -63,12 +63,12 @@ def run(engine, requests, *, async_scheduling=True, abort_after=None):
         steps += 1
         if abort_after and steps in abort_after:
             engine.abort(abort_after[steps])
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages, "KV pages leaked"
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages, "KV pages leaked"
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
     proposer = engine.speculator.proposer
-    if hasattr(proposer, "pool"):
+    if hasattr(proposer, "kv_cache"):
         engine.speculator.propose(engine.scheduler)  # releases what the finished sequences held
-        assert proposer.pool.num_free_pages == proposer.pool.num_usable_pages, "draft KV pages leaked"
+        assert proposer.kv_cache.num_free_pages == proposer.kv_cache.num_usable_pages, "draft KV pages leaked"
     return results
 
 

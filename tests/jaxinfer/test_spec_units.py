@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.core.paging import PagePool
+from jaxinfer.kv import KVCacheManager
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.arrays import make_sampling_arrays
@@ -176,8 +176,8 @@ def _land(speculator, scheduler, plan, tokens, accepted):
 
 
 def test_drafts_are_scheduled_verified_and_rolled_back():
-    pool = PagePool(12, 4, enable_prefix_caching=False)
-    scheduler = Scheduler(pool, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, eos_token_ids=[99])
+    kv_cache = KVCacheManager(12, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(kv_cache, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, eos_token_ids=[99])
     speculator = Speculator(SpeculativeConfig("ngram", 4), NgramProposer(4, 1, 2), max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=20)
     seq, = scheduler.add_request("a", [1, 2, 3, 4, 5, 6, 1, 2], params)
@@ -193,13 +193,13 @@ def test_drafts_are_scheduled_verified_and_rolled_back():
     assert landed == [(0, [seq.seq_id]), (1, [seq.seq_id]), (2, [seq.seq_id])]
     assert seq.output_token_ids == [3, 4, 5, 7] and seq.num_computed_tokens == 11 and seq.num_tokens == 12
     assert len(seq.pages) == 3  # the page that held only rejected drafts is free again
-    assert pool.num_free_pages == pool.num_usable_pages - 3
+    assert kv_cache.num_free_pages == kv_cache.num_usable_pages - 3
     assert (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps) == (4, 2, 1)
 
 
 def test_a_stop_inside_the_accepted_run_drops_the_rest():
-    pool = PagePool(12, 4, enable_prefix_caching=False)
-    scheduler = Scheduler(pool, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, eos_token_ids=[99])
+    kv_cache = KVCacheManager(12, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(kv_cache, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, eos_token_ids=[99])
     speculator = Speculator(SpeculativeConfig("ngram", 3), NgramProposer(3, 1, 2), max_model_len=64)
     seq, = scheduler.add_request("a", [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=9,
                                                                       stop_token_ids=[5]))
@@ -210,7 +210,7 @@ def test_a_stop_inside_the_accepted_run_drops_the_rest():
     landed = _land(speculator, scheduler, plan, [[1, 5, 8, 8]], [3])  # 5 is a stop id: 8 8 dropped
     assert [j for j, _ in landed] == [0, 1]
     assert seq.output_token_ids == [3, 1, 5] and seq.is_finished and seq.stop_reason == 5
-    assert seq.pages == [] and pool.num_free_pages == pool.num_usable_pages
+    assert seq.pages == [] and kv_cache.num_free_pages == kv_cache.num_usable_pages
 
 
 @pytest.mark.parametrize("num_pages,budget,want", [(8, 16, 3), (4, 16, 1), (8, 3, 2)])
@@ -218,8 +218,8 @@ def test_drafts_respect_max_tokens_pages_and_budget(num_pages, budget, want):
     """max_tokens 5 after 1 output: 3 drafts + 1 bonus at most; 3 pages of 4 with one taken by
     the other request: 7 + 1 tokens; a budget of 3 tokens: the known token and 2 drafts. Drafts
     never preempt."""
-    pool = PagePool(num_pages, 4, enable_prefix_caching=False)
-    scheduler = Scheduler(pool, max_num_batched_tokens=budget, max_num_seqs=4, max_model_len=64)
+    kv_cache = KVCacheManager(num_pages, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(kv_cache, max_num_batched_tokens=budget, max_num_seqs=4, max_model_len=64)
     speculator = Speculator(SpeculativeConfig("ngram", 8), NgramProposer(8, 1, 1), max_model_len=64)
     seq, = scheduler.add_request("a", [7] * 6, SamplingParams(temperature=0, max_tokens=5))
     off, = scheduler.add_request("b", [7], SamplingParams(temperature=0, max_tokens=3, speculative=False))
@@ -236,8 +236,8 @@ def test_drafts_respect_max_tokens_pages_and_budget(num_pages, budget, want):
 def test_rejected_drafts_back_off():
     """Two verify steps in a row without an accepted draft: the sequence sits out 1, then 2
     proposals; an accepted draft ends the back-off."""
-    pool = PagePool(40, 4, enable_prefix_caching=False)
-    scheduler = Scheduler(pool, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128)
+    kv_cache = KVCacheManager(40, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(kv_cache, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128)
     speculator = Speculator(SpeculativeConfig("ngram", 2), NgramProposer(2, 1, 1), max_model_len=128)
     seq, = scheduler.add_request("a", [3, 3, 3, 3], SamplingParams(temperature=0, max_tokens=60))
     scheduler.update(scheduler.schedule(), [3])

@@ -159,7 +159,7 @@ def test_unconstrained_rows_are_untouched_and_pages_return(llm):
         max_tokens=24, temperature=0.0, structured_output=StructuredOutput(choice=["red", "blue"]))])
     assert mixed[0].outputs[0].text == alone
     assert mixed[1].outputs[0].text in ("red", "blue")
-    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+    assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
 
 def test_bad_spec_is_refused_at_add_request(llm):
@@ -168,7 +168,7 @@ def test_bad_spec_is_refused_at_add_request(llm):
     out = llm.generate("hi", SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="[a-z]+")),
                        use_tqdm=False)[0]  # nothing of the refused request lingers
     assert re.fullmatch("[a-z]+", out.outputs[0].text)
-    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_usable_pages
+    assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
 
 def test_command_line_flags_and_batch_lines(tmp_path):
@@ -222,4 +222,4 @@ def test_masks_filled_while_the_forward_runs_give_the_same_tokens(llm):
     jsonschema.validate(json.loads(got[0].outputs[0].text), PERSON)
     assert len(split_calls) >= 5, "the split step was not taken"
     assert runner.num_compiled() == compiled, "the split step compiled after warm-up"
-    assert overlapped.engine.pool.num_free_pages == overlapped.engine.pool.num_usable_pages
+    assert overlapped.engine.kv_cache.num_free_pages == overlapped.engine.kv_cache.num_usable_pages

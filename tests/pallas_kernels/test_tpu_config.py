@@ -168,5 +168,5 @@ def test_the_engine_runs_on_the_page_size_it_chose():
     model = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
     engine = Engine(model, EngineConfig(attn_impl="pallas_tpu", num_pages=8, max_num_seqs=512,
                                         compilation_cache_dir=None), warm_up=False)
-    assert engine.config.cache.page_size == engine.pool.page_size == engine.worker.step.engine.cache.page_size == 32
+    assert engine.config.cache.page_size == engine.kv_cache.page_size == engine.worker.step.engine.cache.page_size == 32
     assert engine.worker.state.pages_per_seq == 256 and engine.worker.state.kv_caches[0].shape[1] == 32

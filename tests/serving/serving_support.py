@@ -9,7 +9,7 @@ from serving.grpc.client import Client
 
 def assert_pages_free(engine):
     assert not engine.has_unfinished()
-    assert engine.pool.num_free_pages == engine.pool.num_usable_pages, "KV pages leaked"
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages, "KV pages leaked"
 
 
 def wait_for(predicate, timeout=10.0, interval=0.02):

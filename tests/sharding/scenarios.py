@@ -71,7 +71,7 @@ def scenario_engine(name: str, mesh: str) -> dict:
     compiled = engine.worker.num_compiled()
     prompts, expected, max_tokens = prompts_and_expected(name)
     results, replicas = run_engine(engine, prompts, max_tokens)
-    pools_empty = all(r.pool.num_free_pages == r.pool.num_usable_pages for r in engine.replicas)
+    pools_empty = all(r.kv_cache.num_free_pages == r.kv_cache.num_usable_pages for r in engine.replicas)
     return {
         "mismatched": [i for i, want in enumerate(expected) if results[str(i)] != want],
         "num_prompts": len(prompts), "preemptions": engine.num_preemptions,

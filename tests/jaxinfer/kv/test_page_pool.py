@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from jaxinfer.core.paging import NULL_PAGE, OutOfPagesError, PagePool, hash_page
+from jaxinfer.kv.page_pool import NULL_PAGE, OutOfPagesError, PagePool
+from jaxinfer.kv.prefix_cache import hash_page
 
 
 @pytest.fixture
@@ -203,6 +204,6 @@ def test_page_hash_is_chained_sha256_and_stable_across_processes():
     assert parent == expected
     child = hash_page(parent, (3, 4))
     assert child != hash_page(None, (3, 4))
-    code = "from jaxinfer.core.paging import hash_page; print(hash_page(hash_page(None, (1, 2)), (3, 4)).hex())"
+    code = "from jaxinfer.kv import hash_page; print(hash_page(hash_page(None, (1, 2)), (3, 4)).hex())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == child.hex()

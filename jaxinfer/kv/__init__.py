@@ -1,0 +1,22 @@
+"""The KV cache manager: which pages hold which sequence's tokens (plain Python, no JAX).
+
+    manager.py       KVCacheManager: the scheduler's interface (computed prefix, allocate, cache,
+                     truncate, free, fork with copy-on-write, metrics, events)
+    page_pool.py     PagePool: free list in eviction order, reference counts, the null page 0
+    prefix_cache.py  the chained page hash and the map from hashes to cached pages
+    groups.py        KV cache groups: full attention, sliding window
+    events.py        BlockStored / BlockRemoved / AllBlocksCleared for routers
+
+The worker holds the pages' arrays; it only ever sees page ids in a plan's page tables, and
+imports NULL_PAGE from here. Nothing here imports the rest of jaxinfer: the manager reads and
+writes a sequence through the KVSequence protocol.
+"""
+from jaxinfer.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from jaxinfer.kv.groups import FullAttention, KVCacheGroup, SlidingWindow
+from jaxinfer.kv.manager import NO_PREFIX, ComputedPrefix, KVCacheManager, KVSequence
+from jaxinfer.kv.page_pool import NULL_PAGE, OutOfPagesError, PagePool
+from jaxinfer.kv.prefix_cache import hash_page
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "ComputedPrefix", "FullAttention", "KVCacheGroup",
+           "KVCacheManager", "KVEvent", "KVSequence", "NO_PREFIX", "NULL_PAGE", "OutOfPagesError", "PagePool",
+           "SlidingWindow", "hash_page"]
