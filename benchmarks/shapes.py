@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.config_families import pattern_layer_types
+from jaxinfer.config.model import pattern_layer_types
 from jaxinfer.loader import LoadedModel, resolve_dtype
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant.config import param_bytes as quant_param_bytes

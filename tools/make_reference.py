@@ -508,8 +508,8 @@ GEMMA_CHATS = [
 def gemma_chat_template() -> str:
     """The Gemma chat template jaxinfer uses for a GGUF without one (the 270M GGUF has none),
     read from its source file without importing jaxinfer (which needs Python >= 3.12)."""
-    path = ROOT / "jaxinfer" / "tokenizer" / "arch_defaults.py"
-    spec = importlib.util.spec_from_file_location("arch_defaults", path)
+    path = ROOT / "jaxinfer" / "models" / "gemma" / "defaults.py"
+    spec = importlib.util.spec_from_file_location("gemma_defaults", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.GEMMA_CHAT_TEMPLATE

@@ -2,7 +2,13 @@
 
 Both sources end in one `ModelConfig`: the shapes and numerics a model family needs, nothing about
 serving. Errors name the missing or unsupported field, since a wrong config is a user's mistake.
-The fields only some families have are read in config_families.py.
+
+    config.json / GGUF metadata ─► the family serving its model_type / architecture (families.py)
+      ─► the shared fields, read here (shapes, norms, rope, biases, special ids)
+      ─► the family's own fields, read by the family (jaxinfer/models/<family>/config.py), which
+         may also read a shared field its own way ─► ModelConfig
+
+`to_hf_dict` runs the other way: the shared keys here, then the family's.
 """
 from __future__ import annotations
 
@@ -11,23 +17,30 @@ import json
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
-from jaxinfer.config_families import (GEMMA_HF_TYPES, ConfigError, check_layer_types, gemma_from_gguf, gemma_from_hf,
-                                     gemma_rope_config, gemma_to_hf, gguf_model_type, is_sliding_layer,
-                                     llama_sliding_window, moe_from_gguf, moe_from_hf, require)
+from jaxinfer.config import families
+from jaxinfer.config.errors import ConfigError, require
 
 __all__ = ["ConfigError", "ModelConfig", "RopeScaling"]
 
-# HF model_type -> the model family that runs it.
-HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "mixtral": "moe", "qwen3_moe": "moe",
-               "gemma2": "gemma", "gemma3_text": "gemma"}
-GGUF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "qwen3moe": "moe",
-                 "gemma2": "gemma", "gemma3": "gemma"}  # "llama" with experts is Mixtral: family "moe"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                     "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                     "gemma3_text": "Gemma3ForCausalLM"}
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # an RMSNorm over head_dim on every query and key head, before RoPE
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF layer_types
+
+
+def pattern_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
+    """Every `period`-th layer global (layers period-1, 2*period-1, ...), the others sliding."""
+    return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers))
+
+
+def is_sliding_layer(types: tuple[str, ...], i: int) -> bool:
+    """Layer i is a local (sliding-window) layer: by its layer type, or every layer where no
+    types are listed."""
+    return not types or types[i] == SLIDING
+
+
+def check_layer_types(types: tuple[str, ...], num_layers: int, source: str) -> None:
+    if types and (len(types) != num_layers or not set(types) <= {SLIDING, FULL}):
+        raise ConfigError(f"{source}: layer_types={list(types)!r} must give each of the {num_layers} layers "
+                          f"{SLIDING!r} or {FULL!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +55,7 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str  # checkpoint's own name: "llama", "mistral", "qwen2", "qwen3", "mixtral", ...
-    family: str  # model code that runs it: "llama" or "moe"
+    family: str  # model code that runs it (families.py): "llama", "moe", "gemma", or one registered
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -71,7 +84,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # Gemma 2 / 3 (family "gemma"; config_families.py): HF layer_types ("sliding_attention" layers use
+    # Gemma 2 / 3 (family "gemma"; models/gemma/config.py): HF layer_types ("sliding_attention" layers use
     # sliding_window, "full_attention" ones see everything; empty: all use sliding_window), the
     # sliding layers' rope base (None: rope_theta; global layers keep rope_scaling), scores scaled
     # by query_pre_attn_scalar ** -0.5 (None: head_dim), tanh soft caps on scores and final logits.
@@ -125,30 +138,24 @@ class ModelConfig:
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(dataclasses.asdict(self.rope_scaling))
+        spec = families.family_spec(self.family)
         cfg = {
-            "model_type": self.model_type, "architectures": [_HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type, "architectures": [spec.hf_architectures[self.model_type]],
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings, "rope_parameters": rope,
-            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.o_bias,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.qkv_bias,
             "mlp_bias": self.mlp_bias, "hidden_act": "silu", "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
         }
-        if self.model_type != "qwen2":
-            cfg["attention_bias"] = self.qkv_bias
         if self.sliding_window is not None:
             # max_window_layers 0: Qwen2/3 slide every layer from it on, as this config does.
             cfg.update(sliding_window=self.sliding_window, use_sliding_window=True, max_window_layers=0)
         if self.rope_freq_factors is not None:
             cfg["rope_freq_factors"] = list(self.rope_freq_factors)
-        if self.num_experts:
-            cfg.update(num_local_experts=self.num_experts, mlp_only_layers=list(self.mlp_only_layers), **{
-                k: getattr(self, k) for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                                              "decoder_sparse_step")})
-        if self.family == "gemma":
-            cfg.update(gemma_to_hf(self))
+        cfg.update(spec.to_hf(self))
         return cfg
 
     @classmethod
@@ -180,9 +187,10 @@ def _as_id_tuple(value) -> tuple[int, ...]:
     return () if value is None else tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
 
 
-def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older checkpoints a
-    # top-level rope_theta and an optional rope_scaling {type|rope_type, factor, ...}.
+def rope_from_hf(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """{rope_theta, rope_scaling} of a config.json's rope settings. transformers >= 5 writes
+    rope_parameters {rope_theta, rope_type, ...}; older checkpoints a top-level rope_theta and an
+    optional rope_scaling {type|rope_type, factor, ...}."""
     params = cfg.get("rope_parameters") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
@@ -192,35 +200,27 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, RopeScali
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
-        return float(theta), None
+        return dict(rope_theta=float(theta), rope_scaling=None)
     factor = require(scaling, "factor", f"{source} rope_scaling")
-    return float(theta), RopeScaling(
+    return dict(rope_theta=float(theta), rope_scaling=RopeScaling(
         rope_type=rope_type,
         factor=float(factor),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-    )
+    ))
 
 
 def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
     model_type = require(cfg, "model_type", source)
-    if model_type not in HF_FAMILIES:
-        hint = " (Gemma 3 with vision: use its text-only checkpoint, gemma3_text, or a GGUF)" if model_type == "gemma3" else ""
-        raise ConfigError(
-            f"{source}: unsupported model_type {model_type!r}{hint}; supported: {sorted(HF_FAMILIES)}")
+    spec = families.spec_for_hf(model_type, source)
     req = lambda key: require(cfg, key, source)  # noqa: E731
     hidden, heads = int(req("hidden_size")), int(req("num_attention_heads"))
     head_dim = cfg.get("head_dim") or _split(hidden, heads, source)
-    gemma = model_type in GEMMA_HF_TYPES
-    rope_cfg, local_theta = gemma_rope_config(cfg) if gemma else (cfg, None)
-    theta, scaling = _rope_from_hf(rope_cfg, source)
-    hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act != "silu" and not gemma:  # Gemma's activation is checked with its other fields
-        raise ConfigError(f"{source}: unsupported hidden_act {hidden_act!r}; supported: 'silu'")
+    attention_bias = bool(cfg.get("attention_bias", False))
     fields = dict(
         model_type=model_type,
-        family=HF_FAMILIES[model_type],
+        family=spec.name,
         vocab_size=int(req("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(req("intermediate_size")),
@@ -229,33 +229,25 @@ def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(req("rms_norm_eps")),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rope_local_theta=None if local_theta is None else float(local_theta),
         max_position_embeddings=int(req("max_position_embeddings")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in _QK_NORM_TYPES,
-        sliding_window=None if gemma else llama_sliding_window(cfg, model_type, source),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         rope_freq_factors=tuple(float(f) for f in cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
     )
-    if gemma:
-        fields.update(gemma_from_hf(cfg, model_type, source))
-    elif HF_FAMILIES[model_type] == "moe":
-        fields.update(moe_from_hf(cfg, model_type, source))
-    return ModelConfig(**fields)
+    own = spec.read_hf(cfg, fields, source)
+    if "rope_theta" not in own:
+        fields.update(rope_from_hf(cfg, source))
+    return ModelConfig(**{**fields, **own})
 
 
 def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool, tensor_names: Collection[str] | None) -> ModelConfig:
     source = "GGUF metadata"
     arch = require(meta, "general.architecture", source)
-    if arch not in GGUF_FAMILIES:
-        raise ConfigError(
-            f"{source}: unsupported general.architecture {arch!r}; supported: {sorted(GGUF_FAMILIES)}")
+    spec, model_type = families.spec_for_gguf(meta, arch, source)
     req = lambda key: require(meta, f"{arch}.{key}", source)  # noqa: E731
     hidden, heads = int(req("embedding_length")), int(req("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size")
@@ -268,10 +260,9 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool, tensor_names: C
     elif scaling_type not in (None, "none"):
         raise ConfigError(f"{source}: unsupported {arch}.rope.scaling.type {scaling_type!r}")
     window = meta.get(f"{arch}.attention.sliding_window")
-    model_type = gguf_model_type(meta, arch)
     fields = dict(
         model_type=model_type,
-        family=HF_FAMILIES.get(model_type, GGUF_FAMILIES[arch]),
+        family=spec.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
@@ -284,14 +275,9 @@ def _from_gguf(meta: Mapping[str, Any], has_output_weight: bool, tensor_names: C
         rope_scaling=scaling,
         max_position_embeddings=int(req("context_length")),
         tie_word_embeddings=not has_output_weight,
-        qkv_bias=arch == "qwen2",
-        qk_norm=model_type in _QK_NORM_TYPES,
         sliding_window=int(window) if window else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
     )
-    if GGUF_FAMILIES[arch] == "gemma":
-        fields.update(gemma_from_gguf(meta, arch, fields["num_layers"], hidden, heads, fields["head_dim"]))
-    elif fields["family"] == "moe":
-        fields.update(moe_from_gguf(meta, arch, fields["num_layers"], tensor_names, source))
+    fields.update(spec.read_gguf(meta, arch, fields, tensor_names, source))
     return ModelConfig(**fields)

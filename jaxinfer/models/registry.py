@@ -1,9 +1,17 @@
-"""Model families by name, and the typed record every family provides to the loader and the worker.
+"""Model families by name: the typed record of each one's model code, for the loader and the worker.
 
-A family is model code only: a forward pass over the ragged batch, the LM head, random init, how
-to assemble its parameter tree from loaded arrays, its checkpoint name map (TensorSpecs) and the
-logical axes of every parameter (for sharding). The engine reaches a model only through this
-record, so a new family is a file pair (forward + names) and one entry in `_FAMILIES`.
+A `ModelFamily` is model code only: a forward pass over the ragged batch, the LM head, random
+init, how to assemble its parameter tree from loaded arrays, its checkpoint name map
+(TensorSpecs) and the logical axes of every parameter (for sharding). The engine reaches a model
+only through this record.
+
+    get_family(name) ─► the family's FamilySpec (jaxinfer.config.families: what it serves, how its
+                        config is read; no JAX) ─► spec.model(), called once: imports the model
+                        code and returns this record
+
+So a family is its folder, jaxinfer/models/<family>/ (__init__.py: its FamilySpec; config.py,
+model.py, names.py), and one entry in families.BUILTIN_FAMILIES; a family defined outside the
+package (a plug-in, a test) is added with `register_family`, without editing the package.
 """
 from __future__ import annotations
 
@@ -13,9 +21,8 @@ from typing import Any, Callable, Mapping, Protocol
 import jax
 import numpy as np
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.models import gemma, gemma_names, llama, llama_names, moe, moe_names
-from jaxinfer.models import layers as L
+from jaxinfer.config import ModelConfig, families
+from jaxinfer.config.families import FamilySpec
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.models.specs import TensorSpec
 
@@ -75,25 +82,15 @@ class ModelFamily:
     compute_layout: Callable[[Any, Any], Any] | None = None
 
 
-_FAMILIES: dict[str, ModelFamily] = {
-    "llama": ModelFamily(
-        name="llama", forward=llama.forward, compute_logits=llama.compute_logits,
-        init_params=llama.init_params, assemble=llama.assemble,
-        checkpoint_specs=llama_names.checkpoint_specs, ignored_tensors=llama_names.IGNORED,
-        param_axes=llama.PARAM_AXES, linear_inputs=llama.LINEAR_INPUTS, compute_layout=L.linear_layout),
-    "moe": ModelFamily(
-        name="moe", forward=moe.forward, compute_logits=moe.compute_logits,
-        init_params=moe.init_params, assemble=moe.assemble,
-        checkpoint_specs=moe_names.checkpoint_specs, ignored_tensors=moe_names.IGNORED,
-        param_axes=moe.PARAM_AXES, linear_inputs=moe.LINEAR_INPUTS, compute_layout=moe.compute_layout),
-    "gemma": ModelFamily(
-        name="gemma", forward=gemma.forward, compute_logits=gemma.compute_logits,
-        init_params=gemma.init_params, assemble=gemma.assemble,
-        checkpoint_specs=gemma_names.checkpoint_specs, ignored_tensors=gemma_names.IGNORED,
-        param_axes=gemma.PARAM_AXES, linear_inputs=gemma.LINEAR_INPUTS, compute_layout=L.linear_layout,
-        traits=("(1 + w) RMSNorm before and after attention and MLP", "GELU(tanh)-gated MLP",
-                "embeddings scaled by sqrt(hidden)")),
-}
+_LOADED: dict[str, tuple[FamilySpec, ModelFamily]] = {}  # name -> (its spec, the record spec.model made)
+
+
+def register_family(spec: FamilySpec) -> None:
+    """Adds a model family from outside the package: its config.json model_types (and GGUF
+    architectures, if any) are served by it from now on, in `LLM(path)`, the loader, `convert`.
+    `spec.model` imports its model code on first use and returns its ModelFamily. A ValueError
+    names a family name or model_type already taken."""
+    families.register(spec)
 
 
 def features(config: ModelConfig) -> list[str]:
@@ -119,6 +116,13 @@ def features(config: ModelConfig) -> list[str]:
 
 
 def get_family(name: str) -> ModelFamily:
-    if name not in _FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; known: {sorted(_FAMILIES)}")
-    return _FAMILIES[name]
+    """The model code of family `name` (a ValueError lists the known families)."""
+    spec = families.family_spec(name)
+    loaded = _LOADED.get(name)
+    if loaded is None or loaded[0] is not spec:
+        family = spec.model()
+        if not isinstance(family, ModelFamily) or family.name != name:
+            raise ValueError(f"model family {name!r}: its model() returned {family!r}, not a ModelFamily "
+                             f"named {name!r}")
+        loaded = _LOADED[name] = (spec, family)
+    return loaded[1]

@@ -1,6 +1,6 @@
 """TensorSpec: how one checkpoint tensor becomes one of our parameters.
 
-A family's name map (e.g. llama_names.py) lists one TensorSpec per tensor it needs; the loader
+A family's name map (e.g. llama/names.py) lists one TensorSpec per tensor it needs; the loader
 checks names and shapes against the checkpoint and calls `to_ours` on each array it reads.
 """
 from __future__ import annotations

@@ -6,7 +6,8 @@
       file.gguf (vocabulary in its metadata), or a dir holding exactly one .gguf
         "gpt2" vocab                  -> HFTokenizer built by gguf_vocab.byte_level_bpe
         "llama" vocab                 -> SentencePieceTokenizer over gguf_vocab's model proto
-    from_gguf_metadata(fields)        -> the same, from metadata the model loader already read
+    from_gguf_metadata(fields, defaults)  -> the same, from metadata the model loader already read,
+                                         with what the model's family implies where it is silent
 """
 from __future__ import annotations
 
@@ -18,16 +19,17 @@ import tokenizers
 
 import jaxinfer.tokenizer.gguf_vocab as gguf_vocab
 from jaxinfer.tokenizer.base import HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError
-from jaxinfer.tokenizer.special_tokens import from_gguf, from_model_dir
+from jaxinfer.tokenizer.special_tokens import TokenizerDefaults, from_gguf, from_model_dir
 
 
-def from_gguf_metadata(metadata: Mapping[str, Any], name: str = "GGUF metadata") -> Tokenizer:
+def from_gguf_metadata(metadata: Mapping[str, Any], name: str = "GGUF metadata",
+                       defaults: TokenizerDefaults = TokenizerDefaults()) -> Tokenizer:
     """The tokenizer a GGUF describes. `metadata` is `gguf.GGUFReader(path).fields`, or a plain
-    {key: value} dict with the same keys."""
+    {key: value} dict with the same keys; `defaults` fill in what the file leaves unsaid."""
     kind = gguf_vocab.field_value(metadata, "tokenizer.ggml.model")
     try:
         tokens = list(gguf_vocab.field_value(metadata, "tokenizer.ggml.tokens") or [])
-        specials = from_gguf(metadata, tokens)
+        specials = from_gguf(metadata, tokens, defaults)
         if kind == "gpt2":
             backend = gguf_vocab.byte_level_bpe(metadata)
             types = gguf_vocab.field_value(metadata, "tokenizer.ggml.token_type") or []

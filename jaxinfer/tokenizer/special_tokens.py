@@ -8,8 +8,9 @@
                                           (config.json stands in when it is absent)
                chat_template.jinja        the chat template (wins over tokenizer_config's)
     GGUF:      tokenizer.ggml.{bos,eos,eot,eom,padding,unknown}_token_id, add_bos_token,
-               add_eos_token, tokenizer.chat_template; what general.architecture implies where
-               the file is silent (arch_defaults.py: Gemma's turn format and <end_of_turn>)
+               add_eos_token, tokenizer.chat_template; where the file is silent, what its model
+               family implies (`TokenizerDefaults`, which the loader passes: e.g. Gemma's turn
+               format and <end_of_turn>)
 
 `eos_token_ids` collects every id that ends generation: the tokenizer's eos token, then the
 generation config's list (e.g. <|im_end|>, <|eot_id|>), then GGUF's eot/eom ids.
@@ -21,10 +22,19 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from jaxinfer.tokenizer.arch_defaults import chat_template_for, extra_end_tokens
 from jaxinfer.tokenizer.gguf_vocab import field_value
 
 _TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerDefaults:
+    """What a GGUF's model family implies where its tokenizer metadata is silent (llama.cpp knows
+    these by architecture): the chat template, and texts of tokens that end generation beyond
+    the file's EOS/EOT ids. The loader passes its family's (jaxinfer.config.families)."""
+
+    chat_template: str | None = None
+    end_tokens: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +96,8 @@ def from_model_dir(model_dir: Path) -> SpecialTokens:
         chat_template=template, token_strings=strings)
 
 
-def from_gguf(metadata: Mapping[str, Any], tokens: list[str]) -> SpecialTokens:
+def from_gguf(metadata: Mapping[str, Any], tokens: list[str],
+              defaults: TokenizerDefaults = TokenizerDefaults()) -> SpecialTokens:
     def token_id(key: str) -> int | None:
         value = _int_or_none(field_value(metadata, f"tokenizer.ggml.{key}"))
         return value if value is not None and 0 <= value < len(tokens) else None
@@ -94,9 +105,8 @@ def from_gguf(metadata: Mapping[str, Any], tokens: list[str]) -> SpecialTokens:
     ids = {name: token_id(f"{key}_token_id") for name, key in
            [("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"),
             ("unk_token", "unknown")]}
-    arch = field_value(metadata, "general.architecture")
     enders = [ids["eos_token"], token_id("eot_token_id"), token_id("eom_token_id")]
-    enders += [tokens.index(text) for text in extra_end_tokens(arch) if text in tokens]
+    enders += [tokens.index(text) for text in defaults.end_tokens if text in tokens]
     add_bos = field_value(metadata, "tokenizer.ggml.add_bos_token")
     if add_bos is None:  # llama.cpp's default: sentencepiece vocabularies start with BOS
         add_bos = field_value(metadata, "tokenizer.ggml.model") == "llama"
@@ -104,7 +114,7 @@ def from_gguf(metadata: Mapping[str, Any], tokens: list[str]) -> SpecialTokens:
         bos_token_id=ids["bos_token"], pad_token_id=ids["pad_token"],
         eos_token_ids=tuple(dict.fromkeys(i for i in enders if i is not None)),
         add_bos=bool(add_bos), add_eos=bool(field_value(metadata, "tokenizer.ggml.add_eos_token")),
-        chat_template=field_value(metadata, "tokenizer.chat_template") or chat_template_for(arch),
+        chat_template=field_value(metadata, "tokenizer.chat_template") or defaults.chat_template,
         token_strings={name: tokens[i] for name, i in ids.items() if i is not None})
 
 

@@ -14,7 +14,7 @@ from testpaths import smollm2_gguf_path
 
 from checkpoints import GGUFCheckpoint
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.llama_names import checkpoint_specs
+from jaxinfer.models.llama.names import checkpoint_specs
 from jaxinfer.quant import QuantizedWeight, dequantize, fuse
 from jaxinfer.quant.gguf import native_weight, repack
 from jaxinfer.quant.gguf_blocks import BLOCK_BYTES, SUPPORTED, decode

@@ -1,6 +1,9 @@
 import json
+import subprocess
+import sys
 
 import pytest
+from testpaths import TESTS
 
 from jaxinfer.config import ConfigError, ModelConfig
 
@@ -138,3 +141,16 @@ def test_impossible_shapes_are_named_not_divided_by(change, match):
                 num_attention_heads=4, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=32)
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_hf_dict({**base, **change})
+
+
+def test_reading_configs_of_every_family_imports_no_jax():
+    """Config reading loads each family's description (jaxinfer/models/<family>/__init__.py and
+    config.py), never its model code: a fresh interpreter that has read and written back a config
+    of every built-in family has not loaded JAX."""
+    code = ("import sys; from jaxinfer.config import ModelConfig, families; "
+            "[ModelConfig.from_hf_file(f'tests/fixtures/hf/{name}/config.json').to_hf_dict() "
+            "for name in ('llama3', 'mixtral', 'gemma3')]; "
+            "jax = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')); "
+            "print(sorted(families._specs()), jax)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=TESTS.parent)
+    assert out.stdout.strip() == "['gemma', 'llama', 'moe'] []"

@@ -19,7 +19,7 @@ from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.convert import convert
 from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
-from jaxinfer.models import gemma
+from jaxinfer.models.gemma import model as gemma
 from jaxinfer.sampling import SamplingParams
 
 GEMMAS = ["gemma2", "gemma3"]

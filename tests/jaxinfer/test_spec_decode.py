@@ -17,7 +17,7 @@ from testpaths import FIXTURES
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
-from jaxinfer.models.llama import init_params
+from jaxinfer.models.llama.model import init_params
 from jaxinfer.sampling import SamplingParams
 
 GOLDEN = json.loads((FIXTURES / "hf" / "llama3" / "generate.json").read_text())

@@ -243,7 +243,7 @@ def scenario_experts(meshes: str, quant: str = "") -> dict:
     quant "int8" / "int4:8" (method:group): the experts quantized, each of their arrays placed
     by the weight's rule (against one device on the same quantized weights)."""
     from jaxinfer.models import experts
-    from jaxinfer.models.moe import PARAM_AXES
+    from jaxinfer.models.moe.model import PARAM_AXES
     from jaxinfer.quant import QuantConfig, quantize_field
     from sharding import logical_to_spec
     ks = jax.random.split(jax.random.key(0), 4)

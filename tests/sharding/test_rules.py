@@ -6,8 +6,8 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jaxinfer.cli import build_parser
 from jaxinfer.config import EngineConfig
-from jaxinfer.models.llama import PARAM_AXES, param_shapes
-from jaxinfer.models.moe import PARAM_AXES as MOE_AXES
+from jaxinfer.models.llama.model import PARAM_AXES, param_shapes
+from jaxinfer.models.moe.model import PARAM_AXES as MOE_AXES
 from sharding import AXES, HeadLayout, local_metadata, logical_to_spec, make_mesh, parse_mesh_spec
 from sharding.multihost import DistributedArgs, initialize
 from sharding.placement import repeat_kv_heads

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import llama, moe
+from jaxinfer.models.llama import model as llama
+from jaxinfer.models.moe import model as moe
 from sharding.weight_layout import dot_layout, pin_weight_layouts, weight_format
 
 

@@ -1,7 +1,7 @@
 """Checkpoint name maps of the MoE family (Mixtral, Qwen3-MoE): HF safetensors names -> our fields.
 
 Attention, norms, embeddings and Qwen3-MoE's dense MLP layers are named as in Llama
-(llama_names); a sparse layer adds its router and one tensor per expert and per projection
+(llama/names.py); a sparse layer adds its router and one tensor per expert and per projection
 (Mixtral: block_sparse_moe.experts.{j}.w1 | w3 | w2 for gate | up | down; Qwen3-MoE:
 mlp.experts.{j}.gate_proj | up_proj | down_proj), each [out, in] as HF stores projections.
 A GGUF (llama.cpp's layout: Mixtral as architecture "llama", Qwen3-MoE as "qwen3moe") holds each
@@ -12,8 +12,8 @@ experts_down, and the router as blk.N.ffn_gate_inp [X, E].
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import llama_names
-from jaxinfer.models.moe import field_shape, layer_fields, top_fields
+from jaxinfer.models.llama import names as llama_names
+from jaxinfer.models.moe.model import field_shape, layer_fields, top_fields
 from jaxinfer.models.specs import TensorSpec
 
 IGNORED = llama_names.IGNORED

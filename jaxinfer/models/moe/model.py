@@ -1,4 +1,4 @@
-"""Mixtures of experts: Mixtral and Qwen3-MoE (one decoder, config-driven), on Llama's attention.
+"""The MoE family's model code: Mixtral and Qwen3-MoE (one decoder), on Llama's attention.
 
 Data flow of `forward`: token ids -> embedding -> for each layer [Llama's attention block (RMSNorm,
 fused q|k|v, Qwen3-MoE's QK-norm, RoPE, ragged paged attention, output projection, residual) ->
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
-from jaxinfer.models import llama
+from jaxinfer.models.llama import model as llama
 from jaxinfer.models.experts import Experts, moe_mlp
 from jaxinfer.quant import stack, unstack
 

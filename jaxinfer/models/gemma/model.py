@@ -1,4 +1,4 @@
-"""The Gemma family: Gemma 2 and Gemma 3 (text), one decoder, config-driven.
+"""The Gemma family's model code: Gemma 2 and Gemma 3 (text), one decoder, config-driven.
 
 Data flow of `forward`: token ids -> embedding times sqrt(E) (the factor rounded to the model
 dtype first) -> for each layer [RMSNorm -> one q|k|v projection -> RMSNorm of each q and k head
@@ -10,10 +10,10 @@ final RMSNorm -> hidden states. `compute_logits` applies the LM head (tied to th
 every released Gemma) and the final tanh soft cap (Gemma 2).
 
 Every RMSNorm here scales by (1 + w), w as the checkpoint stores it, in float32 before casting
-back (`rms_norm`); GGUF files store 1 + w, which gemma_names turns back into w.
+back (`rms_norm`); GGUF files store 1 + w, which names.py turns back into w.
 
 Local and global layers: layers are unrolled in Python and each has its own cache array (as in
-llama.py), so a layer's window and rope table are fixed when the step is traced. Both rope tables
+llama/model.py), so a layer's window and rope table are fixed when the step is traced. Both rope tables
 (local base rope_local_theta, unscaled; global rope_theta with rope_scaling) are computed once
 per step and each layer's attention is traced with its own window: one compiled step serves
 every layer pattern, with nothing recompiled per step.
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.config_families import is_sliding_layer
+from jaxinfer.config.model import is_sliding_layer
 from jaxinfer.models import layers as L
-from jaxinfer.models import llama
+from jaxinfer.models.llama import model as llama
 from jaxinfer.quant import einsum
 
 

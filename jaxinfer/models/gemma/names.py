@@ -1,6 +1,6 @@
 """Checkpoint name maps of the Gemma family: HF safetensors names and GGUF names -> our fields.
 
-Projections, embeddings and the QK-norm are named as in Llama (llama_names); Gemma adds a norm
+Projections, embeddings and the QK-norm are named as in Llama (llama/names.py); Gemma adds a norm
 after attention and one on each side of the MLP:
 
   ours            HF (model.layers.{i}.)                  GGUF (blk.{i}.)
@@ -15,8 +15,8 @@ so GGUF norms are read back as stored - 1. GGUF q/k projections of Gemma are not
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import llama_names
-from jaxinfer.models.gemma import layer_fields, param_shapes, top_fields
+from jaxinfer.models.llama import names as llama_names
+from jaxinfer.models.gemma.model import layer_fields, param_shapes, top_fields
 from jaxinfer.models.specs import TensorSpec
 
 IGNORED = llama_names.IGNORED

@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2 (one decoder, config-driven).
+"""The Llama family's model code: Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2 (one decoder).
 
 Data flow of `forward`: token ids -> embedding -> for each layer [RMSNorm -> one q|k|v projection
 (+ bias for Qwen2) -> RMSNorm of each q and k head over head_dim (Qwen3's QK-norm) -> RoPE ->

@@ -1,11 +1,12 @@
-"""What a GGUF's tokenizer leaves unsaid that its architecture implies (no JAX, no imports of ours).
+"""What a Gemma GGUF's tokenizer leaves unsaid (plain data: no imports, so tools read it alone).
 
 llama.cpp knows these by architecture rather than from the file, and many converted Gemma files
-carry neither a chat template nor the end-of-turn id (the Gemma 3 270M GGUF has neither):
+carry neither a chat template nor the end-of-turn id (the Gemma 3 270M GGUF has neither); the
+family's FAMILY hands them to the loader, which passes them to the tokenizer:
 
-  gemma, gemma2, gemma3   the Gemma turn format below as the chat template, and <end_of_turn>
-                          as a token that ends generation (beside <eos>), as Gemma's own
-                          generation config lists it.
+  GEMMA_CHAT_TEMPLATE   the chat template where the file has none
+  GEMMA_END_OF_TURN     a token that ends generation (beside <eos>), as Gemma's own
+                        generation config lists it
 
 The template renders `<start_of_turn>{role}\\n{content}<end_of_turn>\\n` per message, with the
 assistant's role spelled "model", a system message folded into the first user turn (Gemma has no
@@ -13,8 +14,6 @@ system role) and `<start_of_turn>model\\n` as the generation prompt; it starts w
 so a rendered prompt is encoded without adding another.
 """
 from __future__ import annotations
-
-GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -36,12 +35,3 @@ GEMMA_CHAT_TEMPLATE = (
 )
 GEMMA_END_OF_TURN = "<end_of_turn>"
 
-
-def chat_template_for(architecture: str | None) -> str | None:
-    """The chat template an architecture implies when its file has none."""
-    return GEMMA_CHAT_TEMPLATE if architecture in GEMMA_ARCHITECTURES else None
-
-
-def extra_end_tokens(architecture: str | None) -> tuple[str, ...]:
-    """Token texts that end generation for an architecture, beyond the file's own EOS/EOT ids."""
-    return (GEMMA_END_OF_TURN,) if architecture in GEMMA_ARCHITECTURES else ()

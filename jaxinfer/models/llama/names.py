@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.llama import layer_fields, param_shapes, top_fields
+from jaxinfer.models.llama.model import layer_fields, param_shapes, top_fields
 from jaxinfer.models.specs import TensorSpec
 
 _HF_TOP = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
