@@ -6,8 +6,8 @@
         handle = worker.execute([plan], previous) # inputs padded to a bucket, ONE jitted call launched
         scheduler.advance(plan)                   # the step's tokens count as computed
         out    = previous.result()                # the step before lands meanwhile (async scheduling)
-        scheduler.resolve(plan, out.tokens)       # append tokens, stop on eos / stop ids / length
-        outputs.on_token / outputs.delta          # detokenize, stop strings -> RequestOutput deltas
+        scheduler.resolve(plan, out.tokens)       # append tokens, stop on eos / stop ids / strings / length
+        outputs.on_token / outputs.delta          # logprobs, text -> RequestOutput deltas
 
 Output building is the OutputProcessor's. Bad requests raise ValueError at add_request and
 leave every other request untouched.
@@ -28,16 +28,16 @@ import time
 import jax
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.core.admission import check_request
 from jaxinfer.core.plan import SchedulerPlan
-from jaxinfer.core.prompts import check_prompt_length, tokenize_prompt
+from jaxinfer.core.prompts import tokenize_prompt
 from jaxinfer.core.replica import Replica, replica_stats
+from jaxinfer.core.requests import CheckedRequest, RequestLimits, check_request
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.kv import KVCacheManager
 from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
-from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
+from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode import build_speculator
 from jaxinfer.structured import GrammarBackend, grammar_for
@@ -60,11 +60,15 @@ class Engine:
         self.config = config = config.with_page_size(self.max_model_len)
         enable_compilation_cache(config.compile.compilation_cache_dir)
         self.worker = Worker(model, config, self.max_model_len, StepChannel() if is_multiprocess() else None)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.replicas = [self._make_replica(r) for r in range(self.worker.num_replicas)]
         # Replica 0 (the only one without data parallelism).
         self.kv_cache, self.scheduler = self.replicas[0].kv_cache, self.replicas[0].scheduler
         self.is_leader = is_leader()
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.limits = RequestLimits(  # what a request is checked against, once (core/requests.py)
+            model.config.vocab_size, self.max_model_len, config.scheduler.max_request_tokens, config.scheduler.max_n,
+            config.compile.penalties, config.compile.enable_prompt_logprobs, self.worker.page_size,
+            self.kv_cache.num_usable_pages)
         self.grammars = None if self.tokenizer is None else GrammarBackend(  # structured output: llguidance
             self.tokenizer, model.config.vocab_size, reasoning_parser(config.load.reasoning_parser))
         self._requests: dict[str, RequestState] = {}
@@ -90,46 +94,43 @@ class Engine:
         scheduler = Scheduler(
             kv_cache, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-            eos_token_ids=eos, seed=config.scheduler.seed + index,
+            eos_token_ids=eos, seed=config.scheduler.seed + index, stop_checker=self.outputs.stop_checker,
             max_seqs_per_request=config.scheduler.max_seqs_per_request)
         return Replica(kv_cache, scheduler)
 
     # --- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+    def add_request(self, prompt: str | list[int] | CheckedRequest, params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> str:
-        """Queues a request (text or token ids); returns its id. ValueError on bad input."""
+        """Queues a request (text, token ids, or a CheckedRequest, which carries its own params
+        and priority and is not checked again); returns its id. ValueError on bad input."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids, params = self.check_request(prompt, params)
+        checked = prompt if isinstance(prompt, CheckedRequest) else self.check_request(prompt, params,
+                                                                                       priority=priority)
+        ids, params = checked.prompt_token_ids, checked.params
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
         grammar = grammar_for(self.grammars, params)
-        seqs = self.replicas[replica].scheduler.add_request(request_id, ids, params, priority=priority)
+        seqs = self.replicas[replica].scheduler.add_request(request_id, ids, params, priority=checked.priority)
         for seq in seqs if grammar is not None else ():
             seq.grammar = grammar.matcher()
         cost = (len(ids) + params.max_tokens) * params.n
         self.replicas[replica].load += cost
         self._requests[request_id] = self.outputs.new_request(
-            request_id, text, ids, params, seqs,
+            request_id, checked.prompt, ids, params, seqs,
             RequestMetrics(arrival_time=arrival_time or time.monotonic()), replica=replica, cost=cost)
         return request_id
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None
-                      ) -> tuple[str | None, list[int], SamplingParams]:
-        """Everything add_request checks, without queueing anything: ValueError naming the
-        problem. Returns (prompt text or None, prompt token ids, params)."""
+    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                      priority: int = 0) -> CheckedRequest:
+        """The request tokenized and checked once (core/requests.py), its grammar compiled,
+        without queueing anything: RequestError (a ValueError) naming the problem."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        self.config.check_params(params)
-        text, ids = tokenize_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
-        check_prompt_length(len(ids), params, max_model_len=self.max_model_len,
-                            max_request_tokens=self.config.scheduler.max_request_tokens)
-        check_request(None, ids, params, 0, max_model_len=self.max_model_len, kv_cache=self.kv_cache)
+        text, ids = tokenize_prompt(prompt, self.tokenizer)
+        checked = check_request(ids, params, self.limits, prompt=text, priority=priority)
         grammar_for(self.grammars, params)
-        check_logit_bias_vocab(params, self.model.config.vocab_size)
-        return text, ids, params
+        return checked
 
     def abort(self, request_id: str) -> bool:
         """Ends a request now and frees its pages; its final output comes with the next step."""
@@ -233,7 +234,7 @@ class Engine:
             if seq.grammar is not None and not seq.grammar.consume(int(out.tokens[row])):
                 logger.warning("request %s: the grammar rejected token %d (%s)", seq.request_id,
                                int(out.tokens[row]), seq.grammar.error)
-            self.outputs.on_token(state, state.samples[seq.sample_index], out, row, scheduler)
+            self.outputs.on_token(state, state.samples[seq.sample_index], out, row)
             touched[seq.request_id] = state
 
     def follow(self) -> bool:
@@ -252,6 +253,7 @@ class Engine:
         out = self.outputs.delta(state, now)
         if out.finished:
             del self._requests[state.request_id]
+            self.outputs.forget(state)
             self.replicas[state.replica].load -= state.cost
         return out
 

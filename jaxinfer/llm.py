@@ -27,6 +27,7 @@ from typing import Any, Iterator, Sequence
 from tqdm import tqdm
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.engine import Engine
 from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.outputs import RequestOutput
@@ -35,7 +36,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer.chat_template import check_template_kwargs, load_chat_template
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
-Prompt = str | list[int]
+Prompt = str | list[int] | CheckedRequest  # a CheckedRequest (Engine.check_request) carries its params
 Message = dict[str, str]
 
 
@@ -88,7 +89,8 @@ class LLM:
         if not self.engine.is_leader:
             self.engine.follow()
             return []
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        single = isinstance(prompts, (str, CheckedRequest)) or _is_token_ids(prompts)
+        prompts = [prompts] if single else list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -1,24 +1,25 @@
 """OutputProcessor: a request's sampled tokens in, streamed RequestOutput deltas out.
 
-    Engine.step(): scheduler.update(plan, tokens) appended each sampled token to its Sequence;
-      on_token(state, sample, out, row, scheduler)
-        -> the token's logprobs (when asked for), its text (IncrementalDetokenizer),
-           stop strings (finishing the sequence through the scheduler when one appears)
+    Engine.step(): scheduler.resolve(plan, tokens) appends each sampled token to its Sequence
+      and decides whether it stops there (core/stops.py), asking `stop_checker(seq)` about
+      stop strings: the token's text (IncrementalDetokenizer) and the first stop string in it
+      on_token(state, sample, out, row)
+        -> the token's logprobs (when asked for), its text where not made yet
       delta(state, now)
         -> RequestOutput with what is new since the last delta, usage and timings
 
-Stop strings are found in the detokenized text, so they live here: text that could still turn
-into a stop string is held back (at most the longest stop string minus one character) until the
-sequence finishes or the text moves past it. A stop string cuts the text exactly, with or
-without the stop string itself (`include_stop_str_in_output`).
+Stop strings are found in the detokenized text, so the text is made here; the decision to stop is
+the scheduler's, one path for every kind of stop. Text that could still turn into a stop string
+is held back (at most the longest stop string minus one character) until the sequence finishes
+or the text moves past it. A stop string cuts the text exactly, with or without the stop string
+itself (`include_stop_str_in_output`).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from jaxinfer.core.plan import SchedulerPlan
-from jaxinfer.core.scheduler import Scheduler
-from jaxinfer.core.sequence import Sequence, SequenceStatus
+from jaxinfer.core.sequence import Sequence
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, Usage
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.prompt_logprobs import PromptLogprobs
@@ -37,6 +38,8 @@ class SampleState:
     emitted_tokens: int = 0
     logprobs: list[Logprob] = dataclasses.field(default_factory=list)
     emitted_logprobs: int = 0
+    num_detokenized: int = 0  # output tokens whose text is in `text`
+    stopped: bool = False  # a stop string cut the text: nothing more is added
 
 
 @dataclasses.dataclass
@@ -62,11 +65,14 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
+        self._stop_samples: dict[int, tuple[SampleState, SamplingParams]] = {}  # seq id -> with stop strings
 
     def new_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, seqs: list[Sequence], metrics: RequestMetrics, *,
                     replica: int = 0, cost: int = 0) -> RequestState:
         samples = [SampleState(seq, self._detokenizer(prompt_token_ids, params)) for seq in seqs]
+        if params.stop and self.tokenizer is not None:
+            self._stop_samples.update((s.seq.seq_id, (s, params)) for s in samples)
         return RequestState(request_id, prompt, prompt_token_ids, params, samples, metrics,
                             replica=replica, cost=cost,
                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
@@ -93,19 +99,37 @@ class OutputProcessor:
             return None
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
 
-    def on_token(self, state: RequestState, sample: SampleState, out: SamplerOutput, row: int,
-                 scheduler: Scheduler) -> None:
-        """Records the token the scheduler just put into `sample.seq` (row `row` of `out`)."""
+    def stop_checker(self, seq: Sequence) -> str | None:
+        """The scheduler's stop check for stop strings: the sequence's new tokens detokenized,
+        and the first stop string its text now holds (the text cut there), or None."""
+        entry = self._stop_samples.get(seq.seq_id)
+        if entry is None:
+            return None
+        sample, params = entry
+        _detokenize(sample)
+        stop = _find_stop_string(sample, params)
+        if stop is not None:
+            sample.stopped = True
+        return stop
+
+    def on_token(self, state: RequestState, sample: SampleState, out: SamplerOutput, row: int) -> None:
+        """Records the token the scheduler just put into `sample.seq` (row `row` of `out`); a
+        request that only scores its prompt (max_tokens=0) got none."""
         seq, params, token = sample.seq, state.params, int(out.tokens[row])
+        if params.max_tokens == 0:
+            return
         if params.logprobs is not None:
             sample.logprobs.append(Logprob(token, float(out.logprobs[row]), _top(out, row, params.logprobs)))
-        if sample.detok is None:
+        if sample.detok is None or sample.stopped:
             return
-        sample.text += sample.detok.step([token])
+        _detokenize(sample)
         if seq.is_finished:
             sample.text += sample.detok.flush()
-        if params.stop and seq.status is not SequenceStatus.FINISHED_STOPPED:
-            _check_stop_strings(sample, params, scheduler)
+
+    def forget(self, state: RequestState) -> None:
+        """A finished request's samples leave the stop check."""
+        for s in state.samples:
+            self._stop_samples.pop(s.seq.seq_id, None)
 
     def delta(self, state: RequestState, now: float) -> RequestOutput:
         """What is new for the request since its last delta; marks its timings."""
@@ -141,21 +165,27 @@ def _top(out: SamplerOutput | PromptLogprobs, row: int, n: int) -> dict[int, flo
     return {int(i): float(lp) for i, lp in zip(out.top_ids[row][:n], out.top_logprobs[row][:n])}
 
 
-def _check_stop_strings(sample: SampleState, params: SamplingParams, scheduler: Scheduler) -> None:
+def _detokenize(sample: SampleState) -> None:
+    """Adds the text of the sample's known output tokens not yet detokenized."""
+    seq = sample.seq
+    start, end = seq.num_prompt_tokens + sample.num_detokenized, seq.num_known_tokens
+    if end > start:
+        sample.text += sample.detok.step(seq.token_ids[start:end])
+        sample.num_detokenized = end - seq.num_prompt_tokens
+
+
+def _find_stop_string(sample: SampleState, params: SamplingParams) -> str | None:
+    """The first stop string in the sample's text (the text cut there), or None."""
     longest = max(len(s) for s in params.stop)
     # Only text that arrived this step (plus an overlap) can complete a new stop string.
     search_from = max(0, sample.emitted_chars - longest)
     hits = [(sample.text.find(s, search_from), s) for s in params.stop]
     hits = [(i, s) for i, s in hits if i >= 0]
     if not hits:
-        return
+        return None
     index, stop = min(hits)
     sample.text = sample.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-    if not sample.seq.is_finished:
-        scheduler.finish(sample.seq, SequenceStatus.FINISHED_STOPPED, stop_reason=stop)
-    else:
-        sample.seq.stop_reason = stop
-        sample.seq.status = SequenceStatus.FINISHED_STOPPED
+    return stop
 
 
 def _completion_delta(index: int, s: SampleState, params: SamplingParams) -> CompletionOutput:

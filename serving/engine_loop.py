@@ -23,9 +23,9 @@ import threading
 import time
 from typing import Any, Callable
 
+from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.engine import Engine
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,7 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
 @dataclasses.dataclass
 class _Add:
     request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    priority: int
+    request: CheckedRequest
     sink: Sink
     arrival_time: float
 
@@ -93,11 +91,12 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-               sink: Sink, arrival_time: float | None = None) -> None:
-        """Queues a request; its outputs (or one exception) go to sink, called on the engine thread."""
+    def submit(self, request_id: str, request: CheckedRequest, sink: Sink, arrival_time: float | None = None) -> None:
+        """Queues a request the transport checked (serving.model_limits.check_request), which the
+        engine does not check again; its outputs (or one exception) go to sink, called on the
+        engine thread."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(_Add(request_id, prompt, params, priority, sink, arrival_time))
+        self._commands.put(_Add(request_id, request, sink, arrival_time))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -169,8 +168,7 @@ class EngineLoop:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
-                                    priority=cmd.priority, arrival_time=cmd.arrival_time)
+            self.engine.add_request(cmd.request, request_id=cmd.request_id, arrival_time=cmd.arrival_time)
         except ValueError as e:
             self._deliver(cmd.request_id, RequestRejected(str(e)), cmd.sink)
             return

@@ -1,21 +1,24 @@
-"""What both transports check a request against before it is queued: the model's limits
-(vocabulary, context, n, max_request_tokens, which optional features the engine compiled) and
-a SamplingParams checked against them.
+"""What both transports check a request against before it is queued, with the engine's own
+checks (jaxinfer/core/requests.py): the model's limits (vocabulary, context, KV pool, n,
+max_request_tokens, which optional features the engine compiled) and its structured output.
 
-    ModelLimits.of(engine)             once, when a server starts
-    check_params(params, limits, len)  per request, on a worker thread (structured-output specs
-                                       compile here, so the engine thread never waits on one)
+    ModelLimits.of(engine)                once, when a server starts
+    check_request(ids, params, limits)    per request, on a worker thread: the CheckedRequest the
+                                          engine loop queues as it is (structured-output specs
+                                          compile here, so the engine thread never waits on one)
 
-Errors are RequestErrors whose message names the SamplingParams field (`sampling.max_tokens=600:
-...`); each transport renames the field to its own (the gRPC request's `sampling.` fields, the
-HTTP API's request fields). Free of protobuf and of HTTP, so both transports share it.
+Errors are RequestErrors whose message starts with the field (`sampling.max_tokens=600: ...`,
+`prompt of 600 tokens ...`); each transport renames the field to its own (the gRPC request's
+`sampling.` fields, the HTTP API's request fields). Free of protobuf and of HTTP, so both
+transports share it.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from jaxinfer.core import requests as core
+from jaxinfer.core.requests import CheckedRequest, RequestLimits
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.sampling.params import check_logit_bias_vocab
 from jaxinfer.structured import GrammarBackend
 from serving.errors import RequestError
 
@@ -32,38 +35,48 @@ class ModelLimits:
     # The engine's GrammarBackend: structured-output specs are compiled (and cached) by
     # check_params on a worker thread, so the engine thread never waits for a schema.
     grammars: GrammarBackend | None = None
+    page_size: int | None = None  # the KV pool of one replica (None: not checked)
+    num_usable_pages: int | None = None
 
     @classmethod
-    def of(cls, engine) -> "ModelLimits":
-        """The limits of a running Engine."""
-        cfg = engine.config
-        return cls(vocab_size=engine.model.config.vocab_size, max_model_len=engine.max_model_len,
-                   penalties_enabled=cfg.compile.penalties, max_n=cfg.scheduler.max_n,
-                   max_request_tokens=cfg.scheduler.max_request_tokens,
-                   grammars=engine.grammars, prompt_logprobs_enabled=cfg.compile.enable_prompt_logprobs)
+    def of(cls, engine) -> ModelLimits:
+        """The limits of a running Engine (its RequestLimits, and its grammar backend)."""
+        r = engine.limits
+        return cls(vocab_size=r.vocab_size, max_model_len=r.max_model_len, penalties_enabled=r.penalties,
+                   max_n=r.max_n, prompt_logprobs_enabled=r.prompt_logprobs, max_request_tokens=r.max_request_tokens,
+                   grammars=engine.grammars, page_size=r.page_size, num_usable_pages=r.num_usable_pages)
+
+    @property
+    def requests(self) -> RequestLimits:
+        return RequestLimits(self.vocab_size, self.max_model_len, self.max_request_tokens, self.max_n,
+                             self.penalties_enabled, self.prompt_logprobs_enabled, self.page_size,
+                             self.num_usable_pages, owner="server")
+
+
+def check_request(ids: list[int], params: SamplingParams, limits: ModelLimits, priority: int = 0, *,
+                  prompt_field: str = "prompt") -> CheckedRequest:
+    """The request as the engine loop queues it: every check of the engine (once, here) and the
+    structured output compiled. RequestError naming the field (`prompt_field`: the request's
+    name for its prompt)."""
+    try:
+        checked = core.check_request(ids, params, limits.requests, priority=priority)
+    except core.RequestError as e:
+        raise RequestError(_on_the_wire(e, prompt_field)) from None
+    _check_structured(params, limits)
+    return checked
 
 
 def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int) -> None:
     """RequestError naming the field when `params` asks for more than the model and the server give."""
-    if params.n > limits.max_n:
-        raise RequestError(f"sampling.n={params.n}: exceeds this server's max_n={limits.max_n}")
-    total = num_prompt_tokens + params.max_tokens
-    if limits.max_request_tokens is not None and total > limits.max_request_tokens:
-        raise RequestError(f"sampling.max_tokens={params.max_tokens}: with the prompt's {num_prompt_tokens} "
-                           f"tokens that is {total} tokens, more than max_request_tokens={limits.max_request_tokens}")
-    if total > limits.max_model_len:
-        raise RequestError(f"sampling.max_tokens={params.max_tokens}: with the prompt's {num_prompt_tokens} "
-                           f"tokens that is {total} tokens, more than max_model_len={limits.max_model_len}")
     try:
-        check_logit_bias_vocab(params, limits.vocab_size)
-    except ValueError as e:  # "SamplingParams.logit_bias[50257]: token ids out of ..."
-        raise RequestError(f"sampling.{str(e).removeprefix('SamplingParams.')}") from None
-    if params.uses_penalties and not limits.penalties_enabled:
-        raise RequestError("sampling.repetition_penalty/presence_penalty/frequency_penalty: penalties "
-                           "are off on this server (started with --no-penalties)")
-    if params.prompt_logprobs is not None and not limits.prompt_logprobs_enabled:
-        raise RequestError(f"sampling.prompt_logprobs={params.prompt_logprobs}: prompt logprobs are off on "
-                           "this server (start it with --enable-prompt-logprobs)")
+        core.check_params(params, limits.requests)
+        core.check_lengths(num_prompt_tokens, params, limits.requests)
+    except core.RequestError as e:
+        raise RequestError(_on_the_wire(e)) from None
+    _check_structured(params, limits)
+
+
+def _check_structured(params: SamplingParams, limits: ModelLimits) -> None:
     if params.structured_output is not None:
         if limits.grammars is None:
             raise RequestError("sampling.structured_output: this model has no tokenizer to constrain")
@@ -71,3 +84,14 @@ def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens:
             limits.grammars.compile(params.structured_output)
         except ValueError as e:  # "StructuredOutput.regex: invalid regex ..."
             raise RequestError(f"sampling.structured_output: {str(e).removeprefix('StructuredOutput.')}") from None
+
+
+def _on_the_wire(e: core.RequestError, prompt_field: str = "prompt") -> str:
+    """The engine's message as the transports word it, led by the field: a SamplingParams field
+    as `sampling.field`, the prompt by the request's name for it."""
+    message = str(e).removeprefix("SamplingParams.")
+    if e.field == "prompt":
+        return f"{prompt_field}: {message}"
+    if not message.startswith(e.field):
+        message = f"{e.field}: {message}"
+    return message if e.field == "priority" else f"sampling.{message}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import shutil
 import subprocess
+import tomllib
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
 def test_import_contracts_are_kept():
     result = lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "7 kept, 0 broken" in result.stdout
+    assert "9 kept, 0 broken" in result.stdout
 
 
 # (file to edit, line appended, the contract it must break)
@@ -64,6 +65,24 @@ def test_import_contracts_fail_when_broken(case, tmp_path):
     assert lint_imports(tmp_path).returncode != 0
     result = lint_imports(tmp_path, contract)  # the contract this breakage is about
     assert result.returncode != 0 and "1 broken" in result.stdout, result.stdout
+
+
+def _layered(contract: dict) -> set[str]:
+    return {name.strip() for layer in contract["layers"] for name in layer.split("|")}
+
+
+def test_every_module_is_in_a_layers_contract():
+    """Each module and package directly inside jaxinfer/ and serving/ (and inside the packages
+    that have layers of their own) is named by its container's layers contract: a new module must
+    take a place in the import order."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layered = [(container, _layered(c)) for c in config if c["type"] == "layers" for container in c.get("containers", [])]
+    assert {"jaxinfer", "serving", "jaxinfer.worker", "jaxinfer.core", "jaxinfer.kv"} <= {c for c, _ in layered}
+    for container, names in layered:
+        folder = ROOT / container.replace(".", "/")
+        children = {p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")}
+        children |= {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        assert children == names, f"{container}: unplaced {sorted(children - names)}, gone {sorted(names - children)}"
 
 
 def test_host_side_packages_do_not_import_jax():

@@ -42,14 +42,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                    prompt_logprobs=params.prompt_logprobs is not None)
     if args.chat:
         prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
-    token_ids = []  # each prompt tokenized once: checked here, then generated from the ids
+    checked = []  # each prompt tokenized and checked once, here, before anything compiles
     for i, prompt in enumerate(prompts, start=1):
         try:
-            token_ids.append(llm.engine.check_request(prompt, params)[1])
+            checked.append(llm.engine.check_request(prompt, params))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     llm.engine.warm_up()
-    outputs = llm.generate(token_ids, params, use_tqdm=sys.stderr.isatty())
+    outputs = llm.generate(checked, use_tqdm=sys.stderr.isatty())
     for out in outputs:
         for completion in out.outputs:
             if args.output_format == "jsonl":

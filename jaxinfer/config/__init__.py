@@ -7,7 +7,10 @@
     compile.py      CompileConfig: step variants, launch, compilation cache
     parallel.py     ParallelConfig: device mesh and hosts
     speculative.py  SpeculativeConfig: speculative decoding's method and sizes
+    checks.py       the groups' shared checks
     model.py        ModelConfig, read from an HF config.json or GGUF metadata
+    families.py     the catalog of model families (JAX-free descriptions; each family's config reading)
+    errors.py       ConfigError
 """
 from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.compile import CompileConfig

@@ -84,18 +84,6 @@ class EngineConfig:
         """This config with some options changed, checked again."""
         return EngineConfig(**{**self.options(), **changes})
 
-    def check_params(self, params) -> None:
-        """ValueError naming what of a request's SamplingParams this engine was not started for."""
-        if params.uses_penalties and not self.compile.penalties:
-            raise ValueError("repetition/presence/frequency penalties are off in this engine "
-                             "(EngineConfig.penalties=False); start it with penalties on")
-        if params.n > self.scheduler.max_n:
-            raise ValueError(f"SamplingParams.n={params.n} exceeds this engine's max_n={self.scheduler.max_n}")
-        if params.prompt_logprobs is not None and not self.compile.enable_prompt_logprobs:
-            raise ValueError(f"SamplingParams.prompt_logprobs={params.prompt_logprobs}: this engine was "
-                             "started without prompt logprobs (EngineConfig.enable_prompt_logprobs, "
-                             "--enable-prompt-logprobs)")
-
     def buckets(self) -> tuple[int, ...]:
         """Token buckets: the given ones, or powers of two up to max_num_batched_tokens.
 

@@ -17,8 +17,6 @@ import collections
 import dataclasses
 
 from jaxinfer.core.sequence import Sequence
-from jaxinfer.kv import KVCacheManager
-from jaxinfer.sampling.params import SamplingParams
 
 
 @dataclasses.dataclass
@@ -45,26 +43,3 @@ class RequestEntry:
             return 0
         room = len(self.held) if window is None else window - self.num_active
         return max(0, min(room, len(self.held)))
-
-
-def check_request(request_id: str | None, prompt: list[int], params: SamplingParams, priority: int, *,
-                  max_model_len: int, kv_cache: KVCacheManager) -> None:
-    """ValueError naming the numbers when a request can never run: an empty prompt, prompt +
-    max_tokens over max_model_len, or more KV pages than the cache holds. A sequence keeps KV for
-    at most prompt + max_tokens - 1 tokens (the last sampled token is never fed back)."""
-    who = f"request {request_id!r}: " if request_id is not None else ""
-    if not prompt:
-        raise ValueError(f"{who}the prompt is empty")
-    if not isinstance(priority, int):
-        raise ValueError(f"{who}priority={priority!r} must be an int")
-    total = len(prompt) + params.max_tokens
-    if total > max_model_len:
-        raise ValueError(
-            f"{who}prompt of {len(prompt)} tokens + max_tokens="
-            f"{params.max_tokens} = {total} tokens exceeds max_model_len={max_model_len}")
-    pages = kv_cache.pages_for(total - 1)
-    if pages > kv_cache.num_usable_pages:
-        raise ValueError(
-            f"{who}prompt of {len(prompt)} tokens + max_tokens="
-            f"{params.max_tokens} needs {pages} KV pages of {kv_cache.page_size} tokens, "
-            f"but the pool has only {kv_cache.num_usable_pages}")

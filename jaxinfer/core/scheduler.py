@@ -9,7 +9,7 @@ KV cache manager (never the last token; a prompt whose logprobs are being scored
 it scored itself, Sequence.cacheable_pages) and a chunk of the rest; the head of the queue blocks
 those behind it when its pages do not fit, and nothing is admitted in a step that had to
 preempt. Siblings of an n > 1 request queue as admission.py lets them. Requests that can never
-run are refused by `add_request` (admission.check_request).
+run never get here: the engine checks each one once (core/requests.py) before queueing it.
 
 Pages come from the KV cache manager (jaxinfer.kv), the scheduler's only view of them: reserved
 for exactly the tokens a step computes, cached once computed, freed at the end. When none is
@@ -36,7 +36,7 @@ import operator
 import random
 from typing import Iterable
 
-from jaxinfer.core.admission import RequestEntry, check_request
+from jaxinfer.core.admission import RequestEntry
 from jaxinfer.core.multistep import decode_window
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, sample_seed
@@ -84,11 +84,10 @@ class Scheduler:
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, *, priority: int = 0) -> list[Sequence]:
-        """Queues one Sequence per sample (sampling_params.n); ValueError if it can never run."""
+        """Queues one Sequence per sample (sampling_params.n) of a request that passed
+        core/requests.py's checks (the engine's, once): nothing here checks it again."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_request(request_id, prompt_token_ids, sampling_params, priority,
-                      max_model_len=self.max_model_len, kv_cache=self.kv_cache)
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
         base_seed = (sampling_params.seed if sampling_params.seed is not None
                      else self._rng.getrandbits(64))
@@ -274,6 +273,11 @@ class Scheduler:
         for entry, token in zip(plan.seqs, sampled_token_ids):
             seq = entry.seq
             if not entry.sample or seq.is_finished or not seq.num_pending:  # aborted or overrun
+                continue
+            if seq.sampling_params.max_tokens == 0:  # the prompt scored: its sampled token is no output
+                self.kv_cache.cache_computed(seq)
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)  # drops the placeholder
+                updated.append(seq)
                 continue
             seq.token_ids[entry.known_len + step] = int(token)  # the first placeholder left
             seq.num_pending -= 1

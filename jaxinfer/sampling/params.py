@@ -172,6 +172,8 @@ class SamplingParams:
     sampling flags are generated from them; the command line decodes greedily, up to 128 tokens,
     by default."""
     n: int = option(1, "samples per prompt", flag="-n")
+    # 0: compute the prompt (its prompt_logprobs) and generate nothing; such a prompt may fill
+    # the whole context.
     max_tokens: int = option(16, "most tokens to generate", cli_default=128)
     temperature: float = option(1.0, "0 = greedy", cli_default=0.0)
     top_k: int = option(-1, "0 = off", cli_default=0)  # -1 or 0: off
@@ -228,8 +230,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            bad("max_tokens", "must be an integer >= 0 (0: score the prompt, generate nothing)")
         if not _is_number(self.temperature) or not self.temperature >= 0:
             bad("temperature", f"must be a number in [0, {FLOAT32_MAX:.3g}] (0 = greedy)")
         if not _is_int(self.top_k) or self.top_k < -1:

@@ -179,7 +179,7 @@ def _in_chat():
 
 def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits,
                      tools: ToolRequest | None = None) -> list[int]:
-    """The prompt as token ids, checked against the vocabulary and the context length (`tools`:
+    """The prompt as token ids, checked against the vocabulary (`tools`:
     a chat's, from chat_tools)."""
     kind = request.WhichOneof("prompt")
     if kind is None:
@@ -199,10 +199,7 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, l
         bad = [t for t in ids if not 0 <= t < limits.vocab_size]
         if bad:
             raise RequestError(f"token_ids.ids: ids out of range [0, {limits.vocab_size}): {bad[:5]}")
-    if len(ids) >= limits.max_model_len:
-        raise RequestError(f"{kind}: the prompt has {len(ids)} tokens; the context holds "
-                           f"{limits.max_model_len} and must keep room for one generated token")
-    return ids
+    return ids  # its length against the context: model_limits.check_request
 
 
 def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.GenerateResponse:

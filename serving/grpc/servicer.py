@@ -37,7 +37,7 @@ from serving.grpc import convert
 from serving.grpc.proto import jaxinfer_pb2 as pb
 from serving.grpc.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.limits import Grant, RateLimited, RateLimiter, token_cost
-from serving.model_limits import ModelLimits, check_params
+from serving.model_limits import ModelLimits, check_request
 from serving.request_log import RequestLog, RequestRecord
 from serving.tools import output_readers
 
@@ -145,16 +145,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         submitted = finished = False
         try:
             try:
-                ids, params, replies = await self._in_worker(self._prepare, request)
+                checked, replies = await self._in_worker(self._prepare, request)
             except RequestError as e:
                 raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            record.prompt_tokens = len(ids)
-            _charge(grant, len(ids), params)
+            record.prompt_tokens = len(checked.prompt_token_ids)
+            _charge(grant, len(checked.prompt_token_ids), checked.params)
             loop = asyncio.get_running_loop()
             deadline = _deadline(context, loop)
-            self._engine_loop.submit(request_id, ids, params, request.priority,
-                                     functools.partial(loop.call_soon_threadsafe, queue.put_nowait),
-                                     arrival_time)
+            self._engine_loop.submit(request_id, checked,
+                                     functools.partial(loop.call_soon_threadsafe, queue.put_nowait), arrival_time)
             submitted = True
             while not finished:
                 deltas, error = await _next_items(queue, deadline, loop)
@@ -172,14 +171,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 self._engine_loop.abort(request_id)
 
     def _prepare(self, request: pb.GenerateRequest):
-        """Worker thread: the prompt's token ids, validated sampling parameters, and how a chat's
-        output is read (tools, reasoning; None: not)."""
+        """Worker thread: the request checked as the engine checks requests (once, here), and how
+        a chat's output is read (tools, reasoning; None: not)."""
         params = convert.sampling_params(request.sampling)
         tools = convert.chat_tools(request.chat, self.tool_parser) if request.HasField("chat") else None
         ids = convert.prompt_token_ids(request, self._tokenizer, self._limits, tools)
         params = convert.with_tools(params, tools, request.sampling)
-        check_params(params, self._limits, len(ids))
-        return ids, params, convert.chat_replies(request, tools, self.reasoning, params.structured_output,
+        checked = check_request(ids, params, self._limits, request.priority,
+                                prompt_field=request.WhichOneof("prompt") or "prompt")
+        return checked, convert.chat_replies(request, tools, self.reasoning, params.structured_output,
                                                  self.reasoning_gated)
 
     # --- unary RPCs -----------------------------------------------------------------------------

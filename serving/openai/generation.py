@@ -5,16 +5,13 @@
     # leaving the block early (error, client gone, cancelled) aborts what has not finished:
     # EngineLoop.abort frees the pages before the next engine step
 
-An echo-only completion (echo with max_tokens 0) has its sampled token taken out of every delta
-here (`prompt_only`), before anything reads it. Each merged delta is also shown to the request's
-record (request log, tokens-per-minute settling). The engine thread hands each delta (or one
+Each merged delta is shown to the request's record (request log, tokens-per-minute settling). The engine thread hands each delta (or one
 exception instead of the last) to a sink that moves it onto this event loop
 (call_soon_threadsafe); nothing here touches the Engine.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import AsyncIterator, Awaitable, TypeVar
 
@@ -41,10 +38,10 @@ class EngineRequests:
 
     async def __aenter__(self) -> "EngineRequests":
         loop = asyncio.get_running_loop()
-        for i, (request_id, ids) in enumerate(zip(self._ids, self._inputs.prompts)):
+        for i, (request_id, request) in enumerate(zip(self._ids, self._inputs.requests)):
             def sink(item, i=i):
                 loop.call_soon_threadsafe(self._queue.put_nowait, (i, item))
-            self._engine_loop.submit(request_id, ids, self._inputs.params, 0, sink, self._arrival)
+            self._engine_loop.submit(request_id, request, sink, self._arrival)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -66,8 +63,6 @@ class EngineRequests:
                 by_prompt.setdefault(i, []).append(item)
             for i, deltas in by_prompt.items():
                 merged = merge_deltas(deltas)
-                if self._inputs.echo_only:
-                    merged = prompt_only(merged)
                 if self._record is not None:
                     self._record.observe(i, merged)
                 if merged.finished:
@@ -83,15 +78,6 @@ class EngineRequests:
             else:
                 results[i] = delta
         return [results[i] for i in range(len(self._ids))]
-
-
-def prompt_only(out: RequestOutput) -> RequestOutput:
-    """A delta of an echo-only completion (echo with max_tokens 0): without the one token the
-    engine sampled, and (once it ends) ending for length, as a completion of 0 tokens does."""
-    outputs = [dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
-                                   finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
-                                   stop_reason=None) for c in out.outputs]
-    return dataclasses.replace(out, outputs=outputs, usage=dataclasses.replace(out.usage, completion_tokens=0))
 
 
 async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:

@@ -15,7 +15,8 @@ from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.errors import RequestError
-from serving.model_limits import ModelLimits, check_params
+from jaxinfer.core.requests import CheckedRequest
+from serving.model_limits import ModelLimits, check_request
 from serving.openai.errors import bad_request, named_400
 from serving.openai.messages import render_messages
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -31,14 +32,18 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat default
 
 @dataclasses.dataclass(frozen=True)
 class EngineInputs:
-    """One HTTP request as engine requests: one per prompt, all with the same params."""
-    prompts: list[list[int]]
+    """One HTTP request as engine requests: one per prompt, all with the same params, each
+    checked as the engine checks requests (serving/model_limits.py), once."""
+    requests: list[CheckedRequest]
     params: SamplingParams
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
     tools: ToolRequest | None = None     # chat with tools whose output is read for calls
     echo_top: int | None = None          # completions with echo and logprobs=N: the prompt's too
     prompt_logprobs_field: bool = False  # the request's prompt_logprobs: the `prompt_logprobs` field
-    echo_only: bool = False              # echo with max_tokens 0 (scoring): the sampled token dropped
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [r.prompt_token_ids for r in self.requests]
 
 
 def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits) -> EngineInputs:
@@ -57,21 +62,22 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
     if echo_top is not None and (req.prompt_logprobs is None or _is_count(req.prompt_logprobs)):
         kwargs["prompt_logprobs"] = max(echo_top, req.prompt_logprobs or 0)  # the prompt's tokens too
         names["prompt_logprobs"] = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
-    # echo with max_tokens 0 scores the prompt alone, as vLLM allows: the engine samples one token
-    # (a step computes the prompt's end and samples together), which the response leaves out.
-    echo_only = bool(req.echo) and req.max_tokens == 0
-    kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else 1 if echo_only else req.max_tokens
+    # echo with max_tokens 0 scores the prompt alone, as vLLM allows (the engine generates
+    # nothing, and the prompt may fill the context); without echo there is nothing to return.
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens", "max_tokens=0: must be >= 1 (0 only with echo, which scores the prompt)")
+    kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _params(kwargs, names)
-    for ids in prompts:
-        _check(params, limits, len(ids), names)
+    fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+    requests = [_checked(ids, params, limits, {**names, "prompt": field}) for ids, field in zip(prompts, fields)]
     echo = None
     if req.echo:
         if tokenizer is None:
             raise bad_request("echo", "echo: this model has no tokenizer to write the prompt as text")
         echo = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
                 for p, ids in zip(_as_list(req.prompt), prompts)]
-    return EngineInputs(prompts, params, echo, echo_top=echo_top,
-                        prompt_logprobs_field=req.prompt_logprobs is not None, echo_only=echo_only)
+    return EngineInputs(requests, params, echo, echo_top=echo_top,
+                        prompt_logprobs_field=req.prompt_logprobs is not None)
 
 
 def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits,
@@ -87,20 +93,22 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
     ids = render_messages(req.messages, tokenizer, req.add_generation_prompt, tools.tools if tools else None,
                           req.chat_template_kwargs)
-    _check_prompt_length("messages", len(ids), limits)
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    names = {"logprobs": "top_logprobs", "max_tokens": max_name, "structured_output": _structured_field(req)}
+    if max_tokens == 0:  # a chat has no prompt to echo: nothing to return
+        raise bad_request(max_name, f"{max_name}=0: must be >= 1")
+    names = {"logprobs": "top_logprobs", "max_tokens": max_name, "structured_output": _structured_field(req),
+             "prompt": "messages"}
     kwargs = _sampling_kwargs(req, limits, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     cap = min(limits.max_request_tokens or limits.max_model_len, limits.max_model_len)
-    kwargs["max_tokens"] = cap - len(ids) if max_tokens is None else max_tokens
+    # By default, the rest of the context; at least one token (a chat that fills the context is refused).
+    kwargs["max_tokens"] = max(1, cap - len(ids)) if max_tokens is None else max_tokens
     if tools is not None and tools.mode != "none":
         _tool_sampling(req, tools, kwargs)
         if tools.structured_output is not None:  # a schema llguidance refuses is the tool's
             names["structured_output"] = "tools"
     params = _params(kwargs, names)
-    _check(params, limits, len(ids), names)
-    return EngineInputs([ids], params, tools=tools if tools is not None and tools.mode != "none" else None,
+    return EngineInputs([_checked(ids, params, limits, names)], params, tools=tools if tools is not None and tools.mode != "none" else None,
                         prompt_logprobs_field=req.prompt_logprobs is not None)
 
 
@@ -186,17 +194,20 @@ def _params(kwargs: dict, names: dict[str, str]) -> SamplingParams:
         raise _renamed(str(e).removeprefix("SamplingParams."), names) from None
 
 
-def _check(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int, names: dict[str, str]) -> None:
+def _checked(ids: list[int], params: SamplingParams, limits: ModelLimits, names: dict[str, str]) -> CheckedRequest:
     try:
-        check_params(params, limits, num_prompt_tokens)
-    except RequestError as e:  # "sampling.max_tokens=600: with the prompt's ..."
+        return check_request(ids, params, limits)
+    except RequestError as e:  # "sampling.max_tokens=600: exceeds ...", "prompt of 600 tokens ..."
         raise _renamed(str(e).removeprefix("sampling."), names) from None
 
 
 def _renamed(message: str, names: dict[str, str]):
+    """A message that leads with a SamplingParams field (`top_p=2.0: ...`) or with the prompt
+    (`prompt of 600 tokens ...`), led by the request's own field instead."""
     field = re.match(r"\w+", message).group(0)
     ours = names.get(field, field)
-    return bad_request(ours, ours + message[len(field):])
+    rest = message[len(field):]
+    return bad_request(ours, ours + rest if rest[:1] in ("=", "[", ":", "/") else f"{ours}: {message}")
 
 
 def _as_list(prompt) -> list:
@@ -261,12 +272,5 @@ def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ModelLimits
             bad = [t for t in ids if not 0 <= t < limits.vocab_size]
             if bad:
                 raise bad_request(field, f"{field}: token ids out of range [0, {limits.vocab_size}): {bad[:5]}")
-        _check_prompt_length(field, len(ids), limits)
         out.append(ids)
     return out
-
-
-def _check_prompt_length(field: str, num_tokens: int, limits: ModelLimits) -> None:
-    if num_tokens >= limits.max_model_len:
-        raise bad_request(field, f"{field}: the prompt has {num_tokens} tokens; the context holds "
-                                 f"{limits.max_model_len} and must keep room for one generated token")

@@ -162,7 +162,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(engine, prompt, para
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+    (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
 ])
 def test_bad_sampling_values(kwargs, match):

@@ -30,9 +30,9 @@ def drain(engine):
 
 
 def test_limits_name_the_field_and_the_limit(engine):
-    with pytest.raises(ValueError, match=r"SamplingParams.n=17 exceeds this engine's max_n=16"):
+    with pytest.raises(ValueError, match=r"SamplingParams.n=17: exceeds this engine's max_n=16"):
         engine.add_request([1, 2, 3], SamplingParams(n=17))
-    with pytest.raises(ValueError, match=r"max_tokens=126 exceeds this engine's max_request_tokens=128"):
+    with pytest.raises(ValueError, match=r"max_tokens=126: exceeds this engine's max_request_tokens=128"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=126))
     assert_idle(engine)
 

@@ -221,7 +221,7 @@ def test_cli_generate_prints_only_the_text(capsys, llm):
 @pytest.mark.parametrize("argv,match", [
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--top-p", "0"], "top_p"),
-    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--max-tokens", "-1"], "max_tokens"),
     (["generate", "hi", "--model", "/no/such/model"], "/no/such/model"),
     (["generate"], "no prompt given"),
     (["generate", "hi", "--token-buckets", "8,x"], "--token-buckets"),

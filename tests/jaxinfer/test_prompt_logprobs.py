@@ -103,6 +103,20 @@ def test_prompt_logprobs_match_hf_over_chunked_prefill(engine):
     assert engine.worker.num_compiled() == compiled  # every variant was compiled at warm-up
 
 
+def test_a_scoring_request_fills_the_context_and_generates_nothing(model):
+    """max_tokens=0 (what echo with max_tokens 0 asks over HTTP): the 64-token prompt fills a
+    64-token context, every position is scored as HF scores it, nothing is generated, and the
+    request ends for length; one generated token more is refused before it is queued."""
+    engine = Engine(model, EngineConfig(**{**ENGINE, "max_model_len": 64}))
+    (out,) = run(engine, (PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=TOP, logprobs=1)))
+    check_against_hf(out.prompt_logprobs)
+    (completion,) = out.outputs
+    assert (completion.token_ids, completion.text, completion.logprobs) == ([], "", [])
+    assert completion.finish_reason == "length" and out.usage.completion_tokens == 0 and out.finished
+    with pytest.raises(ValueError, match="prompt of 64 tokens fills the context of 64 tokens"):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=1))
+
+
 def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs(engine):
     """The prompt logprobs of a greedy continuation fed back as a prompt are the logprobs the
     sampler gave those tokens when it chose them."""

@@ -17,7 +17,7 @@ sample_jit = jax.jit(sample, static_argnums=2)
 # --- SamplingParams -------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     ({"n": 0}, "n=0"), ({"n": 1.5}, "n=1.5"),
-    ({"max_tokens": 0}, "max_tokens=0: must be an integer >= 1"), ({"max_tokens": None}, "max_tokens=None"),
+    ({"max_tokens": -1}, "max_tokens=-1: must be an integer >= 0"), ({"max_tokens": None}, "max_tokens=None"),
     ({"temperature": -0.1}, "temperature=-0.1"), ({"temperature": math.nan}, "temperature=nan"),
     ({"temperature": math.inf}, "temperature=inf"), ({"temperature": "hot"}, "temperature='hot'"),
     ({"top_k": -2}, "top_k=-2"), ({"top_k": 2.5}, "top_k=2.5"),

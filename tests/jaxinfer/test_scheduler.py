@@ -160,24 +160,27 @@ def test_a_sequence_that_is_newest_preempts_itself(make_sched):
     drain(sched)
 
 
-def test_requests_that_can_never_fit_are_rejected_with_the_numbers(make_sched):
+def test_a_request_that_fills_the_pool_runs_and_ids_are_unique(make_sched):
+    """What can never fit is refused before the scheduler (core/requests.py, test_requests.py);
+    one that just fits runs to its end."""
     sched = make_sched(4, 4, max_model_len=16)  # 3 usable pages = 12 tokens of KV
-    with pytest.raises(ValueError, match=r"prompt of 10 tokens \+ max_tokens=7 = 17 tokens "
-                                         r"exceeds max_model_len=16"):
-        sched.add_request("a", list(range(10)), params(max_tokens=7))
-    with pytest.raises(ValueError, match="prompt of 10 tokens \\+ max_tokens=4 needs 4 KV pages "
-                                         "of 4 tokens, but the pool has only 3"):
-        sched.add_request("a", list(range(10)), params(max_tokens=4))
-    with pytest.raises(ValueError, match="'e': the prompt is empty"):
-        sched.add_request("e", [], params())
-    with pytest.raises(ValueError, match="priority='high' must be an int"):
-        sched.add_request("p", [1], params(), priority="high")
     # 10 + 3 tokens keep KV for 12: exactly the pool, and it runs to the end
     (seq,) = sched.add_request("a", list(range(10)), params(max_tokens=3))
     with pytest.raises(ValueError, match="request id 'a' is already in use"):
         sched.add_request("a", [1], params())
     drain(sched)
     assert seq.num_output_tokens == 3 and not sched.waiting
+
+
+def test_a_scoring_request_computes_its_prompt_and_outputs_nothing(make_sched):
+    """max_tokens=0: the prompt is computed (its pages cached) and the sampled token dropped."""
+    sched = make_sched(5, 4, max_model_len=16)
+    (seq,) = sched.add_request("s", list(range(16)), params(max_tokens=0))  # fills the context
+    plan = sched.schedule()
+    assert [(e.start, e.num_new_tokens, e.sample) for e in plan.seqs] == [(0, 16, True)]
+    assert sched.update(plan, [TOKEN]) == [seq]
+    assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.num_output_tokens == 0
+    assert seq.token_ids == list(range(16)) and sched.kv_cache.pool.num_cached_pages == 4
 
 
 def test_stop_conditions(make_sched):

@@ -221,10 +221,10 @@ def test_exception_in_one_request_fails_only_that_request(serve, monkeypatch):
             raise RuntimeError("injected conversion failure")
         return real_response(out, replies)
 
-    def add_request(prompt, params, *, request_id, **kw):
+    def add_request(request, *, request_id, **kw):
         if request_id == "bad-add":
             raise RuntimeError("injected add failure")
-        return real_add(prompt, params, request_id=request_id, **kw)
+        return real_add(request, request_id=request_id, **kw)
 
     monkeypatch.setattr(convert, "response", response)
     monkeypatch.setattr(engine, "add_request", add_request)

@@ -56,7 +56,7 @@ def test_completion_prompts_of_every_shape(tok):
     assert refused(completion, tok, prompt=[[1], [49152]]).param == "prompt[1]"
     assert refused(completion, tok, prompt=["a"] * 5).message.startswith("prompt: 5 prompts")
     error = refused(completion, tok, prompt=list(range(128)))
-    assert error.param == "prompt" and "context holds 128" in error.message
+    assert error.param == "prompt" and "fills the context of 128 tokens" in error.message
 
 
 def test_sampling_fields_map_onto_sampling_params(tok):
@@ -311,17 +311,19 @@ def test_echoed_prompt_logprobs_and_the_field(tok):
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(tok):
-    """echo with max_tokens 0 (vLLM's pure scoring): the engine samples one token, which every
-    delta drops; the choice is the prompt with its logprobs, ending for length, 0 completion
-    tokens. Without echo, max_tokens 0 is refused by name."""
+    """echo with max_tokens 0 (vLLM's pure scoring): the engine computes the prompt and generates
+    nothing (SamplingParams.max_tokens=0, so the prompt may fill the context); the choice is the
+    prompt with its logprobs, ending for length, 0 completion tokens. Without echo, max_tokens 0
+    is refused by name."""
     scoring = completion(tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, logprobs=1, max_tokens=0)
-    assert scoring.echo_only and scoring.params.max_tokens == 1 and scoring.params.prompt_logprobs == 1
-    assert not completion(tok, PROMPT_LOGPROBS_ON, prompt="x", echo=True, max_tokens=1).echo_only
+    assert scoring.params.max_tokens == 0 and scoring.params.prompt_logprobs == 1
+    full = completion(tok, PROMPT_LOGPROBS_ON, prompt=list(range(128)), echo=True, logprobs=1, max_tokens=0)
+    assert full.prompts == [list(range(128))]  # the whole context of 128: nothing is generated
     assert refused(completion, tok, PROMPT_LOGPROBS_ON, prompt="x", max_tokens=0).param == "max_tokens"
-    ids, (bang,) = tok.encode("A big cat"), tok.encode("!")
-    out = generation.prompt_only(_scored(ids, [-1.0, -2.0], CompletionOutput(
-        0, "!", [bang], [Logprob(bang, -0.5, {bang: -0.5})], "stop", bang)))
-    assert out.usage.completion_tokens == 0 and out.prompt_logprobs is not None
+    ids = tok.encode("A big cat")
+    scored = [None] + [Logprob(t, lp, {t: lp, 99: lp - 1.0}, 1) for t, lp in zip(ids[1:], [-1.0, -2.0])]
+    out = RequestOutput("r", None, ids, [CompletionOutput(0, "", [], [], "length")], True, Usage(len(ids), 0),
+                        RequestMetrics(0.0), scored)
     texts, shown = outputs.TokenTexts(tok), outputs.PromptShown(echo_top=1)
     head = outputs.ResponseHeader("cmpl-1", "text_completion", 7, "m")
     body = outputs.completion_response(head, [out], 1, texts, echo=["A big cat"], shown=shown)
@@ -333,6 +335,3 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(tok):
     chunks = writer.deltas(0, out)
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
         ("A big cat", None), ("", "length")]
-    aborted = generation.prompt_only(RequestOutput("r", None, ids, [CompletionOutput(0, finish_reason="abort")],
-                                                   True, Usage(len(ids)), RequestMetrics(0.0)))
-    assert aborted.outputs[0].finish_reason == "abort"

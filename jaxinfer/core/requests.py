@@ -1,0 +1,131 @@
+"""Requests checked once: what a request must satisfy to ever run, for every way in.
+
+    limits = engine.limits                        # the engine's context, KV capacity, compiled features
+    checked = check_request(ids, params, limits)  # a CheckedRequest, or a RequestError naming the field
+    engine.add_request(checked)                   # queued as it is: nothing is checked twice
+
+The Python API checks in Engine.add_request / Engine.check_request (after tokenizing, with the
+grammar compiled); both servers run the same checks on a worker thread (serving/model_limits.py)
+and hand the engine loop the CheckedRequest, so the engine thread never checks a request and the
+scheduler trusts what it is given.
+
+Lengths: prompt + max_tokens must fit max_model_len (generated tokens are part of the context),
+and max_request_tokens where the engine sets one. max_tokens=0 scores the prompt and generates
+nothing, so such a prompt may fill the whole context. The last sampled token is never fed back,
+so a sequence holds KV for at most max(prompt, prompt + max_tokens - 1) tokens, which must fit
+the KV pool of one replica.
+
+A RequestError's message starts with what is wrong -- a SamplingParams field
+("SamplingParams.n=17: ...") or the prompt ("prompt of 600 tokens ...") -- and `field` names it,
+so a transport can name its own request field instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
+
+
+class RequestError(ValueError):
+    """A request that can never run; `field` is the SamplingParams field (or "prompt",
+    "priority") at fault, and the message starts with it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What an engine can run: its vocabulary and context, its per-request limits, the features
+    it compiled, and its KV pool (None: not checked). `owner` names it in messages ("this
+    engine's max_n", "this server's")."""
+    vocab_size: int
+    max_model_len: int
+    max_request_tokens: int | None = None
+    max_n: int = 64
+    penalties: bool = True
+    prompt_logprobs: bool = False
+    page_size: int | None = None
+    num_usable_pages: int | None = None
+    owner: str = "engine"
+
+    def option(self, flag: str, kwarg: str) -> str:
+        """How the owner's user turns a feature on: a server's flag; an engine's option or flag."""
+        return flag if self.owner == "server" else f"{kwarg} or {flag}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed `check_request`: the engine queues it without checking again."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None  # the prompt's text, where it came as text
+    priority: int = 0
+
+
+def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits, *,
+                  prompt: str | None = None, priority: int = 0) -> CheckedRequest:
+    """Every check a request must pass before it is queued (RequestError naming the field)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestError("priority", f"priority={priority!r} must be an int")
+    check_params(params, limits)
+    ids = check_prompt_ids(prompt_token_ids, limits.vocab_size)
+    check_lengths(len(ids), params, limits)
+    return CheckedRequest(ids, params, prompt, priority)
+
+
+def check_params(params: SamplingParams, limits: RequestLimits) -> None:
+    """What of `params` the engine was not started for, or its vocabulary does not hold."""
+    owner = limits.owner
+    if params.n > limits.max_n:
+        raise RequestError("n", f"SamplingParams.n={params.n}: exceeds this {owner}'s max_n={limits.max_n}")
+    if params.uses_penalties and not limits.penalties:
+        raise RequestError("repetition_penalty", "SamplingParams.repetition_penalty/presence_penalty/"
+                           f"frequency_penalty: penalties are off on this {owner} (started with "
+                           f"{limits.option('--no-penalties', 'penalties=False')})")
+    if params.prompt_logprobs is not None and not limits.prompt_logprobs:
+        raise RequestError("prompt_logprobs", f"SamplingParams.prompt_logprobs={params.prompt_logprobs}: prompt "
+                           f"logprobs are off on this {owner} (start it with "
+                           f"{limits.option('--enable-prompt-logprobs', 'enable_prompt_logprobs=True')})")
+    try:
+        check_logit_bias_vocab(params, limits.vocab_size)
+    except ValueError as e:  # "SamplingParams.logit_bias[50257]: token ids out of the vocabulary ..."
+        raise RequestError("logit_bias", str(e)) from None
+
+
+def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The prompt's token ids as a list: not empty, each an int in [0, vocab_size)."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # numpy arrays too
+    if not ids:
+        raise RequestError("prompt", "prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError("prompt", f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
+def check_lengths(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits) -> None:
+    """The prompt and max_tokens against the context, max_request_tokens and the KV pool."""
+    p, m, context = num_prompt_tokens, params.max_tokens, limits.max_model_len
+    total = p + m
+    if p > context:
+        raise RequestError("prompt", f"prompt of {p} tokens does not fit the context of {context} tokens")
+    if p == context and m > 0:
+        raise RequestError("prompt", f"prompt of {p} tokens fills the context of {context} tokens, leaving no room "
+                           f"for max_tokens={m} (only max_tokens=0, which scores the prompt, may fill it)")
+    cap = limits.max_request_tokens
+    if cap is not None and total > cap:
+        raise RequestError("max_tokens", f"SamplingParams.max_tokens={m}: exceeds this {limits.owner}'s "
+                           f"max_request_tokens={cap} with the prompt's {p} tokens ({total} in all)")
+    if total > context:
+        raise RequestError("max_tokens", f"prompt of {p} tokens + max_tokens={m} = {total} tokens exceeds "
+                           f"max_model_len={context}")
+    if limits.num_usable_pages is not None and limits.page_size is not None:
+        pages = -(-max(p, total - 1) // limits.page_size)
+        if pages > limits.num_usable_pages:
+            raise RequestError("max_tokens", f"prompt of {p} tokens + max_tokens={m} needs {pages} KV pages of "
+                               f"{limits.page_size} tokens, but the pool has only {limits.num_usable_pages}")
