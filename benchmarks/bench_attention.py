@@ -32,6 +32,7 @@ How it measures:
   against the XLA work around it (work list, gathers, combine).
 Results go to stdout as markdown tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from pallas_kernels import common, gpu, gpu_config, gpu_tuned, tpu, tpu_config  # noqa: E402
@@ -60,6 +60,7 @@ import profile_idle  # noqa: E402
 
 try:  # deprecated in jax, may disappear
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
@@ -84,11 +85,11 @@ class Model:
 class Batch:
     name: str
     shape: str
-    args: tuple          # q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs
+    args: tuple  # q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs
     q_lens: np.ndarray
     kv_lens: np.ndarray
-    kv_bytes: int        # K+V bytes of every sequence's context
-    flops: int           # 4 * Hq * D * attended keys
+    kv_bytes: int  # K+V bytes of every sequence's context
+    flops: int  # 4 * Hq * D * attended keys
     decode: bool
 
 
@@ -103,7 +104,7 @@ def make_batch(name, q_lens, kv_lens, model: Model, seed=0) -> Batch:
     page_indices = np.zeros((len(q_lens), pages_per_seq), np.int32)
     offsets = np.concatenate([[0], np.cumsum(pages_needed)])
     for s in range(len(q_lens)):
-        page_indices[s, :pages_needed[s]] = owned[offsets[s]:offsets[s + 1]]
+        page_indices[s, : pages_needed[s]] = owned[offsets[s] : offsets[s + 1]]
     num_tokens = int(q_lens.sum())
     keys = jax.random.split(jax.random.key(seed), 4)
     hq, hkv, d = model.q_heads, model.kv_heads, model.head_dim
@@ -112,22 +113,31 @@ def make_batch(name, q_lens, kv_lens, model: Model, seed=0) -> Batch:
     v = jax.random.normal(keys[2], (num_tokens, hkv, d), model.dtype)
     cache = jax.random.normal(keys[3], (num_pages, page, 2 * hkv, d), model.dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    args = (q, k, v, cache, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu),
-            jnp.asarray([len(q_lens)], jnp.int32))
+    args = (
+        q,
+        k,
+        v,
+        cache,
+        jnp.asarray(kv_lens),
+        jnp.asarray(page_indices),
+        jnp.asarray(cu),
+        jnp.asarray([len(q_lens)], jnp.int32),
+    )
     itemsize = jnp.dtype(model.dtype).itemsize
     kv_bytes = int(kv_lens.sum()) * 2 * hkv * d * itemsize
     attended = sum(int(sum(range(kl - ql + 1, kl + 1))) for ql, kl in zip(q_lens, kv_lens))
-    return Batch(name, "", args, q_lens, kv_lens, kv_bytes, 4 * hq * d * attended,
-                 bool((q_lens == 1).all()))
+    return Batch(name, "", args, q_lens, kv_lens, kv_bytes, 4 * hq * d * attended, bool((q_lens == 1).all()))
 
 
 def _device_profile(looped, carry, steps: int):
     """(carry, report): two timed calls under jax.profiler; the report's busy time and top
     device kernels in seconds per step, or a note where the trace has no device kernels."""
+
     def run(carry=carry):
         for _ in range(2):
             carry = jax.block_until_ready(looped(carry))
         return carry
+
     carry, report = profile_idle.traced(run, f"/device:{jax.default_backend().upper()}")
     if report is None:
         return carry, "no device kernels in the trace"
@@ -135,8 +145,7 @@ def _device_profile(looped, carry, steps: int):
     return carry, {"busy_s": report["busy_s"] / per, "top": [(n, t / per) for n, t in report["top"]]}
 
 
-def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, target_s=5e-3,
-                 profile=False):
+def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, target_s=5e-3, profile=False):
     """step(state) -> (out, state), traceable. (median seconds per step, state, None or with
     `profile` `_device_profile`'s report).
 
@@ -171,23 +180,37 @@ def _median_time(step, state, *, warmup, budget_s, min_reps=3, max_reps=20, targ
 
 def _ours(model, smoke, config=None, kernel="gpu"):
     if kernel == "tpu":
-        f = functools.partial(tpu.ragged_paged_attention_tpu, sm_scale=model.head_dim ** -0.5,
-                              config=config, interpret=pltpu.InterpretParams() if smoke else None)
+        f = functools.partial(
+            tpu.ragged_paged_attention_tpu,
+            sm_scale=model.head_dim**-0.5,
+            config=config,
+            interpret=pltpu.InterpretParams() if smoke else None,
+        )
     else:
-        f = functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=model.head_dim ** -0.5,
-                              config=config, interpret=smoke)
+        f = functools.partial(
+            gpu.ragged_paged_attention_gpu, sm_scale=model.head_dim**-0.5, config=config, interpret=smoke
+        )
     return jax.jit(f, donate_argnums=(3,))
 
 
 def _one_call_config(batch: Batch, model: Model) -> tpu.TpuConfig:
     """The TPU kernel's single ragged call over the whole batch, as before the path split."""
     q, _, _, cache, _, page_indices, _, _ = batch.args
-    return tpu_config.default_config(q.shape[0], page_indices.shape[0], model.q_heads // model.kv_heads, model.kv_heads,
-                              model.page_size, page_indices.shape[1], model.head_dim, model.dtype, cache.dtype)
+    return tpu_config.default_config(
+        q.shape[0],
+        page_indices.shape[0],
+        model.q_heads // model.kv_heads,
+        model.kv_heads,
+        model.page_size,
+        page_indices.shape[1],
+        model.head_dim,
+        model.dtype,
+        cache.dtype,
+    )
 
 
 def _reference(model):
-    f = functools.partial(ragged_paged_attention_reference, sm_scale=model.head_dim ** -0.5)
+    f = functools.partial(ragged_paged_attention_reference, sm_scale=model.head_dim**-0.5)
     return jax.jit(f, donate_argnums=(3,))
 
 
@@ -204,9 +227,9 @@ def _jax_paged_inputs(batch: Batch, cache_after, ppcb=8, k_splits=16):
 
 
 def _jax_paged_fn(model, smoke, ppcb, k_splits):
-    return jax.jit(functools.partial(
-        jax_paged.paged_attention, pages_per_compute_block=ppcb, k_splits=k_splits,
-        interpret=smoke))
+    return jax.jit(
+        functools.partial(jax_paged.paged_attention, pages_per_compute_block=ppcb, k_splits=k_splits, interpret=smoke)
+    )
 
 
 def _error(e):
@@ -228,9 +251,13 @@ def _row_with_cache(name, fn, batch, want, tol, args):
             out, cache = fn(*qkv, cache, *a[4:])
             return out, (cache, qkv)
 
-        row["t"], _, row["profile"] = _median_time(step, (jnp.array(batch.args[3], copy=True), tuple(a[:3])),
-                                                   warmup=args.warmup, budget_s=args.budget,
-                                                   profile=args.profile)
+        row["t"], _, row["profile"] = _median_time(
+            step,
+            (jnp.array(batch.args[3], copy=True), tuple(a[:3])),
+            warmup=args.warmup,
+            budget_s=args.budget,
+            profile=args.profile,
+        )
     except Exception as e:  # noqa: BLE001 - report it in the table and keep going
         row["error"] = _error(e)
     return row
@@ -241,17 +268,19 @@ def _row_jax_paged(batch, cache_after, model, want, tol, args):
     try:
         k_pages, v_pages, table, lengths, ppcb, k_splits = _jax_paged_inputs(batch, cache_after)
         fn = _jax_paged_fn(model, args.smoke, ppcb, k_splits)
-        q = (batch.args[0] * model.head_dim ** -0.5).astype(model.dtype)  # it has no sm_scale
+        q = (batch.args[0] * model.head_dim**-0.5).astype(model.dtype)  # it has no sm_scale
         out = fn(q, k_pages, v_pages, table, lengths)
         err = float(np.abs(np.asarray(out, np.float32) - want).max())
         row["err"] = err if err <= tol else f"FAIL {err:.3g}"
+
         def step(state):  # q depends on the last output, so the loop cannot hoist the call
             prev, k_pages, v_pages = state  # threaded, not captured: no GB-sized constants
             out = fn(q + (prev[:1, :1, :1] * 0).astype(q.dtype), k_pages, v_pages, table, lengths)
             return out, (out, k_pages, v_pages)
 
-        row["t"], _, row["profile"] = _median_time(step, (out, k_pages, v_pages), warmup=args.warmup,
-                                                   budget_s=args.budget, profile=args.profile)
+        row["t"], _, row["profile"] = _median_time(
+            step, (out, k_pages, v_pages), warmup=args.warmup, budget_s=args.budget, profile=args.profile
+        )
     except Exception as e:  # noqa: BLE001
         row["error"] = _error(e)
     return row
@@ -262,7 +291,7 @@ def _row_jax_rpa(batch, cache_after, model, want, tol, args):
     row = dict(impl="jax ops.tpu.ragged_paged_attention")
     try:
         q, _, _, _, kv_lens, page_indices, cu_q_lens, num_seqs = batch.args
-        fn = jax.jit(functools.partial(jax_rpa.ragged_paged_attention, sm_scale=model.head_dim ** -0.5))
+        fn = jax.jit(functools.partial(jax_rpa.ragged_paged_attention, sm_scale=model.head_dim**-0.5))
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()) if args.smoke else contextlib.nullcontext():
             out = fn(q, cache_after, kv_lens, page_indices, cu_q_lens, num_seqs)
             err = float(np.abs(np.asarray(out, np.float32) - want).max())
@@ -270,12 +299,12 @@ def _row_jax_rpa(batch, cache_after, model, want, tol, args):
 
             def step(state):  # q depends on the last output, so the loop cannot hoist the call
                 prev, cache = state  # threaded, not captured: no GB-sized constant
-                out = fn(q + (prev[:1, :1, :1] * 0).astype(q.dtype), cache, kv_lens, page_indices,
-                         cu_q_lens, num_seqs)
+                out = fn(q + (prev[:1, :1, :1] * 0).astype(q.dtype), cache, kv_lens, page_indices, cu_q_lens, num_seqs)
                 return out, (out, cache)
 
-            row["t"], _, row["profile"] = _median_time(step, (out, cache_after), warmup=args.warmup,
-                                                       budget_s=args.budget, profile=args.profile)
+            row["t"], _, row["profile"] = _median_time(
+                step, (out, cache_after), warmup=args.warmup, budget_s=args.budget, profile=args.profile
+            )
     except Exception as e:  # noqa: BLE001
         row["error"] = _error(e)
     return row
@@ -295,8 +324,9 @@ def _tpu_rows(batch: Batch, cache_after, model: Model, want, tol, args) -> list[
 
 
 def run_batch(batch: Batch, model: Model, args) -> list[dict]:
-    want, cache_after = jax.jit(functools.partial(
-        ragged_paged_attention_reference, sm_scale=model.head_dim ** -0.5))(*batch.args)
+    want, cache_after = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=model.head_dim**-0.5))(
+        *batch.args
+    )
     want = np.asarray(want, np.float32)
     tol = 2e-5 if model.dtype == jnp.float32 else 5e-2
     if args.kernel == "tpu":
@@ -313,9 +343,10 @@ def run_batch(batch: Batch, model: Model, args) -> list[dict]:
         rows.append(_row_with_cache("reference (XLA)", _reference(model), batch, want, tol, args))
     rows += jax_rows
     if args.sweep:  # --smoke exercises the sweep's code on its first two configs
-        for config in sweep_configs(batch, model)[:2 if args.smoke else None]:
-            row = _row_with_cache(f"pallas_gpu {_config_name(config)}",
-                                  _ours(model, args.smoke, config), batch, want, tol, args)
+        for config in sweep_configs(batch, model)[: 2 if args.smoke else None]:
+            row = _row_with_cache(
+                f"pallas_gpu {_config_name(config)}", _ours(model, args.smoke, config), batch, want, tol, args
+            )
             rows.append({**row, "config": config})
     return rows
 
@@ -332,12 +363,20 @@ def tuned_entry(batch: Batch, model: Model, rows: list[dict], device_kind: str) 
     config = best["config"].rest if isinstance(best["config"], gpu.GpuPaths) else best["config"]
     q, page_indices = batch.args[0], batch.args[5]
     decode_like = gpu_config.is_decode_like(q.shape[0], page_indices.shape[0])
-    return {"device": device_kind, "head_dim": model.head_dim, "group": model.q_heads // model.kv_heads,
-            "page_size": model.page_size, "dtype": jnp.dtype(model.dtype).name,
-            "mode": "decode" if decode_like else "prefill", "num_seqs": int(page_indices.shape[0]),
-            "max_kv": int(page_indices.shape[1]) * model.page_size,
-            "config": dataclasses.asdict(config), "ms": round(best["t"] * 1e3, 5),
-            "default_ms": round(default["t"] * 1e3, 5), "measured": f"jax {jax.__version__}"}
+    return {
+        "device": device_kind,
+        "head_dim": model.head_dim,
+        "group": model.q_heads // model.kv_heads,
+        "page_size": model.page_size,
+        "dtype": jnp.dtype(model.dtype).name,
+        "mode": "decode" if decode_like else "prefill",
+        "num_seqs": int(page_indices.shape[0]),
+        "max_kv": int(page_indices.shape[1]) * model.page_size,
+        "config": dataclasses.asdict(config),
+        "ms": round(best["t"] * 1e3, 5),
+        "default_ms": round(default["t"] * 1e3, 5),
+        "measured": f"jax {jax.__version__}",
+    }
 
 
 def _config_name(c: gpu.GpuConfig | gpu.GpuPaths) -> str:
@@ -349,9 +388,16 @@ def _config_name(c: gpu.GpuConfig | gpu.GpuPaths) -> str:
 def _gpu_paths(batch: Batch, model: Model) -> gpu.GpuConfig | gpu.GpuPaths:
     """What the GPU kernel runs by default on this batch (one config, or the decode split)."""
     q, page_indices = batch.args[0], batch.args[5]
-    return gpu_config.default_paths(q.shape[0], page_indices.shape[0], model.q_heads // model.kv_heads,
-                                    model.kv_heads, model.head_dim, model.page_size,
-                                    page_indices.shape[1], model.dtype)
+    return gpu_config.default_paths(
+        q.shape[0],
+        page_indices.shape[0],
+        model.q_heads // model.kv_heads,
+        model.kv_heads,
+        model.head_dim,
+        model.page_size,
+        page_indices.shape[1],
+        model.dtype,
+    )
 
 
 def sweep_configs(batch: Batch, model: Model) -> list[gpu.GpuConfig | gpu.GpuPaths]:
@@ -363,19 +409,30 @@ def sweep_configs(batch: Batch, model: Model) -> list[gpu.GpuConfig | gpu.GpuPat
     paths = _gpu_paths(batch, model)
     base = paths.rest if isinstance(paths, gpu.GpuPaths) else paths
     gp = common.next_pow2(model.q_heads // model.kv_heads)
-    variants = [dict(block_kv=base.block_kv // 2), dict(block_kv=base.block_kv * 2),
-                dict(block_q=base.block_q // 2), dict(block_q=base.block_q * 2),
-                dict(num_splits=max(1, base.num_splits // 4)), dict(num_splits=base.num_splits * 2),
-                dict(num_warps=4 if base.num_warps == 8 else 8),
-                dict(num_stages=1), dict(num_stages=3)]
+    variants = [
+        dict(block_kv=base.block_kv // 2),
+        dict(block_kv=base.block_kv * 2),
+        dict(block_q=base.block_q // 2),
+        dict(block_q=base.block_q * 2),
+        dict(num_splits=max(1, base.num_splits // 4)),
+        dict(num_splits=base.num_splits * 2),
+        dict(num_warps=4 if base.num_warps == 8 else 8),
+        dict(num_stages=1),
+        dict(num_stages=3),
+    ]
     if batch.decode:  # and two pipeline stages, which keep the next block's gather in flight
         variants += [dict(num_splits=c, num_warps=w) for w in (4, 8) for c in (1, 2, 4, 8, 16)]
         variants += [dict(num_splits=c, num_stages=2) for c in (1, 4, 8)]
     out = []
     for change in variants:
         config = dataclasses.replace(base, **change)
-        if config != base and config not in out and config.block_kv >= 16 \
-                and config.block_q * gp >= 16 and config.block_q >= 1:
+        if (
+            config != base
+            and config not in out
+            and config.block_kv >= 16
+            and config.block_q * gp >= 16
+            and config.block_q >= 1
+        ):
             out.append(config)
     if isinstance(paths, gpu.GpuPaths):
         return [dataclasses.replace(paths, rest=c) for c in out]
@@ -410,9 +467,11 @@ def scenarios(args):
             yield f"prefill chunk={c}", [c], [c]
     if "mixed" in want:
         m = mixed
-        yield (f"mixed: 1 x {m['chunk']} chunk (+{m['prefix']} cached) + {m['decode_seqs']} decode "
-               f"@ {m['ctx']}", [m["chunk"]] + [1] * m["decode_seqs"],
-               [m["chunk"] + m["prefix"]] + [m["ctx"]] * m["decode_seqs"])
+        yield (
+            f"mixed: 1 x {m['chunk']} chunk (+{m['prefix']} cached) + {m['decode_seqs']} decode @ {m['ctx']}",
+            [m["chunk"]] + [1] * m["decode_seqs"],
+            [m["chunk"] + m["prefix"]] + [m["ctx"]] * m["decode_seqs"],
+        )
 
 
 def print_profiles(profiles) -> None:
@@ -437,14 +496,22 @@ def _fmt(x, digits=3):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU ok")
-    p.add_argument("--kernel", choices=["gpu", "tpu"], default=None,
-                   help="whose Pallas kernel to time (default: the backend's; gpu on the CPU)")
+    p.add_argument(
+        "--kernel",
+        choices=["gpu", "tpu"],
+        default=None,
+        help="whose Pallas kernel to time (default: the backend's; gpu on the CPU)",
+    )
     p.add_argument("--scenarios", default="decode,prefill,mixed")
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--contexts", default="1024,4096,8192,16384,32768")
     p.add_argument("--chunks", default="512,1024,2048,4096,8192")
-    p.add_argument("--max-kv-tokens", type=int, default=1 << 21,
-                   help="skip decode rows with batch * context above this (memory, time)")
+    p.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=1 << 21,
+        help="skip decode rows with batch * context above this (memory, time)",
+    )
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -454,13 +521,20 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per row")
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
-    p.add_argument("--sweep", action="store_true",
-                   help="also time the default GpuConfig's neighbours (tuning default_config)")
-    p.add_argument("--profile", action="store_true",
-                   help="also trace each row and list its top device kernels per call")
-    p.add_argument("--write-table", nargs="?", const=str(gpu_tuned.TABLE), default=None,
-                   help="with --sweep: add each row's fastest config, where it beat the default, "
-                        "to the tuned table (default: the package's gpu_tuned.json)")
+    p.add_argument(
+        "--sweep", action="store_true", help="also time the default GpuConfig's neighbours (tuning default_config)"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="also trace each row and list its top device kernels per call"
+    )
+    p.add_argument(
+        "--write-table",
+        nargs="?",
+        const=str(gpu_tuned.TABLE),
+        default=None,
+        help="with --sweep: add each row's fastest config, where it beat the default, "
+        "to the tuned table (default: the package's gpu_tuned.json)",
+    )
     args = p.parse_args(argv)
     args.kernel = args.kernel or ("tpu" if jax.default_backend() == "tpu" else "gpu")
     if args.kernel == "tpu" and (args.sweep or args.write_table):
@@ -469,24 +543,29 @@ def main(argv=None):
         model = Model(4, 2, 128 if args.kernel == "tpu" else 64, 16, jnp.float32)
         args.warmup, args.budget = 1, 0.0
     else:
-        model = Model(args.q_heads, args.kv_heads, args.head_dim, args.page_size,
-                      jnp.dtype(args.dtype))
+        model = Model(args.q_heads, args.kv_heads, args.head_dim, args.page_size, jnp.dtype(args.dtype))
 
     if not args.smoke and jax.default_backend() != args.kernel:
-        sys.exit(f"bench_attention --kernel {args.kernel} needs a {args.kernel.upper()} (backend is "
-                 f"{jax.default_backend()!r}); use --smoke to exercise it on the CPU")
+        sys.exit(
+            f"bench_attention --kernel {args.kernel} needs a {args.kernel.upper()} (backend is "
+            f"{jax.default_backend()!r}); use --smoke to exercise it on the CPU"
+        )
     device = jax.devices()[0]
     bandwidth, flops = measure_ceilings(args.smoke)
     print(f"# Ragged paged attention on {device.device_kind} (jax {jax.__version__})\n")
-    print(f"Model: Hq={model.q_heads} Hkv={model.kv_heads} D={model.head_dim} "
-          f"page={model.page_size} {jnp.dtype(model.dtype).name}"
-          f"{' (smoke: interpret mode)' if args.smoke else ''}")
+    print(
+        f"Model: Hq={model.q_heads} Hkv={model.kv_heads} D={model.head_dim} "
+        f"page={model.page_size} {jnp.dtype(model.dtype).name}"
+        f"{' (smoke: interpret mode)' if args.smoke else ''}"
+    )
     rated = ceilings.RATED.get(device.device_kind)
     rated = f" (rated {rated[0] / 1e12:.2f} TB/s, {rated[1] / 1e12:.0f} TFLOP/s)" if rated else ""
-    print(f"Ceilings (measured in one call each): copy {bandwidth / 1e9:.1f} GB/s, bf16 matmul "
-          f"{flops / 1e12:.1f} TFLOP/s{rated}; "
-          f"jax's {args.kernel.upper()} kernel "
-          f"{'available' if (jax_rpa if args.kernel == 'tpu' else jax_paged) else 'not importable'}\n")
+    print(
+        f"Ceilings (measured in one call each): copy {bandwidth / 1e9:.1f} GB/s, bf16 matmul "
+        f"{flops / 1e12:.1f} TFLOP/s{rated}; "
+        f"jax's {args.kernel.upper()} kernel "
+        f"{'available' if (jax_rpa if args.kernel == 'tpu' else jax_paged) else 'not importable'}\n"
+    )
     print("| scenario | impl | median ms | GB/s | % BW | TFLOP/s | % FLOP/s | max err vs ref | note |")
     print("|---|---|---|---|---|---|---|---|---|")
     tuned, profiles = [], []
@@ -501,13 +580,16 @@ def main(argv=None):
             gbs = batch.kv_bytes / t / 1e9 if t else None
             tfs = batch.flops / t / 1e12 if t else None
             show_bw = batch.decode or name.startswith("mixed")
-            print(f"| {name} | {row['impl']} | {_fmt(t and t * 1e3, 4)} "
-                  f"| {_fmt(gbs) if show_bw else ''} "
-                  f"| {_fmt(gbs and 100 * gbs * 1e9 / bandwidth, 3) if show_bw else ''} "
-                  f"| {'' if batch.decode else _fmt(tfs)} "
-                  f"| {'' if batch.decode else _fmt(tfs and 100 * tfs * 1e12 / flops, 3)} "
-                  f"| {row['err'] if isinstance(row.get('err'), str) else _fmt(row.get('err'), 2)} "
-                  f"| {row.get('error', '')} |", flush=True)
+            print(
+                f"| {name} | {row['impl']} | {_fmt(t and t * 1e3, 4)} "
+                f"| {_fmt(gbs) if show_bw else ''} "
+                f"| {_fmt(gbs and 100 * gbs * 1e9 / bandwidth, 3) if show_bw else ''} "
+                f"| {'' if batch.decode else _fmt(tfs)} "
+                f"| {'' if batch.decode else _fmt(tfs and 100 * tfs * 1e12 / flops, 3)} "
+                f"| {row['err'] if isinstance(row.get('err'), str) else _fmt(row.get('err'), 2)} "
+                f"| {row.get('error', '')} |",
+                flush=True,
+            )
             if row.get("profile"):
                 profiles.append((name, row["impl"], row["profile"]))
         del batch

@@ -17,6 +17,7 @@ Each row prints ms per call and the weight bytes read per second beside the meas
     python benchmarks/bench_lm_head.py                      # 1B and 8B heads, rows 1 8 64 256
     python benchmarks/bench_lm_head.py --smoke               # tiny, CPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,16 +62,14 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args(argv)
     cpu = jax.default_backend() == "cpu"
-    shapes = {"smoke": (4096, 256)} if args.smoke else {"llama-3.2-1b": (128256, 2048),
-                                                         "llama-3.1-8b": (128256, 4096)}
+    shapes = {"smoke": (4096, 256)} if args.smoke else {"llama-3.2-1b": (128256, 2048), "llama-3.1-8b": (128256, 4096)}
     rows = args.rows or ([1, 8] if args.smoke else [1, 8, 64, 256])
     iters = args.iters or (3 if args.smoke else 50)
     dtype = jnp.float32 if cpu and args.smoke else jnp.bfloat16
     ceil = ceilings.describe()
     copy = ceil["copy_bytes_per_s"]
     print(f"# LM head matmul on {ceil['device']} (jax {jax.__version__}), {jnp.dtype(dtype).name}")
-    print(f"Measured copy rate {copy / 1e9:.1f} GB/s (read + write); weight bytes read per call "
-          "over the time\n")
+    print(f"Measured copy rate {copy / 1e9:.1f} GB/s (read + write); weight bytes read per call over the time\n")
     print("| shape | form | rows | ms per call | weight GB/s | % of copy rate |")
     print("|---|---|---|---|---|---|")
     for name, (vocab, embed) in shapes.items():
@@ -81,8 +80,11 @@ def main(argv=None) -> None:
         for label, (which, form) in FORMS.items():
             for m in rows:
                 sec = time_form(form, weights[which], m, iters)
-                print(f"| {name} | {label} | {m} | {1e3 * sec:.4f} | {nbytes / sec / 1e9:.0f} | "
-                      f"{100 * nbytes / sec / copy:.0f}% |", flush=True)
+                print(
+                    f"| {name} | {label} | {m} | {1e3 * sec:.4f} | {nbytes / sec / 1e9:.0f} | "
+                    f"{100 * nbytes / sec / copy:.0f}% |",
+                    flush=True,
+                )
         del weights
 
 

@@ -12,6 +12,7 @@ restarts) and reports the wall time of the load and the peak resident memory abo
 baseline after `import jax` — as a multiple of the parameter bytes it ends up holding. On the CPU
 the devices' buffers are host memory, so 1.0x is the floor: the parameters themselves.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,15 +50,15 @@ def child(path: str, mesh: str | None) -> dict:
     if mesh:
         device_mesh = make_mesh(mesh)
         place_for = lambda cfg, fam: make_placer(  # noqa: E731
-            device_mesh, fam.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
+            device_mesh, fam.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads)
+        )
     start = time.perf_counter()
     model = load_model(path, "bfloat16", with_tokenizer=False, place_for=place_for)
     jax.block_until_ready(model.params)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     held = sum(s.data.nbytes for x in jax.tree.leaves(model.params) for s in x.addressable_shards)
-    return {"seconds": seconds, "baseline": baseline, "peak": peak, "held_bytes": held,
-            "devices": jax.device_count()}
+    return {"seconds": seconds, "baseline": baseline, "peak": peak, "held_bytes": held, "devices": jax.device_count()}
 
 
 def _write_safetensors(config, directory: Path, seed: int = 0) -> None:
@@ -87,12 +88,16 @@ def build_inputs(workdir: Path, model: str) -> dict[str, Path]:
     out as llama.cpp's converter does)."""
     from llamacpp_peer import write_gguf
     from shapes import SHAPES
+
     from jaxinfer.convert import convert
     from jaxinfer.loader import default_model_path
 
     out = workdir / model
-    paths = {"gguf": default_model_path() if model == "smollm2" else out / "model-f16.gguf",
-             "safetensors": out / "hf", "orbax": out / "orbax"}
+    paths = {
+        "gguf": default_model_path() if model == "smollm2" else out / "model-f16.gguf",
+        "safetensors": out / "hf",
+        "orbax": out / "orbax",
+    }
     if not paths["safetensors"].exists():
         _write_safetensors(SHAPES[model], paths["safetensors"])
     if not paths["gguf"].exists():
@@ -103,8 +108,12 @@ def build_inputs(workdir: Path, model: str) -> dict[str, Path]:
 
 
 def run_child(path: Path, devices: int, mesh: str | None) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT),
+    )
     cmd = [sys.executable, __file__, "--child", str(path)] + (["--mesh", mesh] if mesh else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode:
@@ -136,13 +145,22 @@ def main(argv=None) -> int:
                     continue
                 runs = [run_child(path, devices, mesh) for _ in range(args.repeats)]
                 held = runs[0]["held_bytes"]
-                row = {"model": model, "format": fmt, "devices": devices, "mesh": mesh or "-",
-                       "seconds": statistics.median(r["seconds"] for r in runs),
-                       "peak_over_params": statistics.median((r["peak"] - r["baseline"]) / held for r in runs),
-                       "held_gib": held / 2**30, "file_gib": _size(path) / 2**30}
+                row = {
+                    "model": model,
+                    "format": fmt,
+                    "devices": devices,
+                    "mesh": mesh or "-",
+                    "seconds": statistics.median(r["seconds"] for r in runs),
+                    "peak_over_params": statistics.median((r["peak"] - r["baseline"]) / held for r in runs),
+                    "held_gib": held / 2**30,
+                    "file_gib": _size(path) / 2**30,
+                }
                 rows.append(row)
-                print("| {model} | {format} | {devices} | {mesh} | {file_gib:.2f} | {held_gib:.2f} | "
-                      "{seconds:.2f} | {peak_over_params:.2f}x |".format(**row), flush=True)
+                print(
+                    "| {model} | {format} | {devices} | {mesh} | {file_gib:.2f} | {held_gib:.2f} | "
+                    "{seconds:.2f} | {peak_over_params:.2f}x |".format(**row),
+                    flush=True,
+                )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0

@@ -10,6 +10,7 @@ settings, one after the other, each in a fresh process: median steady-state deco
 the MoE / dense step-time ratio; the issue's goal is a ratio <= 1.5. `--quantization` quantizes
 both models' linear weights, the experts included (as `LLM(quantization=...)` would).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,27 +34,38 @@ from jaxinfer.quant.config import param_count  # noqa: E402
 
 
 def measure(shape: str, args) -> dict:
-    model = random_model(shape, args.dtype, quantization=args.quantization, group_size=args.group_size,
-                         num_layers=args.layers)
+    model = random_model(
+        shape, args.dtype, quantization=args.quantization, group_size=args.group_size, num_layers=args.layers
+    )
     jax.block_until_ready(model.params)
     sizes = {"params": param_count(model.params), "active": active_param_count(model)}
     # The buckets the measured steps run in: each decode batch exactly, and the budget for the
     # prompts (a batch's prompts are padded to it; their steps are not timed). The powers of two
     # between would only lengthen the warm-up.
     budget = max(args.prefill_len, 64, *args.batches)
-    config = EngineConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=budget,
-                          token_buckets=tuple(sorted({*args.batches, budget})),
-                          max_model_len=2048, penalties=False, compilation_cache_dir=args.cache_dir)
+    config = EngineConfig(
+        max_num_seqs=max(args.batches),
+        max_num_batched_tokens=budget,
+        token_buckets=tuple(sorted({*args.batches, budget})),
+        max_model_len=2048,
+        penalties=False,
+        compilation_cache_dir=args.cache_dir,
+    )
     engine = Engine(model, config)
     variants = engine.worker.num_compiled()
     out = {"decode": {}, **sizes}
     for b in args.batches:
-        out["decode"][b] = statistics.median(run_engine_decode(engine, b, args.prompt_len, args.new_tokens, seed)
-                                             for seed in range(args.repeats))
-        print(f"[{time.strftime('%H:%M:%S')}] {shape} decode batch {b}: {1e3 * out['decode'][b]:.2f} ms per step",
-              file=sys.stderr, flush=True)
-    out["prefill"] = statistics.median(run_engine_prefill(engine, args.prefill_len, seed)
-                                       for seed in range(args.repeats))
+        out["decode"][b] = statistics.median(
+            run_engine_decode(engine, b, args.prompt_len, args.new_tokens, seed) for seed in range(args.repeats)
+        )
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {shape} decode batch {b}: {1e3 * out['decode'][b]:.2f} ms per step",
+            file=sys.stderr,
+            flush=True,
+        )
+    out["prefill"] = statistics.median(
+        run_engine_prefill(engine, args.prefill_len, seed) for seed in range(args.repeats)
+    )
     assert engine.worker.num_compiled() == variants, "a step compiled after warm-up"
     out["dtype"] = str(model.params.embed.dtype)
     del engine, model
@@ -72,8 +84,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on accelerators, float32 on the CPU")
     ap.add_argument("--layers", type=int, default=None, help="only the first layers of both shapes (quick runs)")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                    help="weight-only quantization of both models (experts included)")
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="weight-only quantization of both models (experts included)",
+    )
     ap.add_argument("--group-size", type=int, default=64, help="int4 group size")
     ap.add_argument("--cache-dir", default="auto", help="compilation cache: a directory, none, or auto (as jaxinfer)")
     args = ap.parse_args()
@@ -86,11 +102,15 @@ def main() -> int:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
         moe = pool.submit(measure, args.moe, args).result()
     weights = f", weights {args.quantization}" if args.quantization else ""
-    print(f"Device: {jax.devices()[0].device_kind} x {jax.device_count()} ({jax.default_backend()}); "
-          f"jax {jax.__version__}; {dense['dtype']}{weights}; decode after a {args.prompt_len}-token prompt, "
-          f"medians of {args.repeats}")
-    print(f"Parameters: {args.dense} {dense['params'] / 1e6:.1f}M (all active); {args.moe} "
-          f"{moe['params'] / 1e6:.1f}M, {moe['active'] / 1e6:.1f}M active per token\n")
+    print(
+        f"Device: {jax.devices()[0].device_kind} x {jax.device_count()} ({jax.default_backend()}); "
+        f"jax {jax.__version__}; {dense['dtype']}{weights}; decode after a {args.prompt_len}-token prompt, "
+        f"medians of {args.repeats}"
+    )
+    print(
+        f"Parameters: {args.dense} {dense['params'] / 1e6:.1f}M (all active); {args.moe} "
+        f"{moe['params'] / 1e6:.1f}M, {moe['active'] / 1e6:.1f}M active per token\n"
+    )
     print(f"| run | {args.dense} (ms) | {args.moe} (ms) | MoE / dense |\n|---|---|---|---|")
     rows = [(f"decode step, batch {b}", dense["decode"][b], moe["decode"][b]) for b in args.batches]
     rows.append((f"prefill, one {args.prefill_len}-token prompt", dense["prefill"], moe["prefill"]))

@@ -21,6 +21,7 @@ exp(mean negative log-likelihood) over every scored token. "top-1 = f32" is the 
 positions whose most likely next token is float32's. Start-up (load, quantize, KV calibration) and
 scoring times include their compiles.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,17 +54,17 @@ KJV_RANGE = "gen1:1-rev22:21"
 def kjv_text() -> str:
     """The KJV text from Debian's `bible` reader, one verse a line, chapters apart."""
     if shutil.which("bible") is None:
-        raise SystemExit("the `bible` program is missing: apt-get install bible-kjv (Debian), "
-                         "or pass --text FILE")
-    raw = subprocess.run(["bible", KJV_RANGE], capture_output=True, text=True, check=True,
-                         stdin=subprocess.DEVNULL).stdout
+        raise SystemExit("the `bible` program is missing: apt-get install bible-kjv (Debian), or pass --text FILE")
+    raw = subprocess.run(
+        ["bible", KJV_RANGE], capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL
+    ).stdout
     verses, chapters = [], []
     for line in raw.splitlines():
         if re.fullmatch(r"\S.* \d+", line):  # "Genesis 1": a chapter heading
             if verses:
                 chapters.append(" ".join(verses))
             verses = []
-        elif (m := re.match(r"\s+\d+ (.*)", line)):  # "  1 In the beginning ...": a verse
+        elif m := re.match(r"\s+\d+ (.*)", line):  # "  1 In the beginning ...": a verse
             verses.append(m.group(1).strip())
         elif line.strip() and verses:  # the rest of a wrapped verse
             verses[-1] += " " + line.strip()
@@ -77,11 +78,14 @@ def _chunk_logprobs(family, config, attn_impl, params, kv_caches, tokens, target
     from jaxinfer.models.layers import AttentionMetadata
 
     n = tokens.shape[0]
-    meta = AttentionMetadata(kv_lens=(start + n).reshape(1), page_indices=page_table,
-                             cu_q_lens=jnp.array([0, n], jnp.int32), num_seqs=jnp.ones((1,), jnp.int32))
+    meta = AttentionMetadata(
+        kv_lens=(start + n).reshape(1),
+        page_indices=page_table,
+        cu_q_lens=jnp.array([0, n], jnp.int32),
+        num_seqs=jnp.ones((1,), jnp.int32),
+    )
     positions = start + jnp.arange(n, dtype=jnp.int32)
-    hidden, kv_caches = family.forward(params, config, tokens, positions, kv_caches, meta,
-                                       attn_impl=attn_impl)
+    hidden, kv_caches = family.forward(params, config, tokens, positions, kv_caches, meta, attn_impl=attn_impl)
     logits = family.compute_logits(params, hidden)  # f32[C, V]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
@@ -94,24 +98,34 @@ def score(runner, ids: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray,
     argmax predictions i32[N]) over the scored positions, in text order."""
     if window % chunk or window % runner.step.engine.cache.page_size:
         raise ValueError(f"--window {window} must be a multiple of --chunk {chunk} and the page size")
-    step = jax.jit(functools.partial(_chunk_logprobs, runner.state.family, runner.state.config,
-                                     runner.step.engine.compile.attn_impl), donate_argnums=(1,),
-                   out_shardings=(None, None, jax.tree.map(lambda c: c.format, runner.state.kv_caches)))
+    step = jax.jit(
+        functools.partial(
+            _chunk_logprobs, runner.state.family, runner.state.config, runner.step.engine.compile.attn_impl
+        ),
+        donate_argnums=(1,),
+        out_shardings=(None, None, jax.tree.map(lambda c: c.format, runner.state.kv_caches)),
+    )
     pages = window // runner.step.engine.cache.page_size
     page_table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
     logprobs, argmax = [], []
     for w0 in range(0, len(ids) - 1, window):
-        seq = ids[w0:w0 + window + 1]  # the window and the token after it (its last target)
+        seq = ids[w0 : w0 + window + 1]  # the window and the token after it (its last target)
         n_scored = len(seq) - 1
         for c0 in range(0, n_scored, chunk):
             tokens = np.zeros(chunk, np.int32)
             targets = np.zeros(chunk, np.int32)
-            part = seq[c0:min(c0 + chunk, n_scored)]
-            tokens[:len(part)], targets[:len(part)] = part, seq[c0 + 1:c0 + 1 + len(part)]
-            lp, am, runner.state.kv_caches = step(runner.state.params, runner.state.kv_caches, jnp.asarray(tokens),
-                                            jnp.asarray(targets), jnp.int32(c0), page_table)
-            logprobs.append(np.asarray(lp)[:len(part)])
-            argmax.append(np.asarray(am)[:len(part)])
+            part = seq[c0 : min(c0 + chunk, n_scored)]
+            tokens[: len(part)], targets[: len(part)] = part, seq[c0 + 1 : c0 + 1 + len(part)]
+            lp, am, runner.state.kv_caches = step(
+                runner.state.params,
+                runner.state.kv_caches,
+                jnp.asarray(tokens),
+                jnp.asarray(targets),
+                jnp.int32(c0),
+                page_table,
+            )
+            logprobs.append(np.asarray(lp)[: len(part)])
+            argmax.append(np.asarray(am)[: len(part)])
     return np.concatenate(logprobs), np.concatenate(argmax)
 
 
@@ -121,35 +135,54 @@ def run_config(name: str, args: argparse.Namespace, ids: np.ndarray) -> dict:
     kwargs = {"dtype": args.dtype, **CONFIGS[name]}
     start = time.perf_counter()
     pages = args.window // args.page_size + 2
-    llm = LLM(args.model, **kwargs, max_model_len=args.window, num_pages=pages,
-              page_size=args.page_size, max_num_seqs=1, max_num_batched_tokens=args.chunk,
-              warm_up=False, attn_impl=args.attn_impl)
+    llm = LLM(
+        args.model,
+        **kwargs,
+        max_model_len=args.window,
+        num_pages=pages,
+        page_size=args.page_size,
+        max_num_seqs=1,
+        max_num_batched_tokens=args.chunk,
+        warm_up=False,
+        attn_impl=args.attn_impl,
+    )
     runner = llm.engine.worker
     setup = time.perf_counter() - start
     start = time.perf_counter()
     logprobs, argmax = score(runner, ids, args.window, args.chunk)
     seconds = time.perf_counter() - start
     nll = float(-logprobs.mean())
-    return {"name": name, "dtype": kwargs["dtype"], "kv": str(runner.state.kv_dtype), "nll": nll,
-            "ppl": float(np.exp(nll)), "argmax": argmax, "setup_s": setup, "score_s": seconds,
-            "tokens": len(logprobs)}
+    return {
+        "name": name,
+        "dtype": kwargs["dtype"],
+        "kv": str(runner.state.kv_dtype),
+        "nll": nll,
+        "ppl": float(np.exp(nll)),
+        "argmax": argmax,
+        "setup_s": setup,
+        "score_s": seconds,
+        "tokens": len(logprobs),
+    }
 
 
 def table(results: list[dict], base: str) -> str:
     ran = [r for r in results if "error" not in r]
     ref = next((r for r in ran if r["name"] == base), ran[0])
     f32 = next((r for r in ran if r["name"] == "f32"), None)
-    lines = [f"| config | weights dtype | KV dtype | perplexity | vs {ref['name']} | top-1 = f32 | "
-             "start-up s | scoring s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| config | weights dtype | KV dtype | perplexity | vs {ref['name']} | top-1 = f32 | start-up s | scoring s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r:  # e.g. a group size that does not divide the model's dimensions
             lines.append(f"| {r['name']} | - | - | not run: {r['error']} | | | | |")
             continue
         agree = "" if f32 is None else f"{np.mean(r['argmax'] == f32['argmax']):.1%}"
         delta = (r["ppl"] / ref["ppl"] - 1) * 100
-        lines.append(f"| {r['name']} | {r['dtype']} | {r['kv']} | {r['ppl']:.3f} | {delta:+.2f}% | "
-                     f"{agree} | {r['setup_s']:.0f} | {r['score_s']:.0f} |")
+        lines.append(
+            f"| {r['name']} | {r['dtype']} | {r['kv']} | {r['ppl']:.3f} | {delta:+.2f}% | "
+            f"{agree} | {r['setup_s']:.0f} | {r['score_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -175,11 +208,13 @@ def main(argv=None) -> int:
 
     text = Path(args.text).read_text(encoding="utf-8") if args.text else kjv_text()
     tokenizer = load_model(args.model, "float32").tokenizer
-    ids = np.asarray(tokenizer.encode(text), np.int32)[:args.tokens]
+    ids = np.asarray(tokenizer.encode(text), np.int32)[: args.tokens]
     if len(ids) < 2:
         raise SystemExit(f"the text gives {len(ids)} tokens; nothing to score")
-    print(f"{len(ids)} tokens, windows of {args.window}, chunks of {args.chunk}, "
-          f"backend {jax.default_backend()}", flush=True)
+    print(
+        f"{len(ids)} tokens, windows of {args.window}, chunks of {args.chunk}, backend {jax.default_backend()}",
+        flush=True,
+    )
     results = []
     for name in names:
         try:
@@ -189,8 +224,7 @@ def main(argv=None) -> int:
             print(f"{name}: not run: {e}", flush=True)
             continue
         results.append(r)
-        print(f"{name}: perplexity {r['ppl']:.3f} (setup {r['setup_s']:.1f}s, "
-              f"scoring {r['score_s']:.1f}s)", flush=True)
+        print(f"{name}: perplexity {r['ppl']:.3f} (setup {r['setup_s']:.1f}s, scoring {r['score_s']:.1f}s)", flush=True)
     print()
     print(table(results, args.base))
     return 0

@@ -8,6 +8,7 @@ sequence crosses a page boundary, and caches each page once full.
 
     python benchmarks/bench_scheduler.py --seqs 64 --steps 2000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ from jaxinfer.sampling.params import SamplingParams  # noqa: E402
 def run(seqs: int, steps: int, prompt: int, shared: int, page_size: int) -> tuple[float, float]:
     """Seconds for `steps` steps, and the prefix cache's hit rate."""
     kv_cache = KVCacheManager(seqs * -(-(prompt + steps + 1) // page_size) + 1, page_size)
-    sched = Scheduler(kv_cache, max_num_batched_tokens=seqs * prompt, max_num_seqs=seqs,
-                      max_model_len=prompt + steps + 1)
+    sched = Scheduler(
+        kv_cache, max_num_batched_tokens=seqs * prompt, max_num_seqs=seqs, max_model_len=prompt + steps + 1
+    )
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0)
     start = time.perf_counter()
     for step in range(steps):
@@ -52,9 +54,11 @@ def main() -> None:
     args = parser.parse_args()
     runs = [run(args.seqs, args.steps, args.prompt, args.shared, args.page_size) for _ in range(args.repeats)]
     per_step = [seconds / args.steps * 1e6 for seconds, _ in runs]
-    print(f"{args.seqs} sequences, {args.steps} steps: median {statistics.median(per_step):.1f} us per step "
-          f"(min {min(per_step):.1f}, runs {', '.join(f'{t:.1f}' for t in per_step)}); "
-          f"prefix cache hit rate {runs[0][1]:.3f}")
+    print(
+        f"{args.seqs} sequences, {args.steps} steps: median {statistics.median(per_step):.1f} us per step "
+        f"(min {min(per_step):.1f}, runs {', '.join(f'{t:.1f}' for t in per_step)}); "
+        f"prefix cache hit rate {runs[0][1]:.3f}"
+    )
 
 
 if __name__ == "__main__":

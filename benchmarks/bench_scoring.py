@@ -12,6 +12,7 @@ prefix cache) and each request generates one token, as a loglikelihood job does:
 Prompt tokens per second for each and its ratio to plain; the engine's warm-up (the prompt
 variants included) and its compiled variants, which must not grow while the cases run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,15 +38,23 @@ def main(argv=None) -> int:
     from jaxinfer.llm import LLM
     from jaxinfer.sampling import SamplingParams
 
-    llm = LLM(args.model, max_model_len=args.prompt_len + 16, max_num_seqs=args.prompts,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prompt_logprobs=True, penalties=False,
-              compilation_cache_dir=args.cache_dir)
+    llm = LLM(
+        args.model,
+        max_model_len=args.prompt_len + 16,
+        max_num_seqs=args.prompts,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prompt_logprobs=True,
+        penalties=False,
+        compilation_cache_dir=args.cache_dir,
+    )
     engine = llm.engine
     compiled = engine.worker.num_compiled()
     vocab = engine.model.config.vocab_size
-    print(f"{jax.devices()[0].device_kind}, vocabulary {vocab}, {args.prompts} prompts of {args.prompt_len} "
-          f"tokens, steps of {args.max_num_batched_tokens} tokens; warm-up {engine.warm_up_seconds:.1f}s, "
-          f"{compiled} variants\n")
+    print(
+        f"{jax.devices()[0].device_kind}, vocabulary {vocab}, {args.prompts} prompts of {args.prompt_len} "
+        f"tokens, steps of {args.max_num_batched_tokens} tokens; warm-up {engine.warm_up_seconds:.1f}s, "
+        f"{compiled} variants\n"
+    )
     cases = {"plain": None, "scored0": 0, f"scored{args.top}": args.top}
     rng = np.random.default_rng(0)
     rates: dict[str, list[float]] = {name: [] for name in cases}

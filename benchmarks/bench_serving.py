@@ -31,6 +31,7 @@ carrying tokens), time per output token (TPOT: (e2e - TTFT) / (tokens - 1)) and 
 latency percentiles, measured on the client. The server runs in its own process so the load
 generator does not compete with it for the GIL.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,10 @@ from serving_transports import GrpcTransport, HttpTransport, RequestResult, Requ
 # No prefix caching: the same requests are replayed at every rate and on every transport, so a
 # cache would serve the later runs' prompts from the earlier ones' pages (an HTTP run after a
 # gRPC one measured 300 ms lower TTFT from that alone).
-DEFAULT_SERVE_ARGS = ("--no-penalties --max-model-len 2048 --max-num-seqs 32 --max-num-batched-tokens 256 "
-                      "--token-buckets 16,64,256 --no-prefix-caching")
+DEFAULT_SERVE_ARGS = (
+    "--no-penalties --max-model-len 2048 --max-num-seqs 32 --max-num-batched-tokens 256 "
+    "--token-buckets 16,64,256 --no-prefix-caching"
+)
 TRANSPORTS = ("grpc", "http")
 GOAL_ITL_RATIO, GOAL_TTFT_MS = 1.05, 10.0  # HTTP adds < 5% to median ITL, < 10 ms to median TTFT
 
@@ -65,8 +68,18 @@ def corpus_text(max_chars: int = 400_000) -> str:
     """Real English-and-code text that every Python installation has."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     parts, size = [], 0
-    for name in ("argparse.py", "asyncio/events.py", "collections/__init__.py", "dataclasses.py", "inspect.py",
-                 "json/decoder.py", "logging/__init__.py", "pathlib.py", "subprocess.py", "typing.py"):
+    for name in (
+        "argparse.py",
+        "asyncio/events.py",
+        "collections/__init__.py",
+        "dataclasses.py",
+        "inspect.py",
+        "json/decoder.py",
+        "logging/__init__.py",
+        "pathlib.py",
+        "subprocess.py",
+        "typing.py",
+    ):
         path = stdlib / name
         if path.is_file():
             parts.append(path.read_text(encoding="utf-8", errors="replace"))
@@ -87,7 +100,7 @@ def make_requests(corpus_ids: list[int], args) -> list[RequestSpec]:
     specs = []
     for p, o in zip(prompt_lens, output_lens):
         start = int(rng.integers(0, len(corpus_ids) - p))
-        specs.append(RequestSpec(corpus_ids[start:start + p], int(o)))
+        specs.append(RequestSpec(corpus_ids[start : start + p], int(o)))
     return specs
 
 
@@ -103,25 +116,38 @@ async def run_rate(transport, specs: list[RequestSpec], rate: float, seed: int, 
     return results, time.perf_counter() - start
 
 
-def summarize(transport: str, rate: float, results: list[RequestResult], duration: float,
-              overheads: list[float] = ()) -> dict:
+def summarize(
+    transport: str, rate: float, results: list[RequestResult], duration: float, overheads: list[float] = ()
+) -> dict:
     ok = [r for r in results if r.ok]
-    pct = lambda values, q: float(np.percentile(values, q)) * 1000 if len(values) else math.nan
+
+    def pct(values, q):
+        return float(np.percentile(values, q)) * 1000 if len(values) else math.nan
+
     ttft = [r.ttft for r in ok]
     itl = [x for r in ok for x in r.itls]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     e2e = [r.e2e for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
     return {
-        "transport": transport, "rate": rate, "requests": len(results), "failed": len(results) - len(ok),
-        "token_mismatches": sum(r.wrong_length for r in results), "duration_s": duration,
-        "output_tokens": out_tokens, "messages": sum(r.messages for r in ok),
-        "request_throughput": len(ok) / duration, "output_tokens_per_s": out_tokens / duration,
+        "transport": transport,
+        "rate": rate,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "token_mismatches": sum(r.wrong_length for r in results),
+        "duration_s": duration,
+        "output_tokens": out_tokens,
+        "messages": sum(r.messages for r in ok),
+        "request_throughput": len(ok) / duration,
+        "output_tokens_per_s": out_tokens / duration,
         "total_tokens_per_s": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
-        "ttft_ms": {q: pct(ttft, q) for q in (50, 90, 99)}, "itl_ms": {q: pct(itl, q) for q in (50, 90, 99)},
-        "tpot_ms": {q: pct(tpot, q) for q in (50, 90)}, "e2e_ms": {q: pct(e2e, q) for q in (50, 99)},
+        "ttft_ms": {q: pct(ttft, q) for q in (50, 90, 99)},
+        "itl_ms": {q: pct(itl, q) for q in (50, 90, 99)},
+        "tpot_ms": {q: pct(tpot, q) for q in (50, 90)},
+        "e2e_ms": {q: pct(e2e, q) for q in (50, 99)},
         # client TTFT - the server's (request log), per request: what the transport itself costs
-        "ttft_overhead_ms": {q: pct(overheads, q) for q in (50, 90)}, "overhead_samples": len(overheads),
+        "ttft_overhead_ms": {q: pct(overheads, q) for q in (50, 90)},
+        "overhead_samples": len(overheads),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
     }
 
@@ -142,55 +168,85 @@ def compare(rows: list[dict]) -> list[dict]:
         # what HTTP adds to TTFT: the overheads' difference where the log gave them, else the raw TTFTs'
         added = ttft_diff if math.isnan(overhead_diff) else overhead_diff
         same_work = g["failed"] == h["failed"] == 0 and g["output_tokens"] == h["output_tokens"]
-        out.append({"rate": rate, "itl_p50_ratio": itl_ratio, "ttft_p50_diff_ms": ttft_diff,
-                    "ttft_overhead_p50_diff_ms": overhead_diff, "ttft_added_ms": added,
-                    "same_work": same_work, "output_tokens": {"grpc": g["output_tokens"], "http": h["output_tokens"]},
-                    "messages": {"grpc": g["messages"], "http": h["messages"]},
-                    "within_goal": same_work and itl_ratio < GOAL_ITL_RATIO and added < GOAL_TTFT_MS})
+        out.append(
+            {
+                "rate": rate,
+                "itl_p50_ratio": itl_ratio,
+                "ttft_p50_diff_ms": ttft_diff,
+                "ttft_overhead_p50_diff_ms": overhead_diff,
+                "ttft_added_ms": added,
+                "same_work": same_work,
+                "output_tokens": {"grpc": g["output_tokens"], "http": h["output_tokens"]},
+                "messages": {"grpc": g["messages"], "http": h["messages"]},
+                "within_goal": same_work and itl_ratio < GOAL_ITL_RATIO and added < GOAL_TTFT_MS,
+            }
+        )
     return out
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| rate (req/s) | transport | req | failed | req/s | out tok/s | TTFT p50 / p90 / p99 (ms) "
-            "| ITL p50 / p90 / p99 (ms) | TPOT p50 (ms) | E2E p50 / p99 (s) | TTFT overhead p50 / p90 (ms) |")
+    head = (
+        "| rate (req/s) | transport | req | failed | req/s | out tok/s | TTFT p50 / p90 / p99 (ms) "
+        "| ITL p50 / p90 / p99 (ms) | TPOT p50 (ms) | E2E p50 / p99 (s) | TTFT overhead p50 / p90 (ms) |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         t, i = r["ttft_ms"], r["itl_ms"]
-        lines.append(f"| {r['rate']:g} | {r['transport']} | {r['requests']} | {r['failed']} | "
-                     f"{r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f} | "
-                     f"{t[50]:.0f} / {t[90]:.0f} / {t[99]:.0f} | {i[50]:.0f} / {i[90]:.0f} / {i[99]:.0f} | "
-                     f"{r['tpot_ms'][50]:.0f} | {r['e2e_ms'][50] / 1000:.1f} / {r['e2e_ms'][99] / 1000:.1f} | "
-                     f"{r['ttft_overhead_ms'][50]:.1f} / {r['ttft_overhead_ms'][90]:.1f} |")
+        lines.append(
+            f"| {r['rate']:g} | {r['transport']} | {r['requests']} | {r['failed']} | "
+            f"{r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f} | "
+            f"{t[50]:.0f} / {t[90]:.0f} / {t[99]:.0f} | {i[50]:.0f} / {i[90]:.0f} / {i[99]:.0f} | "
+            f"{r['tpot_ms'][50]:.0f} | {r['e2e_ms'][50] / 1000:.1f} / {r['e2e_ms'][99] / 1000:.1f} | "
+            f"{r['ttft_overhead_ms'][50]:.1f} / {r['ttft_overhead_ms'][90]:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def markdown_comparison(comparison: list[dict]) -> str:
-    head = (f"| rate (req/s) | ITL p50 HTTP / gRPC | TTFT p50 HTTP - gRPC (ms) | TTFT overhead p50 HTTP - gRPC "
-            f"(ms) | output tokens gRPC / HTTP | token messages gRPC / HTTP "
-            f"| within goal (< {GOAL_ITL_RATIO - 1:.0%}, < {GOAL_TTFT_MS:g} ms) |")
+    head = (
+        f"| rate (req/s) | ITL p50 HTTP / gRPC | TTFT p50 HTTP - gRPC (ms) | TTFT overhead p50 HTTP - gRPC "
+        f"(ms) | output tokens gRPC / HTTP | token messages gRPC / HTTP "
+        f"| within goal (< {GOAL_ITL_RATIO - 1:.0%}, < {GOAL_TTFT_MS:g} ms) |"
+    )
     lines = [head, "|" + "---|" * 7]
     for c in comparison:
         tokens, messages = c["output_tokens"], c["messages"]
         goal = "yes" if c["within_goal"] else ("no" if c["same_work"] else "no: different work (failed requests)")
-        lines.append(f"| {c['rate']:g} | {c['itl_p50_ratio']:.3f} | {c['ttft_p50_diff_ms']:+.1f} | "
-                     f"{c['ttft_overhead_p50_diff_ms']:+.1f} | "
-                     f"{tokens['grpc']} / {tokens['http']} | {messages['grpc']} / {messages['http']} | {goal} |")
+        lines.append(
+            f"| {c['rate']:g} | {c['itl_p50_ratio']:.3f} | {c['ttft_p50_diff_ms']:+.1f} | "
+            f"{c['ttft_overhead_p50_diff_ms']:+.1f} | "
+            f"{tokens['grpc']} / {tokens['http']} | {messages['grpc']} / {messages['http']} | {goal} |"
+        )
     return "\n".join(lines)
 
 
-def start_server(serve_args: str, transports: list[str], request_log: str
-                 ) -> tuple[subprocess.Popen, str | None, str | None]:
+def start_server(
+    serve_args: str, transports: list[str], request_log: str
+) -> tuple[subprocess.Popen, str | None, str | None]:
     """`jaxinfer serve` on free ports (gRPC, and HTTP too when asked), writing its request log to
     `request_log` -> (process, gRPC address, HTTP URL)."""
     http = "http" in transports
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", *(["--http-port", "0"] if http else []),
-           "--request-log", request_log, *shlex.split(serve_args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxinfer.cli",
+        "serve",
+        "--port",
+        "0",
+        *(["--http-port", "0"] if http else []),
+        "--request-log",
+        request_log,
+        *shlex.split(serve_args),
+    ]
     print("starting:", " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     line = proc.stdout.readline()
     grpc_address, http_url = listening_addresses(line)
-    if (grpc_address is None and http_url is None) or (http and http_url is None) \
-            or ("grpc" in transports and grpc_address is None):
+    if (
+        (grpc_address is None and http_url is None)
+        or (http and http_url is None)
+        or ("grpc" in transports and grpc_address is None)
+    ):
         proc.kill()
         raise SystemExit(f"the server did not start: {line!r}")
     return proc, grpc_address, http_url
@@ -207,8 +263,10 @@ def listening_addresses(line: str) -> tuple[str | None, str | None]:
 
 async def bench(args, token: str | None) -> list[dict]:
     # made inside the event loop: a grpc.aio channel belongs to the loop it was created on
-    transports = [GrpcTransport(args.server, token) if name == "grpc" else HttpTransport(args.http_server, token)
-                  for name in args.transports]
+    transports = [
+        GrpcTransport(args.server, token) if name == "grpc" else HttpTransport(args.http_server, token)
+        for name in args.transports
+    ]
     try:
         for t in transports:
             model, max_model_len = await t.model_info()
@@ -217,7 +275,7 @@ async def bench(args, token: str | None) -> list[dict]:
         print(f"corpus {len(corpus_ids)} tokens", file=sys.stderr)
         specs = make_requests(corpus_ids, args)
         for t in transports:  # compiled paths and connections warm before any rate is measured
-            await asyncio.gather(*(t.run_one(s, args.timeout) for s in specs[:args.warmup]))
+            await asyncio.gather(*(t.run_one(s, args.timeout) for s in specs[: args.warmup]))
         rows = []
         for k, rate in enumerate(args.rates):
             for t in transports:  # one after another, the same requests and arrival times
@@ -236,8 +294,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server", default=None, help="HOST:PORT of a running server's gRPC (default: start one)")
     p.add_argument("--http-server", default=None, help="http://HOST:PORT of a running server's HTTP API")
     p.add_argument("--token-file", default=None, help="bearer token file of --server (and of --http-server)")
-    p.add_argument("--request-log", default=None, help="the request log of --server (its --request-log file), "
-                   "for the transport overhead; the server this starts writes one to a temporary file")
+    p.add_argument(
+        "--request-log",
+        default=None,
+        help="the request log of --server (its --request-log file), "
+        "for the transport overhead; the server this starts writes one to a temporary file",
+    )
     p.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS, help="extra `jaxinfer serve` arguments")
     p.add_argument("--transports", default="grpc", help="comma-separated, run in this order: grpc, http")
     p.add_argument("--http", action="store_true", help="the same as --transports grpc,http")
@@ -254,8 +316,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     args.transports = list(TRANSPORTS) if args.http else [t.strip() for t in args.transports.split(",") if t.strip()]
-    if not args.transports or any(t not in TRANSPORTS for t in args.transports) \
-            or len(set(args.transports)) < len(args.transports):
+    if (
+        not args.transports
+        or any(t not in TRANSPORTS for t in args.transports)
+        or len(set(args.transports)) < len(args.transports)
+    ):
         p.error(f"--transports {','.join(args.transports)}: a list of distinct names from {', '.join(TRANSPORTS)}")
     if args.server is not None or args.http_server is not None:  # an existing server: each transport's address
         for name, flag, value in (("grpc", "--server", args.server), ("http", "--http-server", args.http_server)):
@@ -284,12 +349,16 @@ def main(argv=None) -> int:
         print()
         print(markdown_comparison(comparison))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows, "comparison": comparison},
-                                              indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "results": rows, "comparison": comparison}, indent=2)
+        )
     mismatched = sum(r["token_mismatches"] for r in rows)
     if mismatched:
-        print(f"error: {mismatched} requests did not produce exactly max_tokens tokens (counted as failed): "
-              "the transports did not measure the same work", file=sys.stderr)
+        print(
+            f"error: {mismatched} requests did not produce exactly max_tokens tokens (counted as failed): "
+            "the transports did not measure the same work",
+            file=sys.stderr,
+        )
     return 1 if mismatched else 0
 
 

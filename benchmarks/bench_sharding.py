@@ -19,6 +19,7 @@ tensor parallelism cannot speed anything up here; the table shows what splitting
 Timings are medians over --repeats runs after a warm-up call (the methods being compared are
 interleaved, so a busy machine slows them alike). Prints markdown tables.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,17 +36,18 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxinfer.loader import LoadedModel  # noqa: E402
 from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
+from jaxinfer.sampling.arrays import make_sampling_arrays  # noqa: E402
 from jaxinfer.worker.inputs import StepInputs  # noqa: E402
 from jaxinfer.worker.page_table import padded_updates  # noqa: E402
 from jaxinfer.worker.worker import Worker  # noqa: E402
-from jaxinfer.sampling import SamplingParams  # noqa: E402
-from jaxinfer.sampling.arrays import make_sampling_arrays  # noqa: E402
 from pallas_kernels import ragged_paged_attention  # noqa: E402
 from pallas_kernels.reference import write_kv  # noqa: E402
 from sharding import make_mesh  # noqa: E402
@@ -53,9 +55,20 @@ from sharding.context_parallel import context_parallel_attention  # noqa: E402
 
 # ~27M parameters: 16 heads of 32 (tensor=8 splits them 2 per shard), 4 KV heads (repeated to
 # one per shard at tensor=8), vocab 16000.
-MODEL = ModelConfig(model_type="llama", family="llama", vocab_size=16000, hidden_size=512,
-                    intermediate_size=1408, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=32,
-                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024)
+MODEL = ModelConfig(
+    model_type="llama",
+    family="llama",
+    vocab_size=16000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_layers=4,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=1024,
+)
 PREFILL = 256
 PAGE = 16
 
@@ -82,43 +95,64 @@ def step_inputs(runner: Worker, lens: list[int], new: list[int], t_bucket: int) 
         count = -(-length // PAGE)
         pages[i, :count] = np.arange(next_page, next_page + count)
         next_page += count
-        positions[offset:offset + n] = np.arange(length - n, length)
+        positions[offset : offset + n] = np.arange(length - n, length)
         offset += n
         kv_lens[i], cu[i + 1] = length, offset
-    cu[len(lens) + 1:] = offset
+    cu[len(lens) + 1 :] = offset
     rng = np.random.default_rng(0)
-    sampling = make_sampling_arrays([SamplingParams(temperature=0)] * len(lens), [0] * len(lens),
-                                    batch_size=s_bucket, seeds=list(range(len(lens))))
+    sampling = make_sampling_arrays(
+        [SamplingParams(temperature=0)] * len(lens), [0] * len(lens), batch_size=s_bucket, seeds=list(range(len(lens)))
+    )
     meta = AttentionMetadata(kv_lens, None, cu, np.array([len(lens)], np.int32))
     tokens = rng.integers(0, MODEL.vocab_size, t_bucket).astype(np.int32)
     rows, cols = np.nonzero(pages)  # sequence i's block table in the device table's row i + 1
     table = padded_updates([(rows + 1, cols, pages[rows, cols])], runner.step.inputs.update_widths)
     slots = np.where(np.arange(s_bucket) < len(lens), np.arange(1, s_bucket + 1), 0).astype(np.int32)
-    return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, np.full(t_bucket, -1, np.int32),
-                      slots, table=table)
+    return StepInputs(
+        tokens,
+        positions,
+        meta,
+        np.maximum(cu[1:] - 1, 0),
+        sampling,
+        np.full(t_bucket, -1, np.int32),
+        slots,
+        table=table,
+    )
 
 
 def bench_tensor(repeats: int) -> str:
     family = get_family("llama")
     params = family.init_params(MODEL, jax.random.key(0))
     model = LoadedModel(MODEL, params, None, family, Path("random"))
-    rows = [f"| mesh | decode step, 8 seqs x 1 token (ms) | prefill step, {PREFILL} tokens (ms) | "
-            "params per device (MiB) |",
-            "|---|---|---|---|"]
+    rows = [
+        f"| mesh | decode step, 8 seqs x 1 token (ms) | prefill step, {PREFILL} tokens (ms) | "
+        "params per device (MiB) |",
+        "|---|---|---|---|",
+    ]
     for tp in (1, 2, 4, 8):
-        engine = EngineConfig(num_pages=160, page_size=PAGE, max_num_batched_tokens=PREFILL, max_num_seqs=8,
-                              max_model_len=1024, token_buckets=(8, PREFILL), penalties=False,
-                              compilation_cache_dir=None, mesh=f"tensor={tp}")
+        engine = EngineConfig(
+            num_pages=160,
+            page_size=PAGE,
+            max_num_batched_tokens=PREFILL,
+            max_num_seqs=8,
+            max_model_len=1024,
+            token_buckets=(8, PREFILL),
+            penalties=False,
+            compilation_cache_dir=None,
+            mesh=f"tensor={tp}",
+        )
         runner = Worker(model, engine, 1024)
         decode = step_inputs(runner, [256] * 8, [1] * 8, 8)
         prefill = step_inputs(runner, [PREFILL], [PREFILL], PREFILL)
         t_decode, t_prefill = [], []
         for _ in range(repeats):  # interleave decode and prefill
-            t_decode += timed(lambda: runner.step.execute(decode), 1)
-            t_prefill += timed(lambda: runner.step.execute(prefill), 1)
+            t_decode += timed(lambda runner=runner, decode=decode: runner.step.execute(decode), 1)
+            t_prefill += timed(lambda runner=runner, prefill=prefill: runner.step.execute(prefill), 1)
         shard_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.state.params))
-        rows.append(f"| tensor={tp} | {1e3 * statistics.median(t_decode):.1f} | "
-                    f"{1e3 * statistics.median(t_prefill):.1f} | {shard_bytes / 2**20:.1f} |")
+        rows.append(
+            f"| tensor={tp} | {1e3 * statistics.median(t_decode):.1f} | "
+            f"{1e3 * statistics.median(t_prefill):.1f} | {shard_bytes / 2**20:.1f} |"
+        )
         print(rows[-1], file=sys.stderr, flush=True)
         del runner
     return "\n".join(rows)
@@ -131,14 +165,18 @@ def bench_context(repeats: int) -> str:
         ks = jax.random.split(jax.random.key(length), 3)
         q = jax.random.normal(ks[0], (length, 8, 64))
         k, v = (jax.random.normal(key, (length, 2, 64)) for key in ks[1:])
-        fns = {m: jax.jit(functools.partial(context_parallel_attention, mesh=mesh, method=m))
-               for m in ("allgather", "ring")}
+        fns = {
+            m: jax.jit(functools.partial(context_parallel_attention, mesh=mesh, method=m))
+            for m in ("allgather", "ring")
+        }
         times = {m: [] for m in fns}
         for _ in range(repeats):
             for m, fn in fns.items():
                 times[m] += timed(lambda: fn(q, k, v), 1)
-        rows.append(f"| {length} | {1e3 * statistics.median(times['allgather']):.1f} | "
-                    f"{1e3 * statistics.median(times['ring']):.1f} |")
+        rows.append(
+            f"| {length} | {1e3 * statistics.median(times['allgather']):.1f} | "
+            f"{1e3 * statistics.median(times['ring']):.1f} |"
+        )
         print(rows[-1], file=sys.stderr, flush=True)
     return "\n".join(rows)
 
@@ -163,10 +201,16 @@ def _kv_layout_fns(mesh, heads: int, kv_heads: int, tp: int):
         return out, cache
 
     tok = P(None, "tensor", None)
-    a = jax.shard_map(repeated, mesh=mesh, in_specs=(tok, tok, tok, P(None, None, "tensor", None), *meta_specs),
-                      out_specs=(tok, P(None, None, "tensor", None)), check_vma=False)
-    b = jax.shard_map(replicated, mesh=mesh, in_specs=(tok, P(), P(), P(), *meta_specs),
-                      out_specs=(tok, P()), check_vma=False)
+    a = jax.shard_map(
+        repeated,
+        mesh=mesh,
+        in_specs=(tok, tok, tok, P(None, None, "tensor", None), *meta_specs),
+        out_specs=(tok, P(None, None, "tensor", None)),
+        check_vma=False,
+    )
+    b = jax.shard_map(
+        replicated, mesh=mesh, in_specs=(tok, P(), P(), P(), *meta_specs), out_specs=(tok, P()), check_vma=False
+    )
     return jax.jit(a, donate_argnums=(3,)), jax.jit(b, donate_argnums=(3,))
 
 
@@ -183,8 +227,9 @@ def bench_kv_layout(repeats: int) -> str:
     meta = (np.full(seqs, ctx, np.int32), pages, np.arange(seqs + 1, dtype=np.int32), np.array([seqs], np.int32))
     r = tp // kv_heads
     caches = {
-        "repeated": jax.device_put(jnp.zeros((num_pages, PAGE, 2 * tp, d)),
-                                   NamedSharding(mesh, P(None, None, "tensor", None))),
+        "repeated": jax.device_put(
+            jnp.zeros((num_pages, PAGE, 2 * tp, d)), NamedSharding(mesh, P(None, None, "tensor", None))
+        ),
         "replicated": jax.device_put(jnp.zeros((num_pages, PAGE, 2 * kv_heads, d)), NamedSharding(mesh, P())),
     }
     args = {"repeated": (jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)), "replicated": (k, v)}
@@ -198,8 +243,11 @@ def bench_kv_layout(repeats: int) -> str:
     for _ in range(repeats):
         for m in fns:
             times[m] += timed(lambda: run(m), 1)
-    rows = [f"| KV layout (K={kv_heads}, tensor={tp}, {seqs} seqs x {ctx} tokens) | attention call (ms) | "
-            f"cache per device per layer (MiB) |", "|---|---|---|"]
+    rows = [
+        f"| KV layout (K={kv_heads}, tensor={tp}, {seqs} seqs x {ctx} tokens) | attention call (ms) | "
+        f"cache per device per layer (MiB) |",
+        "|---|---|---|",
+    ]
     for m in fns:
         per_device = caches[m].addressable_shards[0].data.nbytes / 2**20
         rows.append(f"| {m} | {1e3 * statistics.median(times[m]):.2f} | {per_device:.1f} |")
@@ -212,8 +260,7 @@ def main() -> None:
     parser.add_argument("what", nargs="?", default="all", choices=["tensor", "context", "kv-layout", "all"])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
-          f"{os.cpu_count()} host cores")
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, {os.cpu_count()} host cores")
     if args.what in ("tensor", "all"):
         print(bench_tensor(args.repeats) + "\n")
     if args.what in ("context", "all"):

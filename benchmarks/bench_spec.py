@@ -14,18 +14,21 @@ Per prompt: output tokens, decode tokens/s of each run (tokens after the first o
 the first to the last token; medians over --repeats), the speedup, the acceptance rate and the
 mean tokens per verify step. Greedy outputs of the two runs must be identical (checked).
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import statistics
 
-TEXT = ("The old mill stood at the bend of the river, where the water slowed and turned green "
-        "under the willows. Every morning the miller opened the sluice, and the wheel began to "
-        "turn with a low, steady sound that the whole village knew. Children crossed the river on "
-        "the stepping stones below the mill, and in summer the river was so low that the stones "
-        "stood dry in the sun.")
-CODE = '''def summarize(records):
+TEXT = (
+    "The old mill stood at the bend of the river, where the water slowed and turned green "
+    "under the willows. Every morning the miller opened the sluice, and the wheel began to "
+    "turn with a low, steady sound that the whole village knew. Children crossed the river on "
+    "the stepping stones below the mill, and in summer the river was so low that the stones "
+    "stood dry in the sun."
+)
+CODE = """def summarize(records):
     total = 0
     count = 0
     for record in records:
@@ -33,8 +36,8 @@ CODE = '''def summarize(records):
             total += record["value"]
             count += 1
     mean = total / count if count else 0.0
-    return {"total": total, "count": count, "mean": mean}'''
-PATTERN = '''class Units:
+    return {"total": total, "count": count, "mean": mean}"""
+PATTERN = """class Units:
     def meters_to_feet(self, value):
         return value * 3.28084
 
@@ -46,16 +49,16 @@ PATTERN = '''class Units:
 
     def pounds_to_kilograms(self, value):
         return value / 2.20462
-'''
+"""
 PROMPTS = {
     "copy": {
         "repeat": f"Repeat the following text exactly, word for word:\n\n{TEXT}",
         "edit": f"Rewrite this paragraph, replacing the word 'river' with 'canal' everywhere. Change "
-                f"nothing else:\n\n{TEXT}",
+        f"nothing else:\n\n{TEXT}",
         "rename": f"Rename the variable `total` to `acc` in this function and output the whole "
-                  f"function:\n\n```python\n{CODE}\n```",
+        f"function:\n\n```python\n{CODE}\n```",
         "continue": f"Continue this class with the methods liters_to_gallons and gallons_to_liters, "
-                    f"then repeat the whole class:\n\n```python\n{PATTERN}```",
+        f"then repeat the whole class:\n\n```python\n{PATTERN}```",
     },
     "chat": {
         "capital": "What is the capital of France? Answer in one sentence.",
@@ -106,8 +109,15 @@ def main(argv=None) -> int:
         spec.update(prompt_lookup_max=args.lookup_max, prompt_lookup_min=args.lookup_min)
     else:
         spec["model"] = args.draft_model
-    llm = LLM(args.model, args.dtype, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256,
-              penalties=False, speculative_config=spec)
+    llm = LLM(
+        args.model,
+        args.dtype,
+        max_model_len=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        penalties=False,
+        speculative_config=spec,
+    )
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print(f"speculative_config={spec}, batch 1, greedy, max_tokens={args.max_tokens}")
     print("| set | prompt | tokens | plain tok/s | spec tok/s | speedup | acceptance | tokens/verify step |")
@@ -115,8 +125,7 @@ def main(argv=None) -> int:
     for name in args.sets.split(","):
         totals = {"plain": 0.0, "spec": 0.0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0}
         for label, text in PROMPTS[name].items():
-            rates, out = run_prompt(llm, llm.render_chat([{"role": "user", "content": text}]), params,
-                                    args.repeats)
+            rates, out = run_prompt(llm, llm.render_chat([{"role": "user", "content": text}]), params, args.repeats)
             m, n = out.metrics, len(out.outputs[0].token_ids)
             for key in ("plain", "spec"):
                 totals[key] += (n - 1) / rates[key] if rates[key] else 0.0  # seconds
@@ -124,14 +133,18 @@ def main(argv=None) -> int:
             totals["drafted"] += m.num_draft_tokens
             totals["accepted"] += m.num_accepted_tokens
             totals["steps"] += m.num_verify_steps
-            print(f"| {name} | {label} | {n} | {rates['plain']:.1f} | {rates['spec']:.1f} | "
-                  f"{rates['spec'] / rates['plain']:.2f}x | {m.acceptance_rate or 0:.2f} | "
-                  f"{m.mean_accepted_length or 1:.2f} |")
+            print(
+                f"| {name} | {label} | {n} | {rates['plain']:.1f} | {rates['spec']:.1f} | "
+                f"{rates['spec'] / rates['plain']:.2f}x | {m.acceptance_rate or 0:.2f} | "
+                f"{m.mean_accepted_length or 1:.2f} |"
+            )
         plain, fast = totals["tokens"] / totals["plain"], totals["tokens"] / totals["spec"]
         rate = totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0
         length = 1 + totals["accepted"] / totals["steps"] if totals["steps"] else 1.0
-        print(f"| {name} | **all** | {totals['tokens']} | {plain:.1f} | {fast:.1f} | **{fast / plain:.2f}x** | "
-              f"{rate:.2f} | {length:.2f} |")
+        print(
+            f"| {name} | **all** | {totals['tokens']} | {plain:.1f} | {fast:.1f} | **{fast / plain:.2f}x** | "
+            f"{rate:.2f} | {length:.2f} |"
+        )
     return 0
 
 

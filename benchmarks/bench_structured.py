@@ -15,22 +15,44 @@ Output tokens per second for each, the host time spent filling masks per constra
 (llguidance's fill_next_token_bitmask, measured around jaxinfer.worker.inputs' call), and the time to
 compile each run's grammar once (a request whose spec is not in the cache pays it).
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "tags", "meta"],
-          "properties": {"title": {"type": "string"},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
-                         "meta": {"type": "object", "properties": {"n": {"type": "integer"}}}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["title", "tags", "meta"],
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
+        "meta": {"type": "object", "properties": {"n": {"type": "integer"}}},
+    },
+}
 
 
-TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["query", "limit"],
-    "properties": {"query": {"type": "string", "maxLength": 40}, "limit": {"type": "integer"},
-                   "mode": {"enum": ["fast", "exact", f"mode_{i}"]}}}}} for i in range(8)]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["query", "limit"],
+                "properties": {
+                    "query": {"type": "string", "maxLength": 40},
+                    "limit": {"type": "integer"},
+                    "mode": {"enum": ["fast", "exact", f"mode_{i}"]},
+                },
+            },
+        },
+    }
+    for i in range(8)
+]
 
 
 def main(argv=None) -> int:
@@ -39,9 +61,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runs", default="free,sync,regex,json,tools", help="which runs, in this order")
-    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
-                   help="structured_output_overlap: fill masks while the step's forward runs "
-                        "(the split step; auto: on accelerators only)")
+    p.add_argument(
+        "--overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="structured_output_overlap: fill masks while the step's forward runs "
+        "(the split step; auto: on accelerators only)",
+    )
     args = p.parse_args(argv)
 
     import jaxinfer.worker.inputs as inputs_module
@@ -59,25 +85,51 @@ def main(argv=None) -> int:
         mask["rows"] += len(rows)
 
     inputs_module.fill_bitmask = timed_fill
-    llm = LLM(max_model_len=1024, max_num_seqs=args.batch, max_num_batched_tokens=max(256, args.batch),
-              structured_output_overlap={"on": True, "off": False}.get(args.overlap))
+    llm = LLM(
+        max_model_len=1024,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(256, args.batch),
+        structured_output_overlap={"on": True, "off": False}.get(args.overlap),
+    )
     prompt = [{"role": "user", "content": "Write a short note about the sea."}]
     runs = {
         "free": (SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.8, seed=1), {}),
-        "sync": (SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.8, seed=1),
-                 {"async_scheduling": False, "num_decode_steps": 1}),
-        "regex": (SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1, structured_output=
-                                 StructuredOutput(regex=f"[a-z ]{{{args.max_tokens * 4}}}")), {}),
-        "json": (SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1,
-                                structured_output=StructuredOutput(json=SCHEMA)), {}),
-        "tools": (SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1,
-                                 structured_output=tool_request(TOOLS, "required", None, None).structured_output), {}),
+        "sync": (
+            SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.8, seed=1),
+            {"async_scheduling": False, "num_decode_steps": 1},
+        ),
+        "regex": (
+            SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=0.8,
+                seed=1,
+                structured_output=StructuredOutput(regex=f"[a-z ]{{{args.max_tokens * 4}}}"),
+            ),
+            {},
+        ),
+        "json": (
+            SamplingParams(
+                max_tokens=args.max_tokens, temperature=0.8, seed=1, structured_output=StructuredOutput(json=SCHEMA)
+            ),
+            {},
+        ),
+        "tools": (
+            SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=0.8,
+                seed=1,
+                structured_output=tool_request(TOOLS, "required", None, None).structured_output,
+            ),
+            {},
+        ),
     }
     engine = llm.engine
     defaults = (engine.config, engine.worker.step.num_decode_steps)
     split = bool(engine.worker.step.split_buckets)
-    print(f"batch {args.batch}, {args.max_tokens} tokens, decode windows of {engine.worker.step.num_decode_steps}; "
-          f"constrained rows {'fill masks while the forward runs (split step)' if split else 'land each step first'}\n")
+    print(
+        f"batch {args.batch}, {args.max_tokens} tokens, decode windows of {engine.worker.step.num_decode_steps}; "
+        f"constrained rows {'fill masks while the forward runs (split step)' if split else 'land each step first'}\n"
+    )
     compile_ms = {}
     for name in args.runs.split(","):
         spec = runs[name][0].structured_output
@@ -103,8 +155,11 @@ def main(argv=None) -> int:
         rate = rates_by_run[name] = statistics.median(rates)
         first = next(iter(rates_by_run.values()))
         compiled = f"{compile_ms[name]:.0f}" if name in compile_ms else "-"
-        print(f"| {name} | {rate:.1f} | {tokens} | {statistics.median(mask_per_token):.3f} | {compiled} | "
-              f"{rate / first:.2f}x |", flush=True)
+        print(
+            f"| {name} | {rate:.1f} | {tokens} | {statistics.median(mask_per_token):.3f} | {compiled} | "
+            f"{rate / first:.2f}x |",
+            flush=True,
+        )
     return 0
 
 

@@ -8,13 +8,13 @@ bfloat16 on a GPU). With --shape-config it first builds random weights of that H
 saves them to --save-dir as safetensors, so bench_engine.py --shape runs the engine on the same
 weights; decode then uses --prompt-len-token prompts.
 """
+
 import argparse
 import json
 import os
 import statistics
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -48,8 +48,14 @@ def serve_stream(model, rate, num_requests):
     for arrival, prompt, max_tokens in make_workload(rate, num_requests):
         time.sleep(max(0.0, start + arrival - time.monotonic()))
         clock = _Clock()
-        model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                       do_sample=False, pad_token_id=0, streamer=clock)
+        model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=clock,
+        )
         ttft.append(clock.times[0] - (start + arrival))
         itl += [b - a for a, b in zip(clock.times, clock.times[1:])]
         tokens += len(clock.times)
@@ -64,6 +70,7 @@ def _sync():
 def _random_model(config_path, save_dir, device):
     """Random weights of a HF LlamaConfig, saved as safetensors for the engine to load."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(**json.loads(Path(config_path).read_text()))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -93,13 +100,19 @@ def main():
         model = _random_model(args.shape_config, args.save_dir, device)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf), torch_dtype=torch.float32)
+            os.path.dirname(args.gguf), gguf_file=os.path.basename(args.gguf), torch_dtype=torch.float32
+        )
     model.eval()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     import transformers
-    result = {"torch": torch.__version__, "transformers": transformers.__version__,
-              "threads": torch.get_num_threads(), "decode": {}}
+
+    result = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "decode": {},
+    }
     with torch.no_grad():
         prompt = torch.randint(1, min(40000, vocab), (1, args.prompt_len), generator=gen).to(model.device)
         model(prompt)  # warm-up
@@ -113,8 +126,9 @@ def main():
         result["prefill_tokens_per_s"] = args.prompt_len / statistics.median(times)
         for b in args.batches:
             ids = torch.randint(1, min(40000, vocab), (b, args.decode_prompt_len), generator=gen).to(model.device)
-            kw = dict(max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, do_sample=False,
-                      pad_token_id=0)
+            kw = dict(
+                max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, do_sample=False, pad_token_id=0
+            )
             model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
             runs = []
             for _ in range(args.repeats):

@@ -13,6 +13,7 @@ directory's llama-family tensors as a float32 (or float16) GGUF the way llama.cp
 them out (q and k rows permuted for its RoPE), with a placeholder vocabulary of the model's size,
 so llama.cpp runs the very weights the engine and HF transformers run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,10 +45,16 @@ def write_gguf(hf_dir: Path, path: Path, dtype: str = "float32") -> None:
         raise ValueError(f"{hf_dir}: llama.cpp peer writes llama-family models, not {config.family!r}")
     reader = SafetensorsCheckpoint(hf_dir)
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in [("block_count", config.num_layers), ("context_length", config.max_position_embeddings),
-                       ("embedding_length", config.hidden_size), ("feed_forward_length", config.intermediate_size),
-                       ("attention.head_count", config.num_heads), ("attention.head_count_kv", config.num_kv_heads),
-                       ("rope.dimension_count", config.head_dim), ("vocab_size", config.vocab_size)]:
+    for key, value in [
+        ("block_count", config.num_layers),
+        ("context_length", config.max_position_embeddings),
+        ("embedding_length", config.hidden_size),
+        ("feed_forward_length", config.intermediate_size),
+        ("attention.head_count", config.num_heads),
+        ("attention.head_count_kv", config.num_kv_heads),
+        ("rope.dimension_count", config.head_dim),
+        ("vocab_size", config.vocab_size),
+    ]:
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.rope.freq_base", config.rope_theta)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
@@ -77,8 +84,18 @@ def run_peer(python: str, hf_dir: Path, prompt_len: int, new_tokens: int, repeat
     `python` (one with llama_cpp): its JSON result."""
     gguf_path = hf_dir.parent / "model-f32.gguf"
     write_gguf(hf_dir, gguf_path)
-    cmd = [python, __file__, "--gguf", str(gguf_path), "--prompt-len", str(prompt_len),
-           "--new-tokens", str(new_tokens), "--repeats", str(repeats)]
+    cmd = [
+        python,
+        __file__,
+        "--gguf",
+        str(gguf_path),
+        "--prompt-len",
+        str(prompt_len),
+        "--new-tokens",
+        str(new_tokens),
+        "--repeats",
+        str(repeats),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"llama.cpp peer failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
@@ -110,13 +127,21 @@ def main() -> int:
     import llama_cpp
 
     threads = os.cpu_count() or 1
-    llm = llama_cpp.Llama(args.gguf, n_ctx=args.prompt_len + args.new_tokens + 8, n_threads=threads,
-                          n_threads_batch=threads, n_batch=max(args.prompt_len, 8), logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(
+        args.gguf,
+        n_ctx=args.prompt_len + args.new_tokens + 8,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=max(args.prompt_len, 8),
+        logits_all=True,
+        verbose=False,
+    )
     vocab = llm.n_vocab()
     decode_rate(llm, vocab, args.prompt_len, 4, seed=99)  # warm-up
     rates = [decode_rate(llm, vocab, args.prompt_len, args.new_tokens, seed) for seed in range(args.repeats)]
-    print(json.dumps({"llama_cpp": llama_cpp.__version__, "threads": threads,
-                      "decode": {"1": statistics.median(rates)}}))
+    print(
+        json.dumps({"llama_cpp": llama_cpp.__version__, "threads": threads, "decode": {"1": statistics.median(rates)}})
+    )
     return 0
 
 

@@ -21,6 +21,7 @@ sets it). Their events are taken without the executor's wrappers and grouped by 
 a loop's body twice (busy time, a union, does not). Idle time there is when no XLA thread runs an
 operation: the host's share of the step, on the same cores.
 """
+
 from __future__ import annotations
 
 import collections
@@ -55,14 +56,29 @@ def _device_spans(events: list[dict], device_prefix: str) -> list[tuple[float, f
     """(start, end, name) of each device event, in start order: the events of the processes
     named `device_prefix`..., or for CPU_DEVICE the operations on XLA:CPU's threads."""
     if device_prefix == CPU_DEVICE:
-        threads = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
-                   and str(e.get("args", {}).get("name", "")).startswith(CPU_DEVICE)}
-        chosen = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads
-                  and not e.get("name", "").startswith(_CPU_WRAPPERS)]
+        threads = {
+            (e["pid"], e["tid"])
+            for e in events
+            if e.get("ph") == "M"
+            and e.get("name") == "thread_name"
+            and str(e.get("args", {}).get("name", "")).startswith(CPU_DEVICE)
+        }
+        chosen = [
+            e
+            for e in events
+            if e.get("ph") == "X"
+            and (e.get("pid"), e.get("tid")) in threads
+            and not e.get("name", "").startswith(_CPU_WRAPPERS)
+        ]
         name = lambda e: re.sub(r"\.\d+$", "", e.get("name", ""))  # noqa: E731
     else:
-        pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and str(e.get("args", {}).get("name", "")).startswith(device_prefix)}
+        pids = {
+            e["pid"]
+            for e in events
+            if e.get("ph") == "M"
+            and e.get("name") == "process_name"
+            and str(e.get("args", {}).get("name", "")).startswith(device_prefix)
+        }
         chosen = [e for e in events if e.get("ph") == "X" and e.get("pid") in pids]
         name = lambda e: e.get("name", "")  # noqa: E731
     return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), name(e)) for e in chosen)
@@ -93,10 +109,15 @@ def device_idle(trace_dir: str | Path, device_prefix: str = "/device:GPU") -> di
     busy += cur_end - cur_start
     window = max(end for _, end, _ in spans) - spans[0][0]
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
-    return {"busy_s": busy * 1e-6, "window_s": window * 1e-6,
-            "idle_fraction": 1.0 - busy / window if window > 0 else 0.0,
-            "kernels": len(spans) - sum(copies.values()), "copies": dict(copies),
-            "idle_after_d2h_s": idle_after_d2h * 1e-6, "top": [(name, t * 1e-6) for name, t in top]}
+    return {
+        "busy_s": busy * 1e-6,
+        "window_s": window * 1e-6,
+        "idle_fraction": 1.0 - busy / window if window > 0 else 0.0,
+        "kernels": len(spans) - sum(copies.values()),
+        "copies": dict(copies),
+        "idle_after_d2h_s": idle_after_d2h * 1e-6,
+        "top": [(name, t * 1e-6) for name, t in top],
+    }
 
 
 def copy_direction(name: str) -> str | None:
@@ -114,6 +135,7 @@ def copy_direction(name: str) -> str | None:
 def traced(run, device_prefix: str = "/device:GPU") -> tuple[object, dict | None]:
     """(run(), device_idle report) of `run` under jax.profiler."""
     import jax
+
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             result = run()

@@ -24,6 +24,7 @@ usage.completion_tokens. Either way a request that did not produce exactly max_t
 counted as failed ("output N tokens, max_tokens M"), so the two transports never silently
 measure different work.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -98,8 +99,9 @@ class GrpcTransport:
         result = RequestResult(ok=False, prompt_tokens=len(spec.prompt))
         clock = _Clock(result)
         try:
-            async for msg in self.client.stream(spec.prompt, max_tokens=spec.max_tokens, temperature=0.0,
-                                                ignore_eos=True, timeout=timeout):
+            async for msg in self.client.stream(
+                spec.prompt, max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, timeout=timeout
+            ):
                 result.request_id = result.request_id or msg.request_id
                 n = sum(len(d.token_ids) for d in msg.outputs)
                 if n:
@@ -129,8 +131,9 @@ class HttpTransport:
         # one connection per stream in flight (HTTP/1.1), all kept (uvicorn closes those idle > 5 s: a
         # new one costs a loopback connect in that request's TTFT); no proxies
         limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=None)
-        self.client = httpx2.AsyncClient(base_url=base_url, headers=headers, limits=limits, trust_env=False,
-                                         timeout=httpx2.Timeout(600.0))
+        self.client = httpx2.AsyncClient(
+            base_url=base_url, headers=headers, limits=limits, trust_env=False, timeout=httpx2.Timeout(600.0)
+        )
         self.model = ""  # the name /v1/models gives (model_info)
 
     async def model_info(self) -> tuple[str, int]:
@@ -149,8 +152,15 @@ class HttpTransport:
 
     async def run_one(self, spec: RequestSpec, timeout: float) -> RequestResult:
         result = RequestResult(ok=False, prompt_tokens=len(spec.prompt))
-        body = {"model": self.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "prompt": spec.prompt,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         clock = _Clock(result)
         try:
             async with asyncio.timeout(timeout):
@@ -170,7 +180,7 @@ class HttpTransport:
                     continue
                 if line == "data: [DONE]":
                     return
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     raise HttpError(chunk["error"].get("message", chunk["error"]))
                 clock.result.request_id = clock.result.request_id or chunk.get("id", "")

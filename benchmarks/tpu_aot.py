@@ -20,6 +20,7 @@ gives the linear weights the structure a quantized load gives them (integers, sc
 offsets), so the pool and the temporaries are those of the quantized model. One JSON line per
 compiled variant.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,16 +42,21 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks.shapes import SHAPES, shape_config  # noqa: E402
 from jaxinfer.config import EngineConfig  # noqa: E402
-from jaxinfer.worker.inputs import InputBuilder  # noqa: E402
 from jaxinfer.loader import resolve_dtype  # noqa: E402
 from jaxinfer.models.layers import LAYER_LINEARS  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.quant.config import DEFAULT_GROUP_SIZE, QuantConfig, component_shapes  # noqa: E402
-from jaxinfer.quant.weights import QuantizedWeight  # noqa: E402
 from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype, scales_array  # noqa: E402
+from jaxinfer.quant.weights import QuantizedWeight  # noqa: E402
+from jaxinfer.worker.inputs import InputBuilder  # noqa: E402
 from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages  # noqa: E402
-from jaxinfer.worker.step_variants import (decode_sized_buckets, decode_steps, input_shardings, split_step_enabled,  # noqa: E402
-                                    step_jits)
+from jaxinfer.worker.step_variants import (
+    decode_sized_buckets,
+    decode_steps,
+    input_shardings,
+    split_step_enabled,  # noqa: E402
+    step_jits,
+)
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_config import target_chip  # noqa: E402
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, leaf_name, make_mesh, param_structs  # noqa: E402
@@ -58,8 +64,7 @@ from sharding import DATA, axis_size, head_layout, kv_cache_spec, leaf_name, mak
 
 def shard_bytes(structs) -> int:
     """Bytes one device holds of a tree of sharded shape structs."""
-    return sum(int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize
-               for s in jax.tree.leaves(structs))
+    return sum(int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize for s in jax.tree.leaves(structs))
 
 
 # The fused linear weights weight-only quantization replaces, by their input axes (as loaded:
@@ -70,14 +75,25 @@ QUANTIZED_INPUTS = {**LAYER_LINEARS, "experts_gate_up": (1,), "experts_down": (1
 def quantized(params, quant: QuantConfig | None):
     """Shape structs of the parameters with each linear weight as the loader quantizes it: a
     QuantizedWeight of its integers' and scales' (and int4 offsets') structs."""
+
     def replace(path, x):
         inputs = QUANTIZED_INPUTS.get(leaf_name(path))
         if quant is None or inputs is None:
             return x
-        parts = {name: jax.ShapeDtypeStruct(shape, dtype)
-                 for name, (shape, dtype) in component_shapes(x.shape, inputs, quant, x.dtype).items()}
-        return QuantizedWeight(parts["values"], parts["scales"], None, quant.method, inputs, quant.group_size,
-                               parts.get("offsets"), x.dtype)
+        parts = {
+            name: jax.ShapeDtypeStruct(shape, dtype)
+            for name, (shape, dtype) in component_shapes(x.shape, inputs, quant, x.dtype).items()
+        }
+        return QuantizedWeight(
+            parts["values"],
+            parts["scales"],
+            None,
+            quant.method,
+            inputs,
+            quant.group_size,
+            parts.get("offsets"),
+            x.dtype,
+        )
 
     return jax.tree_util.tree_map_with_path(replace, params)
 
@@ -85,8 +101,16 @@ def quantized(params, quant: QuantConfig | None):
 class AotStep:
     """The engine's step for one model shape on a mesh of compile-only TPU devices."""
 
-    def __init__(self, shape: str, topology: str, mesh: str, engine: EngineConfig, dtype: str,
-                 num_layers: int | None = None, quant: QuantConfig | None = None):
+    def __init__(
+        self,
+        shape: str,
+        topology: str,
+        mesh: str,
+        engine: EngineConfig,
+        dtype: str,
+        num_layers: int | None = None,
+        quant: QuantConfig | None = None,
+    ):
         self.config = shape_config(shape, num_layers)
         self.family = get_family(self.config.family)
         self.devices = topologies.get_topology_desc(topology, "tpu").devices
@@ -95,8 +119,9 @@ class AotStep:
         self.max_model_len = engine.scheduler.max_model_len or self.config.max_position_embeddings
         self.engine = engine = engine.with_page_size(self.max_model_len)
         layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
-        host = jax.eval_shape(functools.partial(self.family.init_params, self.config, jax.random.key(0),
-                                                resolve_dtype(dtype)))
+        host = jax.eval_shape(
+            functools.partial(self.family.init_params, self.config, jax.random.key(0), resolve_dtype(dtype))
+        )
         self.params = param_structs(quantized(host, quant), self.family.param_axes, self.mesh, layout)
         with jax.set_mesh(self.mesh):
             self.chip = target_chip()
@@ -104,21 +129,35 @@ class AotStep:
         kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, self.params.embed.dtype)
         # The engine's pool: its fraction of what the weights leave of the chip's HBM.
         budget = int((self.hbm - shard_bytes(self.params)) * engine.cache.kv_cache_memory_fraction)
-        self.num_pages = plan_num_pages(self.config, engine.replace(kv_cache_bytes=budget),
-                                        kv_dtype, layout.kv_heads_per_device, self.devices[0])
+        self.num_pages = plan_num_pages(
+            self.config, engine.replace(kv_cache_bytes=budget), kv_dtype, layout.kv_heads_per_device, self.devices[0]
+        )
         # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout); int8 /
         # fp8 pages with their per-head scales.
         placed = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.replicas > 1))
-        cache = cache_struct(self.num_pages, engine.cache.page_size, layout.cache_kv_heads, self.config.head_dim,
-                             kv_dtype, placed, self.replicas)
+        cache = cache_struct(
+            self.num_pages,
+            engine.cache.page_size,
+            layout.cache_kv_heads,
+            self.config.head_dim,
+            kv_dtype,
+            placed,
+            self.replicas,
+        )
         if is_quantized_kv(kv_dtype):
             scales = (*cache.shape[:-4], *scales_array(np.ones(2 * layout.cache_kv_heads)).shape)
             cache = QuantizedKVCache(cache, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=placed))
         self.caches = (cache,) * self.config.num_layers
         self.buckets = engine.buckets()
-        self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=-(-self.max_model_len // engine.cache.page_size),
-                                   max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
-                                   num_replicas=self.replicas, num_speculative_tokens=0)
+        self.inputs = InputBuilder(
+            engine,
+            self.buckets,
+            pages_per_seq=-(-self.max_model_len // engine.cache.page_size),
+            max_model_len=self.max_model_len,
+            vocab_size=self.config.vocab_size,
+            num_replicas=self.replicas,
+            num_speculative_tokens=0,
+        )
         self.max_seqs = engine.seq_bucket(self.buckets[-1])
 
     def compile(self, bucket: int, num_steps: int = 1, split: bool = False, prompt: bool = False) -> dict:
@@ -127,18 +166,33 @@ class AotStep:
         own jits: compile time, one chip's memory."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
         host = self.inputs.padding_inputs(bucket, False, prompt=prompt)
-        inputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              host, input_shardings(self.mesh, host, self.replicas > 1))
+        inputs = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            host,
+            input_shardings(self.mesh, host, self.replicas > 1),
+        )
         prev_shape = (self.max_seqs,) if self.replicas == 1 else (self.replicas, self.max_seqs)
         prev = jax.ShapeDtypeStruct(prev_shape, jnp.int32, sharding=replicated)
-        table = jax.ShapeDtypeStruct((*prev_shape[:-1], self.max_seqs + 1, self.inputs.pages_per_seq), jnp.int32,
-                                     sharding=replicated)
+        table = jax.ShapeDtypeStruct(
+            (*prev_shape[:-1], self.max_seqs + 1, self.inputs.pages_per_seq), jnp.int32, sharding=replicated
+        )
         out_shardings = (replicated, jax.tree.map(lambda c: c.format, self.caches), replicated)
-        step_fn, window, forward, _ = step_jits(self.family, self.config, self.engine.compile.attn_impl, self.max_seqs,
-                                                self.replicas, num_steps, out_shardings)
+        step_fn, window, forward, _ = step_jits(
+            self.family,
+            self.config,
+            self.engine.compile.attn_impl,
+            self.max_seqs,
+            self.replicas,
+            num_steps,
+            out_shardings,
+        )
         jitted = forward if split else step_fn if num_steps == 1 else window
-        variant = {"bucket": bucket, "num_steps": num_steps, **({"split": True} if split else {}),
-                   **({"prompt": True} if prompt else {})}
+        variant = {
+            "bucket": bucket,
+            "num_steps": num_steps,
+            **({"split": True} if split else {}),
+            **({"prompt": True} if prompt else {}),
+        }
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
@@ -150,15 +204,18 @@ class AotStep:
         seconds = time.perf_counter() - start
         mem = compiled.memory_analysis()
         hlo = compiled.as_text()
-        return {**variant, "compile_s": round(seconds, 1),
-                "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
-                "cache_copies": len(self.cache_copies(hlo)),
-                "weight_copies": self.weight_copies(hlo),
-                "argument_gib": round(mem.argument_size_in_bytes / 2**30, 3),
-                "output_gib": round(mem.output_size_in_bytes / 2**30, 3),
-                "alias_gib": round(mem.alias_size_in_bytes / 2**30, 3),
-                "temp_gib": round(mem.temp_size_in_bytes / 2**30, 3),
-                "hbm_gib": round(self.hbm / 2**30, 2)}
+        return {
+            **variant,
+            "compile_s": round(seconds, 1),
+            "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
+            "cache_copies": len(self.cache_copies(hlo)),
+            "weight_copies": self.weight_copies(hlo),
+            "argument_gib": round(mem.argument_size_in_bytes / 2**30, 3),
+            "output_gib": round(mem.output_size_in_bytes / 2**30, 3),
+            "alias_gib": round(mem.alias_size_in_bytes / 2**30, 3),
+            "temp_gib": round(mem.temp_size_in_bytes / 2**30, 3),
+            "hbm_gib": round(self.hbm / 2**30, 2),
+        }
 
     def cache_copies(self, hlo: str) -> list[str]:
         """Copies of a whole layer's cache shard in the compiled step (a relayout around the
@@ -186,8 +243,9 @@ class AotStep:
                 fields[size] = f"{fields[size]}|{name}" if size in fields else name
         computations = re.split(r"\n(?=(?:ENTRY )?%\S+ \()", hlo)
         fused = set(re.findall(r" fusion\(.*?calls=%([^,\s]+)", hlo))
-        bitcasts = {c.split(" ", 1)[0].lstrip("%") for c in computations
-                    if re.search(r"\n  ROOT \S+ = \S+ bitcast\(", c)}
+        bitcasts = {
+            c.split(" ", 1)[0].lstrip("%") for c in computations if re.search(r"\n  ROOT \S+ = \S+ bitcast\(", c)
+        }
         pattern = re.compile(r"= (\(?[^=]*?\)?) (?:copy|fusion|convert)\(")  # its output: an array or a tuple
         counts = {}
         for computation in computations:
@@ -197,19 +255,29 @@ class AotStep:
                 called = re.search(r"calls=%([^,\s]+)", line)
                 if not (m := pattern.search(line)) or (called and called.group(1) in bitcasts):
                     continue
-                size = sum(int(np.prod([int(d) for d in dims.split(",")]))
-                           for dims in re.findall(r"\[([\d,]+)\]", m.group(1)))
+                size = sum(
+                    int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"\[([\d,]+)\]", m.group(1))
+                )
                 if (name := fields.get(size)) is not None:
                     counts[name] = counts.get(name, 0) + 1
         return counts
 
     def summary(self) -> dict:
-        return {"chip": self.chip, "devices": len(self.mesh.devices.flat), "mesh": dict(self.mesh.shape),
-                "page_size": self.engine.cache.page_size, "num_pages": self.num_pages,
-                "max_model_len": self.max_model_len, "param_gib_per_chip": round(shard_bytes(self.params) / 2**30, 3),
-                "kv_dtype": str(self.pages[0].dtype),
-                "kv_gib_per_chip": round(sum(layout_bytes(c.sharding.shard_shape(c.shape), c.dtype, self.devices[0])
-                                             for c in self.pages) / 2**30, 3)}
+        return {
+            "chip": self.chip,
+            "devices": len(self.mesh.devices.flat),
+            "mesh": dict(self.mesh.shape),
+            "page_size": self.engine.cache.page_size,
+            "num_pages": self.num_pages,
+            "max_model_len": self.max_model_len,
+            "param_gib_per_chip": round(shard_bytes(self.params) / 2**30, 3),
+            "kv_dtype": str(self.pages[0].dtype),
+            "kv_gib_per_chip": round(
+                sum(layout_bytes(c.sharding.shard_shape(c.shape), c.dtype, self.devices[0]) for c in self.pages)
+                / 2**30,
+                3,
+            ),
+        }
 
     @property
     def pages(self) -> list[jax.ShapeDtypeStruct]:
@@ -231,26 +299,46 @@ def main(argv=None) -> None:
     p.add_argument("--num-pages", type=int)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype), int8 or fp8")
     p.add_argument("--quantization", choices=("int8", "int4"), help="weight-only quantization of the linear weights")
-    p.add_argument("--quantization-group-size", type=int, help=f"inputs per scale (int4 default: {DEFAULT_GROUP_SIZE}; int8: per channel)")
+    p.add_argument(
+        "--quantization-group-size",
+        type=int,
+        help=f"inputs per scale (int4 default: {DEFAULT_GROUP_SIZE}; int8: per channel)",
+    )
     p.add_argument("--buckets", type=int, nargs="+", help="token buckets to compile (default: all)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode window length (1: none)")
-    p.add_argument("--split", action="store_true",
-                   help="also the split step's forward at decode-sized buckets (on by default on accelerators)")
-    p.add_argument("--prompt-logprobs", action="store_true",
-                   help="also each bucket's step that scores prompt rows (--enable-prompt-logprobs)")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="also the split step's forward at decode-sized buckets (on by default on accelerators)",
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        action="store_true",
+        help="also each bucket's step that scores prompt rows (--enable-prompt-logprobs)",
+    )
     args = p.parse_args(argv)
     buckets = tuple(sorted(set(args.buckets))) if args.buckets else None
     if buckets and buckets[-1] < args.max_num_batched_tokens:
         buckets = (*buckets, args.max_num_batched_tokens)
-    engine = EngineConfig(attn_impl="pallas_tpu", max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          page_size=args.page_size, num_pages=args.num_pages, token_buckets=buckets,
-                          kv_cache_dtype=args.kv_cache_dtype,
-                          compilation_cache_dir=None)
+    engine = EngineConfig(
+        attn_impl="pallas_tpu",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        token_buckets=buckets,
+        kv_cache_dtype=args.kv_cache_dtype,
+        compilation_cache_dir=None,
+    )
     quant = QuantConfig.parse(args.quantization, args.quantization_group_size)
     aot = AotStep(args.shape, args.topology, args.mesh, engine, args.dtype, args.num_layers, quant)
-    print(json.dumps({"shape": args.shape, "topology": args.topology, "quantization": args.quantization,
-                      **aot.summary()}), flush=True)
+    print(
+        json.dumps(
+            {"shape": args.shape, "topology": args.topology, "quantization": args.quantization, **aot.summary()}
+        ),
+        flush=True,
+    )
     decode_sized = decode_sized_buckets(aot.inputs, aot.buckets, args.max_num_seqs)
     for bucket in args.buckets or aot.buckets:
         print(json.dumps(aot.compile(bucket)), flush=True)

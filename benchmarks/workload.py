@@ -4,6 +4,7 @@ the steady-state inter-token latency of a decode run.
 Both sides draw the identical workload from the same seed: arrival times, prompt token ids
 (32..512 tokens) and output lengths (16..128 tokens, generated with EOS ignored).
 """
+
 import statistics
 
 import numpy as np
@@ -22,9 +23,16 @@ def make_workload(rate: float, num_requests: int, seed: int = 0):
 
 def summarize(ttft, itl, num_requests, tokens, elapsed, rate):
     pct = lambda v, q: float(np.percentile(v, q)) if len(v) else float("nan")  # noqa: E731
-    return {"rate": rate, "requests": num_requests, "throughput_req_s": num_requests / elapsed,
-            "output_tok_s": tokens / elapsed, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+    return {
+        "rate": rate,
+        "requests": num_requests,
+        "throughput_req_s": num_requests / elapsed,
+        "output_tok_s": tokens / elapsed,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "itl_p50": pct(itl, 50),
+        "itl_p99": pct(itl, 99),
+    }
 
 
 def steady_itl(metrics) -> float:
@@ -42,6 +50,8 @@ def steady_itl(metrics) -> float:
                 steady.append(gap)
             t += gap
     if not steady:
-        raise SystemExit(f"no stretch where all {len(metrics)} requests decode together: "
-                         "raise --new-tokens (prefill of the batch outlasts the first requests)")
+        raise SystemExit(
+            f"no stretch where all {len(metrics)} requests decode together: "
+            "raise --new-tokens (prefill of the batch outlasts the first requests)"
+        )
     return statistics.median(steady)

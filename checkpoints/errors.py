@@ -1,4 +1,5 @@
 """Errors raised for malformed or mismatched checkpoints."""
+
 from __future__ import annotations
 
 

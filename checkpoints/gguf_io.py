@@ -6,6 +6,7 @@ memory-mapped file: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quant
 `gguf.quants` can dequantize. `raw(name)` gives a tensor's stored bytes instead (its blocks, for
 a reader that keeps them quantized), `quant_type(name)` their type.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,7 +62,8 @@ class GGUFCheckpoint:
         except NotImplementedError as e:
             raise CheckpointError(
                 f"{self.path}: tensor {name!r} uses quantization {t.tensor_type.name}, "
-                "which this gguf package cannot dequantize") from e
+                "which this gguf package cannot dequantize"
+            ) from e
         return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
@@ -84,7 +86,7 @@ def _reader_class():
             if plain is None:
                 plain = self._plain = self.data.view(np.ndarray)
             dtype, count = np.dtype(dtype), int(count)
-            arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            arr = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
             order = self.byte_order if override_order is None else override_order
             return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))  # "I": as is
 
@@ -96,8 +98,8 @@ def _parse(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, Any]]:
     """(tensors by name, metadata) of a GGUF file, parsed once per process for each version of
     the file (path, size and modification time): gguf's reader walks a vocabulary's strings one
     by one (~1.5 s for SmolLM2's 49k tokens and merges on 2 cores, through `_reader_class`),
-    and a process may open one file twice (a model as its own draft; an engine built again). The tensors are views of one read-only
-    memory map."""
+    and a process may open one file twice (a model as its own draft; an engine built again). The
+    tensors are views of one read-only memory map."""
     reader = _reader_class()(path)
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():

@@ -11,6 +11,7 @@ devices hold, straight from the files, so no host ever assembles a whole array i
 Paths may be local directories or `gs://bucket/...` URIs (tensorstore reads GCS itself).
 Any dtype round-trips, integer (quantized) arrays and their scales included.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,11 +92,14 @@ class OrbaxCheckpoint:
             raise CheckpointError(
                 f"{self.path}: half-written checkpoint: {PARAMS_DIR}/ is there but {METADATA_FILE} "
                 "is not (the conversion did not finish); convert again into a new directory"
-                if params.exists() else f"{self.path}: not a jaxinfer orbax checkpoint (no {METADATA_FILE})")
+                if params.exists()
+                else f"{self.path}: not a jaxinfer orbax checkpoint (no {METADATA_FILE})"
+            )
         self.metadata = _read_metadata(meta_file)
         if not params.is_dir() or not (params / "commit_success.txt").exists():
-            raise CheckpointError(f"{params}: missing or incomplete orbax parameters "
-                                  "(no commit_success.txt); the checkpoint is damaged")
+            raise CheckpointError(
+                f"{params}: missing or incomplete orbax parameters (no commit_success.txt); the checkpoint is damaged"
+            )
         self._params = params
         self._arrays = self._array_metadata()
 
@@ -125,21 +129,28 @@ class OrbaxCheckpoint:
         unknown = sorted(set(targets) - set(self._arrays))
         if unknown:
             raise CheckpointError(f"{self.path}: no arrays named {', '.join(unknown[:8])}")
-        bad = [f"{n}: saved {self.shape(n)}, asked {tuple(t.shape)}" for n, t in targets.items()
-               if tuple(t.shape) != self.shape(n)]
+        bad = [
+            f"{n}: saved {self.shape(n)}, asked {tuple(t.shape)}"
+            for n, t in targets.items()
+            if tuple(t.shape) != self.shape(n)
+        ]
         if bad:
             raise CheckpointError(f"{self.path}: shapes differ from the saved ones: " + "; ".join(bad[:8]))
-        args = {n: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype)
-                for n, t in targets.items()}
+        args = {
+            n: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype)
+            for n, t in targets.items()
+        }
         with _checkpointer(restore_concurrent_gb=RESTORE_CONCURRENT_GB) as checkpointer:
-            return checkpointer.restore(self._params, args=ocp.args.PyTreeRestore(
-                item=dict(targets), restore_args=args, partial_restore=True))
+            return checkpointer.restore(
+                self._params, args=ocp.args.PyTreeRestore(item=dict(targets), restore_args=args, partial_restore=True)
+            )
 
     def get(self, name: str) -> np.ndarray:
         import jax
 
-        target = jax.ShapeDtypeStruct(self.shape(name), self.dtype(name),
-                                      sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        target = jax.ShapeDtypeStruct(
+            self.shape(name), self.dtype(name), sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        )
         return np.asarray(self.restore({name: target})[name])
 
 
@@ -153,5 +164,6 @@ def _read_metadata(meta_file) -> dict[str, Any]:
     if record["format_version"] > FORMAT_VERSION:
         raise CheckpointError(
             f"{meta_file}: format_version {record['format_version']} is newer than this jaxinfer "
-            f"reads ({FORMAT_VERSION}); upgrade jaxinfer")
+            f"reads ({FORMAT_VERSION}); upgrade jaxinfer"
+        )
     return record

@@ -4,6 +4,7 @@ Tensors are numpy views over a memory map, read tensor by tensor, so loading a c
 holds a second full copy in host memory. The header is validated against the file size when the
 file is opened, so a truncated download fails at once with the tensor and byte counts named.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,17 @@ import numpy as np
 from checkpoints.errors import CheckpointError
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
     "BOOL": np.bool_,
 }
 INDEX_NAME = "model.safetensors.index.json"
@@ -40,7 +49,8 @@ class SafetensorsFile:
             if header_len > size - 8:
                 raise CheckpointError(
                     f"{self.path}: header length {header_len} exceeds the file size {size}: "
-                    "truncated or not a safetensors file")
+                    "truncated or not a safetensors file"
+                )
             try:
                 header = json.loads(f.read(header_len))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -58,11 +68,13 @@ class SafetensorsFile:
             if end - begin != expected:
                 raise CheckpointError(
                     f"{self.path}: tensor {name!r} spans {end - begin} bytes, but its shape "
-                    f"{shape} and dtype {info['dtype']} need {expected}")
+                    f"{shape} and dtype {info['dtype']} need {expected}"
+                )
             if self._data_start + end > size:
                 raise CheckpointError(
                     f"{self.path}: truncated: tensor {name!r} needs bytes up to "
-                    f"{self._data_start + end} but the file has {size}")
+                    f"{self._data_start + end} but the file has {size}"
+                )
             self._entries[name] = (dtype, shape, begin, end)
         self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r") if size else None
 
@@ -76,7 +88,7 @@ class SafetensorsFile:
         if name not in self._entries:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         dtype, shape, begin, end = self._entries[name]
-        raw = self._mmap[self._data_start + begin:self._data_start + end]
+        raw = self._mmap[self._data_start + begin : self._data_start + end]
         return raw.view(dtype).reshape(shape)
 
 

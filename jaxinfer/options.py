@@ -19,15 +19,25 @@ Forms (how a field appears on the command line):
     APPEND    --flag X, repeatable: a list
     NONE      no flag; `not_on_cli` says why
 """
+
 from __future__ import annotations
 
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 VALUE, ENABLE, DISABLE, TRISTATE, JSON, CSV, APPEND, NONE = (
-    "value", "enable", "disable", "tristate", "json", "csv", "append", "none")
+    "value",
+    "enable",
+    "disable",
+    "tristate",
+    "json",
+    "csv",
+    "append",
+    "none",
+)
 FORMS = (VALUE, ENABLE, DISABLE, TRISTATE, JSON, CSV, APPEND, NONE)
 TRISTATE_CHOICES = ("auto", "on", "off")
 
@@ -47,6 +57,7 @@ class Option:
     """How one field is offered to users. `flag` defaults to --the-field-name; `cli_default` is
     the command line's default where it differs from the field's (the CLI decodes greedily by
     default, say); `group` overrides the help section the flag is listed under."""
+
     help: str | None
     form: str = VALUE
     flag: str | None = None
@@ -65,16 +76,23 @@ class Option:
             raise ValueError("Option: a field without a flag (form NONE) says why in not_on_cli, and only it")
 
 
-def option(default: Any = dataclasses.MISSING, help: str | None = None, *,  # noqa: A002 - argparse's name
-           default_factory: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str | None = None,
+    *,  # noqa: A002 - argparse's name
+    default_factory: Any = dataclasses.MISSING,
+    **kwargs: Any,
+) -> Any:
     """A dataclass field carrying an Option (see the module docstring)."""
-    return dataclasses.field(default=default, default_factory=default_factory,
-                             metadata={"option": Option(help, **kwargs)})
+    return dataclasses.field(
+        default=default, default_factory=default_factory, metadata={"option": Option(help, **kwargs)}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
     """One declared option: the field's name, default and annotation, and its Option."""
+
     name: str
     default: Any
     annotation: Any
@@ -103,8 +121,11 @@ def declared(cls: type) -> Iterator[Declared]:
         opt = f.metadata.get("option")
         if opt is None:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        )
         yield Declared(f.name, default, hints.get(f.name), opt)
 
 

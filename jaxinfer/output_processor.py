@@ -14,6 +14,7 @@ is held back (at most the longest stop string minus one character) until the seq
 or the text moves past it. A stop string cuts the text exactly, with or without the stop string
 itself (`include_stop_str_in_output`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,15 +68,32 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._stop_samples: dict[int, tuple[SampleState, SamplingParams]] = {}  # seq id -> with stop strings
 
-    def new_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, seqs: list[Sequence], metrics: RequestMetrics, *,
-                    replica: int = 0, cost: int = 0) -> RequestState:
+    def new_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seqs: list[Sequence],
+        metrics: RequestMetrics,
+        *,
+        replica: int = 0,
+        cost: int = 0,
+    ) -> RequestState:
         samples = [SampleState(seq, self._detokenizer(prompt_token_ids, params)) for seq in seqs]
         if params.stop and self.tokenizer is not None:
             self._stop_samples.update((s.seq.seq_id, (s, params)) for s in samples)
-        return RequestState(request_id, prompt, prompt_token_ids, params, samples, metrics,
-                            replica=replica, cost=cost,
-                            prompt_logprobs=None if params.prompt_logprobs is None else [None])
+        return RequestState(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            samples,
+            metrics,
+            replica=replica,
+            cost=cost,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
+        )
 
     @staticmethod
     def on_prompt_rows(plan: SchedulerPlan, out: PromptLogprobs, requests: dict[str, RequestState]) -> None:
@@ -89,8 +107,9 @@ class OutputProcessor:
                 n = state.params.prompt_logprobs
                 for p in range(max(e.start, len(recorded) - 1), min(e.kv_len, seq.num_prompt_tokens - 1)):
                     row = offset + p - e.start
-                    recorded.append(Logprob(seq.token_ids[p + 1], float(out.logprobs[row]),
-                                            _top(out, row, n), int(out.ranks[row])))
+                    recorded.append(
+                        Logprob(seq.token_ids[p + 1], float(out.logprobs[row]), _top(out, row, n), int(out.ranks[row]))
+                    )
                 seq.num_scored_prompt = len(recorded) - 1
             offset += e.num_new_tokens
 
@@ -149,15 +168,21 @@ class OutputProcessor:
         finished = state.finished
         if finished:
             m.finished_time = now
-        usage = Usage(prompt_tokens=len(state.prompt_token_ids),
-                      completion_tokens=sum(len(s.seq.known_output_ids) for s in state.samples),
-                      cached_prompt_tokens=state.cached_prompt_tokens)
+        usage = Usage(
+            prompt_tokens=len(state.prompt_token_ids),
+            completion_tokens=sum(len(s.seq.known_output_ids) for s in state.samples),
+            cached_prompt_tokens=state.cached_prompt_tokens,
+        )
         prompt_logprobs = None
-        if (state.prompt_logprobs is not None and not state.prompt_logprobs_sent
-                and len(state.prompt_logprobs) == len(state.prompt_token_ids)):
+        if (
+            state.prompt_logprobs is not None
+            and not state.prompt_logprobs_sent
+            and len(state.prompt_logprobs) == len(state.prompt_token_ids)
+        ):
             prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, usage, m, prompt_logprobs)
+        return RequestOutput(
+            state.request_id, state.prompt, state.prompt_token_ids, completions, finished, usage, m, prompt_logprobs
+        )
 
 
 def _top(out: SamplerOutput | PromptLogprobs, row: int, n: int) -> dict[int, float]:
@@ -193,9 +218,12 @@ def _completion_delta(index: int, s: SampleState, params: SamplingParams) -> Com
     hold = 0 if seq.is_finished or not params.stop else max(len(x) for x in params.stop) - 1
     upto = max(s.emitted_chars, len(s.text) - hold)
     out = CompletionOutput(
-        index=index, text=s.text[s.emitted_chars:upto],
-        token_ids=seq.known_output_ids[s.emitted_tokens:],  # never a placeholder of a step in flight
-        logprobs=s.logprobs[s.emitted_logprobs:] if params.logprobs is not None else None,
-        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        index=index,
+        text=s.text[s.emitted_chars : upto],
+        token_ids=seq.known_output_ids[s.emitted_tokens :],  # never a placeholder of a step in flight
+        logprobs=s.logprobs[s.emitted_logprobs :] if params.logprobs is not None else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+    )
     s.emitted_chars, s.emitted_tokens, s.emitted_logprobs = upto, len(seq.known_output_ids), len(s.logprobs)
     return out

@@ -1,4 +1,5 @@
 """What the engine hands back: per-request outputs (deltas or whole), usage and timings."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,12 @@ class Logprob:
     def to_json(self) -> dict:
         """{"token_id", "logprob", ["rank",] "top_logprobs": {"id": logprob}} (the CLI's JSON lines)."""
         rank = {} if self.rank is None else {"rank": self.rank}
-        return {"token_id": self.token_id, "logprob": self.logprob, **rank,
-                "top_logprobs": {str(t): v for t, v in self.top.items()}}
+        return {
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            **rank,
+            "top_logprobs": {str(t): v for t, v in self.top.items()},
+        }
 
 
 def logprobs_json(logprobs: list[Logprob | None] | None) -> list[dict | None] | None:
@@ -102,7 +107,7 @@ class RequestOutput:
     # predicts it); in the first output (delta) once the prompt is computed, else None.
     prompt_logprobs: list[Logprob | None] | None = None
 
-    def merge(self, delta: "RequestOutput") -> None:
+    def merge(self, delta: RequestOutput) -> None:
         """Appends a streamed delta of the same request to this accumulated output."""
         for mine, new in zip(self.outputs, delta.outputs):
             mine.text += new.text

@@ -3,6 +3,7 @@
 The helpers here describe the ragged batch to a kernel, check that a kernel can take a shape
 before anything is lowered, and hold the online-softmax math both kernels trace.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -38,14 +39,23 @@ def mesh_device() -> jax.sharding.AbstractDevice | None:
     return getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
 
 
-def check_contract(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
-                   kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
-                   num_seqs: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
-                   ) -> None:
+def check_contract(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+) -> None:
     """Shape/dtype checks every implementation shares; raises ValueError naming the bad value."""
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or kv_cache.ndim != 4:
-        raise ValueError(f"expected q, k, v 3-D and kv_cache 4-D; got q{q.shape} k{k.shape} "
-                         f"v{v.shape} kv_cache{kv_cache.shape}")
+        raise ValueError(
+            f"expected q, k, v 3-D and kv_cache 4-D; got q{q.shape} k{k.shape} v{v.shape} kv_cache{kv_cache.shape}"
+        )
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, two_hkv, cache_d = kv_cache.shape
     num_kv_heads = two_hkv // 2
@@ -57,19 +67,31 @@ def check_contract(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     num_seqs_max = page_indices.shape[0]
     if kv_lens.shape != (num_seqs_max,) or cu_q_lens.shape != (num_seqs_max + 1,):
-        raise ValueError(f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match "
-                         f"page_indices {page_indices.shape}")
+        raise ValueError(
+            f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match page_indices {page_indices.shape}"
+        )
     if jnp.size(num_seqs) != 1:
         raise ValueError(f"num_seqs must hold one value; got shape {jnp.shape(num_seqs)}")
     if is_quantized(kv_cache.dtype) and (k_scale is None or v_scale is None):
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is quantized: k_scale and v_scale are required")
 
 
-def validate_kernel_call(kernel_name: str, unsupported_reason: ReasonFn, q: jax.Array,
-                         k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
-                         page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                         k_scale: jax.Array | None, v_scale: jax.Array | None,
-                         sliding_window: int | None, soft_cap: float | None) -> None:
+def validate_kernel_call(
+    kernel_name: str,
+    unsupported_reason: ReasonFn,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> None:
     """A kernel's entry check: the contract, the options, then the kernel's own limits
     (`unsupported_reason(q, kv_cache, page_indices)`), raising UnsupportedShape for those."""
     check_contract(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
@@ -79,8 +101,7 @@ def validate_kernel_call(kernel_name: str, unsupported_reason: ReasonFn, q: jax.
         raise UnsupportedShape(f"{kernel_name} cannot take {reason}")
 
 
-def dtype_mismatch(q: jax.Array, kv_cache: jax.Array, supported: Sequence[DTypeLike]
-                   ) -> str | None:
+def dtype_mismatch(q: jax.Array, kv_cache: jax.Array, supported: Sequence[DTypeLike]) -> str | None:
     """Why q / kv_cache dtypes don't suit a kernel that takes `supported` query dtypes, or None."""
     if q.dtype not in supported:
         names = " or ".join(str(jnp.dtype(d)) for d in supported)
@@ -97,8 +118,7 @@ def check_options(sliding_window: int | None, soft_cap: float | None) -> None:
         raise ValueError(f"soft_cap={soft_cap!r} must be None or a positive number")
 
 
-def kv_scales(kv_cache: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
-              ) -> jax.Array:
+def kv_scales(kv_cache: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None) -> jax.Array:
     """float32 [Hkv, 2]: (k_scale, v_scale) per kv head; ones for an unquantized cache."""
     num_kv_heads = kv_cache.shape[2] // 2
     if not is_quantized(kv_cache.dtype):
@@ -134,19 +154,21 @@ def next_pow2(x: int) -> int:
 
 # --- in-kernel math shared by the GPU and TPU kernels (traced inside pallas_call) ---
 
-def block_scores(q: jax.Array, k: jax.Array, *, scale: float | jax.Array, soft_cap: float | None,
-                 precision: lax.Precision | None) -> jax.Array:
+
+def block_scores(
+    q: jax.Array, k: jax.Array, *, scale: float | jax.Array, soft_cap: float | None, precision: lax.Precision | None
+) -> jax.Array:
     """q [M, D] . k [N, D] -> float32 scores [M, N], scaled (and soft-capped)."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
     s = s * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     return s
 
 
-def online_softmax_update(carry: SoftmaxCarry, s: jax.Array, v: jax.Array, *,
-                          precision: lax.Precision | None, keepdims: bool) -> SoftmaxCarry:
+def online_softmax_update(
+    carry: SoftmaxCarry, s: jax.Array, v: jax.Array, *, precision: lax.Precision | None, keepdims: bool
+) -> SoftmaxCarry:
     """One KV block of the float32 online softmax.
 
     carry (m, l, acc): running max and sum ([M] or [M, 1] with keepdims) and acc [M, D];
@@ -157,6 +179,7 @@ def online_softmax_update(carry: SoftmaxCarry, s: jax.Array, v: jax.Array, *,
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - col(m_new))
     l = alpha * l + jnp.sum(p, axis=1, keepdims=keepdims)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+    pv = lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
     return m_new, l, col(alpha) * acc + pv

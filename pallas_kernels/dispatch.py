@@ -6,6 +6,7 @@ logged warning per cause; an explicitly requested kernel raises a ValueError ins
 requested explicitly off its platform runs in interpret mode (slow; meant for tests), with one
 warning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,15 +58,27 @@ def _interpret_flag(impl: str, backend: str) -> bool | InterpretParams:
     _warn_once(f"attention impl {impl!r} on backend {backend!r}: running in interpret mode")
     if impl == "pallas_tpu":
         from jax.experimental.pallas import tpu as pltpu
+
         return pltpu.InterpretParams()
     return True
 
 
 def ragged_paged_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
-    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, impl: str = "auto",
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache)."""
     backend = target_backend()
@@ -73,8 +86,7 @@ def ragged_paged_attention(
     args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     common.check_contract(*args, k_scale, v_scale)
     common.check_options(sliding_window, soft_cap)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  k_scale=k_scale, v_scale=v_scale)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
     if chosen == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
     module, _ = _KERNELS[chosen]

@@ -34,6 +34,7 @@ scales, head_dim a multiple of 8 up to 256 (padded to a power of two inside the 
 padding masked), page_size a power of two, sliding window, soft cap. The shape limits, block
 sizes and split count live in gpu_config.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,14 +46,42 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.gpu_config import (GpuConfig, GpuPaths, check_config, default_paths,
-                                       padded_head_dim, unsupported_reason)
+from pallas_kernels.gpu_config import (
+    GpuConfig,
+    GpuPaths,
+    check_config,
+    default_paths,
+    padded_head_dim,
+    unsupported_reason,
+)
 from pallas_kernels.gpu_work import META_WIDTH, combine, new_kv, work_list
 from pallas_kernels.reference import write_kv
 
-def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, k_ref, v_ref, cache_ref, *refs,
-                      page_size, block_q, block_kv, group, gp, num_q_heads, num_splits, sm_scale,
-                      sliding_window, soft_cap, precision, real_dim, fused_write, has_prev):
+
+def _attention_kernel(
+    meta_ref,
+    pages_ref,
+    scale_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    cache_ref,
+    *refs,
+    page_size,
+    block_q,
+    block_kv,
+    group,
+    gp,
+    num_q_heads,
+    num_splits,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    precision,
+    real_dim,
+    fused_write,
+    has_prev,
+):
     refs = refs[1:] if has_prev else refs  # the aliased output of the call before: not read
     *o_refs, cache_out = refs if fused_write else (*refs, None)
     rows_m, head_dim = block_q * gp, q_ref.shape[1]  # head_dim padded to a power of two
@@ -115,8 +144,9 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, k_ref, v_ref, cache
         def body(b, carry):
             first = b * block_kv
             k, v = keys(first)  # [N, D] each, as stored
-            s = common.block_scores(q, k.astype(q.dtype), scale=sm_scale * k_scale,
-                                    soft_cap=soft_cap, precision=precision)  # [M, N]
+            s = common.block_scores(
+                q, k.astype(q.dtype), scale=sm_scale * k_scale, soft_cap=soft_cap, precision=precision
+            )  # [M, N]
             kpos = first + col
             mask = (kpos <= row_pos) & (kpos < kv_end)
             if sliding_window is not None:
@@ -124,15 +154,20 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, k_ref, v_ref, cache
             s = jnp.where(mask, s, common.MASK_VALUE)
             v = jnp.where(first + v_row < kv_end, v.astype(q.dtype), 0)
             return common.online_softmax_update(carry, s, v, precision=precision, keepdims=False)
+
         return body
 
-    carry = (jnp.full((rows_m,), common.MASK_VALUE, jnp.float32),
-             jnp.zeros((rows_m,), jnp.float32), jnp.zeros((rows_m, head_dim), jnp.float32))
+    carry = (
+        jnp.full((rows_m,), common.MASK_VALUE, jnp.float32),
+        jnp.zeros((rows_m,), jnp.float32),
+        jnp.zeros((rows_m, head_dim), jnp.float32),
+    )
     carry = lax.fori_loop(lo, jnp.minimum(hi, full), block(cached_keys), carry)
     carry = lax.fori_loop(jnp.maximum(lo, full), jnp.minimum(hi, mixed_end), block(mixed_keys), carry)
     m, l, acc = lax.fori_loop(jnp.maximum(lo, mixed_end), hi, block(new_keys), carry)
 
     if cache_out is not None:  # the fused KV write (see _call_kernel)
+
         @pl.when(live & (pl.program_id(2) == 0))
         def _write():
             i = lax.iota(jnp.int32, block_q)
@@ -155,6 +190,7 @@ def _attention_kernel(meta_ref, pages_ref, scale_ref, q_ref, k_ref, v_ref, cache
             padding = zero_first + jnp.where(r_token < zero_rows, r_token, 0)
             o_ref[padding * num_q_heads + head, :] = jnp.zeros((rows_m, head_dim), o_ref.dtype)
     else:
+
         @pl.when(live)
         def _partial():
             o_ref, m_ref, l_ref = o_refs
@@ -172,16 +208,33 @@ def _outputs(splits: int, q_rows: jax.Array) -> tuple[list, list]:
     if splits == 1:
         return [_whole(q_rows.shape)], [jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)]
     num_rows, head_dim = q_rows.shape
-    return ([pl.BlockSpec((None, num_rows, head_dim), lambda w, h, c: (c, 0, 0)),
-             *[pl.BlockSpec((None, num_rows), lambda w, h, c: (c, 0))] * 2],
-            [jax.ShapeDtypeStruct((splits, num_rows, head_dim), jnp.float32),
-             *[jax.ShapeDtypeStruct((splits, num_rows), jnp.float32)] * 2])
+    return (
+        [
+            pl.BlockSpec((None, num_rows, head_dim), lambda w, h, c: (c, 0, 0)),
+            *[pl.BlockSpec((None, num_rows), lambda w, h, c: (c, 0))] * 2,
+        ],
+        [
+            jax.ShapeDtypeStruct((splits, num_rows, head_dim), jnp.float32),
+            *[jax.ShapeDtypeStruct((splits, num_rows), jnp.float32)] * 2,
+        ],
+    )
 
 
-def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_rows: jax.Array,
-                 k_new: jax.Array, v_new: jax.Array, kv_cache: jax.Array, prev: jax.Array | None,
-                 *, config: GpuConfig, group: int, interpret: bool, **opts: object
-                 ) -> tuple[jax.Array | tuple[jax.Array, ...], jax.Array]:
+def _call_kernel(
+    meta: jax.Array,
+    flat_pages: jax.Array,
+    scales: jax.Array,
+    q_rows: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    kv_cache: jax.Array,
+    prev: jax.Array | None,
+    *,
+    config: GpuConfig,
+    group: int,
+    interpret: bool,
+    **opts: object,
+) -> tuple[jax.Array | tuple[jax.Array, ...], jax.Array]:
     """The pallas_call over grid (W, Hkv, C) -> (out rows [T * Hq, D], or the C partial (acc, m,
     l) in that row layout; kv_cache written). `prev` (a call before over the same batch) is the
     output's buffer of a call without splits, its other rows kept."""
@@ -196,10 +249,19 @@ def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_ro
     fused_write = real_head_dim == head_dim
     has_prev = prev is not None and splits == 1
     kernel = functools.partial(
-        _attention_kernel, page_size=page_size, block_q=config.block_q, block_kv=config.block_kv,
-        group=group, gp=common.next_pow2(group), num_q_heads=num_kv_heads * group,
-        num_splits=splits, real_dim=real_head_dim, fused_write=fused_write, has_prev=has_prev,
-        **opts)
+        _attention_kernel,
+        page_size=page_size,
+        block_q=config.block_q,
+        block_kv=config.block_kv,
+        group=group,
+        gp=common.next_pow2(group),
+        num_q_heads=num_kv_heads * group,
+        num_splits=splits,
+        real_dim=real_head_dim,
+        fused_write=fused_write,
+        has_prev=has_prev,
+        **opts,
+    )
     flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, real_head_dim)
     head_new = pl.BlockSpec((num_tokens, None, head_dim), lambda w, h, c: (0, h, 0))
     head_cache = pl.BlockSpec((flat_cache.shape[0], 2, head_dim), lambda w, h, c: (0, h, 0))
@@ -207,7 +269,10 @@ def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_ro
         pl.BlockSpec((None, META_WIDTH), lambda w, h, c: (w, 0)),  # meta
         _whole(flat_pages.shape),  # flattened page table
         pl.BlockSpec((None, 2), lambda w, h, c: (h, 0)),  # (k_scale, v_scale) of head h
-        _whole(q_rows.shape), head_new, head_new, head_cache,  # q, this step's K and V, cache
+        _whole(q_rows.shape),
+        head_new,
+        head_new,
+        head_cache,  # q, this step's K and V, cache
     ]
     operands = [meta, flat_pages, scales, q_rows, k_new, v_new, flat_cache]
     out_specs, out_shape = _outputs(splits, q_rows)
@@ -221,30 +286,64 @@ def _call_kernel(meta: jax.Array, flat_pages: jax.Array, scales: jax.Array, q_ro
         out_shape.append(jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype))
         aliases[6] = len(out_shape) - 1
     result = pl.pallas_call(
-        kernel, grid=(meta.shape[0], num_kv_heads, splits), in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
-        interpret=interpret, name="ragged_paged_attention_gpu",
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
+        kernel,
+        grid=(meta.shape[0], num_kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
     )(*operands)
     if fused_write:
         *result, flat_cache = result
     return (result[0] if splits == 1 else tuple(result)), flat_cache.reshape(kv_cache.shape)
 
 
-def _attend(q_rows: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: jax.Array,
-            scales: jax.Array, kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
-            num_seqs: jax.Array, prev: jax.Array | None, *, config: GpuConfig,
-            select: jax.Array | None = None, num_items: int | None = None, **opts: object
-            ) -> tuple[jax.Array, jax.Array]:
+def _attend(
+    q_rows: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    kv_cache: jax.Array,
+    scales: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    prev: jax.Array | None,
+    *,
+    config: GpuConfig,
+    select: jax.Array | None = None,
+    num_items: int | None = None,
+    **opts: object,
+) -> tuple[jax.Array, jax.Array]:
     """One kernel call over the selected sequences (all if `select` is None) -> (out rows
     [T * Hq, D]: theirs written, the others `prev`'s; kv_cache with their K/V written). A call
     without `num_items` also zeroes the padding tokens' rows."""
     num_tokens = k_new.shape[0]
-    meta, mine, real = work_list(cu_q_lens, kv_lens, num_seqs, num_tokens, config.block_q,
-                                 page_indices.shape[1], select=select, num_items=num_items)
-    out, kv_cache = _call_kernel(meta, page_indices.reshape(-1).astype(jnp.int32), scales,
-                                 q_rows, k_new, v_new, kv_cache, prev, config=config, **opts)
+    meta, mine, real = work_list(
+        cu_q_lens,
+        kv_lens,
+        num_seqs,
+        num_tokens,
+        config.block_q,
+        page_indices.shape[1],
+        select=select,
+        num_items=num_items,
+    )
+    out, kv_cache = _call_kernel(
+        meta,
+        page_indices.reshape(-1).astype(jnp.int32),
+        scales,
+        q_rows,
+        k_new,
+        v_new,
+        kv_cache,
+        prev,
+        config=config,
+        **opts,
+    )
     if config.num_splits > 1:  # one XLA fusion merges the splits in the row layout
         rows = lambda x: jnp.repeat(x, q_rows.shape[0] // num_tokens)[:, None]  # noqa: E731
         other = 0 if prev is None else jnp.where(rows(real), prev, 0)
@@ -252,49 +351,88 @@ def _attend(q_rows: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: jax
     return out, kv_cache
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
 def ragged_paged_attention_gpu(
-    q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
-    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-    config: GpuConfig | GpuPaths | None = None, interpret: bool = False,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    config: GpuConfig | GpuPaths | None = None,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [P, page, 2*Hkv, D] -> (out [T, Hq, D], kv_cache).
 
     `config` overrides the block sizes / splits chosen by `default_paths`: one GpuConfig runs one
     call over the whole batch, GpuPaths a decode call and a call for the rest. `interpret=True`
     runs the kernel in the Pallas interpreter (CPU tests)."""
-    common.validate_kernel_call("pallas_gpu", unsupported_reason, q, k, v, kv_cache, kv_lens,
-                                page_indices, cu_q_lens, num_seqs, k_scale, v_scale,
-                                sliding_window, soft_cap)
+    common.validate_kernel_call(
+        "pallas_gpu",
+        unsupported_reason,
+        q,
+        k,
+        v,
+        kv_cache,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        k_scale,
+        v_scale,
+        sliding_window,
+        soft_cap,
+    )
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2] // 2
     group = num_q_heads // num_kv_heads
     num_seqs_max, pages_per_seq = page_indices.shape
     if config is None:
-        config = default_paths(num_tokens, num_seqs_max, group, num_kv_heads, head_dim,
-                               page_size, pages_per_seq, q.dtype)
+        config = default_paths(
+            num_tokens, num_seqs_max, group, num_kv_heads, head_dim, page_size, pages_per_seq, q.dtype
+        )
     check_config(config, common.next_pow2(group))
     dp = padded_head_dim(head_dim)
 
     if dp != head_dim:  # the kernel cannot write an overhanging block: XLA writes, in place
-        kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,
-                            k_scale, v_scale)
+        kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
     k_new, v_new = new_kv(k, v, kv_cache.dtype, dp, k_scale, v_scale)
     q_rows = jnp.pad(q.reshape(num_tokens * num_q_heads, head_dim), ((0, 0), (0, dp - head_dim)))
-    operands = (q_rows, k_new, v_new, kv_cache, common.kv_scales(kv_cache, k_scale, v_scale),
-                kv_lens, page_indices, cu_q_lens, num_seqs)
-    opts = dict(group=group, interpret=interpret, sm_scale=float(sm_scale),
-                sliding_window=sliding_window, soft_cap=soft_cap,
-                precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+    operands = (
+        q_rows,
+        k_new,
+        v_new,
+        kv_cache,
+        common.kv_scales(kv_cache, k_scale, v_scale),
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+    )
+    opts = dict(
+        group=group,
+        interpret=interpret,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+    )
     if isinstance(config, GpuConfig):
         out, kv_cache = _attend(*operands, None, config=config, **opts)
     else:  # the run-time split: each call writes and reads only its own sequences' slots
         decode = common.real_q_lens(cu_q_lens, num_seqs) == 1
-        out, kv_cache = _attend(*operands, None, config=config.decode, select=decode,
-                                num_items=min(num_tokens, num_seqs_max), **opts)
-        out, kv_cache = _attend(*operands[:3], kv_cache, *operands[4:], out, config=config.rest,
-                                select=~decode, num_items=None, **opts)
+        out, kv_cache = _attend(
+            *operands, None, config=config.decode, select=decode, num_items=min(num_tokens, num_seqs_max), **opts
+        )
+        out, kv_cache = _attend(
+            *operands[:3], kv_cache, *operands[4:], out, config=config.rest, select=~decode, num_items=None, **opts
+        )
     return out[:, :head_dim].reshape(num_tokens, num_q_heads, head_dim), kv_cache

@@ -14,6 +14,7 @@ sequences with one query token run in a call of their own with the decode blocks
 `check_config` rejects a config the kernel cannot lower (Triton needs power-of-two dots of at
 least 16 rows and columns).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,17 +31,23 @@ MAX_HEAD_DIM = 256
 # Opt-in shared memory per thread block (bytes) and SM count, by device kind (prefix match).
 # Hopper 227 KiB, Ampere A100 163 KiB, Ada / consumer Ampere 99 KiB.
 _DEVICES = (
-    ("NVIDIA H100", 232448, 132), ("NVIDIA H200", 232448, 132), ("NVIDIA H20", 232448, 78),
-    ("NVIDIA GH200", 232448, 132), ("NVIDIA A100", 166912, 108), ("NVIDIA A800", 166912, 108),
-    ("NVIDIA L4", 101376, 58), ("NVIDIA L40", 101376, 142), ("NVIDIA RTX", 101376, 84),
+    ("NVIDIA H100", 232448, 132),
+    ("NVIDIA H200", 232448, 132),
+    ("NVIDIA H20", 232448, 78),
+    ("NVIDIA GH200", 232448, 132),
+    ("NVIDIA A100", 166912, 108),
+    ("NVIDIA A800", 166912, 108),
+    ("NVIDIA L4", 101376, 58),
+    ("NVIDIA L40", 101376, 142),
+    ("NVIDIA RTX", 101376, 84),
 )
 _FALLBACK = (101376, 108)  # an unknown GPU: the smallest budget above
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuConfig:
-    block_q: int     # query tokens per work item (power of two)
-    block_kv: int    # keys per online-softmax step (power of two >= 16)
+    block_q: int  # query tokens per work item (power of two)
+    block_kv: int  # keys per online-softmax step (power of two >= 16)
     num_splits: int  # KV splits per work item (1 = no combine step)
     num_warps: int = 4
     num_stages: int = 2
@@ -50,6 +57,7 @@ class GpuConfig:
 class GpuPaths:
     """Two kernel calls over one batch, split at run time by each sequence's query length:
     `decode` takes the sequences with one query token (an item each), `rest` all others."""
+
     decode: GpuConfig
     rest: GpuConfig
 
@@ -116,9 +124,17 @@ def _fit(config: GpuConfig, gp: int, head_dim: int, dtype: DTypeLike, budget: in
     return config
 
 
-def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int,
-                   head_dim: int, page_size: int, pages_per_seq: int,
-                   dtype: DTypeLike = jnp.bfloat16, device_kind: str | None = None) -> GpuConfig:
+def default_config(
+    num_tokens: int,
+    num_seqs: int,
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    dtype: DTypeLike = jnp.bfloat16,
+    device_kind: str | None = None,
+) -> GpuConfig:
     device_kind = device_kind or current_device_kind()
     budget, num_sms = device_limits(device_kind)
     gp = common.next_pow2(group)
@@ -139,8 +155,16 @@ def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int
         kv_blocks = -(-max_kv // config.block_kv)
         splits = max(1, min(16, kv_blocks, common.next_pow2(-(-2 * num_sms // programs))))
         config = dataclasses.replace(config, num_splits=splits)
-    tuned = gpu_tuned.lookup(device_kind, head_dim, group, page_size, jnp.dtype(dtype).name,
-                             "decode" if decode_like else "prefill", num_seqs, max_kv)
+    tuned = gpu_tuned.lookup(
+        device_kind,
+        head_dim,
+        group,
+        page_size,
+        jnp.dtype(dtype).name,
+        "decode" if decode_like else "prefill",
+        num_seqs,
+        max_kv,
+    )
     if tuned is not None:  # a measured config, if it fits this device and lowers
         candidate = GpuConfig(**tuned)
         if smem_bytes(candidate, gp, head_dim, dtype) <= budget and _lowers(candidate, gp):
@@ -148,10 +172,17 @@ def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int
     return config
 
 
-def default_paths(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int,
-                  head_dim: int, page_size: int, pages_per_seq: int,
-                  dtype: DTypeLike = jnp.bfloat16, device_kind: str | None = None
-                  ) -> GpuConfig | GpuPaths:
+def default_paths(
+    num_tokens: int,
+    num_seqs: int,
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    dtype: DTypeLike = jnp.bfloat16,
+    device_kind: str | None = None,
+) -> GpuConfig | GpuPaths:
     """A decode-like batch: one call with `default_config`'s decode blocks. Otherwise a prefill
     chunk's query blocks would carry each decode token alone in 64-128 rows with two pipeline
     stages; such a batch splits (`GpuPaths`): its decode tokens, at most min(T, S) of them, get
@@ -180,5 +211,6 @@ def check_config(config: GpuConfig | GpuPaths, gp: int) -> None:
         return
     bq, bkv = config.block_q, config.block_kv
     if bq * gp < 16 or bkv < 16 or bq & (bq - 1) or bkv & (bkv - 1):
-        raise common.UnsupportedShape(f"pallas_gpu config {config}: block_q * Gp and block_kv "
-                                      "must be powers of two >= 16")
+        raise common.UnsupportedShape(
+            f"pallas_gpu config {config}: block_q * Gp and block_kv must be powers of two >= 16"
+        )

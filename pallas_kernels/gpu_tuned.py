@@ -9,6 +9,7 @@ None; default_config then
 checks that it fits the shared-memory budget before using it. `bench_attention --sweep
 --write-table` adds or replaces entries.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,20 +35,38 @@ def load(path: str = str(TABLE)) -> tuple[dict, ...]:
         return ()
     entries = json.loads(p.read_text())["entries"]
     for e in entries:
-        missing = [k for k in ("device", "head_dim", "group", "page_size", "dtype", "mode",
-                               "num_seqs", "max_kv", "config") if k not in e]
+        missing = [
+            k
+            for k in ("device", "head_dim", "group", "page_size", "dtype", "mode", "num_seqs", "max_kv", "config")
+            if k not in e
+        ]
         if missing or set(e["config"]) != set(FIELDS) or e["mode"] not in ("decode", "prefill"):
             raise ValueError(f"{p}: malformed entry {e} (missing {missing})")
     return tuple(entries)
 
 
-def lookup(device_kind: str, head_dim: int, group: int, page_size: int, dtype: str, mode: str,
-           num_seqs: int, max_kv: int, path: str | None = None) -> dict | None:
+def lookup(
+    device_kind: str,
+    head_dim: int,
+    group: int,
+    page_size: int,
+    dtype: str,
+    mode: str,
+    num_seqs: int,
+    max_kv: int,
+    path: str | None = None,
+) -> dict | None:
     """The config fields of the nearest measured shape, or None."""
     best, best_score = None, math.inf
     for e in load(str(path or TABLE)):
         if (e["device"], e["head_dim"], e["group"], e["page_size"], e["dtype"], e["mode"]) != (
-                device_kind, head_dim, group, page_size, dtype, mode):
+            device_kind,
+            head_dim,
+            group,
+            page_size,
+            dtype,
+            mode,
+        ):
             continue
         seqs_ratio = max(num_seqs, e["num_seqs"]) / max(1, min(num_seqs, e["num_seqs"]))
         kv_ratio = max(max_kv, e["max_kv"]) / max(1, min(max_kv, e["max_kv"]))
@@ -61,8 +80,10 @@ def lookup(device_kind: str, head_dim: int, group: int, page_size: int, dtype: s
 
 def merge(entries: list[dict], path: str | None = None) -> None:
     """Adds entries to the table file, replacing those measured for the same shape."""
-    key = lambda e: tuple(e[k] for k in ("device", "head_dim", "group", "page_size", "dtype",  # noqa: E731
-                                          "mode", "num_seqs", "max_kv"))
+
+    def key(e):
+        return tuple(e[k] for k in ("device", "head_dim", "group", "page_size", "dtype", "mode", "num_seqs", "max_kv"))
+
     p = Path(path or TABLE)
     old = json.loads(p.read_text())["entries"] if p.is_file() else []
     by_key = {key(e): e for e in old}

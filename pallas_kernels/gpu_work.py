@@ -4,6 +4,7 @@
 sequence (step 2 of gpu.py's docstring); `new_kv` is this step's K/V as the cache stores them;
 `combine` merges the partial softmaxes of a split-K call.
 """
+
 from __future__ import annotations
 
 import jax
@@ -17,9 +18,17 @@ from pallas_kernels.reference import stored_k_v, token_positions
 META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, zero rows, first zero token, 0
 
 
-def work_list(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
-              block_q: int, pages_per_seq: int, *, select: jax.Array | None = None,
-              num_items: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def work_list(
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    num_tokens: int,
+    block_q: int,
+    pages_per_seq: int,
+    *,
+    select: jax.Array | None = None,
+    num_items: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per work item: meta [W, 8] = (rows, first row's position, page-table offset, cached
     context length, token index minus position, padding rows to zero, first of them, 0); per
     token: (written by this call, real).
@@ -47,10 +56,20 @@ def work_list(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num
     token_base = jnp.where(live, cu_q_lens[seq] - ctx_len, 0)  # token index = position + this
     real_tokens = cu_q_lens[common.scalar_num_seqs(num_seqs)[0]]
     zero_first = real_tokens + (w - cu_blocks[num_seqs_max]) * block_q
-    zero_rows = jnp.where(live | (not zero_fill), 0,
-                          jnp.clip(num_tokens - zero_first, 0, block_q))
-    meta = jnp.stack([rows, pos0, seq * pages_per_seq, ctx_len, token_base, zero_rows,
-                      jnp.where(zero_rows > 0, zero_first, 0), jnp.zeros_like(rows)], axis=1)
+    zero_rows = jnp.where(live | (not zero_fill), 0, jnp.clip(num_tokens - zero_first, 0, block_q))
+    meta = jnp.stack(
+        [
+            rows,
+            pos0,
+            seq * pages_per_seq,
+            ctx_len,
+            token_base,
+            zero_rows,
+            jnp.where(zero_rows > 0, zero_first, 0),
+            jnp.zeros_like(rows),
+        ],
+        axis=1,
+    )
 
     tseq, _, real = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
     mine = real if select is None else real & select[tseq]
@@ -66,8 +85,14 @@ def combine(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     return o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
-def new_kv(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, padded_dim: int,
-            k_scale: jax.Array | None, v_scale: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def new_kv(
+    k: jax.Array,
+    v: jax.Array,
+    cache_dtype: DTypeLike,
+    padded_dim: int,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
     """`reference.stored_k_v` with columns past D zero ([T, Hkv, Dp] each): k and v themselves
     for a cache of their dtype and a power-of-two head_dim."""
     k, v = stored_k_v(k, v, cache_dtype, k_scale, v_scale)

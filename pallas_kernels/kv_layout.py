@@ -8,6 +8,7 @@ carried through every jit in a pinned row-major `Format`. On a TPU its tiles pad
 (head_dim 64 to 128 lanes, as tpu-inference pads head_dim to 128; few rows of 2K to the tile's
 sublanes), and `layout_bytes` counts those padded bytes so the pool is planned by what it holds.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,8 +29,9 @@ def kv_cache_format(sharding: jax.sharding.Sharding, ndim: int = 4) -> Format:
 
 @functools.cache
 def _compiled_bytes(shape: tuple[int, ...], dtype: jnp.dtype, device) -> int:
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype),
-                    out_shardings=kv_cache_format(SingleDeviceSharding(device), len(shape)))
+    zeros = jax.jit(
+        lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_format(SingleDeviceSharding(device), len(shape))
+    )
     return int(zeros.trace().lower().compile().memory_analysis().output_size_in_bytes)
 
 

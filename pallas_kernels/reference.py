@@ -17,6 +17,7 @@ Each token attends to this step's tokens of its sequence densely (from k/v as th
 them) and to its earlier context page block by page block with an online softmax, so memory stays
 O(T * block + T^2), decode costs O(context) per token, and a prompt's first chunk reads no pages.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,13 +37,13 @@ _BLOCK_ELEMENTS = 1 << 18
 _MAX_BLOCK_TOKENS = 128
 
 
-def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
-                   ) -> tuple[int, int, int, int]:
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
     return (num_pages, page_size, 2 * num_kv_heads, head_dim)
 
 
-def token_positions(kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array | int,
-                    num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_positions(
+    kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array | int, num_tokens: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per query token: (sequence index, absolute position, is-real-token), each [T]."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = jnp.asarray(num_seqs).reshape(-1)[0]
@@ -66,8 +67,13 @@ def quantize_kv(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
     return y.astype(dtype)
 
 
-def stored_k_v(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, k_scale: jax.Array | None = None,
-               v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def stored_k_v(
+    k: jax.Array,
+    v: jax.Array,
+    cache_dtype: DTypeLike,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """This step's K and V ([T, Hkv, D] each) as the cache stores them: in `cache_dtype`,
     quantized with the per-head scales for an int8/fp8 cache."""
     if is_quantized(cache_dtype):
@@ -75,8 +81,13 @@ def stored_k_v(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, k_scale: jax.
     return k.astype(cache_dtype), v.astype(cache_dtype)
 
 
-def stored_kv(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, k_scale: jax.Array | None = None,
-              v_scale: jax.Array | None = None) -> jax.Array:
+def stored_kv(
+    k: jax.Array,
+    v: jax.Array,
+    cache_dtype: DTypeLike,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
     """`stored_k_v` interleaved as the cache rows hold them: [T, 2 * Hkv, D], K of head h at 2h
     and V at 2h + 1."""
     num_tokens, num_kv_heads, d = k.shape
@@ -84,9 +95,17 @@ def stored_kv(k: jax.Array, v: jax.Array, cache_dtype: DTypeLike, k_scale: jax.A
     return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, d)
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array,
-             page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-             k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
+def write_kv(
+    kv_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
     """Scatter this step's new K/V ([T, Hkv, D]) into their slots; padding tokens are dropped."""
     num_pages, page_size, two_hkv, d = kv_cache.shape
     seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, k.shape[0])
@@ -104,8 +123,7 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array
     return flat.reshape(kv_cache.shape)
 
 
-def _pages_per_block(num_tokens: int, page_size: int, two_hkv: int, d: int, pages_per_seq: int
-                     ) -> int:
+def _pages_per_block(num_tokens: int, page_size: int, two_hkv: int, d: int, pages_per_seq: int) -> int:
     per_page = max(1, num_tokens * page_size * two_hkv * d)
     ppb = max(1, min(_BLOCK_ELEMENTS // per_page, _MAX_BLOCK_TOKENS // page_size))
     ppb = 1 << (ppb.bit_length() - 1)  # power of two
@@ -119,8 +137,7 @@ def _stored(x: jax.Array, scale: jax.Array | None, dtype: DTypeLike) -> jax.Arra
     return x.astype(dtype).astype(jnp.float32)
 
 
-def _merge(carry: SoftmaxCarry, s: jax.Array, pv: Callable[[jax.Array], jax.Array]
-           ) -> SoftmaxCarry:
+def _merge(carry: SoftmaxCarry, s: jax.Array, pv: Callable[[jax.Array], jax.Array]) -> SoftmaxCarry:
     """Online-softmax update of (m, l, acc) with masked scores s [T, K, G, N]; pv(p) -> [T, K, G, D]."""
     m, l, acc = carry
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -134,9 +151,17 @@ def _cap(s: jax.Array, soft_cap: float | None) -> jax.Array:
     return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
-def _attend_step_tokens(qg: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: jax.Array,
-                        pos: jax.Array, valid: jax.Array, *, sliding_window: int | None,
-                        soft_cap: float | None) -> SoftmaxCarry:
+def _attend_step_tokens(
+    qg: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    seq: jax.Array,
+    pos: jax.Array,
+    valid: jax.Array,
+    *,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> SoftmaxCarry:
     """Part (1): qg [T, K, G, D] over this step's tokens of the same sequence, causally, with
     k_new / v_new [T, K, D] as the cache stores them. Returns the online-softmax carry.
 
@@ -158,10 +183,19 @@ def _attend_step_tokens(qg: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: 
     return m.transpose(2, 0, 1), jnp.sum(p, axis=-1).transpose(2, 0, 1), acc.transpose(2, 0, 1, 3)
 
 
-def _attend_context(carry: SoftmaxCarry, qg: jax.Array, kv_cache: jax.Array,
-                    k_scale: jax.Array | None, v_scale: jax.Array | None,
-                    token_pages: jax.Array, pos: jax.Array, ctx_len: jax.Array, *,
-                    sliding_window: int | None, soft_cap: float | None) -> SoftmaxCarry:
+def _attend_context(
+    carry: SoftmaxCarry,
+    qg: jax.Array,
+    kv_cache: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    token_pages: jax.Array,
+    pos: jax.Array,
+    ctx_len: jax.Array,
+    *,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> SoftmaxCarry:
     """Part (2): qg [T, K, G, D] over each token's cached context [0, ctx_len), reading its
     sequence's pages (token_pages [T, pages_per_seq]) a block of pages at a time.
 
@@ -207,10 +241,20 @@ def _attend_context(carry: SoftmaxCarry, qg: jax.Array, kv_cache: jax.Array,
 
 
 def ragged_paged_attention_reference(
-    q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
-    page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes k/v into kv_cache, then attends. Returns (out [T, Hq, D] in q.dtype, kv_cache).
 
@@ -230,10 +274,19 @@ def ragged_paged_attention_reference(
 
     k_new = _stored(k, k_scale, kv_cache.dtype)  # [T, K, D]
     v_new = _stored(v, v_scale, kv_cache.dtype)
-    carry = _attend_step_tokens(qg, k_new, v_new, seq, pos, valid,
-                                sliding_window=sliding_window, soft_cap=soft_cap)
-    _, l, acc = _attend_context(carry, qg, kv_cache, k_scale, v_scale, page_indices[seq], pos, ctx_len,
-                                sliding_window=sliding_window, soft_cap=soft_cap)
+    carry = _attend_step_tokens(qg, k_new, v_new, seq, pos, valid, sliding_window=sliding_window, soft_cap=soft_cap)
+    _, l, acc = _attend_context(
+        carry,
+        qg,
+        kv_cache,
+        k_scale,
+        v_scale,
+        page_indices[seq],
+        pos,
+        ctx_len,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, d).astype(q.dtype), kv_cache

@@ -15,6 +15,7 @@ sequences per step); past Mosaic's default scoped limit (16 MiB) a config asks f
 needs (within 3/4 of the capacity).
 `check_config` rejects a config the kernels cannot tile.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,8 @@ _FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
 @dataclasses.dataclass(frozen=True)
 class TpuConfig:
     """Blocks of the ragged kernel (tpu_ragged.py): the mixed and prefill paths."""
-    block_q: int          # query tokens per block over the flattened T axis (power of two >= 16)
+
+    block_q: int  # query tokens per block over the flattened T axis (power of two >= 16)
     pages_per_block: int  # pages per KV step; block_kv = pages_per_block * page_size
     vmem_limit_bytes: int | None = None
 
@@ -40,7 +42,8 @@ class TpuConfig:
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Blocks of the decode kernel (tpu_decode.py)."""
-    seqs_per_block: int   # decode sequences (one query token each) per grid step
+
+    seqs_per_block: int  # decode sequences (one query token each) per grid step
     pages_per_block: int  # pages per KV step
     vmem_limit_bytes: int | None = None
 
@@ -49,6 +52,7 @@ class DecodeConfig:
 class TpuPaths:
     """The three static paths of one call (tpu.py): sequences of one query token take `decode`;
     the others take `prefill` from `prefill.block_q` query tokens up, `mixed` below that."""
+
     decode: DecodeConfig
     mixed: TpuConfig
     prefill: TpuConfig
@@ -67,14 +71,18 @@ def unsupported_reason(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Arra
     if head_dim not in (64, 128, 256):
         return f"head_dim={head_dim} (want 64, 128 or 256)"
     if page_size % _sublane_rows(kv_cache.dtype):
-        return (f"page_size={page_size} (want a multiple of {_sublane_rows(kv_cache.dtype)} "
-                f"for {jnp.dtype(kv_cache.dtype).name})")
+        return (
+            f"page_size={page_size} (want a multiple of {_sublane_rows(kv_cache.dtype)} "
+            f"for {jnp.dtype(kv_cache.dtype).name})"
+        )
     table = page_indices.size * 4
     if table > PAGE_TABLE_SMEM_BYTES:
-        return (f"a page table of {page_indices.shape[0]} x {page_indices.shape[1]} pages "
-                f"({table >> 10} KiB; the kernels hold it in SMEM, at most "
-                f"{PAGE_TABLE_SMEM_BYTES >> 10} KiB): use larger pages, fewer sequences or a "
-                f"shorter max_model_len")
+        return (
+            f"a page table of {page_indices.shape[0]} x {page_indices.shape[1]} pages "
+            f"({table >> 10} KiB; the kernels hold it in SMEM, at most "
+            f"{PAGE_TABLE_SMEM_BYTES >> 10} KiB): use larger pages, fewer sequences or a "
+            f"shorter max_model_len"
+        )
     return None
 
 
@@ -96,18 +104,44 @@ def table_page_size(num_seqs: int, max_model_len: int, least: int = 16) -> int:
     return page
 
 
-def default_config(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int, page_size: int,
-                   pages_per_seq: int, head_dim: int = 128, dtype: DTypeLike = jnp.bfloat16,
-                   cache_dtype: DTypeLike | None = None, chip: str | None = None) -> TpuConfig:
+def default_config(
+    num_tokens: int,
+    num_seqs: int,
+    group: int,
+    num_kv_heads: int,
+    page_size: int,
+    pages_per_seq: int,
+    head_dim: int = 128,
+    dtype: DTypeLike = jnp.bfloat16,
+    cache_dtype: DTypeLike | None = None,
+    chip: str | None = None,
+) -> TpuConfig:
     """Ragged-kernel blocks for this batch shape, fitted to `chip`'s VMEM (default: `target_chip()`)."""
     config = _shape_config(num_tokens, num_seqs, group, page_size, pages_per_seq)
-    return fit_vmem(config, group, num_kv_heads, page_size, head_dim, dtype, cache_dtype or dtype,
-                    vmem_capacity(chip or target_chip()))
+    return fit_vmem(
+        config,
+        group,
+        num_kv_heads,
+        page_size,
+        head_dim,
+        dtype,
+        cache_dtype or dtype,
+        vmem_capacity(chip or target_chip()),
+    )
 
 
-def default_paths(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int, page_size: int,
-                  pages_per_seq: int, head_dim: int = 128, dtype: DTypeLike = jnp.bfloat16,
-                  cache_dtype: DTypeLike | None = None, chip: str | None = None) -> TpuPaths:
+def default_paths(
+    num_tokens: int,
+    num_seqs: int,
+    group: int,
+    num_kv_heads: int,
+    page_size: int,
+    pages_per_seq: int,
+    head_dim: int = 128,
+    dtype: DTypeLike = jnp.bfloat16,
+    cache_dtype: DTypeLike | None = None,
+    chip: str | None = None,
+) -> TpuPaths:
     """Blocks of the three paths, each fitted to `chip`'s VMEM: decode takes up to 8 sequences
     and 2048 positions per step; mixed (short multi-token sequences: speculative verification,
     short chunks) query blocks of 16 tokens; prefill about 256 rows (G * block_q)."""
@@ -117,13 +151,20 @@ def default_paths(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int,
     prefill = _shape_config(num_tokens, 1, group, page_size, pages_per_seq)  # prefill-like
     mixed = TpuConfig(16, pages)
     decode = DecodeConfig(max(1, min(8, num_tokens, num_seqs)), max(1, min(pages_per_seq, 2048 // page_size)))
-    fit = functools.partial(fit_vmem, group=group, num_kv_heads=num_kv_heads, page_size=page_size,
-                            head_dim=head_dim, dtype=dtype, cache_dtype=cache_dtype, capacity=capacity)
+    fit = functools.partial(
+        fit_vmem,
+        group=group,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        head_dim=head_dim,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        capacity=capacity,
+    )
     return TpuPaths(fit(decode), fit(mixed), fit(prefill))
 
 
-def _shape_config(num_tokens: int, num_seqs: int, group: int, page_size: int,
-                  pages_per_seq: int) -> TpuConfig:
+def _shape_config(num_tokens: int, num_seqs: int, group: int, page_size: int, pages_per_seq: int) -> TpuConfig:
     if num_tokens <= 2 * num_seqs:  # decode-like: one token per sequence, keep wasted rows few
         block_q = 16
     else:
@@ -134,8 +175,17 @@ def _shape_config(num_tokens: int, num_seqs: int, group: int, page_size: int,
 
 
 # jax's TPU device kinds -> chip versions of its table (pltpu.get_tpu_info_for_chip).
-_CHIPS = (("TPU v5 lite", "v5e"), ("TPU v5e", "v5e"), ("TPU v6 lite", "v6e"), ("TPU v6e", "v6e"),
-          ("TPU7x", "7x"), ("TPU v7", "7x"), ("TPU v5p", "v5p"), ("TPU v5", "v5p"), ("TPU v4", "v4"))
+_CHIPS = (
+    ("TPU v5 lite", "v5e"),
+    ("TPU v5e", "v5e"),
+    ("TPU v6 lite", "v6e"),
+    ("TPU v6e", "v6e"),
+    ("TPU7x", "7x"),
+    ("TPU v7", "7x"),
+    ("TPU v5p", "v5p"),
+    ("TPU v5", "v5p"),
+    ("TPU v4", "v4"),
+)
 DEFAULT_SCOPED_VMEM = 16 << 20  # Mosaic's default limit on v5e (32 MiB from v6e): asked past it
 
 
@@ -160,15 +210,13 @@ KV_SCRATCH_BUFFERS = 2  # whole keys (all heads) from the cache, and from this s
 _LANES = 128  # a [M, 1] float32 array takes a full 128-lane row per sublane in VMEM
 
 
-def kv_scratch_shape(config: TpuConfig, page_size: int, num_kv_heads: int, head_dim: int
-                     ) -> tuple[int, int, int, int]:
+def kv_scratch_shape(config: TpuConfig, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
     """Each K/V scratch buffer: two slots (double buffering) of one KV step's keys, every head's
     K and V as the cache holds them ([N, 2Hkv, D])."""
     return (2, config.pages_per_block * page_size, 2 * num_kv_heads, head_dim)
 
 
-def softmax_state_shapes(config: TpuConfig, num_kv_heads: int, group: int, head_dim: int
-                         ) -> list[tuple[int, int, int]]:
+def softmax_state_shapes(config: TpuConfig, num_kv_heads: int, group: int, head_dim: int) -> list[tuple[int, int, int]]:
     """The float32 online-softmax state of one query block, per kv head: m, l [Hkv, M, 1] and
     acc [Hkv, M, D]."""
     rows = group * config.block_q
@@ -180,8 +228,15 @@ def _padded_rows(rows: int, dtype: DTypeLike) -> int:
     return -(-rows // _sublane_rows(dtype)) * _sublane_rows(dtype)
 
 
-def vmem_bytes(config: TpuConfig | DecodeConfig, group: int, num_kv_heads: int, page_size: int,
-               head_dim: int, dtype: DTypeLike, cache_dtype: DTypeLike) -> int:
+def vmem_bytes(
+    config: TpuConfig | DecodeConfig,
+    group: int,
+    num_kv_heads: int,
+    page_size: int,
+    head_dim: int,
+    dtype: DTypeLike,
+    cache_dtype: DTypeLike,
+) -> int:
     """VMEM one grid step of a kernel holds.
 
     Ragged kernel: the q and out blocks [Hkv, M, D] (double-buffered by the pipeline), the two
@@ -211,12 +266,20 @@ def vmem_bytes(config: TpuConfig | DecodeConfig, group: int, num_kv_heads: int, 
     return blocks + scratch + state + temporaries
 
 
-def fit_vmem(config: TpuConfig | DecodeConfig, group: int, num_kv_heads: int, page_size: int,
-             head_dim: int, dtype: DTypeLike, cache_dtype: DTypeLike, capacity: int
-             ) -> TpuConfig | DecodeConfig:
+def fit_vmem(
+    config: TpuConfig | DecodeConfig,
+    group: int,
+    num_kv_heads: int,
+    page_size: int,
+    head_dim: int,
+    dtype: DTypeLike,
+    cache_dtype: DTypeLike,
+    capacity: int,
+) -> TpuConfig | DecodeConfig:
     """`config` shrunk (KV step, then query block or sequences per step) until it needs at most
     3/8 of `capacity`, asking for a scoped limit of twice its need (within 3/4 of `capacity`)
     past the default."""
+
     def need(c):
         return vmem_bytes(c, group, num_kv_heads, page_size, head_dim, dtype, cache_dtype)
 

@@ -23,6 +23,7 @@ causal mask, no query blocks cut across sequences and no choice between cached a
 Supports what the ragged kernel does (tpu_ragged.py): bf16/f32 q, an unquantized or int8/fp8
 cache with per-kv-head scales, head_dim 64/128/256, sliding window, soft cap.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,11 +39,26 @@ from pallas_kernels.tpu_config import DecodeConfig
 
 
 def _decode_kernel(
-    kv_lens_ref, pages_ref, count_ref,  # scalar prefetch (SMEM)
-    scales_ref, q_ref, new_ref, cache_hbm,  # per-head scales (SMEM), q and new rows [1, B, 2Hkv, D] (VMEM), cache (HBM)
-    o_ref, cache_out,  # out block (VMEM), the cache again (HBM, aliased to cache_hbm)
-    kv_buf, sems, write_sem,  # scratch: [2, N, 2Hkv, D] key buffer, DMA semaphores
-    *, page_size, pages_per_seq, sm_scale, sliding_window, soft_cap, precision, interpret_rows,
+    kv_lens_ref,
+    pages_ref,
+    count_ref,  # scalar prefetch (SMEM)
+    scales_ref,
+    q_ref,
+    new_ref,
+    cache_hbm,  # per-head scales (SMEM), q and new rows [1, B, 2Hkv, D] (VMEM), cache (HBM)
+    o_ref,
+    cache_out,  # out block (VMEM), the cache again (HBM, aliased to cache_hbm)
+    kv_buf,
+    sems,
+    write_sem,  # scratch: [2, N, 2Hkv, D] key buffer, DMA semaphores
+    *,
+    page_size,
+    pages_per_seq,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    precision,
+    interpret_rows,
 ):
     num_kv_heads, seqs_per_block, group, head_dim = q_ref.shape
     block_kv = kv_buf.shape[1]
@@ -64,6 +80,7 @@ def _decode_kernel(
 
     def copies(seq, ctx, blk, slot, action):
         """Start or wait the page DMAs of KV step `blk` of `seq` (its cached pages only)."""
+
         def page(j, _):
             p0 = blk * block_kv + j * page_size
 
@@ -72,6 +89,7 @@ def _decode_kernel(
                 src = cache_hbm.at[pl.ds(slot_of(seq, p0), page_size)]
                 dst = kv_buf.at[slot, pl.ds(j * page_size, page_size)]
                 getattr(pltpu.make_async_copy(src, dst, sems.at[slot]), action)()
+
         lax.fori_loop(0, block_kv // page_size, page, None)
 
     def start_first(i, slot):
@@ -100,11 +118,13 @@ def _decode_kernel(
         for h in range(num_kv_heads):
             q = q_ref[h, i]  # [G, D]
             k, v = tpu_rows.head_kv(kv_buf, slot, h, q.dtype, interpret=interpret_rows)
-            s = common.block_scores(q, k, scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap,
-                                    precision=precision)
+            s = common.block_scores(q, k, scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap, precision=precision)
             v = jnp.where(real, v, 0)
-            new_state.append(common.online_softmax_update(state[h], jnp.where(mask, s, common.MASK_VALUE), v,
-                                                          precision=precision, keepdims=True))
+            new_state.append(
+                common.online_softmax_update(
+                    state[h], jnp.where(mask, s, common.MASK_VALUE), v, precision=precision, keepdims=True
+                )
+            )
         return tuple(new_state)
 
     def sequence(i, step):  # step: KV steps taken so far in this grid step (their slot parity)
@@ -124,6 +144,7 @@ def _decode_kernel(
             @pl.when(blk + 1 == hi)
             def _():
                 start_first(i + 1, 1 - slot)
+
             return step + 1, attend(i, ctx, blk, slot, state)
 
         step, state = lax.fori_loop(lo, hi, kv_step, (step, state))
@@ -131,6 +152,7 @@ def _decode_kernel(
         @pl.when(lo >= hi)  # nothing cached: the next sequence's first step is not started yet
         def _():
             start_first(i + 1, lax.rem(step, 2))
+
         for h, (_, l, acc) in enumerate(state):
             o_ref[h, i] = (acc * (scales_ref[2 * h + 1] / l)).astype(o_ref.dtype)
         return step
@@ -141,10 +163,18 @@ def _decode_kernel(
     lax.fori_loop(0, count, lambda _, c: (done.wait(), c)[1], None)
 
 
-def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.Array,
-              new_blocks: jax.Array, kv_cache: jax.Array, *, config: DecodeConfig,
-              pages_per_seq: int, interpret: bool | pltpu.InterpretParams | None, **opts: object
-              ) -> tuple[jax.Array, jax.Array]:
+def attention(
+    scalars: tuple[jax.Array, ...],
+    scales: jax.Array,
+    q_blocks: jax.Array,
+    new_blocks: jax.Array,
+    kv_cache: jax.Array,
+    *,
+    config: DecodeConfig,
+    pages_per_seq: int,
+    interpret: bool | pltpu.InterpretParams | None,
+    **opts: object,
+) -> tuple[jax.Array, jax.Array]:
     """scalars (kv_lens, flat page table, i32[1]: the count of decode sequences); q_blocks
     [nb, Hkv, B, G, D], new_blocks [nb, B, 2Hkv, D] -> (out blocks like q_blocks, kv_cache
     written). Rows of sequences past the count are left unwritten."""
@@ -157,13 +187,32 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     block_kv = config.pages_per_block * page_size
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars), grid=(num_blocks,),
+        num_scalar_prefetch=len(scalars),
+        grid=(num_blocks,),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), q_spec, new_spec, hbm],
         out_specs=[q_spec, hbm],
-        scratch_shapes=[pltpu.VMEM((2, block_kv, two_hkv, head_dim), kv_cache.dtype),
-                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
+        scratch_shapes=[
+            pltpu.VMEM((2, block_kv, two_hkv, head_dim), kv_cache.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.DMA,
+        ],
     )
-    kernel = functools.partial(_decode_kernel, page_size=page_size, pages_per_seq=pages_per_seq,
-                               interpret_rows=tpu_rows.interpreted(interpret), **opts)
-    return tpu_layout.call_in_place(kernel, grid_spec, "ragged_paged_attention_tpu_decode", scalars, scales,
-                                    q_blocks, new_blocks, kv_cache, config.vmem_limit_bytes, interpret)
+    kernel = functools.partial(
+        _decode_kernel,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        interpret_rows=tpu_rows.interpreted(interpret),
+        **opts,
+    )
+    return tpu_layout.call_in_place(
+        kernel,
+        grid_spec,
+        "ragged_paged_attention_tpu_decode",
+        scalars,
+        scales,
+        q_blocks,
+        new_blocks,
+        kv_cache,
+        config.vmem_limit_bytes,
+        interpret,
+    )

@@ -1,6 +1,7 @@
 """The TPU kernels' operands, arranged by XLA around their pallas_calls: the ragged kernel's
 query blocks (q [T, Hq, D] into [nqb, Hkv, G * bq, D] blocks and back) and the sequences each
 block touches (tpu_ragged.py, steps 2 and 5); the batch's sequences ordered by path (tpu.py)."""
+
 from __future__ import annotations
 
 import jax
@@ -11,8 +12,9 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import common
 
 
-def block_sequences(cu_q_lens: jax.Array, num_seqs: jax.Array, bounds: jax.Array, num_blocks: int,
-                    block_q: int) -> tuple[jax.Array, jax.Array]:
+def block_sequences(
+    cu_q_lens: jax.Array, num_seqs: jax.Array, bounds: jax.Array, num_blocks: int, block_q: int
+) -> tuple[jax.Array, jax.Array]:
     """First and last sequence touching each query block of the tokens [bounds[0], bounds[1])
     ([nqb] each; last < first if none)."""
     n = common.scalar_num_seqs(num_seqs)[0]
@@ -47,24 +49,27 @@ def token_rows(out_blocks: jax.Array, num_tokens: int, group: int) -> jax.Array:
 PATH_DECODE, PATH_MIXED, PATH_PREFILL, PATH_NONE = range(4)
 
 
-def path_order(cu_q_lens: jax.Array, num_seqs: jax.Array, prefill_from: int
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def path_order(cu_q_lens: jax.Array, num_seqs: jax.Array, prefill_from: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The sequences ordered by path (decode: one query token; mixed: 2 .. prefill_from - 1;
     prefill: more; then those without tokens), stable within a path.
 
     -> (order i32[S]: the original index of each ordered sequence, cu_q_lens of the ordered
     batch i32[S + 1], the sequence count of each path i32[3])."""
     q_lens = common.real_q_lens(cu_q_lens, num_seqs)
-    path = jnp.where(q_lens == 1, PATH_DECODE, jnp.where(q_lens >= prefill_from, PATH_PREFILL,
-                                                         jnp.where(q_lens > 1, PATH_MIXED, PATH_NONE)))
+    path = jnp.where(
+        q_lens == 1,
+        PATH_DECODE,
+        jnp.where(q_lens >= prefill_from, PATH_PREFILL, jnp.where(q_lens > 1, PATH_MIXED, PATH_NONE)),
+    )
     order = jnp.argsort(path, stable=True).astype(jnp.int32)
     cu_ordered = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens[order], dtype=jnp.int32)])
     counts = jnp.stack([jnp.sum(path == p, dtype=jnp.int32) for p in (PATH_DECODE, PATH_MIXED, PATH_PREFILL)])
     return order, cu_ordered, counts
 
 
-def token_maps(cu_q_lens: jax.Array, cu_ordered: jax.Array, order: jax.Array, num_tokens: int
-               ) -> tuple[jax.Array, jax.Array]:
+def token_maps(
+    cu_q_lens: jax.Array, cu_ordered: jax.Array, order: jax.Array, num_tokens: int
+) -> tuple[jax.Array, jax.Array]:
     """(source i32[T]: the original token of each token of the ordered batch, dest i32[T]: the
     ordered index of each original token); tokens past the real ones map to themselves."""
     num_seqs_max = order.shape[0]
@@ -81,19 +86,31 @@ def token_maps(cu_q_lens: jax.Array, cu_ordered: jax.Array, order: jax.Array, nu
     return source, dest
 
 
-def call_in_place(kernel, grid_spec: pltpu.PrefetchScalarGridSpec, name: str, scalars: tuple[jax.Array, ...],
-                  scales: jax.Array, q_blocks: jax.Array, new_rows: jax.Array, kv_cache: jax.Array,
-                  vmem_limit_bytes: int | None, interpret: bool | pltpu.InterpretParams | None
-                  ) -> tuple[jax.Array, jax.Array]:
+def call_in_place(
+    kernel,
+    grid_spec: pltpu.PrefetchScalarGridSpec,
+    name: str,
+    scalars: tuple[jax.Array, ...],
+    scales: jax.Array,
+    q_blocks: jax.Array,
+    new_rows: jax.Array,
+    kv_cache: jax.Array,
+    vmem_limit_bytes: int | None,
+    interpret: bool | pltpu.InterpretParams | None,
+) -> tuple[jax.Array, jax.Array]:
     """kernel(*scalars, scales, q_blocks, new_rows, cache viewed as [P * page, 2Hkv, D]) over a
     parallel grid -> (out blocks like q_blocks, the cache written in place: an input/output
     alias)."""
     num_pages, page_size, two_hkv, head_dim = kv_cache.shape
     flat_cache = kv_cache.reshape(num_pages * page_size, two_hkv, head_dim)
     out_blocks, flat_cache = pl.pallas_call(
-        kernel, grid_spec=grid_spec, name=name,
-        out_shape=[jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
-                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)],
+        kernel,
+        grid_spec=grid_spec,
+        name=name,
+        out_shape=[
+            jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
+            jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype),
+        ],
         input_output_aliases={len(scalars) + 3: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret or False,

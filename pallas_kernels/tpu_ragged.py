@@ -46,6 +46,7 @@ compiles for v5e / v6e / 7x from the CPU (tests/pallas_kernels/test_tpu_compile.
 TPU has run it yet.
 The shape limits and block sizes (`unsupported_reason`, `TpuConfig`) live in tpu_config.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,15 +63,38 @@ from pallas_kernels.tpu_config import KV_SCRATCH_BUFFERS, TpuConfig, kv_scratch_
 
 def _attention_kernel(
     # scalar prefetch (SMEM)
-    kv_lens_ref, pages_ref, cu_q_lens_ref, bounds_ref, first_seq_ref, last_seq_ref,
+    kv_lens_ref,
+    pages_ref,
+    cu_q_lens_ref,
+    bounds_ref,
+    first_seq_ref,
+    last_seq_ref,
     # inputs: per-head scales (SMEM), q block (VMEM), stored new rows and the cache (HBM)
-    scales_ref, q_ref, new_hbm, cache_hbm,
+    scales_ref,
+    q_ref,
+    new_hbm,
+    cache_hbm,
     # outputs: out block (VMEM), the cache again (HBM, aliased to cache_hbm)
-    o_ref, cache_out,
+    o_ref,
+    cache_out,
     # scratch: [2, N, 2Hkv, D] double buffers of whole tokens (every head's K and V) from the
     # cache and the new rows; float32 online-softmax state per kv head; DMA semaphores
-    cached_buf, new_buf, m_ref, l_ref, acc_ref, sems, write_sem,
-    *, block_q, pages_per_block, pages_per_seq, sm_scale, sliding_window, soft_cap, precision, interpret_rows,
+    cached_buf,
+    new_buf,
+    m_ref,
+    l_ref,
+    acc_ref,
+    sems,
+    write_sem,
+    *,
+    block_q,
+    pages_per_block,
+    pages_per_seq,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    precision,
+    interpret_rows,
 ):
     num_kv_heads, rows_m, head_dim = q_ref.shape  # M = G * bq
     block_kv = cached_buf.shape[1]
@@ -117,22 +141,28 @@ def _attention_kernel(
             mask = mask & (row_pos - kpos < sliding_window)
         for h in range(num_kv_heads):
             q = q_ref[h]  # [M, D]
-            (k_cached, v_cached), (k_new, v_new) = (tpu_rows.head_kv(buf, slot, h, q.dtype, interpret=interpret_rows)
-                                                    for buf in (cached_buf, new_buf))
+            (k_cached, v_cached), (k_new, v_new) = (
+                tpu_rows.head_kv(buf, slot, h, q.dtype, interpret=interpret_rows) for buf in (cached_buf, new_buf)
+            )
             k, v = jnp.where(cached, k_cached, k_new), jnp.where(cached, v_cached, v_new)
-            s = common.block_scores(q, k, scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap,
-                                    precision=precision)  # [M, N]
+            s = common.block_scores(
+                q, k, scale=sm_scale * scales_ref[2 * h], soft_cap=soft_cap, precision=precision
+            )  # [M, N]
             s = jnp.where(mask, s, common.MASK_VALUE)
             v = jnp.where(first + key_row < kv_end, v, 0)  # stale VMEM, NaN too
-            m, l, acc = common.online_softmax_update((m_ref[h], l_ref[h], acc_ref[h]), s, v,
-                                                     precision=precision, keepdims=True)
+            m, l, acc = common.online_softmax_update(
+                (m_ref[h], l_ref[h], acc_ref[h]), s, v, precision=precision, keepdims=True
+            )
             m_ref[h], l_ref[h], acc_ref[h] = m, l, acc
 
     def write_new_kv(seq, lo, hi, delta):
         """Copy tokens [lo, hi) of `seq` (all heads) into their cache slots; waited at the end."""
+
         def start(t, _):
-            pltpu.make_async_copy(new_hbm.at[pl.ds(page_size + t, 1)],
-                                  cache_out.at[pl.ds(slot_of(seq, t + delta), 1)], write_sem).start()
+            pltpu.make_async_copy(
+                new_hbm.at[pl.ds(page_size + t, 1)], cache_out.at[pl.ds(slot_of(seq, t + delta), 1)], write_sem
+            ).start()
+
         lax.fori_loop(lo, hi, start, None)
 
     def attend_sequence(seq, _):
@@ -187,10 +217,18 @@ def _attention_kernel(
     lax.fori_loop(0, written, lambda _, c: (done.wait(), c)[1], None)
 
 
-def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.Array,
-              new_rows: jax.Array, kv_cache: jax.Array, *, config: TpuConfig, pages_per_seq: int,
-              interpret: bool | pltpu.InterpretParams | None, **opts: object
-              ) -> tuple[jax.Array, jax.Array]:
+def attention(
+    scalars: tuple[jax.Array, ...],
+    scales: jax.Array,
+    q_blocks: jax.Array,
+    new_rows: jax.Array,
+    kv_cache: jax.Array,
+    *,
+    config: TpuConfig,
+    pages_per_seq: int,
+    interpret: bool | pltpu.InterpretParams | None,
+    **opts: object,
+) -> tuple[jax.Array, jax.Array]:
     """The pallas_call over grid (nqb,) -> (out blocks like q_blocks, kv_cache written).
 
     scalars: kv_lens, the flattened page table, cu_q_lens, bounds i32[2] (first token, end
@@ -198,8 +236,13 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
     num_blocks, num_kv_heads, rows_m, head_dim = q_blocks.shape
     page_size = kv_cache.shape[1]
     kernel = functools.partial(
-        _attention_kernel, block_q=config.block_q, pages_per_block=config.pages_per_block,
-        pages_per_seq=pages_per_seq, interpret_rows=tpu_rows.interpreted(interpret), **opts)
+        _attention_kernel,
+        block_q=config.block_q,
+        pages_per_block=config.pages_per_block,
+        pages_per_seq=pages_per_seq,
+        interpret_rows=tpu_rows.interpreted(interpret),
+        **opts,
+    )
     block = pl.BlockSpec((None, num_kv_heads, rows_m, head_dim), lambda b, *_: (b, 0, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kv_buf = pltpu.VMEM(kv_scratch_shape(config, page_size, num_kv_heads, head_dim), kv_cache.dtype)
@@ -210,8 +253,17 @@ def attention(scalars: tuple[jax.Array, ...], scales: jax.Array, q_blocks: jax.A
         grid=(num_blocks,),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), block, hbm, hbm],
         out_specs=[block, hbm],
-        scratch_shapes=[kv_buf] * KV_SCRATCH_BUFFERS + stats
-                       + [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
+        scratch_shapes=[kv_buf] * KV_SCRATCH_BUFFERS + stats + [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA],
     )
-    return tpu_layout.call_in_place(kernel, grid_spec, "ragged_paged_attention_tpu", scalars, scales, q_blocks,
-                                    new_rows, kv_cache, config.vmem_limit_bytes, interpret)
+    return tpu_layout.call_in_place(
+        kernel,
+        grid_spec,
+        "ragged_paged_attention_tpu",
+        scalars,
+        scales,
+        q_blocks,
+        new_rows,
+        kv_cache,
+        config.vmem_limit_bytes,
+        interpret,
+    )

@@ -11,6 +11,7 @@ once. Packed dtypes (bfloat16: two rows to a 32-bit word, int8 / float8: four) a
 out of each word. Mosaic's strided loads take buffers of at most 128 lanes: a head_dim of 256
 keeps the row-by-row read.
 """
+
 from __future__ import annotations
 
 import jax
@@ -33,8 +34,7 @@ def strided(rows: int, head_dim: int, dtype) -> bool:
     buffer's [N, rows] axes into one only where `rows` fills its 8-row tiles or divides one
     (2, 4, 8, 16, 24, ...; 6, 10 or 12 rows, i.e. 3, 5 or 6 kv heads, are refused: "tiled
     dimensions remain unchanged"); and a row takes at most 128 lanes."""
-    return (rows % packing(dtype) == 0 and (rows % _SUBLANES == 0 or _SUBLANES % rows == 0)
-            and head_dim <= _LANES)
+    return rows % packing(dtype) == 0 and (rows % _SUBLANES == 0 or _SUBLANES % rows == 0) and head_dim <= _LANES
 
 
 def interpreted(interpret) -> bool:
@@ -43,8 +43,10 @@ def interpreted(interpret) -> bool:
     if interpret:
         return True
     from jax._src import config  # the interpreter's context manager has no public reader
+
     return getattr(config, "pallas_tpu_interpret_mode_context_manager", None) is not None and (
-        config.pallas_tpu_interpret_mode_context_manager.value is not None)
+        config.pallas_tpu_interpret_mode_context_manager.value is not None
+    )
 
 
 def head_kv(buf, slot, h: int, dtype, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -68,6 +70,7 @@ def head_kv(buf, slot, h: int, dtype, *, interpret: bool = False) -> tuple[jax.A
 
         def every(start, stride):
             return flat[pl.ds(start, n, stride=stride), :]
+
     if per_word == 1:
         return every(2 * h, rows).astype(dtype), every(2 * h + 1, rows).astype(dtype)
     words = every(2 * h // per_word, rows // per_word)  # u32 [N, D]
@@ -79,4 +82,5 @@ def head_kv(buf, slot, h: int, dtype, *, interpret: bool = False) -> tuple[jax.A
 
     def row(s):
         return pltpu.bitcast((words >> s).astype(jnp.uint8), buf.dtype).astype(dtype)
+
     return row(shift), row(shift + 8)

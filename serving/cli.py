@@ -12,6 +12,7 @@
 API: "listening on HOST:PORT (http://HOST:PORT)", or "listening on http://HOST:PORT" with
 --no-grpc) and exits 0 after SIGTERM or SIGINT (in-flight calls get --grace-period seconds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,35 +20,45 @@ import asyncio
 import os
 import signal
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from serving.grpc.client_cli import TOKEN_ENV, add_client_parser
 from serving.openai.auth import API_KEYS_ENV
 
-
-
 AddArgs = Callable[[argparse.ArgumentParser], None]
 
 
-def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
-             add_sampling_args: AddArgs) -> None:
+def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs, add_sampling_args: AddArgs) -> None:
     serve = subparsers.add_parser("serve", help="run the gRPC batching server")
     add_engine_args(serve)
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or [::] for all)")
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
-    g.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
-    g.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address the metrics endpoint listens on (default 127.0.0.1)")
-    g.add_argument("--max-waiting", type=int, default=256,
-                   help="calls admitted beyond --max-num-seqs; past it calls get RESOURCE_EXHAUSTED")
-    g.add_argument("--auth-token-file", default=None,
-                   help=f"require 'authorization: Bearer <token>' (token: first line of FILE, or ${TOKEN_ENV})")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (0 = any free port; default: off)",
+    )
+    g.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address the metrics endpoint listens on (default 127.0.0.1)"
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="calls admitted beyond --max-num-seqs; past it calls get RESOURCE_EXHAUSTED",
+    )
+    g.add_argument(
+        "--auth-token-file",
+        default=None,
+        help=f"require 'authorization: Bearer <token>' (token: first line of FILE, or ${TOKEN_ENV})",
+    )
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    g.add_argument("--grace-period", type=float, default=10.0,
-                   help="seconds in-flight calls get to finish on SIGTERM/SIGINT")
+    g.add_argument(
+        "--grace-period", type=float, default=10.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT"
+    )
     g.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     _add_http_args(serve)
     _add_limit_args(serve)
@@ -58,35 +69,63 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs,
 
 def _add_http_args(serve: argparse.ArgumentParser) -> None:
     h = serve.add_argument_group("OpenAI-compatible HTTP API")
-    h.add_argument("--http-port", type=int, default=None,
-                   help="serve the OpenAI-compatible HTTP API on this port too (0 = any free port; default: off)")
+    h.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API on this port too (0 = any free port; default: off)",
+    )
     h.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
     h.add_argument("--no-grpc", action="store_true", help="serve only the HTTP API (needs --http-port)")
-    h.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model path's basename)")
-    h.add_argument("--api-keys-file", default=None,
-                   help=f"require 'Authorization: Bearer <key>': keys one per line, # comments (or ${API_KEYS_ENV}, "
-                        "comma-separated; without either, the gRPC token if one is set)")
-    h.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                   help="largest HTTP request body; larger ones get 413 (default 4 MiB)")
-    h.add_argument("--tool-call-parser", default="auto", metavar="{auto,none,hermes,llama3_json,mistral}",
-                   help="the format tool calls are read in for tool_choice \"auto\": auto (the one the chat "
-                        "template shows; none if it shows none), none (refuse \"auto\"), or a format")
+    h.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the model path's basename)"
+    )
+    h.add_argument(
+        "--api-keys-file",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>': keys one per line, # comments (or ${API_KEYS_ENV}, "
+        "comma-separated; without either, the gRPC token if one is set)",
+    )
+    h.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest HTTP request body; larger ones get 413 (default 4 MiB)",
+    )
+    h.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        metavar="{auto,none,hermes,llama3_json,mistral}",
+        help='the format tool calls are read in for tool_choice "auto": auto (the one the chat '
+        'template shows; none if it shows none), none (refuse "auto"), or a format',
+    )
 
 
 def _add_limit_args(serve: argparse.ArgumentParser) -> None:
-    g = serve.add_argument_group("per-key rate limits and request log (both transports)",
-                                 "A key is an HTTP API key or the gRPC token (the same secret is one key on both); "
-                                 "without auth, all requests share one anonymous key. Past a limit: HTTP 429 / "
-                                 "gRPC RESOURCE_EXHAUSTED with Retry-After. All off by default.")
+    g = serve.add_argument_group(
+        "per-key rate limits and request log (both transports)",
+        "A key is an HTTP API key or the gRPC token (the same secret is one key on both); "
+        "without auth, all requests share one anonymous key. Past a limit: HTTP 429 / "
+        "gRPC RESOURCE_EXHAUSTED with Retry-After. All off by default.",
+    )
     g.add_argument("--rate-limit-rpm", type=int, default=None, metavar="N", help="requests per minute per key")
-    g.add_argument("--rate-limit-tpm", type=int, default=None, metavar="N",
-                   help="tokens per minute per key: prompt + max_tokens x n charged at admission, "
-                        "what was not generated refunded at the end")
-    g.add_argument("--max-concurrent-per-key", type=int, default=None, metavar="N",
-                   help="generation requests in flight per key")
-    g.add_argument("--request-log", default=None, metavar="FILE",
-                   help="append a JSON line per finished generation request to FILE ('-': stderr)")
+    g.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per minute per key: prompt + max_tokens x n charged at admission, "
+        "what was not generated refunded at the end",
+    )
+    g.add_argument(
+        "--max-concurrent-per-key", type=int, default=None, metavar="N", help="generation requests in flight per key"
+    )
+    g.add_argument(
+        "--request-log",
+        default=None,
+        metavar="FILE",
+        help="append a JSON line per finished generation request to FILE ('-': stderr)",
+    )
     g.add_argument("--log-prompts", action="store_true", help="--request-log includes prompts and outputs")
 
 
@@ -118,8 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     for flag in ("--auth-token-file", "--tls-cert", "--tls-key", "--api-keys-file"):  # before the model loads
         check_file(flag, getattr(args, flag[2:].replace("-", "_")))
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port),
-                       ("--http-port", args.http_port)):
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port), ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"{flag} {port}: must be in [0, 65535]")
     if args.no_grpc and args.http_port is None:
@@ -128,15 +166,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be >= 1")
     _check_parsers(args)
     options = ServerOptions(
-        host=args.host, port=None if args.no_grpc else args.port, max_waiting=args.max_waiting,
+        host=args.host,
+        port=None if args.no_grpc else args.port,
+        max_waiting=args.max_waiting,
         auth_token=read_token(os.environ.get(TOKEN_ENV) or None, args.auth_token_file),
-        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host, grace_period_s=args.grace_period,
-        max_message_bytes=args.max_message_bytes, http_port=args.http_port, http_host=args.http_host,
-        served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        grace_period_s=args.grace_period,
+        max_message_bytes=args.max_message_bytes,
+        http_port=args.http_port,
+        http_host=args.http_host,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         api_keys=tuple(read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV) or None)),
-        **_limit_options(args))
+        **_limit_options(args),
+    )
     signal.signal(signal.SIGTERM, _terminated_while_starting)
     engine = make_llm(args).engine
     try:

@@ -13,6 +13,7 @@ their request: a failing add_request or sink only ends that request; a failing s
 requests that were in the engine then, and the loop keeps serving new ones. A handler that finds
 several deltas of one request queued (a slow reader) sends them as one: merge_deltas.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -21,7 +22,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.engine import Engine
@@ -44,9 +46,15 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
     """Several queued deltas of one request as one (a slow reader gets fewer, larger messages)."""
     if len(deltas) == 1:
         return deltas[0]
-    head = dataclasses.replace(deltas[0], outputs=[dataclasses.replace(
-        c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
-        for c in deltas[0].outputs])
+    head = dataclasses.replace(
+        deltas[0],
+        outputs=[
+            dataclasses.replace(
+                c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs)
+            )
+            for c in deltas[0].outputs
+        ],
+    )
     for delta in deltas[1:]:
         head.merge(delta)
     return head
@@ -87,7 +95,7 @@ class EngineLoop:
         self._leftover: list = []  # commands taken from the queue after the stop command
 
     # --- any thread -----------------------------------------------------------------------------
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -151,7 +159,7 @@ class EngineLoop:
         """Applies commands in arrival order; False once told to stop."""
         for cmd in commands:
             if cmd is _STOP:
-                self._leftover = commands[commands.index(cmd) + 1:]
+                self._leftover = commands[commands.index(cmd) + 1 :]
                 return False
             if isinstance(cmd, _Add):
                 self._add(cmd)

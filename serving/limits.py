@@ -21,13 +21,14 @@ key): the same secret gives the same id on both transports, so they draw on the 
 Both transports run on one event loop, but every operation holds a lock anyway; the clock is
 injectable for tests.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 RPM, TPM, CONCURRENT = "rpm", "tpm", "concurrent"  # the `limit` label of jaxinfer_rate_limited_total
 ANONYMOUS = "anonymous"
@@ -37,6 +38,7 @@ _EPS = 1e-6  # a bucket refilled to 0.9999999 of what is asked for has it (float
 @dataclasses.dataclass(frozen=True)
 class RateLimits:
     """Per-key limits; None: no such limit."""
+
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
@@ -105,7 +107,7 @@ class _KeyState:
 class Grant:
     """One admitted request's hold on its key's budgets; release() exactly once when it ends."""
 
-    def __init__(self, limiter: "RateLimiter | None", key: str):
+    def __init__(self, limiter: RateLimiter | None, key: str):
         self._limiter, self.key = limiter, key
         self.charged = 0  # tokens taken from the tpm bucket
         self.released = False
@@ -123,8 +125,12 @@ class Grant:
 
 
 class RateLimiter:
-    def __init__(self, limits: RateLimits | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_limited: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        limits: RateLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_limited: Callable[[str], None] | None = None,
+    ):
         self.limits = limits or RateLimits()
         self.clock = clock
         self._on_limited = on_limited  # called with RPM / TPM / CONCURRENT for each refusal
@@ -141,11 +147,15 @@ class RateLimiter:
             rpm, cap = self.limits.requests_per_minute, self.limits.max_concurrent
             if state.requests is not None and state.requests.level < 1 - _EPS:
                 wait = retry_after(state.requests.seconds_until(1))
-                self._refuse(RPM, f"rate limit of {rpm} requests per minute reached for key {key}; "
-                             f"retry in {wait} s", wait)
+                self._refuse(
+                    RPM, f"rate limit of {rpm} requests per minute reached for key {key}; retry in {wait} s", wait
+                )
             if cap is not None and state.active >= cap:
-                self._refuse(CONCURRENT, f"limit of {cap} concurrent requests reached for key {key}; "
-                             "retry when one of them has finished", 1)
+                self._refuse(
+                    CONCURRENT,
+                    f"limit of {cap} concurrent requests reached for key {key}; retry when one of them has finished",
+                    1,
+                )
             if state.requests is not None:
                 state.requests.take(1)
             state.active += 1
@@ -168,8 +178,9 @@ class RateLimiter:
         state = self._keys.get(key)
         if state is None:
             rpm, tpm = self.limits.requests_per_minute, self.limits.tokens_per_minute
-            state = self._keys[key] = _KeyState(None if rpm is None else TokenBucket(rpm, now),
-                                                None if tpm is None else TokenBucket(tpm, now))
+            state = self._keys[key] = _KeyState(
+                None if rpm is None else TokenBucket(rpm, now), None if tpm is None else TokenBucket(tpm, now)
+            )
         for bucket in (state.requests, state.tokens):
             if bucket is not None:
                 bucket.refill(now)
@@ -188,12 +199,20 @@ class RateLimiter:
             bucket = self._state(grant.key).tokens
             needs = f"this request needs {tokens} tokens{f' ({detail})' if detail else ''}"
             if tokens > bucket.capacity:
-                self._refuse(TPM, f"{needs}, more than the limit of {tpm} tokens per minute of key {grant.key}: "
-                             "it can never fit; lower max_tokens, n or the prompt", None)
+                self._refuse(
+                    TPM,
+                    f"{needs}, more than the limit of {tpm} tokens per minute of key {grant.key}: "
+                    "it can never fit; lower max_tokens, n or the prompt",
+                    None,
+                )
             if bucket.level < tokens - _EPS:
                 wait = retry_after(bucket.seconds_until(tokens))
-                self._refuse(TPM, f"rate limit of {tpm} tokens per minute reached for key {grant.key}: {needs}, "
-                             f"{int(bucket.level)} are left; retry in {wait} s", wait)
+                self._refuse(
+                    TPM,
+                    f"rate limit of {tpm} tokens per minute reached for key {grant.key}: {needs}, "
+                    f"{int(bucket.level)} are left; retry in {wait} s",
+                    wait,
+                )
             bucket.take(tokens)
             grant.charged += tokens
 

@@ -5,6 +5,7 @@ Written by the engine thread (per-step gauges from `Engine.stats()`, per-request
 request finishes) and by the event loop (refusals: rejected requests, rate limits, HTTP statuses).
 prometheus_client's metrics are thread-safe; scrapes read them from the HTTP server's thread.
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,46 +25,64 @@ _THROUGHPUT_WINDOW_S = 10.0
 class ServerMetrics:
     def __init__(self):
         self.registry = r = prom.CollectorRegistry()
-        self.ttft = prom.Histogram("jaxinfer_time_to_first_token_seconds", "arrival to first token",
-                                   buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = prom.Histogram("jaxinfer_inter_token_latency_seconds", "between two streamed tokens",
-                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = prom.Histogram("jaxinfer_e2e_request_latency_seconds", "arrival to last token",
-                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = prom.Histogram("jaxinfer_request_queue_time_seconds", "arrival to first scheduled",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = prom.Counter("jaxinfer_prompt_tokens", "prompt tokens of completed requests",
-                                          registry=r)
+        self.ttft = prom.Histogram(
+            "jaxinfer_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = prom.Histogram(
+            "jaxinfer_inter_token_latency_seconds", "between two streamed tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = prom.Histogram(
+            "jaxinfer_e2e_request_latency_seconds", "arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue = prom.Histogram(
+            "jaxinfer_request_queue_time_seconds", "arrival to first scheduled", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = prom.Counter("jaxinfer_prompt_tokens", "prompt tokens of completed requests", registry=r)
         self.generation_tokens = prom.Counter("jaxinfer_generation_tokens", "generated tokens", registry=r)
-        self.requests = prom.Counter("jaxinfer_requests", "finished samples (n per request) by finish reason",
-                                     ["finish_reason"], registry=r)
-        self.rejected = prom.Counter("jaxinfer_rejected_requests", "requests refused by status code",
-                                     ["code"], registry=r)
-        self.rate_limited = prom.Counter("jaxinfer_rate_limited", "requests refused by a per-key rate limit "
-                                         "(limit: rpm, tpm, concurrent)", ["limit"], registry=r)
-        self.http_requests = prom.Counter("jaxinfer_http_requests", "HTTP API responses by route and status",
-                                          ["route", "status"], registry=r)
-        self.throughput = prom.Gauge("jaxinfer_generation_tokens_per_second",
-                                     f"generated tokens per second over the last {_THROUGHPUT_WINDOW_S:g} s",
-                                     registry=r)
+        self.requests = prom.Counter(
+            "jaxinfer_requests", "finished samples (n per request) by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = prom.Counter(
+            "jaxinfer_rejected_requests", "requests refused by status code", ["code"], registry=r
+        )
+        self.rate_limited = prom.Counter(
+            "jaxinfer_rate_limited",
+            "requests refused by a per-key rate limit (limit: rpm, tpm, concurrent)",
+            ["limit"],
+            registry=r,
+        )
+        self.http_requests = prom.Counter(
+            "jaxinfer_http_requests", "HTTP API responses by route and status", ["route", "status"], registry=r
+        )
+        self.throughput = prom.Gauge(
+            "jaxinfer_generation_tokens_per_second",
+            f"generated tokens per second over the last {_THROUGHPUT_WINDOW_S:g} s",
+            registry=r,
+        )
         self.running = prom.Gauge("jaxinfer_num_requests_running", "sequences running in the engine", registry=r)
         self.waiting = prom.Gauge("jaxinfer_num_requests_waiting", "sequences waiting in the engine", registry=r)
         self.kv_usage = prom.Gauge("jaxinfer_kv_cache_usage_ratio", "fraction of KV pages in use", registry=r)
         self.kv_free = prom.Gauge("jaxinfer_kv_cache_free_pages", "free KV pages", registry=r)
         self.preemptions = prom.Counter("jaxinfer_preemptions", "sequences preempted", registry=r)
         self.prefix_queries = prom.Counter("jaxinfer_prefix_cache_queries", "prompt tokens looked up", registry=r)
-        self.prefix_hits = prom.Counter("jaxinfer_prefix_cache_hits", "prompt tokens served from the cache",
-                                        registry=r)
+        self.prefix_hits = prom.Counter("jaxinfer_prefix_cache_hits", "prompt tokens served from the cache", registry=r)
         # Speculative decoding (when the engine has it on): totals since start-up.
         self.spec_counters = {
-            key: prom.Counter(f"jaxinfer_spec_decode_{name}", doc, registry=r) for key, name, doc in (
+            key: prom.Counter(f"jaxinfer_spec_decode_{name}", doc, registry=r)
+            for key, name, doc in (
                 ("spec_draft_tokens", "draft_tokens", "draft tokens verified"),
                 ("spec_accepted_tokens", "accepted_tokens", "draft tokens the target accepted"),
-                ("spec_verify_steps", "verify_steps", "verify steps, counted per sequence with drafts"))}
-        self.spec_acceptance = prom.Gauge("jaxinfer_spec_decode_acceptance_rate",
-                                          "accepted / draft tokens since start-up", registry=r)
-        self.spec_mean_length = prom.Gauge("jaxinfer_spec_decode_mean_accepted_length", "tokens emitted "
-                                           "per verify step (accepted drafts + 1) since start-up", registry=r)
+                ("spec_verify_steps", "verify_steps", "verify steps, counted per sequence with drafts"),
+            )
+        }
+        self.spec_acceptance = prom.Gauge(
+            "jaxinfer_spec_decode_acceptance_rate", "accepted / draft tokens since start-up", registry=r
+        )
+        self.spec_mean_length = prom.Gauge(
+            "jaxinfer_spec_decode_mean_accepted_length",
+            "tokens emitted per verify step (accepted drafts + 1) since start-up",
+            registry=r,
+        )
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, **dict.fromkeys(self.spec_counters, 0)}
         self._http = None
@@ -84,8 +103,7 @@ class ServerMetrics:
         if any(c.finish_reason == "abort" for c in out.outputs):
             return  # cancelled or timed out: its latencies say nothing about the server's speed
         m = out.metrics
-        for hist, value in ((self.ttft, m.time_to_first_token), (self.e2e, m.e2e_latency),
-                            (self.queue, m.queue_time)):
+        for hist, value in ((self.ttft, m.time_to_first_token), (self.e2e, m.e2e_latency), (self.queue, m.queue_time)):
             if value is not None:
                 hist.observe(value)
         for gap in m.inter_token_latencies:
@@ -99,9 +117,11 @@ class ServerMetrics:
         self.kv_usage.set(stats["kv_cache_usage"])
         self.kv_free.set(stats["kv_pages_free"])
         kv_cache = engine.kv_cache
-        for key, counter, value in (("preemptions", self.preemptions, engine.num_preemptions),
-                                    ("queries", self.prefix_queries, kv_cache.prefix_cache_queries),
-                                    ("hits", self.prefix_hits, kv_cache.prefix_cache_hits)):
+        for key, counter, value in (
+            ("preemptions", self.preemptions, engine.num_preemptions),
+            ("queries", self.prefix_queries, kv_cache.prefix_cache_queries),
+            ("hits", self.prefix_hits, kv_cache.prefix_cache_hits),
+        ):
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
             self._seen[key] = value

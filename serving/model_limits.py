@@ -12,6 +12,7 @@ Errors are RequestErrors whose message starts with the field (`sampling.max_toke
 `sampling.` fields, the HTTP API's request fields). Free of protobuf and of HTTP, so both
 transports share it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ from serving.errors import RequestError
 @dataclasses.dataclass(frozen=True)
 class ModelLimits:
     """What a prompt is checked against before it is queued."""
+
     vocab_size: int
     max_model_len: int
     penalties_enabled: bool
@@ -42,19 +44,36 @@ class ModelLimits:
     def of(cls, engine) -> ModelLimits:
         """The limits of a running Engine (its RequestLimits, and its grammar backend)."""
         r = engine.limits
-        return cls(vocab_size=r.vocab_size, max_model_len=r.max_model_len, penalties_enabled=r.penalties,
-                   max_n=r.max_n, prompt_logprobs_enabled=r.prompt_logprobs, max_request_tokens=r.max_request_tokens,
-                   grammars=engine.grammars, page_size=r.page_size, num_usable_pages=r.num_usable_pages)
+        return cls(
+            vocab_size=r.vocab_size,
+            max_model_len=r.max_model_len,
+            penalties_enabled=r.penalties,
+            max_n=r.max_n,
+            prompt_logprobs_enabled=r.prompt_logprobs,
+            max_request_tokens=r.max_request_tokens,
+            grammars=engine.grammars,
+            page_size=r.page_size,
+            num_usable_pages=r.num_usable_pages,
+        )
 
     @property
     def requests(self) -> RequestLimits:
-        return RequestLimits(self.vocab_size, self.max_model_len, self.max_request_tokens, self.max_n,
-                             self.penalties_enabled, self.prompt_logprobs_enabled, self.page_size,
-                             self.num_usable_pages, owner="server")
+        return RequestLimits(
+            self.vocab_size,
+            self.max_model_len,
+            self.max_request_tokens,
+            self.max_n,
+            self.penalties_enabled,
+            self.prompt_logprobs_enabled,
+            self.page_size,
+            self.num_usable_pages,
+            owner="server",
+        )
 
 
-def check_request(ids: list[int], params: SamplingParams, limits: ModelLimits, priority: int = 0, *,
-                  prompt_field: str = "prompt") -> CheckedRequest:
+def check_request(
+    ids: list[int], params: SamplingParams, limits: ModelLimits, priority: int = 0, *, prompt_field: str = "prompt"
+) -> CheckedRequest:
     """The request as the engine loop queues it: every check of the engine (once, here) and the
     structured output compiled. RequestError naming the field (`prompt_field`: the request's
     name for its prompt)."""

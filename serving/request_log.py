@@ -14,6 +14,7 @@ status or gRPC code name), prompt_tokens, completion_tokens, ttft_s, e2e_s, fini
 whole error message; without, an INVALID_ARGUMENT's message is cut to the field it names, since
 messages may quote the request's content.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,8 @@ import logging
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxinfer.outputs import RequestOutput
@@ -36,18 +38,18 @@ class RequestRecord:
     transport: str
     route: str
     key_id: str | None
-    started: float                  # the log's clock (monotonic)
-    wall_time: float                # time.time() at arrival
-    keep_text: bool = False         # collect the prompt and the outputs' text (log_prompts)
+    started: float  # the log's clock (monotonic)
+    wall_time: float  # time.time() at arrival
+    keep_text: bool = False  # collect the prompt and the outputs' text (log_prompts)
     clock: Callable[[], float] = time.monotonic
     request_id: str | None = None
     user: str | None = None
-    prompt: object = None           # the prompt as sent; set only when keep_text
+    prompt: object = None  # the prompt as sent; set only when keep_text
     prompt_tokens: int = 0
     error: str | None = None
     status: int | str | None = None  # HTTP: set when the response starts
     first_token: float | None = None
-    _completion: dict[int, int] = dataclasses.field(default_factory=dict)    # prompt -> tokens so far
+    _completion: dict[int, int] = dataclasses.field(default_factory=dict)  # prompt -> tokens so far
     _finish: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
     _texts: dict[tuple[int, int], list[str]] = dataclasses.field(default_factory=dict)
     _ids: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
@@ -76,14 +78,21 @@ class RequestRecord:
         return self.prompt_tokens + self.completion_tokens
 
     def fields(self, model: str, status, now: float, log_prompts: bool) -> dict:
-        time_iso = datetime.datetime.fromtimestamp(self.wall_time, datetime.timezone.utc)
-        out = {"time": time_iso.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-               "request_id": self.request_id, "transport": self.transport, "route": self.route,
-               "key_id": self.key_id, "model": model, "status": status, "prompt_tokens": self.prompt_tokens,
-               "completion_tokens": self.completion_tokens,
-               "ttft_s": None if self.first_token is None else round(self.first_token - self.started, 6),
-               "e2e_s": round(now - self.started, 6),
-               "finish_reasons": [self._finish[k] for k in sorted(self._finish)]}
+        time_iso = datetime.datetime.fromtimestamp(self.wall_time, datetime.UTC)
+        out = {
+            "time": time_iso.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "request_id": self.request_id,
+            "transport": self.transport,
+            "route": self.route,
+            "key_id": self.key_id,
+            "model": model,
+            "status": status,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_s": None if self.first_token is None else round(self.first_token - self.started, 6),
+            "e2e_s": round(now - self.started, 6),
+            "finish_reasons": [self._finish[k] for k in sorted(self._finish)],
+        }
         if self.user is not None:
             out["user"] = self.user
         if self.error is not None:
@@ -104,14 +113,22 @@ def _field_of(message: str) -> str:
 class RequestLog:
     """Where records go; without a target, start() still gives records and finish() writes none."""
 
-    def __init__(self, target: str | None = None, log_prompts: bool = False, model: str = "",
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        target: str | None = None,
+        log_prompts: bool = False,
+        model: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.target, self.log_prompts, self.model, self.clock = target, log_prompts, model, clock
         self._logger = logging.Logger("serving.request_log", logging.INFO)  # not in the global hierarchy
         self._handler: logging.Handler | None = None
         if target is not None:
-            self._handler = (logging.StreamHandler(sys.stderr) if target == "-" else
-                             logging.FileHandler(target, mode="a", encoding="utf-8"))
+            self._handler = (
+                logging.StreamHandler(sys.stderr)
+                if target == "-"
+                else logging.FileHandler(target, mode="a", encoding="utf-8")
+            )
             self._handler.setFormatter(logging.Formatter("%(message)s"))
             self._logger.addHandler(self._handler)
 
@@ -120,8 +137,9 @@ class RequestLog:
         return self._handler is not None
 
     def start(self, transport: str, route: str, key_id: str | None = None) -> RequestRecord:
-        return RequestRecord(transport, route, key_id, self.clock(), time.time(), keep_text=self.log_prompts,
-                             clock=self.clock)
+        return RequestRecord(
+            transport, route, key_id, self.clock(), time.time(), keep_text=self.log_prompts, clock=self.clock
+        )
 
     def finish(self, record: RequestRecord, status: int | str | None) -> None:
         if self._handler is None:

@@ -8,10 +8,11 @@ the transport does, not a description of it. tests/serving/test_sampling_tables.
 SamplingParams field is in neither half of a table: a new field forces a decision on every
 transport.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 AS_IS = "as is"  # the request's value is the SamplingParams value (SamplingParams checks it)
 
@@ -19,9 +20,10 @@ AS_IS = "as is"  # the request's value is the SamplingParams value (SamplingPara
 @dataclasses.dataclass(frozen=True)
 class FieldMapping:
     """Request field(s) -> one SamplingParams field, and how the value is converted."""
+
     transport: tuple[str, ...]  # the request's field names (several: alternatives or a combination)
-    params: str                 # the SamplingParams field
-    conversion: str = AS_IS     # how the value becomes the field's (AS_IS: unchanged)
+    params: str  # the SamplingParams field
+    conversion: str = AS_IS  # how the value becomes the field's (AS_IS: unchanged)
 
     @property
     def same_name(self) -> bool:
@@ -32,6 +34,7 @@ class FieldMapping:
 @dataclasses.dataclass(frozen=True)
 class NotExposed:
     """A SamplingParams field a transport deliberately does not offer."""
+
     params: str
     reason: str
 
@@ -67,5 +70,6 @@ class SamplingTable:
     def unknown(self, params_fields: Iterable[str]) -> list[str]:
         """The table's SamplingParams fields that are not among `params_fields` (renamed or gone)."""
         known = set(params_fields)
-        return [name for name in [m.params for m in self.mapped] + [n.params for n in self.not_exposed]
-                if name not in known]
+        return [
+            name for name in [m.params for m in self.mapped] + [n.params for n in self.not_exposed] if name not in known
+        ]

@@ -19,6 +19,7 @@ key shares that key's budgets), and write finished requests to one request log.
 BackgroundServer runs the same on an event loop of its own thread, for synchronous programs,
 benchmarks and tests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,26 +45,26 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class ServerOptions:
     host: str = "127.0.0.1"
-    port: int | None = 50051           # 0: any free port (see InferenceServer.port); None: no gRPC
-    max_waiting: int = 256             # calls admitted beyond max_num_seqs; past it RESOURCE_EXHAUSTED
-    auth_token: str | None = None      # bearer token every call but health checks must carry
-    tls_cert_file: str | None = None   # PEM certificate chain and key: serve TLS instead of plaintext
+    port: int | None = 50051  # 0: any free port (see InferenceServer.port); None: no gRPC
+    max_waiting: int = 256  # calls admitted beyond max_num_seqs; past it RESOURCE_EXHAUSTED
+    auth_token: str | None = None  # bearer token every call but health checks must carry
+    tls_cert_file: str | None = None  # PEM certificate chain and key: serve TLS instead of plaintext
     tls_key_file: str | None = None
-    metrics_port: int | None = None    # Prometheus HTTP port; None: off, 0: any free port
+    metrics_port: int | None = None  # Prometheus HTTP port; None: off, 0: any free port
     metrics_host: str = "127.0.0.1"
-    grace_period_s: float = 10.0       # how long stop() lets in-flight calls finish
+    grace_period_s: float = 10.0  # how long stop() lets in-flight calls finish
     max_message_bytes: int = 4 * 1024 * 1024
     # The OpenAI-compatible HTTP API (serving.openai): off unless http_port is set (0: any free port).
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     served_model_name: str | None = None  # None: the model path's basename
-    api_keys: tuple[str, ...] = ()     # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
+    api_keys: tuple[str, ...] = ()  # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    tool_call_parser: str = "auto"     # tool_choice "auto": auto (from the chat template), none, a format
+    tool_call_parser: str = "auto"  # tool_choice "auto": auto (from the chat template), none, a format
     reasoning_parser: str | None = None  # chat outputs' reasoning split off: qwen3, deepseek_r1; None: not
     rate_limits: RateLimits = RateLimits()  # per key, both transports; default: none
-    request_log: str | None = None     # a JSON line per finished generation request: FILE, "-": stderr
-    log_prompts: bool = False          # the request log includes prompts and outputs
+    request_log: str | None = None  # a JSON line per finished generation request: FILE, "-": stderr
+    log_prompts: bool = False  # the request log includes prompts and outputs
 
     def __post_init__(self):
         if self.port is None and self.http_port is None:
@@ -83,15 +84,23 @@ class InferenceServer:
         self.engine_loop = EngineLoop(engine, self.metrics)
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-tok")
         opts = self.options
-        self.limiter = RateLimiter(opts.rate_limits,
-                                   on_limited=lambda limit: self.metrics.rate_limited.labels(limit=limit).inc())
-        self.request_log = RequestLog(opts.request_log, opts.log_prompts,
-                                      opts.served_model_name or served_model_name(engine.model.path))
-        self.servicer = InferenceServicer(self.engine_loop, max_waiting=opts.max_waiting, metrics=self.metrics,
-                                          executor=self._executor, limiter=self.limiter, request_log=self.request_log,
-                                          key_id=key_id(opts.auth_token) if opts.auth_token else None,
-                                          tool_call_parser=opts.tool_call_parser,
-                                          reasoning_parser=opts.reasoning_parser)
+        self.limiter = RateLimiter(
+            opts.rate_limits, on_limited=lambda limit: self.metrics.rate_limited.labels(limit=limit).inc()
+        )
+        self.request_log = RequestLog(
+            opts.request_log, opts.log_prompts, opts.served_model_name or served_model_name(engine.model.path)
+        )
+        self.servicer = InferenceServicer(
+            self.engine_loop,
+            max_waiting=opts.max_waiting,
+            metrics=self.metrics,
+            executor=self._executor,
+            limiter=self.limiter,
+            request_log=self.request_log,
+            key_id=key_id(opts.auth_token) if opts.auth_token else None,
+            tool_call_parser=opts.tool_call_parser,
+            reasoning_parser=opts.reasoning_parser,
+        )
         self.http = self._http_server() if self.options.http_port is not None else None
         self.grpc: GrpcServer | None = None  # made in start(): a grpc.aio server belongs to its event loop
         self.metrics_port: int | None = None
@@ -102,11 +111,25 @@ class InferenceServer:
         admission = Admission(self.servicer.max_in_flight, lambda: self.servicer.num_streams, self.limiter)
         self.servicer.in_flight_elsewhere = lambda: admission.in_flight
         keys = opts.api_keys or ((opts.auth_token,) if opts.auth_token else ())
-        return HttpServer(self.engine_loop, self.servicer.limits, HttpOptions(
-            host=opts.http_host, port=opts.http_port, served_model_name=opts.served_model_name, api_keys=keys,
-            max_body_bytes=opts.max_body_bytes, tls_cert_file=opts.tls_cert_file, tls_key_file=opts.tls_key_file),
-            admission=admission, metrics=self.metrics, executor=self._executor, request_log=self.request_log,
-            tool_parser=self.servicer.tool_parser, reasoning=self.servicer.reasoning)
+        return HttpServer(
+            self.engine_loop,
+            self.servicer.limits,
+            HttpOptions(
+                host=opts.http_host,
+                port=opts.http_port,
+                served_model_name=opts.served_model_name,
+                api_keys=keys,
+                max_body_bytes=opts.max_body_bytes,
+                tls_cert_file=opts.tls_cert_file,
+                tls_key_file=opts.tls_key_file,
+            ),
+            admission=admission,
+            metrics=self.metrics,
+            executor=self._executor,
+            request_log=self.request_log,
+            tool_parser=self.servicer.tool_parser,
+            reasoning=self.servicer.reasoning,
+        )
 
     @property
     def port(self) -> int | None:
@@ -120,12 +143,20 @@ class InferenceServer:
             return self.http.address
         return f"{self.options.host}:{self.port}"
 
-    async def start(self) -> "InferenceServer":
+    async def start(self) -> InferenceServer:
         opts = self.options
         if opts.port is not None:
-            self.grpc = GrpcServer(self.servicer, GrpcOptions(
-                host=opts.host, port=opts.port, auth_token=opts.auth_token, tls_cert_file=opts.tls_cert_file,
-                tls_key_file=opts.tls_key_file, max_message_bytes=opts.max_message_bytes))
+            self.grpc = GrpcServer(
+                self.servicer,
+                GrpcOptions(
+                    host=opts.host,
+                    port=opts.port,
+                    auth_token=opts.auth_token,
+                    tls_cert_file=opts.tls_cert_file,
+                    tls_key_file=opts.tls_key_file,
+                    max_message_bytes=opts.max_message_bytes,
+                ),
+            )
             self.grpc.bind()
         if self.http is not None:
             self.http.bind()
@@ -139,9 +170,13 @@ class InferenceServer:
             await self.grpc.serving()
         if opts.metrics_port is not None:
             self.metrics_port = self.metrics.serve(opts.metrics_port, opts.metrics_host)
-        logger.info("serving on %s (%s)%s%s", self.address, "TLS" if opts.tls_cert_file else "plaintext",
-                    f", HTTP API on {self.http.url}" if self.http else "",
-                    f", metrics on :{self.metrics_port}" if self.metrics_port else "")
+        logger.info(
+            "serving on %s (%s)%s%s",
+            self.address,
+            "TLS" if opts.tls_cert_file else "plaintext",
+            f", HTTP API on {self.http.url}" if self.http else "",
+            f", metrics on :{self.metrics_port}" if self.metrics_port else "",
+        )
         return self
 
     @property
@@ -189,8 +224,7 @@ class BackgroundServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._grace: float | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="jaxinfer-grpc",
-                                        daemon=True)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="jaxinfer-grpc", daemon=True)
 
     @property
     def port(self) -> int:
@@ -204,7 +238,7 @@ class BackgroundServer:
     def address(self) -> str:
         return self.server.address
 
-    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("the server did not start in time")
@@ -232,7 +266,7 @@ class BackgroundServer:
         await self._stop.wait()
         await self.server.stop(self._grace)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -11,6 +11,7 @@ the one the model's chat template shows (jaxinfer.tokenizer.tool_calls.parser_fo
 Tools are OpenAI's JSON shapes on both transports. Errors are RequestErrors whose message starts
 with the field (`tools[1].function.name=...`), which each transport names its own way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +39,7 @@ def new_call_id() -> str:
 
 class RequiredCallsParser(ToolCallParser):
     """tool_choice "required": the whole output is a JSON list of {"name", "parameters"}."""
+
     name = "required"
 
     def find(self, text: str) -> int:
@@ -53,10 +55,10 @@ class RequiredCallsParser(ToolCallParser):
 
 @dataclasses.dataclass(frozen=True)
 class ToolRequest:
-    tools: list[dict]                 # as the chat template gets them
-    mode: str                         # none | auto | required | named
-    parser: ToolCallParser | None     # how auto and required outputs are read
-    name: str | None = None           # named: the function
+    tools: list[dict]  # as the chat template gets them
+    mode: str  # none | auto | required | named
+    parser: ToolCallParser | None  # how auto and required outputs are read
+    name: str | None = None  # named: the function
     structured_output: StructuredOutput | None = None  # required and named
 
     def parse(self, text: str) -> ParsedText:
@@ -77,8 +79,9 @@ class ChatReplies:
         self._texts[index] = self._texts.get(index, "") + text
         if not finished:
             return None
-        thought, rest = (None, self._texts.pop(index)) if self.reasoning is None else \
-            self.reasoning.split(self._texts.pop(index))
+        thought, rest = (
+            (None, self._texts.pop(index)) if self.reasoning is None else self.reasoning.split(self._texts.pop(index))
+        )
         return thought, (ParsedText(rest, ()) if self.tools is None else self.tools.parse(rest))
 
 
@@ -87,8 +90,11 @@ def output_readers(tokenizer, tool_call_parser: str, reasoning_parser: str | Non
     the chat template shows) and `--reasoning-parser`; both transports read chat outputs with them."""
     tool_parser = resolve_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
     reasoning = None if reasoning_parser is None else named_reasoning_parser(reasoning_parser)
-    logger.info("chat outputs read for tool calls as %s, for reasoning as %s",
-                tool_parser.name if tool_parser else "none", reasoning.name if reasoning else "none")
+    logger.info(
+        "chat outputs read for tool calls as %s, for reasoning as %s",
+        tool_parser.name if tool_parser else "none",
+        reasoning.name if reasoning else "none",
+    )
     return tool_parser, reasoning
 
 
@@ -113,13 +119,23 @@ def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallPars
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     mode, name = _checked_choice(tool_choice, schemas)
     if mode == "auto" and parser is None:
-        raise RequestError('tool_choice="auto": this server reads no tool-call format for this model (its chat '
-                           "template shows none); start it with --tool-call-parser, or ask for tool_choice "
-                           '"required" or a named function')
+        raise RequestError(
+            'tool_choice="auto": this server reads no tool-call format for this model (its chat '
+            "template shows none); start it with --tool-call-parser, or ask for tool_choice "
+            '"required" or a named function'
+        )
     if mode == "required":
-        item = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": s},
-                           "required": ["name", "parameters"], "additionalProperties": False}
-                          for n, s in schemas.items()]}
+        item = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"type": "string", "enum": [n]}, "parameters": s},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for n, s in schemas.items()
+            ]
+        }
         schema = {"type": "array", "items": item, "minItems": 1, **({} if parallel is not False else {"maxItems": 1})}
         return ToolRequest(tools, mode, RequiredCallsParser(), structured_output=StructuredOutput(json=schema))
     if mode == "named":
@@ -144,8 +160,7 @@ def checked_tools(tools) -> list[dict]:
             raise RequestError(f"{field}.function: required, an object with a name")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise RequestError(f"{field}.function.name={_short(name)}: must be 1-64 letters, digits, '_', "
-                               "'.' or '-'")
+            raise RequestError(f"{field}.function.name={_short(name)}: must be 1-64 letters, digits, '_', '.' or '-'")
         if name in names:
             raise RequestError(f"{field}.function.name={name!r}: named twice")
         names.add(name)
@@ -183,16 +198,18 @@ def template_call(call, field: str) -> dict:
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
 
 
-def sampling_updates(tools: ToolRequest, structured_output, skip_special_tokens_given: bool,
-                     structured_field: str) -> dict:
+def sampling_updates(
+    tools: ToolRequest, structured_output, skip_special_tokens_given: bool, structured_field: str
+) -> dict:
     """The SamplingParams fields the tool choice sets: "required" and named choices the structured
     output that makes the calls (not beside the request's own); a format whose marker is a special
     token keeps special tokens in the text unless the request said otherwise."""
     updates = {}
     if tools.structured_output is not None:
         if structured_output is not None:
-            raise RequestError(f"{structured_field}: not together with tool_choice={tools.mode!r}, which "
-                               "constrains the output itself")
+            raise RequestError(
+                f"{structured_field}: not together with tool_choice={tools.mode!r}, which constrains the output itself"
+            )
         updates["structured_output"] = tools.structured_output
     if tools.parser is not None and tools.parser.keeps_special_tokens and not skip_special_tokens_given:
         updates["skip_special_tokens"] = False

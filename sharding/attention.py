@@ -12,6 +12,7 @@ its own query chunk. The chunk's metadata is rewritten so the kernel sees a ragg
 chunk's tokens at their true positions (`local_metadata`). All-gather of K/V was measured
 against ring attention (ppermute of K/V blocks) and kept; see sharding/context_parallel.py.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,8 +30,9 @@ Attend = Callable[..., tuple[jax.Array, jax.Array]]
 WriteKv = Callable[..., jax.Array]
 
 
-def local_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, offset: jax.Array | int,
-                   num_local: int) -> tuple[jax.Array, jax.Array]:
+def local_metadata(
+    kv_lens: jax.Array, cu_q_lens: jax.Array, offset: jax.Array | int, num_local: int
+) -> tuple[jax.Array, jax.Array]:
     """Metadata of the query tokens [offset, offset + num_local) of a ragged batch.
 
     Sequence s keeps the rows of its tokens that fall in the chunk; its kv_len becomes the
@@ -46,10 +48,18 @@ def local_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, offset: jax.Array |
     return kv_local, cu_local.astype(cu_q_lens.dtype)
 
 
-def shard_paged_attention(attend: Attend, write_kv: WriteKv, q: jax.Array, k: jax.Array,
-                          v: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
-                          page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array
-                          ) -> tuple[jax.Array, jax.Array]:
+def shard_paged_attention(
+    attend: Attend,
+    write_kv: WriteKv,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """attend(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> (out, cache) is
     the kernel contract; write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
     writes new K/V only. Without a mesh this is `attend` itself."""
@@ -62,9 +72,16 @@ def shard_paged_attention(attend: Attend, write_kv: WriteKv, q: jax.Array, k: ja
     tok = P(SEQUENCE if split_seq else None, heads, None)  # q, k, v [T, heads, D]
     cache = P(None, None, heads, None)
 
-    def per_shard(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
-                  kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
-                  num_seqs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def per_shard(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv_cache: jax.Array,
+        kv_lens: jax.Array,
+        page_indices: jax.Array,
+        cu_q_lens: jax.Array,
+        num_seqs: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
         if split_seq:
             k_all = jax.lax.all_gather(k, SEQUENCE, axis=0, tiled=True)  # [T, K'/tp, D]
             v_all = jax.lax.all_gather(v, SEQUENCE, axis=0, tiled=True)
@@ -75,5 +92,5 @@ def shard_paged_attention(attend: Attend, write_kv: WriteKv, q: jax.Array, k: ja
         return attend(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
 
     return jax.shard_map(
-        per_shard, in_specs=(tok, tok, tok, cache, P(), P(), P(), P()), out_specs=(tok, cache),
-        check_vma=False)(*args)
+        per_shard, in_specs=(tok, tok, tok, cache, P(), P(), P(), P()), out_specs=(tok, cache), check_vma=False
+    )(*args)

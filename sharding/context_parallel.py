@@ -17,6 +17,7 @@ engine therefore all-gathers this step's new K/V (sharding/attention.py), which 
 reuse the paged kernel unchanged (ring would need a kernel that returns its softmax statistics);
 ring is kept here as the measured alternative and for its test.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,9 @@ from sharding.mesh import SEQUENCE
 _Carry = tuple[jax.Array, jax.Array, jax.Array]
 
 
-def _chunk_update(carry: _Carry, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                  k_pos: jax.Array, scale: float) -> _Carry:
+def _chunk_update(
+    carry: _Carry, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float
+) -> _Carry:
     """One K/V chunk of an online softmax. q [Tq, K, G, D]; k, v [Tk, K, D]."""
     m, l, acc = carry  # [K, G, Tq], [K, G, Tq], [K, G, Tq, D]
     s = jnp.einsum("qkgd,tkd->kgqt", q, k) * scale  # [K, G, Tq, Tk]
@@ -47,8 +49,11 @@ def _chunk_update(carry: _Carry, q: jax.Array, k: jax.Array, v: jax.Array, q_pos
 
 def _init(q: jax.Array) -> _Carry:
     tq, kh, g, d = q.shape
-    return (jnp.full((kh, g, tq), -jnp.inf, jnp.float32), jnp.zeros((kh, g, tq), jnp.float32),
-            jnp.zeros((kh, g, tq, d), jnp.float32))
+    return (
+        jnp.full((kh, g, tq), -jnp.inf, jnp.float32),
+        jnp.zeros((kh, g, tq), jnp.float32),
+        jnp.zeros((kh, g, tq, d), jnp.float32),
+    )
 
 
 def _finish(carry: _Carry, shape: tuple[int, ...]) -> jax.Array:
@@ -65,7 +70,7 @@ def _per_shard(method: str, axis: str, q: jax.Array, k: jax.Array, v: jax.Array)
     i = jax.lax.axis_index(axis)
     qg = q.astype(jnp.float32).reshape(tl, kh, h // kh, d)
     q_pos = i * tl + jnp.arange(tl)
-    scale = d ** -0.5
+    scale = d**-0.5
     carry = _init(qg)
     if method == "allgather":
         k_all = jax.lax.all_gather(k, axis, axis=0, tiled=True)  # [T, K, D]
@@ -73,13 +78,20 @@ def _per_shard(method: str, axis: str, q: jax.Array, k: jax.Array, v: jax.Array)
     for step in range(n):
         if method == "allgather":
             src = step
-            kc, vc = k_all[step * tl:(step + 1) * tl], v_all[step * tl:(step + 1) * tl]
+            kc, vc = k_all[step * tl : (step + 1) * tl], v_all[step * tl : (step + 1) * tl]
         else:
             src = (i - step) % n
             kc, vc = k, v
         k_pos = src * tl + jnp.arange(tl)
-        update = functools.partial(_chunk_update, q=qg, k=kc.astype(jnp.float32),
-                                   v=vc.astype(jnp.float32), q_pos=q_pos, k_pos=k_pos, scale=scale)
+        update = functools.partial(
+            _chunk_update,
+            q=qg,
+            k=kc.astype(jnp.float32),
+            v=vc.astype(jnp.float32),
+            q_pos=q_pos,
+            k_pos=k_pos,
+            scale=scale,
+        )
         carry = jax.lax.cond(src <= i, update, lambda c: c, carry)
         if method == "ring" and step < n - 1:
             perm = [(j, (j + 1) % n) for j in range(n)]
@@ -87,14 +99,20 @@ def _per_shard(method: str, axis: str, q: jax.Array, k: jax.Array, v: jax.Array)
     return _finish(carry, q.shape).astype(q.dtype)
 
 
-def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh,
-                               method: str = "allgather", axis: str = SEQUENCE) -> jax.Array:
+def context_parallel_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh, method: str = "allgather", axis: str = SEQUENCE
+) -> jax.Array:
     """Causal attention of one sequence, q [T, H, D], k/v [T, K, D], split over `axis`."""
     if method not in ("allgather", "ring"):
         raise ValueError(f"method must be 'allgather' or 'ring', got {method!r}")
     spec = P(axis, None, None)
-    return jax.shard_map(functools.partial(_per_shard, method, axis), mesh=mesh,
-                         in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+    return jax.shard_map(
+        functools.partial(_per_shard, method, axis),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+        check_vma=False,
+    )(q, k, v)
 
 
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -103,5 +121,5 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arra
     kh = k.shape[1]
     qg = q.astype(jnp.float32).reshape(t, kh, h // kh, d)
     pos = jnp.arange(t)
-    carry = _chunk_update(_init(qg), qg, k.astype(jnp.float32), v.astype(jnp.float32), pos, pos, d ** -0.5)
+    carry = _chunk_update(_init(qg), qg, k.astype(jnp.float32), v.astype(jnp.float32), pos, pos, d**-0.5)
     return _finish(carry, q.shape).astype(q.dtype)

@@ -17,6 +17,7 @@ combine pair that splitting tokens between expert groups would need.
 experts it is given; `experts` holds local expert ids, and `n_local` (one past the last) marks a
 choice made for another device's expert, whose weight is 0.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -37,12 +38,15 @@ def check_expert_axis(mesh, num_experts: int) -> None:
     ep = axis_size(mesh, EXPERT)
     if ep > 1 and (num_experts == 0 or num_experts % ep):
         what = "a model without experts" if num_experts == 0 else f"{num_experts} experts"
-        raise ValueError(f"mesh axis expert={ep} cannot split {what}; use an expert axis that divides "
-                         "the expert count (mixture-of-experts models only), or none")
+        raise ValueError(
+            f"mesh axis expert={ep} cannot split {what}; use an expert axis that divides "
+            "the expert count (mixture-of-experts models only), or none"
+        )
 
 
-def own_choices(experts: jax.Array, weights: jax.Array, first: jax.Array | int,
-                n_local: int) -> tuple[jax.Array, jax.Array]:
+def own_choices(
+    experts: jax.Array, weights: jax.Array, first: jax.Array | int, n_local: int
+) -> tuple[jax.Array, jax.Array]:
     """Global expert ids -> ids local to the shard holding experts [first, first + n_local);
     choices of other shards' experts become id `n_local` with weight 0."""
     local = experts - first
@@ -57,8 +61,9 @@ def _specs(weight, axes: tuple) -> object:
     return jax.tree.map(lambda a: P(*(None if n == 1 else axis for n, axis in zip(a.shape, axes))), weight)
 
 
-def shard_experts(local: LocalExperts, x: jax.Array, weights: jax.Array, experts: jax.Array,
-                  w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def shard_experts(
+    local: LocalExperts, x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
     """The experts' weighted sum [T, E] for routed tokens; without a mesh (or with neither an
     expert nor a tensor split) this is `local` itself."""
     mesh = current_mesh()
@@ -67,8 +72,10 @@ def shard_experts(local: LocalExperts, x: jax.Array, weights: jax.Array, experts
         return local(x, weights, experts, w_gate_up, w_down)
     num_experts = w_gate_up.shape[0]
     if num_experts % ep:
-        raise ValueError(f"{num_experts} experts cannot be split over expert={ep} devices; choose an "
-                         "expert axis size that divides the expert count")
+        raise ValueError(
+            f"{num_experts} experts cannot be split over expert={ep} devices; choose an "
+            "expert axis size that divides the expert count"
+        )
     split = EXPERT if ep > 1 else None
     cols = TENSOR if tp > 1 else None
     tok = P(SEQUENCE if axis_size(mesh, SEQUENCE) > 1 else None, None)
@@ -81,6 +88,8 @@ def shard_experts(local: LocalExperts, x: jax.Array, weights: jax.Array, experts
         return jax.lax.psum(local(x, weights, experts, w_gate_up, w_down), reduce_over)
 
     return jax.shard_map(
-        per_shard, in_specs=(tok, tok, tok, _specs(w_gate_up, (split, None, None, cols)),
-                             _specs(w_down, (split, cols, None))),
-        out_specs=tok, check_vma=False)(x, weights, experts, w_gate_up, w_down)
+        per_shard,
+        in_specs=(tok, tok, tok, _specs(w_gate_up, (split, None, None, cols)), _specs(w_down, (split, cols, None))),
+        out_specs=tok,
+        check_vma=False,
+    )(x, weights, experts, w_gate_up, w_down)

@@ -13,6 +13,7 @@ Axis types are Auto: `with_sharding_constraint`, sharded `jit` and `jax.shard_ma
 The runner traces its step under `jax.set_mesh(mesh)`, and layers read it back with
 `current_mesh()` instead of taking a mesh argument (model code stays free of engine flags).
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ AnyMesh = Mesh | AbstractMesh
 
 
 def parse_mesh_spec(spec: str | dict[str, int]) -> dict[str, int]:
-    """"data=2,tensor=4" (or a dict) -> {"data": 2, "sequence": 1, "expert": 1, "tensor": 4}."""
+    """ "data=2,tensor=4" (or a dict) -> {"data": 2, "sequence": 1, "expert": 1, "tensor": 4}."""
     if isinstance(spec, dict):
         items = list(spec.items())
     else:
@@ -57,8 +58,7 @@ def parse_mesh_spec(spec: str | dict[str, int]) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(spec: str | dict[str, int] | Mesh, devices: Sequence[jax.Device] | None = None
-              ) -> Mesh:
+def make_mesh(spec: str | dict[str, int] | Mesh, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, sequence, expert, tensor) mesh over the first prod(sizes) of `devices` (default: all).
 
     Devices are taken in jax.devices() order, which groups each host's devices together, so the
@@ -70,8 +70,7 @@ def make_mesh(spec: str | dict[str, int] | Mesh, devices: Sequence[jax.Device] |
     devices = list(jax.devices() if devices is None else devices)
     need = math.prod(sizes.values())
     if need > len(devices):
-        raise ValueError(f"mesh {format_mesh(sizes)} needs {need} devices, but only {len(devices)} "
-                         f"are available")
+        raise ValueError(f"mesh {format_mesh(sizes)} needs {need} devices, but only {len(devices)} are available")
     grid = np.array(devices[:need], dtype=object).reshape([sizes[a] for a in AXES])
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 

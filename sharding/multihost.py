@@ -16,6 +16,7 @@ same script can run on every host); SHUTDOWN tells them no more steps will come 
     process 0:   header, inputs -> StepChannel.send(...) -> run step -> scheduler.update(...)
     process k:   StepChannel.receive(template_for) -> run step -> (tokens are ignored)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,9 +44,13 @@ class DistributedArgs:
     process_id: int | None = None
 
     @classmethod
-    def from_env(cls, coordinator_address: str | None = None, num_processes: int | None = None,
-                 process_id: int | None = None, env: Mapping[str, str] | None = None
-                 ) -> DistributedArgs:
+    def from_env(
+        cls,
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> DistributedArgs:
         """Arguments win over JAXINFER_* environment variables."""
         env = os.environ if env is None else env
 
@@ -58,20 +63,26 @@ class DistributedArgs:
             except ValueError:
                 raise ValueError(f"{name.lower()}={raw!r} must be {kind.__name__}") from None
 
-        return cls(pick(coordinator_address, "COORDINATOR_ADDRESS", str),
-                   pick(num_processes, "NUM_PROCESSES", int), pick(process_id, "PROCESS_ID", int))
+        return cls(
+            pick(coordinator_address, "COORDINATOR_ADDRESS", str),
+            pick(num_processes, "NUM_PROCESSES", int),
+            pick(process_id, "PROCESS_ID", int),
+        )
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+def initialize(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> bool:
     """Joins the cluster if asked to; returns True when running with jax.distributed.
 
     Must run before anything touches a device (before loading a model)."""
     args = DistributedArgs.from_env(coordinator_address, num_processes, process_id)
     if args.coordinator_address is None:
         if args.num_processes not in (None, 1) or args.process_id not in (None, 0):
-            raise ValueError("num_processes / process_id need a coordinator address "
-                             "(--coordinator-address HOST:PORT, or 'auto' on a TPU pod)")
+            raise ValueError(
+                "num_processes / process_id need a coordinator address "
+                "(--coordinator-address HOST:PORT, or 'auto' on a TPU pod)"
+            )
         return False
     if jax.distributed.is_initialized():
         return True
@@ -79,14 +90,19 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         jax.distributed.initialize()
     else:
         if args.num_processes is None or args.process_id is None:
-            raise ValueError(f"coordinator address {args.coordinator_address!r} needs "
-                             f"--num-processes and --process-id")
+            raise ValueError(f"coordinator address {args.coordinator_address!r} needs --num-processes and --process-id")
         if not 0 <= args.process_id < args.num_processes:
             raise ValueError(f"process_id={args.process_id} must be in [0, {args.num_processes})")
-        jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
-                                   process_id=args.process_id)
-    logger.info("process %d of %d; %d local of %d devices", jax.process_index(),
-                jax.process_count(), jax.local_device_count(), jax.device_count())
+        jax.distributed.initialize(
+            args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id
+        )
+    logger.info(
+        "process %d of %d; %d local of %d devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -115,8 +131,9 @@ def broadcast_int(value: int) -> int:
 class StepChannel:
     """Process 0 sends each step's inputs; the others receive them (see the module docstring)."""
 
-    def send(self, inputs: PyTree, token_bucket: int, with_history: bool, prompt: bool = False,
-             table_width: int = 0) -> PyTree:
+    def send(
+        self, inputs: PyTree, token_bucket: int, with_history: bool, prompt: bool = False, table_width: int = 0
+    ) -> PyTree:
         """Process 0: broadcasts one step's header (its bucket and variant: a penalty history,
         prompt rows to score, how many page-table entries it sets), then its inputs; returns
         them as broadcast."""

@@ -15,6 +15,7 @@ tp > K shards.
 `shard_params` does the same for a parameter tree that is already in memory (an Engine given a
 model loaded without a mesh); arrays already placed as asked are kept as they are.
 """
+
 from __future__ import annotations
 
 import functools
@@ -81,8 +82,7 @@ def put_sharded(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def place_param(name: str, array: np.ndarray, mesh: Mesh, param_axes: ParamAxes,
-                layout: HeadLayout) -> jax.Array:
+def place_param(name: str, array: np.ndarray, mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout) -> jax.Array:
     """One parameter's host array, its KV heads repeated as the layout asks, placed on the mesh."""
     axes = param_axes[name]
     array = repeat_kv_heads(np.asarray(array), axes, layout.kv_repeat)
@@ -110,8 +110,7 @@ class MeshPlacer:
     with `repeat_kv=False` KV heads stay as the checkpoint has them (kept whole where they do not
     split), the layout `jaxinfer convert` saves."""
 
-    def __init__(self, mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout,
-                 repeat_kv: bool = True) -> None:
+    def __init__(self, mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout, repeat_kv: bool = True) -> None:
         self.mesh, self.param_axes, self.layout, self.repeat_kv = mesh, param_axes, layout, repeat_kv
 
     def __call__(self, spec: FieldSpec, array: np.ndarray) -> jax.Array:
@@ -144,8 +143,9 @@ def make_placer(mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout) -> MeshPl
     return MeshPlacer(mesh, param_axes, layout)
 
 
-def _placed_shape(name: str, shape: tuple[int, ...], param_axes: ParamAxes, mesh: Mesh,
-                  layout: HeadLayout) -> tuple[tuple[int, ...], NamedSharding]:
+def _placed_shape(
+    name: str, shape: tuple[int, ...], param_axes: ParamAxes, mesh: Mesh, layout: HeadLayout
+) -> tuple[tuple[int, ...], NamedSharding]:
     """A parameter's shape on the mesh (KV heads repeated where the layout asks) and sharding."""
     axes = param_axes[name]
     repeated = "kv_heads" not in axes or shape[axes.index("kv_heads")] == layout.cache_kv_heads
@@ -157,6 +157,7 @@ def param_structs(params: PyTree, param_axes: ParamAxes, mesh: Mesh, layout: Hea
     """What `shard_params` and `pin_weight_layouts` would make of a tree of parameters (arrays or
     shape structs), as shape structs with their shardings (and, for fused weights on a TPU, their
     pinned layout): to compile a step ahead of time without the weights."""
+
     def struct(path: jax.tree_util.KeyPath, x) -> jax.ShapeDtypeStruct:
         name = leaf_name(path)
         shape, sharding = _placed_shape(name, x.shape, param_axes, mesh, layout)

@@ -18,6 +18,7 @@ Fused q|k|v weights ([E, K, G+2, D] on axes embed, kv_heads, qkv, head_dim) spli
 head, each shard holding whole groups. With replicated KV heads a group's G query heads are dealt
 out among its r copies (G/r each) while K and V are repeated (placement.repeat_kv_heads).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import DATA, EXPERT, SEQUENCE, TENSOR, AnyMesh, axis_size
 
@@ -47,7 +49,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "vocab": TENSOR,
     "embed": None,
     "head_dim": None,
-    "qkv": None,      # a KV head's group: its query heads, then K and V (fused projections)
+    "qkv": None,  # a KV head's group: its query heads, then K and V (fused projections)
     "gate_up": None,  # gate | up of a fused MLP projection
     "experts": EXPERT,  # a mixture's stacked experts (sharding/experts.py computes each shard's own)
 }
@@ -56,8 +58,7 @@ LOGICAL_RULES: dict[str, str | None] = {
 _MAY_REPLICATE = ("vocab",)
 
 
-def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh | None,
-                    strict: bool = True) -> P:
+def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh | None, strict: bool = True) -> P:
     """PartitionSpec of an array whose dimensions have these logical names. `strict=False` keeps
     any axis whose size does not divide its mesh axis whole, silently: the sharding a checkpoint's
     array is read under before `finish` gives it its final placement (e.g. unrepeated KV heads)."""
@@ -77,10 +78,10 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh
                 out.append(None)
                 continue
             if name not in _MAY_REPLICATE:
-                raise ValueError(f"logical axis {name!r} of size {dim} cannot be split over "
-                                 f"mesh axis {mesh_axis!r} of size {size}")
-            logger.warning("%s=%d does not divide by %s=%d: kept whole on every device",
-                           name, dim, mesh_axis, size)
+                raise ValueError(
+                    f"logical axis {name!r} of size {dim} cannot be split over mesh axis {mesh_axis!r} of size {size}"
+                )
+            logger.warning("%s=%d does not divide by %s=%d: kept whole on every device", name, dim, mesh_axis, size)
             out.append(None)
             continue
         out.append(mesh_axis)
@@ -101,8 +102,10 @@ class HeadLayout:
         if h % tp:
             raise ValueError(f"tensor={tp} must divide the {h} attention heads")
         if k % tp and tp % k:
-            raise ValueError(f"tensor={tp} and the {k} KV heads must divide one another "
-                             f"(each shard's query heads must share whole KV heads)")
+            raise ValueError(
+                f"tensor={tp} and the {k} KV heads must divide one another "
+                f"(each shard's query heads must share whole KV heads)"
+            )
 
     @property
     def kv_repeat(self) -> int:
@@ -135,7 +138,8 @@ def leaf_name(path: jax.tree_util.KeyPath) -> str:
 def param_specs(params: PyTree, param_axes: ParamAxes, mesh: AnyMesh | None) -> PyTree:
     """PartitionSpec of every parameter, from the model's logical axes (a tree like params)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: logical_to_spec(param_axes[leaf_name(path)], x.shape, mesh), params)
+        lambda path, x: logical_to_spec(param_axes[leaf_name(path)], x.shape, mesh), params
+    )
 
 
 def param_shardings(params: PyTree, param_axes: ParamAxes, mesh: Mesh) -> PyTree:

@@ -12,6 +12,7 @@ the weights are read as they are. A mixture's stacked experts likewise take the 
 grouped matmuls read (each expert's [in, out] matrices whole). Other platforms keep the default
 (row-major) layout, which their matmuls read as one [in, out] matrix.
 """
+
 from __future__ import annotations
 
 import jax
@@ -43,8 +44,9 @@ def _platform(sharding: jax.sharding.Sharding) -> str:
     return next(iter(sharding.device_set)).platform
 
 
-def weight_format(name: str, shape: tuple[int, ...], sharding: jax.sharding.Sharding,
-                  param_axes: ParamAxes) -> jax.sharding.Sharding | Format:
+def weight_format(
+    name: str, shape: tuple[int, ...], sharding: jax.sharding.Sharding, param_axes: ParamAxes
+) -> jax.sharding.Sharding | Format:
     """Where a parameter goes: `sharding`, with the matmul's layout pinned for a fused weight
     on a TPU."""
     order = dot_layout(param_axes.get(name), len(shape))
@@ -56,6 +58,7 @@ def weight_format(name: str, shape: tuple[int, ...], sharding: jax.sharding.Shar
 def pin_weight_layouts(params: PyTree, param_axes: ParamAxes) -> PyTree:
     """The parameters with each fused weight on a TPU moved (on the device, once) into the layout
     its matmul reads; elsewhere, and for every other parameter, the arrays as they are."""
+
     def pin(path: jax.tree_util.KeyPath, x):
         if not isinstance(x, jax.Array):
             return x

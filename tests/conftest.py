@@ -3,6 +3,7 @@ the suite's XLA flags before jax starts and one compilation cache for the run
 (tests/support/xla_env.py), sends the tests to
 pytest-xdist workers module by module (README: the test command), and frees each module's
 compiled programs."""
+
 import sys
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-from testpaths import FIXTURES, TESTS, sentencepiece_model_path, smollm2_gguf_path  # noqa: E402,F401
 import compile_report  # noqa: E402
+from testpaths import FIXTURES, TESTS, sentencepiece_model_path, smollm2_gguf_path  # noqa: E402,F401
 from xla_env import apply_suite_flags, share_compilation_cache  # noqa: E402
 
 apply_suite_flags()
@@ -20,21 +21,26 @@ _RUN_CACHE = share_compilation_cache()  # made here: removed when the run ends
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--kernels", choices=("auto", "interpret", "compiled"),
-        default=None, help="how the Pallas kernel tests run: compiled on the present accelerator, "
+        "--kernels",
+        choices=("auto", "interpret", "compiled"),
+        default=None,
+        help="how the Pallas kernel tests run: compiled on the present accelerator, "
         "in interpret mode, or auto (compiled where the kernel's platform is the backend); "
-        "default from JAXINFER_KERNELS, else auto")
+        "default from JAXINFER_KERNELS, else auto",
+    )
     compile_report.add_option(parser)
 
 
 def pytest_unconfigure(config):
     if _RUN_CACHE:
         import shutil
+
         shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):
     import os
+
     mode = config.getoption("--kernels") or os.environ.get("JAXINFER_KERNELS", "auto")
     os.environ["JAXINFER_KERNELS"] = mode  # read by tests/pallas_kernels (kernel_mode.py)
     compile_report.configure(config)
@@ -92,6 +98,7 @@ def _release_module_programs(request):
     import gc
 
     import jax
+
     gc.collect()
     if not request.node.nodeid.startswith(SHARED_ENGINE_PACKAGES):
         jax.clear_caches()

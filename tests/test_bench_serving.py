@@ -1,5 +1,6 @@
 """benchmarks/bench_serving.py's HTTP side without a server: the SSE stream of /v1/completions
 as the server writes it (a mock transport), token counting and its check, the comparison rows."""
+
 import asyncio
 import json
 import sys
@@ -14,8 +15,7 @@ from serving_transports import HttpTransport, RequestResult, RequestSpec, ttft_o
 
 def _chunk(text=None, finish=None, usage=None) -> bytes:
     choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
-    body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": choices,
-            "usage": usage}
+    body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": choices, "usage": usage}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -40,15 +40,31 @@ def _run(events: bytes, spec: RequestSpec, status: int = 200):
 
 
 def test_http_stream_is_timed_per_chunk_with_text_and_counted_by_usage():
-    events = (_chunk("Hello") + _chunk(" wor") + _chunk("") + _chunk("ld") + _chunk("", finish="length")
-              + _chunk(usage={"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}) + b"data: [DONE]\n\n")
+    events = (
+        _chunk("Hello")
+        + _chunk(" wor")
+        + _chunk("")
+        + _chunk("ld")
+        + _chunk("", finish="length")
+        + _chunk(usage={"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7})
+        + b"data: [DONE]\n\n"
+    )
     result, sent = _run(events, RequestSpec([5, 6, 7], 4))
     assert result.ok and not result.error, result.error
     assert (result.output_tokens, result.messages, len(result.itls)) == (4, 3, 2)  # empty texts carry no tokens
     assert 0 <= result.ttft <= result.e2e
     assert result.request_id == "cmpl-1"  # the chunks' id: matched against the server's request log
-    assert sent == [{"model": "m", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
-                     "stream": True, "stream_options": {"include_usage": True}}]
+    assert sent == [
+        {
+            "model": "m",
+            "prompt": [5, 6, 7],
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ]
 
 
 def test_http_requests_with_other_work_or_errors_fail():
@@ -66,8 +82,16 @@ def test_http_requests_with_other_work_or_errors_fail():
 
 def test_comparison_rows_and_arguments():
     def row(transport, itl, ttft, tokens=40, failed=0, overhead=float("nan")):
-        return {"transport": transport, "rate": 2.0, "failed": failed, "output_tokens": tokens, "messages": 9,
-                "itl_ms": {50: itl}, "ttft_ms": {50: ttft}, "ttft_overhead_ms": {50: overhead}}
+        return {
+            "transport": transport,
+            "rate": 2.0,
+            "failed": failed,
+            "output_tokens": tokens,
+            "messages": 9,
+            "itl_ms": {50: itl},
+            "ttft_ms": {50: ttft},
+            "ttft_overhead_ms": {50: overhead},
+        }
 
     (c,) = bench_serving.compare([row("grpc", 100.0, 50.0), row("http", 104.0, 58.0)])
     assert abs(c["itl_p50_ratio"] - 1.04) < 1e-9 and c["ttft_p50_diff_ms"] == 8.0 and c["within_goal"]
@@ -79,19 +103,27 @@ def test_comparison_rows_and_arguments():
     (c,) = bench_serving.compare([row("grpc", 100.0, 50.0), row("http", 100.0, 50.0, tokens=39, failed=1)])
     assert not c["same_work"] and not c["within_goal"]
     assert "| 2 | 1.000 | +0.0 | +nan | 40 / 39 | 9 / 9 | no: different work" in bench_serving.markdown_comparison([c])
-    assert bench_serving.listening_addresses("listening on 127.0.0.1:5 (http://127.0.0.1:6)\n") == \
-        ("127.0.0.1:5", "http://127.0.0.1:6")
+    assert bench_serving.listening_addresses("listening on 127.0.0.1:5 (http://127.0.0.1:6)\n") == (
+        "127.0.0.1:5",
+        "http://127.0.0.1:6",
+    )
     assert bench_serving.parse_args(["--http"]).transports == ["grpc", "http"]
     assert bench_serving.parse_args([]).transports == ["grpc"]
 
 
 def test_ttft_overhead_is_client_minus_server_per_request(tmp_path):
     log = tmp_path / "requests.jsonl"
-    records = [{"request_id": "a", "ttft_s": 0.100}, {"request_id": "b", "ttft_s": 0.200},
-               {"request_id": "c", "ttft_s": None}, {"request_id": "other", "ttft_s": 9.0}]
+    records = [
+        {"request_id": "a", "ttft_s": 0.100},
+        {"request_id": "b", "ttft_s": 0.200},
+        {"request_id": "c", "ttft_s": None},
+        {"request_id": "other", "ttft_s": 9.0},
+    ]
     log.write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n")
-    results = [RequestResult(ok=True, prompt_tokens=1, ttft=0.104, request_id="a"),
-               RequestResult(ok=True, prompt_tokens=1, ttft=0.207, request_id="b"),
-               RequestResult(ok=False, prompt_tokens=1, ttft=0.5, request_id="c")]  # failed: not counted
+    results = [
+        RequestResult(ok=True, prompt_tokens=1, ttft=0.104, request_id="a"),
+        RequestResult(ok=True, prompt_tokens=1, ttft=0.207, request_id="b"),
+        RequestResult(ok=False, prompt_tokens=1, ttft=0.5, request_id="c"),
+    ]  # failed: not counted
     overheads = ttft_overheads(results, log)
     assert [round(x, 6) for x in overheads] == [0.004, 0.007]

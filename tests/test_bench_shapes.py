@@ -1,5 +1,6 @@
 """benchmarks/shapes.py: random weights of real shapes, built one layer at a time, optionally
 quantized on the device, run by the engine (tiny stand-ins of the shapes, on the CPU)."""
+
 import dataclasses
 import sys
 from pathlib import Path
@@ -11,22 +12,39 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import shapes  # noqa: E402
 
-from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.config.engine import EngineConfig  # noqa: E402
+from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.quant.weights import QuantizedWeight, dequantize  # noqa: E402
 from jaxinfer.sampling.params import SamplingParams  # noqa: E402
 
 TINY = {
     "tiny-dense": dataclasses.replace(shapes.SHAPES["smollm2"], num_layers=2, vocab_size=512),
-    "tiny-moe": dataclasses.replace(shapes.SHAPES["qwen3-30b-a3b"], num_layers=3, hidden_size=64,
-                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    vocab_size=512, num_heads=4, num_kv_heads=2, head_dim=16,
-                                    mlp_only_layers=(1,)),
-    "tiny-untied": dataclasses.replace(shapes.SHAPES["smollm2"], num_layers=2, vocab_size=512,
-                                       tie_word_embeddings=False),
-    "tiny-gemma": dataclasses.replace(shapes.shape_config("gemma-3-1b", 7), hidden_size=64,
-                                      intermediate_size=96, vocab_size=512, num_heads=2, head_dim=32,
-                                      query_pre_attn_scalar=32.0, sliding_window=4),
+    "tiny-moe": dataclasses.replace(
+        shapes.SHAPES["qwen3-30b-a3b"],
+        num_layers=3,
+        hidden_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        vocab_size=512,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_only_layers=(1,),
+    ),
+    "tiny-untied": dataclasses.replace(
+        shapes.SHAPES["smollm2"], num_layers=2, vocab_size=512, tie_word_embeddings=False
+    ),
+    "tiny-gemma": dataclasses.replace(
+        shapes.shape_config("gemma-3-1b", 7),
+        hidden_size=64,
+        intermediate_size=96,
+        vocab_size=512,
+        num_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32.0,
+        sliding_window=4,
+    ),
 }
 
 
@@ -36,8 +54,12 @@ def tiny_shapes(monkeypatch):
 
 
 def _greedy(model, prompt=(1, 2, 3, 4), n=4):
-    engine = Engine(model, EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=32,
-                                        num_decode_steps=1, async_scheduling=False))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_num_seqs=1, max_num_batched_tokens=8, max_model_len=32, num_decode_steps=1, async_scheduling=False
+        ),
+    )
     rid = engine.add_request(list(prompt), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     tokens = []
     while engine.has_unfinished():
@@ -110,6 +132,7 @@ def test_llamacpp_peer_gguf_holds_the_hf_weights(tmp_path):
     import llamacpp_peer
 
     from jaxinfer.loader import load_model
+
     config = dataclasses.replace(shapes.SHAPES["smollm2"], num_layers=2, vocab_size=512, num_kv_heads=3)
     bench_load._write_safetensors(config, tmp_path / "hf")
     llamacpp_peer.write_gguf(tmp_path / "hf", tmp_path / "model.gguf")

@@ -1,12 +1,13 @@
 """The repository's layout rules, enforced: import contracts (import-linter, configured in
 pyproject.toml), host-side packages free of JAX, and the size limits of ARCHITECTURE.md."""
+
 from __future__ import annotations
 
 import ast
 import shutil
 import subprocess
-import tomllib
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,16 +17,25 @@ PACKAGES = ("jaxinfer", "serving", "pallas_kernels", "sharding", "checkpoints")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 MAX_FILE_LINES = 300
 MAX_FUNCTION_LINES = 60
-KERNEL_BODIES = {("pallas_kernels/gpu.py", "_attention_kernel"), ("pallas_kernels/tpu_ragged.py", "_attention_kernel"),
-                ("pallas_kernels/tpu_decode.py", "_decode_kernel")}
+KERNEL_BODIES = {
+    ("pallas_kernels/gpu.py", "_attention_kernel"),
+    ("pallas_kernels/tpu_ragged.py", "_attention_kernel"),
+    ("pallas_kernels/tpu_decode.py", "_decode_kernel"),
+}
 GENERATED = ("_pb2.py", "_pb2_grpc.py")
 
 
 def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}  # the copy under test wins
     only = [arg for c in contracts for arg in ("--contract", c)]
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml"), *only],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml"), *only],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_import_contracts_are_kept():
@@ -39,18 +49,26 @@ BREAKAGES = {
     "core imports jax": ("jaxinfer/core/plan.py", "import jax", "host-side"),
     "kv imports jax": ("jaxinfer/kv/page_pool.py", "import jax", "host-side"),
     "kv imports the scheduler": ("jaxinfer/kv/manager.py", "import jaxinfer.core.scheduler", "jaxinfer-layers"),
-    "tokenizer imports flax through a chain": ("jaxinfer/tokenizer/base.py", "import jaxinfer.models.layers",
-                                               "host-side"),
+    "tokenizer imports flax through a chain": (
+        "jaxinfer/tokenizer/base.py",
+        "import jaxinfer.models.layers",
+        "host-side",
+    ),
     "a kernel imports the engine": ("pallas_kernels/common.py", "import jaxinfer.engine", "packages"),
     "checkpoints import sharding": ("checkpoints/errors.py", "import sharding", "packages"),
     "jaxinfer imports serving": ("jaxinfer/llm.py", "import serving.server", "packages"),
     "the worker imports the engine": ("jaxinfer/worker/worker.py", "import jaxinfer.engine", "jaxinfer-layers"),
-    "a cycle between siblings": ("jaxinfer/tokenizer/gguf_vocab.py", "import jaxinfer.tokenizer.load",
-                                 "acyclic"),
-    "the HTTP API imports protobuf": ("serving/openai/sse.py", "from google.protobuf import json_format",
-                                      "openai-without-grpc"),
-    "a module both transports share imports one": ("serving/limits.py", "import serving.openai.errors",
-                                                   "serving-layers"),
+    "a cycle between siblings": ("jaxinfer/tokenizer/gguf_vocab.py", "import jaxinfer.tokenizer.load", "acyclic"),
+    "the HTTP API imports protobuf": (
+        "serving/openai/sse.py",
+        "from google.protobuf import json_format",
+        "openai-without-grpc",
+    ),
+    "a module both transports share imports one": (
+        "serving/limits.py",
+        "import serving.openai.errors",
+        "serving-layers",
+    ),
 }
 
 
@@ -76,7 +94,9 @@ def test_every_module_is_in_a_layers_contract():
     that have layers of their own) is named by its container's layers contract: a new module must
     take a place in the import order."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    layered = [(container, _layered(c)) for c in config if c["type"] == "layers" for container in c.get("containers", [])]
+    layered = [
+        (container, _layered(c)) for c in config if c["type"] == "layers" for container in c.get("containers", [])
+    ]
     assert {"jaxinfer", "serving", "jaxinfer.worker", "jaxinfer.core", "jaxinfer.kv"} <= {c for c, _ in layered}
     for container, names in layered:
         folder = ROOT / container.replace(".", "/")
@@ -88,21 +108,23 @@ def test_every_module_is_in_a_layers_contract():
 def test_host_side_packages_do_not_import_jax():
     """jaxinfer.core, jaxinfer.kv, jaxinfer.tokenizer and jaxinfer.sampling.params are host-only: a fresh
     interpreter that imports them (and everything they import) has not loaded JAX."""
-    code = ("import sys, jaxinfer.core, jaxinfer.core.scheduler, jaxinfer.kv, jaxinfer.tokenizer, "
-            "jaxinfer.sampling.params; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))")
+    code = (
+        "import sys, jaxinfer.core, jaxinfer.core.scheduler, jaxinfer.kv, jaxinfer.tokenizer, "
+        "jaxinfer.sampling.params; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def _library_files() -> list[Path]:
-    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
-            if not p.name.endswith(GENERATED)]
+    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py")) if not p.name.endswith(GENERATED)]
 
 
 def test_library_files_fit_a_screen_or_three():
-    too_long = {str(p.relative_to(ROOT)): n for p in _library_files()
-                if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    too_long = {
+        str(p.relative_to(ROOT)): n for p in _library_files() if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    }
     assert not too_long, f"files over {MAX_FILE_LINES} lines: {too_long}"
 
 

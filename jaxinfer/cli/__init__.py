@@ -13,6 +13,7 @@ Several hosts: start the same command on every host with --coordinator-address, 
 and --process-id (or JAXINFER_* variables; "auto" on TPU pods). Process 0 reads the prompts and
 writes the results; the others only run its steps and exit when it is done.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,12 @@ __all__ = ["build_parser", "main", "make_llm", "add_engine_args", "add_sampling_
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="jaxinfer", description="JAX/XLA LLM inference engine",
+        prog="jaxinfer",
+        description="JAX/XLA LLM inference engine",
         epilog=f"environment: {THREADS_VAR}=N sets the threads an engine's warm-up compiles "
-               f"its step variants on (default: one per core, at most {MAX_COMPILE_THREADS}; "
-               "one on GPUs)")
+        f"its step variants on (default: one per core, at most {MAX_COMPILE_THREADS}; "
+        "one on GPUs)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     generate.register(sub)
     info.register(sub)
@@ -54,8 +57,11 @@ def _add_plugins(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     verbosity = min(getattr(args, "verbose", 0), 2)
-    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][verbosity], stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][verbosity],
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except USER_ERRORS as e:

@@ -1,4 +1,5 @@
 """`python -m jaxinfer.cli`: the `jaxinfer` command."""
+
 import sys
 
 from jaxinfer.cli import main

@@ -5,6 +5,7 @@ fields, so every option has one flag, default and help text. `serve` and `client
 `add_engine_args` / `add_sampling_args` through the plugin hook, so every way in takes the same
 flags.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,15 @@ if TYPE_CHECKING:
     from jaxinfer.llm import LLM  # imports JAX: only when a command runs
 
 # A user's mistake: one `error:` line and exit 2. OSErrors of paths the user named carry the path.
-USER_ERRORS = (ValueError, ConfigError, FileNotFoundError, FileExistsError, IsADirectoryError,
-               NotADirectoryError, PermissionError)
+USER_ERRORS = (
+    ValueError,
+    ConfigError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
 
 
 def check_file(flag: str, path: str | None) -> None:
@@ -96,7 +104,7 @@ def structured_output(args: argparse.Namespace) -> StructuredOutput | None:
     return None
 
 
-_LEADERS: list["LLM"] = []  # LLMs of process 0 whose followers must be shut down at exit
+_LEADERS: list[LLM] = []  # LLMs of process 0 whose followers must be shut down at exit
 
 
 def check_reasoning_parser(args: argparse.Namespace) -> None:
@@ -112,8 +120,9 @@ def check_reasoning_parser(args: argparse.Namespace) -> None:
         raise ValueError(f"--reasoning-parser {value}: {str(e).split(': ', 1)[1]}") from None
 
 
-def make_llm(args: argparse.Namespace, penalties: bool = True, warm_up: bool = True,
-             prompt_logprobs: bool = False) -> "LLM":
+def make_llm(
+    args: argparse.Namespace, penalties: bool = True, warm_up: bool = True, prompt_logprobs: bool = False
+) -> LLM:
     """The LLM of the command line (`penalties` False: the command needs no penalty variants;
     `prompt_logprobs`: their steps compiled even without --enable-prompt-logprobs). On processes
     other than 0 of a multi-host run it serves process 0's steps until told to stop, then exits:

@@ -20,6 +20,7 @@ emptied by a job that fails). Rerun the same command after a kill and only the l
 lacks (or whose text changed) are served. A progress bar with ETA shows on a terminal; a summary of
 requests/s and output tokens/s ends the run on stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,7 @@ from tqdm import tqdm
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 from jaxinfer.cli.batch_journal import Journal, line_key
 from jaxinfer.outputs import logprobs_json
-from jaxinfer.sampling.params import (SamplingParams, StructuredOutput, check_logit_bias_vocab,
-                                      logit_bias_from_json)
+from jaxinfer.sampling.params import SamplingParams, StructuredOutput, check_logit_bias_vocab, logit_bias_from_json
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def parse_line(line: str, lineno: int, defaults: SamplingParams,
-               llm: LLM) -> tuple[str, str | list[int], SamplingParams]:
+def parse_line(
+    line: str, lineno: int, defaults: SamplingParams, llm: LLM
+) -> tuple[str, str | list[int], SamplingParams]:
     """-> (id, prompt or token ids, params); ValueError naming the problem."""
     try:
         obj = json.loads(line)
@@ -70,8 +71,9 @@ def parse_line(line: str, lineno: int, defaults: SamplingParams,
         if key in obj and "messages" not in obj:
             raise ValueError(f"line {lineno}: {key}: only with messages (the chat template takes them)")
     if "messages" in obj:
-        prompt = llm.render_chat(obj["messages"], tools=obj.get("tools"),
-                                 chat_template_kwargs=obj.get("chat_template_kwargs"))
+        prompt = llm.render_chat(
+            obj["messages"], tools=obj.get("tools"), chat_template_kwargs=obj.get("chat_template_kwargs")
+        )
     elif "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise ValueError(f"line {lineno}: prompt must be a string")
@@ -142,18 +144,33 @@ class _Job:
 def _record(rid: str, out: RequestOutput) -> dict:
     """A finished request's output line: its outputs (with their logprobs when the line asked
     for them), usage, and its prompt's logprobs when asked for."""
-    outputs = [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, **({} if c.logprobs is None else {"logprobs": logprobs_json(c.logprobs)})}
-               for c in out.outputs]
+    outputs = [
+        {
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            **({} if c.logprobs is None else {"logprobs": logprobs_json(c.logprobs)}),
+        }
+        for c in out.outputs
+    ]
     record = {"id": rid, "outputs": outputs, "usage": dataclasses.asdict(out.usage)}
     if out.prompt_logprobs is not None:
         record["prompt_logprobs"] = logprobs_json(out.prompt_logprobs)
     return record
 
 
-def run_batch(llm: LLM, lines: Iterable[str], out: TextIO, defaults: SamplingParams,
-              use_tqdm: bool = False, *, journal: Journal | None = None,
-              max_in_flight: int | None = None, total: int | None = None) -> BatchStats:
+def run_batch(
+    llm: LLM,
+    lines: Iterable[str],
+    out: TextIO,
+    defaults: SamplingParams,
+    use_tqdm: bool = False,
+    *,
+    journal: Journal | None = None,
+    max_in_flight: int | None = None,
+    total: int | None = None,
+) -> BatchStats:
     """Serves every line, reading the input as it goes (at most `max_in_flight` requests in the
     engine) and writing results to `out` in input order. With a journal, lines it holds for
     the same input text are not served again and each new result is journaled as it finishes."""
@@ -212,16 +229,27 @@ def cmd_batch(args: argparse.Namespace) -> int:
     dst = sys.stdout if partial is None else open(partial, "w", encoding="utf-8")
     start = time.monotonic()
     with src, dst:
-        stats = run_batch(llm, src, dst, defaults, use_tqdm=sys.stderr.isatty(), journal=journal,
-                          max_in_flight=args.max_in_flight, total=total)
+        stats = run_batch(
+            llm,
+            src,
+            dst,
+            defaults,
+            use_tqdm=sys.stderr.isatty(),
+            journal=journal,
+            max_in_flight=args.max_in_flight,
+            total=total,
+        )
     if partial is not None:
         os.replace(partial, args.output)  # the finished file appears whole, or not at all
         journal.close(remove=True)
     elapsed = max(time.monotonic() - start, 1e-9)
     fresh = stats.served + stats.failed - stats.resumed
-    print(f"{stats.served} served, {stats.failed} failed ({stats.resumed} from an earlier run) in "
-          f"{elapsed:.1f}s: {fresh / elapsed:.2f} requests/s, {stats.output_tokens / elapsed:.1f} "
-          "output tokens/s", file=sys.stderr)
+    print(
+        f"{stats.served} served, {stats.failed} failed ({stats.resumed} from an earlier run) in "
+        f"{elapsed:.1f}s: {fresh / elapsed:.2f} requests/s, {stats.output_tokens / elapsed:.1f} "
+        "output tokens/s",
+        file=sys.stderr,
+    )
     return 0 if stats.served or not stats.failed else 1
 
 
@@ -234,10 +262,18 @@ def _count_lines(path: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("batch", help="run a JSONL file of requests, write a JSONL file of results")
     p.add_argument("--input", required=True, help="JSONL requests ('-' = stdin)")
-    p.add_argument("--output", default="-", help="JSONL results (default: stdout); a file output "
-                   "is resumable: rerun the same command after a kill and only the rest is served")
-    p.add_argument("--max-in-flight", type=int, default=None,
-                   help="requests read ahead into the engine (default: 4 x --max-num-seqs)")
+    p.add_argument(
+        "--output",
+        default="-",
+        help="JSONL results (default: stdout); a file output "
+        "is resumable: rerun the same command after a kill and only the rest is served",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="requests read ahead into the engine (default: 4 x --max-num-seqs)",
+    )
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_batch)

@@ -13,6 +13,7 @@ reorder buffer (a finished line waits until every line before it is done); when 
 done the partial file is moved over O (os.replace) and the journal removed. Memory holds the
 journal's index (line -> offset) and the records of the reorder buffer, never the whole input.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,10 @@ class Journal:
                 entry = json.loads(raw)
                 self._index[int(entry["line"])] = (str(entry["sha"]), offset, len(raw))
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{self.path}: entry at byte {offset} is not a journal entry ({e}); "
-                                 "remove the file to start the job afresh") from None
+                raise ValueError(
+                    f"{self.path}: entry at byte {offset} is not a journal entry ({e}); "
+                    "remove the file to start the job afresh"
+                ) from None
             offset += len(raw)
         if whole < len(data):
             with open(self.path, "r+b") as f:
@@ -64,8 +67,7 @@ class Journal:
         return json.loads(self._reader.read(length))["record"]
 
     def append(self, lineno: int, key: str, record: dict) -> None:
-        raw = (json.dumps({"line": lineno, "sha": key, "record": record}, ensure_ascii=False)
-               + "\n").encode("utf-8")
+        raw = (json.dumps({"line": lineno, "sha": key, "record": record}, ensure_ascii=False) + "\n").encode("utf-8")
         offset = self._file.tell()
         self._file.write(raw)
         self._file.flush()

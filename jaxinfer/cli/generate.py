@@ -1,4 +1,5 @@
 """`jaxinfer generate` (prompts in, completions on stdout) and `jaxinfer chat` (interactive)."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.output_format == "text":
         check_logprob_flags(args, "--output-format text")
     # Compile only the variants this job uses, and only once every prompt is known to fit.
-    llm = make_llm(args, penalties=params.uses_penalties, warm_up=False,
-                   prompt_logprobs=params.prompt_logprobs is not None)
+    llm = make_llm(
+        args, penalties=params.uses_penalties, warm_up=False, prompt_logprobs=params.prompt_logprobs is not None
+    )
     if args.chat:
         prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
     checked = []  # each prompt tokenized and checked once, here, before anything compiles
@@ -53,11 +55,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for out in outputs:
         for completion in out.outputs:
             if args.output_format == "jsonl":
-                print(json.dumps({"request": int(out.request_id), "index": completion.index,
-                                  "text": completion.text, "finish_reason": completion.finish_reason,
-                                  "prompt_tokens": out.usage.prompt_tokens,
-                                  "completion_tokens": len(completion.token_ids), **_logprobs(out, completion)},
-                                 ensure_ascii=False))
+                print(
+                    json.dumps(
+                        {
+                            "request": int(out.request_id),
+                            "index": completion.index,
+                            "text": completion.text,
+                            "finish_reason": completion.finish_reason,
+                            "prompt_tokens": out.usage.prompt_tokens,
+                            "completion_tokens": len(completion.token_ids),
+                            **_logprobs(out, completion),
+                        },
+                        ensure_ascii=False,
+                    )
+                )
             else:
                 print(completion.text)
     return 0

@@ -1,4 +1,5 @@
 """`jaxinfer info`: the model, the devices and what the KV cache holds, without compiling."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,9 @@ def describe(args: argparse.Namespace) -> dict:
 
     from jaxinfer.loader import load_model
     from jaxinfer.models.registry import features
-    from jaxinfer.worker.kv_pool import kv_page_bytes
-    from jaxinfer.worker.device_state import DeviceState
-
     from jaxinfer.quant import QuantConfig, param_bytes, param_count, quantization_of, quantized_tensors
+    from jaxinfer.worker.device_state import DeviceState
+    from jaxinfer.worker.kv_pool import kv_page_bytes
 
     engine = EngineConfig(**read_options(args, engine_options()))
     load = engine.load
@@ -30,24 +30,36 @@ def describe(args: argparse.Namespace) -> dict:
     num_params = param_count(model.params)
     usable = state.num_pages - 1  # page 0 is the null page
     return {
-        "model": {"path": str(model.path), **{k: v for k, v in dataclasses.asdict(model.config).items()},
-                  "features": features(model.config),
-                  "parameters": int(num_params), "dtype": str(model.params.embed.dtype),
-                  "quantization": model.quantization and model.quantization.method,
-                  "quantized_storage": quantization_of(model.params),
-                  "quantized_tensors": quantized_tensors(model.params), "param_bytes": param_bytes(state.params),
-                  "tokenizer": repr(model.tokenizer), "tool_call_format": _tool_call_format(args, model.tokenizer)},
+        "model": {
+            "path": str(model.path),
+            **{k: v for k, v in dataclasses.asdict(model.config).items()},
+            "features": features(model.config),
+            "parameters": int(num_params),
+            "dtype": str(model.params.embed.dtype),
+            "quantization": model.quantization and model.quantization.method,
+            "quantized_storage": quantization_of(model.params),
+            "quantized_tensors": quantized_tensors(model.params),
+            "param_bytes": param_bytes(state.params),
+            "tokenizer": repr(model.tokenizer),
+            "tool_call_format": _tool_call_format(args, model.tokenizer),
+        },
         "devices": [{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
         "backend": jax.default_backend(),
-        "kv_cache": {"pages": usable, "page_size": state.page_size, "tokens": usable * state.page_size,
-                     "per": "data replica" if state.num_replicas > 1 else "engine",
-                     "bytes": state.kv_cache_bytes, "bytes_per_token":
-                     kv_page_bytes(model.config, state.page_size, state.kv_dtype) // state.page_size,
-                     # what one device holds of the pool, in its memory layout (a TPU pads head_dim 64)
-                     "device_bytes": state.num_pages * kv_page_bytes(
-                         model.config, state.page_size, state.kv_dtype, state.layout.kv_heads_per_device,
-                         state.local_device),
-                     "dtype": str(state.kv_dtype), "max_model_len": max_len},
+        "kv_cache": {
+            "pages": usable,
+            "page_size": state.page_size,
+            "tokens": usable * state.page_size,
+            "per": "data replica" if state.num_replicas > 1 else "engine",
+            "bytes": state.kv_cache_bytes,
+            "bytes_per_token": kv_page_bytes(model.config, state.page_size, state.kv_dtype) // state.page_size,
+            # what one device holds of the pool, in its memory layout (a TPU pads head_dim 64)
+            "device_bytes": state.num_pages
+            * kv_page_bytes(
+                model.config, state.page_size, state.kv_dtype, state.layout.kv_heads_per_device, state.local_device
+            ),
+            "dtype": str(state.kv_dtype),
+            "max_model_len": max_len,
+        },
         "token_buckets": list(engine.buckets()),
         "engine_config": _options_json(engine),
         "mesh": None if state.mesh is None else dict(state.mesh.shape),
@@ -73,8 +85,9 @@ def _tool_call_format(args: argparse.Namespace, tokenizer) -> str | None:
     from jaxinfer.tokenizer.chat_template import load_chat_template
     from jaxinfer.tokenizer.tool_calls import parser_for_template
 
-    template = load_chat_template(args.chat_template) if args.chat_template else getattr(
-        tokenizer, "chat_template", None)
+    template = (
+        load_chat_template(args.chat_template) if args.chat_template else getattr(tokenizer, "chat_template", None)
+    )
     parser = parser_for_template(template)
     return parser.name if parser else None
 

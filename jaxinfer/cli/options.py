@@ -5,14 +5,27 @@ d)` turns what argparse parsed back into the field's value (a bad JSON or intege
 ValueError naming the flag). The engine's flags come from EngineConfig's groups, the sampling
 flags from SamplingParams and StructuredOutput, so a new field is a new flag with no edit here.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from jaxinfer.options import (APPEND, CSV, DISABLE, ENABLE, FIELD_DEFAULT, JSON, NONE, TRISTATE, TRISTATE_CHOICES,
-                              VALUE, Declared)
+from jaxinfer.options import (
+    APPEND,
+    CSV,
+    DISABLE,
+    ENABLE,
+    FIELD_DEFAULT,
+    JSON,
+    NONE,
+    TRISTATE,
+    TRISTATE_CHOICES,
+    VALUE,
+    Declared,
+)
 
 
 def dest(d: Declared) -> str:

@@ -1,17 +1,18 @@
 """Configuration, free of JAX until an engine is built from it.
 
-    engine.py       EngineConfig: every option of an engine, in the typed groups below
-    load.py         LoadConfig: the model, its weights' dtype and quantization, its text format
-    cache.py        CacheConfig: the paged KV cache
-    scheduler.py    SchedulerConfig: step budget, context length, per-request limits, step loop
-    compile.py      CompileConfig: step variants, launch, compilation cache
-    parallel.py     ParallelConfig: device mesh and hosts
-    speculative.py  SpeculativeConfig: speculative decoding's method and sizes
-    checks.py       the groups' shared checks
-    model.py        ModelConfig, read from an HF config.json or GGUF metadata
-    families.py     the catalog of model families (JAX-free descriptions; each family's config reading)
-    errors.py       ConfigError
+engine.py       EngineConfig: every option of an engine, in the typed groups below
+load.py         LoadConfig: the model, its weights' dtype and quantization, its text format
+cache.py        CacheConfig: the paged KV cache
+scheduler.py    SchedulerConfig: step budget, context length, per-request limits, step loop
+compile.py      CompileConfig: step variants, launch, compilation cache
+parallel.py     ParallelConfig: device mesh and hosts
+speculative.py  SpeculativeConfig: speculative decoding's method and sizes
+checks.py       the groups' shared checks
+model.py        ModelConfig, read from an HF config.json or GGUF metadata
+families.py     the catalog of model families (JAX-free descriptions; each family's config reading)
+errors.py       ConfigError
 """
+
 from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.compile import CompileConfig
 from jaxinfer.config.engine import EngineConfig
@@ -21,5 +22,15 @@ from jaxinfer.config.parallel import ParallelConfig
 from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.config.speculative import SpeculativeConfig
 
-__all__ = ["CacheConfig", "CompileConfig", "ConfigError", "EngineConfig", "LoadConfig", "ModelConfig",
-           "ParallelConfig", "RopeScaling", "SchedulerConfig", "SpeculativeConfig"]
+__all__ = [
+    "CacheConfig",
+    "CompileConfig",
+    "ConfigError",
+    "EngineConfig",
+    "LoadConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RopeScaling",
+    "SchedulerConfig",
+    "SpeculativeConfig",
+]

@@ -1,4 +1,5 @@
 """CacheConfig: the paged KV cache -- page size, how many pages, their dtype, prefix caching."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,23 +17,28 @@ DEFAULT_PAGE_SIZE = 16  # tokens per KV page where the TPU kernel's SMEM asks fo
 class CacheConfig:
     """The KV pool is `num_pages` pages of `page_size` tokens per layer, or as many as fit in
     `kv_cache_memory_fraction` of the device's free memory (`kv_cache_bytes` on the CPU)."""
+
     TITLE = "KV cache"
 
     # None: 16, or where the TPU kernel runs the smallest power of two whose page table fits its
     # SMEM (EngineConfig.with_page_size), and 32 at least for one-byte caches there.
     page_size: int | None = option(
-        None, "tokens per KV cache page (default 16; on a TPU, larger where the page table would not fit the "
-        "kernel's SMEM)")
+        None,
+        "tokens per KV cache page (default 16; on a TPU, larger where the page table would not fit the kernel's SMEM)",
+    )
     num_pages: int | None = option(None, "KV cache pages (default: from memory)")
     kv_cache_memory_fraction: float = option(0.85, "fraction of free accelerator memory for the KV cache")
     kv_cache_bytes: int | None = option(
-        None, "bytes of KV cache per device, instead of a fraction of its free memory (default on the CPU: "
-        "1 GiB)")
+        None, "bytes of KV cache per device, instead of a fraction of its free memory (default on the CPU: 1 GiB)"
+    )
     kv_cache_dtype: str = option(
-        "auto", "auto (= the model dtype), bfloat16, float32, float16, int8 or fp8 (e4m3; int8/fp8: per-head "
-        "scales calibrated at start-up, 2x the pages of bfloat16)")
-    enable_prefix_caching: bool = option(True, "disable automatic prefix caching", form=DISABLE,
-                                         flag="--no-prefix-caching")
+        "auto",
+        "auto (= the model dtype), bfloat16, float32, float16, int8 or fp8 (e4m3; int8/fp8: per-head "
+        "scales calibrated at start-up, 2x the pages of bfloat16)",
+    )
+    enable_prefix_caching: bool = option(
+        True, "disable automatic prefix caching", form=DISABLE, flag="--no-prefix-caching"
+    )
 
     def __post_init__(self):
         positive_ints(self, "page_size", "num_pages", "kv_cache_bytes")

@@ -1,5 +1,6 @@
 """Checks shared by the config groups: a bad value is named as EngineConfig.<field> with what it
 may be, before any model is loaded (every group is built through EngineConfig's options)."""
+
 from __future__ import annotations
 
 from typing import Any

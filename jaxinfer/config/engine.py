@@ -10,10 +10,12 @@ command line's flags all take the same flat names and are generated from the sam
 (`EngineConfig.declared()`). Each group validates its own fields when built; what spans groups is
 checked here. A bad value is named with what it may be, before any model is loaded.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.compile import CompileConfig
@@ -23,8 +25,13 @@ from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.options import JSON, Declared, declared, option
 
-GROUPS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
-          "parallel": ParallelConfig}
+GROUPS = {
+    "load": LoadConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "compile": CompileConfig,
+    "parallel": ParallelConfig,
+}
 SPECULATIVE_TITLE = "speculative decoding"
 
 
@@ -38,9 +45,14 @@ class EngineConfig:
     # Speculative decoding (config/speculative.py): a dict such as {"method": "ngram",
     # "num_speculative_tokens": 4}, its JSON text, or a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | None = option(
-        None, "speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
-        "(prompt_lookup_max / _min: the n-gram sizes looked up) or '{\"method\": \"draft_model\", \"model\": "
-        "PATH, \"num_speculative_tokens\": 4}'", form=JSON, metavar="JSON", group=SPECULATIVE_TITLE)
+        None,
+        'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        '(prompt_lookup_max / _min: the n-gram sizes looked up) or \'{"method": "draft_model", "model": '
+        'PATH, "num_speculative_tokens": 4}\'',
+        form=JSON,
+        metavar="JSON",
+        group=SPECULATIVE_TITLE,
+    )
 
     def __init__(self, **options: Any):
         unknown = sorted(set(options) - set(OPTION_GROUPS))
@@ -56,11 +68,15 @@ class EngineConfig:
     def _check_across_groups(self) -> None:
         buckets = self.compile.token_buckets
         if buckets is not None and buckets[-1] < self.scheduler.max_num_batched_tokens:
-            raise ValueError(f"EngineConfig.token_buckets {buckets!r} must reach max_num_batched_tokens="
-                             f"{self.scheduler.max_num_batched_tokens}")
+            raise ValueError(
+                f"EngineConfig.token_buckets {buckets!r} must reach max_num_batched_tokens="
+                f"{self.scheduler.max_num_batched_tokens}"
+            )
         if self.compile.enable_prompt_logprobs and self.speculative_config is not None:
-            raise ValueError("EngineConfig.enable_prompt_logprobs=True: not supported together with "
-                             "speculative decoding (speculative_config)")
+            raise ValueError(
+                "EngineConfig.enable_prompt_logprobs=True: not supported together with "
+                "speculative decoding (speculative_config)"
+            )
 
     @staticmethod
     def declared() -> Iterator[tuple[str, Declared]]:
@@ -109,10 +125,9 @@ class EngineConfig:
         fits in the kernel's SMEM (pallas_kernels.tpu_config.table_page_size)."""
         if self.cache.page_size is not None:
             return self
+        from jaxinfer.config.cache import DEFAULT_PAGE_SIZE
         from pallas_kernels.dispatch import resolve_impl  # imports jax: only when an engine is built
         from pallas_kernels.tpu_config import table_page_size
-
-        from jaxinfer.config.cache import DEFAULT_PAGE_SIZE
 
         page = DEFAULT_PAGE_SIZE
         if resolve_impl(self.compile.attn_impl) == "pallas_tpu":

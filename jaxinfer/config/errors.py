@@ -3,9 +3,11 @@
 The shared readers (model.py) and every family's own (jaxinfer/models/<family>/config.py) raise
 it, so a user sees one kind of error for a wrong or unsupported config, wherever it was read.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):

@@ -16,11 +16,13 @@ descriptors import this package (ConfigError, the shared readers) and their mode
 ModelConfig, so config imports none of them while it is itself being imported. A family from
 outside the package is added with `register` (public as jaxinfer.models.registry.register_family).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 from jaxinfer.config.errors import ConfigError
 
@@ -65,8 +67,9 @@ class FamilySpec:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"FamilySpec.name={self.name!r} must be a non-empty string")
         if not callable(self.model):
-            raise ValueError(f"FamilySpec {self.name!r}: model={self.model!r} must be a function returning "
-                             "the family's ModelFamily")
+            raise ValueError(
+                f"FamilySpec {self.name!r}: model={self.model!r} must be a function returning the family's ModelFamily"
+            )
 
 
 _SPECS: dict[str, FamilySpec] = {}
@@ -92,8 +95,10 @@ def register(spec: FamilySpec) -> None:
     served = {model_type: s.name for s in specs.values() for model_type in s.hf_architectures}
     for model_type in spec.hf_architectures:
         if model_type in served:
-            raise ValueError(f"model family {spec.name!r}: HF model_type {model_type!r} is served by "
-                             f"family {served[model_type]!r} already")
+            raise ValueError(
+                f"model family {spec.name!r}: HF model_type {model_type!r} is served by "
+                f"family {served[model_type]!r} already"
+            )
     specs[spec.name] = spec
 
 

@@ -10,12 +10,14 @@ serving. Errors name the missing or unsupported field, since a wrong config is a
 
 `to_hf_dict` runs the other way: the shared keys here, then the family's.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any
 
 from jaxinfer.config import families
 from jaxinfer.config.errors import ConfigError, require
@@ -39,8 +41,9 @@ def is_sliding_layer(types: tuple[str, ...], i: int) -> bool:
 
 def check_layer_types(types: tuple[str, ...], num_layers: int, source: str) -> None:
     if types and (len(types) != num_layers or not set(types) <= {SLIDING, FULL}):
-        raise ConfigError(f"{source}: layer_types={list(types)!r} must give each of the {num_layers} layers "
-                          f"{SLIDING!r} or {FULL!r}")
+        raise ConfigError(
+            f"{source}: layer_types={list(types)!r} must give each of the {num_layers} layers {SLIDING!r} or {FULL!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,23 +109,31 @@ class ModelConfig:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
         check_layer_types(self.layer_types, self.num_layers, "ModelConfig")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}")
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
 
     @classmethod
-    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         return _from_hf(cfg)
 
     @classmethod
-    def from_hf_file(cls, path: str | Path) -> "ModelConfig":
+    def from_hf_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"model config not found: {path}")
@@ -140,14 +151,23 @@ class ModelConfig:
             rope.update(dataclasses.asdict(self.rope_scaling))
         spec = families.family_spec(self.family)
         cfg = {
-            "model_type": self.model_type, "architectures": [spec.hf_architectures[self.model_type]],
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings, "rope_parameters": rope,
-            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.qkv_bias,
-            "mlp_bias": self.mlp_bias, "hidden_act": "silu", "bos_token_id": self.bos_token_id,
+            "model_type": self.model_type,
+            "architectures": [spec.hf_architectures[self.model_type]],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "mlp_bias": self.mlp_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
         }
         if self.sliding_window is not None:
@@ -159,9 +179,14 @@ class ModelConfig:
         return cfg
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_weight: bool = True,
-                           rope_freq_factors: tuple[float, ...] | None = None,
-                           tensor_names: Collection[str] | None = None) -> "ModelConfig":
+    def from_gguf_metadata(
+        cls,
+        meta: Mapping[str, Any],
+        *,
+        has_output_weight: bool = True,
+        rope_freq_factors: tuple[float, ...] | None = None,
+        tensor_names: Collection[str] | None = None,
+    ) -> ModelConfig:
         """`rope_freq_factors`: the GGUF's rope_freqs tensor, where llama.cpp stores llama3-style
         rope scaling as one divisor per frequency. `tensor_names` (the file's): whether an LM head
         is stored, and which layers of a mixture of experts route."""
@@ -171,8 +196,10 @@ class ModelConfig:
         if rope_freq_factors is None:
             return cfg
         if len(rope_freq_factors) != cfg.head_dim // 2:
-            raise ConfigError(f"GGUF rope_freqs has {len(rope_freq_factors)} factors; head_dim "
-                              f"{cfg.head_dim} needs {cfg.head_dim // 2}")
+            raise ConfigError(
+                f"GGUF rope_freqs has {len(rope_freq_factors)} factors; head_dim "
+                f"{cfg.head_dim} needs {cfg.head_dim // 2}"
+            )
         return dataclasses.replace(cfg, rope_freq_factors=tuple(float(f) for f in rope_freq_factors))
 
 
@@ -202,13 +229,16 @@ def rope_from_hf(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
     if rope_type == "default":
         return dict(rope_theta=float(theta), rope_scaling=None)
     factor = require(scaling, "factor", f"{source} rope_scaling")
-    return dict(rope_theta=float(theta), rope_scaling=RopeScaling(
-        rope_type=rope_type,
-        factor=float(factor),
-        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-    ))
+    return dict(
+        rope_theta=float(theta),
+        rope_scaling=RopeScaling(
+            rope_type=rope_type,
+            factor=float(factor),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        ),
+    )
 
 
 def _from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig:

@@ -1,4 +1,5 @@
 """ParallelConfig: the device mesh an engine spreads over, and the hosts of a multi-host run."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +14,16 @@ class ParallelConfig:
     scheduler and KV pool. On several hosts every process runs the same program with the
     coordinator's address, the number of processes and its own index (or the JAXINFER_*
     environment variables; "auto" on TPU pods); process 0 schedules."""
+
     TITLE = "devices and hosts"
 
-    mesh: "str | dict | object | None" = option(
-        None, "device mesh, e.g. tensor=4 or data=2,tensor=4 (axes: data, sequence, expert, tensor); default: "
-        "one device")
+    mesh: str | dict | object | None = option(
+        None,
+        "device mesh, e.g. tensor=4 or data=2,tensor=4 (axes: data, sequence, expert, tensor); default: one device",
+    )
     coordinator_address: str | None = option(
-        None, "HOST:PORT of process 0 for multi-host runs ('auto' on TPU pods); env JAXINFER_COORDINATOR_ADDRESS")
+        None, "HOST:PORT of process 0 for multi-host runs ('auto' on TPU pods); env JAXINFER_COORDINATOR_ADDRESS"
+    )
     num_processes: int | None = option(None, "processes in a multi-host run")
     process_id: int | None = option(None, "this process's index (0 schedules)")
 

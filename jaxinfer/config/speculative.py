@@ -6,6 +6,7 @@
 Parsed from a dict (or its JSON text) where the engine is configured, before any model is loaded;
 a bad key or value is a ValueError naming it. Plain Python (the proposers live in spec_decode/).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the sequence's tokens
     prompt_lookup_min: int = 1  # ngram: the shortest
-    model: str | None = None    # draft_model: a model directory or .gguf with the same vocabulary
+    model: str | None = None  # draft_model: a model directory or .gguf with the same vocabulary
 
     def __post_init__(self):
         def bad(name: str, why: str):
@@ -48,7 +49,7 @@ class SpeculativeConfig:
             bad("model", "method ngram takes no model (did you mean method draft_model?)")
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | Mapping | str | None") -> "SpeculativeConfig | None":
+    def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:
         """A SpeculativeConfig from a dict, its JSON text, or itself; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
@@ -58,8 +59,10 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config {value!r:.80}: not valid JSON ({e.msg})") from None
         if not isinstance(value, Mapping):
-            raise ValueError(f"speculative_config={value!r:.80}: must be an object such as "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')
+            raise ValueError(
+                f"speculative_config={value!r:.80}: must be an object such as "
+                '{"method": "ngram", "num_speculative_tokens": 4}'
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - names)
         if unknown:

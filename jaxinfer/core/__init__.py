@@ -10,6 +10,7 @@ KVCacheManager for pages and never touches a pool.
 Tested on its own with exact page ids; the device side only ever sees the numpy arrays that
 `jaxinfer.worker.inputs` builds from a plan.
 """
+
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import Sequence, SequenceStatus

@@ -11,6 +11,7 @@ that came after it instead of holding the queue until all its samples are done.
 Everything here is O(1) per sequence: the scheduler's queue holds at most `window` sequences of
 any one request, and a request's unfinished count is a counter, not a scan of its samples.
 """
+
 from __future__ import annotations
 
 import collections
@@ -21,11 +22,11 @@ from jaxinfer.core.sequence import Sequence
 
 @dataclasses.dataclass
 class RequestEntry:
-    seqs: list[Sequence]                       # every sample, by sample index
-    held: collections.deque[Sequence]          # siblings not yet in the waiting queue
+    seqs: list[Sequence]  # every sample, by sample index
+    held: collections.deque[Sequence]  # siblings not yet in the waiting queue
     num_unfinished: int
-    num_active: int = 0                        # in the waiting queue or running
-    num_waves: int = 0                         # how many times held siblings were let in
+    num_active: int = 0  # in the waiting queue or running
+    num_waves: int = 0  # how many times held siblings were let in
 
     @classmethod
     def new(cls, seqs: list[Sequence]) -> RequestEntry:

@@ -14,6 +14,7 @@ scheduling. The host sees the k tokens of each sequence in order, so stops, logp
 deltas are those of k single steps; per-request seeds fold in the token's index, so sampled
 outputs are identical too.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -40,14 +41,19 @@ def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan |
     room, or no pages)."""
     if num_steps < 2 or scheduler.num_waiting:
         return None
-    seqs = sorted((s for s in scheduler.running
-                   if not is_awaiting_results(s, scheduler.max_model_len)), key=lambda s: s.sort_key)
+    seqs = sorted(
+        (s for s in scheduler.running if not is_awaiting_results(s, scheduler.max_model_len)), key=lambda s: s.sort_key
+    )
     if not seqs or len(seqs) > scheduler.max_num_batched_tokens:
         return None
     for seq in seqs:
-        if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.sampling_params.uses_penalties
-                or seq.grammar is not None or seq.draft_token_ids
-                or seq.num_tokens + num_steps - 1 > scheduler.max_model_len):
+        if (
+            seq.num_tokens - seq.num_computed_tokens != 1
+            or seq.sampling_params.uses_penalties
+            or seq.grammar is not None
+            or seq.draft_token_ids
+            or seq.num_tokens + num_steps - 1 > scheduler.max_model_len
+        ):
             return None
     if not scheduler.kv_cache.allocate_all([(s, s.num_computed_tokens + num_steps) for s in seqs]):
         return None

@@ -7,6 +7,7 @@ A speculating sequence's chunk is its last known token followed by `drafts` (spe
 decoding): the step writes K/V for all of them and verifies the drafts (spec_decode/).
 Plain data (no JAX): `jaxinfer.worker.inputs` turns it into padded arrays.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,16 +18,17 @@ from jaxinfer.core.sequence import Sequence
 @dataclasses.dataclass(frozen=True)
 class ScheduledSeq:
     """One sequence's share of a step: tokens [start, start + num_new_tokens)."""
+
     seq: Sequence
-    start: int                # num_computed_tokens before the step = position of the first token
+    start: int  # num_computed_tokens before the step = position of the first token
     num_new_tokens: int
-    pages: tuple[int, ...]    # block table; covers at least start + num_new_tokens tokens
-    sample: bool              # the chunk reaches the end of the known tokens: sample one
+    pages: tuple[int, ...]  # block table; covers at least start + num_new_tokens tokens
+    sample: bool  # the chunk reaches the end of the known tokens: sample one
     drafts: tuple[int, ...] = ()  # draft tokens after the last known one, to verify
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.known_len] + list(self.drafts)
+        return self.seq.token_ids[self.start : self.known_len] + list(self.drafts)
 
     @property
     def kv_len(self) -> int:
@@ -41,7 +43,7 @@ class ScheduledSeq:
 
 @dataclasses.dataclass
 class SchedulerPlan:
-    seqs: list[ScheduledSeq]              # in batch order: decodes, prefill chunks, new admissions
+    seqs: list[ScheduledSeq]  # in batch order: decodes, prefill chunks, new admissions
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     # > 1: a decode window (core/multistep.py): every entry decodes this many tokens, one per
     # step, in one jitted call; pages for all of them are in `pages`.

@@ -2,6 +2,7 @@
 
 Checking the ids (empty, out of the vocabulary) is core/requests.py's, once for every way in.
 """
+
 from __future__ import annotations
 
 

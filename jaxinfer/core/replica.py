@@ -3,10 +3,11 @@
 Without data parallelism the engine has one; with a mesh of data=N it has N, each scheduling its
 own requests over its own KV pages (the engine sends a new request to the least loaded one).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.kv import KVCacheManager
@@ -27,6 +28,8 @@ def replica_stats(replicas: Sequence[Replica]) -> dict:
     return {
         "running": sum(r.scheduler.num_running for r in replicas),
         "waiting": sum(r.scheduler.num_waiting for r in replicas),
-        "kv_pages_total": total, "kv_pages_free": free, "kv_cache_usage": 1.0 - free / total,
+        "kv_pages_total": total,
+        "kv_pages_free": free,
+        "kv_cache_usage": 1.0 - free / total,
         "prefix_cache_hit_rate": sum(c.prefix_cache_hits for c in caches) / queries if queries else 0.0,
     }

@@ -19,6 +19,7 @@ A RequestError's message starts with what is wrong -- a SamplingParams field
 ("SamplingParams.n=17: ...") or the prompt ("prompt of 600 tokens ...") -- and `field` names it,
 so a transport can name its own request field instead.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +42,7 @@ class RequestLimits:
     """What an engine can run: its vocabulary and context, its per-request limits, the features
     it compiled, and its KV pool (None: not checked). `owner` names it in messages ("this
     engine's max_n", "this server's")."""
+
     vocab_size: int
     max_model_len: int
     max_request_tokens: int | None = None
@@ -59,14 +61,21 @@ class RequestLimits:
 @dataclasses.dataclass(frozen=True)
 class CheckedRequest:
     """A request that passed `check_request`: the engine queues it without checking again."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the prompt's text, where it came as text
     priority: int = 0
 
 
-def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits, *,
-                  prompt: str | None = None, priority: int = 0) -> CheckedRequest:
+def check_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    *,
+    prompt: str | None = None,
+    priority: int = 0,
+) -> CheckedRequest:
     """Every check a request must pass before it is queued (RequestError naming the field)."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -84,13 +93,19 @@ def check_params(params: SamplingParams, limits: RequestLimits) -> None:
     if params.n > limits.max_n:
         raise RequestError("n", f"SamplingParams.n={params.n}: exceeds this {owner}'s max_n={limits.max_n}")
     if params.uses_penalties and not limits.penalties:
-        raise RequestError("repetition_penalty", "SamplingParams.repetition_penalty/presence_penalty/"
-                           f"frequency_penalty: penalties are off on this {owner} (started with "
-                           f"{limits.option('--no-penalties', 'penalties=False')})")
+        raise RequestError(
+            "repetition_penalty",
+            "SamplingParams.repetition_penalty/presence_penalty/"
+            f"frequency_penalty: penalties are off on this {owner} (started with "
+            f"{limits.option('--no-penalties', 'penalties=False')})",
+        )
     if params.prompt_logprobs is not None and not limits.prompt_logprobs:
-        raise RequestError("prompt_logprobs", f"SamplingParams.prompt_logprobs={params.prompt_logprobs}: prompt "
-                           f"logprobs are off on this {owner} (start it with "
-                           f"{limits.option('--enable-prompt-logprobs', 'enable_prompt_logprobs=True')})")
+        raise RequestError(
+            "prompt_logprobs",
+            f"SamplingParams.prompt_logprobs={params.prompt_logprobs}: prompt "
+            f"logprobs are off on this {owner} (start it with "
+            f"{limits.option('--enable-prompt-logprobs', 'enable_prompt_logprobs=True')})",
+        )
     try:
         check_logit_bias_vocab(params, limits.vocab_size)
     except ValueError as e:  # "SamplingParams.logit_bias[50257]: token ids out of the vocabulary ..."
@@ -115,17 +130,27 @@ def check_lengths(num_prompt_tokens: int, params: SamplingParams, limits: Reques
     if p > context:
         raise RequestError("prompt", f"prompt of {p} tokens does not fit the context of {context} tokens")
     if p == context and m > 0:
-        raise RequestError("prompt", f"prompt of {p} tokens fills the context of {context} tokens, leaving no room "
-                           f"for max_tokens={m} (only max_tokens=0, which scores the prompt, may fill it)")
+        raise RequestError(
+            "prompt",
+            f"prompt of {p} tokens fills the context of {context} tokens, leaving no room "
+            f"for max_tokens={m} (only max_tokens=0, which scores the prompt, may fill it)",
+        )
     cap = limits.max_request_tokens
     if cap is not None and total > cap:
-        raise RequestError("max_tokens", f"SamplingParams.max_tokens={m}: exceeds this {limits.owner}'s "
-                           f"max_request_tokens={cap} with the prompt's {p} tokens ({total} in all)")
+        raise RequestError(
+            "max_tokens",
+            f"SamplingParams.max_tokens={m}: exceeds this {limits.owner}'s "
+            f"max_request_tokens={cap} with the prompt's {p} tokens ({total} in all)",
+        )
     if total > context:
-        raise RequestError("max_tokens", f"prompt of {p} tokens + max_tokens={m} = {total} tokens exceeds "
-                           f"max_model_len={context}")
+        raise RequestError(
+            "max_tokens", f"prompt of {p} tokens + max_tokens={m} = {total} tokens exceeds max_model_len={context}"
+        )
     if limits.num_usable_pages is not None and limits.page_size is not None:
         pages = -(-max(p, total - 1) // limits.page_size)
         if pages > limits.num_usable_pages:
-            raise RequestError("max_tokens", f"prompt of {p} tokens + max_tokens={m} needs {pages} KV pages of "
-                               f"{limits.page_size} tokens, but the pool has only {limits.num_usable_pages}")
+            raise RequestError(
+                "max_tokens",
+                f"prompt of {p} tokens + max_tokens={m} needs {pages} KV pages of "
+                f"{limits.page_size} tokens, but the pool has only {limits.num_usable_pages}",
+            )

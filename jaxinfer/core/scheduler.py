@@ -28,13 +28,14 @@ drafts (speculative decoding) computes them too; they count once verified (spec.
 finish and preemption cost O(the request's samples) plus bisect work on the sorted queue, never
 a scan.
 """
+
 from __future__ import annotations
 
 import bisect
 import dataclasses
 import operator
 import random
-from typing import Iterable
+from collections.abc import Iterable
 
 from jaxinfer.core.admission import RequestEntry
 from jaxinfer.core.multistep import decode_window
@@ -44,7 +45,6 @@ from jaxinfer.core.spec import fit_drafts
 from jaxinfer.core.stops import StopChecker, is_awaiting_results, stop_decision
 from jaxinfer.kv import KVCacheManager
 from jaxinfer.sampling.params import SamplingParams
-
 
 _sort_key = operator.attrgetter("sort_key")  # (priority, arrival, sample index)
 
@@ -57,13 +57,24 @@ class _Step:  # the plan being built, with the budget that is left
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, eos_token_ids: Iterable[int] = (),
-                 stop_checker: StopChecker | None = None, seed: int = 0,
-                 max_seqs_per_request: int | None = None):
-        for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                            ("max_seqs_per_request", max_seqs_per_request or 1)):
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        stop_checker: StopChecker | None = None,
+        seed: int = 0,
+        max_seqs_per_request: int | None = None,
+    ):
+        for name, value in (
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("max_seqs_per_request", max_seqs_per_request or 1),
+        ):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
         self.kv_cache = kv_cache
@@ -73,29 +84,37 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_checker = stop_checker
         self.max_seqs_per_request = max_seqs_per_request  # None: no window
-        self.waiting: list[Sequence] = []   # sorted by sort_key
-        self.running: list[Sequence] = []   # in admission order (at most max_num_seqs)
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # in admission order (at most max_num_seqs)
         self.requests: dict[str, RequestEntry] = {}  # unfinished requests
-        self._num_held = 0                  # siblings not yet in the queue
-        self._rng = random.Random(seed)     # seeds of unseeded requests
+        self._num_held = 0  # siblings not yet in the queue
+        self._rng = random.Random(seed)  # seeds of unseeded requests
         self._next_seq_id = 0
         self._next_arrival = 0
 
     # --- requests ---------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, *, priority: int = 0) -> list[Sequence]:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *, priority: int = 0
+    ) -> list[Sequence]:
         """Queues one Sequence per sample (sampling_params.n) of a request that passed
         core/requests.py's checks (the engine's, once): nothing here checks it again."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
-        base_seed = (sampling_params.seed if sampling_params.seed is not None
-                     else self._rng.getrandbits(64))
+        base_seed = sampling_params.seed if sampling_params.seed is not None else self._rng.getrandbits(64)
         seqs: list[Sequence] = []
         for i in range(sampling_params.n):
-            seq = Sequence(self._next_seq_id, request_id, prompt_token_ids, sampling_params,
-                           seed=sample_seed(base_seed, i), arrival=arrival, priority=priority,
-                           sample_index=i, parent=seqs[0] if seqs else None)
+            seq = Sequence(
+                self._next_seq_id,
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                seed=sample_seed(base_seed, i),
+                arrival=arrival,
+                priority=priority,
+                sample_index=i,
+                parent=seqs[0] if seqs else None,
+            )
             self._next_seq_id += 1
             seqs.append(seq)
         self.requests[request_id] = entry = RequestEntry.new(seqs)
@@ -133,7 +152,7 @@ class Scheduler:
             self._dequeue(seq)
         self.kv_cache.free(seq)
         if seq.num_pending:  # tokens of steps in flight past the end: overrun, never emitted
-            del seq.token_ids[-seq.num_pending:]
+            del seq.token_ids[-seq.num_pending :]
             seq.num_pending = 0
         seq.status, seq.stop_reason = status, stop_reason
         entry = self.requests[seq.request_id]
@@ -185,8 +204,7 @@ class Scheduler:
         if num_steps > 1 and (window := decode_window(self, num_steps)) is not None:
             return window
         step = _Step({}, self.max_num_batched_tokens, [])
-        by_priority = sorted((s for s in self.running if not is_awaiting_results(s, self.max_model_len)),
-                             key=_sort_key)
+        by_priority = sorted((s for s in self.running if not is_awaiting_results(s, self.max_model_len)), key=_sort_key)
         decodes = [s for s in by_priority if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in by_priority if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decodes + prefills:
@@ -206,9 +224,10 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, n: int, step: _Step) -> None:
         start = seq.num_computed_tokens
-        drafts = tuple(seq.draft_token_ids[:max(0, start + n - seq.num_tokens)])
-        step.entries[seq.seq_id] = ScheduledSeq(seq, start, n, tuple(seq.pages), drafts=drafts,
-                                                sample=start + n - len(drafts) == seq.num_tokens)
+        drafts = tuple(seq.draft_token_ids[: max(0, start + n - seq.num_tokens)])
+        step.entries[seq.seq_id] = ScheduledSeq(
+            seq, start, n, tuple(seq.pages), drafts=drafts, sample=start + n - len(drafts) == seq.num_tokens
+        )
         step.budget -= n
 
     def _reserve_pages(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
@@ -267,8 +286,7 @@ class Scheduler:
         `step`: which step of a decode window they come from (windows resolve step by step).
         Returns the sequences that got a token, in plan order (finished ones have no pages)."""
         if len(sampled_token_ids) < len(plan.seqs):
-            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a plan of "
-                             f"{len(plan.seqs)} sequences")
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a plan of {len(plan.seqs)} sequences")
         updated = []
         for entry, token in zip(plan.seqs, sampled_token_ids):
             seq = entry.seq
@@ -283,7 +301,7 @@ class Scheduler:
             seq.num_pending -= 1
             if seq.status is SequenceStatus.RUNNING:
                 self.kv_cache.cache_computed(seq)
-            if (decision := stop_decision(seq, self.eos_token_ids, self.max_model_len, self.stop_checker)):
+            if decision := stop_decision(seq, self.eos_token_ids, self.max_model_len, self.stop_checker):
                 self.finish(seq, *decision)
             updated.append(seq)
             if seq.sample_index == 0 and seq.num_known_tokens - seq.num_prompt_tokens == 1 and not seq.is_finished:

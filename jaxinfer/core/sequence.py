@@ -9,8 +9,9 @@ to 0 and the sequence recomputes prompt and outputs (much of it from the prefix 
 Parallel samples (n > 1): sample 0 is the parent. Its siblings wait until it has computed its
 prompt (it has sampled a token or finished; core/admission.py holds them back); by then every
 full page of the prompt is in the prefix cache, so each sibling takes those pages by reference
-and recomputes only the partial last page of the prompt (fewer than page_size + 1 tokens) into pages of its own. That costs a little
-compute per sibling but needs no copy-on-write of partial pages.
+and recomputes only the partial last page of the prompt (fewer than page_size + 1 tokens) into
+pages of its own. That costs a little compute per sibling but needs no copy-on-write of partial
+pages.
 
 Random streams: every sequence has a 64-bit `seed`. With `SamplingParams.seed` set, sample 0 uses
 that seed and sample i > 0 a seed derived from (seed, i), so a seeded request is reproducible; an
@@ -18,6 +19,7 @@ unseeded one gets a seed from the scheduler's generator. The sampler folds the n
 generated so far into the key, so a sample never depends on what else is in the batch, nor on
 whether the sequence was preempted and recomputed.
 """
+
 from __future__ import annotations
 
 import enum
@@ -32,9 +34,9 @@ PLACEHOLDER = -1  # a token sampled by a step still in flight (async scheduling)
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"           # back in the waiting queue, will recompute
-    FINISHED_STOPPED = "stop"         # eos, a stop token id, or a stop string
-    FINISHED_LENGTH = "length"        # max_tokens or max_model_len
+    PREEMPTED = "preempted"  # back in the waiting queue, will recompute
+    FINISHED_STOPPED = "stop"  # eos, a stop token id, or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
 
     @property
@@ -43,12 +45,11 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop" | "length" | "abort" for finished sequences, else None."""
+        """ "stop" | "length" | "abort" for finished sequences, else None."""
         return self.value if self.is_finished else None
 
 
-_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-             SequenceStatus.FINISHED_ABORTED}
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
@@ -60,9 +61,19 @@ def sample_seed(seed: int, sample_index: int) -> int:
 
 
 class Sequence:
-    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, *, seed: int, arrival: int, priority: int = 0,
-                 sample_index: int = 0, parent: "Sequence | None" = None):
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        seed: int,
+        arrival: int,
+        priority: int = 0,
+        sample_index: int = 0,
+        parent: Sequence | None = None,
+    ):
         self.seq_id = seq_id
         self.request_id = request_id
         self.sample_index = sample_index
@@ -70,20 +81,20 @@ class Sequence:
         self.sampling_params = sampling_params
         self.seed = seed & SEED_MASK
         self.priority = priority  # lower number = served first
-        self.arrival = arrival    # admission order, a tie breaker after priority
+        self.arrival = arrival  # admission order, a tie breaker after priority
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string, if any
         self.num_preemptions = 0
 
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs
-        self.num_pending = 0              # trailing PLACEHOLDERs: tokens of steps in flight
+        self.num_pending = 0  # trailing PLACEHOLDERs: tokens of steps in flight
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_scored_prompt = 0        # prompt positions whose logprobs landed (prompt_logprobs)
+        self.num_scored_prompt = 0  # prompt positions whose logprobs landed (prompt_logprobs)
         # KV pages: written by the KV cache manager (jaxinfer.kv) alone, read by plans.
-        self.pages: list[int] = []        # block table: page i holds tokens [i*ps, (i+1)*ps)
-        self.page_hashes: list = []       # chained hashes of the full pages of token_ids
-        self.num_cached_pages = 0         # leading pages registered in the prefix cache
+        self.pages: list[int] = []  # block table: page i holds tokens [i*ps, (i+1)*ps)
+        self.page_hashes: list = []  # chained hashes of the full pages of token_ids
+        self.num_cached_pages = 0  # leading pages registered in the prefix cache
         # Structured output: a jaxinfer.structured.RowMatcher the engine attaches (None: free).
         self.grammar: object | None = None
         # Speculative decoding: the drafts proposed for the next step (set before each schedule),
@@ -106,11 +117,11 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_known_tokens(self) -> int:
@@ -119,7 +130,7 @@ class Sequence:
 
     @property
     def known_output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
+        return self.token_ids[self.num_prompt_tokens : self.num_known_tokens]
 
     @property
     def last_token_id(self) -> int:
@@ -137,8 +148,11 @@ class Sequence:
     def cacheable_pages(self, page_size: int) -> int | None:
         """How many leading prefix-cached pages the sequence may take: all (None) but while its
         prompt logprobs are being scored, when every position not scored yet is computed."""
-        if (self.sampling_params.prompt_logprobs is None or self.sample_index != 0
-                or self.num_scored_prompt >= self.num_prompt_tokens - 1):
+        if (
+            self.sampling_params.prompt_logprobs is None
+            or self.sample_index != 0
+            or self.num_scored_prompt >= self.num_prompt_tokens - 1
+        ):
             return None
         return self.num_scored_prompt // page_size
 
@@ -146,7 +160,9 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}#{self.sample_index}, "
-                f"{self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, "
-                f"pages={self.pages})")
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id!r}#{self.sample_index}, "
+            f"{self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, "
+            f"pages={self.pages})"
+        )

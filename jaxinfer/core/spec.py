@@ -18,6 +18,7 @@
 
 Pages holding rejected drafts are never cached: only pages full of computed, known tokens are.
 """
+
 from __future__ import annotations
 
 from typing import Protocol

@@ -5,9 +5,10 @@ found in detokenized text), then length (max_tokens, or the context is full). Wi
 scheduling the token decided on may be followed by placeholders of steps in flight; they count
 for neither the token nor the length.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from jaxinfer.core.sequence import Sequence, SequenceStatus
 
@@ -16,8 +17,9 @@ StopChecker = Callable[[Sequence], "int | str | None"]
 Decision = tuple[SequenceStatus, "int | str | None"]
 
 
-def stop_decision(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int,
-                  checker: StopChecker | None = None) -> Decision | None:
+def stop_decision(
+    seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int, checker: StopChecker | None = None
+) -> Decision | None:
     """(finished status, stop reason) if `seq` ends at its last known token, else None."""
     params, token = seq.sampling_params, seq.last_token_id
     num_known = seq.num_known_tokens
@@ -34,5 +36,6 @@ def stop_decision(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: i
 
 def is_awaiting_results(seq: Sequence, max_model_len: int) -> bool:
     """Its steps in flight already sample its last allowed token: nothing more to compute."""
-    return seq.num_pending > 0 and (seq.num_output_tokens >= seq.sampling_params.max_tokens
-                                    or seq.num_tokens >= max_model_len)
+    return seq.num_pending > 0 and (
+        seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= max_model_len
+    )

@@ -11,12 +11,27 @@ The worker holds the pages' arrays; it only ever sees page ids in a plan's page 
 imports NULL_PAGE from here. Nothing here imports the rest of jaxinfer: the manager reads and
 writes a sequence through the KVSequence protocol.
 """
+
 from jaxinfer.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from jaxinfer.kv.groups import FullAttention, KVCacheGroup, SlidingWindow
 from jaxinfer.kv.manager import NO_PREFIX, ComputedPrefix, KVCacheManager, KVSequence
 from jaxinfer.kv.page_pool import NULL_PAGE, OutOfPagesError, PagePool
 from jaxinfer.kv.prefix_cache import hash_page
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "ComputedPrefix", "FullAttention", "KVCacheGroup",
-           "KVCacheManager", "KVEvent", "KVSequence", "NO_PREFIX", "NULL_PAGE", "OutOfPagesError", "PagePool",
-           "SlidingWindow", "hash_page"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "ComputedPrefix",
+    "FullAttention",
+    "KVCacheGroup",
+    "KVCacheManager",
+    "KVEvent",
+    "KVSequence",
+    "NO_PREFIX",
+    "NULL_PAGE",
+    "OutOfPagesError",
+    "PagePool",
+    "SlidingWindow",
+    "hash_page",
+]

@@ -14,10 +14,10 @@ read: a run of consecutive pages is one BlockStored with the hash of the page be
 Recording is off unless the manager is built with `enable_events=True` (nobody drains them
 otherwise, and the list would only grow).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 from jaxinfer.kv.prefix_cache import PageHash
 
@@ -25,8 +25,8 @@ from jaxinfer.kv.prefix_cache import PageHash
 @dataclasses.dataclass(frozen=True)
 class BlockStored:
     page_hashes: tuple[PageHash, ...]  # consecutive pages of one sequence, in order
-    parent_hash: PageHash | None       # the page before the first (None: the sequence's start)
-    token_ids: tuple[int, ...]         # page_size tokens per page, pages in order
+    parent_hash: PageHash | None  # the page before the first (None: the sequence's start)
+    token_ids: tuple[int, ...]  # page_size tokens per page, pages in order
     page_size: int
 
 
@@ -40,4 +40,4 @@ class AllBlocksCleared:
     pass
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -19,11 +19,13 @@ of attention is decided here, and nothing else does; the KVCacheManager asks its
 The engine has one group today (the worker builds one page table per sequence); models that mix
 full and sliding-window layers would give each kind its own group and page table.
 """
+
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 from jaxinfer.kv.page_pool import NULL_PAGE, PagePool
 from jaxinfer.kv.prefix_cache import PageHash
@@ -33,8 +35,9 @@ class KVCacheGroup(abc.ABC):
     releases_pages: ClassVar[bool] = False  # whether num_skipped_pages can be above 0
 
     @abc.abstractmethod
-    def match_prefix(self, pool: PagePool, hashes: Sequence[PageHash], token_ids: Sequence[int],
-                     max_pages: int) -> list[int]:
+    def match_prefix(
+        self, pool: PagePool, hashes: Sequence[PageHash], token_ids: Sequence[int], max_pages: int
+    ) -> list[int]:
         """The page table of the longest cached prefix of at most `max_pages` full pages that
         this group can use (no side effects); NULL_PAGE where the group reads no page."""
 
@@ -45,8 +48,9 @@ class KVCacheGroup(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class FullAttention(KVCacheGroup):
-    def match_prefix(self, pool: PagePool, hashes: Sequence[PageHash], token_ids: Sequence[int],
-                     max_pages: int) -> list[int]:
+    def match_prefix(
+        self, pool: PagePool, hashes: Sequence[PageHash], token_ids: Sequence[int], max_pages: int
+    ) -> list[int]:
         return pool.match_prefix(hashes, token_ids, max_pages)
 
 
@@ -62,8 +66,9 @@ class SlidingWindow(KVCacheGroup):
     def num_skipped_pages(self, num_computed_tokens: int, page_size: int) -> int:
         return max(0, num_computed_tokens - self.window + 1) // page_size
 
-    def match_prefix(self, pool: PagePool, hashes: Sequence[PageHash], token_ids: Sequence[int],
-                     max_pages: int) -> list[int]:
+    def match_prefix(
+        self, pool: PagePool, hashes: Sequence[PageHash], token_ids: Sequence[int], max_pages: int
+    ) -> list[int]:
         """Scans down from `max_pages` for a run of cached pages that holds the window of the
         token after it. A prefix of L pages needs pages num_skipped_pages(L * ps) .. L - 1; that
         start never falls as L falls, so when a run's top fails, no shorter prefix inside the

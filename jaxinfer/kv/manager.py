@@ -27,10 +27,12 @@ Seams for later tiers: the pool's `on_evict(page, hash)` hears of each cached pa
 reused (a host-memory tier can copy it out first), and `take_events()` drains the BlockStored /
 BlockRemoved / AllBlocksCleared events (events.py) for routers.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from jaxinfer.kv.events import KVEvent
 from jaxinfer.kv.groups import FullAttention, KVCacheGroup
@@ -40,6 +42,7 @@ from jaxinfer.kv.prefix_cache import HashFn, hash_page
 
 class KVSequence(Protocol):
     """What the manager reads and writes of a sequence (jaxinfer.core.sequence.Sequence)."""
+
     token_ids: list[int]
     num_computed_tokens: int  # read only: tokens whose KV is in the cache (or being written)
     pages: list[int]
@@ -58,6 +61,7 @@ class KVSequence(Protocol):
 @dataclasses.dataclass(frozen=True)
 class ComputedPrefix:
     """Cached pages that hold a sequence's first `num_tokens` tokens (a prefix-cache hit)."""
+
     pages: tuple[int, ...]  # its page table; NULL_PAGE where the group reads no page
     num_tokens: int
 
@@ -66,11 +70,25 @@ NO_PREFIX = ComputedPrefix((), 0)
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
-                 group: KVCacheGroup | None = None, hash_fn: HashFn = hash_page,
-                 enable_events: bool = False, on_evict: EvictListener | None = None):
-        self.pool = PagePool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching,
-                             hash_fn=hash_fn, enable_events=enable_events, on_evict=on_evict)
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        group: KVCacheGroup | None = None,
+        hash_fn: HashFn = hash_page,
+        enable_events: bool = False,
+        on_evict: EvictListener | None = None,
+    ):
+        self.pool = PagePool(
+            num_pages,
+            page_size,
+            enable_prefix_caching=enable_prefix_caching,
+            hash_fn=hash_fn,
+            enable_events=enable_events,
+            on_evict=on_evict,
+        )
         self.page_size = page_size
         self.group = group if group is not None else FullAttention()
         self._releases = self.group.releases_pages
@@ -144,7 +162,7 @@ class KVCacheManager:
         need = max(0, self.pages_for(num_tokens) - len(prefix.pages))
         if not self.pool.can_allocate(need, held):
             return False
-        fresh = self.pool.allocate(need, held)[len(held):]
+        fresh = self.pool.allocate(need, held)[len(held) :]
         seq.pages = [*prefix.pages, *fresh]
         seq.num_cached_pages = len(prefix.pages)
         self.pool.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
@@ -193,7 +211,7 @@ class KVCacheManager:
         num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.page_size
         if num_full <= seq.num_cached_pages or not self.pool.enable_prefix_caching:
             return
-        known = seq.token_ids[:seq.num_known_tokens]
+        known = seq.token_ids[: seq.num_known_tokens]
         self.pool.extend_page_hashes(seq.page_hashes, known)
         self.pool.cache_pages(seq.pages, seq.page_hashes, known, seq.num_cached_pages, num_full)
         seq.num_cached_pages = num_full
@@ -219,9 +237,10 @@ class KVCacheManager:
         if child.pages:
             raise ValueError(f"fork: the child holds pages {child.pages} already")
         if child.num_computed_tokens != computed or child.token_ids[:computed] != parent.token_ids[:computed]:
-            raise ValueError(f"fork: the child's first {child.num_computed_tokens} computed tokens are not "
-                             f"the parent's {computed}")
-        shared = parent.pages[:self.pages_for(computed)]
+            raise ValueError(
+                f"fork: the child's first {child.num_computed_tokens} computed tokens are not the parent's {computed}"
+            )
+        shared = parent.pages[: self.pages_for(computed)]
         self.pool.allocate(0, [p for p in shared if p != NULL_PAGE])  # one more reference each
         num_full = computed // self.page_size
         child.pages = list(shared)
@@ -234,8 +253,12 @@ class KVCacheManager:
         partial page can be: full pages are never written again."""
         computed = seq.num_computed_tokens
         index = computed // self.page_size
-        if (computed % self.page_size and num_tokens > computed and index < len(seq.pages)
-                and self.pool.ref_count(seq.pages[index]) > 1):
+        if (
+            computed % self.page_size
+            and num_tokens > computed
+            and index < len(seq.pages)
+            and self.pool.ref_count(seq.pages[index]) > 1
+        ):
             return index
         return -1
 

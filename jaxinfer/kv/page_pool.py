@@ -32,10 +32,11 @@ Rules that must hold:
   the step that wrote them). If two sequences computed the same page, the first one cached wins;
   the other page stays an ordinary, uncached page.
 """
+
 from __future__ import annotations
 
 import collections
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from jaxinfer.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from jaxinfer.kv.prefix_cache import CacheEntry, HashFn, PageHash, PrefixCache, extend_page_hashes, hash_page
@@ -50,9 +51,16 @@ class OutOfPagesError(RuntimeError):
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = hash_page, enable_events: bool = False,
-                 on_evict: EvictListener | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = hash_page,
+        enable_events: bool = False,
+        on_evict: EvictListener | None = None,
+    ):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the null page)")
         if page_size < 1:
@@ -63,12 +71,11 @@ class PagePool:
         self.hash_fn = hash_fn
         self.on_evict = on_evict
         self._ref_counts = [0] * num_pages
-        self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
-            (p, None) for p in range(1, num_pages))
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict((p, None) for p in range(1, num_pages))
         self._cache = PrefixCache()
         self._events: list[KVEvent] | None = [] if enable_events else None
         self.prefix_cache_queries = 0  # tokens looked up at admission
-        self.prefix_cache_hits = 0     # of those, tokens served from the cache
+        self.prefix_cache_hits = 0  # of those, tokens served from the cache
 
     # --- counters -------------------------------------------------------------------------------
     @property
@@ -124,11 +131,13 @@ class PagePool:
     def cached_page(self, index: int, hashes: Sequence[PageHash], token_ids: Sequence[int]) -> int | None:
         """The cached page holding page `index` of `token_ids` (confirmed), or None."""
         ps = self.page_size
-        return self._cache.lookup(hashes[index], hashes[index - 1] if index else None,
-                                  token_ids[index * ps:(index + 1) * ps])
+        return self._cache.lookup(
+            hashes[index], hashes[index - 1] if index else None, token_ids[index * ps : (index + 1) * ps]
+        )
 
-    def match_prefix(self, hashes: Sequence[PageHash], token_ids: Sequence[int],
-                     max_pages: int | None = None) -> list[int]:
+    def match_prefix(
+        self, hashes: Sequence[PageHash], token_ids: Sequence[int], max_pages: int | None = None
+    ) -> list[int]:
         """Cached pages holding the longest full-page prefix of `token_ids[:-1]` (no side effects),
         at most `max_pages` of them.
 
@@ -150,8 +159,9 @@ class PagePool:
         """Pages that hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
-    def cache_pages(self, page_ids: Sequence[int], hashes: Sequence[PageHash],
-                    token_ids: Sequence[int], start: int, stop: int) -> None:
+    def cache_pages(
+        self, page_ids: Sequence[int], hashes: Sequence[PageHash], token_ids: Sequence[int], start: int, stop: int
+    ) -> None:
         """Caches full pages `page_ids[start:stop]` of `token_ids` once their KV has been written.
 
         `hashes` are the page hashes of `token_ids` (at least `stop` of them). Null entries (pages
@@ -165,8 +175,9 @@ class PagePool:
             page_id, page_hash = page_ids[i], hashes[i]
             if page_id == NULL_PAGE or page_id in self._cache or self._cache.holds_hash(page_hash):
                 continue  # given back, already cached (a prefix hit), or the same content elsewhere
-            self._cache.insert(page_hash, CacheEntry(page_id, hashes[i - 1] if i else None,
-                                                     tuple(token_ids[i * ps:(i + 1) * ps])))
+            self._cache.insert(
+                page_hash, CacheEntry(page_id, hashes[i - 1] if i else None, tuple(token_ids[i * ps : (i + 1) * ps]))
+            )
             stored.append(i)
         if stored and self._events is not None:
             self._record_stored(stored, hashes, token_ids)
@@ -181,8 +192,14 @@ class PagePool:
                 runs.append([i])
         for run in runs:
             first, last = run[0], run[-1]
-            self._events.append(BlockStored(tuple(hashes[first:last + 1]), hashes[first - 1] if first else None,
-                                            tuple(token_ids[first * ps:(last + 1) * ps]), ps))
+            self._events.append(
+                BlockStored(
+                    tuple(hashes[first : last + 1]),
+                    hashes[first - 1] if first else None,
+                    tuple(token_ids[first * ps : (last + 1) * ps]),
+                    ps,
+                )
+            )
 
     # --- allocation -------------------------------------------------------------------------------
     def can_allocate(self, num_new: int, cached: Sequence[int] = ()) -> bool:
@@ -198,8 +215,7 @@ class PagePool:
         that are referenced already (a fork shares them): each gains one more reference.
         """
         if not self.can_allocate(num_new, cached):
-            raise OutOfPagesError(f"asked for {num_new} new pages (+{len(cached)} cached), "
-                                  f"{len(self._free)} free")
+            raise OutOfPagesError(f"asked for {num_new} new pages (+{len(cached)} cached), {len(self._free)} free")
         for p in cached:
             if self._ref_counts[p] == 0:
                 del self._free[p]

@@ -12,12 +12,13 @@ token ids, so a page's hash stands for the whole prefix up to its end:
 page hashes can be compared across replicas (and published to routers as KV events).
 The PagePool owns a PrefixCache and decides when pages enter and leave it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import struct
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 PageHash = Hashable
 HashFn = Callable[[PageHash | None, tuple[int, ...]], PageHash]
@@ -30,12 +31,13 @@ def hash_page(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     return h.digest()[:16]
 
 
-def extend_page_hashes(hashes: list[PageHash], token_ids: Sequence[int], page_size: int,
-                       hash_fn: HashFn = hash_page) -> None:
+def extend_page_hashes(
+    hashes: list[PageHash], token_ids: Sequence[int], page_size: int, hash_fn: HashFn = hash_page
+) -> None:
     """Appends to `hashes` the chained hash of every full page of `token_ids` not hashed yet."""
     for i in range(len(hashes), len(token_ids) // page_size):
         parent = hashes[i - 1] if i else None
-        hashes.append(hash_fn(parent, tuple(token_ids[i * page_size:(i + 1) * page_size])))
+        hashes.append(hash_fn(parent, tuple(token_ids[i * page_size : (i + 1) * page_size])))
 
 
 @dataclasses.dataclass

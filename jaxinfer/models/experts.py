@@ -24,6 +24,7 @@ the per-expert and dense forms multiply through the linear layers' `einsum`; the
 matmuls take per-channel int8 integers and scale each row by its expert's scales, and dequantize
 other layouts first.
 """
+
 from __future__ import annotations
 
 import jax
@@ -49,8 +50,16 @@ def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tup
     return weights.astype(x.dtype), experts
 
 
-def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: Experts, w_down: Experts, *, top_k: int,
-            renormalize: bool, impl: str = "auto") -> jax.Array:
+def moe_mlp(
+    x: jax.Array,
+    router: jax.Array,
+    w_gate_up: Experts,
+    w_down: Experts,
+    *,
+    top_k: int,
+    renormalize: bool,
+    impl: str = "auto",
+) -> jax.Array:
     """x [T, E] -> [T, E]: each token's top-k experts' gated MLPs summed with the router's weights.
     Per-expert tuples take the per-expert forms; `impl` picks a stacked form."""
     weights, experts = route(x, router, top_k, renormalize)
@@ -87,12 +96,19 @@ def replicas_as_rows(form):
     def _rule(axis_size, in_batched, x, weights, experts, w_gate_up, w_down):
         args = (x, weights, experts, w_gate_up, w_down)
         if any(jax.tree.leaves(in_batched[3:])):
+
             def replica(r):
-                return form(*(jax.tree.map(lambda a, b: a[r] if b else a, arg, batched)
-                              for arg, batched in zip(args, in_batched)))
+                return form(
+                    *(
+                        jax.tree.map(lambda a, b: a[r] if b else a, arg, batched)
+                        for arg, batched in zip(args, in_batched)
+                    )
+                )
+
             return jax.lax.map(replica, jnp.arange(axis_size)), True
-        rows = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-                for a, batched in zip(args[:3], in_batched[:3])]
+        rows = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, batched in zip(args[:3], in_batched[:3])
+        ]
         out = fn(*(a.reshape(-1, *a.shape[2:]) for a in rows), w_gate_up, w_down)
         return out.reshape(axis_size, -1, out.shape[-1]), True
 
@@ -125,8 +141,9 @@ def _map(w, fn):
     return w.map(fn) if isinstance(w, QuantizedWeight) else fn(w)
 
 
-_GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
 
 
 def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
@@ -134,8 +151,10 @@ def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Ar
     stacked weights w [X, in, out...] -> [rows, out...]: per-channel int8 runs on the integers
     and scales each row's output by its expert's scales; other quantized layouts are
     dequantized first."""
-    grouped = lambda w: jax.lax.ragged_dot_general(xs, w, group_sizes, _GROUPED,  # noqa: E731
-                                                   preferred_element_type=xs.dtype)
+
+    def grouped(w):
+        return jax.lax.ragged_dot_general(xs, w, group_sizes, _GROUPED, preferred_element_type=xs.dtype)
+
     if not isinstance(w, QuantizedWeight):
         return grouped(w)
     if w.per_channel_int8:
@@ -184,8 +203,13 @@ def _by_capacity(x, weights, experts, w_gate_up, w_down, counts, capacity: int) 
     first = jnp.cumsum(counts) - counts  # [X]: each group's first sorted row
     rank = jnp.zeros_like(flat).at[order].set(jnp.arange(t * top_k) - first[flat[order] % num_experts])
     slot = jnp.where(valid, slot_of[flat % num_experts], slots)  # [N]; `slots`: no slot (dropped)
-    table = jnp.full((slots, capacity), t, jnp.int32).at[slot, rank].set(  # [slots, C]: token ids
-        jnp.arange(t * top_k, dtype=jnp.int32) // top_k, mode="drop")
+    table = (
+        jnp.full((slots, capacity), t, jnp.int32)
+        .at[slot, rank]
+        .set(  # [slots, C]: token ids
+            jnp.arange(t * top_k, dtype=jnp.int32) // top_k, mode="drop"
+        )
+    )
     xs = jnp.pad(x, ((0, 1), (0, 0)))[table]  # [slots, C, E]; empty rows (token id T) 0
     gate_up = einsum("xte,xecf->xtcf", xs, w_gate_up)  # [slots, C, 2, F]
     out = einsum("xtf,xfe->xte", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down)  # [slots, C, E]
@@ -207,6 +231,7 @@ def per_expert(x, weights, experts, w_gate_up: tuple, w_down: tuple) -> jax.Arra
     mlps = [lambda h, i=i: gated_mlp(h, w_gate_up[i], w_down[i]) for i in range(num_experts)]
     quantized = any(isinstance(w, QuantizedWeight) for w in (*w_gate_up, *w_down))
     if t < _FEWEST_PACKED and not quantized:
+
         def choice(out, c):
             expert, weight, row = c
             y = jax.lax.switch(expert, mlps, jax.lax.dynamic_slice_in_dim(x, row, 1))  # [1, E]
@@ -241,6 +266,7 @@ def _chosen_rows(mlp, x: jax.Array, gate: jax.Array) -> jax.Array:
             picked = order[:n]
             out = mlp(x[picked]) * gate[picked][:, None]
             return jnp.zeros_like(x).at[picked].add(out.astype(x.dtype))
+
         return run
 
     branches = [lambda _: jnp.zeros_like(x)] + [rows(n) for n in sizes]

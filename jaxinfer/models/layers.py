@@ -5,6 +5,7 @@ Every function is pure: parameters and state come in as arguments and go out as 
 Shapes use these letters: T tokens of the ragged batch, E embed, H query heads, K kv heads,
 D head dim, F mlp hidden, V vocab, X experts, k experts per token.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,8 +62,7 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     high_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
@@ -94,8 +94,16 @@ def traced_once(layer_fn):
     return jax.jit(layer_fn, static_argnums=tuple(range(6, num_args)))
 
 
-def decoder_stack(layer_fn, params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                  kv_caches, meta: AttentionMetadata, attn_impl: str):
+def decoder_stack(
+    layer_fn,
+    params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_caches,
+    meta: AttentionMetadata,
+    attn_impl: str,
+):
     """Embedding, then `layer_fn(x, layer, kv_cache, cos, sin, meta, config, attn_impl)` for each
     layer in order (each writes its K/V pages), then the final norm: (hidden [T, E], caches)."""
     x = embedding_rows(params.embed, tokens)  # [T, E]; a quantized embedding dequantizes these rows
@@ -126,9 +134,16 @@ def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Arra
     return einsum("tf,fe->te", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
 
 
-def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array | QuantizedKVCache,
-                    meta: AttentionMetadata, config: ModelConfig, impl: str, sliding: bool = True
-                    ) -> tuple[jax.Array, jax.Array | QuantizedKVCache]:
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array | QuantizedKVCache,
+    meta: AttentionMetadata,
+    config: ModelConfig,
+    impl: str,
+    sliding: bool = True,
+) -> tuple[jax.Array, jax.Array | QuantizedKVCache]:
     """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel; the
     cache is a float array or an int8/fp8 QuantizedKVCache (jaxinfer.quant.kv_cache).
 
@@ -136,11 +151,25 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arra
     tokens over `sequence` (see sharding/attention.py); without one it is a plain call. `sliding`:
     False for a global layer of a model whose layers differ (config.layer_types)."""
     window = config.sliding_window if sliding else None
-    attend = functools.partial(ragged_paged_attention, sm_scale=config.attn_scale, sliding_window=window,
-                               soft_cap=config.attn_logit_softcap, impl=impl)
-    return shard_paged_attention(_with_kv_scales(attend, 3), _with_kv_scales(write_kv, 0), q, k, v,
-                                 kv_cache, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
-                                 meta.num_seqs)
+    attend = functools.partial(
+        ragged_paged_attention,
+        sm_scale=config.attn_scale,
+        sliding_window=window,
+        soft_cap=config.attn_logit_softcap,
+        impl=impl,
+    )
+    return shard_paged_attention(
+        _with_kv_scales(attend, 3),
+        _with_kv_scales(write_kv, 0),
+        q,
+        k,
+        v,
+        kv_cache,
+        meta.kv_lens,
+        meta.page_indices,
+        meta.cu_q_lens,
+        meta.num_seqs,
+    )
 
 
 def _with_kv_scales(fn, cache_at: int):
@@ -148,15 +177,16 @@ def _with_kv_scales(fn, cache_at: int):
     attend(q, k, v, cache, ...) -> (out, cache), 0 for write_kv(cache, ...) -> cache): its pages go
     in as the cache and its per-head scales as k_scale / v_scale, so new K/V are written quantized
     and pages are read back dequantized; the cache comes back with the same scales."""
+
     def call(*args):
         cache = args[cache_at]
         if not isinstance(cache, QuantizedKVCache):
             return fn(*args)
-        out = fn(*args[:cache_at], cache.pages, *args[cache_at + 1:],
-                 k_scale=cache.k_scale, v_scale=cache.v_scale)
+        out = fn(*args[:cache_at], cache.pages, *args[cache_at + 1 :], k_scale=cache.k_scale, v_scale=cache.v_scale)
         if cache_at == 0:
             return cache.replace(pages=out)
         return out[0], cache.replace(pages=out[1])
+
     return call
 
 

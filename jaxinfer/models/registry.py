@@ -13,10 +13,12 @@ So a family is its folder, jaxinfer/models/<family>/ (__init__.py: its FamilySpe
 model.py, names.py), and one entry in families.BUILTIN_FAMILIES; a family defined outside the
 package (a plug-in, a test) is added with `register_family`, without editing the package.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -36,9 +38,17 @@ class ModelParams(Protocol):
 
 
 class ForwardFn(Protocol):
-    def __call__(self, params: ModelParams, config: ModelConfig, tokens: jax.Array,
-                 positions: jax.Array, kv_caches: KVCaches, meta: AttentionMetadata, *,
-                 attn_impl: str = "auto") -> tuple[jax.Array, KVCaches]:
+    def __call__(
+        self,
+        params: ModelParams,
+        config: ModelConfig,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        *,
+        attn_impl: str = "auto",
+    ) -> tuple[jax.Array, KVCaches]:
         """tokens, positions i32[T] -> (hidden [T, E] after the final norm, new caches)."""
 
 
@@ -48,14 +58,16 @@ class LogitsFn(Protocol):
 
 
 class InitParamsFn(Protocol):
-    def __call__(self, config: ModelConfig, key: jax.Array, dtype: np.dtype | type = ...,
-                 scale: float = ...) -> ModelParams:
+    def __call__(
+        self, config: ModelConfig, key: jax.Array, dtype: np.dtype | type = ..., scale: float = ...
+    ) -> ModelParams:
         """Random parameters of the config's shapes (tests and benchmarks)."""
 
 
 class AssembleFn(Protocol):
-    def __call__(self, config: ModelConfig, top: dict[str, jax.Array],
-                 per_layer: list[dict[str, jax.Array]]) -> ModelParams:
+    def __call__(
+        self, config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dict[str, jax.Array]]
+    ) -> ModelParams:
         """The parameter tree from loaded arrays keyed by field name (it may empty `per_layer`
         dicts as it goes, freeing arrays it has fused)."""
 
@@ -106,11 +118,15 @@ def features(config: ModelConfig) -> list[str]:
     scaling = f", {c.rope_scaling.rope_type} scaling x{c.rope_scaling.factor:g}" if c.rope_scaling else ""
     local = f" (sliding layers: base {c.rope_local_theta:g})" if c.rope_local_theta and sliding else ""
     out.append(f"rope base {c.rope_theta:g}{scaling}{local}")
-    flags = [(c.qk_norm, "QK-norm"), (c.qkv_bias, "q/k/v biases"), (c.tie_word_embeddings, "tied LM head"),
-             (c.query_pre_attn_scalar, "scores scaled by {query_pre_attn_scalar:g}^-1/2"),
-             (c.attn_logit_softcap, "attention soft cap {attn_logit_softcap:g}"),
-             (c.final_logit_softcap, "final logit soft cap {final_logit_softcap:g}"),
-             (c.num_experts, "{num_experts} experts, top-{num_experts_per_tok}")]
+    flags = [
+        (c.qk_norm, "QK-norm"),
+        (c.qkv_bias, "q/k/v biases"),
+        (c.tie_word_embeddings, "tied LM head"),
+        (c.query_pre_attn_scalar, "scores scaled by {query_pre_attn_scalar:g}^-1/2"),
+        (c.attn_logit_softcap, "attention soft cap {attn_logit_softcap:g}"),
+        (c.final_logit_softcap, "final logit soft cap {final_logit_softcap:g}"),
+        (c.num_experts, "{num_experts} experts, top-{num_experts_per_tok}"),
+    ]
     fields = dataclasses.asdict(c)
     return out + [text.format(**fields) for on, text in flags if on]
 
@@ -122,7 +138,8 @@ def get_family(name: str) -> ModelFamily:
     if loaded is None or loaded[0] is not spec:
         family = spec.model()
         if not isinstance(family, ModelFamily) or family.name != name:
-            raise ValueError(f"model family {name!r}: its model() returned {family!r}, not a ModelFamily "
-                             f"named {name!r}")
+            raise ValueError(
+                f"model family {name!r}: its model() returned {family!r}, not a ModelFamily named {name!r}"
+            )
         loaded = _LOADED[name] = (spec, family)
     return loaded[1]

@@ -3,10 +3,11 @@
 A family's name map (e.g. llama/names.py) lists one TensorSpec per tensor it needs; the loader
 checks names and shapes against the checkpoint and calls `to_ours` on each array it reads.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -6,6 +6,7 @@ no device ever holds the float weight). An orbax checkpoint saved quantized stor
 arrays as NAME.values, NAME.scales (and NAME.offsets or NAME.zeros); `component_specs` names and shapes them so
 a load restores them as saved, and its metadata carries `QuantConfig.to_metadata()`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ class QuantConfig:
     """method: "int8" (per output channel, or per group of inputs), "int4" (group-wise, with float
     offsets), "gguf" (a GGUF file's own quantized blocks kept), or "auto" (resolved per checkpoint
     by `resolve`)."""
+
     method: str
     # Inputs sharing one scale: int4 default 64; int8 default 0 = one scale per output channel.
     group_size: int | None = None
@@ -48,17 +50,23 @@ class QuantConfig:
         if self.group_size is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE if self.method == "int4" else 0)
         per_channel = self.group_size == 0 and self.method != "int4" and not isinstance(self.group_size, bool)
-        if not per_channel and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
-                                or self.group_size < 2 or self.group_size % 2):
-            raise ValueError(f"quantization_group_size={self.group_size!r}: expected an even integer "
-                             ">= 2 (e.g. 32, 64 or 128)")
+        if not per_channel and (
+            isinstance(self.group_size, bool)
+            or not isinstance(self.group_size, int)
+            or self.group_size < 2
+            or self.group_size % 2
+        ):
+            raise ValueError(
+                f"quantization_group_size={self.group_size!r}: expected an even integer >= 2 (e.g. 32, 64 or 128)"
+            )
         if self.embedding and self.method not in ("int8", "int4"):
-            raise ValueError(f"quantize_embedding=True needs quantization int8 or int4, not {self.method!r} "
-                             "(a GGUF file's quantized embedding is kept by quantization='gguf')")
+            raise ValueError(
+                f"quantize_embedding=True needs quantization int8 or int4, not {self.method!r} "
+                "(a GGUF file's quantized embedding is kept by quantization='gguf')"
+            )
 
     @classmethod
-    def parse(cls, method: str | None, group_size: int | None = None,
-              embedding: bool = False) -> "QuantConfig | None":
+    def parse(cls, method: str | None, group_size: int | None = None, embedding: bool = False) -> QuantConfig | None:
         """None or "none" -> None; otherwise a checked QuantConfig."""
         if method is None or method == "none":
             if embedding:
@@ -70,7 +78,7 @@ class QuantConfig:
         return {"method": self.method, "group_size": self.group_size or None, "embedding": self.embedding}
 
     @classmethod
-    def from_metadata(cls, record: Mapping[str, Any] | None) -> "QuantConfig | None":
+    def from_metadata(cls, record: Mapping[str, Any] | None) -> QuantConfig | None:
         if not record:
             return None
         return cls(record["method"], record.get("group_size"), bool(record.get("embedding", False)))
@@ -84,15 +92,18 @@ class QuantConfig:
         return None
 
 
-def resolve(asked: QuantConfig | None, fmt: str, saved: QuantConfig | None, has_linear: bool,
-            backend: str, where: str) -> QuantConfig | None:
+def resolve(
+    asked: QuantConfig | None, fmt: str, saved: QuantConfig | None, has_linear: bool, backend: str, where: str
+) -> QuantConfig | None:
     """The quantization a load ends with. `fmt`: "hf", "gguf" or "ours" (orbax, `saved` its own:
     kept, and asking for another is an error); "auto" keeps a GGUF file's blocks on
     GGUF_NATIVE_BACKENDS when the family can take quantized linear weights, else it is none."""
     if saved is not None:
         if asked is not None and asked.method != "auto" and asked != saved:
-            raise ValueError(f"{where}: the checkpoint is quantized as {saved.to_metadata()}; cannot load "
-                             f"it as quantization={asked.method!r} (group size {asked.group_size})")
+            raise ValueError(
+                f"{where}: the checkpoint is quantized as {saved.to_metadata()}; cannot load "
+                f"it as quantization={asked.method!r} (group size {asked.group_size})"
+            )
         return saved
     if asked is None:
         return None
@@ -100,21 +111,25 @@ def resolve(asked: QuantConfig | None, fmt: str, saved: QuantConfig | None, has_
         native = fmt == "gguf" and has_linear and backend in GGUF_NATIVE_BACKENDS
         return QuantConfig("gguf") if native else None
     if asked.method == "gguf" and fmt != "gguf":
-        raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks, but {where} is "
-                         f"not a GGUF file; use int8 or int4 to quantize it")
+        raise ValueError(
+            f"quantization='gguf' keeps a GGUF file's quantized blocks, but {where} is "
+            f"not a GGUF file; use int8 or int4 to quantize it"
+        )
     return asked
 
 
-def quantize_field(array: np.ndarray, field: str, inputs: tuple[int, ...], quant: QuantConfig,
-                   scale_dtype) -> QuantizedWeight:
+def quantize_field(
+    array: np.ndarray, field: str, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype
+) -> QuantizedWeight:
     """One linear weight in our layout (`inputs`: its input axes) -> its host QuantizedWeight."""
     if quant.method == "int8":
         return quantize_int8(array, inputs, scale_dtype, quant.group_size, name=field)
     return quantize_int4(array, inputs, quant.group_size, scale_dtype, name=field)
 
 
-def component_shapes(shape: tuple[int, ...], inputs: tuple[int, ...], quant: QuantConfig,
-                     scale_dtype) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def component_shapes(
+    shape: tuple[int, ...], inputs: tuple[int, ...], quant: QuantConfig, scale_dtype
+) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The arrays a weight of this float shape is stored as: {component: (shape, dtype)}."""
     if quant.method == "int8":
         scales = [1 if i in inputs else n for i, n in enumerate(shape)]
@@ -126,15 +141,19 @@ def component_shapes(shape: tuple[int, ...], inputs: tuple[int, ...], quant: Qua
     values, scales = list(shape), list(shape)
     values[axis] //= 2
     scales[axis] //= quant.group_size
-    return {"values": (tuple(values), np.dtype(np.uint8)), "scales": (tuple(scales), np.dtype(scale_dtype)),
-            "offsets": (tuple(scales), np.dtype(scale_dtype))}
+    return {
+        "values": (tuple(values), np.dtype(np.uint8)),
+        "scales": (tuple(scales), np.dtype(scale_dtype)),
+        "offsets": (tuple(scales), np.dtype(scale_dtype)),
+    }
 
 
 def component_specs(spec, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype) -> list:
     """A checkpoint TensorSpec of a linear weight -> one spec per stored array (NAME.values, ...)."""
     shapes = component_shapes(spec.ckpt_shape, inputs, quant, scale_dtype)
-    return [dataclasses.replace(spec, name=f"{spec.name}.{part}", ckpt_shape=shape)
-            for part, (shape, _) in shapes.items()]
+    return [
+        dataclasses.replace(spec, name=f"{spec.name}.{part}", ckpt_shape=shape) for part, (shape, _) in shapes.items()
+    ]
 
 
 def stored_components(reader, spec, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype) -> list:
@@ -144,8 +163,9 @@ def stored_components(reader, spec, inputs: tuple[int, ...], quant: QuantConfig,
     if quant.method != "gguf":
         specs = component_specs(spec, inputs, quant, scale_dtype)
         if quant.method == "int4" and f"{spec.name}.zeros" in set(reader.keys()):  # saved with zero points
-            specs = [dataclasses.replace(s, name=f"{spec.name}.zeros") if s.name.endswith(".offsets") else s
-                     for s in specs]
+            specs = [
+                dataclasses.replace(s, name=f"{spec.name}.zeros") if s.name.endswith(".offsets") else s for s in specs
+            ]
         return specs
     names = set(reader.keys())
     parts = [f"{spec.name}.{part}" for part in PARTS if f"{spec.name}.{part}" in names]
@@ -154,8 +174,9 @@ def stored_components(reader, spec, inputs: tuple[int, ...], quant: QuantConfig,
     return [dataclasses.replace(spec, name=name, ckpt_shape=tuple(reader.shape(name))) for name in parts]
 
 
-def join_components(arrays: Mapping[str, Any], name: str, inputs: tuple[int, ...],
-                    quant: QuantConfig, dtype=None) -> QuantizedWeight:
+def join_components(
+    arrays: Mapping[str, Any], name: str, inputs: tuple[int, ...], quant: QuantConfig, dtype=None
+) -> QuantizedWeight:
     """The QuantizedWeight restored as NAME.values, NAME.scales (, NAME.zeros, NAME.offsets)."""
     values, scales = arrays[f"{name}.values"], arrays[f"{name}.scales"]
     method = "int4" if values.dtype == np.uint8 else "int8"
@@ -163,8 +184,9 @@ def join_components(arrays: Mapping[str, Any], name: str, inputs: tuple[int, ...
         group = values.shape[inputs[-1]] * (2 if method == "int4" else 1) // scales.shape[inputs[-1]]
     else:
         group = quant.group_size
-    return QuantizedWeight(values, scales, arrays.get(f"{name}.zeros"), method, inputs, group,
-                           arrays.get(f"{name}.offsets"), dtype)
+    return QuantizedWeight(
+        values, scales, arrays.get(f"{name}.zeros"), method, inputs, group, arrays.get(f"{name}.offsets"), dtype
+    )
 
 
 def flat_arrays(name: str, value) -> dict[str, Any]:
@@ -186,7 +208,7 @@ def param_count(params) -> int:
 
 
 def quantization_of(params) -> str | None:
-    """"int8", "int4", "mixed" (GGUF blocks of several layouts) or None: how the tree's quantized
+    """ "int8", "int4", "mixed" (GGUF blocks of several layouts) or None: how the tree's quantized
     weights store their integers."""
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     methods = {x.method for x in jax.tree.leaves(params, is_leaf=is_weight) if is_weight(x)}

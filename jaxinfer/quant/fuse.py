@@ -16,6 +16,7 @@ the fused weight float (the quantized members dequantized to its dtype).
 `stack` and `unstack` put weights along a new axis and take them apart again (a mixture's
 experts, [X, ...]): a quantized weight's arrays alike, its input axes renumbered.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,9 @@ def common_layout(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
     group = math.gcd(*(w.group or w.shape[axis] for w in weights))
     scale_dtype = jnp.result_type(*(w.scales.dtype for w in weights))
     with_offsets = any(w.offsets is not None for w in weights)
-    offset_dtype = jnp.result_type(*(w.offsets.dtype for w in weights if w.offsets is not None)) \
-        if with_offsets else None
+    offset_dtype = (
+        jnp.result_type(*(w.offsets.dtype for w in weights if w.offsets is not None)) if with_offsets else None
+    )
     out = []
     for w in weights:
         q = integers(w).astype(jnp.int16)
@@ -63,10 +65,16 @@ def common_layout(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
         regroup = lambda a, w=w: _regroup(w, a, group)  # noqa: E731
         offsets = None
         if with_offsets:
-            offsets = regroup(w.offsets).astype(offset_dtype) if w.offsets is not None \
+            offsets = (
+                regroup(w.offsets).astype(offset_dtype)
+                if w.offsets is not None
                 else jnp.zeros_like(regroup(w.scales), dtype=offset_dtype)
-        out.append(QuantizedWeight(q.astype(jnp.int8), regroup(w.scales).astype(scale_dtype), None, "int8",
-                                   inputs, group, offsets, dtype))
+            )
+        out.append(
+            QuantizedWeight(
+                q.astype(jnp.int8), regroup(w.scales).astype(scale_dtype), None, "int8", inputs, group, offsets, dtype
+            )
+        )
     return out
 
 

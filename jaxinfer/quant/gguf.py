@@ -12,6 +12,7 @@ along our grouped input axis comes from one GGUF group (so one scale serves it).
 (a group straddles two heads, say), or the tensor is float or of a type not decoded here, the
 loader dequantizes that tensor as before.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -39,8 +40,16 @@ def repack(blocks: gguf_blocks.Blocks, to_ours, inputs: tuple[int, ...], dtype) 
     take = lambda a: None if a is None else np.ascontiguousarray(a.reshape(-1)[source])  # noqa: E731
     q = blocks.integers.reshape(-1)[index]
     values = pack_int4(q, axis) if blocks.bits == 4 else np.ascontiguousarray(q.astype(np.int8))
-    return QuantizedWeight(values, take(blocks.scales), take(blocks.zeros), "int4" if blocks.bits == 4 else "int8",
-                           inputs, group, take(blocks.offsets), dtype)
+    return QuantizedWeight(
+        values,
+        take(blocks.scales),
+        take(blocks.zeros),
+        "int4" if blocks.bits == 4 else "int8",
+        inputs,
+        group,
+        take(blocks.offsets),
+        dtype,
+    )
 
 
 def _is_permutation(index: np.ndarray, size: int) -> bool:

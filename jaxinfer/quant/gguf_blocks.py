@@ -21,6 +21,7 @@ rounds as gguf's separate multiply and add do.
 Arrays keep the tensor's own row-major shape ([.., n] with n the contiguous, blocked axis):
 `integers` [.., n], `scales` / `zeros` / `offsets` [.., n / group].
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,7 @@ import numpy as np
 
 QK = 32  # weights per block of the legacy types
 QK_K = 256  # weights per super-block of the K-quants
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176,
-               "Q6_K": 210}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 SUPPORTED = tuple(BLOCK_BYTES)
 
 

@@ -16,6 +16,7 @@ changed, so every page, whenever written, is read back with the scale it was wri
 unquantized engine keeps a plain array per layer; model code passes either form through to
 `layers.paged_attention` untouched.
 """
+
 from __future__ import annotations
 
 import flax.struct

@@ -14,6 +14,7 @@ dot (the matrix-vector kernel already streams at full rate), and so do larger ro
 The worker converts a model's float32 linear weights on one CPU device without a mesh
 (`to_out_first`); everywhere else weights keep their [in..., out...] layout.
 """
+
 from __future__ import annotations
 
 import jax
@@ -30,7 +31,7 @@ class OutFirstWeight:
         self.t, self.inputs = t, tuple(inputs)
 
     @classmethod
-    def of(cls, w: jax.Array, inputs: tuple[int, ...]) -> "OutFirstWeight":
+    def of(cls, w: jax.Array, inputs: tuple[int, ...]) -> OutFirstWeight:
         outputs = tuple(i for i in range(w.ndim) if i not in inputs)
         return cls(jnp.transpose(w, outputs + tuple(inputs)), inputs)
 
@@ -58,17 +59,20 @@ class OutFirstWeight:
 
     def spec_letters(self, w_letters: str) -> str:
         """The einsum letters of `t`, given those of the original weight."""
-        return ("".join(c for i, c in enumerate(w_letters) if i not in self.inputs)
-                + "".join(w_letters[i] for i in self.inputs))
+        return "".join(c for i, c in enumerate(w_letters) if i not in self.inputs) + "".join(
+            w_letters[i] for i in self.inputs
+        )
 
     def __repr__(self) -> str:
         return f"OutFirstWeight(shape={self.shape}, inputs={self.inputs}, dtype={self.dtype})"
 
 
 jax.tree_util.register_pytree_with_keys(
-    OutFirstWeight, lambda w: ([(jax.tree_util.GetAttrKey("t"), w.t)], w.inputs),
+    OutFirstWeight,
+    lambda w: ([(jax.tree_util.GetAttrKey("t"), w.t)], w.inputs),
     lambda inputs, children: OutFirstWeight(children[0], inputs),
-    lambda w: ((w.t,), w.inputs))
+    lambda w: ((w.t,), w.inputs),
+)
 
 
 def contract_rows(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -83,6 +87,9 @@ def contract_rows(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def to_out_first(layer, fields: dict[str, tuple[int, ...]]):
     """A layer (a flax struct dataclass) with each named float32 array field -> OutFirstWeight."""
-    changes = {name: OutFirstWeight.of(getattr(layer, name), inputs) for name, inputs in fields.items()
-               if isinstance(getattr(layer, name, None), jax.Array) and getattr(layer, name).dtype == jnp.float32}
+    changes = {
+        name: OutFirstWeight.of(getattr(layer, name), inputs)
+        for name, inputs in fields.items()
+        if isinstance(getattr(layer, name, None), jax.Array) and getattr(layer, name).dtype == jnp.float32
+    }
     return layer.replace(**changes) if changes else layer

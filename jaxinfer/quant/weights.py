@@ -30,6 +30,7 @@ Inside the jitted step XLA fuses the conversion into the dot's operand on GPU/TP
 stay quantized in memory. `embedding_rows` gathers rows of a (quantized) embedding, then
 dequantizes only those.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,9 @@ INT4_LEVELS = 15
 class QuantizedWeight:
     """values (int8, or uint8 holding two int4), scales, optional zeros / offsets + static layout."""
 
-    def __init__(self, values, scales, zeros, method: str, inputs: tuple[int, ...], group: int = 0,
-                 offsets=None, dtype=None):
+    def __init__(
+        self, values, scales, zeros, method: str, inputs: tuple[int, ...], group: int = 0, offsets=None, dtype=None
+    ):
         self.values, self.scales, self.zeros, self.offsets = values, scales, zeros, offsets
         self.method, self.inputs, self.group = method, tuple(inputs), group
         self.dtype = np.dtype(scales.dtype if dtype is None else dtype)
@@ -91,11 +93,19 @@ class QuantizedWeight:
             raise TypeError(f"{self!r}: rows of a weight are gathered only along a non-input first axis")
         return dequantize(self.map(lambda a: a[rows]))
 
-    def map(self, fn) -> "QuantizedWeight":
+    def map(self, fn) -> QuantizedWeight:
         """fn applied to each array (e.g. placing each on its devices)."""
         maybe = lambda a: None if a is None else fn(a)  # noqa: E731
-        return QuantizedWeight(fn(self.values), fn(self.scales), maybe(self.zeros), self.method, self.inputs,
-                               self.group, maybe(self.offsets), self.dtype)
+        return QuantizedWeight(
+            fn(self.values),
+            fn(self.scales),
+            maybe(self.zeros),
+            self.method,
+            self.inputs,
+            self.group,
+            maybe(self.offsets),
+            self.dtype,
+        )
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.layout()}, shape={self.shape}, inputs={self.inputs}, dtype={self.dtype})"
@@ -114,12 +124,16 @@ def _unflatten(aux, children) -> QuantizedWeight:
 
 
 jax.tree_util.register_pytree_with_keys(
-    QuantizedWeight, _flatten_with_keys, _unflatten,
-    lambda w: ((w.values, w.scales, w.zeros, w.offsets), (w.method, w.inputs, w.group, w.dtype)))
+    QuantizedWeight,
+    _flatten_with_keys,
+    _unflatten,
+    lambda w: ((w.values, w.scales, w.zeros, w.offsets), (w.method, w.inputs, w.group, w.dtype)),
+)
 
 
-def quantize_int8(w: np.ndarray, inputs: tuple[int, ...], scale_dtype, group: int = 0,
-                  name: str = "weight") -> QuantizedWeight:
+def quantize_int8(
+    w: np.ndarray, inputs: tuple[int, ...], scale_dtype, group: int = 0, name: str = "weight"
+) -> QuantizedWeight:
     """Symmetric: the largest |w| maps to 127, per output channel (group 0: over all input axes)
     or per group of `group` consecutive inputs along the last input axis."""
     w32 = np.asarray(w, np.float32)
@@ -139,13 +153,16 @@ def _grouped(w32: np.ndarray, inputs: tuple[int, ...], group: int, name: str) ->
     """w with its last input axis split into (n / group, group), and that axis."""
     axis, n = inputs[-1], w32.shape[inputs[-1]]
     if n % group:
-        raise ValueError(f"quantization_group_size={group} does not divide the input dimension {n} "
-                         f"of {name} {tuple(w32.shape)}; choose a group size that divides it")
-    return w32.reshape(w32.shape[:axis] + (n // group, group) + w32.shape[axis + 1:]), axis
+        raise ValueError(
+            f"quantization_group_size={group} does not divide the input dimension {n} "
+            f"of {name} {tuple(w32.shape)}; choose a group size that divides it"
+        )
+    return w32.reshape(w32.shape[:axis] + (n // group, group) + w32.shape[axis + 1 :]), axis
 
 
-def quantize_int4(w: np.ndarray, inputs: tuple[int, ...], group: int, scale_dtype,
-                  name: str = "weight") -> QuantizedWeight:
+def quantize_int4(
+    w: np.ndarray, inputs: tuple[int, ...], group: int, scale_dtype, name: str = "weight"
+) -> QuantizedWeight:
     """Groups of `group` inputs along the last input axis, each mapped onto 0..15 by its own min
     and max: w ~ q * s + o with o the group's minimum (a float offset, so a group of one sign
     keeps all 16 levels inside its range; an integer zero point would have to reach 0)."""
@@ -156,8 +173,15 @@ def quantize_int4(w: np.ndarray, inputs: tuple[int, ...], group: int, scale_dtyp
     scales = np.where(hi > lo, (hi - lo) / INT4_LEVELS, 1.0).astype(np.float32)
     q = np.clip(np.rint((grouped - lo) / scales), 0, INT4_LEVELS).astype(np.uint8).reshape(w32.shape)
     values = pack_int4(q, axis)
-    return QuantizedWeight(values, np.squeeze(scales, axis + 1).astype(scale_dtype), None, "int4", inputs,
-                           group, offsets=np.squeeze(lo, axis + 1).astype(scale_dtype))
+    return QuantizedWeight(
+        values,
+        np.squeeze(scales, axis + 1).astype(scale_dtype),
+        None,
+        "int4",
+        inputs,
+        group,
+        offsets=np.squeeze(lo, axis + 1).astype(scale_dtype),
+    )
 
 
 def pack_int4(q: np.ndarray, axis: int) -> np.ndarray:
@@ -242,14 +266,14 @@ def _merged_contraction(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     x_letters, w_letters = operands.split(",")
     contracted = "".join(c for c in x_letters if c in w_letters and c not in out)
     n = len(contracted)
-    free = x_letters[:len(x_letters) - n]
+    free = x_letters[: len(x_letters) - n]
     if not x_letters.endswith(contracted):
         return jnp.einsum(spec, x, w)
-    k = math.prod(x.shape[len(free):])
+    k = math.prod(x.shape[len(free) :])
     if n and w_letters.endswith(contracted) and out == free + w_letters[:-n]:
         y = contract_rows(x.reshape(-1, k), w.reshape(-1, k))
-        return y.reshape(*x.shape[:len(free)], *w.shape[:-n])
+        return y.reshape(*x.shape[: len(free)], *w.shape[:-n])
     if n < 2 or not (w_letters.startswith(contracted) and out == free + w_letters[n:]):
         return jnp.einsum(spec, x, w)
     y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
-    return y.reshape(*x.shape[:len(free)], *w.shape[n:])
+    return y.reshape(*x.shape[: len(free)], *w.shape[n:])

@@ -5,7 +5,7 @@ Only the JAX-free user-facing names are exported here, so `from jaxinfer.samplin
 SamplingParams` does not import JAX; device code imports `jaxinfer.sampling.sampler` and
 `jaxinfer.sampling.arrays` by name.
 """
-from jaxinfer.sampling.params import (GREEDY_EPS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams,
-                                      StructuredOutput)
+
+from jaxinfer.sampling.params import GREEDY_EPS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 __all__ = ["SamplingParams", "StructuredOutput", "MAX_LOGPROBS", "MAX_LOGIT_BIAS", "GREEDY_EPS"]

@@ -33,9 +33,11 @@ ids, padded with -1 to a width H. The transfer is B*H int32 per step instead of 
 counts are built on the device (sampler.apply_penalties). When no row of a batch uses penalties
 the history is None (a separate compiled variant) and the step pays nothing.
 """
+
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import flax.struct
 import jax
@@ -63,26 +65,27 @@ class SequenceLike(Protocol):
 
 @flax.struct.dataclass
 class PenaltyHistory:
-    token_ids: jax.Array   # i32[B, H] prompt ids (if the row's repetition penalty is on), then
-                           # output ids; -1 pads
+    token_ids: jax.Array  # i32[B, H] prompt ids (if the row's repetition penalty is on), then
+    # output ids; -1 pads
     num_prompt: jax.Array  # i32[B]    how many leading ids of the row are prompt ids
 
 
 @flax.struct.dataclass
 class SamplingArrays:
     """One row per sequence of the batch; padding rows are greedy with every filter off."""
-    temperature: jax.Array         # f32[B] 0 = greedy
-    top_k: jax.Array               # i32[B] 0 = off
-    top_p: jax.Array               # f32[B] 1 = off
-    min_p: jax.Array               # f32[B] 0 = off
+
+    temperature: jax.Array  # f32[B] 0 = greedy
+    top_k: jax.Array  # i32[B] 0 = off
+    top_p: jax.Array  # f32[B] 1 = off
+    min_p: jax.Array  # f32[B] 0 = off
     repetition_penalty: jax.Array  # f32[B] 1 = off
-    presence_penalty: jax.Array    # f32[B] 0 = off
-    frequency_penalty: jax.Array   # f32[B] 0 = off
-    seeds: jax.Array               # u32[B, 2] the sequence's 64-bit seed as (low, high) words
-    num_generated: jax.Array       # i32[B] output tokens so far: which draw of the stream this is
-    num_top_logprobs: jax.Array    # i32[B] top-N logprobs asked for (0: none; no row >0: no top-k)
-    allowed: jax.Array | None      # i32[B, W] packed allowed-token bits, -1 = all (W = 1: no masking)
-    bias_ids: jax.Array | None     # i32[B, L] logit-bias token ids, packed at the front; -1 pads
+    presence_penalty: jax.Array  # f32[B] 0 = off
+    frequency_penalty: jax.Array  # f32[B] 0 = off
+    seeds: jax.Array  # u32[B, 2] the sequence's 64-bit seed as (low, high) words
+    num_generated: jax.Array  # i32[B] output tokens so far: which draw of the stream this is
+    num_top_logprobs: jax.Array  # i32[B] top-N logprobs asked for (0: none; no row >0: no top-k)
+    allowed: jax.Array | None  # i32[B, W] packed allowed-token bits, -1 = all (W = 1: no masking)
+    bias_ids: jax.Array | None  # i32[B, L] logit-bias token ids, packed at the front; -1 pads
     bias_values: jax.Array | None  # f16[B, L] the bias added to each of those tokens' logits
     # allowed / bias pair None: every row's default, filled before the step (fill_defaults)
     history: PenaltyHistory | None = None  # None: no row uses penalties (static structure)
@@ -91,11 +94,17 @@ class SamplingArrays:
     plain: bool = flax.struct.field(pytree_node=False, default=False)
 
 
-def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequence[int], *,
-                         batch_size: int, seeds: Sequence[int] | None = None,
-                         prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                         output_token_ids: Sequence[Sequence[int]] | None = None,
-                         history_len: int | None = None, vocab_size: int | None = None) -> SamplingArrays:
+def make_sampling_arrays(
+    params: Sequence[SamplingParams],
+    num_generated: Sequence[int],
+    *,
+    batch_size: int,
+    seeds: Sequence[int] | None = None,
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    output_token_ids: Sequence[Sequence[int]] | None = None,
+    history_len: int | None = None,
+    vocab_size: int | None = None,
+) -> SamplingArrays:
     """Numpy SamplingArrays for `params[i]` in row i, padded to `batch_size` rows.
 
     seeds: each row's 64-bit stream seed (Sequence.seed); defaults to params.seed, which then
@@ -109,8 +118,7 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
     """
     rows = len(params)
     if rows > batch_size or len(num_generated) != rows:
-        raise ValueError(f"{rows} params and {len(num_generated)} counts for "
-                         f"batch_size={batch_size}")
+        raise ValueError(f"{rows} params and {len(num_generated)} counts for batch_size={batch_size}")
     pad = batch_size - rows
 
     def col(values, fill, dtype):
@@ -119,8 +127,7 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
     temps = [0.0 if p.is_greedy else p.temperature for p in params]
     if seeds is None:
         if any(p.seed is None and not p.is_greedy for p in params):
-            raise ValueError("make_sampling_arrays: pass seeds= for rows without "
-                             "SamplingParams.seed")
+            raise ValueError("make_sampling_arrays: pass seeds= for rows without SamplingParams.seed")
         seeds = [p.seed or 0 for p in params]
     seed_words = [((s & 0xFFFFFFFF), (s >> 32) & 0xFFFFFFFF) for s in seeds]
     bias_ids, bias_values = _logit_bias(params, batch_size)
@@ -136,9 +143,10 @@ def make_sampling_arrays(params: Sequence[SamplingParams], num_generated: Sequen
         num_generated=col(num_generated, 0, np.int32),
         num_top_logprobs=col([p.logprobs or 0 for p in params], 0, np.int32),
         allowed=np.full((batch_size, allowed_width(vocab_size)), -1, np.int32),
-        bias_ids=bias_ids, bias_values=bias_values,
-        history=_penalty_history(params, prompt_token_ids, output_token_ids, batch_size,
-                                 history_len))
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        history=_penalty_history(params, prompt_token_ids, output_token_ids, batch_size, history_len),
+    )
 
 
 def allowed_width(vocab_size: int | None) -> int:
@@ -150,16 +158,21 @@ def unsent_defaults(arrays: SamplingArrays, grammar: bool) -> SamplingArrays:
     """The arrays less what is every row's default: `allowed` when no row has a grammar, the
     bias pair when no row has a logit bias (None; module docstring)."""
     biased = arrays.bias_ids is not None and bool((arrays.bias_ids[..., 0] >= 0).any())
-    return arrays.replace(allowed=arrays.allowed if grammar else None,
-                          **({} if biased else {"bias_ids": None, "bias_values": None}))
+    return arrays.replace(
+        allowed=arrays.allowed if grammar else None, **({} if biased else {"bias_ids": None, "bias_values": None})
+    )
 
 
 def is_plain(arrays: SamplingArrays) -> bool:
     """Whether every row (host arrays) samples greedily and asks for nothing else: no top
     logprobs, no logit bias, no grammar, no penalty (the bias pair and `allowed` unsent)."""
-    return (arrays.history is None and arrays.allowed is None and arrays.bias_ids is None
-            and bool(np.all(np.asarray(arrays.temperature) < GREEDY_EPS))
-            and not np.any(np.asarray(arrays.num_top_logprobs)))
+    return (
+        arrays.history is None
+        and arrays.allowed is None
+        and arrays.bias_ids is None
+        and bool(np.all(np.asarray(arrays.temperature) < GREEDY_EPS))
+        and not np.any(np.asarray(arrays.num_top_logprobs))
+    )
 
 
 def fill_defaults(arrays: SamplingArrays, vocab_size: int | None, full=np.full) -> SamplingArrays:
@@ -177,18 +190,22 @@ def fill_defaults(arrays: SamplingArrays, vocab_size: int | None, full=np.full) 
     return arrays.replace(**out) if out else arrays
 
 
-def sampling_arrays_for_sequences(seqs: Sequence[SequenceLike], batch_size: int, *,
-                                  history_len: int | None = None,
-                                  vocab_size: int | None = None) -> SamplingArrays:
+def sampling_arrays_for_sequences(
+    seqs: Sequence[SequenceLike], batch_size: int, *, history_len: int | None = None, vocab_size: int | None = None
+) -> SamplingArrays:
     """make_sampling_arrays for scheduler sequences, one row each (`allowed` all set: the caller
     fills the rows of sequences with a grammar)."""
     penalties = any(s.sampling_params.uses_penalties for s in seqs)
     return make_sampling_arrays(
-        [s.sampling_params for s in seqs], [s.num_output_tokens for s in seqs],
-        batch_size=batch_size, seeds=[s.seed for s in seqs],
+        [s.sampling_params for s in seqs],
+        [s.num_output_tokens for s in seqs],
+        batch_size=batch_size,
+        seeds=[s.seed for s in seqs],
         prompt_token_ids=[s.prompt_token_ids for s in seqs] if penalties else None,
         output_token_ids=[s.output_token_ids for s in seqs] if penalties else None,
-        history_len=history_len, vocab_size=vocab_size)
+        history_len=history_len,
+        vocab_size=vocab_size,
+    )
 
 
 def _logit_bias(params: Sequence[SamplingParams], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -197,22 +214,24 @@ def _logit_bias(params: Sequence[SamplingParams], batch_size: int) -> tuple[np.n
     for row, p in enumerate(params):
         if p.logit_bias:
             row_ids, row_values = p.logit_bias.columns
-            ids[row, :len(row_ids)] = row_ids
-            values[row, :len(row_ids)] = row_values
+            ids[row, : len(row_ids)] = row_ids
+            values[row, : len(row_ids)] = row_values
     return ids, values
 
 
-def _penalty_history(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]] | None,
-                     outputs: Sequence[Sequence[int]] | None, batch_size: int,
-                     history_len: int | None) -> PenaltyHistory | None:
+def _penalty_history(
+    params: Sequence[SamplingParams],
+    prompts: Sequence[Sequence[int]] | None,
+    outputs: Sequence[Sequence[int]] | None,
+    batch_size: int,
+    history_len: int | None,
+) -> PenaltyHistory | None:
     if not any(p.uses_penalties for p in params):
         if history_len is None:
             return None
-        return PenaltyHistory(np.full((batch_size, history_len), -1, np.int32),
-                              np.zeros(batch_size, np.int32))
+        return PenaltyHistory(np.full((batch_size, history_len), -1, np.int32), np.zeros(batch_size, np.int32))
     if outputs is None or (prompts is None and any(p.repetition_penalty != 1 for p in params)):
-        raise ValueError("penalties need output_token_ids (and prompt_token_ids for "
-                         "repetition_penalty)")
+        raise ValueError("penalties need output_token_ids (and prompt_token_ids for repetition_penalty)")
     histories = []
     for i, p in enumerate(params):
         prompt = list(prompts[i]) if p.repetition_penalty != 1 else []
@@ -224,7 +243,7 @@ def _penalty_history(params: Sequence[SamplingParams], prompts: Sequence[Sequenc
     token_ids = np.full((batch_size, width), -1, np.int32)
     num_prompt = np.zeros(batch_size, np.int32)
     for i, (prompt, output) in enumerate(histories):
-        token_ids[i, :len(prompt) + len(output)] = prompt + output
+        token_ids[i, : len(prompt) + len(output)] = prompt + output
         num_prompt[i] = len(prompt)
     return PenaltyHistory(token_ids, num_prompt)
 

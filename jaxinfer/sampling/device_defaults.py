@@ -5,6 +5,7 @@ them here from device arrays made once per shape, so every batch reaches the ste
 structure of committed device arrays and runs the same compiled variant. Plain arrays
 (SamplingArrays.plain) stay as they are: their sampler reads neither.
 """
+
 from __future__ import annotations
 
 import jax
@@ -31,8 +32,13 @@ class DeviceDefaults:
         if sampling is None:
             return None
         if self.home is not None:
-            sampling = sampling.replace(**{name: jax.device_put(x, self.home) for name in UNSENT_DEFAULTS
-                                           if (x := getattr(sampling, name)) is not None})
+            sampling = sampling.replace(
+                **{
+                    name: jax.device_put(x, self.home)
+                    for name in UNSENT_DEFAULTS
+                    if (x := getattr(sampling, name)) is not None
+                }
+            )
         return fill_defaults(sampling, self.vocab_size, self._full)
 
     def _full(self, shape: tuple[int, ...], value, dtype) -> jax.Array:

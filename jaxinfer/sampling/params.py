@@ -4,6 +4,7 @@ The user-facing half of sampling. `arrays.py` turns a batch of these into numpy 
 (one row per sequence) and `sampler.py` samples inside the jitted step; neither is imported
 here, so the host side (jaxinfer.core) can hold SamplingParams without importing JAX.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,11 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     """A real number that stays finite as float32 (1e300 would overflow on the device)."""
-    return (isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-            and abs(float(x)) <= FLOAT32_MAX)
+    return (
+        isinstance(x, (int, float, np.integer, np.floating))
+        and not isinstance(x, bool)
+        and abs(float(x)) <= FLOAT32_MAX
+    )
 
 
 def _as_tuple(value: object, item_ok: type | tuple[type, ...]) -> tuple | None:
@@ -83,8 +87,9 @@ def _logit_bias(value: object) -> LogitBias | None:
         if not _is_int(token) or token < 0:
             raise ValueError(f"SamplingParams.logit_bias[{token!r}]: a token id must be an integer >= 0")
         if not _is_number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
-            raise ValueError(f"SamplingParams.logit_bias[{token}]={bias!r}: must be a number in "
-                             f"[{-MAX_BIAS:g}, {MAX_BIAS:g}]")
+            raise ValueError(
+                f"SamplingParams.logit_bias[{token}]={bias!r}: must be a number in [{-MAX_BIAS:g}, {MAX_BIAS:g}]"
+            )
         checked[int(token)] = float(bias)
     return LogitBias(checked) if checked else None
 
@@ -108,8 +113,9 @@ def check_logit_bias_vocab(params: SamplingParams, vocab_size: int) -> None:
     """ValueError naming the ids of params.logit_bias outside the model's vocabulary [0, V)."""
     bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
     if bad:
-        raise ValueError(f"SamplingParams.logit_bias[{bad[0]}]: token ids out of the vocabulary "
-                         f"[0, {vocab_size}): {bad[:5]}")
+        raise ValueError(
+            f"SamplingParams.logit_bias[{bad[0]}]: token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,24 +125,31 @@ class StructuredOutput:
     `json_object` any JSON object, `regex` a regular expression the whole output matches,
     `choice` one of these strings, `grammar` a Lark grammar (llguidance's dialect). On the command
     line these are one group of mutually exclusive flags."""
+
     json: dict | str | None = option(
-        None, "the output is JSON this schema accepts (a file, or the schema's JSON text)", flag="--json-schema",
-        metavar="FILE_OR_JSON", group=STRUCTURED_TITLE)
+        None,
+        "the output is JSON this schema accepts (a file, or the schema's JSON text)",
+        flag="--json-schema",
+        metavar="FILE_OR_JSON",
+        group=STRUCTURED_TITLE,
+    )
     json_object: bool = option(False, "the output is a JSON object", form=ENABLE, group=STRUCTURED_TITLE)
     regex: str | None = option(None, "the whole output matches this regular expression", group=STRUCTURED_TITLE)
-    choice: tuple[str, ...] | None = option(None, "the output is one of these (repeatable)", form=APPEND,
-                                            group=STRUCTURED_TITLE)
-    grammar: str | None = option(None, "a Lark grammar (llguidance's dialect)", metavar="FILE",
-                                 group=STRUCTURED_TITLE)
+    choice: tuple[str, ...] | None = option(
+        None, "the output is one of these (repeatable)", form=APPEND, group=STRUCTURED_TITLE
+    )
+    grammar: str | None = option(None, "a Lark grammar (llguidance's dialect)", metavar="FILE", group=STRUCTURED_TITLE)
 
     def __post_init__(self):
         if self.choice is not None:
-            object.__setattr__(self, "choice", tuple(self.choice) if isinstance(self.choice, (list, tuple))
-                               else self.choice)
+            object.__setattr__(
+                self, "choice", tuple(self.choice) if isinstance(self.choice, (list, tuple)) else self.choice
+            )
         set_ = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
         if len(set_) != 1:
-            raise ValueError("StructuredOutput: set exactly one of json, json_object, regex, choice, "
-                             f"grammar (got {set_ or 'none'})")
+            raise ValueError(
+                f"StructuredOutput: set exactly one of json, json_object, regex, choice, grammar (got {set_ or 'none'})"
+            )
         if isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
@@ -151,10 +164,14 @@ class StructuredOutput:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"StructuredOutput.{name}={value!r:.60}: must be a non-empty string")
-        if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
-                                        or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"StructuredOutput.choice={self.choice!r:.60}: must be a non-empty list "
-                             "of non-empty strings")
+        if self.choice is not None and (
+            not isinstance(self.choice, tuple)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"StructuredOutput.choice={self.choice!r:.60}: must be a non-empty list of non-empty strings"
+            )
 
     @property
     def kind(self) -> str:
@@ -171,6 +188,7 @@ class SamplingParams:
     Each field declares its help text and command-line form (jaxinfer/options.py): the CLI's
     sampling flags are generated from them; the command line decodes greedily, up to 128 tokens,
     by default."""
+
     n: int = option(1, "samples per prompt", flag="-n")
     # 0: compute the prompt (its prompt_logprobs) and generate nothing; such a prompt may fill
     # the whole context.
@@ -179,44 +197,58 @@ class SamplingParams:
     top_k: int = option(-1, "0 = off", cli_default=0)  # -1 or 0: off
     top_p: float = option(1.0, "sample from the smallest set of likeliest tokens whose probability reaches this")
     min_p: float = option(0.0, "drop tokens less likely than this fraction of the likeliest token's probability")
-    repetition_penalty: float = option(1.0, "scales down the logits of tokens already in the prompt or output (1 = off)")
+    repetition_penalty: float = option(
+        1.0, "scales down the logits of tokens already in the prompt or output (1 = off)"
+    )
     presence_penalty: float = option(0.0, "subtracted from the logits of tokens seen in the output (-2..2)")
     frequency_penalty: float = option(
-        0.0, "subtracted from a token's logit once per time it occurs in the output (-2..2)")
+        0.0, "subtracted from a token's logit once per time it occurs in the output (-2..2)"
+    )
     seed: int | None = option(None, "per-request seed (reproducible sampling)")
     # A str or a list of str; matched on text by the engine.
     stop: tuple[str, ...] = option((), "stop string (repeatable)", form=APPEND)
     stop_token_ids: tuple[int, ...] = option((), "comma-separated token ids that end the output", form=CSV)
     ignore_eos: bool = option(False, "keep generating past the end-of-sequence token", form=ENABLE)
     logprobs: int | None = option(  # top-N logprobs per token, 0..MAX_LOGPROBS
-        None, "each output token's logprob and the N most likely tokens' (0..20)", metavar="N")
+        None, "each output token's logprob and the N most likely tokens' (0..20)", metavar="N"
+    )
     # The logprob of each prompt token after the first (and its top-N, 0..MAX_LOGPROBS) under
     # the model: RequestOutput.prompt_logprobs. The engine needs enable_prompt_logprobs.
     prompt_logprobs: int | None = option(
-        None, "each prompt token's logprob and the N most likely tokens' (0..20; the engine needs "
-        "--enable-prompt-logprobs)", metavar="N")
-    include_stop_str_in_output: bool = option(False, "keep the stop string that ended the output in it",
-                                              form=ENABLE)
-    skip_special_tokens: bool = option(True, "keep special tokens in the output text", form=DISABLE,
-                                       flag="--no-skip-special-tokens")
+        None,
+        "each prompt token's logprob and the N most likely tokens' (0..20; the engine needs --enable-prompt-logprobs)",
+        metavar="N",
+    )
+    include_stop_str_in_output: bool = option(False, "keep the stop string that ended the output in it", form=ENABLE)
+    skip_special_tokens: bool = option(
+        True, "keep special tokens in the output text", form=DISABLE, flag="--no-skip-special-tokens"
+    )
     # Constrain the output (JSON, regex, ...): the flags of StructuredOutput's fields, one of them.
     structured_output: StructuredOutput | None = option(
-        None, "constrain the output", form=NONE, not_on_cli="its flags are StructuredOutput's, one of them")
+        None, "constrain the output", form=NONE, not_on_cli="its flags are StructuredOutput's, one of them"
+    )
     # {token id: bias} added to those tokens' logits after the penalties, before the structured-
     # output mask and before greedy or sampled choice (not to logprobs, which read the raw
     # logits); -100 bans a token, +100 all but forces it. At most MAX_LOGIT_BIAS entries.
     logit_bias: dict[int, float] | None = option(
-        None, "token id -> bias added to its logit, e.g. '{\"123\": 5.0}' (each in [-100, 100]: -100 bans the "
-        "token, 100 all but forces it)", form=JSON, metavar="JSON")
+        None,
+        "token id -> bias added to its logit, e.g. '{\"123\": 5.0}' (each in [-100, 100]: -100 bans the "
+        "token, 100 all but forces it)",
+        form=JSON,
+        metavar="JSON",
+    )
     # Speculative decoding, when the engine has it on: False runs this request without drafts.
     # Requests with penalties or structured output never speculate (nor does a batch holding one
     # with penalties).
-    speculative: bool = option(True, "decode these requests without drafts when the engine speculates",
-                               form=DISABLE, flag="--no-speculation")
+    speculative: bool = option(
+        True, "decode these requests without drafts when the engine speculates", form=DISABLE, flag="--no-speculation"
+    )
 
     def __post_init__(self):
-        for name, kind, what in (("stop", str, "a string or a list of strings"),
-                                 ("stop_token_ids", int, "a list of token ids")):
+        for name, kind, what in (
+            ("stop", str, "a string or a list of strings"),
+            ("stop_token_ids", int, "a list of token ids"),
+        ):
             value = _as_tuple(getattr(self, name), kind)
             if value is None:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {what}")
@@ -267,5 +299,4 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

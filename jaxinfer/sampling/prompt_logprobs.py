@@ -10,6 +10,7 @@ the row. Rows with target -1 are not read.
 The LM head runs over every row of the bucket, `CHUNK` rows at a time (lax.map), so the [rows,
 V] logits of one chunk are the most this holds at once, not [T, V].
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,14 +30,15 @@ class PromptInputs:
 
 @flax.struct.dataclass
 class PromptLogprobs:
-    logprobs: jax.Array      # f32[T]    log_softmax(raw logits) of each row's target
-    ranks: jax.Array         # i32[T]    1 + the tokens more likely than the target
-    top_ids: jax.Array       # i32[T, N] the N most likely tokens of the row (N static)
+    logprobs: jax.Array  # f32[T]    log_softmax(raw logits) of each row's target
+    ranks: jax.Array  # i32[T]    1 + the tokens more likely than the target
+    top_ids: jax.Array  # i32[T, N] the N most likely tokens of the row (N static)
     top_logprobs: jax.Array  # f32[T, N]
 
 
-def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
-                    inputs: PromptInputs, num_top_logprobs: int) -> PromptLogprobs:
+def prompt_logprobs(
+    compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array, inputs: PromptInputs, num_top_logprobs: int
+) -> PromptLogprobs:
     """hidden [T, E] (every row of the batch) -> the logprobs of `inputs.targets`; pure,
     `num_top_logprobs` static."""
     rows = hidden.shape[0]
@@ -48,8 +50,8 @@ def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: ja
 
     def score(args):
         h, target = args
-        logits = compute_logits(h).astype(jnp.float32)                   # [C, V]
-        log_norm = jax.nn.logsumexp(logits, axis=-1)                      # [C]
+        logits = compute_logits(h).astype(jnp.float32)  # [C, V]
+        log_norm = jax.nn.logsumexp(logits, axis=-1)  # [C]
         chosen = jnp.take_along_axis(logits, jnp.maximum(target, 0)[:, None], axis=-1)[:, 0]
         rank = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
 
@@ -58,10 +60,20 @@ def prompt_logprobs(compute_logits: Callable[[jax.Array], jax.Array], hidden: ja
             return values - log_norm[:, None], ids.astype(jnp.int32)
 
         top_lp, top_ids = jax.lax.cond(
-            want_top, top, lambda x: (jnp.zeros((x.shape[0], num_top_logprobs), jnp.float32),
-                                      jnp.zeros((x.shape[0], num_top_logprobs), jnp.int32)), logits)
+            want_top,
+            top,
+            lambda x: (
+                jnp.zeros((x.shape[0], num_top_logprobs), jnp.float32),
+                jnp.zeros((x.shape[0], num_top_logprobs), jnp.int32),
+            ),
+            logits,
+        )
         return chosen - log_norm, rank, top_ids, top_lp
 
     logprobs, ranks, top_ids, top_lp = jax.lax.map(score, (hidden, targets))
-    return PromptLogprobs(logprobs.reshape(-1)[:rows], ranks.reshape(-1)[:rows],
-                          top_ids.reshape(-1, num_top_logprobs)[:rows], top_lp.reshape(-1, num_top_logprobs)[:rows])
+    return PromptLogprobs(
+        logprobs.reshape(-1)[:rows],
+        ranks.reshape(-1)[:rows],
+        top_ids.reshape(-1, num_top_logprobs)[:rows],
+        top_lp.reshape(-1, num_top_logprobs)[:rows],
+    )

@@ -19,6 +19,7 @@ with probability min(1, p(x)/q(x)), else sample from normalize(max(0, p - q)); a
 drafts a bonus token from p). It takes explicit probabilities; tests check its output
 distribution against p by chi-square.
 """
+
 from __future__ import annotations
 
 import flax.struct
@@ -32,15 +33,16 @@ from jaxinfer.sampling.sampler import SamplerOutput, sample
 @flax.struct.dataclass
 class SpecInputs:
     """The draft tokens of a verify step, one row per sequence slot."""
-    draft_ids: jax.Array   # i32[S, K] each row's drafts, packed at the front; -1 pads
+
+    draft_ids: jax.Array  # i32[S, K] each row's drafts, packed at the front; -1 pads
     num_drafts: jax.Array  # i32[S]    0: an ordinary row (a plain decode or a prefill chunk)
 
 
 @flax.struct.dataclass
 class VerifyOutput:
-    sampled: SamplerOutput   # [S, K+1, ...] the target's token (and logprobs) at each position
+    sampled: SamplerOutput  # [S, K+1, ...] the target's token (and logprobs) at each position
     num_accepted: jax.Array  # i32[S] leading drafts equal to the target's tokens: the row emits
-                             # sampled.tokens[:, :num_accepted + 1]
+    # sampled.tokens[:, :num_accepted + 1]
 
 
 def expand_rows(arrays: SamplingArrays, width: int) -> SamplingArrays:
@@ -51,13 +53,12 @@ def expand_rows(arrays: SamplingArrays, width: int) -> SamplingArrays:
     return repeated.replace(num_generated=repeated.num_generated + offsets)
 
 
-def verify(logits: jax.Array, arrays: SamplingArrays, spec: SpecInputs,
-           num_top_logprobs: int = 0) -> VerifyOutput:
+def verify(logits: jax.Array, arrays: SamplingArrays, spec: SpecInputs, num_top_logprobs: int = 0) -> VerifyOutput:
     """logits [S*(K+1), V] (row r's positions back to back), arrays [S]: the coupled rule above."""
     rows, k = spec.draft_ids.shape
-    out = sample(logits, expand_rows(arrays, k + 1), num_top_logprobs)   # [S*(K+1)]
+    out = sample(logits, expand_rows(arrays, k + 1), num_top_logprobs)  # [S*(K+1)]
     out = jax.tree.map(lambda a: a.reshape(rows, k + 1, *a.shape[1:]), out)
-    live = jnp.arange(k)[None, :] < spec.num_drafts[:, None]             # [S, K]
+    live = jnp.arange(k)[None, :] < spec.num_drafts[:, None]  # [S, K]
     match = (out.tokens[:, :k] == spec.draft_ids) & live
     num_accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
     return VerifyOutput(out, num_accepted.astype(jnp.int32))
@@ -68,23 +69,24 @@ def last_tokens(out: VerifyOutput) -> jax.Array:
     return jnp.take_along_axis(out.sampled.tokens, out.num_accepted[:, None], axis=1)[:, 0]
 
 
-def rejection_sample(target_probs: jax.Array, draft_probs: jax.Array, draft_ids: jax.Array,
-                     num_drafts: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+def rejection_sample(
+    target_probs: jax.Array, draft_probs: jax.Array, draft_ids: jax.Array, num_drafts: jax.Array, key: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """The standard rule. target_probs [B, K+1, V] (p at each position), draft_probs [B, K, V]
     (the q each draft was drawn from), draft_ids [B, K], num_drafts [B], key: a typed PRNG key.
     Returns (tokens i32[B, K+1], num_accepted i32[B]): tokens[:, :num_accepted] are the accepted
     drafts and tokens[:, num_accepted] the correction (or bonus) token; later entries are -1."""
     batch, k = draft_ids.shape
     key_u, key_x = jax.random.split(key)
-    u = jax.random.uniform(key_u, (batch, k))                            # [B, K]
+    u = jax.random.uniform(key_u, (batch, k))  # [B, K]
     ids = jnp.maximum(draft_ids, 0)[..., None]
     p_x = jnp.take_along_axis(target_probs[:, :k], ids, axis=-1)[..., 0]  # [B, K]
-    q_x = jnp.take_along_axis(draft_probs, ids, axis=-1)[..., 0]          # [B, K]
+    q_x = jnp.take_along_axis(draft_probs, ids, axis=-1)[..., 0]  # [B, K]
     live = jnp.arange(k)[None, :] < num_drafts[:, None]
-    accept = (u * q_x < p_x) & live                                      # u < p(x) / q(x)
+    accept = (u * q_x < p_x) & live  # u < p(x) / q(x)
     num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
     rows = jnp.arange(batch)
-    p_stop = target_probs[rows, num_accepted]                            # [B, V]
+    p_stop = target_probs[rows, num_accepted]  # [B, V]
     rejected = (num_accepted < num_drafts)[:, None]
     q_stop = jnp.where(rejected, draft_probs[rows, jnp.minimum(num_accepted, k - 1)], 0.0)
     residual = jnp.maximum(p_stop - q_stop, 0.0)
@@ -92,6 +94,5 @@ def rejection_sample(target_probs: jax.Array, draft_probs: jax.Array, draft_ids:
     x = jax.random.categorical(key_x, jnp.log(residual), axis=-1).astype(jnp.int32)  # [B]
     pos = jnp.arange(k + 1)[None, :]
     padded = jnp.concatenate([draft_ids, jnp.full((batch, 1), -1, draft_ids.dtype)], axis=1)
-    tokens = jnp.where(pos < num_accepted[:, None], padded,
-                       jnp.where(pos == num_accepted[:, None], x[:, None], -1))
+    tokens = jnp.where(pos < num_accepted[:, None], padded, jnp.where(pos == num_accepted[:, None], x[:, None], -1))
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)

@@ -33,6 +33,7 @@ copies its predicate to the host and waits for the device to reach it before the
 what follows, so the conditionals above would hold the host (and the next step's dispatch)
 until the device had nearly run the step.
 """
+
 from __future__ import annotations
 
 import flax.struct
@@ -46,9 +47,9 @@ from jaxinfer.sampling.prompt_logprobs import PromptLogprobs
 
 @flax.struct.dataclass
 class SamplerOutput:
-    tokens: jax.Array        # i32[B]
-    logprobs: jax.Array      # f32[B]    log_softmax(raw logits) of the chosen token
-    top_ids: jax.Array       # i32[B, N] the N most likely tokens (N = num_top_logprobs)
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B]    log_softmax(raw logits) of the chosen token
+    top_ids: jax.Array  # i32[B, N] the N most likely tokens (N = num_top_logprobs)
     top_logprobs: jax.Array  # f32[B, N]
     # Steps with prompt rows to score (prompt_logprobs.py): their logprobs [T, ...]; else None.
     prompt: PromptLogprobs | None = None
@@ -58,26 +59,25 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
     """Samples one token per row of `logits` [B, V]. Pure; `num_top_logprobs` must be static."""
     logits = logits.astype(jnp.float32)
     raw = logits
-    log_norm = jax.nn.logsumexp(raw, axis=-1)                             # [B]: no [B, V] written
+    log_norm = jax.nn.logsumexp(raw, axis=-1)  # [B]: no [B, V] written
     if arrays.plain:
         return _greedy_only(raw, log_norm, num_top_logprobs)
     if arrays.history is not None:
         logits = apply_penalties(logits, arrays)
     logits = apply_logit_bias(logits, arrays.bias_ids, arrays.bias_values)
     logits = apply_allowed(logits, arrays.allowed)
-    greedy_tokens = jnp.argmax(logits, axis=-1)                           # [B]
+    greedy_tokens = jnp.argmax(logits, axis=-1)  # [B]
     is_greedy = arrays.temperature < GREEDY_EPS
     temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
 
     def draw(scaled):  # masking and [B, V] of noise are paid only when some row samples
         masked = mask_logits(scaled, arrays.top_k, arrays.top_p, arrays.min_p)
-        noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(arrays.seeds, arrays.num_generated,
-                                                         scaled.shape[-1])  # [B, V]
-        return jnp.argmax(masked + noise, axis=-1).astype(jnp.int32)      # [B]
+        noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(arrays.seeds, arrays.num_generated, scaled.shape[-1])  # [B, V]
+        return jnp.argmax(masked + noise, axis=-1).astype(jnp.int32)  # [B]
 
     sampled_tokens = jax.lax.cond(
-        jnp.all(is_greedy), lambda scaled: greedy_tokens.astype(jnp.int32), draw,
-        logits / temperature[:, None])
+        jnp.all(is_greedy), lambda scaled: greedy_tokens.astype(jnp.int32), draw, logits / temperature[:, None]
+    )
     tokens = jnp.where(is_greedy, greedy_tokens, sampled_tokens).astype(jnp.int32)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_norm
 
@@ -86,10 +86,14 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
         return values - log_norm[:, None], ids
 
     top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(arrays.num_top_logprobs > 0), top,
-        lambda x: (jnp.zeros((x.shape[0], num_top_logprobs), x.dtype),
-                   jnp.zeros((x.shape[0], num_top_logprobs), jnp.int32)),
-        raw)                                                              # [B, N] each
+        jnp.any(arrays.num_top_logprobs > 0),
+        top,
+        lambda x: (
+            jnp.zeros((x.shape[0], num_top_logprobs), x.dtype),
+            jnp.zeros((x.shape[0], num_top_logprobs), jnp.int32),
+        ),
+        raw,
+    )  # [B, N] each
     return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
@@ -99,25 +103,27 @@ def _greedy_only(raw: jax.Array, log_norm: jax.Array, num_top_logprobs: int) -> 
     tokens = jnp.argmax(raw, axis=-1).astype(jnp.int32)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_norm
     batch = raw.shape[0]
-    return SamplerOutput(tokens, chosen, jnp.zeros((batch, num_top_logprobs), jnp.int32),
-                         jnp.zeros((batch, num_top_logprobs), raw.dtype))
+    return SamplerOutput(
+        tokens, chosen, jnp.zeros((batch, num_top_logprobs), jnp.int32), jnp.zeros((batch, num_top_logprobs), raw.dtype)
+    )
 
 
 def _gumbel(seed: jax.Array, num_generated: jax.Array, vocab_size: int) -> jax.Array:
     key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
     key = jax.random.fold_in(key, num_generated)
-    return jax.random.gumbel(key, (vocab_size,), jnp.float32)             # [V]
+    return jax.random.gumbel(key, (vocab_size,), jnp.float32)  # [V]
 
 
 def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     """Repetition penalty over prompt + output ids, then frequency and presence over outputs."""
     batch, vocab = logits.shape
-    ids = arrays.history.token_ids                                        # [B, H]
+    ids = arrays.history.token_ids  # [B, H]
     ids = jnp.where(ids >= 0, ids, vocab)  # an out-of-range id: the scatters drop it
     is_output = jnp.arange(ids.shape[1])[None, :] >= arrays.history.num_prompt[:, None]  # [B, H]
     rows = jnp.arange(batch)[:, None]
-    output_counts = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(
-        is_output.astype(jnp.float32), mode="drop")                       # [B, V]
+    output_counts = (
+        jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32), mode="drop")
+    )  # [B, V]
     seen = jnp.zeros((batch, vocab), bool).at[rows, ids].set(True, mode="drop")  # [B, V]
     rep = arrays.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
@@ -145,19 +151,18 @@ def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
         return logits
 
     def mask(x):
-        bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1      # [B, W, 32]
+        bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
         return jnp.where(bits.reshape(batch, -1)[:, :vocab] != 0, x, -jnp.inf)
 
     return jax.lax.cond(jnp.any(allowed != -1), mask, lambda x: x, logits)
 
 
-def mask_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                min_p: jax.Array) -> jax.Array:
+def mask_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Sets tokens outside top-k, then top-p, then min-p to -inf (temperature already applied)."""
     vocab = logits.shape[-1]
     needs_mask = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
     logits = jax.lax.cond(needs_mask, _top_k_top_p, lambda x, k, p: x, logits, top_k, top_p)
-    top = jnp.max(logits, axis=-1, keepdims=True)                         # [B, 1]
+    top = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
     # p_i >= min_p * p_max  <=>  logit_i - max >= log(min_p); min_p = 0 keeps everything
     keep = logits - top >= jnp.log(min_p)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
@@ -175,11 +180,13 @@ def _order_keys(x: jax.Array) -> jax.Array:
 def _search(lo: jax.Array, hi: jax.Array, holds) -> jax.Array:
     """The largest key t in [lo, hi] ([B, 1] each) where `holds(t)` ([B, 1] bool; true up to
     some key, false past it), or lo where it holds nowhere: a bisection, no sort."""
+
     def step(_, bounds):
         lo, hi = bounds
         mid = lo + (hi - lo) // 2 + ((hi - lo) & 1)  # the upper middle, without overflow
         ok = holds(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok | (lo == hi), hi, mid - 1)
+
     return jax.lax.fori_loop(0, _SEARCH_STEPS, step, (lo, hi))[0]
 
 
@@ -190,13 +197,12 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     found by bisecting the logits' order keys, 2 x 32 passes of compare-and-sum over [B, V]: no
     sort of the vocabulary, which XLA:TPU compiles for ~10 s in every step variant."""
     vocab = logits.shape[-1]
-    keys = _order_keys(logits)                                            # [B, V]
+    keys = _order_keys(logits)  # [B, V]
     lowest, highest = keys.min(axis=-1, keepdims=True), keys.max(axis=-1, keepdims=True)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]   # [B, 1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]  # [B, 1]
     kth = _search(lowest, highest, lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k)
     probs = jax.nn.softmax(jnp.where(keys >= kth, logits, -jnp.inf), axis=-1)  # [B, V]
     p = top_p[:, None]
-    pth = _search(lowest, highest, lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1,
-                                                      keepdims=True) >= p)
+    pth = _search(lowest, highest, lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1, keepdims=True) >= p)
     pth = jnp.where(p >= 1.0, lowest, pth)
     return jnp.where(keys >= jnp.maximum(kth, pth), logits, -jnp.inf)

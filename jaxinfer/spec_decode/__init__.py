@@ -8,6 +8,7 @@
 Configured by EngineConfig.speculative_config (jaxinfer/config/speculative.py); the host bookkeeping is
 jaxinfer/core/spec.py and the in-jit verification jaxinfer/sampling/rejection.py.
 """
+
 from jaxinfer.spec_decode.draft import DraftModelProposer
 from jaxinfer.spec_decode.ngram import NgramProposer, ngram_lookup
 from jaxinfer.spec_decode.proposer import Proposer

@@ -15,10 +15,11 @@ longest prefix its tokens share with the target's (rejected drafts' slots are ov
 A sequence whose catch-up does not fit the token budget catches up in chunks over several steps,
 proposing nothing meanwhile; one whose pages do not fit proposes nothing.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import numpy as np
 
@@ -27,9 +28,9 @@ from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence
 from jaxinfer.kv import KVCacheManager
 from jaxinfer.loader import LoadedModel
-from jaxinfer.worker.worker import Worker
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.spec_decode.proposer import Proposer
+from jaxinfer.worker.worker import Worker
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -39,20 +40,33 @@ class _DraftSeq(Sequence):
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model: LoadedModel, target: LoadedModel, engine: EngineConfig,
-                 max_model_len: int, num_pages: int, k: int):
+    def __init__(
+        self, model: LoadedModel, target: LoadedModel, engine: EngineConfig, max_model_len: int, num_pages: int, k: int
+    ):
         if model.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"speculative_config.model: the draft's vocabulary has {model.config.vocab_size} "
-                             f"tokens, the target's {target.config.vocab_size}; they must share one")
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary has {model.config.vocab_size} "
+                f"tokens, the target's {target.config.vocab_size}; they must share one"
+            )
         if model.config.max_position_embeddings < max_model_len:
-            raise ValueError(f"speculative_config.model: the draft's context of "
-                             f"{model.config.max_position_embeddings} tokens is shorter than "
-                             f"max_model_len={max_model_len}")
+            raise ValueError(
+                f"speculative_config.model: the draft's context of "
+                f"{model.config.max_position_embeddings} tokens is shorter than "
+                f"max_model_len={max_model_len}"
+            )
         self.k = k
         config = engine.replace(
-            speculative_config=None, num_pages=num_pages, kv_cache_bytes=None, kv_cache_dtype="auto",
-            penalties=False, enable_prefix_caching=False, structured_output_overlap=False, dispatch_thread=False,
-            num_decode_steps=max(k - 1, 1), mesh=None)
+            speculative_config=None,
+            num_pages=num_pages,
+            kv_cache_bytes=None,
+            kv_cache_dtype="auto",
+            penalties=False,
+            enable_prefix_caching=False,
+            structured_output_overlap=False,
+            dispatch_thread=False,
+            num_decode_steps=max(k - 1, 1),
+            mesh=None,
+        )
         self.worker = Worker(model, config, max_model_len)
         self.kv_cache = KVCacheManager(self.worker.num_pages, self.worker.page_size, enable_prefix_caching=False)
         self.budget = self.worker.max_batched_tokens
@@ -118,8 +132,13 @@ class DraftModelProposer(Proposer):
                 e.seq.token_ids.append(PLACEHOLDER)
         rows = [row for row, e in enumerate(entries) if e.sample]
         if rows and self.k > 1:
-            window = SchedulerPlan([ScheduledSeq(entries[r].seq, entries[r].kv_len, 1, tuple(entries[r].seq.pages),
-                                                 sample=True) for r in rows], num_steps=self.worker.num_decode_steps)
+            window = SchedulerPlan(
+                [
+                    ScheduledSeq(entries[r].seq, entries[r].kv_len, 1, tuple(entries[r].seq.pages), sample=True)
+                    for r in rows
+                ],
+                num_steps=self.worker.num_decode_steps,
+            )
             handles.append(self.worker.execute([window], handles[0]))
         outs = [h.result().tokens for h in handles]
         later = np.asarray(outs[1]).reshape(-1, outs[1].shape[-1]) if len(outs) > 1 else np.zeros((0, len(rows)))
@@ -128,7 +147,7 @@ class DraftModelProposer(Proposer):
             draft = entries[row].seq
             tokens = [int(outs[0][row])] + [int(t) for t in later[:, i]]
             del draft.token_ids[-1]  # the placeholder of d0
-            draft.token_ids += tokens[:self.k - 1]  # the drafts whose K/V the window wrote
+            draft.token_ids += tokens[: self.k - 1]  # the drafts whose K/V the window wrote
             draft.num_computed_tokens = draft.num_tokens
             drafts[draft.seq_id] = tokens
         self.num_proposals += len(rows)

@@ -7,9 +7,10 @@ wins (else the latest): recent context predicts best, and a match just behind th
 repeating pattern) would give a short continuation. On the host, vectorised with numpy: one
 comparison of every n-token window with the suffix per n.
 """
+
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -24,12 +25,12 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarr
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         # windows starting at 0 .. length-1-n: each is followed by at least one token, and the
         # suffix itself (starting at length - n) is not among them
-        windows = sliding_window_view(tokens[:length - 1], n)                 # [length - n, n]
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        windows = sliding_window_view(tokens[: length - 1], n)  # [length - n, n]
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
         if hits.size:
             full = hits[hits + n + k <= length]
             start = (full[-1] if full.size else hits[-1]) + n
-            return tokens[start:start + k]
+            return tokens[start : start + k]
     return tokens[:0]
 
 
@@ -38,6 +39,7 @@ class NgramProposer(Proposer):
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
     def propose(self, seqs: Seq[Sequence], max_drafts: Seq[int]) -> list[list[int]]:
-        return [ngram_lookup(np.asarray(seq.token_ids, np.int64), min(self.k, cap),
-                             self.min_n, self.max_n).tolist()
-                for seq, cap in zip(seqs, max_drafts)]
+        return [
+            ngram_lookup(np.asarray(seq.token_ids, np.int64), min(self.k, cap), self.min_n, self.max_n).tolist()
+            for seq, cap in zip(seqs, max_drafts)
+        ]

@@ -12,10 +12,11 @@ step then keeps the target's output distribution exactly (sampling/rejection.py)
 lookup (ngram.py) and a greedy draft model (draft.py) are; a head on the target's hidden states
 (EAGLE-style) plugs in the same way, keeping its own state keyed by sequence id.
 """
+
 from __future__ import annotations
 
 import abc
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from jaxinfer.core.sequence import Sequence
 
@@ -25,7 +26,7 @@ class Proposer(abc.ABC):
     def propose(self, seqs: Seq[Sequence], max_drafts: Seq[int]) -> list[list[int]]:
         """Draft tokens for each sequence (at most max_drafts[i] are used)."""
 
-    def release(self, live_seq_ids: set[int]) -> None:
+    def release(self, live_seq_ids: set[int]) -> None:  # noqa: B027 - optional: stateless proposers keep none
         """Frees the state of sequences not in `live_seq_ids` (stateless proposers keep none)."""
 
     def warm_up(self) -> float:

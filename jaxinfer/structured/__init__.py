@@ -8,11 +8,21 @@
 
 The grammar engine is llguidance (a Rust library; packed bitmasks in the layout the sampler
 reads). A grammar that repeats a character class gets that class as a vocabulary slice of its
-own (slices.py), which spares llguidance most of its token-trie walk while the run lasts. xgrammar needs torch, which this project's Python 3.12 environments do not have.
+own (slices.py), which spares llguidance most of its token-trie walk while the run lasts.
+xgrammar needs torch, which this project's Python 3.12 environments do not have.
 """
+
 from jaxinfer.structured.backend import Grammar, GrammarBackend, RowMatcher, fill_bitmask, grammar_for
 from jaxinfer.structured.grammar import grammar_text
 from jaxinfer.structured.reasoning_gate import ReasoningFormat, ReasoningGate
 
-__all__ = ["Grammar", "GrammarBackend", "ReasoningFormat", "ReasoningGate", "RowMatcher", "fill_bitmask",
-           "grammar_for", "grammar_text"]
+__all__ = [
+    "Grammar",
+    "GrammarBackend",
+    "ReasoningFormat",
+    "ReasoningGate",
+    "RowMatcher",
+    "fill_bitmask",
+    "grammar_for",
+    "grammar_text",
+]

@@ -6,12 +6,13 @@ byte string of every piece. Its size is the model's vocabulary (the logits' widt
 larger than the tokenizer's; ids the tokenizer lacks are never allowed. Compiled grammars are
 cached by spec, so a schema sent with every request is compiled once.
 """
+
 from __future__ import annotations
 
 import collections
 import re
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -66,8 +67,9 @@ class Grammar:
     """A compiled, validated grammar: makes one matcher per sequence (a RowMatcher, gated behind
     the reasoning where the backend has a reasoning parser)."""
 
-    def __init__(self, tokenizer, text: str, spec: StructuredOutput,
-                 gate: Callable[[RowMatcher], object] | None = None) -> None:
+    def __init__(
+        self, tokenizer, text: str, spec: StructuredOutput, gate: Callable[[RowMatcher], object] | None = None
+    ) -> None:
         self._tokenizer, self.text, self.spec, self._gate = tokenizer, text, spec, gate
 
     def matcher(self) -> RowMatcher | ReasoningGate:
@@ -171,8 +173,9 @@ def grammar_for(backend: GrammarBackend | None, params) -> Grammar | None:
 _EXECUTORS: dict[bool, object] = {}
 
 
-def fill_bitmask(rows: Sequence[tuple[RowMatcher | ReasoningGate, int]], allowed: np.ndarray,
-                 device_busy: bool = False) -> None:
+def fill_bitmask(
+    rows: Sequence[tuple[RowMatcher | ReasoningGate, int]], allowed: np.ndarray, device_busy: bool = False
+) -> None:
     """Fills the rows of `allowed` [B, W] (int32, C-contiguous) of the matchers given; several
     rows are computed in parallel by llguidance's thread pool. While the device is idle (the step
     before has landed and nothing runs) the pool has every core this process may use; while a
@@ -208,8 +211,7 @@ def _build_ll_tokenizer(tokenizer, vocab_size: int):
     backend_json = getattr(tokenizer, "backend_json", None)
     if backend_json is not None:
         return LLTokenizer(backend_json(), n_vocab=vocab_size, eos_token=eos)
-    return LLTokenizer(TokenizerWrapper(_PieceVocabulary(tokenizer, vocab_size)), n_vocab=vocab_size,
-                       eos_token=eos)
+    return LLTokenizer(TokenizerWrapper(_PieceVocabulary(tokenizer, vocab_size)), n_vocab=vocab_size, eos_token=eos)
 
 
 class _PieceVocabulary:
@@ -240,4 +242,4 @@ class _PieceVocabulary:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         ids = self._tokenizer.encode("\n" + text, add_special_tokens=False)
-        return ids[len(self._newline):] if ids[:len(self._newline)] == self._newline else ids
+        return ids[len(self._newline) :] if ids[: len(self._newline)] == self._newline else ids

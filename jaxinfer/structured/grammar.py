@@ -1,4 +1,5 @@
 """StructuredOutput -> llguidance grammar text, validated (the error names the bad field)."""
+
 from __future__ import annotations
 
 import json

@@ -18,28 +18,32 @@ models write there); from the first other token on, the grammar alone, fed every
 `</think>` is recognised as its token where it is one; where it is several, in the reasoning's
 decoded text (a model need not write it as the tokenizer's own encoding: ">\n" may be one token).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 
 class ReasoningFormat(Protocol):
     """What the gate reads of a reasoning format (tokenizer/reasoning.py's ReasoningParser)."""
+
     implicit: bool  # the output starts inside the reasoning (deepseek_r1)
-    start: str      # `<think>`
-    end: str        # `</think>`
+    start: str  # `<think>`
+    end: str  # `</think>`
 
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningMarkers:
     """A vocabulary's view of a reasoning format."""
-    implicit: bool          # the output starts inside the reasoning (deepseek_r1)
-    end: str                # `</think>`
-    start_id: int | None    # `<think>` where it is one token (qwen3's explicit opening); else None
-    end_id: int | None      # `</think>` where it is one token; else it is found in decoded text
+
+    implicit: bool  # the output starts inside the reasoning (deepseek_r1)
+    end: str  # `</think>`
+    start_id: int | None  # `<think>` where it is one token (qwen3's explicit opening); else None
+    end_id: int | None  # `</think>` where it is one token; else it is found in decoded text
     whitespace: np.ndarray  # packed allowed-token bits (uint32 [W]) of the whitespace-only tokens
     piece: Callable[[int], str]  # one token's text (for an end marker of several tokens)
 
@@ -51,9 +55,14 @@ def reasoning_markers(tokenizer, form: ReasoningFormat, vocab_size: int) -> Reas
     for i in range(min(vocab_size, tokenizer.vocab_size)):
         if not tokenizer.is_special(i) and _is_blank(tokenizer.decode([i], skip_special_tokens=False)):
             whitespace[i >> 5] |= np.uint32(1 << (i & 31))
-    return ReasoningMarkers(form.implicit, form.end, start[0] if len(start) == 1 else None,
-                            end[0] if len(end) == 1 else None, whitespace,
-                            lambda i: tokenizer.decode([i], skip_special_tokens=False))
+    return ReasoningMarkers(
+        form.implicit,
+        form.end,
+        start[0] if len(start) == 1 else None,
+        end[0] if len(end) == 1 else None,
+        whitespace,
+        lambda i: tokenizer.decode([i], skip_special_tokens=False),
+    )
 
 
 def _is_blank(text: str) -> bool:
@@ -86,7 +95,7 @@ class ReasoningGate:
                 ended = token == self._markers.end_id
             else:
                 end = self._markers.end
-                self._tail = (self._tail + self._markers.piece(token))[-2 * len(end):]
+                self._tail = (self._tail + self._markers.piece(token))[-2 * len(end) :]
                 ended = end in self._tail
             if ended:
                 self._state = "after"

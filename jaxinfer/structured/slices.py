@@ -12,6 +12,7 @@ is accepted whole while 16 or more repetitions remain, which cuts that cost ~6x.
 optimisation only: llguidance checks that the state accepts the slice before using it, so a slice
 never changes a mask.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,7 @@ from jaxinfer.sampling.params import StructuredOutput
 
 # A character class (bracket expression, `.`, or \d \w \s and their negations) followed by a
 # repetition (group 2): `*`, `+`, `{n}`, `{n,}` or `{n,m}`.
-_REPEATED_CLASS = re.compile(
-    r"(\[\^?\]?(?:\\.|[^\]\\])*\]|\\[dwsDWS]|(?<!\\)\.)([*+]|\{\d+(?:,\d*)?\})")
+_REPEATED_CLASS = re.compile(r"(\[\^?\]?(?:\\.|[^\]\\])*\]|\\[dwsDWS]|(?<!\\)\.)([*+]|\{\d+(?:,\d*)?\})")
 _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}$")
 # Tokens longer than this rarely consist of one class; a longer slice is subsumed less often.
 SLICE_TOKENS = 16

@@ -10,10 +10,19 @@
     detokenizer.py     IncrementalDetokenizer: streamed ids -> text
     tool_calls.py      tool calls read out of output text, in the format a chat template teaches
 """
+
 from jaxinfer.tokenizer.base import HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 from jaxinfer.tokenizer.load import from_gguf_metadata, load_tokenizer
 from jaxinfer.tokenizer.special_tokens import TokenizerDefaults
 
-__all__ = ["Tokenizer", "TokenizerError", "HFTokenizer", "SentencePieceTokenizer",
-           "IncrementalDetokenizer", "load_tokenizer", "from_gguf_metadata", "TokenizerDefaults"]
+__all__ = [
+    "Tokenizer",
+    "TokenizerError",
+    "HFTokenizer",
+    "SentencePieceTokenizer",
+    "IncrementalDetokenizer",
+    "load_tokenizer",
+    "from_gguf_metadata",
+    "TokenizerDefaults",
+]

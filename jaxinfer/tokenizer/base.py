@@ -8,13 +8,15 @@ Special tokens written in the text are matched whole; `decode(skip_special_token
 Where a backend comes from (a model directory, a tokenizer file, a GGUF vocabulary) is load.py's
 business.
 """
+
 from __future__ import annotations
 
 import abc
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import sentencepiece
 import tokenizers
@@ -42,15 +44,13 @@ class Tokenizer(Protocol):
     def id_to_token(self, i: int) -> str: ...
     def is_special(self, i: int) -> bool: ...
     def save_pretrained(self, directory: str | Path) -> None: ...
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
 
 
 class _Base(abc.ABC):
     """What every backend shares once it knows its special ids and the checkpoint's settings."""
 
-    def _init_common(self, name: str, vocab_size: int, special_ids: set[int],
-                     specials: SpecialTokens) -> None:
+    def _init_common(self, name: str, vocab_size: int, special_ids: set[int], specials: SpecialTokens) -> None:
         self.name, self.vocab_size, self._special_ids = name, vocab_size, frozenset(special_ids)
         self.bos_token_id, self.pad_token_id = specials.bos_token_id, specials.pad_token_id
         self.eos_token_ids = specials.eos_token_ids
@@ -75,27 +75,30 @@ class _Base(abc.ABC):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._save_backend(directory)
-        config: dict[str, Any] = {**self._template_tokens, "add_bos_token": self.add_bos,
-                                  "add_eos_token": self.add_eos}
+        config: dict[str, Any] = {**self._template_tokens, "add_bos_token": self.add_bos, "add_eos_token": self.add_eos}
         if self.chat_template:
             config["chat_template"] = self.chat_template
-        generation = {"bos_token_id": self.bos_token_id, "eos_token_id": list(self.eos_token_ids),
-                      "pad_token_id": self.pad_token_id}
+        generation = {
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+            "pad_token_id": self.pad_token_id,
+        }
         for name, record in (("tokenizer_config.json", config), ("generation_config.json", generation)):
-            (directory / name).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n",
-                                          encoding="utf-8")
+            (directory / name).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     @abc.abstractmethod
     def _save_backend(self, directory: Path) -> None:
         """Writes the backend's own file (tokenizer.json or tokenizer.model) into `directory`."""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.chat_template:
             raise TokenizerError(f"tokenizer {self.name} has no chat template")
-        return render_chat_template(self.chat_template, messages,
-                                    add_generation_prompt=add_generation_prompt,
-                                    **{**self._template_tokens, **kwargs})
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            **{**self._template_tokens, **kwargs},
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
@@ -104,8 +107,13 @@ class _Base(abc.ABC):
 class HFTokenizer(_Base):
     """A HF `tokenizers.Tokenizer` (from tokenizer.json, or rebuilt from a GGUF vocabulary)."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, name: str,
-                 specials: SpecialTokens | None = None, special_ids: Iterable[int] | None = None):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        name: str,
+        specials: SpecialTokens | None = None,
+        special_ids: Iterable[int] | None = None,
+    ):
         self._tk = backend
         added = backend.get_added_tokens_decoder()
         if special_ids is None:
@@ -113,8 +121,12 @@ class HFTokenizer(_Base):
         self._tk.no_padding()
         self._tk.no_truncation()
         specials = (specials or SpecialTokens()).with_defaults(_post_processor_specials(backend))
-        self._init_common(name, backend.get_vocab_size(with_added_tokens=True), set(special_ids),
-                          specials.resolved(backend.token_to_id))
+        self._init_common(
+            name,
+            backend.get_vocab_size(with_added_tokens=True),
+            set(special_ids),
+            specials.resolved(backend.token_to_id),
+        )
 
     def _save_backend(self, directory: Path) -> None:
         self._tk.save(str(directory / "tokenizer.json"))
@@ -141,8 +153,9 @@ class SentencePieceTokenizer(_Base):
     are matched whole; each run of text between them is encoded by sentencepiece on its own,
     with its dummy-prefix space, as llama.cpp does."""
 
-    def __init__(self, processor: sentencepiece.SentencePieceProcessor, name: str,
-                 specials: SpecialTokens | None = None):
+    def __init__(
+        self, processor: sentencepiece.SentencePieceProcessor, name: str, specials: SpecialTokens | None = None
+    ):
         self._sp = processor
         n = processor.get_piece_size()
         special_ids = {i for i in range(n) if processor.is_control(i) or processor.is_unknown(i)}
@@ -151,8 +164,11 @@ class SentencePieceTokenizer(_Base):
         pattern = "|".join(map(re.escape, pieces))
         self._special_re = re.compile(f"({pattern})") if pieces else None
         defaults = SpecialTokens(
-            bos_token_id=_nonneg(processor.bos_id()), pad_token_id=_nonneg(processor.pad_id()),
-            eos_token_ids=tuple(i for i in [processor.eos_id()] if i >= 0), add_bos=True)
+            bos_token_id=_nonneg(processor.bos_id()),
+            pad_token_id=_nonneg(processor.pad_id()),
+            eos_token_ids=tuple(i for i in [processor.eos_id()] if i >= 0),
+            add_bos=True,
+        )
         merged = (specials or SpecialTokens()).with_defaults(defaults)
         self._init_common(name, n, special_ids, merged.resolved(self._piece_id))
 
@@ -199,11 +215,14 @@ def _post_processor_specials(backend: tokenizers.Tokenizer) -> SpecialTokens:
     bare = backend.encode("a", add_special_tokens=False).ids
     full = backend.encode("a", add_special_tokens=True).ids
     for start in range(len(full) - len(bare) + 1):
-        if full[start:start + len(bare)] == bare:
-            head, tail = full[:start], full[start + len(bare):]
-            return SpecialTokens(bos_token_id=head[0] if head else None,
-                                 eos_token_ids=tuple(tail[-1:]),
-                                 add_bos=bool(head), add_eos=bool(tail))
+        if full[start : start + len(bare)] == bare:
+            head, tail = full[:start], full[start + len(bare) :]
+            return SpecialTokens(
+                bos_token_id=head[0] if head else None,
+                eos_token_ids=tuple(tail[-1:]),
+                add_bos=bool(head),
+                add_eos=bool(tail),
+            )
     return SpecialTokens()
 
 

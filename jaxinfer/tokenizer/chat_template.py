@@ -7,6 +7,7 @@ filter that does not HTML-escape, and `{% generation %}` blocks (HF's assistant-
 rendered as their plain body. Variables: messages, add_generation_prompt, bos_token, eos_token,
 unk_token, pad_token, tools, documents, plus whatever the caller passes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,8 +46,7 @@ def _raise_exception(message: str):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -55,16 +55,16 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(
-            f"chat template does not compile (line {e.lineno}): {e.message}") from e
+        raise ChatTemplateError(f"chat template does not compile (line {e.lineno}): {e.message}") from e
 
 
 def load_chat_template(value: str) -> str:
@@ -99,14 +99,16 @@ def check_template_kwargs(kwargs: object) -> dict:
     return kwargs
 
 
-def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                         **variables: Any) -> str:
+def render_chat_template(
+    template: str, messages: list[dict], *, add_generation_prompt: bool = True, **variables: Any
+) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ChatTemplateError(f"messages must be a list of dicts, got {messages!r}")
     context = {"tools": None, "documents": None, **variables}
     try:
-        return _compile(template).render(messages=copy.deepcopy(messages),
-                                         add_generation_prompt=add_generation_prompt, **context)
+        return _compile(template).render(
+            messages=copy.deepcopy(messages), add_generation_prompt=add_generation_prompt, **context
+        )
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from e

@@ -23,9 +23,10 @@ still give the exact text then. One case cannot be exact: a tokenizer.json whose
 `ByteFallback` decodes a run of <0xNN> pieces as a whole, so a stray invalid byte turns the run's
 earlier, already emitted characters into U+FFFD in the one-shot decode.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from jaxinfer.tokenizer.base import Tokenizer
 
@@ -34,8 +35,7 @@ _PROMPT_CONTEXT = 5  # prompt ids kept as left context for the first generated p
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] | None = None,
-                 skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] | None = None, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         context = self._kept(prompt_ids or ())
@@ -62,7 +62,7 @@ class IncrementalDetokenizer:
 
     def _advance(self, text: str) -> str:
         new_text = _after(text, self._prefix_text)
-        del self._ids[:self._read]  # the next window starts at the old read offset
+        del self._ids[: self._read]  # the next window starts at the old read offset
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         return new_text
@@ -91,7 +91,7 @@ def _after(text: str, prefix: str) -> str:
     """`text` past `prefix`. They agree on all of `prefix` unless a prompt context ended inside a
     character; then the part from the first difference on is new."""
     if text.startswith(prefix):
-        return text[len(prefix):]
+        return text[len(prefix) :]
     common = 0
     for a, b in zip(text, prefix):
         if a != b:

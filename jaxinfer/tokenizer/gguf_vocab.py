@@ -14,10 +14,12 @@ A GGUF has no tokenizer.json: llama.cpp stores the pieces (`tokenizer.ggml.token
            real spaces; sentencepiece matches text whose spaces are already "▁", so those pieces
            are spelled with "▁" again.
 """
+
 from __future__ import annotations
 
 import struct
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -28,32 +30,32 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT4O_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # `tokenizer.ggml.pre` -> the regexes llama.cpp splits with, in order (each "isolated").
 # Names not listed fall back to the GPT-2 regex, which is what "gpt2"/"default" mean.
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "falcon3", "dbrx", "pixtral"),
-                    (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "falcon3", "dbrx", "pixtral"), (_LLAMA3_SPLIT,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), (_QWEN2_SPLIT,)),
     **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O_SPLIT,)),
     # StarCoder-style vocabularies split every digit on its own before the GPT-2 regex.
-    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"),
-                    (r"\p{N}", _GPT2_SPLIT)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"), (r"\p{N}", _GPT2_SPLIT)),
 }
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte alphabet: printable bytes stand for themselves, the rest are shifted past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, shift = {}, 0
     for b in range(256):
         if b in printable:
@@ -92,7 +94,8 @@ def byte_level_bpe(metadata: Mapping[str, Any]) -> HFTokenizer:
     splits = _PRE_SPLITS.get(pre, (_GPT2_SPLIT,))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     _add_whole_tokens(tokenizer, tokens, types)
     return tokenizer
@@ -111,14 +114,18 @@ def sentencepiece_model_proto(metadata: Mapping[str, Any]) -> bytes:
     scores = list(field_value(metadata, "tokenizer.ggml.scores") or [0.0] * len(tokens))
     types = list(field_value(metadata, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     add_space = bool(field_value(metadata, "tokenizer.ggml.add_space_prefix", True))
-    tokens = ["▁" * len(t) if kind == USER_DEFINED and t and not t.strip(" ") else t
-              for t, kind in zip(tokens, types)]
+    tokens = ["▁" * len(t) if kind == USER_DEFINED and t and not t.strip(" ") else t for t, kind in zip(tokens, types)]
     pieces = b"".join(
         _message(1, _string(1, token.encode("utf-8")) + _float(2, score) + _varint_field(3, kind))
-        for token, score, kind in zip(tokens, scores, types))
+        for token, score, kind in zip(tokens, scores, types)
+    )
     trainer = _varint_field(3, 2) + _varint_field(35, 1)  # model_type=BPE, byte_fallback=true
-    normalizer = (_string(1, b"identity") + _varint_field(3, add_space)  # add_dummy_prefix
-                  + _varint_field(4, 0) + _varint_field(5, 1))  # no whitespace cleanup; "▁" escape
+    normalizer = (
+        _string(1, b"identity")
+        + _varint_field(3, add_space)  # add_dummy_prefix
+        + _varint_field(4, 0)
+        + _varint_field(5, 1)
+    )  # no whitespace cleanup; "▁" escape
     return pieces + _message(2, trainer) + _message(3, normalizer)
 
 
@@ -147,10 +154,8 @@ def _float(number: int, value: float) -> bytes:
 
 
 def _add_whole_tokens(tokenizer: HFTokenizer, tokens: list[str], types: list[int]) -> None:
-    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
-               if ty == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
-            if ty == USER_DEFINED]
+    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
     if control:
         tokenizer.add_special_tokens(control)
     if user:

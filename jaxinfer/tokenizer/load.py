@@ -1,18 +1,20 @@
 """Finding and building a tokenizer: a model directory, a tokenizer file, or a GGUF vocabulary.
 
-    load_tokenizer(path)
-      model dir with tokenizer.json   -> HFTokenizer            (HF `tokenizers`)
-      model dir with tokenizer.model  -> SentencePieceTokenizer (`sentencepiece`)
-      file.gguf (vocabulary in its metadata), or a dir holding exactly one .gguf
-        "gpt2" vocab                  -> HFTokenizer built by gguf_vocab.byte_level_bpe
-        "llama" vocab                 -> SentencePieceTokenizer over gguf_vocab's model proto
-    from_gguf_metadata(fields, defaults)  -> the same, from metadata the model loader already read,
-                                         with what the model's family implies where it is silent
+load_tokenizer(path)
+  model dir with tokenizer.json   -> HFTokenizer            (HF `tokenizers`)
+  model dir with tokenizer.model  -> SentencePieceTokenizer (`sentencepiece`)
+  file.gguf (vocabulary in its metadata), or a dir holding exactly one .gguf
+    "gpt2" vocab                  -> HFTokenizer built by gguf_vocab.byte_level_bpe
+    "llama" vocab                 -> SentencePieceTokenizer over gguf_vocab's model proto
+from_gguf_metadata(fields, defaults)  -> the same, from metadata the model loader already read,
+                                     with what the model's family implies where it is silent
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import sentencepiece
 import tokenizers
@@ -21,9 +23,12 @@ import jaxinfer.tokenizer.gguf_vocab as gguf_vocab
 from jaxinfer.tokenizer.base import HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError
 from jaxinfer.tokenizer.special_tokens import TokenizerDefaults, from_gguf, from_model_dir
 
+NO_DEFAULTS = TokenizerDefaults()  # a family that implies nothing
 
-def from_gguf_metadata(metadata: Mapping[str, Any], name: str = "GGUF metadata",
-                       defaults: TokenizerDefaults = TokenizerDefaults()) -> Tokenizer:
+
+def from_gguf_metadata(
+    metadata: Mapping[str, Any], name: str = "GGUF metadata", defaults: TokenizerDefaults = NO_DEFAULTS
+) -> Tokenizer:
     """The tokenizer a GGUF describes. `metadata` is `gguf.GGUFReader(path).fields`, or a plain
     {key: value} dict with the same keys; `defaults` fill in what the file leaves unsaid."""
     kind = gguf_vocab.field_value(metadata, "tokenizer.ggml.model")
@@ -37,12 +42,10 @@ def from_gguf_metadata(metadata: Mapping[str, Any], name: str = "GGUF metadata",
             return HFTokenizer(backend, name, specials, special_ids=control)
         if kind == "llama":
             proto = gguf_vocab.sentencepiece_model_proto(metadata)
-            return SentencePieceTokenizer(sentencepiece.SentencePieceProcessor(model_proto=proto),
-                                          name, specials)
+            return SentencePieceTokenizer(sentencepiece.SentencePieceProcessor(model_proto=proto), name, specials)
     except (ValueError, RuntimeError, TypeError, IndexError, KeyError) as e:
         raise TokenizerError(f"cannot build a tokenizer from {name}: {e}") from e
-    raise TokenizerError(f"{name}: unsupported tokenizer.ggml.model {kind!r} "
-                         "(supported: 'gpt2', 'llama')")
+    raise TokenizerError(f"{name}: unsupported tokenizer.ggml.model {kind!r} (supported: 'gpt2', 'llama')")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -14,6 +14,7 @@ An output cut short inside its reasoning is all reasoning. The whitespace betwee
 and the text is dropped, as is the reasoning's trailing whitespace. `split` is the stream fed
 the whole text at once, so a streamed choice adds up to the whole one.
 """
+
 from __future__ import annotations
 
 from jaxinfer.tokenizer.tool_calls import partial_marker_start
@@ -65,7 +66,7 @@ class ReasoningStream:
     def _decide(self) -> bool:
         body = self._buf.lstrip()
         if body.startswith(START):
-            self._buf, self._state = body[len(START):], "reasoning"
+            self._buf, self._state = body[len(START) :], "reasoning"
             return True
         if START.startswith(body):
             return False  # empty, or a prefix of <think>: wait for more
@@ -77,18 +78,18 @@ class ReasoningStream:
         if not self._shown_any:
             stripped = self._buf.lstrip()
             if self._implicit and stripped.startswith(START):  # deepseek_r1 writing <think> itself
-                stripped = stripped[len(START):].lstrip()
+                stripped = stripped[len(START) :].lstrip()
             elif self._implicit and START.startswith(stripped) and stripped:
                 return "", False  # maybe <think>: wait
             self._buf = stripped
         end = self._buf.find(END)
         if end >= 0:
-            shown, self._buf, self._state = self._buf[:end].rstrip(), self._buf[end + len(END):], "after"
+            shown, self._buf, self._state = self._buf[:end].rstrip(), self._buf[end + len(END) :], "after"
             self._shown_any = self._shown_any or bool(shown)
             return shown, True
         # an end that could begin </think> waits, and so does trailing whitespace (it may precede it)
-        shown = self._buf[:partial_marker_start(self._buf, END)].rstrip()
-        self._buf = self._buf[len(shown):]
+        shown = self._buf[: partial_marker_start(self._buf, END)].rstrip()
+        self._buf = self._buf[len(shown) :]
         self._shown_any = self._shown_any or bool(shown)
         return shown, False
 

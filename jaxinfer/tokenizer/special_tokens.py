@@ -15,12 +15,14 @@
 `eos_token_ids` collects every id that ends generation: the tokenizer's eos token, then the
 generation config's list (e.g. <|im_end|>, <|eot_id|>), then GGUF's eot/eom ids.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from jaxinfer.tokenizer.gguf_vocab import field_value
 
@@ -68,7 +70,9 @@ class SpecialTokens:
             bos_token_id=bos if bos is not None else self.bos_token_id,
             pad_token_id=pad if pad is not None else self.pad_token_id,
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
-            add_bos=bool(self.add_bos), add_eos=bool(self.add_eos))
+            add_bos=bool(self.add_bos),
+            add_eos=bool(self.add_eos),
+        )
 
 
 def from_model_dir(model_dir: Path) -> SpecialTokens:
@@ -85,37 +89,52 @@ def from_model_dir(model_dir: Path) -> SpecialTokens:
         if isinstance(value, str):
             strings[name] = value
     template_file = model_dir / "chat_template.jinja"
-    template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
-                else _pick_template(tokenizer_config.get("chat_template")))
+    template = (
+        template_file.read_text(encoding="utf-8")
+        if template_file.is_file()
+        else _pick_template(tokenizer_config.get("chat_template"))
+    )
     return SpecialTokens(
         bos_token_id=_int_or_none(generation.get("bos_token_id")),
         eos_token_ids=_ids(generation.get("eos_token_id")),
         pad_token_id=_int_or_none(generation.get("pad_token_id")),
         add_bos=tokenizer_config.get("add_bos_token"),
         add_eos=tokenizer_config.get("add_eos_token"),
-        chat_template=template, token_strings=strings)
+        chat_template=template,
+        token_strings=strings,
+    )
 
 
-def from_gguf(metadata: Mapping[str, Any], tokens: list[str],
-              defaults: TokenizerDefaults = TokenizerDefaults()) -> SpecialTokens:
+def from_gguf(
+    metadata: Mapping[str, Any], tokens: list[str], defaults: TokenizerDefaults = TokenizerDefaults()
+) -> SpecialTokens:
     def token_id(key: str) -> int | None:
         value = _int_or_none(field_value(metadata, f"tokenizer.ggml.{key}"))
         return value if value is not None and 0 <= value < len(tokens) else None
 
-    ids = {name: token_id(f"{key}_token_id") for name, key in
-           [("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"),
-            ("unk_token", "unknown")]}
+    ids = {
+        name: token_id(f"{key}_token_id")
+        for name, key in [
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("pad_token", "padding"),
+            ("unk_token", "unknown"),
+        ]
+    }
     enders = [ids["eos_token"], token_id("eot_token_id"), token_id("eom_token_id")]
     enders += [tokens.index(text) for text in defaults.end_tokens if text in tokens]
     add_bos = field_value(metadata, "tokenizer.ggml.add_bos_token")
     if add_bos is None:  # llama.cpp's default: sentencepiece vocabularies start with BOS
         add_bos = field_value(metadata, "tokenizer.ggml.model") == "llama"
     return SpecialTokens(
-        bos_token_id=ids["bos_token"], pad_token_id=ids["pad_token"],
+        bos_token_id=ids["bos_token"],
+        pad_token_id=ids["pad_token"],
         eos_token_ids=tuple(dict.fromkeys(i for i in enders if i is not None)),
-        add_bos=bool(add_bos), add_eos=bool(field_value(metadata, "tokenizer.ggml.add_eos_token")),
+        add_bos=bool(add_bos),
+        add_eos=bool(field_value(metadata, "tokenizer.ggml.add_eos_token")),
         chat_template=field_value(metadata, "tokenizer.chat_template") or defaults.chat_template,
-        token_strings={name: tokens[i] for name, i in ids.items() if i is not None})
+        token_strings={name: tokens[i] for name, i in ids.items() if i is not None},
+    )
 
 
 def _pick_template(value: Any) -> str | None:

@@ -18,6 +18,7 @@ trailing whitespace before the first call dropped; without calls it is the text 
 Streaming needs `find` (where the calls start), `safe_length` (how much text before that can be
 shown without risking half a marker) and `closed_end` (how far the calls are complete).
 """
+
 from __future__ import annotations
 
 import abc
@@ -34,7 +35,7 @@ class ToolCall:
 
 @dataclasses.dataclass(frozen=True)
 class ParsedText:
-    content: str | None              # the text outside the calls; None when there is none
+    content: str | None  # the text outside the calls; None when there is none
     tool_calls: tuple[ToolCall, ...]
 
 
@@ -70,8 +71,9 @@ def _from_object(obj) -> ToolCall | None:
 
 class ToolCallParser(abc.ABC):
     """One output format. Subclasses set `name` and `start` and implement `_calls`."""
+
     name = ""
-    start = ""                   # the marker that opens the calls
+    start = ""  # the marker that opens the calls
     keeps_special_tokens = False
 
     def find(self, text: str) -> int:
@@ -81,7 +83,7 @@ class ToolCallParser(abc.ABC):
     def safe_length(self, text: str) -> int:
         """How much of `text` (with no call in it yet) is content whatever follows: all of it
         but an end that could begin the marker, and trailing whitespace."""
-        return len(text[:partial_marker_start(text, self.start)].rstrip())
+        return len(text[: partial_marker_start(text, self.start)].rstrip())
 
     def closed_end(self, text: str) -> int:
         """The end of the last call that can no longer change (0: none before the output ends)."""
@@ -115,7 +117,7 @@ class HermesParser(ToolCallParser):
     def _calls(self, tail: str) -> tuple[list[ToolCall], str]:
         calls, leftover, pos = [], [], 0
         for block in self._BLOCK.finditer(tail):
-            leftover.append(tail[pos:block.start()])
+            leftover.append(tail[pos : block.start()])
             pos = block.end()
             try:
                 call = _from_object(json.loads(block.group(1)))
@@ -170,8 +172,10 @@ class MistralParser(ToolCallParser):
                 return [], tail
             calls = [_from_object(o) for o in objs] if isinstance(objs, list) else [None]
         else:  # v11: [TOOL_CALLS]name[ARGS]{...} per call
-            calls = [_call(p.split("[ARGS]", 1)[0].strip(), p.split("[ARGS]", 1)[1]) if "[ARGS]" in p else None
-                     for p in parts]
+            calls = [
+                _call(p.split("[ARGS]", 1)[0].strip(), p.split("[ARGS]", 1)[1]) if "[ARGS]" in p else None
+                for p in parts
+            ]
         if not calls or None in calls:
             return [], tail
         return calls, ""

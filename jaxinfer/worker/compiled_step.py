@@ -24,6 +24,7 @@ On a mesh the step's token ids and positions are split over `sequence` and the s
 under `jax.set_mesh`; with `data` > 1 step inputs get a leading [data] axis (one scheduler per
 replica fills its row) and the step is vmapped over it, so all replicas run in one call.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,16 @@ from jaxinfer.worker.device_state import DeviceState
 from jaxinfer.worker.inputs import InputBuilder, StepInputs
 from jaxinfer.worker.launcher import Launcher, dispatch_thread_enabled, landed
 from jaxinfer.worker.page_table import DevicePageTable
-from jaxinfer.worker.step_variants import (as_greedy, decode_sized_buckets, decode_steps, greedy_variant_enabled,
-                                           input_shardings, split_step_enabled, step_jits, window_compiler_options)
+from jaxinfer.worker.step_variants import (
+    as_greedy,
+    decode_sized_buckets,
+    decode_steps,
+    greedy_variant_enabled,
+    input_shardings,
+    split_step_enabled,
+    step_jits,
+    window_compiler_options,
+)
 from jaxinfer.worker.warm_up import compile_all, step_variants
 from sharding import DATA, SEQUENCE, axis_size
 from sharding.multihost import fetch, put_inputs
@@ -57,10 +66,15 @@ class CompiledStep:
         sp = axis_size(self.mesh, SEQUENCE)  # token buckets split evenly over the sequence axis
         self.buckets = tuple(sorted({-(-b // sp) * sp for b in engine.buckets()}))
         spec = engine.speculative_config
-        self.inputs = InputBuilder(engine, self.buckets, pages_per_seq=state.pages_per_seq,
-                                   max_model_len=state.max_model_len, vocab_size=self.config.vocab_size,
-                                   num_replicas=self.num_replicas,
-                                   num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+        self.inputs = InputBuilder(
+            engine,
+            self.buckets,
+            pages_per_seq=state.pages_per_seq,
+            max_model_len=state.max_model_len,
+            vocab_size=self.config.vocab_size,
+            num_replicas=self.num_replicas,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        )
         max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
         prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)
         # Every array the step carries over (KV caches, sampled tokens) is committed to the
@@ -77,28 +91,38 @@ class CompiledStep:
         # Decode windows (EngineConfig.num_decode_steps): one variant per decode-sized bucket.
         self.num_decode_steps = decode_steps(engine.scheduler.num_decode_steps, self.num_replicas)
         self._step, self._window, self._forward, self._sample = step_jits(
-            state.family, self.config, engine.compile.attn_impl, max_seqs, self.num_replicas, self.num_decode_steps,
-            out_shardings, window_compiler_options() if self.num_decode_steps > 1 else None)
+            state.family,
+            self.config,
+            engine.compile.attn_impl,
+            max_seqs,
+            self.num_replicas,
+            self.num_decode_steps,
+            out_shardings,
+            window_compiler_options() if self.num_decode_steps > 1 else None,
+        )
         decode_sized = decode_sized_buckets(self.inputs, self.buckets, engine.scheduler.max_num_seqs)
         self.window_buckets = decode_sized if self.num_decode_steps > 1 else ()
         # The step split in two (structured output: masks filled while the forward runs).
-        self.split_buckets = decode_sized if split_step_enabled(
-            engine.compile.structured_output_overlap, self.num_replicas) else ()
+        self.split_buckets = (
+            decode_sized if split_step_enabled(engine.compile.structured_output_overlap, self.num_replicas) else ()
+        )
         # The greedy twin of each decode-sized bucket's decode step: its window, if windows run.
         greedy = greedy_variant_enabled(engine.compile.greedy_variant, self.num_replicas)
         self.greedy_buckets = decode_sized if greedy else ()
         self.greedy_steps = self.num_decode_steps
         self.launcher = Launcher(dispatch_thread_enabled(engine.compile.dispatch_thread))
 
-    def prepare(self, plan: SchedulerPlan | list[SchedulerPlan],
-                previous: list[SchedulerPlan] | None = None, masks: bool = True) -> StepInputs:
+    def prepare(
+        self, plan: SchedulerPlan | list[SchedulerPlan], previous: list[SchedulerPlan] | None = None, masks: bool = True
+    ) -> StepInputs:
         """Padded numpy inputs of one step (one plan per data replica); `previous`: the plans of
         the step in flight, whose sampled tokens the placeholders of this one stand for;
         `masks=False` leaves grammar rows' allowed bits for `inputs.fill_masks` (split step)."""
         return self.inputs.prepare(plan, previous, masks)
 
-    def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False,
-                       prompt: bool = False, table_width: int = 0) -> StepInputs:
+    def padding_inputs(
+        self, t_bucket: int, with_history: bool, spec: bool = False, prompt: bool = False, table_width: int = 0
+    ) -> StepInputs:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
         return self.inputs.padding_inputs(t_bucket, with_history, spec, prompt, table_width)
 
@@ -129,8 +153,9 @@ class CompiledStep:
         state = self.state
         with state.mesh_context():
             inputs = self._set_table(inputs)
-            out, state.kv_caches, self._prev_tokens = fn(state.params, state.kv_caches, inputs,
-                                                         self._prev_tokens, self.page_table.array)
+            out, state.kv_caches, self._prev_tokens = fn(
+                state.params, state.kv_caches, inputs, self._prev_tokens, self.page_table.array
+            )
         return out
 
     def _set_table(self, inputs: StepInputs) -> StepInputs:
@@ -147,20 +172,30 @@ class CompiledStep:
         def launch(inputs):
             with state.mesh_context():
                 inputs = self._set_table(inputs)
-                hidden, state.kv_caches = self._forward(state.params, state.kv_caches, inputs, self._prev_tokens,
-                                                        self.page_table.array)
+                hidden, state.kv_caches = self._forward(
+                    state.params, state.kv_caches, inputs, self._prev_tokens, self.page_table.array
+                )
             return hidden
+
         return self.launcher.submit(launch, self._placed(inputs.replace(sampling=None)))
 
     def dispatch_sample(self, hidden: jax.Array | Future, inputs: StepInputs) -> SamplerOutput | Future:
         """The second half: LM head and sampling with `inputs.sampling` as it is now (its
         allowed-token bits may have been filled after `dispatch_forward`)."""
+
         def launch(sampling):
             with self.state.mesh_context():
                 out, self._prev_tokens = self._sample(self.state.params, landed(hidden), sampling)
             return out
-        return self.launcher.submit(launch, self._defaults.fill(inputs.sampling if self.mesh is None else put_inputs(
-            inputs.sampling, input_shardings(self.mesh, inputs, self.num_replicas > 1).sampling)))
+
+        return self.launcher.submit(
+            launch,
+            self._defaults.fill(
+                inputs.sampling
+                if self.mesh is None
+                else put_inputs(inputs.sampling, input_shardings(self.mesh, inputs, self.num_replicas > 1).sampling)
+            ),
+        )
 
     def trace(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> jax.stages.Traced:
         """The step traced as `dispatch` would run it (to read its jaxpr, or compile ahead; the
@@ -178,8 +213,7 @@ class CompiledStep:
 
     def _variant(self, num_steps: int):
         if num_steps not in (1, self.num_decode_steps):
-            raise ValueError(f"num_steps={num_steps}: this step compiles windows of "
-                             f"{self.num_decode_steps} steps")
+            raise ValueError(f"num_steps={num_steps}: this step compiles windows of {self.num_decode_steps} steps")
         return self._step if num_steps == 1 else self._window
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
@@ -194,8 +228,13 @@ class CompiledStep:
         filled (their template has them), then the header: token bucket, penalty history, prompt
         rows, page-table entries."""
         inputs = inputs.replace(sampling=fill_defaults(inputs.sampling, self.config.vocab_size))
-        return (inputs, inputs.token_ids.shape[-1], inputs.sampling.history is not None,
-                inputs.prompt is not None, 0 if inputs.table is None else inputs.table.slots.shape[-1])
+        return (
+            inputs,
+            inputs.token_ids.shape[-1],
+            inputs.sampling.history is not None,
+            inputs.prompt is not None,
+            0 if inputs.table is None else inputs.table.slots.shape[-1],
+        )
 
     def warm_up(self) -> float:
         """Compiles every (bucket, penalty history, prompt logprobs) variant, the step's on a
@@ -205,8 +244,10 @@ class CompiledStep:
             with self.state.mesh_context():
                 self._set_table(self._placed(self.padding_inputs(self.buckets[0], False, table_width=width)))
         variants = step_variants(self)
-        compile_all([self.lower(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants],
-                    self.state.local_device.platform)
+        compile_all(
+            [self.lower(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants],
+            self.state.local_device.platform,
+        )
         for inputs, num_steps, greedy in variants:
             self.execute(inputs, num_steps, greedy)
         for t_bucket in self.split_buckets:
@@ -219,4 +260,5 @@ class CompiledStep:
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
         return self.page_table.num_compiled() + sum(
-            f._cache_size() for f in (self._step, self._window, self._forward, self._sample))
+            f._cache_size() for f in (self._step, self._window, self._forward, self._sample)
+        )

@@ -11,12 +11,14 @@ On a mesh the parameters are split by the family's rules, each layer's cache by 
 `tensor`; with `data` > 1 every cache gets a leading [data] axis (one pool per replica). Every
 host allocates the same pool: process 0's page count wins.
 """
+
 from __future__ import annotations
 
 import contextlib
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.loader import LoadedModel
@@ -44,7 +46,8 @@ class DeviceState:
         self.params = self._place_params(model)
         self.kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, model.params.embed.dtype)
         self.num_pages = broadcast_int(
-            plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device, self.local_device))
+            plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device, self.local_device)
+        )
         self.kv_caches = self._allocate_kv_caches()
         if engine.compile.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
             reuse_freed_heap()
@@ -55,8 +58,11 @@ class DeviceState:
         of each weight."""
         if self.family.compute_layout is not None:
             model.params = self.family.compute_layout(model.params, self.mesh)
-        placed = model.params if self.mesh is None else shard_params(
-            model.params, self.family.param_axes, self.mesh, self.layout)
+        placed = (
+            model.params
+            if self.mesh is None
+            else shard_params(model.params, self.family.param_axes, self.mesh, self.layout)
+        )
         params = pin_weight_layouts(placed, self.family.param_axes)
         if any(a is not b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params), strict=True)):
             model.params = params  # relaid on a TPU
@@ -66,12 +72,22 @@ class DeviceState:
         sharding = self.home
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
-        caches = zeroed_caches(cache_struct(self.num_pages, self.page_size, self.layout.cache_kv_heads,
-                                            self.config.head_dim, self.kv_dtype, sharding, self.num_replicas),
-                               self.config.num_layers)
+        caches = zeroed_caches(
+            cache_struct(
+                self.num_pages,
+                self.page_size,
+                self.layout.cache_kv_heads,
+                self.config.head_dim,
+                self.kv_dtype,
+                sharding,
+                self.num_replicas,
+            ),
+            self.config.num_layers,
+        )
         if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
-            caches = calibrated_caches(caches, self.model, self.params, self.layout.cache_kv_heads,
-                                       self.engine.compile.attn_impl, self.mesh)
+            caches = calibrated_caches(
+                caches, self.model, self.params, self.layout.cache_kv_heads, self.engine.compile.attn_impl, self.mesh
+            )
         return caches
 
     @property

@@ -14,6 +14,7 @@ model's weights and the KV pool are placed, so loading's transient buffers are s
 A process that chose its own allocator (MALLOC_* variables, or an allocator in LD_PRELOAD) is
 left alone, as is any C library other than glibc.
 """
+
 from __future__ import annotations
 
 import ctypes

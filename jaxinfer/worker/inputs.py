@@ -31,6 +31,7 @@ the real count), padding sequences have kv_len 0 and the null row of the page ta
 which no sequence owns); nothing ever indexes page -1. With data replicas every replica's inputs are built
 the same way and stacked along a leading [data] axis (an idle replica is all padding).
 """
+
 from __future__ import annotations
 
 import flax.struct
@@ -41,14 +42,25 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER
 from jaxinfer.models.layers import AttentionMetadata
-from jaxinfer.worker.page_table import (NULL_ROW, PageTableMirror, PageTableUpdates, no_updates, padded_updates,
-                                 update_widths)
-from jaxinfer.sampling.arrays import (SamplingArrays, fill_defaults, make_sampling_arrays,
-                                     sampling_arrays_for_sequences, unsent_defaults)
+from jaxinfer.sampling.arrays import (
+    SamplingArrays,
+    fill_defaults,
+    make_sampling_arrays,
+    sampling_arrays_for_sequences,
+    unsent_defaults,
+)
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.prompt_logprobs import PromptInputs
 from jaxinfer.sampling.rejection import SpecInputs
 from jaxinfer.structured import fill_bitmask
+from jaxinfer.worker.page_table import (
+    NULL_ROW,
+    PageTableMirror,
+    PageTableUpdates,
+    no_updates,
+    padded_updates,
+    update_widths,
+)
 
 
 @flax.struct.dataclass
@@ -68,9 +80,17 @@ class StepInputs:
 class InputBuilder:
     """Builds the padded inputs of the compiled step's variants."""
 
-    def __init__(self, engine: EngineConfig, buckets: tuple[int, ...], *, pages_per_seq: int,
-                 max_model_len: int, vocab_size: int, num_replicas: int = 1,
-                 num_speculative_tokens: int = 0):
+    def __init__(
+        self,
+        engine: EngineConfig,
+        buckets: tuple[int, ...],
+        *,
+        pages_per_seq: int,
+        max_model_len: int,
+        vocab_size: int,
+        num_replicas: int = 1,
+        num_speculative_tokens: int = 0,
+    ):
         self.engine = engine
         self.num_speculative_tokens = num_speculative_tokens  # K: the width of verify steps' drafts
         self.vocab_size = vocab_size  # the width of the allowed-token bits (structured output)
@@ -89,8 +109,9 @@ class InputBuilder:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
-    def prepare(self, plan: SchedulerPlan | list[SchedulerPlan],
-                previous: list[SchedulerPlan] | None = None, masks: bool = True) -> StepInputs:
+    def prepare(
+        self, plan: SchedulerPlan | list[SchedulerPlan], previous: list[SchedulerPlan] | None = None, masks: bool = True
+    ) -> StepInputs:
         """Host-side arrays for one step, padded to the plan's bucket. With data replicas, one
         plan per replica (an empty plan is all padding) stacked along a leading axis.
         `previous`: the plans of the step in flight, whose sampled tokens fill placeholders."""
@@ -124,8 +145,9 @@ class InputBuilder:
         if grammars:
             fill_bitmask(grammars, inputs.sampling.allowed, device_busy)
 
-    def _prepare_one(self, plan: SchedulerPlan, t_bucket: int, penalties: bool,
-                     previous: SchedulerPlan | None) -> StepInputs:
+    def _prepare_one(
+        self, plan: SchedulerPlan, t_bucket: int, penalties: bool, previous: SchedulerPlan | None
+    ) -> StepInputs:
         if not plan.seqs:  # an idle data replica: all padding
             return self._dummy_one(t_bucket, penalties)
         s_bucket = self.engine.seq_bucket(t_bucket)
@@ -135,37 +157,49 @@ class InputBuilder:
         cu = np.zeros(s_bucket + 1, np.int32)
         kv_lens = np.zeros(s_bucket, np.int32)
         prev_rows = np.full(t_bucket, -1, np.int32)
-        sampled_row = {} if previous is None else {
-            e.seq.seq_id: row for row, e in enumerate(previous.seqs) if e.sample}
+        sampled_row = {} if previous is None else {e.seq.seq_id: row for row, e in enumerate(previous.seqs) if e.sample}
         offset = 0
         for i, s in enumerate(plan.seqs):
             if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.cache.page_size:
                 raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
             ids = s.token_ids  # a slice of the sequence's tokens, built once
-            tokens[offset:offset + s.num_new_tokens] = ids
+            tokens[offset : offset + s.num_new_tokens] = ids
             if ids[-1] == PLACEHOLDER:  # a decode of a token still in flight
                 if s.seq.seq_id not in sampled_row:
                     raise RuntimeError(f"sequence {s.seq.request_id}: a placeholder no step in flight samples")
                 tokens[offset + s.num_new_tokens - 1] = 0
                 prev_rows[offset + s.num_new_tokens - 1] = sampled_row[s.seq.seq_id]
-            positions[offset:offset + s.num_new_tokens] = np.arange(s.start, s.kv_len)
+            positions[offset : offset + s.num_new_tokens] = np.arange(s.start, s.kv_len)
             kv_lens[i] = s.kv_len
             offset += s.num_new_tokens
             cu[i + 1] = offset
-        cu[n + 1:] = offset
+        cu[n + 1 :] = offset
         seqs = [s.seq for s in plan.seqs]
         grammar = any(seq.grammar is not None for seq in seqs)  # else no allowed bits are sent
-        sampling = unsent_defaults(sampling_arrays_for_sequences(
-            seqs, s_bucket, history_len=self.max_model_len if penalties else None,
-            vocab_size=self.vocab_size if grammar else None), grammar)
-        meta = AttentionMetadata(kv_lens=kv_lens, page_indices=None, cu_q_lens=cu,
-                                 num_seqs=np.array([n], np.int32))
+        sampling = unsent_defaults(
+            sampling_arrays_for_sequences(
+                seqs,
+                s_bucket,
+                history_len=self.max_model_len if penalties else None,
+                vocab_size=self.vocab_size if grammar else None,
+            ),
+            grammar,
+        )
+        meta = AttentionMetadata(kv_lens=kv_lens, page_indices=None, cu_q_lens=cu, num_seqs=np.array([n], np.int32))
         slots = np.full(s_bucket, NULL_ROW, np.int32)  # set by the page-table sync
         if plan.verifies:
             rows, spec = self._spec_rows(plan, cu)
             return StepInputs(tokens, positions, meta, rows, sampling, prev_rows, slots, spec)
-        return StepInputs(tokens, positions, meta, np.maximum(cu[1:] - 1, 0), sampling, prev_rows,
-                          slots, prompt=prompt_inputs(plan, t_bucket))
+        return StepInputs(
+            tokens,
+            positions,
+            meta,
+            np.maximum(cu[1:] - 1, 0),
+            sampling,
+            prev_rows,
+            slots,
+            prompt=prompt_inputs(plan, t_bucket),
+        )
 
     def _spec_rows(self, plan: SchedulerPlan, cu: np.ndarray) -> tuple[np.ndarray, SpecInputs]:
         """A verify step's logits rows [S*(K+1)] and drafts [S, K] (module docstring)."""
@@ -175,14 +209,15 @@ class InputBuilder:
         if counts.max() > k:
             raise RuntimeError(f"{counts.max()} drafts for a verify step of width {k}")
         for i, e in enumerate(plan.seqs):
-            spec.draft_ids[i, :counts[i]] = e.drafts
+            spec.draft_ids[i, : counts[i]] = e.drafts
         spec.num_drafts[:n] = counts
         rows = np.zeros((s_bucket, k + 1), np.int32)
-        rows[:n] = (cu[1:n + 1] - 1 - counts)[:, None] + np.minimum(np.arange(k + 1), counts[:, None])
+        rows[:n] = (cu[1 : n + 1] - 1 - counts)[:, None] + np.minimum(np.arange(k + 1), counts[:, None])
         return rows.reshape(-1), spec
 
-    def padding_inputs(self, t_bucket: int, with_history: bool, spec: bool = False,
-                       prompt: bool = False, table_width: int = 0) -> StepInputs:
+    def padding_inputs(
+        self, t_bucket: int, with_history: bool, spec: bool = False, prompt: bool = False, table_width: int = 0
+    ) -> StepInputs:
         """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
         the null page. `spec`: of the verify variant; `prompt`: of the prompt-logprobs one;
         `table_width`: with that many page-table entries to set (all padding)."""
@@ -193,8 +228,10 @@ class InputBuilder:
             one = one.replace(prompt=_no_prompt_rows(t_bucket))
         if spec:
             s_bucket = self.engine.seq_bucket(t_bucket)
-            one = one.replace(logits_indices=np.zeros(s_bucket * (self.num_speculative_tokens + 1), np.int32),
-                              spec=_no_drafts(s_bucket, self.num_speculative_tokens))
+            one = one.replace(
+                logits_indices=np.zeros(s_bucket * (self.num_speculative_tokens + 1), np.int32),
+                spec=_no_drafts(s_bucket, self.num_speculative_tokens),
+            )
         if self.num_replicas == 1:
             return one
         return jax.tree.map(lambda x: np.stack([x] * self.num_replicas), one)
@@ -203,13 +240,30 @@ class InputBuilder:
         s_bucket = self.engine.seq_bucket(t_bucket)
         params = [SamplingParams(repetition_penalty=1.1 if with_history else 1.0)]
         sampling = make_sampling_arrays(
-            params, [0], batch_size=s_bucket, seeds=[0], prompt_token_ids=[[0]], output_token_ids=[[]],
-            history_len=self.max_model_len if with_history else None, vocab_size=self.vocab_size)
-        meta = AttentionMetadata(kv_lens=np.zeros(s_bucket, np.int32), page_indices=None,
-                                 cu_q_lens=np.zeros(s_bucket + 1, np.int32), num_seqs=np.zeros(1, np.int32))
-        return StepInputs(np.zeros(t_bucket, np.int32), np.zeros(t_bucket, np.int32), meta,
-                          np.zeros(s_bucket, np.int32), sampling, np.full(t_bucket, -1, np.int32),
-                          np.full(s_bucket, NULL_ROW, np.int32))
+            params,
+            [0],
+            batch_size=s_bucket,
+            seeds=[0],
+            prompt_token_ids=[[0]],
+            output_token_ids=[[]],
+            history_len=self.max_model_len if with_history else None,
+            vocab_size=self.vocab_size,
+        )
+        meta = AttentionMetadata(
+            kv_lens=np.zeros(s_bucket, np.int32),
+            page_indices=None,
+            cu_q_lens=np.zeros(s_bucket + 1, np.int32),
+            num_seqs=np.zeros(1, np.int32),
+        )
+        return StepInputs(
+            np.zeros(t_bucket, np.int32),
+            np.zeros(t_bucket, np.int32),
+            meta,
+            np.zeros(s_bucket, np.int32),
+            sampling,
+            np.full(t_bucket, -1, np.int32),
+            np.full(s_bucket, NULL_ROW, np.int32),
+        )
 
 
 def _no_drafts(s_bucket: int, k: int) -> SpecInputs:
@@ -232,7 +286,7 @@ def prompt_inputs(plan: SchedulerPlan, t_bucket: int) -> PromptInputs | None:
         if want is not None and seq.sample_index == 0 and end > start:
             if targets is None:
                 targets = np.full(t_bucket, -1, np.int32)
-            targets[offset + start - e.start:offset + end - e.start] = seq.token_ids[start + 1:end + 1]
+            targets[offset + start - e.start : offset + end - e.start] = seq.token_ids[start + 1 : end + 1]
             num_top = max(num_top, want)
         offset += e.num_new_tokens
     return None if targets is None else PromptInputs(targets, np.array([num_top], np.int32))

@@ -20,6 +20,7 @@ larger value is clipped. The headrooms were picked by perplexity on SmolLM2 (ben
 bench_quality.py; see benchmarks/RESULTS.md). A model without a tokenizer is calibrated on fixed
 random token ids.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.loader import LoadedModel
@@ -78,13 +80,17 @@ with its river, its church tower and its scattered farms, is the finest in the c
 CALIBRATION_CHAT = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Give me three tips for keeping basil alive indoors."},
-    {"role": "assistant", "content": "1. Put it in a sunny window. 2. Water when the top soil is "
-                                     "dry. 3. Pinch off flower buds so it keeps growing leaves."},
+    {
+        "role": "assistant",
+        "content": "1. Put it in a sunny window. 2. Water when the top soil is "
+        "dry. 3. Pinch off flower buds so it keeps growing leaves.",
+    },
 ]
 
 
-def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int,
-                       max_tokens: int = CALIBRATION_TOKENS) -> np.ndarray:
+def calibration_tokens(
+    tokenizer: Tokenizer | None, vocab_size: int, max_tokens: int = CALIBRATION_TOKENS
+) -> np.ndarray:
     """i32[n <= max_tokens]: a short chat in the model's template (when it has one, so its
     special tokens are seen too), then the calibration text; fixed random ids when there is no
     tokenizer."""
@@ -101,8 +107,16 @@ def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int,
     return np.asarray([i for i in ids if 0 <= i < vocab_size][:max_tokens], np.int32)
 
 
-def _absmax(family: ModelFamily, config: ModelConfig, num_tokens: int, cache_kv_heads: int, dtype,
-            attn_impl: str, params: ModelParams, tokens: jax.Array) -> jax.Array:
+def _absmax(
+    family: ModelFamily,
+    config: ModelConfig,
+    num_tokens: int,
+    cache_kv_heads: int,
+    dtype,
+    attn_impl: str,
+    params: ModelParams,
+    tokens: jax.Array,
+) -> jax.Array:
     """f32[L, 2K]: max |x| of each layer's cache entries after a forward over one sequence of
     `num_tokens` real tokens (tokens i32[T], padded)."""
     pages = -(-tokens.shape[0] // CALIBRATION_PAGE_SIZE)
@@ -111,30 +125,42 @@ def _absmax(family: ModelFamily, config: ModelConfig, num_tokens: int, cache_kv_
     meta = AttentionMetadata(
         kv_lens=jnp.full((1,), num_tokens, jnp.int32),
         page_indices=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
-        cu_q_lens=jnp.array([0, num_tokens], jnp.int32), num_seqs=jnp.ones((1,), jnp.int32))
+        cu_q_lens=jnp.array([0, num_tokens], jnp.int32),
+        num_seqs=jnp.ones((1,), jnp.int32),
+    )
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     _, caches = family.forward(params, config, tokens, positions, caches, meta, attn_impl=attn_impl)
     # Unwritten slots (page 0, the tail of the last page) hold zeros and change no maximum.
     return jnp.stack([jnp.max(jnp.abs(c.astype(jnp.float32)), axis=(0, 1, 3)) for c in caches])
 
 
-def kv_absmax(family: ModelFamily, config: ModelConfig, params: ModelParams, tokens: np.ndarray, *,
-              cache_kv_heads: int, dtype, attn_impl: str = "auto", mesh: Mesh | None = None
-              ) -> np.ndarray:
+def kv_absmax(
+    family: ModelFamily,
+    config: ModelConfig,
+    params: ModelParams,
+    tokens: np.ndarray,
+    *,
+    cache_kv_heads: int,
+    dtype,
+    attn_impl: str = "auto",
+    mesh: Mesh | None = None,
+) -> np.ndarray:
     """f32[L, 2K] (K of head h at 2h, V at 2h + 1): each head's largest |K| and |V| over a float
     forward of `tokens` (the cache's own head layout: repeated KV heads on a mesh included). On a
     mesh the forward is sharded as the step is, and every process gets the same result."""
     padded = np.zeros((CALIBRATION_TOKENS,), np.int32)
-    padded[:len(tokens)] = tokens
-    fn = jax.jit(functools.partial(_absmax, family, config, len(tokens), cache_kv_heads,
-                                   jnp.dtype(dtype), attn_impl),
-                 out_shardings=None if mesh is None else NamedSharding(mesh, P()))
+    padded[: len(tokens)] = tokens
+    fn = jax.jit(
+        functools.partial(_absmax, family, config, len(tokens), cache_kv_heads, jnp.dtype(dtype), attn_impl),
+        out_shardings=None if mesh is None else NamedSharding(mesh, P()),
+    )
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         return np.asarray(fetch(fn(params, jnp.asarray(padded))), np.float32)
 
 
-def quantized_caches(pages: tuple[jax.Array, ...], absmax: np.ndarray, dtype,
-                     headroom: float | None = None) -> tuple[QuantizedKVCache, ...]:
+def quantized_caches(
+    pages: tuple[jax.Array, ...], absmax: np.ndarray, dtype, headroom: float | None = None
+) -> tuple[QuantizedKVCache, ...]:
     """Each layer's zeroed int8/fp8 pages (their sharding kept) with scales from `absmax`
     [L, 2K]; a leading [data] axis of the pages is repeated on the scales."""
     headroom = HEADROOM[jnp.dtype(dtype).name] if headroom is None else headroom
@@ -143,17 +169,29 @@ def quantized_caches(pages: tuple[jax.Array, ...], absmax: np.ndarray, dtype,
     for layer_pages, layer_scales in zip(pages, scales):
         s = scales_array(layer_scales)  # [1, 1, 2K, 1]
         s = np.broadcast_to(s, (*layer_pages.shape[:-4], *s.shape))
-        caches.append(QuantizedKVCache(layer_pages, put_sharded(np.ascontiguousarray(s),
-                                                                 layer_pages.sharding)))
+        caches.append(QuantizedKVCache(layer_pages, put_sharded(np.ascontiguousarray(s), layer_pages.sharding)))
     return tuple(caches)
 
 
-def calibrated_caches(pages: tuple[jax.Array, ...], model: LoadedModel, params: ModelParams,
-                      cache_kv_heads: int, attn_impl: str, mesh: Mesh | None
-                      ) -> tuple[QuantizedKVCache, ...]:
+def calibrated_caches(
+    pages: tuple[jax.Array, ...],
+    model: LoadedModel,
+    params: ModelParams,
+    cache_kv_heads: int,
+    attn_impl: str,
+    mesh: Mesh | None,
+) -> tuple[QuantizedKVCache, ...]:
     """The device state's zeroed int8/fp8 pages with scales calibrated on `model` (its placed `params`,
     the float forward in the model's dtype)."""
     tokens = calibration_tokens(model.tokenizer, model.config.vocab_size)
-    absmax = kv_absmax(model.family, model.config, params, tokens, cache_kv_heads=cache_kv_heads,
-                       dtype=params.embed.dtype, attn_impl=attn_impl, mesh=mesh)
+    absmax = kv_absmax(
+        model.family,
+        model.config,
+        params,
+        tokens,
+        cache_kv_heads=cache_kv_heads,
+        dtype=params.embed.dtype,
+        attn_impl=attn_impl,
+        mesh=mesh,
+    )
     return quantized_caches(pages, absmax, pages[0].dtype)

@@ -1,6 +1,7 @@
 """The paged KV pool: how many pages fit one device's budget, counted in the bytes the device
 really holds (a TPU's tile padding included), and each layer's zeroed cache in the row-major
 layout the attention kernels read (pallas_kernels.kv_layout), pinned so no step relays it."""
+
 from __future__ import annotations
 
 import jax
@@ -14,8 +15,7 @@ from pallas_kernels.kv_layout import kv_cache_format, layout_bytes
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int | None = None,
-                  device=None) -> int:
+def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int | None = None, device=None) -> int:
     """Bytes one page costs over all layers on `device` (default: the first local device) when
     it holds `num_kv_heads` heads."""
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
@@ -24,8 +24,9 @@ def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int 
     return per_layer * config.num_layers
 
 
-def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_heads: int | None = None,
-                   device=None) -> int:
+def plan_num_pages(
+    config: ModelConfig, engine: EngineConfig, dtype, num_kv_heads: int | None = None, device=None
+) -> int:
     """Pages per replica: given, or as many as fit one device's budget."""
     if engine.cache.num_pages is not None:
         return engine.cache.num_pages
@@ -42,8 +43,15 @@ def plan_num_pages(config: ModelConfig, engine: EngineConfig, dtype, num_kv_head
     return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads, device))
 
 
-def cache_struct(num_pages: int, page_size: int, cache_kv_heads: int, head_dim: int, dtype,
-                 sharding: jax.sharding.Sharding, replicas: int = 1) -> jax.ShapeDtypeStruct:
+def cache_struct(
+    num_pages: int,
+    page_size: int,
+    cache_kv_heads: int,
+    head_dim: int,
+    dtype,
+    sharding: jax.sharding.Sharding,
+    replicas: int = 1,
+) -> jax.ShapeDtypeStruct:
     """One layer's cache as the device state allocates it: [P, page, 2K, D] ([data, ...] with several
     replicas), placed by `sharding`, its row-major layout pinned."""
     shape = kv_cache_shape(num_pages, page_size, cache_kv_heads, head_dim)

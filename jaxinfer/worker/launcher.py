@@ -17,10 +17,12 @@ On the CPU the step's operations run on XLA's own threads and a call returns at 
 runs a step's conditionals without the host, so the launcher is on by default on GPUs only
 (dispatch_thread_enabled).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import jax
 

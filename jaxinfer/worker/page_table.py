@@ -19,6 +19,7 @@ sequences, so one is always found). A row is exact: entries past a sequence's pa
 null page (a slot taken over, or a sequence that gave pages back, has the rest cleared), so no
 sequence's row ever names a page it does not own.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.kv import NULL_PAGE
 from jaxinfer.core.plan import ScheduledSeq
+from jaxinfer.kv import NULL_PAGE
 
 NULL_ROW = 0
 _WIDTH_STEP = 8  # each update width 8x the one before
@@ -39,7 +40,7 @@ _WIDTH_STEP = 8  # each update width 8x the one before
 @flax.struct.dataclass
 class PageTableUpdates:
     slots: jax.Array  # i32[W] table row of each entry (padding: the null row)
-    cols: jax.Array   # i32[W] page position in the row
+    cols: jax.Array  # i32[W] page position in the row
     pages: jax.Array  # i32[W] the page id to store
 
 
@@ -62,8 +63,9 @@ def apply_updates(table: jax.Array, updates: PageTableUpdates) -> jax.Array:
     return table.at[updates.slots, updates.cols].set(updates.pages)
 
 
-def padded_updates(changes: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                   widths: tuple[int, ...]) -> PageTableUpdates | None:
+def padded_updates(
+    changes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], widths: tuple[int, ...]
+) -> PageTableUpdates | None:
     """Each data replica's changed entries, padded to the smallest width that holds the most
     of them (stacked along a leading axis when there are several replicas); None: none changed."""
     most = max(len(c[0]) for c in changes)
@@ -73,7 +75,7 @@ def padded_updates(changes: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     rows = []
     for slots, cols, pages in changes:
         out = no_updates(width)
-        out.slots[:len(slots)], out.cols[:len(cols)], out.pages[:len(pages)] = slots, cols, pages
+        out.slots[: len(slots)], out.cols[: len(cols)], out.pages[: len(pages)] = slots, cols, pages
         rows.append(out)
     return rows[0] if len(rows) == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
 
@@ -90,8 +92,9 @@ class PageTableMirror:
         self.slot_of: dict[int, int] = {}
         self._clock = 0
 
-    def sync(self, entries: Seq[ScheduledSeq], s_bucket: int
-             ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def sync(
+        self, entries: Seq[ScheduledSeq], s_bucket: int
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(page slot of each sequence [s_bucket], padding: the null row; the entries to set:
         slots, cols, pages) for a plan's sequences, whose rows become their pages."""
         self._clock += 1
@@ -109,7 +112,8 @@ class PageTableMirror:
         width = int(max(lens.max(), self.lens[mine].max()))
         target = np.full((n, width), NULL_PAGE, np.int32)
         target[np.arange(width) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(e.pages for e in entries), np.int32, int(lens.sum()))
+            itertools.chain.from_iterable(e.pages for e in entries), np.int32, int(lens.sum())
+        )
         r, c = np.nonzero(self.rows[mine, :width] != target)
         self.rows[mine, :width] = target
         self.lens[mine] = lens

@@ -16,6 +16,7 @@ The split pair serves structured output: the forward of step N+1 is dispatched b
 tokens reach the host, and the sampling call follows once the host has advanced each grammar
 past them and filled the allowed-token bits (EngineConfig.structured_output_overlap).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,46 +25,69 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.worker.inputs import StepInputs
 from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.params import MAX_LOGPROBS
 from jaxinfer.sampling.prompt_logprobs import prompt_logprobs
 from jaxinfer.sampling.rejection import SpecInputs, VerifyOutput, last_tokens, verify
 from jaxinfer.sampling.sampler import SamplerOutput, sample
+from jaxinfer.worker.inputs import StepInputs
 
 
-def step(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int, params: ModelParams,
-         kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array, page_table: jax.Array
-         ) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+def step(
+    family: ModelFamily,
+    config: ModelConfig,
+    attn_impl: str,
+    max_seqs: int,
+    params: ModelParams,
+    kv_caches: KVCaches,
+    inputs: StepInputs,
+    prev_tokens: jax.Array,
+    page_table: jax.Array,
+) -> tuple[SamplerOutput, KVCaches, jax.Array]:
     """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here;
     page_table i32[rows, pages_per_seq]: the sequences' block tables (page_table.py)."""
-    every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens,
-                                    page_table)
+    every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens, page_table)
     hidden = every_row[inputs.logits_indices]
     if inputs.spec is not None:
         out, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampling, inputs.spec)
     else:
         out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampling)
         if inputs.prompt is not None:
-            out = out.replace(prompt=prompt_logprobs(
-                functools.partial(family.compute_logits, params), every_row, inputs.prompt, MAX_LOGPROBS))
+            out = out.replace(
+                prompt=prompt_logprobs(
+                    functools.partial(family.compute_logits, params), every_row, inputs.prompt, MAX_LOGPROBS
+                )
+            )
     return out, kv_caches, sampled
 
 
-def forward_part(family: ModelFamily, config: ModelConfig, attn_impl: str, params: ModelParams,
-                 kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array, page_table: jax.Array
-                 ) -> tuple[jax.Array, KVCaches]:
+def forward_part(
+    family: ModelFamily,
+    config: ModelConfig,
+    attn_impl: str,
+    params: ModelParams,
+    kv_caches: KVCaches,
+    inputs: StepInputs,
+    prev_tokens: jax.Array,
+    page_table: jax.Array,
+) -> tuple[jax.Array, KVCaches]:
     """The forward over the ragged batch (K/V written into the pages); returns the hidden rows
     of each sequence's last token [S, E]. `inputs.sampling` is not read."""
-    hidden, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens,
-                                 page_table)
+    hidden, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens, page_table)
     return hidden[inputs.logits_indices], kv_caches
 
 
-def _forward(family: ModelFamily, config: ModelConfig, attn_impl: str, params: ModelParams,
-             kv_caches: KVCaches, inputs: StepInputs, prev_tokens: jax.Array, page_table: jax.Array
-             ) -> tuple[jax.Array, KVCaches]:
+def _forward(
+    family: ModelFamily,
+    config: ModelConfig,
+    attn_impl: str,
+    params: ModelParams,
+    kv_caches: KVCaches,
+    inputs: StepInputs,
+    prev_tokens: jax.Array,
+    page_table: jax.Array,
+) -> tuple[jax.Array, KVCaches]:
     """The forward's hidden state of every row of the batch [T, E] and the updated caches."""
     from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
     token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
@@ -71,28 +95,44 @@ def _forward(family: ModelFamily, config: ModelConfig, attn_impl: str, params: M
     return family.forward(params, config, token_ids, inputs.positions, kv_caches, meta, attn_impl=attn_impl)
 
 
-def sample_part(family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array,
-                sampling: SamplingArrays) -> tuple[SamplerOutput, jax.Array]:
+def sample_part(
+    family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array, sampling: SamplingArrays
+) -> tuple[SamplerOutput, jax.Array]:
     """Logits of the rows [S, E] and one token each; the tokens also padded to [max_seqs] for
     the next step's placeholders."""
     logits = family.compute_logits(params, hidden)  # [S, V]
     out = sample(logits, sampling, num_top_logprobs=MAX_LOGPROBS)
-    sampled = jnp.zeros((max_seqs,), jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+    sampled = jnp.zeros((max_seqs,), jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
     return out, sampled
 
 
-def verify_part(family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array,
-                sampling: SamplingArrays, spec: SpecInputs) -> tuple[VerifyOutput, jax.Array]:
+def verify_part(
+    family: ModelFamily,
+    max_seqs: int,
+    params: ModelParams,
+    hidden: jax.Array,
+    sampling: SamplingArrays,
+    spec: SpecInputs,
+) -> tuple[VerifyOutput, jax.Array]:
     """hidden [S*(K+1), E]: each sequence's last known token and drafts -> VerifyOutput [S, K+1]."""
     logits = family.compute_logits(params, hidden)  # [S*(K+1), V]
     out = verify(logits, sampling, spec, num_top_logprobs=MAX_LOGPROBS)
     last = last_tokens(out)  # [S]
-    return out, jnp.zeros((max_seqs,), jnp.int32).at[:last.shape[0]].set(last)
+    return out, jnp.zeros((max_seqs,), jnp.int32).at[: last.shape[0]].set(last)
 
 
-def decode_window(family: ModelFamily, config: ModelConfig, attn_impl: str, max_seqs: int,
-                  num_steps: int, params: ModelParams, kv_caches: KVCaches, inputs: StepInputs,
-                  prev_tokens: jax.Array, page_table: jax.Array) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+def decode_window(
+    family: ModelFamily,
+    config: ModelConfig,
+    attn_impl: str,
+    max_seqs: int,
+    num_steps: int,
+    params: ModelParams,
+    kv_caches: KVCaches,
+    inputs: StepInputs,
+    prev_tokens: jax.Array,
+    page_table: jax.Array,
+) -> tuple[SamplerOutput, KVCaches, jax.Array]:
     """`num_steps` decode steps of a decode-only batch (token t is sequence t) in one call.
 
     Step i feeds each sequence the token it sampled at step i - 1 (step 0: the inputs' own ids and
@@ -110,11 +150,10 @@ def decode_window(family: ModelFamily, config: ModelConfig, attn_impl: str, max_
             positions=jnp.where(real, inputs.positions + i, inputs.positions),
             meta=meta.replace(kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + i, 0)),
             sampling=sampling.replace(num_generated=sampling.num_generated + i),
-            prev_rows=jnp.where(i == 0, inputs.prev_rows, own_row))
-        out, caches, sampled = step(family, config, attn_impl, max_seqs, params, caches,
-                                    step_inputs, prev, page_table)
+            prev_rows=jnp.where(i == 0, inputs.prev_rows, own_row),
+        )
+        out, caches, sampled = step(family, config, attn_impl, max_seqs, params, caches, step_inputs, prev, page_table)
         return (caches, sampled), out
 
-    (kv_caches, sampled), outs = jax.lax.scan(body, (kv_caches, prev_tokens),
-                                              jnp.arange(num_steps, dtype=jnp.int32))
+    (kv_caches, sampled), outs = jax.lax.scan(body, (kv_caches, prev_tokens), jnp.arange(num_steps, dtype=jnp.int32))
     return outs, kv_caches, sampled

@@ -1,15 +1,16 @@
 """The step's compiled variants: which the compiled step builds, and how they take their inputs.
 
-    step_jits             the step, the decode window, the split step's two halves (jitted)
-    window_compiler_options  the window's XLA options (CUDA graphs on NVIDIA GPUs)
-    decode_steps          steps per decode window (EngineConfig.num_decode_steps)
-    decode_sized_buckets  the token buckets a decode-only plan uses (windows, the split step)
-    split_step_enabled    whether the split step is compiled (structured output's overlap)
-    greedy_variant_enabled  whether the decode step has a greedy twin (no conditionals)
-    as_greedy             inputs marked for that twin, where it is compiled and they qualify
-    plain_padding         padding inputs that qualify for it (its warm-up)
-    input_shardings       where each input array goes on a mesh
+step_jits             the step, the decode window, the split step's two halves (jitted)
+window_compiler_options  the window's XLA options (CUDA graphs on NVIDIA GPUs)
+decode_steps          steps per decode window (EngineConfig.num_decode_steps)
+decode_sized_buckets  the token buckets a decode-only plan uses (windows, the split step)
+split_step_enabled    whether the split step is compiled (structured output's overlap)
+greedy_variant_enabled  whether the decode step has a greedy twin (no conditionals)
+as_greedy             inputs marked for that twin, where it is compiled and they qualify
+plain_padding         padding inputs that qualify for it (its warm-up)
+input_shardings       where each input array goes on a mesh
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,8 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxinfer.worker.inputs import InputBuilder, StepInputs
 from jaxinfer.sampling.arrays import is_plain, unsent_defaults
+from jaxinfer.worker.inputs import InputBuilder, StepInputs
 from jaxinfer.worker.step import decode_window, forward_part, sample_part, step
 from sharding import DATA, is_multiprocess, replicated_spec, tokens_spec
 
@@ -31,8 +32,16 @@ COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"
 logger = logging.getLogger(__name__)
 
 
-def step_jits(family, config, attn_impl: str, max_seqs: int, num_replicas: int, num_decode_steps: int,
-              out_shardings, window_options: dict | None = None) -> tuple:
+def step_jits(
+    family,
+    config,
+    attn_impl: str,
+    max_seqs: int,
+    num_replicas: int,
+    num_decode_steps: int,
+    out_shardings,
+    window_options: dict | None = None,
+) -> tuple:
     """The compiled step's jitted functions: the step and the decode window, fn(params, caches, inputs,
     prev_tokens, page_table), vmapped over data replicas (`spmd_axis_name="data"`); the split step's forward
     and sampling halves. The caches are donated and come back as `out_shardings[1]` says. The
@@ -40,13 +49,16 @@ def step_jits(family, config, attn_impl: str, max_seqs: int, num_replicas: int, 
     parts = (family, config, attn_impl, max_seqs)
     jit_step = lambda fn, options=None: jax.jit(  # noqa: E731
         fn if num_replicas == 1 else jax.vmap(fn, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=DATA),
-        donate_argnums=(1,), out_shardings=out_shardings, compiler_options=options)
-    return (jit_step(functools.partial(step, *parts)),
-            jit_step(functools.partial(decode_window, *parts, num_decode_steps), window_options),
-            jax.jit(functools.partial(forward_part, *parts[:3]), donate_argnums=(1,),
-                    out_shardings=out_shardings[:2]),
-            jax.jit(functools.partial(sample_part, family, max_seqs),
-                    out_shardings=(out_shardings[0], out_shardings[2])))
+        donate_argnums=(1,),
+        out_shardings=out_shardings,
+        compiler_options=options,
+    )
+    return (
+        jit_step(functools.partial(step, *parts)),
+        jit_step(functools.partial(decode_window, *parts, num_decode_steps), window_options),
+        jax.jit(functools.partial(forward_part, *parts[:3]), donate_argnums=(1,), out_shardings=out_shardings[:2]),
+        jax.jit(functools.partial(sample_part, family, max_seqs), out_shardings=(out_shardings[0], out_shardings[2])),
+    )
 
 
 def window_compiler_options() -> dict | None:
@@ -79,11 +91,17 @@ def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:
     tokens = NamedSharding(mesh, tokens_spec(mesh, replicas=replicas))
     other = NamedSharding(mesh, replicated_spec(replicas=replicas))
     return inputs.replace(
-        token_ids=tokens, positions=tokens, prev_rows=tokens,
-        meta=jax.tree.map(lambda _: other, inputs.meta), page_slots=other,
-        logits_indices=other, sampling=jax.tree.map(lambda _: other, inputs.sampling),
-        spec=jax.tree.map(lambda _: other, inputs.spec), table=jax.tree.map(lambda _: other, inputs.table),
-        prompt=None if inputs.prompt is None else inputs.prompt.replace(targets=tokens, num_top=other))
+        token_ids=tokens,
+        positions=tokens,
+        prev_rows=tokens,
+        meta=jax.tree.map(lambda _: other, inputs.meta),
+        page_slots=other,
+        logits_indices=other,
+        sampling=jax.tree.map(lambda _: other, inputs.sampling),
+        spec=jax.tree.map(lambda _: other, inputs.spec),
+        table=jax.tree.map(lambda _: other, inputs.table),
+        prompt=None if inputs.prompt is None else inputs.prompt.replace(targets=tokens, num_top=other),
+    )
 
 
 def split_step_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
@@ -112,8 +130,14 @@ def as_greedy(inputs: StepInputs, num_steps: int, buckets: tuple[int, ...], twin
     `twin_steps` steps, this call runs that many, and every row qualifies (no prompt logprobs,
     no drafts, sampling.arrays.is_plain); otherwise as they are."""
     sampling = inputs.sampling
-    if (num_steps != twin_steps or inputs.token_ids.shape[-1] not in buckets or sampling is None
-            or inputs.prompt is not None or inputs.spec is not None or not is_plain(sampling)):
+    if (
+        num_steps != twin_steps
+        or inputs.token_ids.shape[-1] not in buckets
+        or sampling is None
+        or inputs.prompt is not None
+        or inputs.spec is not None
+        or not is_plain(sampling)
+    ):
         return inputs
     return inputs.replace(sampling=sampling.replace(plain=True))
 

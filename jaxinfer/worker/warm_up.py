@@ -18,6 +18,7 @@ backend compiles and persistent-cache reads).
 directory an engine's config names ("auto": $JAXINFER_COMPILATION_CACHE_DIR, else
 ~/.cache/jaxinfer/xla), so that later start-ups read the variants instead of compiling them.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,9 @@ def enable_compilation_cache(directory: str | None) -> None:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"compilation_cache_dir={directory!r}: cannot create {str(path)!r} "
-                             f"({e.strerror or e})") from None
+            raise ValueError(
+                f"compilation_cache_dir={directory!r}: cannot create {str(path)!r} ({e.strerror or e})"
+            ) from None
         if not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"compilation_cache_dir={directory!r}: {str(path)!r} is not writable")
     wanted = None if path is None else str(path)
@@ -103,9 +105,12 @@ def step_variants(step) -> list[tuple[StepInputs, int, bool]]:
                 variants.append((step.padding_inputs(t_bucket, with_history, prompt=prompt), 1, False))
         if step.inputs.num_speculative_tokens:  # the verify variant (speculative decoding)
             variants.append((step.padding_inputs(t_bucket, False, spec=True), 1, True))
-    variants += [(step.padding_inputs(t_bucket, False), step.num_decode_steps, False)
-                 for t_bucket in step.window_buckets]
+    variants += [
+        (step.padding_inputs(t_bucket, False), step.num_decode_steps, False) for t_bucket in step.window_buckets
+    ]
     # The greedy twin, on padding rows made plain (they qualify for it).
-    variants += [(plain_padding(step.padding_inputs(t_bucket, False)), step.greedy_steps, True)
-                 for t_bucket in step.greedy_buckets]
+    variants += [
+        (plain_padding(step.padding_inputs(t_bucket, False)), step.greedy_steps, True)
+        for t_bucket in step.greedy_buckets
+    ]
     return variants

@@ -20,6 +20,7 @@ not apply, the whole step).
 Several hosts: process 0's worker sends each step's padded inputs to the others over a
 StepChannel before launching; their workers run the same steps in `follow()`.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -38,8 +39,13 @@ from sharding.multihost import SHUTDOWN
 class StepHandle:
     """A launched step: its plans (one per data replica) and its outputs once they land."""
 
-    def __init__(self, plans: list[SchedulerPlan], out: SamplerOutput | Future | None, step: CompiledStep,
-                 late: tuple[StepInputs, object] | None = None):
+    def __init__(
+        self,
+        plans: list[SchedulerPlan],
+        out: SamplerOutput | Future | None,
+        step: CompiledStep,
+        late: tuple[StepInputs, object] | None = None,
+    ):
         self.plans = plans
         self._out, self._step, self._late = out, step, late
         self._result: SamplerOutput | None = None
@@ -56,8 +62,7 @@ class StepHandle:
         inputs, hidden = self._late
         self._late = None
         InputBuilder.fill_masks(self.plans[0], inputs, device_busy=hidden is not None)
-        self._out = (self._step.dispatch_sample(hidden, inputs) if hidden is not None
-                     else self._step.dispatch(inputs))
+        self._out = self._step.dispatch_sample(hidden, inputs) if hidden is not None else self._step.dispatch(inputs)
 
     def result(self) -> SamplerOutput:
         """The step's outputs as numpy (waits for them once; a replica axis leads with data > 1)."""
@@ -70,8 +75,9 @@ class StepHandle:
 
 
 class Worker:
-    def __init__(self, model: LoadedModel, config: EngineConfig, max_model_len: int,
-                 channel: StepChannel | None = None):
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, max_model_len: int, channel: StepChannel | None = None
+    ):
         self.state = DeviceState(model, config, max_model_len)
         self.step = CompiledStep(self.state)
         self._channel = channel
@@ -107,8 +113,9 @@ class Worker:
         return bool(self.step.split_buckets)
 
     # --- the step --------------------------------------------------------------------------------
-    def execute(self, plans: list[SchedulerPlan], previous: StepHandle | None = None, *,
-                masks_later: bool = False) -> StepHandle:
+    def execute(
+        self, plans: list[SchedulerPlan], previous: StepHandle | None = None, *, masks_later: bool = False
+    ) -> StepHandle:
         """Builds the plans' inputs (one plan per data replica) and launches the step; a plan of
         several steps runs as a decode window. With `masks_later` (one plan, `overlaps_masks`)
         the handle waits for `sample()` (module docstring)."""
@@ -123,8 +130,11 @@ class Worker:
 
     def _execute_late(self, plan: SchedulerPlan, previous: list[SchedulerPlan] | None) -> StepHandle:
         inputs = self.step.prepare(plan, previous, masks=False)
-        split = (plan.num_batched_tokens <= self.step.split_buckets[-1]  # else the fused step, later
-                 and inputs.sampling.history is None and inputs.prompt is None)
+        split = (
+            plan.num_batched_tokens <= self.step.split_buckets[-1]  # else the fused step, later
+            and inputs.sampling.history is None
+            and inputs.prompt is None
+        )
         hidden = self.step.dispatch_forward(inputs) if split else None
         return StepHandle([plan], None, self.step, late=(inputs, hidden))
 
@@ -143,8 +153,11 @@ class Worker:
             raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
         step = self.step
         while True:
-            command, inputs = self._channel.receive(lambda bucket, history, prompt, table_width:
-                                                    step.padding_inputs(bucket, history, False, prompt, table_width))
+            command, inputs = self._channel.receive(
+                lambda bucket, history, prompt, table_width: step.padding_inputs(
+                    bucket, history, False, prompt, table_width
+                )
+            )
             if inputs is None:
                 return command != SHUTDOWN
             step.execute(inputs)

@@ -5,10 +5,11 @@ constant-time (hmac.compare_digest) so response timing does not reveal a token's
 standard health service stays open so load balancers and orchestrators can probe without
 the secret. A refused call ends with UNAUTHENTICATED before its handler runs.
 """
+
 from __future__ import annotations
 
 import hmac
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -33,8 +34,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._open_prefixes = open_prefixes
 
     async def intercept_service(
-            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         if handler is None or details.method.startswith(self._open_prefixes):
             return handler
@@ -44,18 +47,17 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                 given = value if isinstance(value, str) else value.decode("latin-1")
         if hmac.compare_digest(given.encode("utf-8", "replace"), self._expected):
             return handler
-        why = "missing bearer token (metadata 'authorization: Bearer <token>')" if not given \
-            else "invalid bearer token"
+        why = "missing bearer token (metadata 'authorization: Bearer <token>')" if not given else "invalid bearer token"
         return _refusing(handler, why)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape that ends the call with UNAUTHENTICATED."""
+
     async def refuse(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
     if handler.request_streaming:

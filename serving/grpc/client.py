@@ -11,11 +11,12 @@ SamplingOptions); leaving one out takes the server's default. Failures raise grp
 the server's status code and message. Leaving a stream early cancels the call, which aborts the
 request on the server and frees its KV pages.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,11 +59,19 @@ class GenerateResult:
         return self.outputs[0].token_ids
 
 
-def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | None = None,
-                  request_id: str = "", priority: int = 0, add_generation_prompt: bool = True,
-                  tools: list[dict] | None = None, tool_choice: str | None = None,
-                  parallel_tool_calls: bool | None = None, chat_template_kwargs: dict | None = None,
-                  **sampling: object) -> pb.GenerateRequest:
+def build_request(
+    prompt: Prompt | None = None,
+    *,
+    messages: Iterable[dict] | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    tool_choice: str | None = None,
+    parallel_tool_calls: bool | None = None,
+    chat_template_kwargs: dict | None = None,
+    **sampling: object,
+) -> pb.GenerateRequest:
     """`tools` (OpenAI's list), `tool_choice` ("auto", "none", "required" or a tool's name) and
     `chat_template_kwargs` go with `messages`; with tools the result's completions carry
     `tool_calls` and `content`."""
@@ -73,8 +82,11 @@ def build_request(prompt: Prompt | None = None, *, messages: Iterable[dict] | No
         raise ValueError("pass either a prompt (text or token ids) or messages")
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
-    request = pb.GenerateRequest(request_id=request_id, priority=priority,
-                                 sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}))
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        priority=priority,
+        sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}),
+    )
     if (tools is not None or tool_choice is not None or chat_template_kwargs is not None) and messages is None:
         raise ValueError("tools, tool_choice and chat_template_kwargs go with messages")
     if messages is not None:
@@ -101,8 +113,13 @@ def _chat(messages: Iterable[dict], add_generation_prompt: bool = True) -> pb.Ch
 def _message(m: dict) -> pb.ChatMessage:
     """An OpenAI-shaped message (an assistant's tool_calls, a tool result's tool_call_id)."""
     calls = m.get("tool_calls")
-    return pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_call_id=m.get("tool_call_id") or "",
-                          name=m.get("name") or "", tool_calls_json=json.dumps(calls) if calls else "")
+    return pb.ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        tool_call_id=m.get("tool_call_id") or "",
+        name=m.get("name") or "",
+        tool_calls_json=json.dumps(calls) if calls else "",
+    )
 
 
 def _tokenize_request(text, messages, add_special_tokens: bool) -> pb.TokenizeRequest:
@@ -144,18 +161,23 @@ class Accumulator:
             self.timings.CopyFrom(msg.timings)
 
     def result(self) -> GenerateResult:
-        return GenerateResult(self.request_id, [self.outputs[i] for i in sorted(self.outputs)],
-                              self.usage, self.timings, self.prompt_logprobs)
+        return GenerateResult(
+            self.request_id,
+            [self.outputs[i] for i in sorted(self.outputs)],
+            self.usage,
+            self.timings,
+            self.prompt_logprobs,
+        )
 
 
 def _channel_args(max_message_bytes: int):
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)]
+    return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
 
 
 class _Base:
-    def __init__(self, target: str, token: str | None, root_certificates: bytes | None,
-                 tls_server_name: str | None, tls: bool):
+    def __init__(
+        self, target: str, token: str | None, root_certificates: bytes | None, tls_server_name: str | None, tls: bool
+    ):
         self.target = target
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls or root_certificates is not None
@@ -166,38 +188,55 @@ class _Base:
 
 
 class Client(_Base):
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None,
-                 root_certificates: bytes | None = None, tls_server_name: str | None = None,
-                 tls: bool = False):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        tls_server_name: str | None = None,
+        tls: bool = False,
+    ):
         super().__init__(target, token, root_certificates, tls_server_name, tls)
-        self.channel = (grpc.secure_channel(target, self._creds, self._options) if self._tls
-                        else grpc.insecure_channel(target, self._options))
+        self.channel = (
+            grpc.secure_channel(target, self._creds, self._options)
+            if self._tls
+            else grpc.insecure_channel(target, self._options)
+        )
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    def stream(self, prompt: Prompt | None = None, *, timeout: float | None = None,
-               **kwargs: object) -> Iterator[pb.GenerateResponse]:
+    def stream(
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: object
+    ) -> Iterator[pb.GenerateResponse]:
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
         try:
             yield from call
         finally:
             call.cancel()  # a no-op once finished; aborts the request when the caller stops early
 
-    def generate(self, prompt: Prompt | None = None, *, timeout: float | None = None,
-                 **kwargs: object) -> GenerateResult:
+    def generate(
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: object
+    ) -> GenerateResult:
         acc = Accumulator()
         for msg in self.stream(prompt, timeout=timeout, **kwargs):
             acc.add(msg)
         return acc.result()
 
-    def tokenize(self, text: str | None = None, *, messages: Iterable[dict] | None = None,
-                 add_special_tokens: bool = True,
-                 timeout: float | None = None) -> list[int]:
+    def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Iterable[dict] | None = None,
+        add_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> list[int]:
         request = _tokenize_request(text, messages, add_special_tokens)
         return list(self.stub.Tokenize(request, timeout=timeout, metadata=self._metadata).token_ids)
 
-    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
-                   timeout: float | None = None) -> str:
+    def detokenize(
+        self, token_ids: Sequence[int], *, skip_special_tokens: bool = True, timeout: float | None = None
+    ) -> str:
         request = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.stub.Detokenize(request, timeout=timeout, metadata=self._metadata).text
 
@@ -214,7 +253,7 @@ class Client(_Base):
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -222,17 +261,27 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None,
-                 root_certificates: bytes | None = None, tls_server_name: str | None = None,
-                 tls: bool = False):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        tls_server_name: str | None = None,
+        tls: bool = False,
+    ):
         super().__init__(target, token, root_certificates, tls_server_name, tls)
-        self.channel = (grpc.aio.secure_channel(target, self._creds, self._options) if self._tls
-                        else grpc.aio.insecure_channel(target, self._options))
+        self.channel = (
+            grpc.aio.secure_channel(target, self._creds, self._options)
+            if self._tls
+            else grpc.aio.insecure_channel(target, self._options)
+        )
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    async def stream(self, prompt: Prompt | None = None, *, timeout: float | None = None,
-                     **kwargs: object) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: object
+    ) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
         try:
             async for msg in call:
@@ -240,22 +289,29 @@ class AsyncClient(_Base):
         finally:
             call.cancel()
 
-    async def generate(self, prompt: Prompt | None = None, *, timeout: float | None = None,
-                       **kwargs: object) -> GenerateResult:
+    async def generate(
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: object
+    ) -> GenerateResult:
         acc = Accumulator()
         async for msg in self.stream(prompt, timeout=timeout, **kwargs):
             acc.add(msg)
         return acc.result()
 
-    async def tokenize(self, text: str | None = None, *, messages: Iterable[dict] | None = None,
-                       add_special_tokens: bool = True,
-                       timeout: float | None = None) -> list[int]:
+    async def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Iterable[dict] | None = None,
+        add_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> list[int]:
         request = _tokenize_request(text, messages, add_special_tokens)
         reply = await self.stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
         return list(reply.token_ids)
 
-    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
-                         timeout: float | None = None) -> str:
+    async def detokenize(
+        self, token_ids: Sequence[int], *, skip_special_tokens: bool = True, timeout: float | None = None
+    ) -> str:
         request = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
         return (await self.stub.Detokenize(request, timeout=timeout, metadata=self._metadata)).text
 
@@ -263,8 +319,7 @@ class AsyncClient(_Base):
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata)
 
     async def server_stats(self, timeout: float | None = None) -> pb.GetServerStatsResponse:
-        return await self.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=timeout,
-                                              metadata=self._metadata)
+        return await self.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=timeout, metadata=self._metadata)
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -273,7 +328,7 @@ class AsyncClient(_Base):
     async def close(self) -> None:
         await self.channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -4,6 +4,7 @@ names the request field, which the servicer returns as INVALID_ARGUMENT. What a 
 against once converted (ModelLimits, check_params) is serving.model_limits, which the HTTP API
 shares.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,18 +27,41 @@ from serving.tools import ChatReplies, ToolRequest
 _OPTIONAL = "an `optional` scalar of the same name; unset: the SamplingParams default"
 # SamplingOptions -> SamplingParams, field by field (serving.sampling_fields). Every SamplingParams
 # field is on the wire today: the proto mirrors them one to one.
-SAMPLING_TABLE = SamplingTable("gRPC SamplingOptions", mapped=(
-    *(FieldMapping((name,), name, _OPTIONAL) for name in (
-        "n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "seed", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens",
-        "speculative", "prompt_logprobs")),
-    FieldMapping(("stop",), "stop", "repeated string -> tuple"),
-    FieldMapping(("stop_token_ids",), "stop_token_ids", "repeated int32 -> tuple"),
-    FieldMapping(("logit_bias",), "logit_bias", "map<int32, double> -> dict; empty: None"),
-    FieldMapping(("structured_output",), "structured_output",
-                 "StructuredOutput message: its oneof json_schema (JSON text) | json_object | regex | "
-                 "choice.choices | grammar -> StructuredOutput; unset: None"),
-))
+SAMPLING_TABLE = SamplingTable(
+    "gRPC SamplingOptions",
+    mapped=(
+        *(
+            FieldMapping((name,), name, _OPTIONAL)
+            for name in (
+                "n",
+                "max_tokens",
+                "temperature",
+                "top_k",
+                "top_p",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "seed",
+                "ignore_eos",
+                "logprobs",
+                "include_stop_str_in_output",
+                "skip_special_tokens",
+                "speculative",
+                "prompt_logprobs",
+            )
+        ),
+        FieldMapping(("stop",), "stop", "repeated string -> tuple"),
+        FieldMapping(("stop_token_ids",), "stop_token_ids", "repeated int32 -> tuple"),
+        FieldMapping(("logit_bias",), "logit_bias", "map<int32, double> -> dict; empty: None"),
+        FieldMapping(
+            ("structured_output",),
+            "structured_output",
+            "StructuredOutput message: its oneof json_schema (JSON text) | json_object | regex | "
+            "choice.choices | grammar -> StructuredOutput; unset: None",
+        ),
+    ),
+)
 _SCALAR_FIELDS = tuple(m.params for m in SAMPLING_TABLE.mapped if m.conversion == _OPTIONAL)
 
 
@@ -56,10 +80,12 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
 
 def sampling_options(params: SamplingParams) -> pb.SamplingOptions:
     """The request message of a SamplingParams (clients): sampling_params() gives it back."""
-    options = pb.SamplingOptions(**{name: getattr(params, name) for name in _SCALAR_FIELDS
-                                    if getattr(params, name) is not None},
-                                 stop=params.stop, stop_token_ids=params.stop_token_ids,
-                                 logit_bias=params.logit_bias or {})
+    options = pb.SamplingOptions(
+        **{name: getattr(params, name) for name in _SCALAR_FIELDS if getattr(params, name) is not None},
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        logit_bias=params.logit_bias or {},
+    )
     if params.structured_output is not None:
         options.structured_output.CopyFrom(structured_message(params.structured_output))
     return options
@@ -68,8 +94,9 @@ def sampling_options(params: SamplingParams) -> pb.SamplingOptions:
 def _structured(message: pb.StructuredOutput) -> StructuredOutput:
     kind = message.WhichOneof("kind")
     if kind is None:
-        raise ValueError("SamplingParams.structured_output: set one of json_schema, json_object, "
-                         "regex, choice, grammar")
+        raise ValueError(
+            "SamplingParams.structured_output: set one of json_schema, json_object, regex, choice, grammar"
+        )
     try:
         if kind == "json_schema":
             return StructuredOutput(json=message.json_schema)
@@ -127,14 +154,19 @@ def with_tools(params: SamplingParams, tools: ToolRequest | None, sampling: pb.S
     """The params with what the tool choice sets (structured output, special tokens kept)."""
     if tools is None or tools.mode == "none":
         return params
-    updates = serving_tools.sampling_updates(tools, params.structured_output, sampling.HasField("skip_special_tokens"),
-                                          "sampling.structured_output")
+    updates = serving_tools.sampling_updates(
+        tools, params.structured_output, sampling.HasField("skip_special_tokens"), "sampling.structured_output"
+    )
     return dataclasses.replace(params, **updates)
 
 
-def chat_replies(request: pb.GenerateRequest, tools: ToolRequest | None, reasoning: ReasoningParser | None,
-                 structured_output: StructuredOutput | None = None, engine_gated: bool = False
-                 ) -> ChatReplies | None:
+def chat_replies(
+    request: pb.GenerateRequest,
+    tools: ToolRequest | None,
+    reasoning: ReasoningParser | None,
+    structured_output: StructuredOutput | None = None,
+    engine_gated: bool = False,
+) -> ChatReplies | None:
     """How a request's output is read as it finishes: a chat with a tool choice other than none,
     or any chat on a server with a reasoning parser (serving.tools.reasoning_for); None for
     everything else."""
@@ -150,8 +182,9 @@ def _chat_message(m: pb.ChatMessage, i: int) -> dict:
     if calls is not None:
         if not isinstance(calls, list):
             raise RequestError(f"chat.messages[{i}].tool_calls_json: must be a JSON list of calls")
-        entry["tool_calls"] = [serving_tools.template_call(c, f"chat.messages[{i}].tool_calls_json[{j}]")
-                               for j, c in enumerate(calls)]
+        entry["tool_calls"] = [
+            serving_tools.template_call(c, f"chat.messages[{i}].tool_calls_json[{j}]") for j, c in enumerate(calls)
+        ]
     for key in ("tool_call_id", "name"):
         if getattr(m, key):
             entry[key] = getattr(m, key)
@@ -177,8 +210,9 @@ def _in_chat():
         raise RequestError(f"chat.{e}") from None
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits,
-                     tools: ToolRequest | None = None) -> list[int]:
+def prompt_token_ids(
+    request: pb.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits, tools: ToolRequest | None = None
+) -> list[int]:
     """The prompt as token ids, checked against the vocabulary (`tools`:
     a chat's, from chat_tools)."""
     kind = request.WhichOneof("prompt")
@@ -204,15 +238,19 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer | None, l
 
 def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.GenerateResponse:
     """`replies`: a chat read for reasoning or tools: its finishing deltas carry what was read."""
-    msg = pb.GenerateResponse(request_id=out.request_id, finished=out.finished,
-                              usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens,
-                                             completion_tokens=out.usage.completion_tokens,
-                                             cached_prompt_tokens=out.usage.cached_prompt_tokens,
-                                             draft_tokens=out.metrics.num_draft_tokens,
-                                             accepted_draft_tokens=out.metrics.num_accepted_tokens))
+    msg = pb.GenerateResponse(
+        request_id=out.request_id,
+        finished=out.finished,
+        usage=pb.Usage(
+            prompt_tokens=out.usage.prompt_tokens,
+            completion_tokens=out.usage.completion_tokens,
+            cached_prompt_tokens=out.usage.cached_prompt_tokens,
+            draft_tokens=out.metrics.num_draft_tokens,
+            accepted_draft_tokens=out.metrics.num_accepted_tokens,
+        ),
+    )
     for c in out.outputs:
-        delta = msg.outputs.add(index=c.index, text=c.text, token_ids=c.token_ids,
-                                finish_reason=c.finish_reason or "")
+        delta = msg.outputs.add(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason or "")
         if isinstance(c.stop_reason, str):
             delta.stop_string = c.stop_reason
         elif c.stop_reason is not None:
@@ -224,19 +262,29 @@ def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.Gener
             if thought is not None:
                 delta.reasoning_content = thought
             delta.content = parsed.content or ""
-            delta.tool_calls.extend(pb.ToolCall(id=serving_tools.new_call_id(), name=call.name,
-                                                arguments=call.arguments) for call in parsed.tool_calls)
+            delta.tool_calls.extend(
+                pb.ToolCall(id=serving_tools.new_call_id(), name=call.name, arguments=call.arguments)
+                for call in parsed.tool_calls
+            )
     msg.prompt_logprobs.extend(map(_token_logprob, (out.prompt_logprobs or [None])[1:]))
     if out.finished:
         m = out.metrics
         itl = m.inter_token_latencies
-        msg.timings.CopyFrom(pb.Timings(
-            queue_time_s=m.queue_time or 0.0, time_to_first_token_s=m.time_to_first_token or 0.0,
-            e2e_latency_s=m.e2e_latency or 0.0,
-            mean_inter_token_latency_s=sum(itl) / len(itl) if itl else 0.0))
+        msg.timings.CopyFrom(
+            pb.Timings(
+                queue_time_s=m.queue_time or 0.0,
+                time_to_first_token_s=m.time_to_first_token or 0.0,
+                e2e_latency_s=m.e2e_latency or 0.0,
+                mean_inter_token_latency_s=sum(itl) / len(itl) if itl else 0.0,
+            )
+        )
     return msg
 
 
 def _token_logprob(lp: Logprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank or 0,
-                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank or 0,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
+    )

@@ -11,6 +11,7 @@
 
 serving.server.InferenceServer owns it beside the HTTP API and decides when each step happens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,9 +32,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name  # j
 @dataclasses.dataclass(frozen=True)
 class GrpcOptions:
     host: str = "127.0.0.1"
-    port: int = 50051                   # 0: any free port (see GrpcServer.port)
-    auth_token: str | None = None       # bearer token every call but health checks must carry
-    tls_cert_file: str | None = None    # PEM certificate chain and key: TLS instead of plaintext
+    port: int = 50051  # 0: any free port (see GrpcServer.port)
+    auth_token: str | None = None  # bearer token every call but health checks must carry
+    tls_cert_file: str | None = None  # PEM certificate chain and key: TLS instead of plaintext
     tls_key_file: str | None = None
     max_message_bytes: int = 4 * 1024 * 1024
 
@@ -53,10 +54,14 @@ class GrpcServer:
     def _build(self) -> grpc.aio.Server:
         opts = self.options
         interceptors = [BearerTokenInterceptor(opts.auth_token)] if opts.auth_token else []
-        server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", opts.max_message_bytes),
-            ("grpc.max_send_message_length", opts.max_message_bytes),
-            ("grpc.so_reuseport", 0)])  # a second server on a taken port fails instead of sharing it
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", opts.max_message_bytes),
+                ("grpc.max_send_message_length", opts.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )  # a second server on a taken port fails instead of sharing it
         pb_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

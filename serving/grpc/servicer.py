@@ -15,6 +15,7 @@ Generate, for one call:
 An exception while serving one call ends that call with INTERNAL; nothing else is affected.
 The key of every call is the bearer token's id (one shared token); without a token, anonymous.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,7 @@ import functools
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import jax
@@ -52,10 +53,19 @@ class _Refused(Exception):
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, engine_loop: EngineLoop, *, max_waiting: int, metrics=None,
-                 executor: concurrent.futures.Executor | None = None, limiter: RateLimiter | None = None,
-                 request_log: RequestLog | None = None, key_id: str | None = None, tool_call_parser: str = "auto",
-                 reasoning_parser: str | None = None):
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        *,
+        max_waiting: int,
+        metrics=None,
+        executor: concurrent.futures.Executor | None = None,
+        limiter: RateLimiter | None = None,
+        request_log: RequestLog | None = None,
+        key_id: str | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str | None = None,
+    ):
         engine = engine_loop.engine
         self.tool_parser, self.reasoning = output_readers(engine.tokenizer, tool_call_parser, reasoning_parser)
         self.reasoning_gated = engine.config.load.reasoning_parser is not None  # grammars start after </think>
@@ -91,8 +101,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         await context.abort(refused.code, refused.details, trailing_metadata=refused.metadata)
 
     # --- Generate -------------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         arrival_time = time.monotonic()  # TTFT and queue time count tokenization and queueing too
         request_id = request.request_id or uuid.uuid4().hex
         record = self.request_log.start("grpc", GENERATE, self.key_id)
@@ -102,8 +113,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         grant, status = None, "OK"
         try:
             grant = self._admit(request_id)
-            async with contextlib.aclosing(self._generate(request, request_id, context, arrival_time,
-                                                          record, grant)) as responses:
+            async with contextlib.aclosing(
+                self._generate(request, request_id, context, arrival_time, record, grant)
+            ) as responses:
                 async for response in responses:
                     yield response
         except _Refused as e:
@@ -128,8 +140,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self.draining:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if (in_flight := len(self._streams) + self.in_flight_elsewhere()) >= self.max_in_flight:
-            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {in_flight} requests in flight "
-                           f"(limit {self.max_in_flight}); retry later")
+            raise _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server busy: {in_flight} requests in flight (limit {self.max_in_flight}); retry later",
+            )
         if request_id in self._streams:
             raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in flight")
         try:
@@ -137,8 +151,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except RateLimited as e:
             raise _rate_limited(e) from None
 
-    async def _generate(self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext,
-                        arrival_time: float, record: RequestRecord, grant: Grant):
+    async def _generate(
+        self,
+        request: pb.GenerateRequest,
+        request_id: str,
+        context: grpc.aio.ServicerContext,
+        arrival_time: float,
+        record: RequestRecord,
+        grant: Grant,
+    ):
         """The call's responses; refusals raise _Refused. Ended early: the request is aborted."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
@@ -152,8 +173,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             _charge(grant, len(checked.prompt_token_ids), checked.params)
             loop = asyncio.get_running_loop()
             deadline = _deadline(context, loop)
-            self._engine_loop.submit(request_id, checked,
-                                     functools.partial(loop.call_soon_threadsafe, queue.put_nowait), arrival_time)
+            self._engine_loop.submit(
+                request_id, checked, functools.partial(loop.call_soon_threadsafe, queue.put_nowait), arrival_time
+            )
             submitted = True
             while not finished:
                 deltas, error = await _next_items(queue, deadline, loop)
@@ -177,14 +199,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         tools = convert.chat_tools(request.chat, self.tool_parser) if request.HasField("chat") else None
         ids = convert.prompt_token_ids(request, self._tokenizer, self._limits, tools)
         params = convert.with_tools(params, tools, request.sampling)
-        checked = check_request(ids, params, self._limits, request.priority,
-                                prompt_field=request.WhichOneof("prompt") or "prompt")
-        return checked, convert.chat_replies(request, tools, self.reasoning, params.structured_output,
-                                                 self.reasoning_gated)
+        checked = check_request(
+            ids, params, self._limits, request.priority, prompt_field=request.WhichOneof("prompt") or "prompt"
+        )
+        return checked, convert.chat_replies(
+            request, tools, self.reasoning, params.structured_output, self.reasoning_gated
+        )
 
     # --- unary RPCs -----------------------------------------------------------------------------
-    async def Tokenize(self, request: pb.TokenizeRequest,
-                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         if self._tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
         kind = request.WhichOneof("input")
@@ -200,35 +223,47 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
 
-    async def Detokenize(self, request: pb.DetokenizeRequest,
-                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
         if self._tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
         vocab = self._limits.vocab_size
         bad = [t for t in request.token_ids if not 0 <= t < vocab]
         if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids: ids out of range [0, {vocab}): {bad[:5]}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: ids out of range [0, {vocab}): {bad[:5]}"
+            )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await self._in_worker(self._tokenizer.decode, list(request.token_ids), skip)
         return pb.DetokenizeResponse(text=text)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
         return self._model_info
 
-    async def GetServerStats(self, request: pb.GetServerStatsRequest,
-                             context: grpc.aio.ServicerContext) -> pb.GetServerStatsResponse:
+    async def GetServerStats(
+        self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerStatsResponse:
         try:
             stats, steps = await asyncio.wrap_future(
-                self._engine_loop.call(lambda engine: (engine.stats(), self._engine_loop.num_steps)))
+                self._engine_loop.call(lambda engine: (engine.stats(), self._engine_loop.num_steps))
+            )
         except ServerShuttingDown as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.GetServerStatsResponse(
-            running=stats["running"], waiting=stats["waiting"], active_streams=len(self._streams),
-            kv_pages_total=stats["kv_pages_total"], kv_pages_free=stats["kv_pages_free"],
-            kv_cache_usage=stats["kv_cache_usage"], prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
-            preemptions=stats["preemptions"], compiled_variants=stats["compiled_variants"], steps=steps)
+            running=stats["running"],
+            waiting=stats["waiting"],
+            active_streams=len(self._streams),
+            kv_pages_total=stats["kv_pages_total"],
+            kv_pages_free=stats["kv_pages_free"],
+            kv_cache_usage=stats["kv_cache_usage"],
+            prefix_cache_hit_rate=stats["prefix_cache_hit_rate"],
+            preemptions=stats["preemptions"],
+            compiled_variants=stats["compiled_variants"],
+            steps=steps,
+        )
 
 
 async def _next_items(queue: asyncio.Queue, deadline: float | None, loop) -> tuple[list, Exception | None]:
@@ -259,8 +294,10 @@ def _deadline(context, loop) -> float | None:
 def _charge(grant: Grant, num_prompt_tokens: int, params) -> None:
     """The key's tokens per minute: the prompt + max_tokens x n (RESOURCE_EXHAUSTED past them)."""
     try:
-        grant.charge(token_cost([num_prompt_tokens], params.max_tokens, params.n),
-                     f"{num_prompt_tokens} prompt tokens + max_tokens {params.max_tokens} x n {params.n}")
+        grant.charge(
+            token_cost([num_prompt_tokens], params.max_tokens, params.n),
+            f"{num_prompt_tokens} prompt tokens + max_tokens {params.max_tokens} x n {params.n}",
+        )
     except RateLimited as e:
         raise _rate_limited(e) from None
 
@@ -289,12 +326,20 @@ def _model_info(engine, tool_parser) -> pb.GetModelInfoResponse:
     eos = tok.eos_token_ids if tok is not None else model.config.eos_token_ids
     dtype = next((str(leaf.dtype) for leaf in jax.tree.leaves(model.params)), "")
     return pb.GetModelInfoResponse(
-        model=str(model.path), model_type=model.config.model_type, dtype=dtype,
-        vocab_size=model.config.vocab_size, max_model_len=engine.max_model_len, eos_token_ids=list(eos),
-        has_tokenizer=tok is not None, has_chat_template=getattr(tok, "chat_template", None) is not None,
-        page_size=cfg.cache.page_size, kv_pages_total=engine.kv_cache.num_usable_pages,
+        model=str(model.path),
+        model_type=model.config.model_type,
+        dtype=dtype,
+        vocab_size=model.config.vocab_size,
+        max_model_len=engine.max_model_len,
+        eos_token_ids=list(eos),
+        has_tokenizer=tok is not None,
+        has_chat_template=getattr(tok, "chat_template", None) is not None,
+        page_size=cfg.cache.page_size,
+        kv_pages_total=engine.kv_cache.num_usable_pages,
         max_num_seqs=cfg.scheduler.max_num_seqs,
-        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, penalties_enabled=cfg.compile.penalties,
-        max_logprobs=MAX_LOGPROBS, tool_call_format=tool_parser.name if tool_parser else "",
-        prompt_logprobs_enabled=cfg.compile.enable_prompt_logprobs)
-
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+        penalties_enabled=cfg.compile.penalties,
+        max_logprobs=MAX_LOGPROBS,
+        tool_call_format=tool_parser.name if tool_parser else "",
+        prompt_logprobs_enabled=cfg.compile.enable_prompt_logprobs,
+    )

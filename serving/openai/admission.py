@@ -12,9 +12,10 @@ A 429 says which limit (requests per minute / tokens per minute / concurrent req
 to retry; a request that costs more tokens than the per-minute limit can never fit: 429 without
 Retry-After and with `x-should-retry: false`, so the official clients do not retry it.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from jaxinfer.sampling import SamplingParams
 from serving.limits import Grant, RateLimited, RateLimiter, token_cost
@@ -22,8 +23,9 @@ from serving.openai.errors import APIError
 
 
 class Admission:
-    def __init__(self, max_in_flight: int, in_flight_elsewhere: Callable[[], int] = lambda: 0,
-                 limiter: RateLimiter | None = None):
+    def __init__(
+        self, max_in_flight: int, in_flight_elsewhere: Callable[[], int] = lambda: 0, limiter: RateLimiter | None = None
+    ):
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # admitted HTTP generation requests not yet answered
         self._elsewhere = in_flight_elsewhere
@@ -33,8 +35,12 @@ class Admission:
         """Admits one request or raises APIError (503 past the in-flight limit, 429 past a key's)."""
         total = self.in_flight + self._elsewhere()
         if total >= self.max_in_flight:
-            raise APIError(503, f"server busy: {total} requests in flight (limit {self.max_in_flight}); "
-                                "retry later", code="server_busy", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"server busy: {total} requests in flight (limit {self.max_in_flight}); retry later",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
         try:
             grant = self.limiter.admit(key_id)
         except RateLimited as e:
@@ -52,8 +58,9 @@ def charge_tokens(grant: Grant | None, prompts: list[list[int]], params: Samplin
     if grant is None:
         return
     lengths = [len(p) for p in prompts]
-    detail = (f"{sum(lengths)} prompt tokens + max_tokens {params.max_tokens} x n {params.n}"
-              + (f" x {len(lengths)} prompts" if len(lengths) > 1 else ""))
+    detail = f"{sum(lengths)} prompt tokens + max_tokens {params.max_tokens} x n {params.n}" + (
+        f" x {len(lengths)} prompts" if len(lengths) > 1 else ""
+    )
     try:
         grant.charge(token_cost(lengths, params.max_tokens, params.n), detail)
     except RateLimited as e:

@@ -10,6 +10,7 @@ Every error, including unknown routes (404), a known route asked with another me
 the `Allow` header naming the methods it takes) and a bug in a handler (500), answers
 `{"error": {"message", "type", "param", "code"}}`. The Gate middleware (middleware.py) wraps it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,13 @@ class _Endpoints:
         self.ctx, self.metrics = ctx, metrics
 
     def _model_card(self) -> dict:
-        return {"id": self.ctx.model_name, "object": "model", "created": self.ctx.created, "owned_by": "jaxinfer",
-                "max_model_len": self.ctx.limits.max_model_len}
+        return {
+            "id": self.ctx.model_name,
+            "object": "model",
+            "created": self.ctx.created,
+            "owned_by": "jaxinfer",
+            "max_model_len": self.ctx.limits.max_model_len,
+        }
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -70,8 +76,14 @@ class _Endpoints:
             raise bad_request("prompt", "prompt: send exactly one of prompt and messages")
         if req.messages is not None:
             # the chat template writes its own special tokens, exactly as for a chat completion
-            ids = await ctx.in_worker(render_messages, req.messages, ctx.tokenizer, req.add_generation_prompt,
-                                      template_tools(req.tools), req.chat_template_kwargs)
+            ids = await ctx.in_worker(
+                render_messages,
+                req.messages,
+                ctx.tokenizer,
+                req.add_generation_prompt,
+                template_tools(req.tools),
+                req.chat_template_kwargs,
+            )
         else:
             ids = await ctx.in_worker(ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids})
@@ -102,8 +114,15 @@ def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: b
         Route("/docs", docs.page, methods=["GET"]),
         Route("/docs/{asset}", docs.asset, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={
-        APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal})
+    return Starlette(
+        routes=routes,
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            ClientDisconnect: _client_gone,
+            Exception: _internal,
+        },
+    )
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
@@ -114,8 +133,9 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
         return not_found_route(request.url.path).response()
     # 405 carries `Allow` (the route's methods): kept, as HTTP requires
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                    headers=exc.headers).response()
+    return APIError(
+        exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", headers=exc.headers
+    ).response()
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:

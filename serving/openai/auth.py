@@ -5,6 +5,7 @@ JAXINFER_API_KEYS variable (comma-separated). Only their SHA-256 digests are kep
 key is hashed and compared with every digest in constant time, so neither timing nor a log line
 reveals a key. Logs and metrics name a key by its id: the first 8 hex digits of its digest.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -8,6 +8,7 @@ files of the swagger-ui-bundle-v2 package (Swagger UI 5, which reads OpenAPI 3.1
     GET /docs/<asset>         those two files, nothing else from the package
 All three are open (no API key), as vLLM's are: a browser opening the page sends none.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,6 +4,7 @@ Every refusal of the HTTP API is an APIError raised where the problem is found (
 a handler, the request conversion) and turned into one JSON response here. `param` names the
 request field at fault, and the message starts with it, as the gRPC server's messages do.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,17 +17,37 @@ from starlette.responses import JSONResponse
 from serving.engine_loop import RequestRejected, ServerShuttingDown
 from serving.errors import RequestError
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 # The gRPC status a refusal would have had: HTTP refusals count in jaxinfer_rejected_requests_total
 # under the same code names as the gRPC server's.
-GRPC_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
-              413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+GRPC_CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    413: "RESOURCE_EXHAUSTED",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
@@ -44,8 +65,7 @@ class APIError(Exception):
 
 def bad_request(param: str | None, message: str) -> APIError:
     """400 whose message starts with the field: `temperature=-1: must be ...`."""
-    return APIError(400, message if param is None or message.startswith(param) else f"{param}: {message}",
-                    param=param)
+    return APIError(400, message if param is None or message.startswith(param) else f"{param}: {message}", param=param)
 
 
 def from_validation(error: pydantic.ValidationError) -> APIError:
@@ -90,8 +110,12 @@ def not_found_route(path: str) -> APIError:
 
 
 def unknown_model(requested: str, served: str) -> APIError:
-    return APIError(404, f"model: the model `{requested}` does not exist; this server serves `{served}`",
-                    param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"model: the model `{requested}` does not exist; this server serves `{served}`",
+        param="model",
+        code="model_not_found",
+    )
 
 
 @contextlib.contextmanager

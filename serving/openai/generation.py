@@ -5,15 +5,16 @@
     # leaving the block early (error, client gone, cancelled) aborts what has not finished:
     # EngineLoop.abort frees the pages before the next engine step
 
-Each merged delta is shown to the request's record (request log, tokens-per-minute settling). The engine thread hands each delta (or one
-exception instead of the last) to a sink that moves it onto this event loop
+Each merged delta is shown to the request's record (request log, tokens-per-minute settling).
+The engine thread hands each delta (or one exception instead of the last) to a sink that moves it onto this event loop
 (call_soon_threadsafe); nothing here touches the Engine.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Awaitable, TypeVar
+from collections.abc import AsyncIterator, Awaitable
 
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
@@ -24,23 +25,29 @@ from serving.openai.errors import from_engine
 from serving.openai.inputs import EngineInputs
 from serving.request_log import RequestRecord
 
-T = TypeVar("T")
-
 
 class EngineRequests:
-    def __init__(self, engine_loop: EngineLoop, base_id: str, inputs: EngineInputs,
-                 arrival_time: float | None = None, record: RequestRecord | None = None):
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        base_id: str,
+        inputs: EngineInputs,
+        arrival_time: float | None = None,
+        record: RequestRecord | None = None,
+    ):
         self._engine_loop, self._inputs, self._record = engine_loop, inputs, record
         self._ids = [f"{base_id}-{i}" for i in range(len(inputs.prompts))]
         self._arrival = time.monotonic() if arrival_time is None else arrival_time
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done: set[int] = set()  # prompts whose engine request is over (finished or failed)
 
-    async def __aenter__(self) -> "EngineRequests":
+    async def __aenter__(self) -> EngineRequests:
         loop = asyncio.get_running_loop()
         for i, (request_id, request) in enumerate(zip(self._ids, self._inputs.requests)):
+
             def sink(item, i=i):
                 loop.call_soon_threadsafe(self._queue.put_nowait, (i, item))
+
             self._engine_loop.submit(request_id, request, sink, self._arrival)
         return self
 
@@ -80,7 +87,7 @@ class EngineRequests:
         return [results[i] for i in range(len(self._ids))]
 
 
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+async def unless_disconnected[T](receive: Receive, work: Awaitable[T]) -> T:
     """Awaits `work` unless the client goes away first: then cancels it (its cleanup aborts the
     engine requests) and raises ClientDisconnect. For responses that are not streamed, whose
     handler would otherwise notice only when it writes the answer."""

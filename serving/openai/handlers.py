@@ -10,6 +10,7 @@ middleware, before any of this; the key's tokens per minute are charged here, on
 max_tokens are known (429). The request's record (request log) is filled in on the way: id, user,
 prompt tokens, each delta, the message of an error.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, TypeVar
+from collections.abc import AsyncIterator
 
 import pydantic
 from starlette.requests import Request
@@ -29,8 +30,8 @@ from starlette.responses import JSONResponse, Response
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
-from serving.model_limits import ModelLimits
 from serving.engine_loop import EngineLoop
+from serving.model_limits import ModelLimits
 from serving.openai import outputs, sse
 from serving.openai.admission import charge_tokens
 from serving.openai.errors import APIError, bad_request, from_validation, unknown_model
@@ -41,19 +42,19 @@ from serving.request_log import RequestRecord
 from serving.tools import reasoning_for
 
 logger = logging.getLogger(__name__)
-Body = TypeVar("Body", bound=pydantic.BaseModel)
 
 
 @dataclasses.dataclass
 class ApiContext:
     """What every endpoint shares: the engine loop, the model's facts, a worker pool."""
+
     engine_loop: EngineLoop
     tokenizer: Tokenizer | None
     limits: ModelLimits
     model_name: str
     executor: concurrent.futures.Executor
     tool_parser: ToolCallParser | None = None  # how tool_choice "auto" outputs are read (None: refused)
-    reasoning: ReasoningParser | None = None   # splits chat outputs' reasoning_content off (None: not)
+    reasoning: ReasoningParser | None = None  # splits chat outputs' reasoning_content off (None: not)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -68,7 +69,7 @@ class ApiContext:
             raise unknown_model(model, self.model_name)
 
 
-async def parse(request: Request, model: type[Body]) -> Body:
+async def parse[Body: pydantic.BaseModel](request: Request, model: type[Body]) -> Body:
     try:
         data = json.loads(await request.body())
     except ValueError as e:
@@ -88,6 +89,7 @@ async def parse(request: Request, model: type[Body]) -> Body:
 
 def _noting_errors(handler):
     """The handler, writing the message of an APIError it raises into the request's record."""
+
     @functools.wraps(handler)
     async def noting(ctx: ApiContext, request: Request) -> Response:
         try:
@@ -96,6 +98,7 @@ def _noting_errors(handler):
             if (record := _record(request)) is not None:
                 record.error = e.message
             raise
+
     return noting
 
 
@@ -114,29 +117,37 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
     head = outputs.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), ctx.model_name)
     record = _admitted(request, head.id, req, inputs, lambda: req.prompt)
     if req.stream:
-        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), inputs.echo_texts,
-                                     shown=_shown(inputs))
+        writer = outputs.ChunkWriter(
+            head, inputs.params.n, ctx.texts, _include_usage(req), inputs.echo_texts, shown=_shown(inputs)
+        )
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     results = await unless_disconnected(request.receive, _collect(requests))
-    return JSONResponse(outputs.completion_response(head, results, inputs.params.n, ctx.texts, inputs.echo_texts,
-                                                    _shown(inputs)))
+    return JSONResponse(
+        outputs.completion_response(head, results, inputs.params.n, ctx.texts, inputs.echo_texts, _shown(inputs))
+    )
 
 
 @_noting_errors
 async def chat_completions(ctx: ApiContext, request: Request) -> Response:
     to_inputs = functools.partial(chat_inputs, tool_parser=ctx.tool_parser)
     arrival, req, inputs = await _prepared(ctx, request, ChatCompletionRequest, to_inputs)
-    head = outputs.ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()),
-                                  ctx.model_name)
-    record = _admitted(request, head.id, req, inputs,
-                       lambda: [m.model_dump(exclude_none=True) for m in req.messages])
-    reasoning = reasoning_for(ctx.reasoning, inputs.params.structured_output,
-                              ctx.engine_loop.engine.config.load.reasoning_parser is not None)
+    head = outputs.ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), ctx.model_name)
+    record = _admitted(request, head.id, req, inputs, lambda: [m.model_dump(exclude_none=True) for m in req.messages])
+    reasoning = reasoning_for(
+        ctx.reasoning, inputs.params.structured_output, ctx.engine_loop.engine.config.load.reasoning_parser is not None
+    )
     if req.stream:
         head.object = "chat.completion.chunk"
-        writer = outputs.ChunkWriter(head, inputs.params.n, ctx.texts, _include_usage(req), tools=inputs.tools,
-                                     reasoning=reasoning, shown=_shown(inputs))
+        writer = outputs.ChunkWriter(
+            head,
+            inputs.params.n,
+            ctx.texts,
+            _include_usage(req),
+            tools=inputs.tools,
+            reasoning=reasoning,
+            shown=_shown(inputs),
+        )
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     (result,) = await unless_disconnected(request.receive, _collect(requests))
@@ -152,8 +163,13 @@ async def _collect(requests: EngineRequests) -> list:
         return await requests.collect()
 
 
-async def _events(ctx: ApiContext, inputs: EngineInputs, writer: outputs.ChunkWriter,
-                  arrival: float, record: RequestRecord | None = None) -> AsyncIterator[bytes]:
+async def _events(
+    ctx: ApiContext,
+    inputs: EngineInputs,
+    writer: outputs.ChunkWriter,
+    arrival: float,
+    record: RequestRecord | None = None,
+) -> AsyncIterator[bytes]:
     """The SSE events of one streamed response. Submitting happens here, on the first read, so
     a response that is never streamed (the client left at once) never reaches the engine."""
     last: dict[int, object] = {}
@@ -187,8 +203,14 @@ def _admitted(request: Request, request_id: str, req, inputs: EngineInputs, prom
     """Logs the request, fills in its record and charges its tokens to its key (429 past the key's
     tokens per minute). `prompt()` is the prompt as sent, for a request log with prompts."""
     state = request.scope.get("state", {})
-    logger.info("%s key=%s user=%.64s prompts=%d prompt_tokens=%s", request_id, state.get("key_id") or "-",
-                req.user or "-", len(inputs.prompts), [len(p) for p in inputs.prompts])
+    logger.info(
+        "%s key=%s user=%.64s prompts=%d prompt_tokens=%s",
+        request_id,
+        state.get("key_id") or "-",
+        req.user or "-",
+        len(inputs.prompts),
+        [len(p) for p in inputs.prompts],
+    )
     record = state.get("record")
     if record is not None:
         record.request_id, record.user = request_id, req.user

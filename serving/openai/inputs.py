@@ -5,17 +5,18 @@ naming the request's own field (`max_completion_tokens`, `top_logprobs`, `prompt
 the check is SamplingParams' or serving.model_limits', which name the engine's fields. Chat messages become
 the prompt in messages.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
 
+from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.errors import RequestError
-from jaxinfer.core.requests import CheckedRequest
 from serving.model_limits import ModelLimits, check_request
 from serving.openai.errors import bad_request, named_400
 from serving.openai.messages import render_messages
@@ -34,11 +35,12 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat default
 class EngineInputs:
     """One HTTP request as engine requests: one per prompt, all with the same params, each
     checked as the engine checks requests (serving/model_limits.py), once."""
+
     requests: list[CheckedRequest]
     params: SamplingParams
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
-    tools: ToolRequest | None = None     # chat with tools whose output is read for calls
-    echo_top: int | None = None          # completions with echo and logprobs=N: the prompt's too
+    tools: ToolRequest | None = None  # chat with tools whose output is read for calls
+    echo_top: int | None = None  # completions with echo and logprobs=N: the prompt's too
     prompt_logprobs_field: bool = False  # the request's prompt_logprobs: the `prompt_logprobs` field
 
     @property
@@ -57,8 +59,10 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
     kwargs = _sampling_kwargs(req, limits, logprobs=req.logprobs)
     echo_top = req.logprobs if req.echo and _is_count(req.logprobs) else None
     if echo_top is not None and not limits.prompt_logprobs_enabled:
-        raise bad_request("echo", "echo with logprobs: the prompt's logprobs are off on this server "
-                                  "(start it with --enable-prompt-logprobs)")
+        raise bad_request(
+            "echo",
+            "echo with logprobs: the prompt's logprobs are off on this server (start it with --enable-prompt-logprobs)",
+        )
     if echo_top is not None and (req.prompt_logprobs is None or _is_count(req.prompt_logprobs)):
         kwargs["prompt_logprobs"] = max(echo_top, req.prompt_logprobs or 0)  # the prompt's tokens too
         names["prompt_logprobs"] = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
@@ -74,14 +78,21 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
     if req.echo:
         if tokenizer is None:
             raise bad_request("echo", "echo: this model has no tokenizer to write the prompt as text")
-        echo = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
-                for p, ids in zip(_as_list(req.prompt), prompts)]
-    return EngineInputs(requests, params, echo, echo_top=echo_top,
-                        prompt_logprobs_field=req.prompt_logprobs is not None)
+        echo = [
+            p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
+            for p, ids in zip(_as_list(req.prompt), prompts)
+        ]
+    return EngineInputs(
+        requests, params, echo, echo_top=echo_top, prompt_logprobs_field=req.prompt_logprobs is not None
+    )
 
 
-def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits: ModelLimits,
-                tool_parser: ToolCallParser | None = None) -> EngineInputs:
+def chat_inputs(
+    req: ChatCompletionRequest,
+    tokenizer: Tokenizer | None,
+    limits: ModelLimits,
+    tool_parser: ToolCallParser | None = None,
+) -> EngineInputs:
     """`tool_parser`: how the server reads tool calls for tool_choice "auto" (None: not at all)."""
     _refuse_unsupported(req)
     for name in ("functions", "function_call"):
@@ -91,14 +102,19 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
         raise bad_request("top_logprobs", "top_logprobs: needs logprobs=true")
     with named_400():
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
-    ids = render_messages(req.messages, tokenizer, req.add_generation_prompt, tools.tools if tools else None,
-                          req.chat_template_kwargs)
+    ids = render_messages(
+        req.messages, tokenizer, req.add_generation_prompt, tools.tools if tools else None, req.chat_template_kwargs
+    )
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens == 0:  # a chat has no prompt to echo: nothing to return
         raise bad_request(max_name, f"{max_name}=0: must be >= 1")
-    names = {"logprobs": "top_logprobs", "max_tokens": max_name, "structured_output": _structured_field(req),
-             "prompt": "messages"}
+    names = {
+        "logprobs": "top_logprobs",
+        "max_tokens": max_name,
+        "structured_output": _structured_field(req),
+        "prompt": "messages",
+    }
     kwargs = _sampling_kwargs(req, limits, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     cap = min(limits.max_request_tokens or limits.max_model_len, limits.max_model_len)
     # By default, the rest of the context; at least one token (a chat that fills the context is refused).
@@ -108,21 +124,29 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Tokenizer | None, limits:
         if tools.structured_output is not None:  # a schema llguidance refuses is the tool's
             names["structured_output"] = "tools"
     params = _params(kwargs, names)
-    return EngineInputs([_checked(ids, params, limits, names)], params, tools=tools if tools is not None and tools.mode != "none" else None,
-                        prompt_logprobs_field=req.prompt_logprobs is not None)
+    return EngineInputs(
+        [_checked(ids, params, limits, names)],
+        params,
+        tools=tools if tools is not None and tools.mode != "none" else None,
+        prompt_logprobs_field=req.prompt_logprobs is not None,
+    )
 
 
 def _tool_sampling(req: ChatCompletionRequest, tools: ToolRequest, kwargs: dict) -> None:
     with named_400():
-        kwargs.update(sampling_updates(tools, kwargs["structured_output"], req.skip_special_tokens is not None,
-                                       _structured_field(req)))
+        kwargs.update(
+            sampling_updates(
+                tools, kwargs["structured_output"], req.skip_special_tokens is not None, _structured_field(req)
+            )
+        )
 
 
 def _refuse_unsupported(req: SamplingFields) -> None:
     fmt = req.response_format
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
-        raise bad_request("response_format", f"response_format.type={fmt.type!r}: unknown; use \"text\", "
-                                             "\"json_object\" or \"json_schema\"")
+        raise bad_request(
+            "response_format", f'response_format.type={fmt.type!r}: unknown; use "text", "json_object" or "json_schema"'
+        )
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options", "stream_options: only allowed with stream=true")
 
@@ -132,8 +156,9 @@ def _sampling_kwargs(req: SamplingFields, limits: ModelLimits, logprobs: int | N
         for name in _PENALTIES:
             value = getattr(req, name)
             if value is not None and value != _PENALTY_OFF[name]:
-                raise bad_request(name, f"{name}={value}: penalties are off on this server "
-                                        "(started with --no-penalties)")
+                raise bad_request(
+                    name, f"{name}={value}: penalties are off on this server (started with --no-penalties)"
+                )
     kwargs = {name: getattr(req, name) for name in _SAME_NAME if getattr(req, name) is not None}
     if req.stop is not None:
         kwargs["stop"] = req.stop
@@ -172,7 +197,7 @@ def _structured_output(req: SamplingFields) -> StructuredOutput | None:
     if len(asked) > 1:
         names = sorted(asked)
         raise bad_request(names[1], f"{names[1]}: only one of {', '.join(names)} may be given")
-    (field, value), = asked.items()
+    ((field, value),) = asked.items()
     try:
         if field != "response_format":
             return StructuredOutput(**{_GUIDED[field]: value})
@@ -180,8 +205,7 @@ def _structured_output(req: SamplingFields) -> StructuredOutput | None:
             return StructuredOutput(json_object=True)
         schema = (value.json_schema or {}).get("schema")
         if schema is None:
-            raise bad_request("response_format", "response_format.json_schema.schema: required for "
-                                                 "type \"json_schema\"")
+            raise bad_request("response_format", 'response_format.json_schema.schema: required for type "json_schema"')
         return StructuredOutput(json=schema)
     except ValueError as e:  # "StructuredOutput.regex=...: must be ..."
         raise bad_request(field, f"{field}: {str(e).split(': ', 1)[-1]}") from None
@@ -206,7 +230,7 @@ def _renamed(message: str, names: dict[str, str]):
     (`prompt of 600 tokens ...`), led by the request's own field instead."""
     field = re.match(r"\w+", message).group(0)
     ours = names.get(field, field)
-    rest = message[len(field):]
+    rest = message[len(field) :]
     return bad_request(ours, ours + rest if rest[:1] in ("=", "[", ":", "/") else f"{ours}: {message}")
 
 
@@ -226,8 +250,11 @@ def _token_ids(value, field: str) -> list[int] | None:
     """A non-empty list of numbers as token ids, None for any other value. Integral numbers
     written as floats (272.0) are ids, as in vLLM's API (JSON Schema's integer); any other number
     is a 400 naming the element (`prompt[3]: 272.5 is not an integer token id`)."""
-    if not isinstance(value, list) or not value or not all(
-            isinstance(t, (int, float)) and not isinstance(t, bool) for t in value):
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in value)
+    ):
         return None
     for j, t in enumerate(value):
         if isinstance(t, float) and not t.is_integer():
@@ -247,8 +274,10 @@ def _prompt_shapes(prompt) -> list[str | list[int]]:
         lists = [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
         if all(ids is not None for ids in lists):
             return lists
-    raise bad_request("prompt", "prompt: must be a string, a list of strings, a list of token ids or a "
-                                "list of token-id lists (none empty)")
+    raise bad_request(
+        "prompt",
+        "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists (none empty)",
+    )
 
 
 def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[list[int]]:

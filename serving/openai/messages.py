@@ -3,6 +3,7 @@
 a tool result's tool_call_id, the request's tools and chat_template_kwargs. Every problem is a
 400 naming the request's field (`messages[2].tool_calls[0].function.arguments`).
 """
+
 from __future__ import annotations
 
 from jaxinfer.tokenizer import Tokenizer
@@ -12,8 +13,13 @@ from serving.openai.protocol import ChatMessage
 from serving.tools import checked_tools, template_call
 
 
-def render_messages(messages: list[ChatMessage], tokenizer: Tokenizer | None, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+def render_messages(
+    messages: list[ChatMessage],
+    tokenizer: Tokenizer | None,
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
     """The chat template's prompt as token ids (the template writes BOS and role markers);
     `tools` checked already (tool_request, template_tools)."""
     try:
@@ -50,8 +56,9 @@ def _template_message(message: ChatMessage, i: int) -> dict:
         entry["content"] = _message_text(message, i)
     if message.tool_calls:
         with named_400():
-            entry["tool_calls"] = [template_call(call, f"messages[{i}].tool_calls[{j}]")
-                                   for j, call in enumerate(message.tool_calls)]
+            entry["tool_calls"] = [
+                template_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(message.tool_calls)
+            ]
     for key in ("tool_call_id", "name"):
         if getattr(message, key) is not None:
             entry[key] = getattr(message, key)
@@ -60,14 +67,18 @@ def _template_message(message: ChatMessage, i: int) -> dict:
 
 def _message_text(message: ChatMessage, i: int) -> str:
     if message.content is None:
-        raise bad_request(f"messages[{i}].content", f"messages[{i}].content: required (an assistant message "
-                                                    "may leave it out when it has tool_calls)")
+        raise bad_request(
+            f"messages[{i}].content",
+            f"messages[{i}].content: required (an assistant message may leave it out when it has tool_calls)",
+        )
     if isinstance(message.content, str):
         return message.content
     texts = []
     for j, part in enumerate(message.content):
         if part.type != "text" or part.text is None:
-            raise bad_request(f"messages[{i}].content[{j}].type",
-                              f"messages[{i}].content[{j}].type={part.type!r}: only text parts are supported")
+            raise bad_request(
+                f"messages[{i}].content[{j}].type",
+                f"messages[{i}].content[{j}].type={part.type!r}: only text parts are supported",
+            )
         texts.append(part.text)
     return "\n".join(texts)

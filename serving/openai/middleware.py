@@ -1,20 +1,21 @@
 """Gate: the ASGI middleware every HTTP request passes before the app sees it.
 
-    draining?            -> 503 (health checks too: a load balancer stops sending traffic;
-                            /metrics stays up to watch the drain)
-    API key (not /health, /metrics, /openapi.json, /docs) -> 401
-    body over max_body_bytes -> 413, decided on Content-Length or while reading, before any
-                            JSON parsing; the body read here is replayed to the app
-    generation routes    -> Admission.enter(key id): 503 when busy, 429 past the key's requests
-                            per minute or concurrency cap (its tokens per minute: in the handler)
-    the response's status  -> jaxinfer_http_requests_total{route,status}; a log line with the
-                            key's id (never the key)
-    a generation request's end -> Admission.leave (tokens not used are refunded) before the
-                            answer's end goes out (the last body message, or a stream's
-                            `data: [DONE]`), so a client that has its answer sees the refund;
-                            its line in the request log then too, so lines follow the answers'
-                            order (record: scope["state"]["record"], filled by handlers)
+draining?            -> 503 (health checks too: a load balancer stops sending traffic;
+                        /metrics stays up to watch the drain)
+API key (not /health, /metrics, /openapi.json, /docs) -> 401
+body over max_body_bytes -> 413, decided on Content-Length or while reading, before any
+                        JSON parsing; the body read here is replayed to the app
+generation routes    -> Admission.enter(key id): 503 when busy, 429 past the key's requests
+                        per minute or concurrency cap (its tokens per minute: in the handler)
+the response's status  -> jaxinfer_http_requests_total{route,status}; a log line with the
+                        key's id (never the key)
+a generation request's end -> Admission.leave (tokens not used are refunded) before the
+                        answer's end goes out (the last body message, or a stream's
+                        `data: [DONE]`), so a client that has its answer sees the refund;
+                        its line in the request log then too, so lines follow the answers'
+                        order (record: scope["state"]["record"], filled by handlers)
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,16 @@ ROUTES = OPEN_PATHS | GENERATION_PATHS | {"/v1/models", "/tokenize", "/detokeniz
 
 
 class Gate:
-    def __init__(self, app: ASGIApp, *, admission: Admission, max_body_bytes: int,
-                 keys: APIKeys | None = None, metrics=None, request_log: RequestLog | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        admission: Admission,
+        max_body_bytes: int,
+        keys: APIKeys | None = None,
+        metrics=None,
+        request_log: RequestLog | None = None,
+    ):
         self.app, self.admission, self.keys, self.metrics = app, admission, keys, metrics
         self.max_body_bytes = max_body_bytes
         self.request_log = request_log or RequestLog()
@@ -88,10 +97,14 @@ class Gate:
         accepted, key_id = self.keys.check(authorization)
         if accepted or path in OPEN_PATHS or path.startswith(DOCS_ASSETS):
             return key_id if accepted else None
-        logger.warning("401 for %s %s: %s", scope["method"], path,
-                       f"invalid API key (id {key_id})" if key_id else "no API key")
-        raise APIError(401, "invalid API key" if key_id else
-                       "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+        logger.warning(
+            "401 for %s %s: %s", scope["method"], path, f"invalid API key (id {key_id})" if key_id else "no API key"
+        )
+        raise APIError(
+            401,
+            "invalid API key" if key_id else "missing API key: send the header 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
 
     async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
         length = _header(scope, b"content-length")
@@ -115,13 +128,26 @@ class Gate:
                 return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
 
     def _too_large(self, size: int) -> APIError:
-        return APIError(413, f"request body of {size}+ bytes is over this server's limit of "
-                             f"{self.max_body_bytes} bytes (--max-body-bytes)", code="request_too_large")
+        return APIError(
+            413,
+            f"request body of {size}+ bytes is over this server's limit of "
+            f"{self.max_body_bytes} bytes (--max-body-bytes)",
+            code="request_too_large",
+        )
 
     def _observed(self, scope: Scope, send: Send) -> Send:
         path = scope["path"]
-        route = path if path in ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else
-                                            "/docs/{asset}" if path.startswith(DOCS_ASSETS) else "other")
+        route = (
+            path
+            if path in ROUTES
+            else (
+                "/v1/models/{model}"
+                if path.startswith("/v1/models/")
+                else "/docs/{asset}"
+                if path.startswith(DOCS_ASSETS)
+                else "other"
+            )
+        )
 
         async def observed(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -136,9 +162,11 @@ class Gate:
                     if status >= 400 and path in GENERATION_PATHS:
                         self.metrics.rejected.labels(code=GRPC_CODES.get(status, f"HTTP_{status}")).inc()
             elif message["type"] == "http.response.body" and (
-                    not message.get("more_body", False) or message.get("body", b"").endswith(sse.DONE)):
+                not message.get("more_body", False) or message.get("body", b"").endswith(sse.DONE)
+            ):
                 self._end(scope.get("state", {}))
             await send(message)
+
         return observed
 
 
@@ -155,4 +183,5 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
     async def replayed() -> Message:
         return pending.pop(0) if pending else await receive()
+
     return replayed

@@ -5,6 +5,7 @@ prompts). A stream, per choice: (chat) a chunk with `delta.role`, then content c
 chunk with an empty delta and the finish_reason; then, with include_usage, one chunk with no
 choices and the usage. Every chunk of a stream carries the same id and `created`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ class PromptShown:
     """How a response shows a request's prompt logprobs: completions' echo with logprobs=N (the
     prompt's tokens lead each choice's logprobs, `echo_top` = N) and/or, for a request with
     `prompt_logprobs`, vLLM's `prompt_logprobs` field (per choice in completions, top level in chat)."""
+
     echo_top: int | None = None
     field: bool = False
 
@@ -37,8 +39,8 @@ class PromptShown:
 
 @dataclasses.dataclass
 class ResponseHeader:
-    id: str        # cmpl-... / chatcmpl-...
-    object: str    # text_completion / chat.completion / chat.completion.chunk
+    id: str  # cmpl-... / chatcmpl-...
+    object: str  # text_completion / chat.completion / chat.completion.chunk
     created: int
     model: str
 
@@ -59,8 +61,7 @@ class TokenTexts:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def chat_entry(self, lp: Logprob) -> dict:
-        return {**self._entry(lp.token_id, lp.logprob),
-                "top_logprobs": [self._entry(t, v) for t, v in _ranked(lp)]}
+        return {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in _ranked(lp)]}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.text(token_id)
@@ -73,19 +74,25 @@ class TokenTexts:
             offsets.append(offset)
             tokens.append(self.text(lp.token_id))
             offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [max(lp.logprob, MIN_LOGPROB) for lp in logprobs],
-                "top_logprobs": [{self.text(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()} for lp in logprobs],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [max(lp.logprob, MIN_LOGPROB) for lp in logprobs],
+            "top_logprobs": [{self.text(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()} for lp in logprobs],
+            "text_offset": offsets,
+        }
 
     def echo_logprobs(self, out: RequestOutput, top: int) -> dict:
         """Completions' echo with logprobs: the legacy shape over the prompt's tokens (the first
         has none: nothing predicts it), each with its `top` most likely tokens."""
         tokens = [self.text(t) for t in out.prompt_token_ids]
         scored = out.prompt_logprobs[1:]
-        return {"tokens": tokens, "token_logprobs": [None] + [max(lp.logprob, MIN_LOGPROB) for lp in scored],
-                "top_logprobs": [None] + [{self.text(t): max(v, MIN_LOGPROB) for t, v in _ranked(lp)[:top]}
-                                          for lp in scored],
-                "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [max(lp.logprob, MIN_LOGPROB) for lp in scored],
+            "top_logprobs": [None]
+            + [{self.text(t): max(v, MIN_LOGPROB) for t, v in _ranked(lp)[:top]} for lp in scored],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
+        }
 
     def prompt_entries(self, out: RequestOutput) -> list[dict | None]:
         """vLLM's `prompt_logprobs`: per prompt token, None (the first) or {token id: {"logprob",
@@ -114,12 +121,22 @@ def _joined(first: dict, then: dict) -> dict:
 def usage(results: list[RequestOutput]) -> dict:
     prompt = sum(r.usage.prompt_tokens for r in results)
     completion = sum(r.usage.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_prompt_tokens for r in results)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_prompt_tokens for r in results)},
+    }
 
 
-def completion_response(head: ResponseHeader, results: list[RequestOutput], n: int, texts: TokenTexts,
-                        echo: list[str] | None = None, shown: PromptShown = PromptShown()) -> dict:
+def completion_response(
+    head: ResponseHeader,
+    results: list[RequestOutput],
+    n: int,
+    texts: TokenTexts,
+    echo: list[str] | None = None,
+    shown: PromptShown = PromptShown(),
+) -> dict:
     choices = []
     for p, result in enumerate(results):
         prefix = echo[p] if echo else ""
@@ -127,30 +144,56 @@ def completion_response(head: ResponseHeader, results: list[RequestOutput], n: i
             lps = None if c.logprobs is None else texts.completion_logprobs(c.logprobs, len(prefix))
             if lps is not None and shown.echo_top is not None and result.prompt_logprobs is not None:
                 lps = _joined(texts.echo_logprobs(result, shown.echo_top), lps)
-            choices.append({"index": p * n + c.index, "text": prefix + c.text, "logprobs": lps,
-                            "finish_reason": c.finish_reason, **shown.field_of(result, texts)})
+            choices.append(
+                {
+                    "index": p * n + c.index,
+                    "text": prefix + c.text,
+                    "logprobs": lps,
+                    "finish_reason": c.finish_reason,
+                    **shown.field_of(result, texts),
+                }
+            )
     return head.body(choices=choices, usage=usage(results))
 
 
-def chat_response(head: ResponseHeader, result: RequestOutput, texts: TokenTexts,
-                  tools: ToolRequest | None = None, reasoning: ReasoningParser | None = None,
-                  shown: PromptShown = PromptShown()) -> dict:
+def chat_response(
+    head: ResponseHeader,
+    result: RequestOutput,
+    texts: TokenTexts,
+    tools: ToolRequest | None = None,
+    reasoning: ReasoningParser | None = None,
+    shown: PromptShown = PromptShown(),
+) -> dict:
     """`tools`: the request's tool choice, whose calls are read out of each choice's text;
     `reasoning`: the server's reasoning parser, which splits `reasoning_content` off first."""
     choices = []
     for c in result.outputs:
         message, reason = openai_tools.message(tools, c.text, c.finish_reason, reasoning)
-        choices.append({"index": c.index, "message": message, "finish_reason": reason, "logprobs": None if
-                        c.logprobs is None else {"content": [texts.chat_entry(lp) for lp in c.logprobs]}})
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "finish_reason": reason,
+                "logprobs": None if c.logprobs is None else {"content": [texts.chat_entry(lp) for lp in c.logprobs]},
+            }
+        )
     return head.body(choices=choices, usage=usage([result]), **shown.field_of(result, texts))
 
 
 class ChunkWriter:
     """The chunks of one streamed response, delta by delta."""
 
-    def __init__(self, head: ResponseHeader, n: int, texts: TokenTexts, include_usage: bool,
-                 echo: list[str] | None = None, tools: ToolRequest | None = None,
-                 reasoning: ReasoningParser | None = None, shown: PromptShown = PromptShown()):
+    def __init__(
+        self,
+        head: ResponseHeader,
+        n: int,
+        texts: TokenTexts,
+        include_usage: bool,
+        echo: list[str] | None = None,
+        tools: ToolRequest | None = None,
+        reasoning: ReasoningParser | None = None,
+        shown: PromptShown = PromptShown(),
+    ):
         self.head, self.n, self.texts, self.include_usage = head, n, texts, include_usage
         self.chat = head.object == "chat.completion.chunk"
         self._echo, self._tools, self._reasoning, self._shown = echo, tools, reasoning, shown
@@ -200,8 +243,11 @@ class ChunkWriter:
         without choices)."""
         field = self._shown.field_of(out, self.texts)
         if self.chat:
-            return [self.head.body(choices=[], **field, **({"usage": None} if self.include_usage else {}))] \
-                if field else []
+            return (
+                [self.head.body(choices=[], **field, **({"usage": None} if self.include_usage else {}))]
+                if field
+                else []
+            )
         chunks = []
         for index in range(prompt * self.n, (prompt + 1) * self.n):
             if self._shown.echo_top is not None:
@@ -218,8 +264,15 @@ class ChunkWriter:
         stream = self._streams.setdefault(index, openai_tools.ChoiceStream(self._tools, self._reasoning))
         thought, content, calls = stream.feed(c.text, c.finish_reason is not None)
         lps = None if c.logprobs is None else {"content": [self.texts.chat_entry(lp) for lp in c.logprobs]}
-        deltas = [d for d in ({"reasoning_content": thought} if thought else None,
-                              {"content": content} if content else None, {"tool_calls": calls} if calls else None) if d]
+        deltas = [
+            d
+            for d in (
+                {"reasoning_content": thought} if thought else None,
+                {"content": content} if content else None,
+                {"tool_calls": calls} if calls else None,
+            )
+            if d
+        ]
         if c.logprobs and not deltas:  # new tokens whose text is held back: their logprobs go now
             deltas = [{"content": ""}]
         chunks = [self._chunk(index, logprobs=lps if i == 0 else None, delta=d) for i, d in enumerate(deltas)]

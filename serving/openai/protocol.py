@@ -16,6 +16,7 @@ checked by hand (with messages naming the element at fault); their schema says w
 The ranges in the schema are SamplingParams' own; the server's limits (vocabulary, context, n,
 logprobs) may refuse more, with a 400 naming the field.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -27,27 +28,64 @@ from jaxinfer.sampling.params import MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 _NULL = {"type": "null"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
-_PROMPT = {"anyOf": [{"type": "string"}, {**_STRINGS, "minItems": 1}, _TOKEN_IDS,
-                     {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
-           "description": "a string, a list of strings, a list of token ids, or a list of token-id lists; "
-                          "token ids may be written as integral numbers (272.0)"}
-_FUNCTION = {"type": "object", "required": ["name"], "properties": {
-    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": {"type": "string"},
-    "parameters": {"type": "object", "description": "a JSON schema of the arguments"}}}
-_TOOLS = {"anyOf": [{"type": "array", "minItems": 1, "maxItems": 128, "items": {
-    "type": "object", "required": ["type", "function"],
-    "properties": {"type": {"const": "function"}, "function": _FUNCTION}}}, _NULL]}
-_TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, {
-    "type": "object", "required": ["type", "function"], "properties": {
-        "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}, _NULL]}
+_PROMPT = {
+    "anyOf": [
+        {"type": "string"},
+        {**_STRINGS, "minItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+    ],
+    "description": "a string, a list of strings, a list of token ids, or a list of token-id lists; "
+    "token ids may be written as integral numbers (272.0)",
+}
+_FUNCTION = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "a JSON schema of the arguments"},
+    },
+}
+_TOOLS = {
+    "anyOf": [
+        {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 128,
+            "items": {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {"type": {"const": "function"}, "function": _FUNCTION},
+            },
+        },
+        _NULL,
+    ]
+}
+_TOOL_CHOICE = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+            },
+        },
+        _NULL,
+    ]
+}
 
 
 def _documented(low: float | None = None, high: float | None = None, exclusive_low: bool = False, **extra) -> Any:
     """Field(None) whose schema states what is accepted (SamplingParams' range, `extra` keywords);
     inputs.py and SamplingParams enforce it, naming the field, so pydantic does not."""
-    bounds = {**({} if low is None else {"exclusiveMinimum" if exclusive_low else "minimum": low}),
-              **({} if high is None else {"maximum": high}), **extra}
+    bounds = {
+        **({} if low is None else {"exclusiveMinimum" if exclusive_low else "minimum": low}),
+        **({} if high is None else {"maximum": high}),
+        **extra,
+    }
     return Field(None, json_schema_extra=bounds)
 
 
@@ -66,8 +104,9 @@ class _Body(BaseModel):
         if not isinstance(data, dict):
             return data
         keep = {name for name, f in cls.model_fields.items() if f.is_required() or f.default is None}
-        return {key: value for key, value in data.items() if value is not None or key in keep
-                or key not in cls.model_fields}
+        return {
+            key: value for key, value in data.items() if value is not None or key in keep or key not in cls.model_fields
+        }
 
 
 class StreamOptions(_Body):
@@ -82,20 +121,27 @@ class ResponseFormat(_Body):
 class SamplingFields(_Body):
     """What completions and chat completions share: OpenAI's fields, then the engine's extras
     (the top-level names vLLM accepts)."""
+
     model: str
     max_tokens: int | None = _documented(0)
     temperature: float | None = _documented(0)
     top_p: float | None = _documented(0, 1, exclusive_low=True)
     n: int | None = _documented(1)
-    stop: Annotated[Any, _typed({"anyOf": [{"type": "string", "minLength": 1},
-                                           {**_STRINGS, "items": {"type": "string", "minLength": 1}}]})] = None
+    stop: Annotated[
+        Any,
+        _typed(
+            {"anyOf": [{"type": "string", "minLength": 1}, {**_STRINGS, "items": {"type": "string", "minLength": 1}}]}
+        ),
+    ] = None
     seed: int | None = None
     presence_penalty: float | None = _documented(-2, 2)
     frequency_penalty: float | None = _documented(-2, 2)
     # {"50256": -100}: token id -> bias
     logit_bias: dict[str, float] | None = _documented(
-        maxProperties=MAX_LOGIT_BIAS, propertyNames={"pattern": "^[0-9]+$"},
-        additionalProperties={"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS})
+        maxProperties=MAX_LOGIT_BIAS,
+        propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS},
+    )
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None  # only with stream: true
@@ -120,7 +166,7 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT)]  # inputs.py reads each shape
     logprobs: int | None = _documented(0, MAX_LOGPROBS)
     echo: bool | None = False
-    suffix: str | None = None   # refused when not empty
+    suffix: str | None = None  # refused when not empty
     best_of: int | None = None  # only best_of == n
 
 
@@ -134,7 +180,7 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     # an assistant's calls: {"id", "type", "function": {"name", "arguments"}}
     tool_calls: list[Any] | None = _documented(items={"type": "object"})
-    tool_call_id: str | None = None      # a tool message: the call it answers
+    tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
 
 
@@ -154,6 +200,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or messages rendered with the chat template (exactly one)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -5,6 +5,7 @@ schema tests (tests/serving/openai) hold those dicts to these models.
 Fields the server adds beside OpenAI's (vLLM's `prompt_logprobs`, `reasoning_content`) are
 declared; the models allow more fields, as OpenAI's objects grow.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -18,8 +19,8 @@ class _Object(BaseModel):
 
 class ErrorBody(_Object):
     message: str
-    type: str               # invalid_request_error, rate_limit_error, server_error
-    param: str | None       # the request field at fault
+    type: str  # invalid_request_error, rate_limit_error, server_error
+    param: str | None  # the request field at fault
     code: str | None
 
 
@@ -37,8 +38,8 @@ class Usage(_Object):
 class CompletionChoice(_Object):
     index: int
     text: str
-    logprobs: dict[str, Any] | None     # {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    finish_reason: str | None           # stop, length, abort
+    logprobs: dict[str, Any] | None  # {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    finish_reason: str | None  # stop, length, abort
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # requests with prompt_logprobs
 
 
@@ -64,8 +65,8 @@ class ChatMessageOut(_Object):
 class ChatChoice(_Object):
     index: int
     message: ChatMessageOut
-    finish_reason: str | None            # stop, length, tool_calls, abort
-    logprobs: dict[str, Any] | None      # {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}
+    finish_reason: str | None  # stop, length, tool_calls, abort
+    logprobs: dict[str, Any] | None  # {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}
 
 
 class ChatCompletionResponse(_Response):

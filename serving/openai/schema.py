@@ -11,6 +11,7 @@ as the only value of each `model` (any other answers 404). Every error answers E
 the routes that need one carry the bearer security scheme (/health, /metrics and these
 documents stay open, as middleware.OPEN_PATHS says).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,16 +24,30 @@ from jaxinfer import __version__
 from serving.openai import protocol, responses
 
 _REF = "#/components/schemas/{model}"
-_STATUS_TEXT = {400: "a bad request: the message and `param` name the field", 401: "a missing or unknown API key",
-                404: "an unknown model or route", 413: "a body over --max-body-bytes",
-                429: "past a per-key rate limit (Retry-After when waiting helps)",
-                500: "a server error", 503: "busy (Retry-After: 1) or shutting down"}
+_STATUS_TEXT = {
+    400: "a bad request: the message and `param` name the field",
+    401: "a missing or unknown API key",
+    404: "an unknown model or route",
+    413: "a body over --max-body-bytes",
+    429: "past a per-key rate limit (Retry-After when waiting helps)",
+    500: "a server error",
+    503: "busy (Retry-After: 1) or shutting down",
+}
 _BODY_ERRORS = (400, 413)  # a POST's body is read: too large, or not what the model says
 _ALWAYS = (500, 503)
 # One server-sent event of a streamed answer (OpenAPI 3.1: `schema` describes each event).
-_EVENT = {"type": "object", "required": ["data"], "description": "with `\"stream\": true`: one event per chunk",
-          "properties": {"data": {"type": "string", "description": "a chunk (JSON: the response's shape, whose "
-                                  "choices carry deltas; an error as ErrorResponse), then `[DONE]` last"}}}
+_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "description": 'with `"stream": true`: one event per chunk',
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "a chunk (JSON: the response's shape, whose "
+            "choices carry deltas; an error as ErrorResponse), then `[DONE]` last",
+        }
+    },
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +55,11 @@ class Operation:
     method: str
     path: str
     summary: str
-    response: type[BaseModel] | str          # a model, or a media type answered as text
+    response: type[BaseModel] | str  # a model, or a media type answered as text
     request: type[BaseModel] | None = None
     errors: tuple[int, ...] = ()
-    streams: bool = False                    # `"stream": true` answers server-sent events
-    open: bool = False                       # no API key needed
+    streams: bool = False  # `"stream": true` answers server-sent events
+    open: bool = False  # no API key needed
 
     @property
     def statuses(self) -> tuple[int, ...]:
@@ -53,40 +68,71 @@ class Operation:
 
 
 OPERATIONS = (
-    Operation("post", "/v1/completions", "Complete prompts (text or token ids)", responses.CompletionResponse,
-              protocol.CompletionRequest, (404, 429), streams=True),
-    Operation("post", "/v1/chat/completions", "Answer a chat (the model's chat template)",
-              responses.ChatCompletionResponse, protocol.ChatCompletionRequest, (404, 429), streams=True),
+    Operation(
+        "post",
+        "/v1/completions",
+        "Complete prompts (text or token ids)",
+        responses.CompletionResponse,
+        protocol.CompletionRequest,
+        (404, 429),
+        streams=True,
+    ),
+    Operation(
+        "post",
+        "/v1/chat/completions",
+        "Answer a chat (the model's chat template)",
+        responses.ChatCompletionResponse,
+        protocol.ChatCompletionRequest,
+        (404, 429),
+        streams=True,
+    ),
     Operation("get", "/v1/models", "The served model", responses.ModelList),
     Operation("get", "/v1/models/{model}", "One model by name", responses.ModelCard, errors=(404,)),
-    Operation("post", "/tokenize", "Text or chat messages -> token ids", responses.TokenizeResponse,
-              protocol.TokenizeRequest, (404,)),
-    Operation("post", "/detokenize", "Token ids -> text", responses.DetokenizeResponse, protocol.DetokenizeRequest,
-              (404,)),
+    Operation(
+        "post",
+        "/tokenize",
+        "Text or chat messages -> token ids",
+        responses.TokenizeResponse,
+        protocol.TokenizeRequest,
+        (404,),
+    ),
+    Operation(
+        "post", "/detokenize", "Token ids -> text", responses.DetokenizeResponse, protocol.DetokenizeRequest, (404,)
+    ),
     Operation("get", "/health", "200 while serving, 503 while shutting down", responses.Health, open=True),
-    Operation("get", "/metrics", "Prometheus metrics (404 when the server keeps none)", "text/plain",
-              errors=(404,), open=True),
+    Operation(
+        "get", "/metrics", "Prometheus metrics (404 when the server keeps none)", "text/plain", errors=(404,), open=True
+    ),
 )
 
 
 def openapi_schema(model_name: str, api_keys: bool = False) -> dict:
     """The schema of this API serving `model_name` (`api_keys`: the server requires them)."""
     models = [(op.request, "validation") for op in OPERATIONS if op.request is not None]
-    models += [(m, "serialization") for m in (*(op.response for op in OPERATIONS if not isinstance(op.response, str)),
-                                              responses.ErrorResponse)]
+    models += [
+        (m, "serialization")
+        for m in (*(op.response for op in OPERATIONS if not isinstance(op.response, str)), responses.ErrorResponse)
+    ]
     refs, defs = models_json_schema(models, ref_template=_REF)
     paths: dict[str, dict] = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op, refs, api_keys, model_name)
     components: dict = {"schemas": _naming_the_model(defs.get("$defs", {}), model_name)}
     if api_keys:
-        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
-                                                    "description": "Authorization: Bearer <API key>"}}
-    return {"openapi": "3.1.0",
-            "info": {"title": "jaxinfer: OpenAI-compatible API", "version": __version__,
-                     "description": "The OpenAI-compatible HTTP API of `jaxinfer serve --http-port`: OpenAI's "
-                                    "fields, then vLLM's extras (top_k, guided_json, ...)."},
-            "paths": paths, "components": components}
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <API key>"}
+        }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "jaxinfer: OpenAI-compatible API",
+            "version": __version__,
+            "description": "The OpenAI-compatible HTTP API of `jaxinfer serve --http-port`: OpenAI's "
+            "fields, then vLLM's extras (top_k, guided_json, ...).",
+        },
+        "paths": paths,
+        "components": components,
+    }
 
 
 def _naming_the_model(schemas: dict, model_name: str) -> dict:
@@ -111,14 +157,20 @@ def _operation(op: Operation, refs: dict, api_keys: bool, model_name: str) -> di
     error = {"application/json": {"schema": refs[(responses.ErrorResponse, "serialization")]}}
     answers = {"200": {"description": "OK", "content": ok}}
     answers.update({str(code): {"description": _STATUS_TEXT[code], "content": error} for code in op.statuses})
-    spec = {"summary": op.summary, "operationId": op.method + re.sub(r"\W+", "_", op.path).rstrip("_"),
-            "responses": answers}
+    spec = {
+        "summary": op.summary,
+        "operationId": op.method + re.sub(r"\W+", "_", op.path).rstrip("_"),
+        "responses": answers,
+    }
     if op.request is not None:
-        spec["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": refs[(op.request, "validation")]}}}
+        spec["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": refs[(op.request, "validation")]}},
+        }
     if "{model}" in op.path:
-        spec["parameters"] = [{"name": "model", "in": "path", "required": True,
-                               "schema": {"type": "string", "enum": [model_name]}}]
+        spec["parameters"] = [
+            {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "enum": [model_name]}}
+        ]
     if api_keys and not op.open:
         spec["security"] = [{"bearer": []}]
     return spec

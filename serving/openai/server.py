@@ -10,6 +10,7 @@ It serves the EngineLoop, metrics, worker pool, rate limiter (inside Admission) 
 that InferenceServer owns (one engine, both transports); InferenceServer decides when to drain
 and when to stop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +26,9 @@ import uvicorn
 from jaxinfer.loader import DEFAULT_MODEL_FILE
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
-from serving.model_limits import ModelLimits
 from serving.engine_loop import EngineLoop
 from serving.metrics import ServerMetrics
+from serving.model_limits import ModelLimits
 from serving.openai.admission import Admission
 from serving.openai.app import build_app
 from serving.openai.auth import APIKeys, key_id
@@ -43,9 +44,9 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 @dataclasses.dataclass
 class HttpOptions:
     host: str = "127.0.0.1"
-    port: int = 8000                 # 0: any free port (see HttpServer.port)
+    port: int = 8000  # 0: any free port (see HttpServer.port)
     served_model_name: str | None = None  # None: the model path's basename (served_model_name())
-    api_keys: tuple[str, ...] = ()   # none: no key needed
+    api_keys: tuple[str, ...] = ()  # none: no key needed
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -67,10 +68,19 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, engine_loop: EngineLoop, limits: ModelLimits, options: HttpOptions, *,
-                 admission: Admission, metrics: ServerMetrics | None = None,
-                 executor: concurrent.futures.Executor | None = None, request_log: RequestLog | None = None,
-                 tool_parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None):
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        limits: ModelLimits,
+        options: HttpOptions,
+        *,
+        admission: Admission,
+        metrics: ServerMetrics | None = None,
+        executor: concurrent.futures.Executor | None = None,
+        request_log: RequestLog | None = None,
+        tool_parser: ToolCallParser | None = None,
+        reasoning: ReasoningParser | None = None,
+    ):
         """`tool_parser` / `reasoning`: how chat outputs are read, as the gRPC servicer reads them."""
         engine = engine_loop.engine
         self.options = options
@@ -79,8 +89,14 @@ class HttpServer:
         ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser, reasoning)
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
-        self.gate = Gate(build_app(ctx, metrics, api_keys=keys is not None), admission=admission,
-                         max_body_bytes=options.max_body_bytes, keys=keys, metrics=metrics, request_log=request_log)
+        self.gate = Gate(
+            build_app(ctx, metrics, api_keys=keys is not None),
+            admission=admission,
+            max_body_bytes=options.max_body_bytes,
+            keys=keys,
+            metrics=metrics,
+            request_log=request_log,
+        )
         self.port: int | None = None
         self._socket: socket.socket | None = None
         self._server: _Server | None = None
@@ -113,9 +129,18 @@ class HttpServer:
         if self._socket is None:
             self.bind()
         opts = self.options
-        config = uvicorn.Config(self.gate, http="h11", ws="none", lifespan="off", access_log=False,
-                                log_config=None, server_header=False, timeout_graceful_shutdown=opts.shutdown_timeout_s,
-                                ssl_certfile=opts.tls_cert_file, ssl_keyfile=opts.tls_key_file)
+        config = uvicorn.Config(
+            self.gate,
+            http="h11",
+            ws="none",
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            server_header=False,
+            timeout_graceful_shutdown=opts.shutdown_timeout_s,
+            ssl_certfile=opts.tls_cert_file,
+            ssl_keyfile=opts.tls_key_file,
+        )
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
         while not self._server.started:
@@ -123,9 +148,14 @@ class HttpServer:
                 self._task.result()  # raises what failed
                 raise OSError(f"the HTTP server on {self.address} stopped while starting")
             await asyncio.sleep(0.01)
-        logger.info("OpenAI-compatible API on %s (model %s, %s)", self.url, self.model_name,
-                    f"{len(opts.api_keys)} API keys: " + ", ".join(key_id(k) for k in opts.api_keys)
-                    if opts.api_keys else "no API key")
+        logger.info(
+            "OpenAI-compatible API on %s (model %s, %s)",
+            self.url,
+            self.model_name,
+            f"{len(opts.api_keys)} API keys: " + ", ".join(key_id(k) for k in opts.api_keys)
+            if opts.api_keys
+            else "no API key",
+        )
 
     def begin_draining(self) -> None:
         self.gate.draining = True

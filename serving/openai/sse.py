@@ -4,10 +4,11 @@ SSEResponse streams an async iterator of such events and, at the same time, list
 client going away: then it cancels the iterator (whose `finally` aborts the engine requests)
 instead of noticing only at the next write, which may be many engine steps later.
 """
+
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -30,6 +31,7 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as group:
+
             async def stream() -> None:
                 try:
                     await self.stream_response(send)

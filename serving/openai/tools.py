@@ -8,6 +8,7 @@ OpenAI's does). Streamed, reasoning goes out as `delta.reasoning_content` as it 
 as soon as it cannot be the start of a call; each call whole in one delta once it can no longer
 change; a named function's arguments as they are generated.
 """
+
 from __future__ import annotations
 
 from jaxinfer.tokenizer.reasoning import ReasoningParser
@@ -15,8 +16,9 @@ from jaxinfer.tokenizer.tool_calls import ToolCall
 from serving.tools import ToolRequest, new_call_id
 
 
-def message(request: ToolRequest | None, text: str, finish_reason: str | None,
-            reasoning: ReasoningParser | None = None) -> tuple[dict, str | None]:
+def message(
+    request: ToolRequest | None, text: str, finish_reason: str | None, reasoning: ReasoningParser | None = None
+) -> tuple[dict, str | None]:
     """A whole choice's message and finish_reason (`reasoning`: the server's reasoning parser)."""
     thought, text = reasoning.split(text) if reasoning is not None else (None, text)
     fields = {"role": "assistant", "content": text}
@@ -71,8 +73,8 @@ class ToolStream:
 
     def __init__(self, request: ToolRequest):
         self.request, self.text, self._shown, self.num_calls = request, "", 0, 0
-        self._start = -1   # where the calls start, once seen (it does not move as text is added)
-        self._closed = 0   # the end of the calls parsed so far
+        self._start = -1  # where the calls start, once seen (it does not move as text is added)
+        self._closed = 0  # the end of the calls parsed so far
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
         self.text += delta
@@ -85,20 +87,20 @@ class ToolStream:
         if self._start < 0:
             self._start = parser.find(self.text)
             if self._start < 0:
-                return self._show(self.text[:parser.safe_length(self.text)]), []
+                return self._show(self.text[: parser.safe_length(self.text)]), []
         calls = ()
         end = parser.closed_end(self.text)
         if end > max(self._start, self._closed):  # a call closed since the last delta: parse up to it
             self._closed, calls = end, parser.parse(self.text[:end]).tool_calls
-        return self._show(self.text[:self._start].rstrip()), self._calls(calls)
+        return self._show(self.text[: self._start].rstrip()), self._calls(calls)
 
     def _show(self, content: str) -> str:
-        new = content[self._shown:]
+        new = content[self._shown :]
         self._shown = max(self._shown, len(content))
         return new
 
     def _calls(self, calls) -> list[dict]:
-        new = [{"index": self.num_calls + k, **_openai_call(call)} for k, call in enumerate(calls[self.num_calls:])]
+        new = [{"index": self.num_calls + k, **_openai_call(call)} for k, call in enumerate(calls[self.num_calls :])]
         self.num_calls += len(new)
         return new
 

@@ -3,6 +3,7 @@ dequantized by the engine (jitted) equals gguf's own dequantizer bit for bit in 
 random blocks (gguf.quants.quantize where it can, raw blocks of random bytes for the K-quants)
 and on real tensors of two real files (SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M); weights of
 differing layouts fuse exactly; layouts that would split a GGUF group are refused."""
+
 import importlib.util
 
 import gguf
@@ -118,10 +119,19 @@ def test_smollm2_tensors_through_the_llama_name_map(smollm2):
     # equal that map applied to gguf's dequantized tensor, for Q8_0 (embedding) and Q4_1.
     config = ModelConfig.from_gguf_metadata(smollm2.metadata, has_output_weight=False)
     specs = {s.name: s for s in checkpoint_specs(config, "gguf")}
-    inputs = {"embed": (1,), "wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,),
-              "w_up": (0,), "w_down": (0,)}
-    names = ["token_embd.weight"] + [f"blk.7.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output",
-                                                                   "ffn_gate", "ffn_up", "ffn_down")]
+    inputs = {
+        "embed": (1,),
+        "wq": (0,),
+        "wk": (0,),
+        "wv": (0,),
+        "wo": (0, 1),
+        "w_gate": (0,),
+        "w_up": (0,),
+        "w_down": (0,),
+    }
+    names = ["token_embd.weight"] + [
+        f"blk.7.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    ]
     kinds = set()
     for name in names:
         spec = specs[name]

@@ -1,4 +1,5 @@
 """The orbax checkpoint format: round trips (any dtype, sharded reads, casts) and damaged checkpoints."""
+
 import json
 import shutil
 
@@ -15,10 +16,12 @@ from checkpoints.orbax_io import FORMAT_VERSION, METADATA_FILE, PARAMS_DIR
 
 def _arrays():
     rng = np.random.default_rng(0)
-    return {"embed": rng.normal(size=(16, 8)).astype(ml_dtypes.bfloat16),
-            "layers.0.wq": rng.normal(size=(8, 4, 2)).astype(np.float32),
-            "layers.0.wq_int8": rng.integers(-128, 127, size=(8, 4, 2), dtype=np.int8),
-            "layers.0.wq_scale": rng.random(size=(4, 2)).astype(np.float32)}
+    return {
+        "embed": rng.normal(size=(16, 8)).astype(ml_dtypes.bfloat16),
+        "layers.0.wq": rng.normal(size=(8, 4, 2)).astype(np.float32),
+        "layers.0.wq_int8": rng.integers(-128, 127, size=(8, 4, 2), dtype=np.int8),
+        "layers.0.wq_scale": rng.random(size=(4, 2)).astype(np.float32),
+    }
 
 
 def _target(name, shape, dtype):
@@ -74,11 +77,14 @@ def test_damaged_params_are_named(saved):
         OrbaxCheckpoint(saved)
 
 
-@pytest.mark.parametrize("text,match", [
-    (json.dumps({"format_version": FORMAT_VERSION + 1}), f"format_version {FORMAT_VERSION + 1} is newer"),
-    ("{not json", "not valid JSON"),
-    (json.dumps({"family": "llama"}), "no integer format_version"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        (json.dumps({"format_version": FORMAT_VERSION + 1}), f"format_version {FORMAT_VERSION + 1} is newer"),
+        ("{not json", "not valid JSON"),
+        (json.dumps({"family": "llama"}), "no integer format_version"),
+    ],
+)
 def test_bad_metadata_is_named(saved, text, match):
     (saved / METADATA_FILE).write_text(text)
     with pytest.raises(CheckpointError, match=match):

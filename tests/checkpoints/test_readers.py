@@ -1,4 +1,5 @@
 """Checkpoint readers: safetensors (single, sharded, corrupt) and GGUF dequantization."""
+
 import json
 import shutil
 
@@ -16,9 +17,11 @@ from checkpoints import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint, 
 
 def _tensors():
     rng = np.random.default_rng(0)
-    return {"a": rng.normal(size=(3, 5)).astype(np.float32),
-            "b": rng.normal(size=(7,)).astype(np.float16),
-            "c": np.arange(6, dtype=np.int32).reshape(2, 3)}
+    return {
+        "a": rng.normal(size=(3, 5)).astype(np.float32),
+        "b": rng.normal(size=(7,)).astype(np.float16),
+        "c": np.arange(6, dtype=np.int32).reshape(2, 3),
+    }
 
 
 def test_single_file_roundtrip(tmp_path):
@@ -44,9 +47,14 @@ def test_sharded_with_index(tmp_path):
     t = _tensors()
     save_file({"a": t["a"]}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"b": t["b"], "c": t["c"]}, str(tmp_path / "model-00002-of-00002.safetensors"))
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-                                            "b": "model-00002-of-00002.safetensors",
-                                            "c": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors",
+        },
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     ckpt = SafetensorsCheckpoint(tmp_path)
     for name, ref in t.items():
@@ -101,8 +109,19 @@ def test_not_a_gguf(tmp_path):
         GGUFCheckpoint(tmp_path / "bad.gguf")
 
 
-@pytest.mark.parametrize("qtype,tol", [(Q.F32, 0), (Q.F16, 2e-3), (Q.BF16, 2e-2), (Q.Q8_0, 0.03),
-                                       (Q.Q4_0, 0.3), (Q.Q4_1, 0.3), (Q.Q5_0, 0.2), (Q.Q5_1, 0.2)])
+@pytest.mark.parametrize(
+    "qtype,tol",
+    [
+        (Q.F32, 0),
+        (Q.F16, 2e-3),
+        (Q.BF16, 2e-2),
+        (Q.Q8_0, 0.03),
+        (Q.Q4_0, 0.3),
+        (Q.Q4_1, 0.3),
+        (Q.Q5_0, 0.2),
+        (Q.Q5_1, 0.2),
+    ],
+)
 def test_gguf_dequantizes_each_type(tmp_path, qtype, tol):
     w = np.random.default_rng(1).normal(size=(8, 64)).astype(np.float32)
     path = write_gguf(tmp_path / "t.gguf", "llama", {}, {"w": w}, {"w": qtype})
@@ -124,7 +143,10 @@ def test_gguf_k_quants(tmp_path, qtype):
     raw = np.where(raw > 250, scales[: raw.size].reshape(raw.shape), raw).astype(np.uint8)
     writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     writer.add_tensor("w", raw, raw_dtype=qtype)
-    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     ckpt = GGUFCheckpoint(tmp_path / "k.gguf")
     got = ckpt.get("w")
     assert got.shape == (rows, cols) and got.dtype == np.float32
@@ -132,8 +154,12 @@ def test_gguf_k_quants(tmp_path, qtype):
 
 
 def test_gguf_metadata_values(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", "llama", {"llama.block_count": 3, "general.name": "x"},
-                      {"w": np.zeros((2, 32), np.float32)})
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        {"llama.block_count": 3, "general.name": "x"},
+        {"w": np.zeros((2, 32), np.float32)},
+    )
     meta = GGUFCheckpoint(path).metadata
     assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 3
     assert meta["general.name"] == "x"
@@ -145,8 +171,7 @@ def test_a_gguf_file_is_parsed_once_per_version(tmp_path, monkeypatch):
     parses = []
     real_reader = gguf_io._reader_class()
     monkeypatch.setattr(gguf_io, "_reader_class", lambda: lambda *a: parses.append(a) or real_reader(*a))
-    path = write_gguf(tmp_path / "once.gguf", "llama", {"general.name": "first"},
-                      {"w": np.ones((2, 32), np.float32)})
+    path = write_gguf(tmp_path / "once.gguf", "llama", {"general.name": "first"}, {"w": np.ones((2, 32), np.float32)})
     first, again = GGUFCheckpoint(path), GGUFCheckpoint(tmp_path / "." / "once.gguf")
     assert len(parses) == 1 and again.metadata["general.name"] == "first"
     np.testing.assert_array_equal(again.get("w"), np.ones((2, 32), np.float32))

@@ -1,4 +1,5 @@
 """deploy/tpu_vm.sh against a fake `gcloud` (fake_gcloud.py) first on PATH, in a tmp dir."""
+
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """Helpers of the deploy tests: run deploy/tpu_vm.sh against fake_gcloud.py and read its log."""
+
 import json
 import os
 import shlex
@@ -19,8 +20,14 @@ class Deploy:
     env: dict
 
     def __call__(self, *args, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                              timeout=timeout, env={**self.env, **(env or {})}, cwd=self.state)
+        return subprocess.run(
+            [str(SCRIPT), *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**self.env, **(env or {})},
+            cwd=self.state,
+        )
 
     def calls(self) -> list[dict]:
         log = self.state / "log.jsonl"
@@ -44,7 +51,7 @@ def install_fake_gcloud(tmp_path: Path) -> Deploy:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     gcloud = bin_dir / "gcloud"
-    gcloud.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} \"$@\"\n")
+    gcloud.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} "$@"\n')
     gcloud.chmod(0o755)
     state = tmp_path / "state"
     state.mkdir()

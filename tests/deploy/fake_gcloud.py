@@ -9,6 +9,7 @@ Knobs (environment): FAKE_GCLOUD_PROJECT (the gcloud config project; unset = non
 FAKE_HEALTH_FAILURES (health checks that fail before one says SERVING; "never"),
 FAKE_GCLOUD_FAIL (a verb, e.g. create, that fails with PERMISSION_DENIED).
 """
+
 import json
 import os
 import re
@@ -56,10 +57,11 @@ def copied_files(words: list[str]) -> dict:
 def describe(name: str, opts: dict) -> None:
     vm = load_vms().get(name)
     if vm is None:
-        fail(f"NOT_FOUND: Resource 'projects/{opts.get('project')}/locations/{opts.get('zone')}/nodes/{name}' "
-             "was not found")
-    fields = {"state": vm["state"], "acceleratorType": vm["type"],
-              "networkEndpoints[0].ipAddress": worker_ip(0)}
+        fail(
+            f"NOT_FOUND: Resource 'projects/{opts.get('project')}/locations/{opts.get('zone')}/nodes/{name}' "
+            "was not found"
+        )
+    fields = {"state": vm["state"], "acceleratorType": vm["type"], "networkEndpoints[0].ipAddress": worker_ip(0)}
     match = re.fullmatch(r"value\((.*)\)", opts.get("format", ""))
     if match:
         print("\t".join(fields[f] for f in match.group(1).split(",")))

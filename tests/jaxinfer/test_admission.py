@@ -1,5 +1,6 @@
 """Admission of large-n requests: siblings take turns with other requests, the queue stays
 bounded, and aborting or finishing costs O(the request's samples) (counted, not timed)."""
+
 import sys
 
 from jaxinfer.core import admission, scheduler
@@ -11,8 +12,13 @@ TOKEN = 1000
 
 
 def make(window=None, *, num_pages=512, max_num_seqs=8):
-    return Scheduler(KVCacheManager(num_pages, 4), max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
-                     max_model_len=256, max_seqs_per_request=window)
+    return Scheduler(
+        KVCacheManager(num_pages, 4),
+        max_num_batched_tokens=64,
+        max_num_seqs=max_num_seqs,
+        max_model_len=256,
+        max_seqs_per_request=window,
+    )
 
 
 def run_step(sched):

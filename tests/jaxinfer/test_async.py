@@ -3,6 +3,7 @@ exactly the synchronous engine's tokens: chunked prefill, preemption under a tin
 sampling, stop ids and max_tokens, n > 1, prefix-cache hits, penalties, aborts; every page free.
 Single steps here (num_decode_steps=1); test_decode_window.py runs windows sync and async. Both
 launch their steps from the launcher's thread (dispatch_thread), as on a GPU."""
+
 import threading
 
 import pytest
@@ -17,8 +18,16 @@ from jaxinfer.sampling import SamplingParams
 @pytest.fixture(scope="module")
 def engine():
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
-    config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=6,
-                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=1, dispatch_thread=True)
+    config = EngineConfig(
+        num_pages=14,
+        page_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=6,
+        max_model_len=128,
+        token_buckets=(8, 32),
+        num_decode_steps=1,
+        dispatch_thread=True,
+    )
     return Engine(model, config)
 
 
@@ -58,12 +67,18 @@ def prompt(seed, length):
 def test_greedy_with_chunked_prefill_and_preemption(engine, monkeypatch):
     filled_on_device = []  # input tokens per step taken from the step in flight
     dispatch = engine.worker.step.dispatch
-    monkeypatch.setattr(engine.worker.step, "dispatch",
-                        lambda inputs, n=1: filled_on_device.append(int((inputs.prev_rows >= 0).sum())) or dispatch(inputs, n))
+    monkeypatch.setattr(
+        engine.worker.step,
+        "dispatch",
+        lambda inputs, n=1: filled_on_device.append(int((inputs.prev_rows >= 0).sum())) or dispatch(inputs, n),
+    )
     launched_on = set()
     launch = engine.worker.step._launch
-    monkeypatch.setattr(engine.worker.step, "_launch", lambda fn, inputs: launched_on.add(
-        threading.current_thread().name) or launch(fn, inputs))
+    monkeypatch.setattr(
+        engine.worker.step,
+        "_launch",
+        lambda fn, inputs: launched_on.add(threading.current_thread().name) or launch(fn, inputs),
+    )
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     requests = {str(i): (prompt(i, 5 + 9 * i), greedy) for i in range(5)}  # 14 pages: preemptions
     before = engine.num_preemptions
@@ -80,15 +95,19 @@ def test_seeded_sampling_stops_n_and_penalties(engine):
     requests = {
         "seeded": (prompt(1, 12), SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16)),
         "n3": (prompt(2, 9), SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)),
-        "stop": (prompt(3, 7), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                              stop_token_ids=[]))}
+        "stop": (prompt(3, 7), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[])),
+    }
     sync, _ = run(engine, {"stop": requests["stop"]}, async_scheduling=False)
     stop_id = sync["stop"][0][5]  # a token it emits mid-stream
-    requests["stop"] = (prompt(3, 7), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                                     stop_token_ids=[stop_id]))
+    requests["stop"] = (
+        prompt(3, 7),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]),
+    )
     requests["short"] = (prompt(4, 6), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    requests["penalty"] = (prompt(5, 8), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                        repetition_penalty=1.3, frequency_penalty=0.5))
+    requests["penalty"] = (
+        prompt(5, 8),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5),
+    )
     sync, overlapped = both(engine, requests)
     assert sync == overlapped
     tokens, reasons = sync
@@ -113,4 +132,4 @@ def test_aborts_mid_stream_free_everything(engine):
     # Aborted streams only ever hold a prefix of what the request would have produced.
     full, _ = run(engine, {"dropped": (prompt(7, 10), greedy)}, async_scheduling=True)
     for got in (sync[0]["dropped"][0], overlapped[0]["dropped"][0]):
-        assert got == full["dropped"][0][:len(got)]
+        assert got == full["dropped"][0][: len(got)]

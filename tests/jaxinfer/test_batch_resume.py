@@ -1,5 +1,6 @@
 """`jaxinfer batch` is exactly once across kills: SIGKILL at random points, rerun, and the output
 holds every input line once, in input order, identical to an uninterrupted run (greedy)."""
+
 import json
 import os
 import random
@@ -29,10 +30,35 @@ def write_input(path, n, broken=(5,)):
 
 
 def batch_cmd(inp, out, cache):
-    return [sys.executable, "-m", "jaxinfer.cli", "batch", "--input", str(inp), "--output", str(out),
-            "--model", MODEL, "--temperature", "0", "--ignore-eos", "--max-num-seqs", "4",
-            "--max-in-flight", "3", "--max-num-batched-tokens", "32", "--token-buckets", "4,32",
-            "--max-model-len", "64", "--num-pages", "40", "--page-size", "8"]
+    return [
+        sys.executable,
+        "-m",
+        "jaxinfer.cli",
+        "batch",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--model",
+        MODEL,
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--max-num-seqs",
+        "4",
+        "--max-in-flight",
+        "3",
+        "--max-num-batched-tokens",
+        "32",
+        "--token-buckets",
+        "4,32",
+        "--max-model-len",
+        "64",
+        "--num-pages",
+        "40",
+        "--page-size",
+        "8",
+    ]
 
 
 def env(cache):
@@ -49,8 +75,9 @@ def journal_lines(path):
 def run_killed_at(inp, out, cache, threshold, timeout=180):
     """Starts the job and SIGKILLs it once its journal holds `threshold` results (0: at start-up)."""
     journal = out.with_name(out.name + ".journal")
-    proc = subprocess.Popen(batch_cmd(inp, out, cache), env=env(cache), stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        batch_cmd(inp, out, cache), env=env(cache), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         if journal_lines(journal) >= threshold:
@@ -115,11 +142,21 @@ def test_changed_input_lines_are_served_again(tmp_path, monkeypatch):
     from jaxinfer.llm import LLM
     from jaxinfer.sampling import SamplingParams
 
-    llm = LLM(MODEL, "float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets=(4, 32), num_pages=40, page_size=8)
+    llm = LLM(
+        MODEL,
+        "float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=(4, 32),
+        num_pages=40,
+        page_size=8,
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    first = [json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3]}),
-             json.dumps({"id": "b", "prompt_token_ids": [4, 5, 6]})]
+    first = [
+        json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3]}),
+        json.dumps({"id": "b", "prompt_token_ids": [4, 5, 6]}),
+    ]
     journal = Journal(tmp_path / "o.journal")
     out = io.StringIO()
     stats = run_batch(llm, first, out, params, journal=journal)

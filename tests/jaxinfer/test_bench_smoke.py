@@ -1,5 +1,6 @@
 """benchmarks/bench_engine.py --shape: random weights of a real shape, decode and prefill beside
 their floors, on tiny settings (the same code runs unchanged on a GPU at full size)."""
+
 import re
 import subprocess
 import sys
@@ -11,9 +12,29 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
 
 
 def test_bench_engine_shape_smoke(tmp_path):
-    argv = [sys.executable, str(BENCH), "--shape", "smollm2", "--layers", "2", "--batches", "1", "2", "--prompt-lens", "8",
-            "--new-tokens", "6", "--prefill-len", "32", "--cache-dir", str(tmp_path),
-            "--profile", "--host-profile", "--profile-batches", "2"]
+    argv = [
+        sys.executable,
+        str(BENCH),
+        "--shape",
+        "smollm2",
+        "--layers",
+        "2",
+        "--batches",
+        "1",
+        "2",
+        "--prompt-lens",
+        "8",
+        "--new-tokens",
+        "6",
+        "--prefill-len",
+        "32",
+        "--cache-dir",
+        str(tmp_path),
+        "--profile",
+        "--host-profile",
+        "--profile-batches",
+        "2",
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| decode") or line.startswith("| prefill")]
@@ -43,13 +64,35 @@ def test_bench_moe_smoke(tmp_path):
     """benchmarks/bench_moe.py on two layers of each shape, int8 weights (experts included): one
     table row per batch and prefill, each with a MoE / dense ratio, and the active parameters
     equal (the shapes are built so)."""
-    argv = [sys.executable, str(BENCH.with_name("bench_moe.py")), "--layers", "2", "--batches", "1", "4",
-            "--prompt-len", "8", "--new-tokens", "8", "--prefill-len", "64", "--repeats", "1",
-            "--quantization", "int8", "--cache-dir", str(tmp_path)]
+    argv = [
+        sys.executable,
+        str(BENCH.with_name("bench_moe.py")),
+        "--layers",
+        "2",
+        "--batches",
+        "1",
+        "4",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "8",
+        "--prefill-len",
+        "64",
+        "--repeats",
+        "1",
+        "--quantization",
+        "int8",
+        "--cache-dir",
+        str(tmp_path),
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|")[1:5] for line in out.stdout.splitlines() if line.startswith(("| decode", "| prefill"))]
-    assert [r[0].strip() for r in rows] == ["decode step, batch 1", "decode step, batch 4", "prefill, one 64-token prompt"]
+    assert [r[0].strip() for r in rows] == [
+        "decode step, batch 1",
+        "decode step, batch 4",
+        "prefill, one 64-token prompt",
+    ]
     for _, dense, moe, ratio in rows:
         assert float(ratio.strip().rstrip("x")) == pytest.approx(float(moe) / float(dense), rel=0.02)
     active = re.search(r"smollm2 ([\d.]+)M \(all active\); smollm2-moe [\d.]+M, ([\d.]+)M active", out.stdout)
@@ -60,12 +103,12 @@ def test_bench_moe_smoke(tmp_path):
 def test_bench_lm_head_smoke():
     """benchmarks/bench_lm_head.py --smoke: a row per weight form and row count, each timed."""
     bench = BENCH.with_name("bench_lm_head.py")
-    out = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| smoke")]
     assert [(r[1].strip(), int(r[2])) for r in rows] == [
-        (form, m) for form in ("tied x.W^T", "tied W.x^T", "untied x.W") for m in (1, 8)]
+        (form, m) for form in ("tied x.W^T", "tied W.x^T", "untied x.W") for m in (1, 8)
+    ]
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), rows
 
 
@@ -73,8 +116,12 @@ def test_bench_host_smoke():
     """benchmarks/bench_host.py on a small plan: a row per context; later windows send only the
     entries of the pages they start, far less than the first window's whole rows."""
     bench = BENCH.with_name("bench_host.py")
-    out = subprocess.run([sys.executable, str(bench), "--batch", "16", "--contexts", "256", "1024",
-                          "--windows", "5"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(bench), "--batch", "16", "--contexts", "256", "1024", "--windows", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| 16 x")]
     assert [r[0].strip() for r in rows] == ["16 x 256", "16 x 1024"]

@@ -4,6 +4,7 @@ is still there on the same command, with the same dest, default, type, choices, 
 text. What may differ, deliberately: a flag that had no help text has one now; the engine's and
 sampling's flags are listed under their config group's section; and commands gained the flags of
 options they lacked (each of them generated from a declared option field)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ from jaxinfer.sampling.params import StructuredOutput
 RECORDED = json.loads(FIXTURE.read_text())
 NOW = surface()
 SECTIONS = {d.flag: title for title, d in EngineConfig.declared()}
-GENERATED = {d.flag for d in [*engine_options(), *sampling_options(), *declared(StructuredOutput)]
-             if d.option.form != NONE}
+GENERATED = {
+    d.flag for d in [*engine_options(), *sampling_options(), *declared(StructuredOutput)] if d.option.form != NONE
+}
 
 
 def test_the_same_commands():
@@ -42,7 +44,9 @@ def test_each_command_keeps_its_flags(command):
     exclusive = NOW[command]["exclusive"], RECORDED[command]["exclusive"]
     assert sorted(map(sorted, exclusive[0])) == sorted(map(sorted, exclusive[1]))
     assert (NOW[command]["epilog"], NOW[command]["description"]) == (
-        RECORDED[command]["epilog"], RECORDED[command]["description"])
+        RECORDED[command]["epilog"],
+        RECORDED[command]["description"],
+    )
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "batch", "info", "serve"])

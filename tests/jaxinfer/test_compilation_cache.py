@@ -1,6 +1,7 @@
 """JAX's persistent compilation cache goes where each engine's compilation_cache_dir says
 (jaxinfer/worker/warm_up.py): "auto" is $JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla; a
 later engine naming another directory, or none, moves or stops the process's one cache."""
+
 from pathlib import Path
 
 import jax

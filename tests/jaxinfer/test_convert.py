@@ -1,4 +1,5 @@
 """`jaxinfer convert`: HF directories and GGUF files -> orbax checkpoints that load as the source does."""
+
 import dataclasses
 import json
 import shutil
@@ -45,8 +46,14 @@ def test_hf_directory_converts_to_equal_params(tmp_path, name):
 
 def test_converted_checkpoint_generates_the_golden_tokens(tmp_path):
     convert(LLAMA, tmp_path / "ckpt", dtype="float32", progress=False)
-    llm = LLM(str(tmp_path / "ckpt"), "float32", max_model_len=128, max_num_seqs=8,
-              max_num_batched_tokens=64, token_buckets=[8, 64])
+    llm = LLM(
+        str(tmp_path / "ckpt"),
+        "float32",
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        token_buckets=[8, 64],
+    )
     params = SamplingParams(temperature=0, max_tokens=GENERATE["max_new_tokens"], ignore_eos=True)
     outs = llm.generate(GENERATE["prompts"][:4], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == GENERATE["outputs"][:4]

@@ -22,9 +22,17 @@ K = 4
 @pytest.fixture(scope="module")
 def engine():
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
-    config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=6,
-                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=K, greedy_variant=True,
-                          dispatch_thread=True)
+    config = EngineConfig(
+        num_pages=14,
+        page_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=6,
+        max_model_len=128,
+        token_buckets=(8, 32),
+        num_decode_steps=K,
+        greedy_variant=True,
+        dispatch_thread=True,
+    )
     return Engine(model, config)
 
 
@@ -45,8 +53,7 @@ def run(engine, requests, *, windows, async_scheduling=True, abort_after=None):
                 lps = logprobs.setdefault(out.request_id, [[] for _ in out.outputs])
                 for c in out.outputs:
                     per[c.index] += c.token_ids
-                    lps[c.index] += [(lp.token_id, round(lp.logprob, 4), sorted(lp.top))
-                                     for lp in c.logprobs or []]
+                    lps[c.index] += [(lp.token_id, round(lp.logprob, 4), sorted(lp.top)) for lp in c.logprobs or []]
                 if out.finished:
                     reasons[out.request_id] = [c.finish_reason for c in out.outputs]
             steps += 1
@@ -91,10 +98,8 @@ def test_seeded_sampling_n_stops_logprobs_max_tokens(engine):
     requests = {
         "seeded": (prompt(1, 12), SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=17)),
         "n3": (prompt(2, 9), SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)),
-        "stop": (prompt(3, 7), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                              stop_token_ids=[stop_id])),
-        "logprobs": (prompt(4, 6), SamplingParams(temperature=0.7, seed=1, max_tokens=9, logprobs=3,
-                                                  ignore_eos=True)),
+        "stop": (prompt(3, 7), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])),
+        "logprobs": (prompt(4, 6), SamplingParams(temperature=0.7, seed=1, max_tokens=9, logprobs=3, ignore_eos=True)),
         "odd": (prompt(5, 5), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
     }
     (tokens, reasons, logprobs), _ = compare(engine, requests)
@@ -139,8 +144,15 @@ def test_prefix_cache_hits(engine):
 def test_context_end():
     """A sequence that fills max_model_len exactly: its last tokens cannot take a whole window."""
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
-    config = EngineConfig(num_pages=20, page_size=8, max_num_batched_tokens=32, max_num_seqs=2,
-                          max_model_len=64, token_buckets=(2, 32), num_decode_steps=K)
+    config = EngineConfig(
+        num_pages=20,
+        page_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=2,
+        max_model_len=64,
+        token_buckets=(2, 32),
+        num_decode_steps=K,
+    )
     small = Engine(model, config)
     params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
     (tokens, reasons, _), steps = compare(small, {"end": (prompt(10, 53), params)})
@@ -158,16 +170,23 @@ def test_aborts_mid_stream_free_everything(engine):
     assert single[1]["dropped"] == windowed[1]["dropped"] == ["abort"]
     full, _ = run(engine, {"dropped": (prompt(7, 10), greedy)}, windows=False)
     got = windowed[0]["dropped"][0]
-    assert got == full[0]["dropped"][0][:len(got)]  # an aborted stream holds a prefix
+    assert got == full[0]["dropped"][0][: len(got)]  # an aborted stream holds a prefix
 
 
 @pytest.mark.slow
 def test_stop_strings_mid_window_on_smollm2():
     """Real tokenizer: a stop string inside a window ends the text there and drops the overrun."""
     model = load_model(smollm2_gguf_path(), dtype="float32")
-    config = EngineConfig(num_pages=64, page_size=16, max_num_batched_tokens=32, max_num_seqs=4,
-                          max_model_len=256, token_buckets=(4, 32), num_decode_steps=K,
-                          penalties=False)
+    config = EngineConfig(
+        num_pages=64,
+        page_size=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=256,
+        token_buckets=(4, 32),
+        num_decode_steps=K,
+        penalties=False,
+    )
     engine = Engine(model, config)
     ids = engine.tokenizer.encode("The capital of France is")
     greedy = SamplingParams(temperature=0, max_tokens=24)
@@ -196,10 +215,27 @@ def test_the_greedy_variant_flag_reaches_the_runner(flag, compiled):
     from jaxinfer import cli
     from jaxinfer.cli.args import make_llm
 
-    args = cli.build_parser().parse_args(["serve", "--model", str(FIXTURES / "hf" / "llama3"), "--dtype",
-                                          "float32", "--num-pages", "8", "--max-model-len", "64",
-                                          "--token-buckets", "8,32", "--max-num-batched-tokens", "32",
-                                          "--greedy-variant", flag, "--dispatch-thread", flag])
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(FIXTURES / "hf" / "llama3"),
+            "--dtype",
+            "float32",
+            "--num-pages",
+            "8",
+            "--max-model-len",
+            "64",
+            "--token-buckets",
+            "8,32",
+            "--max-num-batched-tokens",
+            "32",
+            "--greedy-variant",
+            flag,
+            "--dispatch-thread",
+            flag,
+        ]
+    )
     runner = make_llm(args, warm_up=False).engine.worker
     assert runner.step.greedy_buckets == ((8, 32) if compiled else ())
     assert runner.step.launcher.enabled is compiled
@@ -208,8 +244,10 @@ def test_the_greedy_variant_flag_reaches_the_runner(flag, compiled):
 def test_llm_takes_engine_options_as_keywords():
     from jaxinfer import LLM
 
-    model, small = str(FIXTURES / "hf" / "llama3"), dict(num_pages=8, max_model_len=64, warm_up=False,
-                                                         token_buckets=(8, 32), max_num_batched_tokens=32)
+    model, small = (
+        str(FIXTURES / "hf" / "llama3"),
+        dict(num_pages=8, max_model_len=64, warm_up=False, token_buckets=(8, 32), max_num_batched_tokens=32),
+    )
     runner = LLM(model, "float32", greedy_variant=True, dispatch_thread=True, **small).engine.worker
     assert runner.step.greedy_buckets == (8, 32) and runner.step.launcher.enabled
     with pytest.raises(TypeError, match="no_such_option"):

@@ -1,5 +1,6 @@
 """The engine end to end on a tiny random Llama (token-id prompts): HF parity under chunked
 prefill and preemption, no recompilation, prefix caching, seeded sampling, aborts, bad input."""
+
 import json
 
 import jax
@@ -22,8 +23,9 @@ def model():
 
 
 def make_engine(model, **overrides):
-    cfg = dict(num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8,
-               max_model_len=256, token_buckets=(8, 32))
+    cfg = dict(
+        num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256, token_buckets=(8, 32)
+    )
     cfg.update(overrides)
     return Engine(model, EngineConfig(**cfg))
 
@@ -69,15 +71,26 @@ def test_greedy_batch_matches_hf_with_chunking_and_preemption(engine):
 def test_nothing_compiles_after_warm_up(engine):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, secs, **kw: compiles.append(name) if "compile" in name else None)
+        lambda name, secs, **kw: compiles.append(name) if "compile" in name else None
+    )
     variants = engine.worker.num_compiled()
     rng = np.random.default_rng(0)
-    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=9),
-              SamplingParams(temperature=1.0, min_p=0.1, seed=2, max_tokens=5, logprobs=3),
-              SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5,
-                             frequency_penalty=0.3, seed=3, max_tokens=7, n=2),
-              SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[5]),
-              SamplingParams(temperature=0.9, seed=4, max_tokens=6, logit_bias={5: 3.0, 11: -100.0})]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=9),
+        SamplingParams(temperature=1.0, min_p=0.1, seed=2, max_tokens=5, logprobs=3),
+        SamplingParams(
+            temperature=0.7,
+            repetition_penalty=1.2,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            seed=3,
+            max_tokens=7,
+            n=2,
+        ),
+        SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[5]),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=6, logit_bias={5: 3.0, 11: -100.0}),
+    ]
     for i in range(12):
         prompt = rng.integers(0, 512, size=int(rng.integers(1, 90))).tolist()
         engine.add_request(prompt, params[i % len(params)])
@@ -116,8 +129,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     engine.add_request(prompt, params, request_id="crowd")
     crowd = run_all(engine)["crowd"].outputs[0].token_ids
     assert alone == crowd
-    engine.add_request(prompt, SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=12,
-                                              ignore_eos=True), request_id="other-seed")
+    engine.add_request(
+        prompt,
+        SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=12, ignore_eos=True),
+        request_id="other-seed",
+    )
     assert run_all(engine)["other-seed"].outputs[0].token_ids != alone
 
 
@@ -147,13 +163,16 @@ def test_abort_frees_pages_and_reports(engine):
     assert results["y"].outputs[0].token_ids == GOLDEN["outputs"][3]
 
 
-@pytest.mark.parametrize("prompt,params,match", [
-    ([], GREEDY, "empty"),
-    ([1] * 300, GREEDY, "context of 256"),
-    ([1, 2, 512], GREEDY, r"out of range \[0, 512\): \[512\]"),
-    ([1, 2], SamplingParams(max_tokens=255), "257 tokens exceeds max_model_len=256"),
-    ("text prompt", GREEDY, "no tokenizer"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], GREEDY, "empty"),
+        ([1] * 300, GREEDY, "context of 256"),
+        ([1, 2, 512], GREEDY, r"out of range \[0, 512\): \[512\]"),
+        ([1, 2], SamplingParams(max_tokens=255), "257 tokens exceeds max_model_len=256"),
+        ("text prompt", GREEDY, "no tokenizer"),
+    ],
+)
 def test_bad_requests_are_rejected_and_engine_keeps_serving(engine, prompt, params, match):
     engine.add_request(GOLDEN["prompts"][2], GREEDY, request_id="ok")
     with pytest.raises(ValueError, match=match):
@@ -161,10 +180,15 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(engine, prompt, para
     assert run_all(engine)["ok"].outputs[0].token_ids == GOLDEN["outputs"][2]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
 def test_bad_sampling_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -177,10 +201,12 @@ def test_engine_config_errors(model):
         EngineConfig(page_size=0)
     with pytest.raises(ValueError, match="token_buckets"):
         EngineConfig(token_buckets=(8, 16), max_num_batched_tokens=32)
-    for bad, match in ((dict(attn_impl="flash"), "attn_impl='flash': expected one of"),
-                       (dict(kv_cache_dtype="int7"), "kv_cache_dtype='int7': expected one of"),
-                       (dict(max_n=0), "max_n must be a positive integer"),
-                       (dict(max_seqs_per_request=True), "max_seqs_per_request must be a positive integer"),
-                       (dict(max_request_tokens=-5), "max_request_tokens must be a positive integer")):
+    for bad, match in (
+        (dict(attn_impl="flash"), "attn_impl='flash': expected one of"),
+        (dict(kv_cache_dtype="int7"), "kv_cache_dtype='int7': expected one of"),
+        (dict(max_n=0), "max_n must be a positive integer"),
+        (dict(max_seqs_per_request=True), "max_seqs_per_request must be a positive integer"),
+        (dict(max_request_tokens=-5), "max_request_tokens must be a positive integer"),
+    ):
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)

@@ -4,6 +4,7 @@ The kernel tests check one call; these check many: every step's fused KV write i
 later steps (decode after chunked prefill, requests admitted after others were preempted), so a
 slot written wrongly or not at all shows up as a different token.
 """
+
 import dataclasses
 import json
 
@@ -32,8 +33,15 @@ def run(engine, prompts, params) -> list[list[int]]:
 
 
 def engine_for(model, impl, **overrides):
-    cfg = dict(num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8,
-               max_model_len=256, token_buckets=(8, 32), attn_impl=impl)
+    cfg = dict(
+        num_pages=24,
+        page_size=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=256,
+        token_buckets=(8, 32),
+        attn_impl=impl,
+    )
     cfg.update(overrides)
     return Engine(model, EngineConfig(**cfg))
 
@@ -52,8 +60,7 @@ def test_tpu_kernel_engine_matches_reference():
     """The TPU kernel needs head_dim >= 64: a random 2-layer model, the reference as the oracle."""
     fixture = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
     config = dataclasses.replace(fixture.config, head_dim=64)
-    model = dataclasses.replace(fixture, config=config,
-                                params=init_params(config, jax.random.key(0), scale=0.3))
+    model = dataclasses.replace(fixture, config=config, params=init_params(config, jax.random.key(0), scale=0.3))
     prompts = GOLDEN["prompts"][8:13]  # 31..63 tokens: five do not fit in 9 pages at once
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     # One token bucket: its step and decode window are the interpreted kernel's only compiles (a

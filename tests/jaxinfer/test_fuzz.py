@@ -1,6 +1,7 @@
 """Property-based fuzzing of what users send: SamplingParams, engine requests and batch lines.
 Every case ends in a result or a ValueError that names the bad value; nothing crashes, and
 every KV page is free afterwards."""
+
 import io
 import json
 import math
@@ -14,38 +15,80 @@ from jaxinfer.cli.batch import run_batch
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 
-FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-          "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-          "logprobs", "include_stop_str_in_output", "skip_special_tokens")
+FIELDS = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 small_ints = st.integers(-3, 6)
 anything = st.one_of(
-    st.none(), st.booleans(), small_ints, st.integers(-2**70, 2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e300, -1e-300, 0.5, 1.0, 2.0]),
-    st.text(max_size=4), st.lists(st.one_of(st.text(max_size=3), small_ints), max_size=3),
-    st.dictionaries(st.text(max_size=2), small_ints, max_size=2))
+    st.none(),
+    st.booleans(),
+    small_ints,
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e300, -1e-300, 0.5, 1.0, 2.0]),
+    st.text(max_size=4),
+    st.lists(st.one_of(st.text(max_size=3), small_ints), max_size=3),
+    st.dictionaries(st.text(max_size=2), small_ints, max_size=2),
+)
 # Mostly plausible values, so that many requests really run; now and then anything at all.
 plausible = {
-    "n": st.integers(1, 3), "max_tokens": st.integers(1, 5), "temperature": st.floats(0, 2),
-    "top_k": st.integers(-1, 50), "top_p": st.floats(0.01, 1), "min_p": st.floats(0, 1),
-    "repetition_penalty": st.floats(0.5, 2), "presence_penalty": st.floats(-2, 2),
-    "frequency_penalty": st.floats(-2, 2), "seed": st.integers(0, 2**64), "stop_token_ids": st.lists(
-        st.integers(0, 300), max_size=2), "logprobs": st.integers(0, 20), "ignore_eos": st.booleans(),
+    "n": st.integers(1, 3),
+    "max_tokens": st.integers(1, 5),
+    "temperature": st.floats(0, 2),
+    "top_k": st.integers(-1, 50),
+    "top_p": st.floats(0.01, 1),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "seed": st.integers(0, 2**64),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=2),
+    "logprobs": st.integers(0, 20),
+    "ignore_eos": st.booleans(),
 }
-sampling_kwargs = st.fixed_dictionaries({}, optional={
-    name: (st.one_of(plausible[name], anything) if name in plausible else anything) for name in FIELDS})
+sampling_kwargs = st.fixed_dictionaries(
+    {}, optional={name: (st.one_of(plausible[name], anything) if name in plausible else anything) for name in FIELDS}
+)
 plausible_kwargs = st.fixed_dictionaries({}, optional=plausible)
 valid_prompts = st.lists(st.integers(1, 255), min_size=1, max_size=40)
-prompts = st.one_of(st.lists(st.integers(1, 255), min_size=1, max_size=40),
-                    st.lists(st.one_of(st.integers(-5, 600), st.booleans(), st.text(max_size=2)), max_size=5),
-                    st.text(max_size=5), st.just([]), st.lists(st.integers(1, 5), min_size=300, max_size=300))
+prompts = st.one_of(
+    st.lists(st.integers(1, 255), min_size=1, max_size=40),
+    st.lists(st.one_of(st.integers(-5, 600), st.booleans(), st.text(max_size=2)), max_size=5),
+    st.text(max_size=5),
+    st.just([]),
+    st.lists(st.integers(1, 5), min_size=300, max_size=300),
+)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(FIXTURES / "hf" / "llama3"), "float32", max_model_len=256, max_num_seqs=8,
-               max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=48, max_n=4)
+    return LLM(
+        str(FIXTURES / "hf" / "llama3"),
+        "float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        token_buckets=(8, 32),
+        num_pages=48,
+        max_n=4,
+    )
 
 
 def assert_idle(llm):
@@ -74,8 +117,10 @@ def test_sampling_params_build_or_name_the_field(kwargs):
 
 
 @SETTINGS
-@given(kwargs=st.one_of(plausible_kwargs, plausible_kwargs, sampling_kwargs),
-       prompt=st.one_of(valid_prompts, valid_prompts, prompts))
+@given(
+    kwargs=st.one_of(plausible_kwargs, plausible_kwargs, sampling_kwargs),
+    prompt=st.one_of(valid_prompts, valid_prompts, prompts),
+)
 def test_engine_requests_finish_or_are_refused_by_name(llm, kwargs, prompt):
     params = build(kwargs)
     if params is None:
@@ -97,15 +142,30 @@ def test_engine_requests_finish_or_are_refused_by_name(llm, kwargs, prompt):
     assert_idle(llm)
 
 
-line_values = st.one_of(anything, prompts, st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", 3]), "content": st.one_of(st.text(max_size=3), small_ints)}),
-    max_size=2))
-batch_lines = st.lists(st.one_of(
-    st.text(max_size=20).map(lambda t: t.replace("\n", " ")),
-    st.dictionaries(st.sampled_from(["id", "prompt", "prompt_token_ids", "messages", *FIELDS, "bogus"]),
-                    line_values, max_size=4).map(json.dumps),
-    st.builds(lambda ids, n: json.dumps({"prompt_token_ids": ids, "max_tokens": n}),
-              st.lists(st.integers(1, 255), min_size=1, max_size=10), st.integers(1, 4))), max_size=6)
+line_values = st.one_of(
+    anything,
+    prompts,
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", 3]), "content": st.one_of(st.text(max_size=3), small_ints)}
+        ),
+        max_size=2,
+    ),
+)
+batch_lines = st.lists(
+    st.one_of(
+        st.text(max_size=20).map(lambda t: t.replace("\n", " ")),
+        st.dictionaries(
+            st.sampled_from(["id", "prompt", "prompt_token_ids", "messages", *FIELDS, "bogus"]), line_values, max_size=4
+        ).map(json.dumps),
+        st.builds(
+            lambda ids, n: json.dumps({"prompt_token_ids": ids, "max_tokens": n}),
+            st.lists(st.integers(1, 255), min_size=1, max_size=10),
+            st.integers(1, 4),
+        ),
+    ),
+    max_size=6,
+)
 
 
 @SETTINGS

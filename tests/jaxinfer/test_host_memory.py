@@ -1,4 +1,5 @@
 """Host heap reuse on the CPU (jaxinfer/worker/host_memory.py): what it changes, when it stays off."""
+
 from __future__ import annotations
 
 import ctypes
@@ -12,10 +13,10 @@ import jax
 import pytest
 from testpaths import FIXTURES
 
-from jaxinfer.worker import host_memory
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
+from jaxinfer.worker import host_memory
 from jaxinfer.worker.worker import Worker
 
 # Page faults of writing a freshly allocated 64 MiB block after a block of that size was freed:
@@ -46,8 +47,14 @@ glibc = pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"
 
 def _probe(**env) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                         env={**clean, **env}, cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**clean, **env},
+        cwd=Path(__file__).resolve().parents[2],
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -84,9 +91,20 @@ def test_an_allocator_the_user_chose_is_left_alone(monkeypatch):
     assert "LD_PRELOAD" in host_memory._left_alone()
 
 
-CONFIG = ModelConfig(model_type="llama", family="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
-                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5,
-                     rope_theta=10000.0, max_position_embeddings=64)
+CONFIG = ModelConfig(
+    model_type="llama",
+    family="llama",
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+)
 
 
 @pytest.mark.parametrize("reuse", [True, False])
@@ -95,9 +113,19 @@ def test_the_cpu_runner_applies_it_unless_configured_off(monkeypatch, reuse):
     monkeypatch.setattr("jaxinfer.worker.device_state.reuse_freed_heap", lambda: calls.append(1) or True)
     family = get_family("llama")
     model = LoadedModel(CONFIG, family.init_params(CONFIG, jax.random.key(0)), None, family, Path("random"))
-    Worker(model, EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
-                                    compilation_cache_dir=None, num_pages=16, max_model_len=64,
-                                    cpu_heap_reuse=reuse), 64)
+    Worker(
+        model,
+        EngineConfig(
+            max_num_batched_tokens=8,
+            max_num_seqs=8,
+            token_buckets=(1, 8),
+            compilation_cache_dir=None,
+            num_pages=16,
+            max_model_len=64,
+            cpu_heap_reuse=reuse,
+        ),
+        64,
+    )
     assert calls == ([1] if reuse else [])
 
 
@@ -109,8 +137,21 @@ def test_the_serve_flag_reaches_the_runner(monkeypatch, flags, reuse):
 
     calls = []
     monkeypatch.setattr("jaxinfer.worker.device_state.reuse_freed_heap", lambda: calls.append(1) or True)
-    args = cli.build_parser().parse_args(["serve", "--model", str(FIXTURES / "hf" / "llama3"), "--dtype",
-                                          "float32", "--num-pages", "8", "--max-model-len", "64",
-                                          "--token-buckets", "8,512", *flags])
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(FIXTURES / "hf" / "llama3"),
+            "--dtype",
+            "float32",
+            "--num-pages",
+            "8",
+            "--max-model-len",
+            "64",
+            "--token-buckets",
+            "8,512",
+            *flags,
+        ]
+    )
     engine = make_llm(args, warm_up=False).engine
     assert engine.config.compile.cpu_heap_reuse is reuse and calls == ([1] if reuse else [])

@@ -1,25 +1,26 @@
 """int8 / fp8 (e4m3) KV cache: the option, pool sizing by bytes, calibrated per-head scales, and
 outputs close to the float cache on the random-checkpoint goldens (reference and Pallas GPU
 kernel in interpret mode) and on SmolLM2."""
+
 import json
 import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_harness import SingleSequence
 from testpaths import FIXTURES
 
 from jaxinfer import cli
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
-from jaxinfer.worker.kv_calibration import calibration_tokens, kv_absmax, quantized_caches
 from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.quant.kv_cache import QuantizedKVCache, resolve_kv_dtype
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.worker.kv_calibration import calibration_tokens, kv_absmax, quantized_caches
 from jaxinfer.worker.kv_pool import kv_page_bytes, plan_num_pages
 from jaxinfer.worker.worker import Worker
-from jaxinfer.sampling import SamplingParams
-from model_harness import SingleSequence
 
 LLAMA = FIXTURES / "hf" / "llama3"
 GOLDEN = json.loads((LLAMA / "generate.json").read_text())
@@ -51,20 +52,33 @@ def test_dtype_names():
 
 
 def test_pool_holds_2x_the_pages_of_bfloat16_in_the_same_bytes(llama):
-    budget = 3 * 2 ** 20
-    pages = {name: plan_num_pages(llama.config, EngineConfig(kv_cache_bytes=budget), resolve_kv_dtype(name, None))
-             for name in ("float32", "bfloat16", "int8", "fp8")}
+    budget = 3 * 2**20
+    pages = {
+        name: plan_num_pages(llama.config, EngineConfig(kv_cache_bytes=budget), resolve_kv_dtype(name, None))
+        for name in ("float32", "bfloat16", "int8", "fp8")
+    }
     assert pages["int8"] == pages["fp8"] == 2 * pages["bfloat16"] == 4 * pages["float32"]
     # 2 layers x (K + V) x 2 kv heads x 16 dims x 16 tokens, one byte each
     assert kv_page_bytes(llama.config, 16, INT8) == 2 * 2 * 2 * 16 * 16
 
 
 def test_engine_allocates_quantized_pages_with_scales(llama, tmp_path):
-    budget = 2 ** 20
-    engines = {d: Engine(llama, EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=d, max_model_len=256,
-                                             token_buckets=(8, 32), max_num_batched_tokens=32,
-                                             compilation_cache_dir=None), warm_up=False)
-               for d in ("float32", "int8")}
+    budget = 2**20
+    engines = {
+        d: Engine(
+            llama,
+            EngineConfig(
+                kv_cache_bytes=budget,
+                kv_cache_dtype=d,
+                max_model_len=256,
+                token_buckets=(8, 32),
+                max_num_batched_tokens=32,
+                compilation_cache_dir=None,
+            ),
+            warm_up=False,
+        )
+        for d in ("float32", "int8")
+    }
     f32, q8 = engines["float32"].worker, engines["int8"].worker
     assert q8.num_pages == 4 * f32.num_pages and q8.state.kv_dtype == INT8
     assert engines["int8"].kv_cache.num_usable_pages == q8.num_pages - 1
@@ -103,8 +117,14 @@ def test_logits_close_to_the_float_golden(name, kv):
     model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
     golden = np.load(FIXTURES / "hf" / name / "golden.npz")
     cfg, dtype = model.config, resolve_kv_dtype(kv, None)
-    absmax = kv_absmax(model.family, cfg, model.params, calibration_tokens(None, cfg.vocab_size),
-                       cache_kv_heads=cfg.num_kv_heads, dtype=jnp.float32)
+    absmax = kv_absmax(
+        model.family,
+        cfg,
+        model.params,
+        calibration_tokens(None, cfg.vocab_size),
+        cache_kv_heads=cfg.num_kv_heads,
+        dtype=jnp.float32,
+    )
     seq = SingleSequence(model.family, cfg, model.params, max_len=80, dtype=dtype)
     seq.kv = quantized_caches(seq.kv, absmax, dtype)
     prompt, want = golden["input_ids"], golden["logits"]
@@ -131,20 +151,43 @@ def _greedy(engine: Engine, prompts, max_tokens: int) -> list[list[int]]:
 def test_pallas_gpu_kernel_reads_the_int8_cache_as_the_reference(llama, tmp_path):
     """The engine's int8 cache through the GPU kernel (interpret mode) and through the
     reference: chunked prefill then decode over pages written in earlier steps."""
-    cfg = dict(num_pages=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128,
-               token_buckets=(4, 32), num_decode_steps=1, kv_cache_dtype="int8",
-               compilation_cache_dir=None)
+    cfg = dict(
+        num_pages=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=128,
+        token_buckets=(4, 32),
+        num_decode_steps=1,
+        kv_cache_dtype="int8",
+        compilation_cache_dir=None,
+    )
     prompts = GOLDEN["prompts"][8:10]  # 31 and 33 tokens: over two steps of 32
-    out = {impl: _greedy(Engine(llama, EngineConfig(**cfg, attn_impl=impl), warm_up=False), prompts, 5)
-           for impl in ("reference", "pallas_gpu")}
+    out = {
+        impl: _greedy(Engine(llama, EngineConfig(**cfg, attn_impl=impl), warm_up=False), prompts, 5)
+        for impl in ("reference", "pallas_gpu")
+    }
     assert out["pallas_gpu"] == out["reference"]
 
 
 def test_info_reports_kv_bytes_per_token_of_the_chosen_dtype(capsys):
     counts = {}
     for dtype in ("float32", "int8", "fp8"):
-        assert cli.main(["info", "--model", str(LLAMA), "--dtype", "float32", "--kv-cache-dtype", dtype,
-                         "--max-model-len", "256"]) == 0
+        assert (
+            cli.main(
+                [
+                    "info",
+                    "--model",
+                    str(LLAMA),
+                    "--dtype",
+                    "float32",
+                    "--kv-cache-dtype",
+                    dtype,
+                    "--max-model-len",
+                    "256",
+                ]
+            )
+            == 0
+        )
         counts[dtype] = json.loads(capsys.readouterr().out)["kv_cache"]
     # 2 layers x (K + V) x 2 kv heads x 16 dims x 1 byte
     assert counts["int8"]["bytes_per_token"] == counts["fp8"]["bytes_per_token"] == 2 * 2 * 2 * 16
@@ -162,15 +205,23 @@ def test_smollm2_greedy_with_int8_and_fp8_kv_follows_the_float_cache():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     runs, model = {}, load_model(dtype="float32")  # one load for the three engines
     for kv in ("auto", "int8", "fp8"):
-        llm = LLM(model, kv_cache_dtype=kv, max_model_len=256, num_pages=64, max_num_batched_tokens=32,
-                  token_buckets=[32], num_decode_steps=1, warm_up=False, compilation_cache_dir=None)
+        llm = LLM(
+            model,
+            kv_cache_dtype=kv,
+            max_model_len=256,
+            num_pages=64,
+            max_num_batched_tokens=32,
+            token_buckets=[32],
+            num_decode_steps=1,
+            warm_up=False,
+            compilation_cache_dir=None,
+        )
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
         runs[kv] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for kv in ("int8", "fp8"):
         identical = 0
         for quantized, float_run in zip(runs[kv], runs["auto"]):
-            parted = next((i for i, (a, b) in enumerate(zip(quantized.token_ids, float_run.token_ids))
-                           if a != b), None)
+            parted = next((i for i, (a, b) in enumerate(zip(quantized.token_ids, float_run.token_ids)) if a != b), None)
             if parted is None:
                 identical += 1
                 continue
@@ -205,9 +256,17 @@ def test_the_step_updates_an_int8_cache_in_place(llama):
     """The quantized pages are donated and written in place like float ones (no copy of a
     layer's pages per step), in a single step and in a decode window."""
     for num_steps in (1, 4):
-        config = EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(8,), num_pages=300,
-                              max_model_len=256, penalties=False, num_decode_steps=num_steps,
-                              kv_cache_dtype="int8", compilation_cache_dir=None)
+        config = EngineConfig(
+            max_num_batched_tokens=8,
+            max_num_seqs=8,
+            token_buckets=(8,),
+            num_pages=300,
+            max_model_len=256,
+            penalties=False,
+            num_decode_steps=num_steps,
+            kv_cache_dtype="int8",
+            compilation_cache_dir=None,
+        )
         runner = Worker(llama, config, 256)
         assert isinstance(runner.state.kv_caches[0], QuantizedKVCache)
         assert not _page_copies(runner, num_steps)
@@ -217,8 +276,22 @@ def test_serve_flag_reaches_the_engine():
     """`jaxinfer serve --kv-cache-dtype fp8` builds its engine (make_llm) with an fp8 cache."""
     from jaxinfer.cli.args import make_llm
 
-    args = cli.build_parser().parse_args(["serve", "--model", str(LLAMA), "--dtype", "float32",
-                                          "--kv-cache-dtype", "fp8", "--num-pages", "8",
-                                          "--max-model-len", "64", "--token-buckets", "8,512"])
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(LLAMA),
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "fp8",
+            "--num-pages",
+            "8",
+            "--max-model-len",
+            "64",
+            "--token-buckets",
+            "8,512",
+        ]
+    )
     engine = make_llm(args, warm_up=False).engine
     assert engine.worker.state.kv_dtype == FP8 and engine.worker.state.kv_caches[0].pages.dtype == FP8

@@ -1,6 +1,7 @@
 """An int8 KV cache on meshes of forced CPU devices: the per-head scales split over `tensor` with
 the cache's heads (repeated with them when there are fewer KV heads than shards, and given the
 leading [data] axis of replicas), and greedy tokens equal to the single-device int8 run."""
+
 import json
 import subprocess
 import sys
@@ -37,8 +38,13 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_int8_kv_on_meshes_matches_single_device():
     env = child_env(8, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(FIXTURES / "hf" / "llama3")],
-                          capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(FIXTURES / "hf" / "llama3")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     single = r["None"]

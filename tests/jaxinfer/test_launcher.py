@@ -1,6 +1,7 @@
 """The launcher (EngineConfig.dispatch_thread): steps launched from a thread of their own, in the
 order given, their results and errors reaching whoever lands them; it and the greedy twin are on
 by default where XLA holds the launching thread on conditionals (GPUs)."""
+
 import threading
 import time
 

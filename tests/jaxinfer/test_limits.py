@@ -1,5 +1,6 @@
 """Per-request limits through the engine: max_n, max_request_tokens, and a large-n request that
 takes turns with a small one (bounded in engine steps, not seconds); aborting it frees everything."""
+
 import pytest
 from testpaths import FIXTURES
 
@@ -12,9 +13,17 @@ from jaxinfer.sampling import SamplingParams
 @pytest.fixture(scope="module")
 def engine():
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
-    config = EngineConfig(num_pages=96, page_size=16, max_num_batched_tokens=32, max_num_seqs=8,
-                          max_model_len=256, token_buckets=(8, 32), max_n=16, max_seqs_per_request=4,
-                          max_request_tokens=128)
+    config = EngineConfig(
+        num_pages=96,
+        page_size=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=256,
+        token_buckets=(8, 32),
+        max_n=16,
+        max_seqs_per_request=4,
+        max_request_tokens=128,
+    )
     return Engine(model, config)
 
 
@@ -41,9 +50,8 @@ def test_a_small_request_finishes_promptly_beside_one_at_the_n_limit(engine):
     big = SamplingParams(n=16, max_tokens=40, temperature=0, ignore_eos=True)
     engine.add_request([5, 6, 7, 8, 9], big, request_id="big")
     engine.step()  # the big request's parent computes the prompt; its siblings may enter now
-    engine.add_request([11, 12, 13], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
-                       request_id="small")
-    for steps in range(1, 11):
+    engine.add_request([11, 12, 13], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), request_id="small")
+    for steps in range(1, 11):  # noqa: B007 - read after the loop
         if any(out.request_id == "small" and out.finished for out in engine.step()):
             break
     else:

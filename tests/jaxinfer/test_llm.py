@@ -1,4 +1,5 @@
 """The offline API and CLI on the embedded default model (SmolLM2-135M-Instruct GGUF)."""
+
 import io
 import json
 
@@ -7,8 +8,8 @@ import pytest
 from testpaths import FIXTURES, SMOLLM2_SMALL, SMOLLM2_SMALL_ARGS
 
 from jaxinfer import cli
-from jaxinfer.config import EngineConfig
 from jaxinfer.cli.batch import run_batch
+from jaxinfer.config import EngineConfig
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 
@@ -47,12 +48,15 @@ def test_ignore_eos_follows_the_argmax_chain(llm):
     assert out.outputs[0].text.startswith("The capital of France is Paris.<|im_end|>")
 
 
-@pytest.mark.parametrize("stops,include,text,reason", [
-    (["France"], False, "The capital of ", "France"),
-    (["France"], True, "The capital of France", "France"),
-    (["is P", "capital"], False, "The ", "capital"),  # the earliest match wins
-    ([" Paris."], False, "The capital of France is", " Paris."),
-])
+@pytest.mark.parametrize(
+    "stops,include,text,reason",
+    [
+        (["France"], False, "The capital of ", "France"),
+        (["France"], True, "The capital of France", "France"),
+        (["is P", "capital"], False, "The ", "capital"),  # the earliest match wins
+        ([" Paris."], False, "The capital of France is", " Paris."),
+    ],
+)
 def test_stop_strings_cut_exactly(llm, stops, include, text, reason):
     params = greedy(stop=stops, include_stop_str_in_output=include)
     prompt = llm.render_chat(QUESTION)
@@ -90,8 +94,9 @@ def test_a_stream_left_open_while_generate_runs_gets_all_its_tokens(llm):
     expected = llm.generate("The quick brown fox", params, use_tqdm=False)[0].outputs[0]
     stream = llm.stream("The quick brown fox", params)
     first = next(stream)
-    other = llm.generate(["def fibonacci(n):", "1, 2, 3,"], greedy(max_tokens=16, ignore_eos=True),
-                         use_tqdm=False)  # steps the engine past the stream's last token
+    other = llm.generate(
+        ["def fibonacci(n):", "1, 2, 3,"], greedy(max_tokens=16, ignore_eos=True), use_tqdm=False
+    )  # steps the engine past the stream's last token
     assert all(o.finished and len(o.outputs[0].token_ids) == 16 for o in other)
     rest = list(stream)
     assert rest and rest[-1].finished
@@ -102,8 +107,10 @@ def test_a_stream_left_open_while_generate_runs_gets_all_its_tokens(llm):
 
 def test_two_zipped_streams_each_get_exactly_their_own_tokens(llm):
     short, long = greedy(max_tokens=4, ignore_eos=True), greedy(max_tokens=9, ignore_eos=True)
-    want = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids
-            for p, sp in (("Once upon a time", short), ("1, 2, 3,", long))]
+    want = [
+        llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids
+        for p, sp in (("Once upon a time", short), ("1, 2, 3,", long))
+    ]
     a, b = llm.stream("Once upon a time", short), llm.stream("1, 2, 3,", long)
     got = [[], []]
     for da, db in zip(a, b):  # zip stops with the shorter stream: read the rest of the other
@@ -123,18 +130,20 @@ def test_bad_prompts_fail_the_call_only(llm, prompt, match):
 
 
 def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
-    lines = "\n".join([
-        json.dumps({"id": "a", "messages": QUESTION, "max_tokens": 32}),
-        "{not json",
-        json.dumps({"id": "c", "prompt": "Hello", "temperature": -1}),
-        json.dumps({"id": "d", "prompt": ""}),
-        json.dumps({"id": "e", "prompt_token_ids": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}),
-        json.dumps({"id": "f", "prompt": "x", "bogus": 1}),
-        json.dumps({"id": "m8", "messages": [{"role": "user", "content": 42}]}),
-        json.dumps({"id": "g", "messages": "hello"}),
-        json.dumps({"id": "h", "prompt": "Hi", "stop": 5}),
-        "[" * 100_000,
-    ])
+    lines = "\n".join(
+        [
+            json.dumps({"id": "a", "messages": QUESTION, "max_tokens": 32}),
+            "{not json",
+            json.dumps({"id": "c", "prompt": "Hello", "temperature": -1}),
+            json.dumps({"id": "d", "prompt": ""}),
+            json.dumps({"id": "e", "prompt_token_ids": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}),
+            json.dumps({"id": "f", "prompt": "x", "bogus": 1}),
+            json.dumps({"id": "m8", "messages": [{"role": "user", "content": 42}]}),
+            json.dumps({"id": "g", "messages": "hello"}),
+            json.dumps({"id": "h", "prompt": "Hi", "stop": 5}),
+            "[" * 100_000,
+        ]
+    )
     out = io.StringIO()
     stats = run_batch(llm, io.StringIO(lines), out, greedy())
     records = [json.loads(line) for line in out.getvalue().splitlines()]
@@ -152,11 +161,24 @@ def test_batch_job_reports_broken_lines_and_serves_the_rest(llm):
     assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CALLED = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-          {"role": "tool", "tool_call_id": "c1", "content": "18C"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALLED = [
+    *QUESTION,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+]
 
 
 def test_chat_renders_tools_with_a_template_that_takes_them(llm, monkeypatch):
@@ -166,15 +188,19 @@ def test_chat_renders_tools_with_a_template_that_takes_them(llm, monkeypatch):
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
     out = llm.chat(CALLED, greedy(max_tokens=4), tools=[WEATHER], use_tqdm=False)[0]
     assert out.usage.prompt_tokens == len(llm.render_chat(CALLED, tools=[WEATHER]))
-    lines = [json.dumps({"id": "t", "messages": CALLED, "tools": [WEATHER], "max_tokens": 4}),
-             json.dumps({"id": "u", "prompt": "Hi", "tools": [WEATHER]})]
+    lines = [
+        json.dumps({"id": "t", "messages": CALLED, "tools": [WEATHER], "max_tokens": 4}),
+        json.dumps({"id": "u", "prompt": "Hi", "tools": [WEATHER]}),
+    ]
     out = io.StringIO()
     run_batch(llm, io.StringIO("\n".join(lines)), out, greedy())
     records = [json.loads(line) for line in out.getvalue().splitlines()]
     assert records[0]["usage"]["prompt_tokens"] == len(llm.render_chat(CALLED, tools=[WEATHER]))
     assert "line 2: tools: only with messages" in records[1]["error"]
-    for bad, match in (([{"role": "assistant", "content": None}], r"messages\[0\].content=None: must be a string"),
-                       ([{"role": "assistant", "tool_calls": "f()"}], r"messages\[0\].tool_calls='f\(\)'")):
+    for bad, match in (
+        ([{"role": "assistant", "content": None}], r"messages\[0\].content=None: must be a string"),
+        ([{"role": "assistant", "tool_calls": "f()"}], r"messages\[0\].tool_calls='f\(\)'"),
+    ):
         with pytest.raises(ValueError, match=match):
             llm.render_chat(bad)
     with pytest.raises(ValueError, match="tools='get_weather': must be a list"):
@@ -182,8 +208,11 @@ def test_chat_renders_tools_with_a_template_that_takes_them(llm, monkeypatch):
 
 
 def test_chat_template_kwargs_reach_the_template(llm, monkeypatch):
-    monkeypatch.setattr(llm.tokenizer, "chat_template", "{% if enable_thinking is false %}/no_think {% endif %}"
-                                                         "{{ messages[0].content }}")
+    monkeypatch.setattr(
+        llm.tokenizer,
+        "chat_template",
+        "{% if enable_thinking is false %}/no_think {% endif %}{{ messages[0].content }}",
+    )
     ids = llm.render_chat(QUESTION, chat_template_kwargs={"enable_thinking": False})
     assert llm.tokenizer.decode(ids) == "/no_think " + QUESTION[0]["content"]
     with pytest.raises(ValueError, match=r"chat_template_kwargs\['add_generation_prompt'\]"):
@@ -197,9 +226,11 @@ def test_chat_template_kwargs_reach_the_template(llm, monkeypatch):
 def test_cli_batch_checks_paths_first_and_never_empties_old_results(capsys, tmp_path):
     old = tmp_path / "results.jsonl"
     old.write_text('{"id": "kept"}\n')
-    for argv, match in ((["--input", str(tmp_path / "missing.jsonl"), "--output", str(old)], "does not exist"),
-                        (["--input", str(old), "--output", str(tmp_path)], "is a directory"),
-                        (["--input", str(tmp_path), "--output", str(old)], "is a directory")):
+    for argv, match in (
+        (["--input", str(tmp_path / "missing.jsonl"), "--output", str(old)], "does not exist"),
+        (["--input", str(old), "--output", str(tmp_path)], "is a directory"),
+        (["--input", str(tmp_path), "--output", str(old)], "is a directory"),
+    ):
         assert cli.main(["batch", *argv, "--model", "/no/such/model"]) == 2  # before any loading
         err = capsys.readouterr().err
         assert err.startswith("error: ") and match in err and "/no/such/model" not in err
@@ -213,24 +244,30 @@ def test_cli_generate_prints_only_the_text(capsys, llm):
     # --chat-template renders the prompt instead of the checkpoint's template
     template = "<|im_start|>user\n{{ messages[0].content }}<|im_end|>\n<|im_start|>assistant\n"
     assert cli.main([*argv[:4], "1", "--output-format", "jsonl", "--chat-template", template, *SMOLLM2_SMALL_ARGS]) == 0
-    ids = llm.tokenizer.encode(f"<|im_start|>user\n{QUESTION[0]['content']}<|im_end|>\n<|im_start|>assistant",
-                               add_special_tokens=False)  # jinja drops a template's last newline, as HF's does
+    ids = llm.tokenizer.encode(
+        f"<|im_start|>user\n{QUESTION[0]['content']}<|im_end|>\n<|im_start|>assistant", add_special_tokens=False
+    )  # jinja drops a template's last newline, as HF's does
     assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len(ids) < len(llm.render_chat(QUESTION))
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["generate", "hi", "--temperature", "-1"], "temperature"),
-    (["generate", "hi", "--top-p", "0"], "top_p"),
-    (["generate", "hi", "--max-tokens", "-1"], "max_tokens"),
-    (["generate", "hi", "--model", "/no/such/model"], "/no/such/model"),
-    (["generate"], "no prompt given"),
-    (["generate", "hi", "--token-buckets", "8,x"], "--token-buckets"),
-    (["generate", "", "--model", "/no/such/model"], "prompt 1 is empty"),
-    (["generate", "--prompts-file", "/", "--model", "/no/such/model"], "--prompts-file /: is a directory"),
-    (["generate", "hi", "--chat-template", "/no/such.jinja", "--model", "/no/such/model"],
-     "chat_template='/no/such.jinja': no such file"),
-    (["generate", "hi", "--chat-template", "{% if %}", "--model", "/no/such/model"], "does not compile"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "hi", "--max-tokens", "-1"], "max_tokens"),
+        (["generate", "hi", "--model", "/no/such/model"], "/no/such/model"),
+        (["generate"], "no prompt given"),
+        (["generate", "hi", "--token-buckets", "8,x"], "--token-buckets"),
+        (["generate", "", "--model", "/no/such/model"], "prompt 1 is empty"),
+        (["generate", "--prompts-file", "/", "--model", "/no/such/model"], "--prompts-file /: is a directory"),
+        (
+            ["generate", "hi", "--chat-template", "/no/such.jinja", "--model", "/no/such/model"],
+            "chat_template='/no/such.jinja': no such file",
+        ),
+        (["generate", "hi", "--chat-template", "{% if %}", "--model", "/no/such/model"], "does not compile"),
+    ],
+)
 def test_cli_errors_are_one_line_and_exit_2(capsys, argv, match):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -262,8 +299,9 @@ def test_cli_info_names_the_family_and_its_features(capsys):
     assert (info["num_heads"], info["num_kv_heads"], info["head_dim"], info["hidden_size"]) == (4, 1, 32, 48)
     assert info["tool_call_format"] is None  # no chat template
     template = str(FIXTURES / "templates" / "hermes_tools.jinja")
-    assert cli.main(["info", "--model", model, "--dtype", "float32", "--num-pages", "8", "--chat-template",
-                     template]) == 0
+    assert (
+        cli.main(["info", "--model", model, "--dtype", "float32", "--num-pages", "8", "--chat-template", template]) == 0
+    )
     assert json.loads(capsys.readouterr().out)["model"]["tool_call_format"] == "hermes"
 
 
@@ -290,8 +328,24 @@ def test_cli_refuses_a_too_long_prompt_before_compiling(capsys, monkeypatch):
         raise AssertionError("compiled before the prompts were checked")
 
     monkeypatch.setattr(Engine, "warm_up", no_compiling)
-    assert cli.main(["generate", "ok", "word " * 100, "--max-model-len", "64", "--max-tokens", "8", "--token-buckets", "16,64",
-                     "--max-num-batched-tokens", "64"]) == 2
+    assert (
+        cli.main(
+            [
+                "generate",
+                "ok",
+                "word " * 100,
+                "--max-model-len",
+                "64",
+                "--max-tokens",
+                "8",
+                "--token-buckets",
+                "16,64",
+                "--max-num-batched-tokens",
+                "64",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: prompt 2: prompt of") and "does not fit the context of 64 tokens" in err
 
@@ -301,9 +355,26 @@ def test_cli_generate_and_batch_write_logprobs(capsys, llm):
     logprob into the JSON line; batch lines carry the logprobs they ask for, and a line asking
     for prompt logprobs of an engine started without them is refused by name."""
     prompt = "The capital of France is"
-    argv = ["generate", prompt, "--max-tokens", "2", "--logprobs", "1", "--prompt-logprobs", "2",
-            "--output-format", "jsonl", "--max-model-len", "64", "--max-num-batched-tokens", "16",
-            "--token-buckets", "16", "--max-num-seqs", "2"]
+    argv = [
+        "generate",
+        prompt,
+        "--max-tokens",
+        "2",
+        "--logprobs",
+        "1",
+        "--prompt-logprobs",
+        "2",
+        "--output-format",
+        "jsonl",
+        "--max-model-len",
+        "64",
+        "--max-num-batched-tokens",
+        "16",
+        "--token-buckets",
+        "16",
+        "--max-num-seqs",
+        "2",
+    ]
     assert cli.main(argv) == 0
     line = json.loads(capsys.readouterr().out)
     plp = line["prompt_logprobs"]
@@ -315,9 +386,19 @@ def test_cli_generate_and_batch_write_logprobs(capsys, llm):
         assert (e["rank"] == 1) == (e["logprob"] >= max(e["top_logprobs"].values()) - 1e-5)
     assert len(line["logprobs"]) == line["completion_tokens"] == 2
     out = io.StringIO()
-    run_batch(llm, io.StringIO("\n".join([json.dumps({"id": "l", "prompt": prompt, "logprobs": 1, "max_tokens": 2}),
-                                          json.dumps({"id": "p", "prompt": prompt, "prompt_logprobs": 1})])),
-              out, greedy())
+    run_batch(
+        llm,
+        io.StringIO(
+            "\n".join(
+                [
+                    json.dumps({"id": "l", "prompt": prompt, "logprobs": 1, "max_tokens": 2}),
+                    json.dumps({"id": "p", "prompt": prompt, "prompt_logprobs": 1}),
+                ]
+            )
+        ),
+        out,
+        greedy(),
+    )
     logged, refused = [json.loads(x) for x in out.getvalue().splitlines()]
     assert [e["token_id"] for e in logged["outputs"][0]["logprobs"]] == logged["outputs"][0]["token_ids"]
     assert "prompt_logprobs" not in logged
@@ -327,6 +408,7 @@ def test_cli_generate_and_batch_write_logprobs(capsys, llm):
 @pytest.mark.parametrize("argv", [["generate", "hi", "--prompt-logprobs", "1"], ["chat", "--logprobs", "2"]])
 def test_cli_refuses_logprobs_it_would_not_print_before_loading(capsys, monkeypatch, argv):
     """Text output has no place for logprobs: refused by flag, before the model loads."""
+
     def no_loading(*args, **kwargs):
         raise AssertionError("loaded the model before the flags were checked")
 

@@ -1,4 +1,5 @@
 """Loading models: name/shape checks, bad inputs, and GGUF vs safetensors of the same weights."""
+
 import dataclasses
 import json
 import shutil
@@ -48,6 +49,7 @@ def test_unexpected_tensor_is_named(tmp_path):
 def test_misshaped_tensor_is_named(tmp_path):
     def edit(t):
         t["model.norm.weight"] = np.ones(65, np.float32)
+
     with pytest.raises(CheckpointError, match=r"model.norm.weight: expected \(64,\), found \(65,\)"):
         _load(_copy_with(tmp_path, edit))
 
@@ -78,8 +80,9 @@ def test_bad_dtype():
 
 
 def test_gguf_of_unsupported_architecture(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", "mamba", {"mamba.block_count": 2},
-                      {"token_embd.weight": np.zeros((4, 32), np.float32)})
+    path = write_gguf(
+        tmp_path / "m.gguf", "mamba", {"mamba.block_count": 2}, {"token_embd.weight": np.zeros((4, 32), np.float32)}
+    )
     with pytest.raises(ConfigError, match="unsupported general.architecture 'mamba'"):
         _load(path)
 

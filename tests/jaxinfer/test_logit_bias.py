@@ -1,5 +1,6 @@
 """logit_bias: SamplingParams validation, the fixed-width SamplingArrays rows, and the in-jit bias
 (after the penalties, before the structured-output mask, greedy rows included)."""
+
 import copy
 import dataclasses
 import math
@@ -18,16 +19,23 @@ sample_jit = jax.jit(sample, static_argnums=2)
 
 
 # --- SamplingParams -------------------------------------------------------------------------------
-@pytest.mark.parametrize("bias, message", [
-    ({-1: 1.0}, r"logit_bias\[-1\]: a token id must be an integer >= 0"),
-    ({"5": 1.0}, r"logit_bias\['5'\]: a token id"),
-    ({1.5: 1.0}, r"logit_bias\[1.5\]"), ({True: 1.0}, r"logit_bias\[True\]"),
-    ({5: 100.5}, r"logit_bias\[5\]=100.5: must be a number in \[-100, 100\]"),
-    ({5: -101}, r"logit_bias\[5\]=-101"), ({5: math.nan}, r"logit_bias\[5\]=nan"),
-    ({5: math.inf}, r"logit_bias\[5\]=inf"), ({5: "1"}, r"logit_bias\[5\]='1'"), ({5: None}, r"logit_bias\[5\]=None"),
-    ([5, 1.0], r"logit_bias=\[5, 1.0\]: must be a dict"),
-    ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, "logit_bias: 301 tokens; at most 300"),
-])
+@pytest.mark.parametrize(
+    "bias, message",
+    [
+        ({-1: 1.0}, r"logit_bias\[-1\]: a token id must be an integer >= 0"),
+        ({"5": 1.0}, r"logit_bias\['5'\]: a token id"),
+        ({1.5: 1.0}, r"logit_bias\[1.5\]"),
+        ({True: 1.0}, r"logit_bias\[True\]"),
+        ({5: 100.5}, r"logit_bias\[5\]=100.5: must be a number in \[-100, 100\]"),
+        ({5: -101}, r"logit_bias\[5\]=-101"),
+        ({5: math.nan}, r"logit_bias\[5\]=nan"),
+        ({5: math.inf}, r"logit_bias\[5\]=inf"),
+        ({5: "1"}, r"logit_bias\[5\]='1'"),
+        ({5: None}, r"logit_bias\[5\]=None"),
+        ([5, 1.0], r"logit_bias=\[5, 1.0\]: must be a dict"),
+        ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, "logit_bias: 301 tokens; at most 300"),
+    ],
+)
 def test_bad_logit_bias_is_named(bias, message):
     with pytest.raises(ValueError, match="SamplingParams." + message):
         SamplingParams(logit_bias=bias)
@@ -63,8 +71,11 @@ def test_logit_bias_from_json_and_the_vocabulary_check():
         SamplingParams(logit_bias=logit_bias_from_json({"-3": 1.0}))
     check_logit_bias_vocab(SamplingParams(logit_bias={49151: 1.0}), 49152)
     check_logit_bias_vocab(SamplingParams(), 49152)
-    with pytest.raises(ValueError, match=r"logit_bias\[49152\]: token ids out of the vocabulary "
-                                         r"\[0, 49152\): \[49152, 60000\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"logit_bias\[49152\]: token ids out of the vocabulary "
+        r"\[0, 49152\): \[49152, 60000\]",
+    ):
         check_logit_bias_vocab(SamplingParams(logit_bias={60000: 1.0, 3: 1.0, 49152: -1.0}), 49152)
 
 
@@ -91,10 +102,15 @@ def tokens_of(logits, params, num_generated=None, **kw):
 def test_plus_100_forces_a_token_greedy_or_sampled():
     logits = logits_for(8)
     forced = [int(np.argmin(row)) for row in logits]  # the least likely token of each row
-    params = [SamplingParams(temperature=0, logit_bias={forced[0]: 100}),
-              *[SamplingParams(temperature=t, top_p=p, seed=i, logit_bias={forced[i]: 100})
-                for i, (t, p) in enumerate([(1.0, 1.0), (1.5, 0.9), (0.7, 1.0), (2.0, 0.5), (1.0, 1.0),
-                                            (1.0, 1.0), (0.3, 1.0)], start=1)]]
+    params = [
+        SamplingParams(temperature=0, logit_bias={forced[0]: 100}),
+        *[
+            SamplingParams(temperature=t, top_p=p, seed=i, logit_bias={forced[i]: 100})
+            for i, (t, p) in enumerate(
+                [(1.0, 1.0), (1.5, 0.9), (0.7, 1.0), (2.0, 0.5), (1.0, 1.0), (1.0, 1.0), (0.3, 1.0)], start=1
+            )
+        ],
+    ]
     for g in range(5):  # several draws of each row's stream
         assert tokens_of(logits, params, [g] * 8).tolist() == forced
 
@@ -113,11 +129,16 @@ def test_minus_100_excludes_the_argmax():
 
 def test_unbiased_rows_are_untouched_in_a_mixed_batch():
     logits = logits_for(6, vocab=300)
-    plain = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1),
-             SamplingParams(temperature=0.8, top_k=20, seed=2)]
-    biased = [SamplingParams(temperature=0, logit_bias={i: 50.0 for i in range(0, 300, 3)}),
-              SamplingParams(temperature=1.0, seed=4, logit_bias={int(logits[4].argmax()): -100}),
-              SamplingParams(temperature=0, logit_bias={int(logits[5].argmin()): 100})]
+    plain = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.8, top_k=20, seed=2),
+    ]
+    biased = [
+        SamplingParams(temperature=0, logit_bias={i: 50.0 for i in range(0, 300, 3)}),
+        SamplingParams(temperature=1.0, seed=4, logit_bias={int(logits[4].argmax()): -100}),
+        SamplingParams(temperature=0, logit_bias={int(logits[5].argmin()): 100}),
+    ]
     alone = tokens_of(logits[[0, 2, 4]], plain)
     mixed = tokens_of(logits[[0, 1, 2, 3, 4, 5]], [plain[0], biased[0], plain[1], biased[1], plain[2], biased[2]])
     assert mixed[[0, 2, 4]].tolist() == alone.tolist()
@@ -145,8 +166,9 @@ def test_bias_comes_after_penalties_and_before_the_allowed_mask():
     p = SamplingParams(temperature=0, repetition_penalty=4.0, logit_bias={0: 1.2})
     assert tokens_of(logits, [p], prompt_token_ids=[[0]], output_token_ids=[[]]).tolist() == [0]
     # a grammar that allows only token 1 wins over +100 on token 0
-    arrays = make_sampling_arrays([SamplingParams(temperature=0, logit_bias={0: 100})], [0], batch_size=1,
-                                  vocab_size=64)
+    arrays = make_sampling_arrays(
+        [SamplingParams(temperature=0, logit_bias={0: 100})], [0], batch_size=1, vocab_size=64
+    )
     arrays.allowed[0] = 0
     arrays.allowed[0, 0] = 1 << 1
     assert np.asarray(sample_jit(logits, arrays, 0).tokens).tolist() == [1]
@@ -157,8 +179,12 @@ def test_logprobs_stay_those_of_the_raw_logits_and_nothing_recompiles():
     f = jax.jit(lambda x, arrays: sample(x, arrays, 3))  # a cache of its own
     raw = f(logits, make_sampling_arrays([SamplingParams(temperature=0, logprobs=3)] * 2, [0, 0], batch_size=2))
     forced = int(logits[0].argmin())
-    out = f(logits, make_sampling_arrays([SamplingParams(temperature=0, logprobs=3, logit_bias={forced: 100})] * 2,
-                                         [0, 0], batch_size=2))
+    out = f(
+        logits,
+        make_sampling_arrays(
+            [SamplingParams(temperature=0, logprobs=3, logit_bias={forced: 100})] * 2, [0, 0], batch_size=2
+        ),
+    )
     assert np.asarray(out.tokens).tolist() == [forced, forced]
     np.testing.assert_array_equal(np.asarray(out.top_ids), np.asarray(raw.top_ids))
     log_softmax = logits[0] - np.log(np.exp(logits[0].astype(np.float64)).sum())
@@ -181,10 +207,12 @@ def test_command_line_flag_and_batch_lines():
     assert bias("--logit-bias", '{"123": 5.0, "7": -100}') == {123: 5.0, 7: -100.0}
     assert bias("--logit-bias", '{"3": 1}', command=("chat",)) == {3: 1.0}
     assert bias("--logit-bias", '{"3": 1}', command=("batch", "--input", "in.jsonl")) == {3: 1.0}
-    for flag, message in (("{3: 1}", r"--logit-bias '\{3: 1\}': not valid JSON"),
-                          ("[3, 1]", r"--logit-bias=\[3, 1\]: must be an object of token id -> bias"),
-                          ('{"x": 1}', r"--logit-bias\['x'\]: keys must be token ids"),
-                          ('{"3": 200}', r"SamplingParams.logit_bias\[3\]=200")):
+    for flag, message in (
+        ("{3: 1}", r"--logit-bias '\{3: 1\}': not valid JSON"),
+        ("[3, 1]", r"--logit-bias=\[3, 1\]: must be an object of token id -> bias"),
+        ('{"x": 1}', r"--logit-bias\['x'\]: keys must be token ids"),
+        ('{"3": 200}', r"SamplingParams.logit_bias\[3\]=200"),
+    ):
         with pytest.raises(ValueError, match=message):
             bias("--logit-bias", flag)
 
@@ -209,8 +237,15 @@ def test_the_engine_biases_steps_and_decode_windows_without_compiling():
 
     from jaxinfer.llm import LLM
 
-    llm = LLM(str(FIXTURES / "hf" / "llama3"), "float32", max_model_len=128,
-              max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=32)
+    llm = LLM(
+        str(FIXTURES / "hf" / "llama3"),
+        "float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=(8, 32),
+        num_pages=32,
+    )
     compiled = llm.engine.worker.num_compiled()
     vocab = llm.engine.model.config.vocab_size
     prompt = [1, 2, 3, 4, 5]
@@ -220,10 +255,16 @@ def test_the_engine_biases_steps_and_decode_windows_without_compiling():
 
     plain = llm.generate(prompt, run(temperature=0), use_tqdm=False)[0].outputs[0].token_ids
     forced = next(t for t in range(vocab - 1, 0, -1) if t not in plain)
-    outs = llm.generate([prompt] * 4, [run(temperature=0, logit_bias={forced: 100}),
-                                       run(temperature=0.9, seed=1, logit_bias={forced: 100}),
-                                       run(temperature=0, logit_bias={plain[0]: -100}), run(temperature=0)],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [prompt] * 4,
+        [
+            run(temperature=0, logit_bias={forced: 100}),
+            run(temperature=0.9, seed=1, logit_bias={forced: 100}),
+            run(temperature=0, logit_bias={plain[0]: -100}),
+            run(temperature=0),
+        ],
+        use_tqdm=False,
+    )
     tokens = [o.outputs[0].token_ids for o in outs]
     assert tokens[0] == tokens[1] == [forced] * 12  # prefill step, single steps and decode windows
     assert tokens[2][0] != plain[0] and tokens[3] == plain  # the unbiased row is untouched

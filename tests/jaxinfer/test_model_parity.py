@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf_builder import moe_hf_to_gguf, write_gguf
+from model_harness import SingleSequence
 from safetensors.numpy import load_file
 from testpaths import FIXTURES
 
@@ -16,7 +17,6 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.loader import load_model
 from jaxinfer.models import experts
 from jaxinfer.quant import unstack
-from model_harness import SingleSequence
 
 HF_MODELS = ["llama3", "mistral", "qwen2", "tied_gqa3", "qwen3", "qwen3_tied", "mixtral", "qwen3_moe"]
 
@@ -82,7 +82,7 @@ def test_prefill_then_decode_equals_full_forward(name):
     seq = SingleSequence(model.family, model.config, model.params, max_len=64)
     # Chunks that start and end mid-page, then single-token decode steps.
     parts = [seq.feed(prompt[:20]), seq.feed(prompt[20:37])]
-    parts += [seq.feed(prompt[i:i + 1]) for i in range(37, 64)]
+    parts += [seq.feed(prompt[i : i + 1]) for i in range(37, 64)]
     np.testing.assert_allclose(np.concatenate(parts), full, atol=2e-5, rtol=0)
 
 
@@ -95,13 +95,16 @@ def test_moe_grouped_matmuls_equal_the_dense_form(renormalize):
     x = jax.random.normal(keys[0], (71, 48))
     router = jax.random.normal(keys[1], (48, 8))
     w_gate_up, w_down = 0.1 * jax.random.normal(keys[2], (8, 48, 2, 24)), 0.1 * jax.random.normal(keys[3], (8, 24, 48))
-    out = {impl: experts.moe_mlp(x, router, w_gate_up, w_down, top_k=3, renormalize=renormalize, impl=impl)
-           for impl in ("dense", "ragged", "capacity")}
+    out = {
+        impl: experts.moe_mlp(x, router, w_gate_up, w_down, top_k=3, renormalize=renormalize, impl=impl)
+        for impl in ("dense", "ragged", "capacity")
+    }
     np.testing.assert_allclose(out["ragged"], out["dense"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(out["capacity"], out["dense"], atol=1e-5, rtol=0)
     for t in (1, 2, 37, 71):  # per expert: a switch per choice under 64 tokens, else conditionals
-        per_expert = jax.jit(lambda x: experts.moe_mlp(
-            x, router, unstack(w_gate_up), unstack(w_down), top_k=3, renormalize=renormalize))
+        per_expert = jax.jit(
+            lambda x: experts.moe_mlp(x, router, unstack(w_gate_up), unstack(w_down), top_k=3, renormalize=renormalize)
+        )
         np.testing.assert_allclose(per_expert(x[:t]), out["dense"][:t], atol=1e-5, rtol=0)
     weights, _ = experts.route(x, router, 3, renormalize)
     assert np.allclose(weights.sum(-1), 1.0) == renormalize
@@ -118,36 +121,55 @@ def test_moe_forms_run_vmapped_over_data_replicas():
     w_gate_up, w_down = 0.1 * jax.random.normal(keys[2], (8, 48, 2, 24)), 0.1 * jax.random.normal(keys[3], (8, 24, 48))
     for impl in ("ragged", "dense", "capacity"):
         mlp = lambda x, w1=w_gate_up, w2=w_down, impl=impl: experts.moe_mlp(  # noqa: E731
-            x, router, w1, w2, top_k=3, renormalize=True, impl=impl)
+            x, router, w1, w2, top_k=3, renormalize=True, impl=impl
+        )
         one_by_one = np.stack([mlp(x[r]) for r in range(3)])
         np.testing.assert_allclose(jax.jit(jax.vmap(mlp))(x), one_by_one, atol=1e-5, rtol=0)
     weights, chosen = jax.vmap(lambda x: experts.route(x, router, 3, True))(x)  # per replica its choices
-    shared_rows = jax.vmap(experts.ragged_experts, in_axes=(None, 0, 0, None, None))(x[1], weights, chosen, w_gate_up, w_down)
-    np.testing.assert_allclose(shared_rows, np.stack([experts.ragged_experts(x[1], weights[r], chosen[r], w_gate_up, w_down)
-                                                      for r in range(3)]), atol=1e-5, rtol=0)
+    shared_rows = jax.vmap(experts.ragged_experts, in_axes=(None, 0, 0, None, None))(
+        x[1], weights, chosen, w_gate_up, w_down
+    )
+    np.testing.assert_allclose(
+        shared_rows,
+        np.stack([experts.ragged_experts(x[1], weights[r], chosen[r], w_gate_up, w_down) for r in range(3)]),
+        atol=1e-5,
+        rtol=0,
+    )
     per_replica = jnp.stack([w_gate_up, 2 * w_gate_up, -w_gate_up])
     mlp = lambda x, w1: experts.moe_mlp(x, router, w1, w_down, top_k=3, renormalize=True, impl="ragged")  # noqa: E731
-    np.testing.assert_allclose(jax.vmap(mlp)(x, per_replica), np.stack([mlp(x[r], per_replica[r]) for r in range(3)]),
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        jax.vmap(mlp)(x, per_replica), np.stack([mlp(x[r], per_replica[r]) for r in range(3)]), atol=1e-5, rtol=0
+    )
 
 
 def test_moe_auto_form_follows_the_meshs_platform():
-    """"auto" picks the form of the platform the step is built for: a step traced here for TPU
+    """ "auto" picks the form of the platform the step is built for: a step traced here for TPU
     chips (benchmarks/tpu_aot.py) runs the grouped matmuls a TPU would, not the CPU's dense form."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
     x, router = jnp.zeros((4, 48)), jnp.zeros((48, 8))
     w_gate_up, w_down = jnp.zeros((8, 48, 2, 24)), jnp.zeros((8, 24, 48))
-    trace = lambda: str(jax.make_jaxpr(lambda x: experts.moe_mlp(  # noqa: E731
-        x, router, w_gate_up, w_down, top_k=2, renormalize=True))(x))
+    trace = lambda: str(
+        jax.make_jaxpr(
+            lambda x: experts.moe_mlp(  # noqa: E731
+                x, router, w_gate_up, w_down, top_k=2, renormalize=True
+            )
+        )(x)
+    )
     assert "ragged_dot" not in trace()  # the CPU's own: dense
-    tpu = AbstractMesh((1,), ("tensor",), (AxisType.Auto,),
-                       abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu"))
+    tpu = AbstractMesh(
+        (1,),
+        ("tensor",),
+        (AxisType.Auto,),
+        abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu"),
+    )
     with jax.sharding.use_abstract_mesh(tpu):
         assert "ragged_dot" in trace()
 
 
-@pytest.mark.parametrize("tokens,num_experts,skew", [(1, 32, 0.0), (5, 32, 0.0), (11, 32, 0.0),
-                                                    (300, 16, 0.0), (300, 16, 8.0)])
+@pytest.mark.parametrize(
+    "tokens,num_experts,skew", [(1, 32, 0.0), (5, 32, 0.0), (11, 32, 0.0), (300, 16, 0.0), (300, 16, 8.0)]
+)
 def test_capacity_form_equals_the_dense_form(tokens, num_experts, skew):
     """The capacity form's three shapes against the dense form: few experts chosen (T * k * 3 <
     X: only their weights gathered), every expert at C = T (up to 128 tokens), and past 128
@@ -158,8 +180,10 @@ def test_capacity_form_equals_the_dense_form(tokens, num_experts, skew):
     router = jax.random.normal(keys[1], (48, num_experts)).at[:, 0].add(skew)
     w_gate_up = 0.1 * jax.random.normal(keys[2], (num_experts, 48, 2, 24))
     w_down = 0.1 * jax.random.normal(keys[3], (num_experts, 24, 48))
-    mlp = jax.jit(lambda impl: experts.moe_mlp(x, router, w_gate_up, w_down, top_k=2, renormalize=True,
-                                               impl=impl), static_argnums=0)
+    mlp = jax.jit(
+        lambda impl: experts.moe_mlp(x, router, w_gate_up, w_down, top_k=2, renormalize=True, impl=impl),
+        static_argnums=0,
+    )
     np.testing.assert_allclose(mlp("capacity"), mlp("dense"), atol=1e-5, rtol=0)
     _, chosen = experts.route(x, router, 2, True)
     largest = int(np.bincount(np.asarray(chosen).reshape(-1), minlength=num_experts).max())
@@ -189,10 +213,12 @@ def test_capacity_form_lowers_for_cuda():
     """The GPU's default MoE form lowers for CUDA from the CPU (no device): its conditional and
     batched matmuls, with no ragged_dot left for XLA:GPU to compute densely."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
     gpu = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=gpu)
-    f = jax.jit(lambda x, router, w1, w2: experts.moe_mlp(x, router, w1, w2, top_k=8, renormalize=True,
-                                                          impl="capacity"))
+    f = jax.jit(
+        lambda x, router, w1, w2: experts.moe_mlp(x, router, w1, w2, top_k=8, renormalize=True, impl="capacity")
+    )
     shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 64), (64, 128), (128, 64, 2, 32), (128, 32, 64))]
     with jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()

@@ -2,6 +2,7 @@
 and down quantized as it is read, stacked with its scales, unstacked for the CPU's per-expert
 layout; every form of the expert MLP equal to the same math on the dequantized weights; logits
 and greedy tokens against the float model; GGUF expert blocks kept; an orbax round trip."""
+
 import json
 
 import gguf
@@ -17,8 +18,15 @@ from jaxinfer.convert import convert
 from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.models import experts
-from jaxinfer.quant import (QuantConfig, QuantizedWeight, dequantize, param_bytes, quantize_field,
-                            quantized_tensors, unstack)
+from jaxinfer.quant import (
+    QuantConfig,
+    QuantizedWeight,
+    dequantize,
+    param_bytes,
+    quantize_field,
+    quantized_tensors,
+    unstack,
+)
 from jaxinfer.sampling import SamplingParams
 
 PROMPT = [1, 17, 301, 45, 9, 250, 77, 3, 128, 64, 5, 499]
@@ -39,21 +47,29 @@ def test_every_form_equals_the_dequantized_weights(method):
     x = jax.random.normal(keys[0], (71, 48))
     router = jax.random.normal(keys[1], (48, 8))
     quant = METHODS[method]
-    w_gate_up = quantize_field(0.1 * np.asarray(jax.random.normal(keys[2], (8, 48, 2, 24))), "experts_gate_up",
-                               (1,), quant, np.float32)
-    w_down = quantize_field(0.1 * np.asarray(jax.random.normal(keys[3], (8, 24, 48))), "experts_down", (1,),
-                            quant, np.float32)
+    w_gate_up = quantize_field(
+        0.1 * np.asarray(jax.random.normal(keys[2], (8, 48, 2, 24))), "experts_gate_up", (1,), quant, np.float32
+    )
+    w_down = quantize_field(
+        0.1 * np.asarray(jax.random.normal(keys[3], (8, 24, 48))), "experts_down", (1,), quant, np.float32
+    )
     mlp = lambda x, w1, w2, impl="dense": experts.moe_mlp(  # noqa: E731
-        x, router, w1, w2, top_k=3, renormalize=True, impl=impl)
+        x, router, w1, w2, top_k=3, renormalize=True, impl=impl
+    )
     want = np.asarray(jax.jit(mlp)(x, dequantize(w_gate_up), dequantize(w_down)))
     for impl in ("dense", "ragged", "capacity"):
         got = jax.jit(mlp, static_argnums=3)(x, w_gate_up, w_down, impl)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=impl)
     # one token, top 2 of 8: the capacity form gathers the chosen experts' quantized arrays
     top2 = lambda x, w1, w2, impl="dense": experts.moe_mlp(  # noqa: E731
-        x, router, w1, w2, top_k=2, renormalize=True, impl=impl)
-    np.testing.assert_allclose(jax.jit(top2, static_argnums=3)(x[:1], w_gate_up, w_down, "capacity"),
-                               top2(x[:1], dequantize(w_gate_up), dequantize(w_down)), atol=2e-5, rtol=0)
+        x, router, w1, w2, top_k=2, renormalize=True, impl=impl
+    )
+    np.testing.assert_allclose(
+        jax.jit(top2, static_argnums=3)(x[:1], w_gate_up, w_down, "capacity"),
+        top2(x[:1], dequantize(w_gate_up), dequantize(w_down)),
+        atol=2e-5,
+        rtol=0,
+    )
     gate_up, down = unstack(w_gate_up), unstack(w_down)
     assert len(gate_up) == 8 and isinstance(gate_up[0], QuantizedWeight)
     assert gate_up[0].shape == (48, 2, 24) and gate_up[0].inputs == (0,) and down[0].inputs == (0,)
@@ -74,8 +90,9 @@ def runs(request):
     return request.param, out
 
 
-@pytest.mark.parametrize("method,min_cos,same_tokens", [("int8", 0.999, 12), ("int8-g8", 0.999, 12),
-                                                         ("int4-g8", 0.95, 4)])
+@pytest.mark.parametrize(
+    "method,min_cos,same_tokens", [("int8", 0.999, 12), ("int8-g8", 0.999, 12), ("int4-g8", 0.95, 4)]
+)
 def test_logits_and_greedy_tokens_close_to_float(runs, method, min_cos, same_tokens):
     # Measured minimum cosines at every position: int8 0.9993 (Mixtral) / 0.9999 (Qwen3-MoE),
     # int8 g8 0.9997 / 0.9999, int4 g8 0.962 / 0.982; the random fixtures' near-flat logits let
@@ -99,8 +116,11 @@ def test_expert_bytes_from_the_arrays(runs):
     c = out["float"][0].config
     x, e, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
     weights = x * 3 * e * f  # gate, up and down of every expert, per sparse layer
-    experts_bytes = lambda m: [param_bytes((layer.experts_gate_up, layer.experts_down))  # noqa: E731
-                               for layer in m.params.layers if layer.router is not None]
+    experts_bytes = lambda m: [
+        param_bytes((layer.experts_gate_up, layer.experts_down))  # noqa: E731
+        for layer in m.params.layers
+        if layer.router is not None
+    ]
     sparse = len(experts_bytes(out["float"][0]))
     assert experts_bytes(out["float"][0]) == [4 * weights] * sparse
     # int8: a byte a weight and a float32 scale per output channel (2F for gate|up, E for down).
@@ -136,17 +156,28 @@ def test_gguf_expert_blocks_kept(tmp_path):
     assert isinstance(layer.experts_gate_up, QuantizedWeight) and layer.experts_gate_up.group == 32
     assert not isinstance(layer.experts_down, QuantizedWeight)
     np.testing.assert_array_equal(np.asarray(dequantize(layer.experts_gate_up)), np.asarray(ref.experts_gate_up))
-    runs = [SingleSequence(m.family, m.config, m.family.compute_layout(m.params, None), max_len=64).greedy(PROMPT, 8)
-            for m in (native, plain)]
+    runs = [
+        SingleSequence(m.family, m.config, m.family.compute_layout(m.params, None), max_len=64).greedy(PROMPT, 8)
+        for m in (native, plain)
+    ]
     np.testing.assert_allclose(runs[0][0], runs[1][0], atol=2e-5, rtol=0)
     assert runs[0][1] == runs[1][1]
 
 
 def test_llm_generates_with_quantized_experts():
-    llm = LLM(str(FIXTURES / "hf" / "qwen3_moe"), "float32", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=32, token_buckets=[8, 32], quantization="int8", compilation_cache_dir=None)
-    out = llm.generate([PROMPT, PROMPT[:5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                       use_tqdm=False)
+    llm = LLM(
+        str(FIXTURES / "hf" / "qwen3_moe"),
+        "float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=[8, 32],
+        quantization="int8",
+        compilation_cache_dir=None,
+    )
+    out = llm.generate(
+        [PROMPT, PROMPT[:5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
     layer = next(layer for layer in llm.engine.worker.state.params.layers if layer.router is not None)
     assert isinstance(layer.experts_gate_up, tuple) and isinstance(layer.experts_gate_up[0], QuantizedWeight)

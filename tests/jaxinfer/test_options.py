@@ -3,6 +3,7 @@ group) is reachable from `LLM(**options)`, from every command that builds an eng
 `serve`, with the field's default; each SamplingParams field is a sampling flag (or says why it
 is not). No engine is built: the CLI's values are read back into EngineConfig, and LLM is checked
 up to the EngineConfig it hands the engine."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,18 +18,40 @@ from jaxinfer.cli.options import read_option, read_options
 from jaxinfer.config import EngineConfig, SpeculativeConfig
 from jaxinfer.config.compile import ATTN_IMPLS
 from jaxinfer.config.engine import GROUPS, OPTION_GROUPS
-from jaxinfer.options import (APPEND, CSV, DISABLE, ENABLE, JSON, NONE, TRISTATE, VALUE, Declared, Option,
-                              declared, option)
+from jaxinfer.options import (
+    APPEND,
+    CSV,
+    DISABLE,
+    ENABLE,
+    JSON,
+    NONE,
+    TRISTATE,
+    VALUE,
+    Declared,
+    Option,
+    declared,
+    option,
+)
 from jaxinfer.sampling.params import SamplingParams, StructuredOutput
 
-ENGINE_COMMANDS = (["generate", "hi"], ["chat"], ["batch", "--input", "in.jsonl", "--output", "out.jsonl"],
-                   ["info"], ["serve"])
+ENGINE_COMMANDS = (
+    ["generate", "hi"],
+    ["chat"],
+    ["batch", "--input", "in.jsonl", "--output", "out.jsonl"],
+    ["info"],
+    ["serve"],
+)
 # Values for the text options whose field accepts only some strings.
-TEXT = {"kv_cache_dtype": "int8", "reasoning_parser": "qwen3", "mesh": "tensor=1", "model": "/models/x",
-        "chat_template": "{{ messages }}", "compilation_cache_dir": "/tmp/xla",
-        "coordinator_address": "10.0.0.1:1234"}
-JSON_TEXT = {"speculative_config": ('{"method": "ngram", "num_speculative_tokens": 3}',
-                                    SpeculativeConfig("ngram", 3))}
+TEXT = {
+    "kv_cache_dtype": "int8",
+    "reasoning_parser": "qwen3",
+    "mesh": "tensor=1",
+    "model": "/models/x",
+    "chat_template": "{{ messages }}",
+    "compilation_cache_dir": "/tmp/xla",
+    "coordinator_address": "10.0.0.1:1234",
+}
+JSON_TEXT = {"speculative_config": ('{"method": "ngram", "num_speculative_tokens": 3}', SpeculativeConfig("ngram", 3))}
 
 
 def sample(d: Declared) -> tuple[list[str], object]:
@@ -120,16 +143,20 @@ def test_unknown_options_are_refused_by_name():
 
 
 def test_bad_values_are_named_by_their_group_checks():
-    for options, match in [({"page_size": 0}, "page_size must be a positive integer"),
-                           ({"num_pages": 1}, "num_pages must be at least 2"),
-                           ({"kv_cache_memory_fraction": 1.5}, r"kv_cache_memory_fraction must be in \(0, 1\]"),
-                           ({"greedy_variant": "yes"}, "greedy_variant must be a bool or None"),
-                           ({"token_buckets": (4, 2)}, "token_buckets must be increasing"),
-                           ({"token_buckets": (1, 8), "max_num_batched_tokens": 16}, "must reach max_num_batched"),
-                           ({"num_processes": -1}, "num_processes must be an integer >= 0"),
-                           ({"reasoning_parser": "r1"}, "reasoning_parser='r1'"),
-                           ({"enable_prompt_logprobs": True, "speculative_config": JSON_TEXT["speculative_config"][0]},
-                            "not supported together with speculative decoding")]:
+    for options, match in [
+        ({"page_size": 0}, "page_size must be a positive integer"),
+        ({"num_pages": 1}, "num_pages must be at least 2"),
+        ({"kv_cache_memory_fraction": 1.5}, r"kv_cache_memory_fraction must be in \(0, 1\]"),
+        ({"greedy_variant": "yes"}, "greedy_variant must be a bool or None"),
+        ({"token_buckets": (4, 2)}, "token_buckets must be increasing"),
+        ({"token_buckets": (1, 8), "max_num_batched_tokens": 16}, "must reach max_num_batched"),
+        ({"num_processes": -1}, "num_processes must be an integer >= 0"),
+        ({"reasoning_parser": "r1"}, "reasoning_parser='r1'"),
+        (
+            {"enable_prompt_logprobs": True, "speculative_config": JSON_TEXT["speculative_config"][0]},
+            "not supported together with speculative decoding",
+        ),
+    ]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**options)
 
@@ -167,8 +194,11 @@ SAMPLING = {d.name: d for d in sampling_options()}
 SAMPLING_TEXT = {"logit_bias": ('{"7": -100}', {7: -100.0}), "stop": (["a", "b"], ("a", "b"))}
 
 
-@pytest.mark.parametrize("command", [["generate", "x"], ["batch", "--input", "i", "--output", "o"],
-                                     ["client", "generate", "x"]], ids=lambda c: " ".join(c[:2]))
+@pytest.mark.parametrize(
+    "command",
+    [["generate", "x"], ["batch", "--input", "i", "--output", "o"], ["client", "generate", "x"]],
+    ids=lambda c: " ".join(c[:2]),
+)
 def test_every_sampling_field_is_a_flag_or_says_why(command):
     parser_args = build_parser().parse_args(command)
     params = SamplingParams(**sampling_kwargs(parser_args))
@@ -200,9 +230,12 @@ def _sampling_sample(d: Declared) -> tuple[list[str], object]:
 def test_structured_output_flags_are_its_fields_one_at_a_time():
     parser = build_parser()
     kinds = {d.name: d for d in declared(StructuredOutput)}
-    for argv, kind in [(["--json-schema", '{"type": "object"}'], "json"), (["--json-object"], "json_object"),
-                       (["--regex", "a+"], "regex"), (["--choice", "x", "--choice", "y"], "choice"),
-                       ]:
+    for argv, kind in [
+        (["--json-schema", '{"type": "object"}'], "json"),
+        (["--json-object"], "json_object"),
+        (["--regex", "a+"], "regex"),
+        (["--choice", "x", "--choice", "y"], "choice"),
+    ]:
         args = parser.parse_args(["generate", "p", *argv])
         assert SamplingParams(**sampling_kwargs(args)).structured_output.kind == kind
         assert kinds[kind].flag == argv[0]
@@ -225,4 +258,6 @@ def test_option_helper_declares_a_field():
 
     add_options(parser, declared(Toy))
     assert read_options(parser.parse_args(["--width", "5", "--tags", "a"]), declared(Toy)) == {
-        "width": 5, "tags": ["a"]}
+        "width": 5,
+        "tags": ["a"],
+    }

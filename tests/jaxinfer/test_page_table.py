@@ -2,6 +2,7 @@
 are kept, reused least-recently-used first and cleared; the jitted scatter turns the device's
 table into the mirror's; an engine's device table matches its mirror after every step, and a
 decode that fills no new page sends nothing."""
+
 import random
 
 import jax
@@ -10,14 +11,20 @@ import pytest
 from testpaths import FIXTURES
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.kv import NULL_PAGE
 from jaxinfer.core.plan import ScheduledSeq
 from jaxinfer.core.sequence import Sequence
 from jaxinfer.engine import Engine
+from jaxinfer.kv import NULL_PAGE
 from jaxinfer.loader import load_model
-from jaxinfer.worker.page_table import (NULL_ROW, PageTableMirror, apply_updates, no_updates, padded_updates,
-                                 update_widths)
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.worker.page_table import (
+    NULL_ROW,
+    PageTableMirror,
+    apply_updates,
+    no_updates,
+    padded_updates,
+    update_widths,
+)
 
 PPS = 6  # pages per sequence
 
@@ -48,8 +55,7 @@ def test_only_changed_entries_are_sent_and_slots_are_kept():
     assert _sent(changes) == [(1, 1, NULL_PAGE), (1, 2, NULL_PAGE)]
     _, changes = mirror.sync(_entries((a, [8, 6, 4])), s_bucket=2)  # recomputed on other pages
     assert _sent(changes) == [(1, 0, 8), (1, 1, 6), (1, 2, 4)]
-    assert mirror.page_rows(np.array([1, 2, 0])).tolist() == [
-        [8, 6, 4, 0, 0, 0], [7, 0, 0, 0, 0, 0], [0] * PPS]
+    assert mirror.page_rows(np.array([1, 2, 0])).tolist() == [[8, 6, 4, 0, 0, 0], [7, 0, 0, 0, 0, 0], [0] * PPS]
 
 
 def test_a_new_sequence_takes_the_least_recently_used_slot_outside_the_plan():
@@ -99,7 +105,7 @@ def test_the_device_table_follows_the_mirror_through_random_plans():
             if move < 0.5 and len(pages[i]) < PPS:
                 pages[i].append(rng.randint(1, 40))
             elif move < 0.7:
-                del pages[i][rng.randint(0, len(pages[i])):]
+                del pages[i][rng.randint(0, len(pages[i])) :]
             elif move < 0.8:
                 pages[i] = [rng.randint(1, 40) for _ in range(rng.randint(0, PPS))]
         slots, changes = mirror.sync(_entries(*((seqs[i], pages[i]) for i in chosen)), s_bucket=rows)
@@ -116,8 +122,15 @@ def test_the_device_table_follows_the_mirror_through_random_plans():
 @pytest.fixture(scope="module")
 def engine():
     model = load_model(FIXTURES / "hf" / "llama3", dtype="float32")
-    config = EngineConfig(num_pages=14, page_size=8, max_num_batched_tokens=32, max_num_seqs=3,
-                          max_model_len=128, token_buckets=(8, 32), num_decode_steps=4)
+    config = EngineConfig(
+        num_pages=14,
+        page_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=3,
+        max_model_len=128,
+        token_buckets=(8, 32),
+        num_decode_steps=4,
+    )
     return Engine(model, config)
 
 
@@ -129,18 +142,23 @@ def test_the_engines_device_table_matches_its_mirror_after_every_step(engine, mo
 
     def recording(inputs, num_steps=1):
         real = int(inputs.meta.num_seqs[0])
-        decode = bool((np.diff(inputs.meta.cu_q_lens[:real + 1]) == 1).all())
+        decode = bool((np.diff(inputs.meta.cu_q_lens[: real + 1]) == 1).all())
         sent.append((decode, 0 if inputs.table is None else int((inputs.table.slots != 0).sum())))
         return dispatch(inputs, num_steps)
 
     monkeypatch.setattr(engine.worker.step, "dispatch", recording)
     compiled = engine.worker.num_compiled()
     for r in range(5):
-        engine.add_request([(r * 31 + i * 7) % 200 + 1 for i in range(20 + 9 * r)],
-                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), request_id=f"q{r}")
+        engine.add_request(
+            [(r * 31 + i * 7) % 200 + 1 for i in range(20 + 9 * r)],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            request_id=f"q{r}",
+        )
     while engine.has_unfinished():
         engine.step()
-        np.testing.assert_array_equal(np.asarray(engine.worker.step.page_table.array), engine.worker.step.inputs.tables[0].rows)
+        np.testing.assert_array_equal(
+            np.asarray(engine.worker.step.page_table.array), engine.worker.step.inputs.tables[0].rows
+        )
     assert engine.worker.num_compiled() == compiled, "the page table compiled a new variant"
     assert engine.num_preemptions > 0 and engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
     decodes = [n for decode, n in sent if decode]

@@ -1,5 +1,6 @@
 """Plain sampling arrays (SamplingArrays.plain): every row greedy and asking for nothing else, the
 decode step's greedy twin samples them with no conditional."""
+
 import jax
 import numpy as np
 
@@ -16,9 +17,16 @@ def arrays_for(params, **kw):
 
 def test_plain_arrays_are_every_row_greedy_asking_nothing_else():
     """is_plain: what the runner checks before it runs the greedy twin (no conditional)."""
+
     def plain(params, grammar=False, **kw):
-        arrays = arrays_for(params, batch_size=4, vocab_size=64, prompt_token_ids=[[1]] * len(params),
-                            output_token_ids=[[2]] * len(params), **kw)
+        arrays = arrays_for(
+            params,
+            batch_size=4,
+            vocab_size=64,
+            prompt_token_ids=[[1]] * len(params),
+            output_token_ids=[[2]] * len(params),
+            **kw,
+        )
         return is_plain(unsent_defaults(arrays, grammar))
 
     greedy = SamplingParams(temperature=0.0)
@@ -34,8 +42,9 @@ def test_plain_arrays_are_every_row_greedy_asking_nothing_else():
 def test_plain_arrays_sample_as_the_general_sampler_with_no_conditional():
     rng = np.random.default_rng(11)
     logits = rng.normal(size=(6, 300)).astype(np.float32) * 4
-    arrays = unsent_defaults(arrays_for([SamplingParams(temperature=0.0)] * 5, batch_size=6, vocab_size=300),
-                             grammar=False)
+    arrays = unsent_defaults(
+        arrays_for([SamplingParams(temperature=0.0)] * 5, batch_size=6, vocab_size=300), grammar=False
+    )
     general = sample_jit(logits, fill_defaults(arrays, 300), 4)
     plain = sample_jit(logits, arrays.replace(plain=True), 4)
     for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):

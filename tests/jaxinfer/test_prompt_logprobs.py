@@ -5,6 +5,7 @@ prompt scored once whatever the prefix cache holds, after preemption, and with n
 values the sampler gives the tokens it samples; nothing compiles after warm-up, and the plain
 step's LM head stays over one row per sequence; engines started without them refuse them.
 Host-side: which rows a plan scores, and which cached pages a prompt being scored may take."""
+
 import re
 from pathlib import Path
 
@@ -19,11 +20,11 @@ from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import Sequence, SequenceStatus
 from jaxinfer.engine import Engine
 from jaxinfer.kv import KVCacheManager
-from jaxinfer.worker.inputs import InputBuilder, prompt_inputs
 from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.models.registry import get_family
-from jaxinfer.worker.worker import Worker
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.worker.inputs import InputBuilder, prompt_inputs
+from jaxinfer.worker.worker import Worker
 
 GOLDEN = np.load(FIXTURES / "hf" / "llama3" / "golden.npz")
 PROMPT = GOLDEN["input_ids"].tolist()  # 64 tokens; HF's logits over them: GOLDEN["logits"]
@@ -37,8 +38,15 @@ def model():
 
 # 32-token steps: the 64-token prompt is computed over two or three chunks; 12 pages of 16
 # tokens: two such prompts preempt. Async scheduling and decode windows: the defaults.
-ENGINE = dict(num_pages=13, page_size=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
-              token_buckets=(8, 32), enable_prompt_logprobs=True)
+ENGINE = dict(
+    num_pages=13,
+    page_size=16,
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    max_model_len=256,
+    token_buckets=(8, 32),
+    enable_prompt_logprobs=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +70,7 @@ def run(engine, *requests) -> list:
 
 def hf_reference(prompt=PROMPT):
     """Each position's log_softmax, the next token's logprob and rank under HF's logits."""
-    logits = GOLDEN["logits"].astype(np.float64)[:len(prompt) - 1]
+    logits = GOLDEN["logits"].astype(np.float64)[: len(prompt) - 1]
     logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     targets = np.array(prompt[1:])
     chosen = logits[np.arange(len(targets)), targets]
@@ -92,13 +100,17 @@ def test_prompt_logprobs_match_hf_over_chunked_prefill(engine):
     assert out.outputs[0].token_ids == GOLDEN["greedy"][:4].tolist()  # greedy output unchanged (HF's)
     # Cached prefix pages are not taken by a prompt being scored: the same prompt again scores
     # every position, and a request without prompt logprobs then hits the cache.
-    again, plain = run(engine, (PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)),
-                       (PROMPT, SamplingParams(temperature=0, max_tokens=2)))
+    again, plain = run(
+        engine,
+        (PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)),
+        (PROMPT, SamplingParams(temperature=0, max_tokens=2)),
+    )
     assert again.usage.cached_prompt_tokens == 0 and plain.usage.cached_prompt_tokens > 0
     assert plain.prompt_logprobs is None
     assert again.outputs[0].token_ids == plain.outputs[0].token_ids == GOLDEN["greedy"][:2].tolist()
-    np.testing.assert_allclose([lp.logprob for lp in again.prompt_logprobs[1:]],
-                               [lp.logprob for lp in out.prompt_logprobs[1:]], atol=1e-6)
+    np.testing.assert_allclose(
+        [lp.logprob for lp in again.prompt_logprobs[1:]], [lp.logprob for lp in out.prompt_logprobs[1:]], atol=1e-6
+    )
     assert all(lp.top == {} for lp in again.prompt_logprobs[1:])  # prompt_logprobs=0: the token's own
     assert engine.worker.num_compiled() == compiled  # every variant was compiled at warm-up
 
@@ -124,10 +136,9 @@ def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs(engine):
     (first,) = run(engine, (prompt, SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)))
     generated = first.outputs[0].token_ids
     (scored,) = run(engine, (prompt + generated, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)))
-    tail = scored.prompt_logprobs[len(prompt):]
+    tail = scored.prompt_logprobs[len(prompt) :]
     assert [lp.token_id for lp in tail] == generated
-    np.testing.assert_allclose([lp.logprob for lp in tail], [lp.logprob for lp in first.outputs[0].logprobs],
-                               atol=2e-5)
+    np.testing.assert_allclose([lp.logprob for lp in tail], [lp.logprob for lp in first.outputs[0].logprobs], atol=2e-5)
     assert all(lp.rank == 1 for lp in tail)  # greedy: each was the most likely token
     for a, b in zip(tail, first.outputs[0].logprobs):
         assert a.top.keys() == b.top.keys()
@@ -139,9 +150,12 @@ def test_preemption_n_and_mixed_batches_score_each_prompt_once(engine):
     logprobs in the same steps is untouched."""
     params = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=TOP, ignore_eos=True)
     preemptions = engine.num_preemptions
-    a, b, c = run(engine, (PROMPT, params), (PROMPT, SamplingParams(
-        n=2, temperature=1.0, seed=7, max_tokens=24, prompt_logprobs=TOP, ignore_eos=True)),
-        (PROMPT[:30], SamplingParams(temperature=0, max_tokens=4)))
+    a, b, c = run(
+        engine,
+        (PROMPT, params),
+        (PROMPT, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, prompt_logprobs=TOP, ignore_eos=True)),
+        (PROMPT[:30], SamplingParams(temperature=0, max_tokens=4)),
+    )
     assert engine.num_preemptions > preemptions
     check_against_hf(a.prompt_logprobs)
     check_against_hf(b.prompt_logprobs)
@@ -153,8 +167,11 @@ def test_the_synchronous_loop_scores_the_same(model):
     """The test oracle: one step at a time, no decode windows, no penalty variants."""
     sync = Engine(model, EngineConfig(**ENGINE, async_scheduling=False, num_decode_steps=1, penalties=False))
     compiled = sync.worker.num_compiled()
-    out, pair = run(sync, (PROMPT, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=TOP)),
-                    (PROMPT[:40], SamplingParams(n=2, temperature=0, max_tokens=3, prompt_logprobs=1)))
+    out, pair = run(
+        sync,
+        (PROMPT, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=TOP)),
+        (PROMPT[:40], SamplingParams(n=2, temperature=0, max_tokens=3, prompt_logprobs=1)),
+    )
     check_against_hf(out.prompt_logprobs)
     check_against_hf(pair.prompt_logprobs, PROMPT[:40], top=1)
     assert out.outputs[0].token_ids == GOLDEN["greedy"][:6].tolist()
@@ -167,8 +184,19 @@ def test_one_token_prompt_has_only_the_leading_none(engine):
 
 
 def test_engines_without_prompt_logprobs_refuse_them(model):
-    plain = Engine(model, EngineConfig(num_pages=8, page_size=16, max_num_batched_tokens=8, max_num_seqs=2,
-                                       max_model_len=64, token_buckets=(8,), penalties=False), warm_up=False)
+    plain = Engine(
+        model,
+        EngineConfig(
+            num_pages=8,
+            page_size=16,
+            max_num_batched_tokens=8,
+            max_num_seqs=2,
+            max_model_len=64,
+            token_buckets=(8,),
+            penalties=False,
+        ),
+        warm_up=False,
+    )
     with pytest.raises(ValueError, match=r"prompt_logprobs=1: .*enable_prompt_logprobs"):
         plain.add_request(PROMPT[:8], SamplingParams(prompt_logprobs=1))
     with pytest.raises(ValueError, match="prompt_logprobs=21"):
@@ -183,16 +211,28 @@ def test_engines_without_prompt_logprobs_refuse_them(model):
 
 
 def _seq(seq_id, prompt, prompt_logprobs, sample_index=0):
-    return Sequence(seq_id, f"r{seq_id}", prompt, SamplingParams(prompt_logprobs=prompt_logprobs),
-                    seed=0, arrival=seq_id, sample_index=sample_index)
+    return Sequence(
+        seq_id,
+        f"r{seq_id}",
+        prompt,
+        SamplingParams(prompt_logprobs=prompt_logprobs),
+        seed=0,
+        arrival=seq_id,
+        sample_index=sample_index,
+    )
 
 
 def test_prompt_rows_of_a_plan():
     """Which rows a step scores: the rows of a prompt chunk before the prompt's last token, for
     sample 0 of requests that asked; none for decodes, other samples or other requests."""
     scored, other, sibling = _seq(0, list(range(10, 20)), 2), _seq(1, [1, 2, 3], None), _seq(2, [5, 6, 7], 0, 1)
-    plan = SchedulerPlan([ScheduledSeq(other, 0, 3, (1,), True), ScheduledSeq(scored, 4, 6, (2,), True),
-                          ScheduledSeq(sibling, 0, 3, (3,), True)])
+    plan = SchedulerPlan(
+        [
+            ScheduledSeq(other, 0, 3, (1,), True),
+            ScheduledSeq(scored, 4, 6, (2,), True),
+            ScheduledSeq(sibling, 0, 3, (3,), True),
+        ]
+    )
     inputs = prompt_inputs(plan, 16)
     # Rows 3..8 hold positions 4..9 of `scored`: positions 4..8 predict tokens 15..19, 9 is the last.
     assert inputs.targets.tolist() == [-1] * 3 + [15, 16, 17, 18, 19] + [-1] * 8
@@ -215,8 +255,9 @@ def test_a_prompt_being_scored_takes_only_cached_pages_it_has_scored():
     sched.update(sched.schedule(), [7])  # first's pages of `shared` are in the prefix cache
 
     def admitted(request_id, prompt_logprobs, num_scored=0):
-        (seq,) = sched.add_request(request_id, shared + [3], SamplingParams(max_tokens=1,
-                                                                            prompt_logprobs=prompt_logprobs))
+        (seq,) = sched.add_request(
+            request_id, shared + [3], SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs)
+        )
         seq.num_scored_prompt = num_scored
         (entry,) = sched.schedule().seqs
         sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -225,20 +266,42 @@ def test_a_prompt_being_scored_takes_only_cached_pages_it_has_scored():
     assert admitted("scored", 0) == 0
     assert admitted("resumed", 2, num_scored=9) == 8  # 9 positions scored: their 2 full pages
     assert admitted("plain", None) == 12
-    assert admitted("done", 1, num_scored=12) == 12   # every position scored: no more scoring
+    assert admitted("done", 1, num_scored=12) == 12  # every position scored: no more scoring
 
 
 def test_only_the_scoring_variant_runs_the_lm_head_over_every_row():
     """The plain step's LM head is over one row per sequence [S, V]; the variant that scores
     prompts adds [T, V] (the normal step's cost does not grow)."""
-    config = ModelConfig(model_type="llama", family="llama", vocab_size=256, hidden_size=64, intermediate_size=96,
-                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, max_position_embeddings=512)
+    config = ModelConfig(
+        model_type="llama",
+        family="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+    )
     family = get_family("llama")
     tiny = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
-    runner = Worker(tiny, EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=2, token_buckets=(8,),
-                                            penalties=False, num_pages=8, compilation_cache_dir=None,
-                                            enable_prompt_logprobs=True), 512)
+    runner = Worker(
+        tiny,
+        EngineConfig(
+            page_size=16,
+            max_num_batched_tokens=8,
+            max_num_seqs=2,
+            token_buckets=(8,),
+            penalties=False,
+            num_pages=8,
+            compilation_cache_dir=None,
+            enable_prompt_logprobs=True,
+        ),
+        512,
+    )
 
     def lm_head_rows(prompt: bool) -> list[int]:
         text = runner.step.lower(runner.step.padding_inputs(8, False, prompt=prompt)).as_text()
@@ -253,7 +316,11 @@ def test_data_replicas_share_one_input_tree():
     engine_cfg = EngineConfig(page_size=16, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=(16,))
     builder = InputBuilder(engine_cfg, (16,), pages_per_seq=4, max_model_len=64, vocab_size=512, num_replicas=2)
     scored, other = _seq(0, list(range(10, 20)), 1), _seq(1, [1, 2, 3], None)
-    inputs = builder.prepare([SchedulerPlan([ScheduledSeq(scored, 0, 10, (1,), True)]),
-                              SchedulerPlan([ScheduledSeq(other, 0, 3, (2,), True)])])
+    inputs = builder.prepare(
+        [
+            SchedulerPlan([ScheduledSeq(scored, 0, 10, (1,), True)]),
+            SchedulerPlan([ScheduledSeq(other, 0, 3, (2,), True)]),
+        ]
+    )
     assert inputs.prompt.targets.shape == (2, 16)
     assert inputs.prompt.targets[0, :9].tolist() == list(range(11, 20)) and (inputs.prompt.targets[1] == -1).all()

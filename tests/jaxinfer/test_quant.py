@@ -1,6 +1,7 @@
 """Weight-only int8 / int4 quantization: matmul error against float, a quantized fixture model's
 logits and greedy tokens against the float model, parameter bytes, no compiles after warm-up,
 orbax round trip, and bad options named."""
+
 import json
 
 import jax
@@ -34,8 +35,15 @@ CASES = [((256, 4, 3, 64), (0,), "te,ekjd->tkjd", (8, 256)), ((4, 128, 96), (0, 
 
 
 @pytest.mark.parametrize("shape,inputs,spec,x_shape", CASES)
-@pytest.mark.parametrize("quant,bound", [(QuantConfig("int8"), 1e-2), (QuantConfig("int4", 32), 0.09),
-                                         (QuantConfig("int4", 64), 0.1), (QuantConfig("int4", 128), 0.11)])
+@pytest.mark.parametrize(
+    "quant,bound",
+    [
+        (QuantConfig("int8"), 1e-2),
+        (QuantConfig("int4", 32), 0.09),
+        (QuantConfig("int4", 64), 0.1),
+        (QuantConfig("int4", 128), 0.11),
+    ],
+)
 def test_matmul_close_to_float(shape, inputs, spec, x_shape, quant, bound):
     # Measured relative Frobenius errors on normal weights: int8 ~0.007, int4 g32 ~0.081,
     # g64 ~0.092, g128 ~0.10 (the bounds leave ~10% headroom; the float path gives 0).
@@ -88,8 +96,15 @@ def test_quantized_model_logits_and_greedy_tokens(models, method, min_cos, same_
 
 def test_param_bytes_from_the_arrays(models):
     c = models["float"].config
-    e, h, k, d, f, v, n = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                           c.vocab_size, c.num_layers)
+    e, h, k, d, f, v, n = (
+        c.hidden_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.vocab_size,
+        c.num_layers,
+    )
     linear = e * (h + 2 * k) * d + h * d * e + 3 * e * f  # per layer: q|k|v, o, gate|up, down
     other = 2 * v * e * 4 + n * 2 * e * 4 + e * 4  # embed + lm_head + norms stay float32
     assert param_bytes(models["float"].params) == n * linear * 4 + other
@@ -103,11 +118,21 @@ def test_param_bytes_from_the_arrays(models):
 
 
 def test_nothing_compiles_after_warm_up(models):
-    engine = Engine(models["int8"], EngineConfig(num_pages=24, page_size=16, max_num_batched_tokens=32,
-                                                 max_num_seqs=8, max_model_len=256, token_buckets=(8, 32)))
+    engine = Engine(
+        models["int8"],
+        EngineConfig(
+            num_pages=24,
+            page_size=16,
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+            max_model_len=256,
+            token_buckets=(8, 32),
+        ),
+    )
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None)
+        lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None
+    )
     variants = engine.worker.num_compiled()
     rng = np.random.default_rng(0)
     for i in range(6):
@@ -124,15 +149,22 @@ def test_orbax_round_trip_restores_without_requantizing(models, tmp_path, quant)
     meta = json.loads((tmp_path / "ckpt" / METADATA_FILE).read_text())
     assert meta["quantization"] == quant.to_metadata()
     got = load_model(tmp_path / "ckpt", "float32", with_tokenizer=False)
-    want = models[quant.method] if quant in (QuantConfig("int8"), INT4) else \
-        load_model(LLAMA, "float32", with_tokenizer=False, quantization=quant)
+    want = (
+        models[quant.method]
+        if quant in (QuantConfig("int8"), INT4)
+        else load_model(LLAMA, "float32", with_tokenizer=False, quantization=quant)
+    )
     assert jax.tree.structure(got.params) == jax.tree.structure(want.params)
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="cannot load it as quantization="):
-        load_model(tmp_path / "ckpt", "float32", with_tokenizer=False,
-                   quantization=QuantConfig("int4" if quant.method == "int8" else "int8"))
+        load_model(
+            tmp_path / "ckpt",
+            "float32",
+            with_tokenizer=False,
+            quantization=QuantConfig("int4" if quant.method == "int8" else "int8"),
+        )
 
 
 def test_float_orbax_checkpoint_quantizes_on_load(models, tmp_path):
@@ -168,10 +200,11 @@ def test_quantized_embedding_and_lm_head(fixture, method):
 def smollm2_bytes():  # three loads of SmolLM2: ~15-30 s on a 2-core CPU
     """SmolLM2-135M parameter bytes in bfloat16, and int8 / int4 (groups of 64) with the
     embedding (tied LM head) quantized too, from the loaded arrays."""
-    loads = {"bf16": None, "int8": QuantConfig("int8", embedding=True),
-             "int4": QuantConfig("int4", 64, embedding=True)}
-    return {name: param_bytes(load_model(smollm2_gguf_path(), "bfloat16", with_tokenizer=False,
-                                         quantization=q).params) for name, q in loads.items()}
+    loads = {"bf16": None, "int8": QuantConfig("int8", embedding=True), "int4": QuantConfig("int4", 64, embedding=True)}
+    return {
+        name: param_bytes(load_model(smollm2_gguf_path(), "bfloat16", with_tokenizer=False, quantization=q).params)
+        for name, q in loads.items()
+    }
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 weights, logits and greedy tokens as dequantizing at load, the engine's greedy tokens equal to
 transformers', parameter bytes from the arrays, an orbax round trip, `jaxinfer info`, and the
 "auto" policy."""
+
 import json
 
 import jax
@@ -35,8 +36,13 @@ def test_layouts_and_param_bytes_from_the_arrays(models):
     native = models["gguf"]
     assert native.quantization == GGUF and models["none"].quantization is None
     q4_1 = {"int4 g32 +offsets": LAYERS}
-    assert quantized_tensors(native.params) == {"embed": {"int8 g32": 1}, "w_qkv": q4_1, "wo": q4_1,
-                                                "w_gate_up": q4_1, "w_down": q4_1}
+    assert quantized_tensors(native.params) == {
+        "embed": {"int8 g32": 1},
+        "w_qkv": q4_1,
+        "wo": q4_1,
+        "w_gate_up": q4_1,
+        "w_down": q4_1,
+    }
     embed = V * E + V * E // 32 * 2  # Q8_0: an int8 per weight, a float16 scale per 32
     linear = LINEAR // 2 + LINEAR // 32 * (2 + 2)  # Q4_1: 4 bits, float16 scale and min per 32
     norms = (LAYERS * 2 * E + E) * 4
@@ -58,8 +64,9 @@ def test_dequantized_weights_equal_the_dequantized_at_load_ones(models):
 def test_logits_equal_dequantized_at_load(models):
     # Teacher-forced over a prompt: every position's logits (and so its greedy token) agree.
     prompt = [1, 504, 3458, 282, 4649, 314, 2114, 30, 198, 504, 7042, 282, 253, 5029, 30, 198]
-    ref, got = (SingleSequence(m.family, m.config, m.params, max_len=32).feed(prompt)
-                for m in (models["none"], models["gguf"]))
+    ref, got = (
+        SingleSequence(m.family, m.config, m.params, max_len=32).feed(prompt) for m in (models["none"], models["gguf"])
+    )
     assert np.abs(got - ref).max() < 1e-3
     assert np.array_equal(np.argmax(got, -1), np.argmax(ref, -1))
 
@@ -68,12 +75,19 @@ def test_logits_equal_dequantized_at_load(models):
 def test_engine_greedy_matches_transformers():
     # transformers dequantized the same GGUF (the dequantized-at-load engine gives these tokens
     # too, tests/jaxinfer/test_llm.py); the engine on the native blocks must give them as well.
-    llm = LLM(dtype="float32", quantization="gguf", max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=64, token_buckets=(64,))
+    llm = LLM(
+        dtype="float32",
+        quantization="gguf",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        token_buckets=(64,),
+    )
     assert llm.engine.model.quantization == GGUF
     stop = int(GOLDEN["greedy_stops_at"])
-    out = llm.generate(GOLDEN["input_ids"].tolist(), SamplingParams(temperature=0, max_tokens=stop + 1),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        GOLDEN["input_ids"].tolist(), SamplingParams(temperature=0, max_tokens=stop + 1), use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids == GOLDEN["greedy"][: stop + 1].tolist()
     assert out.outputs[0].text == "The capital of France is Paris."
 

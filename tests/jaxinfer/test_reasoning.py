@@ -1,5 +1,6 @@
 """A reasoning model's thinking split from its answer (jaxinfer.tokenizer.reasoning), whole and
 streamed (a stream cut anywhere adds up to the whole split), and template variables."""
+
 import random
 
 import pytest
@@ -9,12 +10,12 @@ from jaxinfer.tokenizer.reasoning import reasoning_parser
 
 CASES = [
     ("qwen3", "<think>\nLet me think.\nOK.\n</think>\n\nParis.", ("Let me think.\nOK.", "Paris.")),
-    ("qwen3", "Paris.", (None, "Paris.")),                       # thinking switched off: no reasoning
+    ("qwen3", "Paris.", (None, "Paris.")),  # thinking switched off: no reasoning
     ("qwen3", "  <think>x</think>y", ("x", "y")),
-    ("qwen3", "<thi", (None, "<thi")),                           # not the marker after all
+    ("qwen3", "<thi", (None, "<thi")),  # not the marker after all
     ("qwen3", "<think>\ncut short by max_tokens  ", ("cut short by max_tokens", "")),
-    ("qwen3", "<think>\n\n</think>\n\nA", (None, "A")),          # empty reasoning is none
-    ("qwen3", "Paris </think> x", (None, "Paris </think> x")),   # an end marker without a start
+    ("qwen3", "<think>\n\n</think>\n\nA", (None, "A")),  # empty reasoning is none
+    ("qwen3", "Paris </think> x", (None, "Paris </think> x")),  # an end marker without a start
     ("deepseek_r1", "Reasoning here.\n</think>\n\nAnswer", ("Reasoning here.", "Answer")),  # opened by the prompt
     ("deepseek_r1", "<think>\nR\n</think>A", ("R", "A")),
     ("deepseek_r1", "still thinking", ("still thinking", "")),
@@ -34,7 +35,7 @@ def test_a_stream_cut_anywhere_adds_up_to_the_split(name, text, expected):
         stream, thought, content, pos = reasoning_parser(name).stream(), "", "", 0
         while pos < len(text):
             step = 1 if cut == 0 else rng.randint(1, 7)
-            r, c = stream.feed(text[pos:pos + step])
+            r, c = stream.feed(text[pos : pos + step])
             thought, content, pos = thought + r, content + c, pos + step
             assert "</think>" not in thought and not (thought and thought[0].isspace())
         r, c = stream.finish()

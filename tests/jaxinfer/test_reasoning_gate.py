@@ -2,21 +2,22 @@
 gate's states over a vocabulary where <think> and </think> are single tokens (as in Qwen3's and
 DeepSeek-R1's) and over one where they are several, its rows beside plain ones in one bitmask,
 and the engine with a reasoning parser set."""
+
 import shutil
 
 import numpy as np
 import pytest
 import tokenizers
+from testpaths import FIXTURES
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
+from jaxinfer.config.load import REASONING_PARSERS
 from jaxinfer.sampling.params import StructuredOutput
 from jaxinfer.structured import GrammarBackend, fill_bitmask
 from jaxinfer.structured.reasoning_gate import ReasoningGate
-from jaxinfer.config.load import REASONING_PARSERS
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.tokenizer.reasoning import PARSERS, reasoning_parser
-from testpaths import FIXTURES
 
 CHOICE = StructuredOutput(choice=["yes", "no"])
 
@@ -28,8 +29,9 @@ def think_tokenizer(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FIXTURES / "smollm2" / name, directory / name)
     backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    backend.add_tokens([tokenizers.AddedToken("<think>", normalized=False),
-                        tokenizers.AddedToken("</think>", normalized=False)])
+    backend.add_tokens(
+        [tokenizers.AddedToken("<think>", normalized=False), tokenizers.AddedToken("</think>", normalized=False)]
+    )
     backend.save(str(directory / "tokenizer.json"))
     return load_tokenizer(directory)
 
@@ -128,22 +130,32 @@ def test_engine_lets_the_reasoning_through():
     """With deepseek_r1 the output starts in the reasoning, so a constrained request's first
     tokens are free (SmolLM2 never writes </think> here: its whole output is unconstrained);
     with qwen3 a model that does not open with <think> is constrained from its first token."""
-    llm = LLM(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=[16], num_pages=32,
-              penalties=False, num_decode_steps=1, reasoning_parser="deepseek_r1")  # one variant to compile
+    llm = LLM(
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        token_buckets=[16],
+        num_pages=32,
+        penalties=False,
+        num_decode_steps=1,
+        reasoning_parser="deepseek_r1",
+    )  # one variant to compile
     params = SamplingParams(max_tokens=6, temperature=0.0, structured_output=CHOICE)
-    free = llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0.0),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[
+        0
+    ].outputs[0]
     gated = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0]
     assert gated.token_ids == free.token_ids and gated.finish_reason == "length"
-    llm.engine.grammars = GrammarBackend(llm.engine.tokenizer, llm.engine.model.config.vocab_size,
-                                         reasoning_parser("qwen3"))
+    llm.engine.grammars = GrammarBackend(
+        llm.engine.tokenizer, llm.engine.model.config.vocab_size, reasoning_parser("qwen3")
+    )
     answer = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0]
     assert answer.text in CHOICE.choice and answer.finish_reason == "stop"
 
 
 def test_command_line_flag_is_checked_before_loading_and_reaches_the_engine(monkeypatch, capsys):
-    from jaxinfer.cli import build_parser, main
     from jaxinfer.cli import args as cli_args
+    from jaxinfer.cli import build_parser, main
 
     seen = {}
     monkeypatch.setattr("jaxinfer.llm.LLM.__init__", lambda self, *a, **kw: seen.update(kw) or exit(0))

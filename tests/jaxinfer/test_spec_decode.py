@@ -5,6 +5,7 @@ n > 1, logprobs, stop ids inside an accepted run, max_tokens, prefix-cache hits,
 speculating rows and aborts give the tokens of plain decoding; on a tiny vocabulary a chi-square
 test finds the sampled distributions equal; every page (target and draft) back in its pool and
 nothing compiled after warm-up."""
+
 import dataclasses
 import json
 
@@ -30,8 +31,15 @@ def model():
 
 
 def make_engine(model, spec, **overrides):
-    cfg = dict(num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256,
-               token_buckets=(32,), speculative_config=spec)
+    cfg = dict(
+        num_pages=24,
+        page_size=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=256,
+        token_buckets=(32,),
+        speculative_config=spec,
+    )
     cfg.update(overrides)
     return Engine(model, EngineConfig(**cfg))
 
@@ -134,10 +142,12 @@ def compare_with_plain(engine, requests, **kw):
         for a, b in zip(got[rid].outputs, want[rid].outputs):
             assert (a.finish_reason, a.stop_reason) == (b.finish_reason, b.stop_reason), rid
             if b.logprobs is not None:
-                assert [(lp.token_id, sorted(lp.top)) for lp in a.logprobs] == \
-                    [(lp.token_id, sorted(lp.top)) for lp in b.logprobs]
-                np.testing.assert_allclose([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs],
-                                           atol=1e-4)
+                assert [(lp.token_id, sorted(lp.top)) for lp in a.logprobs] == [
+                    (lp.token_id, sorted(lp.top)) for lp in b.logprobs
+                ]
+                np.testing.assert_allclose(
+                    [lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs], atol=1e-4
+                )
     return got
 
 
@@ -148,8 +158,7 @@ def test_sampling_n_logprobs_stops_and_prefix_hits_as_plain(self_draft):
     requests = {
         "seeded": (prompt(1, 12), SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=17)),
         "n3": (prompt(2, 9), SamplingParams(n=3, temperature=0.6, seed=3, max_tokens=10, ignore_eos=True)),
-        "stop": (prompt(3, 7), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                              stop_token_ids=[stop_id])),
+        "stop": (prompt(3, 7), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])),
         "logprobs": (prompt(4, 6), SamplingParams(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True)),
         "odd": (prompt(5, 5), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
         "shared1": (shared, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
@@ -168,8 +177,7 @@ def test_penalties_and_switched_off_rows_beside_speculating_ones(ngram):
     requests = {
         "spec": (prompt(6, 20) * 2, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
         "off": (prompt(6, 20) * 2, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False)),
-        "penalty": (prompt(7, 9), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                 repetition_penalty=1.3)),
+        "penalty": (prompt(7, 9), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3)),
     }
     got = compare_with_plain(ngram, requests, async_scheduling=True)
     assert got["off"].metrics.num_draft_tokens == got["penalty"].metrics.num_draft_tokens == 0
@@ -185,7 +193,7 @@ def test_aborts_free_every_page(self_draft):
     assert tokens(got)["kept"] == tokens(want)["kept"]
     dropped = got["dropped"].outputs[0]
     assert dropped.finish_reason == "abort"
-    assert dropped.token_ids == full["dropped"].outputs[0].token_ids[:len(dropped.token_ids)]
+    assert dropped.token_ids == full["dropped"].outputs[0].token_ids[: len(dropped.token_ids)]
 
 
 def test_tiny_vocabulary_distributions_agree(model):
@@ -193,16 +201,25 @@ def test_tiny_vocabulary_distributions_agree(model):
     speculation and 300 without (other seeds) pass a two-sample chi-square test (rare tokens
     pooled); with the same seed both give the same tokens."""
     config = dataclasses.replace(model.config, vocab_size=24)
-    tiny = dataclasses.replace(model, config=config, tokenizer=None,
-                               params=init_params(config, jax.random.key(3), scale=2.0))
-    engine = make_engine(tiny, {"method": "ngram", "num_speculative_tokens": 3},
-                         num_pages=64, max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(64,),
-                         penalties=False)
+    tiny = dataclasses.replace(
+        model, config=config, tokenizer=None, params=init_params(config, jax.random.key(3), scale=2.0)
+    )
+    engine = make_engine(
+        tiny,
+        {"method": "ngram", "num_speculative_tokens": 3},
+        num_pages=64,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        token_buckets=(64,),
+        penalties=False,
+    )
     n, head = 300, list(range(24)) * 2  # every token seen: each step has n-gram drafts
 
     def sampled(seeds, speculative):
-        params = {s: SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True, speculative=speculative)
-                  for s in seeds}
+        params = {
+            s: SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True, speculative=speculative)
+            for s in seeds
+        }
         out = run(engine, {str(s): (head, p) for s, p in params.items()})
         return out, np.array([out[str(s)].outputs[0].token_ids for s in seeds])
 

@@ -2,6 +2,7 @@
 transformers' goldens with n-gram drafts and with SmolLM2 as its own draft model (which must
 accept every draft); stop strings inside accepted runs cut exactly as plain decoding does; the
 CLI flag reaches the engine and bad configs exit 2 naming the bad value."""
+
 import dataclasses
 
 import numpy as np
@@ -17,8 +18,14 @@ GOLDEN = np.load(FIXTURES / "smollm2" / "golden.npz")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 # One 16-token bucket (prompts prefill in chunks), no penalty variant, no decode windows: two
 # compiled steps (plain and verify) per engine.
-SMALL = dict(max_model_len=512, max_num_batched_tokens=16, token_buckets=(16,), max_num_seqs=4, penalties=False,
-             num_decode_steps=1)
+SMALL = dict(
+    max_model_len=512,
+    max_num_batched_tokens=16,
+    token_buckets=(16,),
+    max_num_seqs=4,
+    penalties=False,
+    num_decode_steps=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +37,20 @@ def greedy(**kw):
     return SamplingParams(temperature=0, **{"max_tokens": 32, **kw})
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["generate", "hi", "--speculative-config", "{bad"], "--speculative-config '{bad': not valid JSON"),
-    (["generate", "hi", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
-     "speculative_config.method='medusa'"),
-    (["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
-     "speculative_config.num_speculative_tokens=99"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["generate", "hi", "--speculative-config", "{bad"], "--speculative-config '{bad': not valid JSON"),
+        (
+            ["generate", "hi", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
+            "speculative_config.method='medusa'",
+        ),
+        (
+            ["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
+            "speculative_config.num_speculative_tokens=99",
+        ),
+    ],
+)
 def test_cli_flag_errors_exit_2(capsys, argv, match):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -45,14 +59,15 @@ def test_cli_flag_errors_exit_2(capsys, argv, match):
 
 @pytest.mark.slow
 def test_ngram_on_smollm2_matches_transformers(smollm2):
-    llm = LLM(smollm2, **SMALL,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    llm = LLM(
+        smollm2, **SMALL, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    )
     prompt = llm.render_chat(QUESTION)
     out = llm.generate(prompt, greedy(ignore_eos=True, skip_special_tokens=False), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == GOLDEN["greedy"].tolist()
     assert out.metrics.num_accepted_tokens > 0  # the chain repeats the chat's role markers
     chat = llm.chat(QUESTION, greedy(), use_tqdm=False)[0].outputs[0]
-    assert chat.token_ids == GOLDEN["greedy"][:int(GOLDEN["greedy_stops_at"]) + 1].tolist()
+    assert chat.token_ids == GOLDEN["greedy"][: int(GOLDEN["greedy_stops_at"]) + 1].tolist()
     for stops in ([" Paris."], ["<|im_start|>user"]):
         params = greedy(stop=stops, ignore_eos=True, skip_special_tokens=False, max_tokens=40)
         got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]

@@ -2,6 +2,7 @@
 (greedy prefix, the same draws as the plain sampler, output distributions by chi-square for the
 coupled rule and for the general rule with explicit p and q), and the host bookkeeping (drafts
 cut to budget and pages, verified tokens, stops inside the run, pages rolled back)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,44 +10,51 @@ import pytest
 from scipy import stats
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.kv import KVCacheManager
+from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.kv import KVCacheManager
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.arrays import make_sampling_arrays
 from jaxinfer.sampling.rejection import SpecInputs, VerifyOutput, rejection_sample
 from jaxinfer.sampling.rejection import verify as verify_fn
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.sampling.sampler import sample as sample_fn
-from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.spec_decode import NgramProposer, Speculator, ngram_lookup
 
 
 # --- config ---------------------------------------------------------------------------------
 def test_config_parses_dicts_and_json():
-    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                 "prompt_lookup_min": 2})
+    c = SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    )
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 3, 2)
-    assert SpeculativeConfig.parse('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}').model == "/m"
-    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 1}).speculative_config == \
-        SpeculativeConfig("ngram", 1)
+    assert (
+        SpeculativeConfig.parse('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}').model == "/m"
+    )
+    assert EngineConfig(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 1}
+    ).speculative_config == SpeculativeConfig("ngram", 1)
     assert EngineConfig().speculative_config is None
 
 
-@pytest.mark.parametrize("value,message", [
-    ({"method": "eagle9", "num_speculative_tokens": 4}, "speculative_config.method='eagle9'"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
-    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens=17"),
-    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True"),
-    ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens='4'"),
-    ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}, "speculative_config.lookahead"),
-    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5}, "prompt_lookup_min=5"),
-    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 0}, "prompt_lookup_max=0"),
-    ({"method": "draft_model", "num_speculative_tokens": 4}, "speculative_config.model=None"),
-    ({"method": "ngram", "num_speculative_tokens": 4, "model": "/m"}, "speculative_config.model='/m'"),
-    ({"num_speculative_tokens": 4}, "speculative_config.method: required"),
-    ("{not json", "not valid JSON"),
-    ([1, 2], "must be an object"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ({"method": "eagle9", "num_speculative_tokens": 4}, "speculative_config.method='eagle9'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+        ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens=17"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True"),
+        ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens='4'"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}, "speculative_config.lookahead"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5}, "prompt_lookup_min=5"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 0}, "prompt_lookup_max=0"),
+        ({"method": "draft_model", "num_speculative_tokens": 4}, "speculative_config.model=None"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "model": "/m"}, "speculative_config.model='/m'"),
+        ({"num_speculative_tokens": 4}, "speculative_config.method: required"),
+        ("{not json", "not valid JSON"),
+        ([1, 2], "must be an object"),
+    ],
+)
 def test_bad_configs_are_named(value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         EngineConfig(speculative_config=value)
@@ -60,16 +68,19 @@ def test_sampling_params_switch():
 
 
 # --- n-gram lookup ----------------------------------------------------------------------------
-@pytest.mark.parametrize("tokens,k,min_n,max_n,want", [
-    ([1, 2, 3, 4, 5, 9, 1, 2, 3], 3, 1, 3, [4, 5, 9]),       # the 3-gram suffix seen before
-    ([1, 2, 3, 4, 5, 9, 1, 2, 3], 9, 1, 3, [4, 5, 9, 1, 2, 3]),  # up to the end of the tokens
-    ([7, 1, 8, 2, 3, 7, 2, 3], 2, 1, 2, [7, 2]),              # the 2-gram [2, 3] wins over [3]
-    ([5, 6, 1, 5, 7, 2, 5], 1, 1, 2, [7]),                    # the latest of two 1-gram matches
-    ([4, 4, 4, 4, 4], 2, 1, 3, [4, 4]),                       # a repeat: full continuation
-    ([1, 2, 3, 4], 3, 1, 3, []),                              # no earlier occurrence
-    ([1, 2, 9, 1, 2], 2, 3, 3, []),                           # only n >= 3 may match
-    ([3], 2, 1, 2, []),
-])
+@pytest.mark.parametrize(
+    "tokens,k,min_n,max_n,want",
+    [
+        ([1, 2, 3, 4, 5, 9, 1, 2, 3], 3, 1, 3, [4, 5, 9]),  # the 3-gram suffix seen before
+        ([1, 2, 3, 4, 5, 9, 1, 2, 3], 9, 1, 3, [4, 5, 9, 1, 2, 3]),  # up to the end of the tokens
+        ([7, 1, 8, 2, 3, 7, 2, 3], 2, 1, 2, [7, 2]),  # the 2-gram [2, 3] wins over [3]
+        ([5, 6, 1, 5, 7, 2, 5], 1, 1, 2, [7]),  # the latest of two 1-gram matches
+        ([4, 4, 4, 4, 4], 2, 1, 3, [4, 4]),  # a repeat: full continuation
+        ([1, 2, 3, 4], 3, 1, 3, []),  # no earlier occurrence
+        ([1, 2, 9, 1, 2], 2, 3, 3, []),  # only n >= 3 may match
+        ([3], 2, 1, 2, []),
+    ],
+)
 def test_ngram_lookup(tokens, k, min_n, max_n, want):
     assert ngram_lookup(np.array(tokens), k, min_n, max_n).tolist() == want
 
@@ -84,11 +95,19 @@ def test_ngram_prefers_a_match_with_a_full_continuation():
 # --- in-jit verification ----------------------------------------------------------------------
 verify = jax.jit(verify_fn, static_argnames="num_top_logprobs")
 sample = jax.jit(sample_fn, static_argnums=2)
+
+
 def _arrays(rows, temperature=0.0, seeds=None, num_generated=None, top_k=-1):
     params = [SamplingParams(temperature=temperature, top_k=top_k)] * rows
-    return jax.tree.map(jnp.asarray, make_sampling_arrays(
-        params, num_generated if num_generated is not None else [0] * rows, batch_size=rows,
-        seeds=seeds if seeds is not None else [0] * rows))
+    return jax.tree.map(
+        jnp.asarray,
+        make_sampling_arrays(
+            params,
+            num_generated if num_generated is not None else [0] * rows,
+            batch_size=rows,
+            seeds=seeds if seeds is not None else [0] * rows,
+        ),
+    )
 
 
 def test_greedy_verification_accepts_the_matching_prefix():
@@ -111,7 +130,7 @@ def test_each_position_draws_as_the_plain_sampler_would():
     spec = SpecInputs(jnp.full((rows, k), -1, jnp.int32), jnp.zeros(rows, jnp.int32))
     out = verify(logits, _arrays(rows, 0.8, seeds, generated, top_k=20), spec, num_top_logprobs=2)
     for j in range(k + 1):
-        plain = sample(logits[j::k + 1], _arrays(rows, 0.8, seeds, [g + j for g in generated], top_k=20), 2)
+        plain = sample(logits[j :: k + 1], _arrays(rows, 0.8, seeds, [g + j for g in generated], top_k=20), 2)
         np.testing.assert_array_equal(out.sampled.tokens[:, j], plain.tokens)
         np.testing.assert_allclose(out.sampled.logprobs[:, j], plain.logprobs, rtol=1e-6)
         np.testing.assert_array_equal(out.sampled.top_ids[:, j], plain.top_ids)
@@ -147,9 +166,13 @@ def test_rejection_sampling_with_explicit_p_and_q():
     q = np.array([[0.3, 0.3, 0.1, 0.1, 0.2], [0.05, 0.05, 0.6, 0.2, 0.1]])
     key_d, key_r = jax.random.split(jax.random.key(7))
     drafts = jax.random.categorical(key_d, jnp.log(jnp.asarray(q)), shape=(rows, k)).astype(jnp.int32)
-    tokens, accepted = jax.jit(rejection_sample)(jnp.broadcast_to(p, (rows, k + 1, vocab)),
-                                        jnp.broadcast_to(q, (rows, k, vocab)), drafts,
-                                        jnp.full((rows,), k, jnp.int32), key_r)
+    tokens, accepted = jax.jit(rejection_sample)(
+        jnp.broadcast_to(p, (rows, k + 1, vocab)),
+        jnp.broadcast_to(q, (rows, k, vocab)),
+        drafts,
+        jnp.full((rows,), k, jnp.int32),
+        key_r,
+    )
     tokens, accepted = np.asarray(tokens), np.asarray(accepted)
     assert _chi_square_p(np.bincount(tokens[:, 0], minlength=vocab), p[0]) > 1e-3
     second = tokens[accepted >= 1, 1]  # the token after an accepted first draft follows p[1]
@@ -157,22 +180,27 @@ def test_rejection_sampling_with_explicit_p_and_q():
     third = tokens[accepted == 2, 2]  # the bonus token after both drafts: p[2]
     assert _chi_square_p(np.bincount(third, minlength=vocab), p[2]) > 1e-3
     assert abs((accepted >= 1).mean() - np.minimum(p[0], q[0]).sum()) < 0.01
-    np.testing.assert_array_equal(tokens[:, :k][np.arange(k) < accepted[:, None]],
-                                  np.asarray(drafts)[np.arange(k) < accepted[:, None]])
+    np.testing.assert_array_equal(
+        tokens[:, :k][np.arange(k) < accepted[:, None]], np.asarray(drafts)[np.arange(k) < accepted[:, None]]
+    )
 
 
 # --- host bookkeeping ---------------------------------------------------------------------------
 def _fake_verify(tokens, accepted):
     t = np.asarray(tokens, np.int32)
     zeros = np.zeros(t.shape, np.float32)
-    return VerifyOutput(SamplerOutput(t, zeros, np.zeros(t.shape + (1,), np.int32),
-                                      np.zeros(t.shape + (1,), np.float32)), np.asarray(accepted, np.int32))
+    return VerifyOutput(
+        SamplerOutput(t, zeros, np.zeros(t.shape + (1,), np.int32), np.zeros(t.shape + (1,), np.float32)),
+        np.asarray(accepted, np.int32),
+    )
 
 
 def _land(speculator, scheduler, plan, tokens, accepted):
     scheduler.advance(plan)
-    return [(j, sorted(ids)) for j, (_, ids) in enumerate(
-        speculator.resolve(plan, _fake_verify(tokens, accepted), scheduler))]
+    return [
+        (j, sorted(ids))
+        for j, (_, ids) in enumerate(speculator.resolve(plan, _fake_verify(tokens, accepted), scheduler))
+    ]
 
 
 def test_drafts_are_scheduled_verified_and_rolled_back():
@@ -180,12 +208,12 @@ def test_drafts_are_scheduled_verified_and_rolled_back():
     scheduler = Scheduler(kv_cache, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, eos_token_ids=[99])
     speculator = Speculator(SpeculativeConfig("ngram", 4), NgramProposer(4, 1, 2), max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=20)
-    seq, = scheduler.add_request("a", [1, 2, 3, 4, 5, 6, 1, 2], params)
+    (seq,) = scheduler.add_request("a", [1, 2, 3, 4, 5, 6, 1, 2], params)
     scheduler.update(scheduler.schedule(), [3])  # prefill samples 3: [..., 1, 2, 3] -> drafts 4 5 6 1
     speculator.propose(scheduler)
     assert seq.draft_token_ids == [4, 5, 6, 1]
     plan = scheduler.schedule()
-    entry, = plan.seqs
+    (entry,) = plan.seqs
     assert (entry.start, entry.num_new_tokens, entry.drafts, entry.token_ids) == (8, 5, (4, 5, 6, 1), [3, 4, 5, 6, 1])
     assert len(seq.pages) == 4  # 13 slots
     # the target agrees with 4 and 5, then says 7: tokens 4 5 7 emitted
@@ -201,8 +229,9 @@ def test_a_stop_inside_the_accepted_run_drops_the_rest():
     kv_cache = KVCacheManager(12, 4, enable_prefix_caching=False)
     scheduler = Scheduler(kv_cache, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, eos_token_ids=[99])
     speculator = Speculator(SpeculativeConfig("ngram", 3), NgramProposer(3, 1, 2), max_model_len=64)
-    seq, = scheduler.add_request("a", [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=9,
-                                                                      stop_token_ids=[5]))
+    (seq,) = scheduler.add_request(
+        "a", [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[5])
+    )
     scheduler.update(scheduler.schedule(), [3])
     speculator.propose(scheduler)
     plan = scheduler.schedule()
@@ -221,8 +250,8 @@ def test_drafts_respect_max_tokens_pages_and_budget(num_pages, budget, want):
     kv_cache = KVCacheManager(num_pages, 4, enable_prefix_caching=False)
     scheduler = Scheduler(kv_cache, max_num_batched_tokens=budget, max_num_seqs=4, max_model_len=64)
     speculator = Speculator(SpeculativeConfig("ngram", 8), NgramProposer(8, 1, 1), max_model_len=64)
-    seq, = scheduler.add_request("a", [7] * 6, SamplingParams(temperature=0, max_tokens=5))
-    off, = scheduler.add_request("b", [7], SamplingParams(temperature=0, max_tokens=3, speculative=False))
+    (seq,) = scheduler.add_request("a", [7] * 6, SamplingParams(temperature=0, max_tokens=5))
+    (off,) = scheduler.add_request("b", [7], SamplingParams(temperature=0, max_tokens=3, speculative=False))
     while seq.num_output_tokens == 0 or off.num_output_tokens == 0:
         plan = scheduler.schedule()
         scheduler.update(plan, [7] * len(plan.seqs))
@@ -239,7 +268,7 @@ def test_rejected_drafts_back_off():
     kv_cache = KVCacheManager(40, 4, enable_prefix_caching=False)
     scheduler = Scheduler(kv_cache, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128)
     speculator = Speculator(SpeculativeConfig("ngram", 2), NgramProposer(2, 1, 1), max_model_len=128)
-    seq, = scheduler.add_request("a", [3, 3, 3, 3], SamplingParams(temperature=0, max_tokens=60))
+    (seq,) = scheduler.add_request("a", [3, 3, 3, 3], SamplingParams(temperature=0, max_tokens=60))
     scheduler.update(scheduler.schedule(), [3])
     drafted = []
     for verdict in ("miss", "miss", "-", "miss", "-", "-", "hit", "hit"):

@@ -1,4 +1,5 @@
 """What the compiled step does, read from XLA's optimized HLO (reference attention, CPU)."""
+
 import re
 from pathlib import Path
 
@@ -7,16 +8,27 @@ import numpy as np
 import pytest
 from jax.experimental.layout import Format, Layout
 
-from jaxinfer.worker import kv_pool
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
-from jaxinfer.worker.worker import Worker
+from jaxinfer.worker import kv_pool
 from jaxinfer.worker.step_variants import plain_padding
+from jaxinfer.worker.worker import Worker
 
-CONFIG = ModelConfig(model_type="llama", family="llama", vocab_size=256, hidden_size=64,
-                     intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=8192)
+CONFIG = ModelConfig(
+    model_type="llama",
+    family="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=8192,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +39,16 @@ def model():
 
 
 def make_runner(model, num_steps: int = 1, **engine) -> Worker:
-    config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
-                          penalties=False, compilation_cache_dir=None, num_decode_steps=num_steps,
-                          **engine)
+    config = EngineConfig(
+        page_size=16,
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        token_buckets=(1, 8),
+        penalties=False,
+        compilation_cache_dir=None,
+        num_decode_steps=num_steps,
+        **engine,
+    )
     return Worker(model, config, config.scheduler.max_model_len)
 
 
@@ -43,7 +62,7 @@ def cache_copies(hlo: str, cache_shape: tuple[int, ...], entry_only: bool = True
     """Copies (or copy-starts) of an array as large as a layer's cache: in the entry computation,
     or (entry_only=False) anywhere, loop bodies included."""
     size = int(np.prod(cache_shape))
-    entry = hlo[hlo.index("\nENTRY"):] if entry_only else hlo
+    entry = hlo[hlo.index("\nENTRY") :] if entry_only else hlo
     found = []
     for line in entry.splitlines():
         m = re.search(r"= \w+\[([\d,]*)\]\S* (copy|copy-start)\(", line)
@@ -103,9 +122,12 @@ def vocab_sorts(body: str) -> list[str]:
     """Sorts of [B, V] rows, and top-k (the step's only top-k is over the vocabulary; XLA's TopK
     custom call shows only its [B, N] results on its line)."""
     vocab = CONFIG.vocab_size
-    return [line.strip()[:120] for line in body.splitlines()
-            if re.search(r'custom_call_target="TopK"|\btopk\(', line)
-            or (re.search(r"\bsort\(", line) and re.search(rf"\[\d+,{vocab}\]", line))]
+    return [
+        line.strip()[:120]
+        for line in body.splitlines()
+        if re.search(r'custom_call_target="TopK"|\btopk\(', line)
+        or (re.search(r"\bsort\(", line) and re.search(rf"\[\d+,{vocab}\]", line))
+    ]
 
 
 def test_an_all_greedy_batch_without_logprobs_sorts_nothing(model):
@@ -133,8 +155,11 @@ def test_an_all_greedy_decode_window_sorts_nothing(model):
 
 def vocab_scatters(body: str) -> list[str]:
     """Scatters into a [B, V] array (the step's are the logit bias's; penalties are off here)."""
-    return [line.strip()[:120] for line in body.splitlines()
-            if re.search(r"\bscatter\(", line) and re.search(rf"\[\d+,{CONFIG.vocab_size}\]", line)]
+    return [
+        line.strip()[:120]
+        for line in body.splitlines()
+        if re.search(r"\bscatter\(", line) and re.search(rf"\[\d+,{CONFIG.vocab_size}\]", line)
+    ]
 
 
 @pytest.mark.parametrize("num_steps", [1, 4])
@@ -152,8 +177,7 @@ def test_the_greedy_twin_runs_no_conditional(model, num_steps):
     """The greedy twin of the decode step (greedy_variant; the window with windows on) has no
     conditional anywhere: on XLA:GPU each one copies its predicate to the host and holds the host
     until the device reaches it. The general step keeps them, for the rows that need them."""
-    _, runner = compiled_step(model, 8, num_steps=num_steps, max_model_len=512, num_pages=64,
-                              greedy_variant=True)
+    _, runner = compiled_step(model, 8, num_steps=num_steps, max_model_len=512, num_pages=64, greedy_variant=True)
     inputs = runner.step.padding_inputs(8, False)
     general = runner.step.lower(inputs, num_steps).compile().as_text()
     twin = runner.step.lower(plain_padding(inputs), num_steps).compile().as_text()
@@ -164,8 +188,11 @@ def test_the_greedy_twin_runs_no_conditional(model, num_steps):
 
 def _sub_jaxprs(eqn) -> list:
     """The jaxprs an equation calls with its own operands, one to one (jit, closed calls)."""
-    subs = [p.jaxpr if hasattr(p, "jaxpr") else p for p in eqn.params.values()
-            if isinstance(p, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))]
+    subs = [
+        p.jaxpr if hasattr(p, "jaxpr") else p
+        for p in eqn.params.values()
+        if isinstance(p, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))
+    ]
     return [j for j in subs if len(j.invars) == len(eqn.invars)]
 
 
@@ -178,8 +205,7 @@ def _count_weight_reads(jaxpr, names: dict, counts: dict) -> None:
         prim = eqn.primitive.name
         if prim == "dot_general" and ins[1] is not None:
             counts[ins[1]] += 1
-        elif prim == "broadcast_in_dim" and ins[0] is not None and \
-                tuple(eqn.params["broadcast_dimensions"]) == (0, 2):
+        elif prim == "broadcast_in_dim" and ins[0] is not None and tuple(eqn.params["broadcast_dimensions"]) == (0, 2):
             counts[ins[0]] += 1
         elif prim == "reshape" and ins[0] is not None:
             names[eqn.outvars[0]] = ins[0]
@@ -190,8 +216,16 @@ def _count_weight_reads(jaxpr, names: dict, counts: dict) -> None:
 
 def weight_dots(model) -> dict[str, int]:
     """How many contractions of the traced step (bucket 8) read each parameter, by its path."""
-    config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
-                          penalties=False, compilation_cache_dir=None, num_pages=64, max_model_len=512)
+    config = EngineConfig(
+        page_size=16,
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        token_buckets=(1, 8),
+        penalties=False,
+        compilation_cache_dir=None,
+        num_pages=64,
+        max_model_len=512,
+    )
     runner = Worker(model, config, 512)
     jaxpr = runner.step.trace(runner.step.padding_inputs(8, False)).jaxpr.jaxpr
     leaves = jax.tree_util.tree_flatten_with_path(runner.state.params)[0]
@@ -232,23 +266,39 @@ def test_every_jit_hands_the_caches_back_in_their_pinned_layout(model, monkeypat
     decode window and the split step's forward. One that dropped the pin would hand back XLA's
     default layout, which on a TPU (head_dim 64) relays each layer's cache around the kernels, and
     the next call would compile again. Pinned here to a layout the CPU would not choose."""
-    monkeypatch.setattr(kv_pool, "kv_cache_format",
-                        lambda sharding, ndim=4: Format(Layout(major_to_minor=ODD_LAYOUT), sharding))
-    config = EngineConfig(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(1, 8),
-                          penalties=False, compilation_cache_dir=None, num_decode_steps=4,
-                          structured_output_overlap=True, num_pages=40, kv_cache_dtype=kv_cache_dtype)
+    monkeypatch.setattr(
+        kv_pool, "kv_cache_format", lambda sharding, ndim=4: Format(Layout(major_to_minor=ODD_LAYOUT), sharding)
+    )
+    config = EngineConfig(
+        page_size=16,
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        token_buckets=(1, 8),
+        penalties=False,
+        compilation_cache_dir=None,
+        num_decode_steps=4,
+        structured_output_overlap=True,
+        num_pages=40,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     runner = Worker(model, config, 512)
 
     def pinned() -> bool:
-        return all(c.format.layout.major_to_minor == ODD_LAYOUT
-                   for c in jax.tree.leaves(runner.state.kv_caches) if c.ndim == 4 and c.shape[0] == 40)
+        return all(
+            c.format.layout.major_to_minor == ODD_LAYOUT
+            for c in jax.tree.leaves(runner.state.kv_caches)
+            if c.ndim == 4 and c.shape[0] == 40
+        )
 
     assert pinned()
     runner.warm_up()
     compiled = runner.num_compiled()
     inputs = runner.step.padding_inputs(8, False)
-    for run in (lambda: runner.step.execute(inputs), lambda: runner.step.execute(inputs, 4),
-                lambda: runner.step.dispatch_sample(runner.step.dispatch_forward(inputs), inputs)):
+    for run in (
+        lambda: runner.step.execute(inputs),
+        lambda: runner.step.execute(inputs, 4),
+        lambda: runner.step.dispatch_sample(runner.step.dispatch_forward(inputs), inputs),
+    ):
         jax.block_until_ready(run())
         assert pinned()
     assert runner.num_compiled() == compiled
@@ -263,7 +313,8 @@ def test_cuda_graph_options_for_windows_only_on_gpus(monkeypatch, caplog):
     monkeypatch.setattr(step_variants.jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     assert step_variants.window_compiler_options() == {
-        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"}
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL,WHILE"
+    }
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
     assert step_variants.window_compiler_options() is None
     monkeypatch.delenv("XLA_FLAGS")
@@ -274,8 +325,10 @@ def test_cuda_graph_options_for_windows_only_on_gpus(monkeypatch, caplog):
 def test_the_window_alone_compiles_with_the_window_options(model, monkeypatch):
     """The runner hands window_compiler_options to the window's jit and to no other: an option
     XLA refuses fails the window's compile and leaves the single step's alone."""
-    monkeypatch.setattr("jaxinfer.worker.compiled_step.window_compiler_options",
-                        lambda: {"xla_gpu_enable_command_buffer": "NO_SUCH_KIND"})
+    monkeypatch.setattr(
+        "jaxinfer.worker.compiled_step.window_compiler_options",
+        lambda: {"xla_gpu_enable_command_buffer": "NO_SUCH_KIND"},
+    )
     runner = make_runner(model, 4, max_model_len=512, num_pages=64)
     inputs = runner.step.padding_inputs(8, False)
     runner.step.lower(inputs, 1).compile()

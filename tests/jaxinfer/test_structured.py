@@ -1,6 +1,7 @@
 """Structured output: specs, grammars over both tokenizer kinds, the in-jit bitmask, and the engine
 producing JSON that the schema validates, regex and choice matches, with nothing compiled after
 warm-up and unconstrained rows of the same batch untouched."""
+
 import json
 import re
 
@@ -16,19 +17,42 @@ from jaxinfer.sampling.sampler import apply_allowed
 from jaxinfer.structured import GrammarBackend, fill_bitmask
 from jaxinfer.tokenizer import load_tokenizer
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 16},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-NESTED = {"type": "object", "additionalProperties": False, "required": ["city", "streets", "location"],
-          "properties": {"city": {"type": "string", "maxLength": 16},
-                         "streets": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                                     "minItems": 1, "maxItems": 3},
-                         "location": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
-                                      "properties": {"x": {"type": "integer", "minimum": -90, "maximum": 90},
-                                                     "y": {"type": "integer", "minimum": -180, "maximum": 180}}}}}
-ENUM = {"type": "object", "additionalProperties": False, "required": ["color", "sizes"],
-        "properties": {"color": {"enum": ["red", "green", "blue"]},
-                       "sizes": {"type": "array", "items": {"enum": ["S", "M", "L"]}, "maxItems": 3}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+}
+NESTED = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "streets", "location"],
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "streets": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3},
+        "location": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["x", "y"],
+            "properties": {
+                "x": {"type": "integer", "minimum": -90, "maximum": 90},
+                "y": {"type": "integer", "minimum": -180, "maximum": 180},
+            },
+        },
+    },
+}
+ENUM = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["color", "sizes"],
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "sizes": {"type": "array", "items": {"enum": ["S", "M", "L"]}, "maxItems": 3},
+    },
+}
 
 
 def test_spec_validation_names_the_field():
@@ -101,7 +125,11 @@ def test_parallel_masks_equal_one_row_at_a_time(device_busy):
     default while a forward runs beside it): bit for bit what each row alone gives."""
     tok = load_tokenizer(sentencepiece_model_path())
     backend = GrammarBackend(tok, tok.vocab_size)
-    specs = [StructuredOutput(regex="[a-z ]{12}"), StructuredOutput(json=PERSON), StructuredOutput(choice=["yes", "no"])]
+    specs = [
+        StructuredOutput(regex="[a-z ]{12}"),
+        StructuredOutput(json=PERSON),
+        StructuredOutput(choice=["yes", "no"]),
+    ]
     matchers = [backend.compile(spec).matcher() for spec in specs]
     words = -(-tok.vocab_size // 32)
     together = np.zeros((len(specs) + 1, words), np.int32)  # the last row untouched
@@ -129,8 +157,10 @@ def _chat(llm, content, params):
 @pytest.mark.parametrize("schema", [PERSON, NESTED, ENUM], ids=["person", "nested", "enum"])
 def test_json_schema_outputs_validate(llm, schema):
     compiled = llm.engine.worker.num_compiled()
-    params = [SamplingParams(max_tokens=120, temperature=t, seed=s, structured_output=StructuredOutput(json=schema))
-              for t, s in ((0.0, None), (0.9, 1), (0.9, 2))]
+    params = [
+        SamplingParams(max_tokens=120, temperature=t, seed=s, structured_output=StructuredOutput(json=schema))
+        for t, s in ((0.0, None), (0.9, 1), (0.9, 2))
+    ]
     for out in _chat(llm, "Describe something as JSON.", params):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
@@ -138,8 +168,11 @@ def test_json_schema_outputs_validate(llm, schema):
 
 
 def test_json_object_regex_and_choice(llm):
-    kinds = [StructuredOutput(json_object=True), StructuredOutput(regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
-             StructuredOutput(choice=["yes, of course", "no (never)", "maybe"])]
+    kinds = [
+        StructuredOutput(json_object=True),
+        StructuredOutput(regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
+        StructuredOutput(choice=["yes, of course", "no (never)", "maybe"]),
+    ]
     params = [SamplingParams(max_tokens=80, temperature=0.8, seed=7, n=2, structured_output=k) for k in kinds]
     objects, regexes, choices = _chat(llm, "Answer me.", params)
     for sample in objects.outputs:  # a small model may nest objects until max_tokens
@@ -155,8 +188,14 @@ def test_json_object_regex_and_choice(llm):
 def test_unconstrained_rows_are_untouched_and_pages_return(llm):
     free = SamplingParams(max_tokens=24, temperature=0.0)
     alone = _chat(llm, "Name a colour.", [free])[0].outputs[0].text
-    mixed = _chat(llm, "Name a colour.", [free, SamplingParams(
-        max_tokens=24, temperature=0.0, structured_output=StructuredOutput(choice=["red", "blue"]))])
+    mixed = _chat(
+        llm,
+        "Name a colour.",
+        [
+            free,
+            SamplingParams(max_tokens=24, temperature=0.0, structured_output=StructuredOutput(choice=["red", "blue"])),
+        ],
+    )
     assert mixed[0].outputs[0].text == alone
     assert mixed[1].outputs[0].text in ("red", "blue")
     assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
@@ -165,8 +204,9 @@ def test_unconstrained_rows_are_untouched_and_pages_return(llm):
 def test_bad_spec_is_refused_at_add_request(llm):
     with pytest.raises(ValueError, match="StructuredOutput.regex"):
         llm.generate("hi", SamplingParams(structured_output=StructuredOutput(regex="(unclosed")), use_tqdm=False)
-    out = llm.generate("hi", SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="[a-z]+")),
-                       use_tqdm=False)[0]  # nothing of the refused request lingers
+    out = llm.generate(
+        "hi", SamplingParams(max_tokens=4, structured_output=StructuredOutput(regex="[a-z]+")), use_tqdm=False
+    )[0]  # nothing of the refused request lingers
     assert re.fullmatch("[a-z]+", out.outputs[0].text)
     assert llm.engine.kv_cache.num_free_pages == llm.engine.kv_cache.num_usable_pages
 
@@ -191,8 +231,9 @@ def test_command_line_flags_and_batch_lines(tmp_path):
         spec("--json-schema", str(tmp_path / "missing.json"))
     with pytest.raises(SystemExit):  # one kind at a time
         spec("--regex", "a", "--json-object")
-    _, _, params = parse_line('{"prompt": "hi", "structured_output": {"choice": ["x", "y"]}}', 1,
-                              SamplingParams(), llm=None)
+    _, _, params = parse_line(
+        '{"prompt": "hi", "structured_output": {"choice": ["x", "y"]}}', 1, SamplingParams(), llm=None
+    )
     assert params.structured_output == StructuredOutput(choice=("x", "y"))
     with pytest.raises(ValueError, match="line 3: StructuredOutput.regex"):
         parse_line('{"prompt": "hi", "structured_output": {"regex": 5}}', 3, SamplingParams(), llm=None)
@@ -202,19 +243,27 @@ def test_masks_filled_while_the_forward_runs_give_the_same_tokens(llm):
     """The split step (forward dispatched, then the step before lands, then the masks and the
     sampling call) yields the tokens of the engine that fills masks before dispatching; both
     halves launched from the launcher's thread, as on a GPU."""
-    overlapped = LLM(**ENGINE, structured_output_overlap=True,
-                     dispatch_thread=True)
+    overlapped = LLM(**ENGINE, structured_output_overlap=True, dispatch_thread=True)
     runner = overlapped.engine.worker
-    assert runner.step.split_buckets == (16,) and not llm.engine.worker.step.split_buckets and runner.step.launcher.enabled
+    assert (
+        runner.step.split_buckets == (16,) and not llm.engine.worker.step.split_buckets and runner.step.launcher.enabled
+    )
     compiled, split_calls = runner.num_compiled(), []
     sample = runner.step.dispatch_sample
     runner.step.dispatch_sample = lambda hidden, inputs: split_calls.append(1) or sample(hidden, inputs)
-    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_output=StructuredOutput(json=PERSON)),
-              SamplingParams(max_tokens=60, temperature=0.9, seed=3, structured_output=StructuredOutput(json=ENUM)),
-              SamplingParams(max_tokens=20, temperature=0.8, seed=5, n=2,
-                             structured_output=StructuredOutput(regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}")),
-              SamplingParams(max_tokens=20, temperature=0.0, structured_output=StructuredOutput(choice=["red", "blue"])),
-              SamplingParams(max_tokens=30, temperature=0.7, seed=9)]  # unconstrained beside them
+    params = [
+        SamplingParams(max_tokens=60, temperature=0.0, structured_output=StructuredOutput(json=PERSON)),
+        SamplingParams(max_tokens=60, temperature=0.9, seed=3, structured_output=StructuredOutput(json=ENUM)),
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.8,
+            seed=5,
+            n=2,
+            structured_output=StructuredOutput(regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
+        ),
+        SamplingParams(max_tokens=20, temperature=0.0, structured_output=StructuredOutput(choice=["red", "blue"])),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=9),
+    ]  # unconstrained beside them
     want = _chat(llm, "Describe a person as JSON.", params)
     got = _chat(overlapped, "Describe a person as JSON.", params)
     for w, g in zip(want, got):

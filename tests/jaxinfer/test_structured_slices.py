@@ -1,5 +1,6 @@
 """Slices derived from a grammar's repeated character classes: which ones, and that a matcher
 built on them gives the masks llguidance's default slicing gives, token after token."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,13 +17,21 @@ from jaxinfer.tokenizer import load_tokenizer
 def test_slices_name_each_repeated_class_once_with_its_run():
     assert grammar_slices(StructuredOutput(regex="[a-z ]{256}")) == ("[a-z ]{1,16}",)
     assert grammar_slices(StructuredOutput(regex=r"[A-Z][a-z]+( [a-z]{2,6})*\d{3}-\d{4}")) == (
-        "[a-z]{1,16}", "[a-z]{1,6}", r"\d{1,4}")  # [A-Z] once and \d{3} are too short
+        "[a-z]{1,16}",
+        "[a-z]{1,6}",
+        r"\d{1,4}",
+    )  # [A-Z] once and \d{3} are too short
     assert grammar_slices(StructuredOutput(regex="[]x]{5}[^]y]{9,}.*")) == ("[]x]{1,5}", "[^]y]{1,16}", ".{1,16}")
     assert grammar_slices(StructuredOutput(regex=r"a\.{9}b")) == ()  # an escaped dot is no class
     lark = 'start: WORD " " NUM\nWORD: /[a-z]+/\nNUM: /[0-9]{1,5}/'
     assert grammar_slices(StructuredOutput(grammar=lark)) == ("[a-z]{1,16}", "[0-9]{1,5}")
-    schema = {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-F0-9]{8,}$"},
-                                               "tags": {"type": "array", "items": {"pattern": "[a-z]{4}"}}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": "^[A-F0-9]{8,}$"},
+            "tags": {"type": "array", "items": {"pattern": "[a-z]{4}"}},
+        },
+    }
     assert grammar_slices(StructuredOutput(json=schema)) == ("[A-F0-9]{1,16}", "[a-z]{1,4}")
     assert grammar_slices(StructuredOutput(choice=["aaaa", "b"])) == ()
     assert grammar_slices(StructuredOutput(json_object=True)) == ()
@@ -41,13 +50,25 @@ def backend():
     return GrammarBackend(tok, tok.vocab_size)
 
 
-@pytest.mark.parametrize("spec", [
-    StructuredOutput(regex="[a-z ]{64}"),
-    StructuredOutput(regex=r"[A-Z][a-z]{2,20}( [a-z]+){3,}\.\d{5}"),
-    StructuredOutput(json={"type": "object", "required": ["id", "note"], "additionalProperties": False,
-                           "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{24}$"},
-                                          "note": {"type": "string", "maxLength": 20}}}),
-], ids=["counted", "words", "json-pattern"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput(regex="[a-z ]{64}"),
+        StructuredOutput(regex=r"[A-Z][a-z]{2,20}( [a-z]+){3,}\.\d{5}"),
+        StructuredOutput(
+            json={
+                "type": "object",
+                "required": ["id", "note"],
+                "additionalProperties": False,
+                "properties": {
+                    "id": {"type": "string", "pattern": "^[a-f0-9]{24}$"},
+                    "note": {"type": "string", "maxLength": 20},
+                },
+            }
+        ),
+    ],
+    ids=["counted", "words", "json-pattern"],
+)
 def test_sliced_masks_equal_the_default_slicing_token_by_token(backend, spec):
     """Both matchers take the same random allowed tokens for 40 steps (or to the grammar's end);
     every mask is bit for bit the same, and the sliced one really holds the grammar's slices."""
@@ -63,7 +84,7 @@ def test_sliced_masks_equal_the_default_slicing_token_by_token(backend, spec):
         fill_bitmask([(sliced, 0)], masks[:1])
         fill_bitmask([(plain, 0)], masks[1:])
         np.testing.assert_array_equal(masks[0], masks[1], err_msg=f"step {step}")
-        bits = np.unpackbits(masks[0].view(np.uint8), bitorder="little")[:backend.vocab_size]
+        bits = np.unpackbits(masks[0].view(np.uint8), bitorder="little")[: backend.vocab_size]
         choices = np.flatnonzero(bits)
         choices = [t for t in choices if t not in backend.tokenizer.eos_token_ids] or choices
         if sliced.is_finished or not len(choices):
@@ -85,7 +106,7 @@ def test_few_sliced_tokenizers_live_and_their_grammars_go_with_them():
     sets the oldest is dropped together with the compiled grammars built on it."""
     tok = load_tokenizer(sentencepiece_model_path())
     backend = GrammarBackend(tok, tok.vocab_size)
-    specs = [StructuredOutput(regex=f"[{c}-z]{{20}}") for c in "abcdefgh"[:_SLICED_CACHE_SIZE + 1]]
+    specs = [StructuredOutput(regex=f"[{c}-z]{{20}}") for c in "abcdefgh"[: _SLICED_CACHE_SIZE + 1]]
     grammars = [backend.compile(spec) for spec in specs]
     assert len({id(g._tokenizer) for g in grammars}) == len(specs)
     assert len(backend._sliced) == _SLICED_CACHE_SIZE

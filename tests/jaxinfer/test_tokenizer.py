@@ -1,5 +1,6 @@
 """Tokenizer backends against HF transformers / sentencepiece goldens; incremental detokenizer;
 chat templates; errors. Goldens: tests/fixtures (written by tools/make_reference.py)."""
+
 import json
 import random
 import shutil
@@ -9,9 +10,16 @@ import pytest
 import sentencepiece
 from testpaths import FIXTURES, sentencepiece_model_path, smollm2_gguf_path
 
+from jaxinfer.tokenizer import (
+    HFTokenizer,
+    IncrementalDetokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    TokenizerError,
+    from_gguf_metadata,
+    load_tokenizer,
+)
 from jaxinfer.tokenizer.chat_template import ChatTemplateError, render_chat_template
-from jaxinfer.tokenizer import (HFTokenizer, IncrementalDetokenizer, SentencePieceTokenizer,
-                                Tokenizer, TokenizerError, from_gguf_metadata, load_tokenizer)
 
 TEXTS = json.loads((FIXTURES / "tokenizer_texts.json").read_text())
 SMOLLM_GOLDEN = json.loads((FIXTURES / "smollm2" / "tokenizer_golden.json").read_text())
@@ -49,8 +57,9 @@ def llama_gguf(tmp_path_factory, sp_processor):
     writer.add_tokenizer_model("llama")
     writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
     writer.add_token_scores([sp.get_score(i) for i in range(n)])
-    writer.add_token_types([2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
-                            else 1 for i in range(n)])
+    writer.add_token_types(
+        [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    )
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
@@ -76,24 +85,34 @@ def llama_style_json(tmp_path_factory, sp_processor):
 
     sp, n = sp_processor, sp_processor.get_piece_size()
     vocab = {sp.id_to_piece(i): i for i in range(n)}
-    ranked = sorted((-sp.get_score(i), vocab[p[:c]], vocab[p[c:]], p[:c], p[c:])
-                    for i in range(n) if sp.is_control(i) + sp.is_byte(i) + sp.is_unknown(i) == 0
-                    for p in [sp.id_to_piece(i)] for c in range(1, len(p))
-                    if p[:c] in vocab and p[c:] in vocab)
-    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked],
-                                  unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    ranked = sorted(
+        (-sp.get_score(i), vocab[p[:c]], vocab[p[c:]], p[:c], p[c:])
+        for i in range(n)
+        if sp.is_control(i) + sp.is_byte(i) + sp.is_unknown(i) == 0
+        for p in [sp.id_to_piece(i)]
+        for c in range(1, len(p))
+        if p[:c] in vocab and p[c:] in vocab
+    )
+    raw = RawTokenizer(
+        models.BPE(
+            vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token="<unk>", fuse_unk=True, byte_fallback=True
+        )
+    )
     raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SP_CONTROL])
     model_dir = tmp_path_factory.mktemp("llama_style")
     raw.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
     return load_tokenizer(model_dir)
 
 
 # ---- SmolLM2: GGUF vocabulary and tokenizer.json against HF transformers ---------------------
+
 
 @pytest.mark.parametrize("which", ["smollm_gguf", "smollm_json"])
 def test_smollm2_ids_match_hf(which, request):
@@ -139,7 +158,8 @@ def test_save_pretrained_reads_back_equal(which, request, tmp_path):
     for attr in ("bos_token_id", "eos_token_ids", "pad_token_id", "add_bos", "add_eos", "chat_template"):
         assert getattr(back, attr) == getattr(tok, attr), attr
     assert [i for i in range(tok.vocab_size) if back.is_special(i)] == [
-        i for i in range(tok.vocab_size) if tok.is_special(i)]
+        i for i in range(tok.vocab_size) if tok.is_special(i)
+    ]
     for text in TEXTS:
         ids = tok.encode(text)
         assert back.encode(text) == ids, text
@@ -158,6 +178,7 @@ def test_from_gguf_metadata_plain_dict(smollm_gguf):
 
 
 # ---- sentencepiece: the .model file and a GGUF "llama" vocabulary against sentencepiece ------
+
 
 @pytest.mark.parametrize("which", ["sp_tokenizer", "llama_gguf_tokenizer", "llama_style_json"])
 def test_sentencepiece_ids_match(which, request, sp_processor):
@@ -201,7 +222,7 @@ def _stream(tok, ids, chunks, skip, prompt=None):
     detok = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=skip)
     pieces, at = [], 0
     for size in chunks:
-        pieces.append(detok.step(ids[at:at + size]))
+        pieces.append(detok.step(ids[at : at + size]))
         at += size
     assert at == len(ids)
     return pieces, detok.flush()
@@ -232,7 +253,7 @@ def test_incremental_after_prompt_keeps_leading_space(which, request):
         whole, before = tok.decode(prompt + ids), tok.decode(prompt)
         assert whole.startswith(before)
         pieces, tail = _stream(tok, ids, [1] * len(ids), True, prompt=prompt)
-        assert "".join(pieces) + tail == whole[len(before):], text
+        assert "".join(pieces) + tail == whole[len(before) :], text
 
 
 def test_incremental_holds_split_characters(smollm_gguf):
@@ -277,14 +298,17 @@ def _random_chunks(rng, n):
 
 # ---- chat templates -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("which", ["smollm_gguf", "smollm_json"])
 def test_chat_template_matches_hf(which, request):
     tok = request.getfixturevalue(which)
     assert tok.chat_template.strip() == CHAT_GOLDEN["chat_template"].strip()
     for case in CHAT_GOLDEN["cases"]:
         assert tok.apply_chat_template(case["messages"]) == case["add_generation_prompt_true"]
-        assert (tok.apply_chat_template(case["messages"], add_generation_prompt=False)
-                == case["add_generation_prompt_false"])
+        assert (
+            tok.apply_chat_template(case["messages"], add_generation_prompt=False)
+            == case["add_generation_prompt_false"]
+        )
 
 
 def test_chat_template_from_gguf_uses_bos_token(llama_gguf_tokenizer):
@@ -300,10 +324,13 @@ def test_chat_template_without_template_names_the_tokenizer(sp_tokenizer):
 
 def test_chat_template_environment():
     assert render_chat_template("{{ messages | tojson }}", [{"content": "<é>"}]) == '[{"content": "<é>"}]'
-    assert render_chat_template("  {% for m in messages %}\n{{ m.content }}\n  {% endfor %}",
-                                [{"content": "a"}, {"content": "b"}]) == "a\nb\n"
-    assert render_chat_template("{% generation %}x{% endgeneration %}{{ strftime_now('%Y')|length }}",
-                                []) == "x4"
+    assert (
+        render_chat_template(
+            "  {% for m in messages %}\n{{ m.content }}\n  {% endfor %}", [{"content": "a"}, {"content": "b"}]
+        )
+        == "a\nb\n"
+    )
+    assert render_chat_template("{% generation %}x{% endgeneration %}{{ strftime_now('%Y')|length }}", []) == "x4"
     with pytest.raises(ChatTemplateError, match="no system role"):
         render_chat_template("{{ raise_exception('no system role') }}", [])
     with pytest.raises(ChatTemplateError, match="does not compile"):
@@ -315,9 +342,16 @@ def test_chat_template_environment():
 def test_model_dir_configs(tmp_path):
     """tokenizer_config / generation_config / named chat templates decide BOS, EOS, template."""
     shutil.copy(FIXTURES / "smollm2" / "tokenizer.json", tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "add_bos_token": True, "bos_token": {"content": "<|im_start|>"}, "eos_token": "<|endoftext|>",
-        "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "add_bos_token": True,
+                "bos_token": {"content": "<|im_start|>"},
+                "eos_token": "<|endoftext|>",
+                "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     tok = load_tokenizer(tmp_path / "tokenizer.json")
     assert tok.add_bos and tok.bos_token_id == 1 and tok.eos_token_ids == (0, 2)
@@ -326,6 +360,7 @@ def test_model_dir_configs(tmp_path):
 
 
 # ---- errors ---------------------------------------------------------------------------------
+
 
 def test_missing_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
@@ -338,11 +373,14 @@ def test_directory_without_tokenizer(tmp_path):
         load_tokenizer(tmp_path)
 
 
-@pytest.mark.parametrize("name, data", [
-    ("tokenizer.json", b'{"version": "1.0", "model": {"type": "BPE", "vocab": '),
-    ("tokenizer.model", b"\x00not a sentencepiece model"),
-    ("model.gguf", b"GGUF\x03\x00\x00\x00garbage"),
-])
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("tokenizer.json", b'{"version": "1.0", "model": {"type": "BPE", "vocab": '),
+        ("tokenizer.model", b"\x00not a sentencepiece model"),
+        ("model.gguf", b"GGUF\x03\x00\x00\x00garbage"),
+    ],
+)
 def test_corrupt_files_are_named(tmp_path, name, data):
     (tmp_path / name).write_bytes(data)
     with pytest.raises(TokenizerError, match=str(tmp_path / name)):

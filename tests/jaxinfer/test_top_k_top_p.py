@@ -1,5 +1,6 @@
 """Top-k, top-p and min-p masks (sampler.mask_logits) against a float64 reference computed token
 by token: the thresholds are found by bisecting the logits' order, with no sort."""
+
 import math
 
 import jax
@@ -44,16 +45,15 @@ def test_top_k_top_p_min_p_masks_match_numpy():
     got = np.isfinite(np.asarray(mask_jit(logits, top_k, top_p, min_p)))
     for row in range(batch):
         want = reference_mask(logits[row], top_k[row], top_p[row], min_p[row])
-        np.testing.assert_array_equal(got[row], want, err_msg=f"row {row}: k={top_k[row]} "
-                                      f"p={top_p[row]} min_p={min_p[row]}")
+        np.testing.assert_array_equal(
+            got[row], want, err_msg=f"row {row}: k={top_k[row]} p={top_p[row]} min_p={min_p[row]}"
+        )
     # kept logits are unchanged
     masked = np.asarray(mask_jit(logits, top_k, top_p, min_p))
     np.testing.assert_array_equal(masked[got], logits[got])
     # all filters off: nothing masked (and the sort is skipped)
-    off = mask_jit(logits, np.zeros(batch, np.int32), np.ones(batch, np.float32),
-                   np.zeros(batch, np.float32))
+    off = mask_jit(logits, np.zeros(batch, np.int32), np.ones(batch, np.float32), np.zeros(batch, np.float32))
     np.testing.assert_array_equal(np.asarray(off), logits)
-
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -82,6 +82,5 @@ def test_masks_on_a_wide_vocabulary_with_extremes(seed):
 def test_the_masks_compile_without_a_sort():
     """The lowered masks hold no sort (and no top-k) of the vocabulary."""
     logits = np.zeros((4, 1000), np.float32)
-    text = mask_jit.lower(logits, np.ones(4, np.int32), np.full(4, 0.5, np.float32),
-                          np.zeros(4, np.float32)).as_text()
+    text = mask_jit.lower(logits, np.ones(4, np.int32), np.full(4, 0.5, np.float32), np.zeros(4, np.float32)).as_text()
     assert "sort" not in text and "top_k" not in text and "while" in text

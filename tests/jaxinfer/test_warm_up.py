@@ -1,5 +1,6 @@
 """The warm-up compiles the step's variants on a pool of threads, and running each variant after
 them compiles nothing again (jaxinfer/worker/warm_up.py)."""
+
 import threading
 
 import jax
@@ -7,11 +8,11 @@ import pytest
 from testpaths import FIXTURES
 
 from jaxinfer import SamplingParams
-from jaxinfer.worker import warm_up
-from jaxinfer.worker import compiled_step as runner_module
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
+from jaxinfer.worker import compiled_step as runner_module
+from jaxinfer.worker import warm_up
 
 # A backend compile, or an executable read from JAX's persistent cache instead (where one is on).
 COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
@@ -23,21 +24,39 @@ def model():
 
 
 def test_the_variants_compile_side_by_side_and_their_first_runs_compile_nothing(model, monkeypatch):
-    engine = Engine(model, EngineConfig(max_model_len=128, num_pages=16, max_num_seqs=4, max_num_batched_tokens=32,
-                                        token_buckets=(4, 32), num_decode_steps=4, greedy_variant=True,
-                                        compilation_cache_dir=None),
-                    warm_up=False)
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_model_len=128,
+            num_pages=16,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            token_buckets=(4, 32),
+            num_decode_steps=4,
+            greedy_variant=True,
+            compilation_cache_dir=None,
+        ),
+        warm_up=False,
+    )
     runner = engine.worker
     variants = warm_up.step_variants(runner.step)
     # Two buckets with and without a penalty history, the window and its greedy twin for bucket 4.
     assert [(i.token_ids.shape[-1], steps, greedy) for i, steps, greedy in variants] == [
-        (4, 1, False), (4, 1, False), (32, 1, False), (32, 1, False), (4, 4, False), (4, 4, True)]
+        (4, 1, False),
+        (4, 1, False),
+        (32, 1, False),
+        (32, 1, False),
+        (4, 4, False),
+        (4, 4, True),
+    ]
     assert runner.step.split_buckets == ()  # off on the CPU: nothing is compiled after the loop below
 
     phase, events = ["before"], []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, secs, **kw: events.append((phase[0], threading.current_thread().name))
-        if name in COMPILE_EVENTS else None)
+        lambda name, secs, **kw: (
+            events.append((phase[0], threading.current_thread().name)) if name in COMPILE_EVENTS else None
+        )
+    )
     lowered = []
 
     def compile_all(programs, platform):
@@ -107,4 +126,5 @@ def test_a_failed_compile_is_raised():
 
 def test_the_cli_help_names_the_setting():
     from jaxinfer.cli import build_parser
+
     assert f"{warm_up.THREADS_VAR}=N" in " ".join(build_parser().format_help().split())

@@ -1,6 +1,7 @@
 """Makes rpa_cases / kernel_mode importable from the kernel tests, and marks every case of the
 GPU kernel `gpu` and every case of the TPU kernel `tpu`: `pytest -m gpu --kernels compiled`
 on a GPU machine runs the whole GPU suite compiled."""
+
 import sys
 from pathlib import Path
 

@@ -4,6 +4,7 @@
 a kernel where the backend is its platform and interprets it elsewhere. Compiled cases compare
 against the XLA reference with float32 dots at full precision (the GPU's default would use TF32).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,10 @@ def compiled(kernel: str) -> bool:
     """True to run `kernel` compiled; skips the test if compiled was asked off the platform."""
     native = jax.default_backend() == PLATFORMS[kernel]
     if mode() == "compiled" and not native:
-        pytest.skip(f"--kernels compiled: the {kernel} kernel needs a {kernel.upper()} backend "
-                    f"(this one is {jax.default_backend()})")
+        pytest.skip(
+            f"--kernels compiled: the {kernel} kernel needs a {kernel.upper()} backend "
+            f"(this one is {jax.default_backend()})"
+        )
     return native and mode() != "interpret"
 
 

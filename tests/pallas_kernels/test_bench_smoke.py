@@ -1,5 +1,6 @@
 """benchmarks/bench_attention.py --smoke: every code path (ceilings, correctness check, timing,
 jax's paged_attention, the table) on tiny shapes with the kernels interpreted."""
+
 import importlib.util
 import os
 import subprocess
@@ -79,8 +80,19 @@ def test_bench_attention_sweep_smoke(capsys):
 def test_decode_sweep_has_a_ladder_of_kv_splits():
     bench = load_bench()
     model = bench.Model(32, 8, 128, 16, "bfloat16")
-    batch = bench.Batch("decode", "", (jax.ShapeDtypeStruct((64, 32, 128), "bfloat16"),) + (None,) * 4
-                        + (jax.ShapeDtypeStruct((64, 64), "int32"),) + (None,) * 2, None, None, 0, 0, True)
+    batch = bench.Batch(
+        "decode",
+        "",
+        (jax.ShapeDtypeStruct((64, 32, 128), "bfloat16"),)
+        + (None,) * 4
+        + (jax.ShapeDtypeStruct((64, 64), "int32"),)
+        + (None,) * 2,
+        None,
+        None,
+        0,
+        0,
+        True,
+    )
     configs = bench.sweep_configs(batch, model)
     assert {(c.num_splits, c.num_warps) for c in configs} >= {(s, w) for s in (2, 4, 8, 16) for w in (4, 8)}
     assert {c.num_splits for c in configs if c.num_stages == 2} >= {4, 8}  # pipelined gathers
@@ -90,7 +102,12 @@ def test_decode_sweep_has_a_ladder_of_kv_splits():
 def test_gpu_session_script_rejects_an_unknown_part(tmp_path):
     script = BENCH.parent / "gpu_session.sh"
     for parts in (["nope"], ["check:10", "nope"], ["check:ten"]):
-        done = subprocess.run(["bash", str(script), *parts], capture_output=True, text=True,
-                              cwd=BENCH.parents[1], env={**os.environ, "OUTDIR": str(tmp_path)})
+        done = subprocess.run(
+            ["bash", str(script), *parts],
+            capture_output=True,
+            text=True,
+            cwd=BENCH.parents[1],
+            env={**os.environ, "OUTDIR": str(tmp_path)},
+        )
         assert done.returncode == 2 and f"unknown part: {parts[-1]}" in done.stderr, done.stderr
         assert not (tmp_path / "gpu_check.txt").exists()  # refused before anything ran

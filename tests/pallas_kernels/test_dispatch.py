@@ -1,14 +1,15 @@
 """impl selection: auto by backend, one warning per fallback cause, ValueError when explicit."""
+
 import logging
 
 import jax
 import numpy as np
 import pytest
+from rpa_cases import make_case
 
 import pallas_kernels
 from pallas_kernels import dispatch
 from pallas_kernels.reference import ragged_paged_attention_reference
-from rpa_cases import make_case
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
 """The GPU kernel's block sizes fit the device's shared memory for every head_dim it takes."""
+
 import itertools
 
 import jax.numpy as jnp
@@ -66,9 +67,17 @@ def test_tuned_table_is_valid_and_fits():
 
 def test_default_config_takes_the_nearest_tuned_entry(tmp_path, monkeypatch):
     table = tmp_path / "tuned.json"
-    entry = {"device": "NVIDIA H100 80GB HBM3", "head_dim": 128, "group": 4, "page_size": 16,
-             "dtype": "bfloat16", "mode": "decode", "num_seqs": 64, "max_kv": 1024,
-             "config": {"block_q": 4, "block_kv": 64, "num_splits": 2, "num_warps": 8, "num_stages": 1}}
+    entry = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "head_dim": 128,
+        "group": 4,
+        "page_size": 16,
+        "dtype": "bfloat16",
+        "mode": "decode",
+        "num_seqs": 64,
+        "max_kv": 1024,
+        "config": {"block_q": 4, "block_kv": 64, "num_splits": 2, "num_warps": 8, "num_stages": 1},
+    }
     gpu_tuned.merge([entry], str(table))
     gpu_tuned.merge([{**entry, "num_seqs": 256}], str(table))  # a second shape
     gpu_tuned.merge([{**entry, "config": {**entry["config"], "num_splits": 4}}], str(table))  # replaces
@@ -77,9 +86,11 @@ def test_default_config_takes_the_nearest_tuned_entry(tmp_path, monkeypatch):
     h100 = "NVIDIA H100 80GB HBM3"
     near = default_config(96, 96, 4, 8, 128, 16, 80, jnp.bfloat16, h100)  # 96 seqs, 1280 keys
     assert (near.block_kv, near.num_splits, near.num_warps) == (64, 4, 8)
-    for other in (default_config(96, 96, 4, 8, 128, 16, 80, jnp.float32, h100),  # dtype differs
-                  default_config(1, 1, 4, 8, 128, 16, 80, jnp.bfloat16, h100),  # 96x fewer seqs
-                  default_config(96, 96, 4, 8, 128, 16, 80, jnp.bfloat16, "NVIDIA A100-SXM4-80GB")):
+    for other in (
+        default_config(96, 96, 4, 8, 128, 16, 80, jnp.float32, h100),  # dtype differs
+        default_config(1, 1, 4, 8, 128, 16, 80, jnp.bfloat16, h100),  # 96x fewer seqs
+        default_config(96, 96, 4, 8, 128, 16, 80, jnp.bfloat16, "NVIDIA A100-SXM4-80GB"),
+    ):
         assert (other.block_kv, other.num_warps) != (64, 8)
     assert gpu_tuned.lookup(h100, 128, 4, 16, "bfloat16", "prefill", 96, 1280, str(table)) is None
     # An entry reaches 2x its sequence count, 4x its context: the 64-sequence entry alone does

@@ -6,14 +6,14 @@ output and the updated cache are compared; the cache holds NaN (or the int8 mini
 sequence may read, so a kernel that reads an unwritten slot, or a write that lands in the wrong
 slot, fails. The TPU kernel's own cases (its paths, configs, DMAs) are in test_tpu_kernel.py.
 """
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from pallas_kernels import gpu
 from kernel_check import KERNELS, check
 from rpa_cases import make_case
 
+from pallas_kernels import gpu
 
 BATCHES = {
     "decode": dict(q_lens=[1, 1, 1, 1, 1], kv_lens=[1, 17, 33, 64, 70]),
@@ -67,8 +67,7 @@ DTYPES = {
 @pytest.mark.parametrize("kernel", KERNEL_IDS)
 @pytest.mark.parametrize("dtypes", sorted(DTYPES))
 def test_dtypes(kernel, dtypes):
-    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 70, 20, 1], page_size=32, seed=3,
-                     **DTYPES[dtypes])
+    case = make_case(q_lens=[5, 1, 20, 1], kv_lens=[40, 70, 20, 1], page_size=32, seed=3, **DTYPES[dtypes])
     check(kernel, case, sliding_window=50)
 
 
@@ -77,28 +76,28 @@ def test_dtypes(kernel, dtypes):
 def test_many_kv_heads(kernel, dtypes):
     """Eight kv heads, each with its own cache scales where quantized: the TPU kernel reads each
     head's K and V rows out of whole-page buffers."""
-    case = make_case(q_lens=[5, 1, 9], kv_lens=[40, 17, 9], num_kv_heads=8, group=1, page_size=32,
-                     seed=21, **DTYPES[dtypes])
+    case = make_case(
+        q_lens=[5, 1, 9], kv_lens=[40, 17, 9], num_kv_heads=8, group=1, page_size=32, seed=21, **DTYPES[dtypes]
+    )
     check(kernel, case)
 
 
-HEAD_DIMS = [("gpu", 80), ("gpu", 96), ("gpu", 128), ("gpu", 192), ("gpu", 256),
-             ("tpu", 128), ("tpu", 256)]
+HEAD_DIMS = [("gpu", 80), ("gpu", 96), ("gpu", 128), ("gpu", 192), ("gpu", 256), ("tpu", 128), ("tpu", 256)]
 
 
 @pytest.mark.parametrize(("kernel", "head_dim"), HEAD_DIMS)
 def test_head_dims(kernel, head_dim):
-    case = make_case(q_lens=[3, 1], kv_lens=[20, 41], head_dim=head_dim, num_kv_heads=1, group=4,
-                     seed=head_dim)
-    check(kernel, case, sm_scale=head_dim ** -0.5)
+    case = make_case(q_lens=[3, 1], kv_lens=[20, 41], head_dim=head_dim, num_kv_heads=1, group=4, seed=head_dim)
+    check(kernel, case, sm_scale=head_dim**-0.5)
 
 
 def test_gpu_head_dim_prefill_blocks():
     """head_dim 256 with a prefill-sized query block (64 rows) and a padded head_dim 80."""
     for head_dim in (80, 256):
-        case = make_case(q_lens=[70, 2], kv_lens=[90, 50], head_dim=head_dim, num_kv_heads=1,
-                         group=2, seed=head_dim + 1)
-        check("gpu", case, sm_scale=head_dim ** -0.5)
+        case = make_case(
+            q_lens=[70, 2], kv_lens=[90, 50], head_dim=head_dim, num_kv_heads=1, group=2, seed=head_dim + 1
+        )
+        check("gpu", case, sm_scale=head_dim**-0.5)
 
 
 GPU_CONFIGS = {
@@ -127,10 +126,14 @@ PATHS = {  # the decode split with explicit blocks: decode call with split-K, th
 
 
 SPLIT_PATHS = {  # which of the two calls merges KV splits (the other stores its rows)
-    "decode_split_k": gpu.GpuPaths(decode=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=4),
-                                   rest=gpu.GpuConfig(block_q=16, block_kv=32, num_splits=1)),
-    "rest_split_k": gpu.GpuPaths(decode=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=1),
-                                 rest=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=2)),
+    "decode_split_k": gpu.GpuPaths(
+        decode=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=4),
+        rest=gpu.GpuConfig(block_q=16, block_kv=32, num_splits=1),
+    ),
+    "rest_split_k": gpu.GpuPaths(
+        decode=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=1),
+        rest=gpu.GpuConfig(block_q=8, block_kv=16, num_splits=2),
+    ),
 }
 
 
@@ -160,12 +163,12 @@ def test_gpu_default_configs(head_dim, dtype):
     """The default config of a decode batch and of a prefill chunk at this head_dim: lowers,
     compiles (within the device's shared memory, on a GPU) and matches the reference."""
     dtype = jnp.dtype(dtype)
-    decode = make_case(q_lens=[1] * 6, kv_lens=[5, 40, 90, 130, 17, 64], head_dim=head_dim,
-                       group=4, dtype=dtype, seed=head_dim)
-    prefill = make_case(q_lens=[130, 3], kv_lens=[150, 3], head_dim=head_dim, group=4,
-                        dtype=dtype, seed=head_dim + 1)
+    decode = make_case(
+        q_lens=[1] * 6, kv_lens=[5, 40, 90, 130, 17, 64], head_dim=head_dim, group=4, dtype=dtype, seed=head_dim
+    )
+    prefill = make_case(q_lens=[130, 3], kv_lens=[150, 3], head_dim=head_dim, group=4, dtype=dtype, seed=head_dim + 1)
     for case in (decode, prefill):
-        check("gpu", case, sm_scale=head_dim ** -0.5)
+        check("gpu", case, sm_scale=head_dim**-0.5)
 
 
 GEMMA_CASES = {  # (shape, options): Gemma 3 (1 KV head, 4 query heads) and Gemma 2 (soft cap)
@@ -180,6 +183,7 @@ def test_gemma_head_dim_256_with_sliding_window(kernel, model):
     """Gemma's attention: head_dim 256, scores scaled by 256^-1/2, a window shorter than most
     contexts (decode rows far past it, a prefill chunk that crosses its edge), Gemma 2's cap."""
     shape, opts = GEMMA_CASES[model]
-    case = make_case(q_lens=[1, 1, 20, 5], kv_lens=[100, 30, 60, 25], head_dim=256, page_size=16,
-                     seed=256 + len(opts), **shape)
-    check(kernel, case, sm_scale=256 ** -0.5, **opts)
+    case = make_case(
+        q_lens=[1, 1, 20, 5], kv_lens=[100, 30, 60, 25], head_dim=256, page_size=16, seed=256 + len(opts), **shape
+    )
+    check(kernel, case, sm_scale=256**-0.5, **opts)

@@ -6,16 +6,17 @@ Triton blocks, unsupported ops, bad memory spaces). A failure to lower fails the
 cannot catch: ptxas, which runs only when compiling on a GPU; Mosaic's own passes run in
 test_tpu_compile.py, which compiles for TPU chips without one.
 """
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from rpa_cases import operand_structs
 
 from pallas_kernels import gpu, tpu
 from pallas_kernels.gpu_config import is_decode_like
-from rpa_cases import operand_structs
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
@@ -45,21 +46,24 @@ GPU_OPTIONS = {
     "plain": {},
     "window_cap": dict(sliding_window=128, soft_cap=30.0),
     "split_k": dict(config=gpu.GpuConfig(block_q=16, block_kv=128, num_splits=8)),
-    "paths": dict(config=gpu.GpuPaths(gpu.GpuConfig(block_q=8, block_kv=128, num_splits=4),
-                                      gpu.GpuConfig(block_q=16, block_kv=64, num_splits=1))),
+    "paths": dict(
+        config=gpu.GpuPaths(
+            gpu.GpuConfig(block_q=8, block_kv=128, num_splits=4), gpu.GpuConfig(block_q=16, block_kv=64, num_splits=1)
+        )
+    ),
 }
 
 
 @pytest.mark.parametrize("options", sorted(GPU_OPTIONS))
 @pytest.mark.parametrize("shapes", sorted(SHAPES))
 def test_gpu_kernel_lowers_for_cuda(shapes, options):
-    text = _lower(gpu.ragged_paged_attention_gpu, operand_structs(**SHAPES[shapes]), "cuda", H100,
-                  **GPU_OPTIONS[options])
+    text = _lower(
+        gpu.ragged_paged_attention_gpu, operand_structs(**SHAPES[shapes]), "cuda", H100, **GPU_OPTIONS[options]
+    )
     # One call under a GpuConfig or for a decode-like batch; else the decode split's two.
     shape = {"tokens": 64, "seqs": 8, **SHAPES[shapes]}
     config = GPU_OPTIONS[options].get("config")
-    split = isinstance(config, gpu.GpuPaths) or (
-        config is None and not is_decode_like(shape["tokens"], shape["seqs"]))
+    split = isinstance(config, gpu.GpuPaths) or (config is None and not is_decode_like(shape["tokens"], shape["seqs"]))
     assert text.count("__gpu$xla.gpu.triton") == (2 if split else 1)
     head_dim = SHAPES[shapes].get("head_dim", 128)
     cache_alias = "operand_index = 6,"  # the cache operand, written in place
@@ -79,8 +83,7 @@ def _splits(config, path):
     return config is not None and getattr(config, path).num_splits > 1
 
 
-TPU_SHAPES = {k: v for k, v in SHAPES.items()
-              if v.get("dtype") != jnp.float16 and v.get("head_dim", 128) % 64 == 0}
+TPU_SHAPES = {k: v for k, v in SHAPES.items() if v.get("dtype") != jnp.float16 and v.get("head_dim", 128) % 64 == 0}
 TPU_OPTIONS = {
     "plain": {},
     "window_cap": dict(sliding_window=128, soft_cap=30.0),
@@ -95,14 +98,20 @@ TPU_OPTIONS = {
 # test_tpu_blocks_past_the_default_vmem_limit_ask_for_theirs; Mosaic's chip-specific passes run
 # in test_tpu_compile.py.
 TPU_CASES = [(shapes, options, "v5e") for shapes in sorted(TPU_SHAPES) for options in sorted(TPU_OPTIONS)] + [
-    (shapes, "plain", chip) for shapes in sorted(TPU_SHAPES) for chip in ("v6e", "7x")]
+    (shapes, "plain", chip) for shapes in sorted(TPU_SHAPES) for chip in ("v6e", "7x")
+]
 TPU_DEVICES = {"v5e": TPU_V5E, "v6e": TPU_V6E, "7x": TPU_7X}
 
 
 @pytest.mark.parametrize(("shapes", "options", "chip"), TPU_CASES, ids=["-".join(c) for c in TPU_CASES])
 def test_tpu_kernel_lowers_for_tpu(shapes, options, chip):
-    text = _lower(tpu.ragged_paged_attention_tpu, operand_structs(**TPU_SHAPES[shapes]), "tpu",
-                  TPU_DEVICES[chip], **TPU_OPTIONS[options])
+    text = _lower(
+        tpu.ragged_paged_attention_tpu,
+        operand_structs(**TPU_SHAPES[shapes]),
+        "tpu",
+        TPU_DEVICES[chip],
+        **TPU_OPTIONS[options],
+    )
     # The decode, mixed and prefill kernels; one ragged kernel under a single TpuConfig.
     calls = 1 if isinstance(TPU_OPTIONS[options].get("config"), tpu.TpuConfig) else 3
     assert text.count("@tpu_custom_call") == calls
@@ -113,8 +122,7 @@ def test_tpu_kernel_lowers_for_tpu(shapes, options, chip):
 def test_tpu_blocks_past_the_default_vmem_limit_ask_for_theirs(device, chip):
     """f32 prefill, head_dim 256, 8 query heads per KV head: the default blocks need more than
     half of Mosaic's default 16 MiB, so the kernel's custom call carries the limit it asks for."""
-    shape = dict(tokens=512, q_heads=8, kv_heads=1, head_dim=256, dtype=jnp.float32, seqs=2,
-                 pages_per_seq=64)
+    shape = dict(tokens=512, q_heads=8, kv_heads=1, head_dim=256, dtype=jnp.float32, seqs=2, pages_per_seq=64)
     config = tpu.default_paths(512, 2, 8, 1, 16, 64, 256, jnp.float32, chip=chip).prefill
     assert config.vmem_limit_bytes is not None
     text = _lower(tpu.ragged_paged_attention_tpu, operand_structs(**shape), "tpu", device)

@@ -1,15 +1,18 @@
 """The reference against a dense float64 numpy oracle, and the KV write on its own."""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rpa_cases import dense_oracle, make_case
 
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv
-from rpa_cases import dense_oracle, make_case
 
 CASES = {
     "mixed": (dict(q_lens=[5, 1, 20, 1, 9], kv_lens=[40, 30, 20, 1, 9], group=3), {}),
-    "window_cap": (dict(q_lens=[3, 12], kv_lens=[50, 12], page_size=8),
-                   dict(sliding_window=7, soft_cap=2.0, sm_scale=0.5)),
+    "window_cap": (
+        dict(q_lens=[3, 12], kv_lens=[50, 12], page_size=8),
+        dict(sliding_window=7, soft_cap=2.0, sm_scale=0.5),
+    ),
     "int8": (dict(q_lens=[4, 1], kv_lens=[20, 33], cache_dtype=jnp.int8), {}),
     "fp8": (dict(q_lens=[4, 1], kv_lens=[20, 33], cache_dtype=jnp.float8_e4m3fn), {}),
     # Decode rows whose contexts span several blocks of the context loop (128 tokens at most),
@@ -54,8 +57,7 @@ def test_quantized_write_stores_x_over_scale_rounded(cache_dtype):
     k_scale = np.array([0.011, 0.023], np.float32)
     v_scale = np.array([0.017, 0.031], np.float32)
     args = case.args()
-    cache = write_kv(args[3], args[1], args[2], *args[4:], k_scale=jnp.asarray(k_scale),
-                     v_scale=jnp.asarray(v_scale))
+    cache = write_kv(args[3], args[1], args[2], *args[4:], k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale))
     cache = np.asarray(jnp.asarray(cache).astype(jnp.float32))
     scales = np.stack([k_scale, v_scale], 1).reshape(-1)  # [2K]
     for s in range(2):
@@ -72,8 +74,8 @@ def test_quantized_write_stores_x_over_scale_rounded(cache_dtype):
                 error = np.abs(x - stored * scale)
                 assert np.all(error[inside] <= scale[inside] / 2 * (1 + 1e-6))
             else:
-                inside = (np.abs(y) <= 448) & (np.abs(y) >= 2 ** -6)  # normal, unclipped
-                assert np.all(np.abs(stored - y)[inside] <= 2 ** -4 * np.abs(y)[inside])
+                inside = (np.abs(y) <= 448) & (np.abs(y) >= 2**-6)  # normal, unclipped
+                assert np.all(np.abs(stored - y)[inside] <= 2**-4 * np.abs(y)[inside])
                 np.testing.assert_array_equal(stored[np.abs(y) > 448], 448 * np.sign(y[np.abs(y) > 448]))
 
 
@@ -82,6 +84,7 @@ def test_bucket_of_is_searchsorted_right(num_edges, num_queries):
     """The work lists' sequence search: one comparison for small searches, the loop past 4M
     pairs; both count the sorted edges <= x, repeated edges included."""
     from pallas_kernels.common import bucket_of
+
     rng = np.random.default_rng(num_edges)
     edges = np.sort(rng.integers(0, 3 * num_edges, num_edges)).astype(np.int32)
     x = rng.integers(-2, 3 * num_edges + 2, num_queries).astype(np.int32)

@@ -4,6 +4,7 @@ DMAs, VMEM and SMEM allocation), which test_lowering.py cannot reach. Cases: tpu
 
 The compiles run in one subprocess with libtpu on its path (tools/install.sh --test puts it in
 .venv/tpu-compiler); without that folder the tests skip, saying so."""
+
 import json
 import subprocess
 import sys
@@ -14,14 +15,20 @@ from tpu_compile import CASES, FAILING, FAILING_WORDS
 from xla_env import TPU_COMPILER, has_tpu_compiler, tpu_compiler_env
 
 HERE = Path(__file__).resolve().parent
-pytestmark = pytest.mark.skipif(not has_tpu_compiler(),
-                                reason=f"libtpu not installed in {TPU_COMPILER} (tools/install.sh --test)")
+pytestmark = pytest.mark.skipif(
+    not has_tpu_compiler(), reason=f"libtpu not installed in {TPU_COMPILER} (tools/install.sh --test)"
+)
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    proc = subprocess.run([sys.executable, str(HERE / "tpu_compile.py")], capture_output=True,
-                          text=True, timeout=1200, env=tpu_compiler_env())
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "tpu_compile.py")],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=tpu_compiler_env(),
+    )
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):

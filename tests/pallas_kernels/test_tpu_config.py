@@ -1,4 +1,5 @@
 """The TPU kernel's block sizes fit the target chip's VMEM (pallas_kernels/tpu_config.py)."""
+
 import math
 
 import jax
@@ -12,8 +13,14 @@ CHIPS = ["v4", "v5e", "v5p", "v6e", "7x"]
 DTYPES = [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.bfloat16, jnp.int8)]
 # (num_tokens, num_seqs, group, num_kv_heads, page_size, pages_per_seq): decode, prefill, wide
 # groups, long pages, many kv heads
-SHAPES = [(256, 256, 4, 8, 16, 64), (2048, 4, 4, 8, 16, 256), (512, 2, 16, 2, 16, 128),
-          (64, 64, 1, 16, 32, 512), (4096, 1, 8, 4, 64, 64), (1024, 8, 2, 16, 16, 128)]
+SHAPES = [
+    (256, 256, 4, 8, 16, 64),
+    (2048, 4, 4, 8, 16, 256),
+    (512, 2, 16, 2, 16, 128),
+    (64, 64, 1, 16, 32, 512),
+    (4096, 1, 8, 4, 64, 64),
+    (1024, 8, 2, 16, 16, 128),
+]
 
 
 @pytest.mark.parametrize("chip", CHIPS)
@@ -85,15 +92,22 @@ def test_vmem_bytes_counts_the_kernels_scratch():
     state = kv_heads * (8 * 32) * (128 + 2 * 128) * 4  # acc, and m and l padded to 128 lanes
     assert tc.vmem_bytes(config, 8, kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16) > scratch + blocks + state
     # Every kv head's blocks live at once: the need grows with the head count.
-    assert tc.vmem_bytes(config, 8, 2 * kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16) > \
-        tc.vmem_bytes(config, 8, kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16) + scratch + blocks
+    assert (
+        tc.vmem_bytes(config, 8, 2 * kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16)
+        > tc.vmem_bytes(config, 8, kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16) + scratch + blocks
+    )
 
 
-@pytest.mark.parametrize("kind,chip", [("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"), ("TPU7x", "7x"),
-                                       ("TPU v5p", "v5p"), ("TPU v4", "v4")])
+@pytest.mark.parametrize(
+    "kind,chip", [("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"), ("TPU7x", "7x"), ("TPU v5p", "v5p"), ("TPU v4", "v4")]
+)
 def test_the_target_chip_is_the_abstract_meshs_when_lowering_from_elsewhere(kind, chip):
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
-                        abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"))
+    mesh = AbstractMesh(
+        (1,),
+        ("x",),
+        (AxisType.Explicit,),
+        abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"),
+    )
     with jax.sharding.use_abstract_mesh(mesh):
         assert tc.target_chip() == chip
     if jax.default_backend() != "tpu":
@@ -102,8 +116,7 @@ def test_the_target_chip_is_the_abstract_meshs_when_lowering_from_elsewhere(kind
 
 def _table_operands(seqs: int, pages_per_seq: int):
     sd = jax.ShapeDtypeStruct
-    return (sd((seqs, 8, 128), jnp.bfloat16), sd((64, 16, 4, 128), jnp.bfloat16),
-            sd((seqs, pages_per_seq), jnp.int32))
+    return (sd((seqs, 8, 128), jnp.bfloat16), sd((64, 16, 4, 128), jnp.bfloat16), sd((seqs, pages_per_seq), jnp.int32))
 
 
 def test_a_page_table_past_smem_is_refused_by_its_size():
@@ -119,19 +132,30 @@ def test_an_explicit_tpu_kernel_raises_on_a_table_past_smem():
 
     q, cache, table = (jnp.zeros(a.shape, a.dtype) for a in _table_operands(64, 4096))
     kv = jnp.zeros((64, 2, 128), jnp.bfloat16)
-    args = (q, kv, kv, cache, jnp.ones(64, jnp.int32), table, jnp.arange(65, dtype=jnp.int32),
-            jnp.array([64], jnp.int32))
+    args = (
+        q,
+        kv,
+        kv,
+        cache,
+        jnp.ones(64, jnp.int32),
+        table,
+        jnp.arange(65, dtype=jnp.int32),
+        jnp.array([64], jnp.int32),
+    )
     with pytest.raises(ValueError, match=r"64 x 4096 pages \(1024 KiB"):
         dispatch.ragged_paged_attention(*args, sm_scale=0.1, impl="pallas_tpu")
 
 
-@pytest.mark.parametrize("seqs,max_len,least,page", [
-    (64, 8192, 16, 16),      # 64 x 512 pages: 128 KiB
-    (64, 131072, 16, 64),    # Llama 3's context at the default 64 sequences: 64 x 2048 = 512 KiB
-    (256, 131072, 16, 256),  # 256 x 512
-    (256, 8192, 32, 32),     # one-byte caches take pages of 32 tokens at least
-    (1, 1 << 40, 16, 1024),  # never past 1024 tokens a page, fit or not
-])
+@pytest.mark.parametrize(
+    "seqs,max_len,least,page",
+    [
+        (64, 8192, 16, 16),  # 64 x 512 pages: 128 KiB
+        (64, 131072, 16, 64),  # Llama 3's context at the default 64 sequences: 64 x 2048 = 512 KiB
+        (256, 131072, 16, 256),  # 256 x 512
+        (256, 8192, 32, 32),  # one-byte caches take pages of 32 tokens at least
+        (1, 1 << 40, 16, 1024),  # never past 1024 tokens a page, fit or not
+    ],
+)
 def test_table_page_size_is_the_smallest_power_of_two_that_fits(seqs, max_len, least, page):
     assert tc.table_page_size(seqs, max_len, least) == page
     if page < tc.MAX_TABLE_PAGE_SIZE:
@@ -161,12 +185,26 @@ def test_the_engine_runs_on_the_page_size_it_chose():
     from jaxinfer.loader import LoadedModel
     from jaxinfer.models.registry import get_family
 
-    config = ModelConfig(model_type="llama", family="llama", vocab_size=64, hidden_size=32,
-                         intermediate_size=48, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=8192)
+    config = ModelConfig(
+        model_type="llama",
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=8192,
+    )
     family = get_family("llama")
     model = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
-    engine = Engine(model, EngineConfig(attn_impl="pallas_tpu", num_pages=8, max_num_seqs=512,
-                                        compilation_cache_dir=None), warm_up=False)
+    engine = Engine(
+        model,
+        EngineConfig(attn_impl="pallas_tpu", num_pages=8, max_num_seqs=512, compilation_cache_dir=None),
+        warm_up=False,
+    )
     assert engine.config.cache.page_size == engine.kv_cache.page_size == engine.worker.step.engine.cache.page_size == 32
     assert engine.worker.state.pages_per_seq == 256 and engine.worker.state.kv_caches[0].shape[1] == 32

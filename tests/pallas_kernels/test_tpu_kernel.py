@@ -1,17 +1,18 @@
 """The TPU kernel's own cases in interpret mode: its three paths (decode, mixed, prefill) with
 their block configs, the order the paths put sequences in, DMA races, and the shape of its DMAs.
 The cases both kernels share are in test_kernels.py."""
+
 import jax
 import jax.numpy as jnp
+import kernel_mode
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
-from pallas_kernels import common, tpu, tpu_layout
-import kernel_mode
 from kernel_check import check, reference, run_tpu
 from rpa_cases import make_case
+
+from pallas_kernels import common, tpu, tpu_layout
 
 
 def test_tpu_rejects_unaligned_head_dim():
@@ -40,8 +41,9 @@ TPU_PATHS = {
 }
 # Interleaved paths; decodes with nothing cached (kv_len 1) between decodes with long contexts,
 # so a decode sequence's first KV step is started by a sequence before it, or by itself.
-PATHS_BATCH = dict(q_lens=[1, 5, 1, 40, 1, 1, 20, 1, 3, 1, 33],
-                   kv_lens=[70, 40, 1, 60, 17, 129, 20, 1, 3, 33, 50], page_size=8)
+PATHS_BATCH = dict(
+    q_lens=[1, 5, 1, 40, 1, 1, 20, 1, 3, 1, 33], kv_lens=[70, 40, 1, 60, 17, 129, 20, 1, 3, 33, 50], page_size=8
+)
 
 
 @pytest.mark.parametrize("name", sorted(TPU_PATHS))
@@ -61,8 +63,9 @@ def test_tpu_path_order():
     assert np.asarray(order).tolist() == [0, 2, 4, 5, 7, 9, 1, 8, 3, 6, 10, 11, 12]
     np.testing.assert_array_equal(np.diff(np.asarray(cu_ordered)), q_lens[np.asarray(order)])
     num_tokens = case.q.shape[0]
-    source, dest = (np.asarray(x) for x in tpu_layout.token_maps(
-        jnp.asarray(case.cu_q_lens), cu_ordered, order, num_tokens))
+    source, dest = (
+        np.asarray(x) for x in tpu_layout.token_maps(jnp.asarray(case.cu_q_lens), cu_ordered, order, num_tokens)
+    )
     np.testing.assert_array_equal(source[dest], np.arange(num_tokens))
     real = int(case.cu_q_lens[-1])
     np.testing.assert_array_equal(dest[real:], np.arange(real, num_tokens))
@@ -81,8 +84,7 @@ def test_tpu_dma_races_and_order():
     case = make_case(q_lens=[5, 1, 20, 1, 1], kv_lens=[40, 70, 20, 1, 30], page_size=8, seed=17)
     want, _ = reference(case)
     for config in (tpu.TpuConfig(16, 2), TPU_PATHS["small_blocks"]):
-        for params in (pltpu.InterpretParams(detect_races=True),
-                       pltpu.InterpretParams(dma_execution_mode="eager")):
+        for params in (pltpu.InterpretParams(detect_races=True), pltpu.InterpretParams(dma_execution_mode="eager")):
             out, _ = run_tpu(case, config=config, interpret=params, sm_scale=0.125)
             np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
 
@@ -100,8 +102,7 @@ def _kernel_eqns(jaxpr, name):
 
 
 def _kernels(case):
-    jaxpr = jax.make_jaxpr(lambda *a: tpu.ragged_paged_attention_tpu(*a, **case.scales(), sm_scale=0.1))(
-        *case.args())
+    jaxpr = jax.make_jaxpr(lambda *a: tpu.ragged_paged_attention_tpu(*a, **case.scales(), sm_scale=0.1))(*case.args())
     return [eqn.params["jaxpr"] for eqn in _kernel_eqns(jaxpr.jaxpr, "pallas_call")]
 
 
@@ -134,8 +135,15 @@ def test_tpu_kernels_read_a_heads_rows_by_strided_loads(cache_dtype, per_word):
     the buffers' row axis instead has Mosaic gather one sublane per key (tpu_rows.py)."""
     heads = 4
     dtype = jnp.float32 if cache_dtype == jnp.float32 else jnp.bfloat16
-    case = make_case(q_lens=[5, 1, 20], kv_lens=[40, 20, 20], num_kv_heads=heads, page_size=32, seed=3,
-                     dtype=dtype, cache_dtype=cache_dtype)
+    case = make_case(
+        q_lens=[5, 1, 20],
+        kv_lens=[40, 20, 20],
+        num_kv_heads=heads,
+        page_size=32,
+        seed=3,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+    )
     for kernel in _kernels(case):
         starts = set()
         for eqn in _kernel_eqns(kernel, "get"):

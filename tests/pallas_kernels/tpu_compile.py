@@ -11,6 +11,7 @@ prints one JSON line per case: {"case", "chip", "ok", "seconds", "error"}. `tool
 venv's own path so that no other process loads it; test_tpu_compile.py runs this file in a
 subprocess with that folder on its path.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import jax  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+from rpa_cases import operand_structs  # noqa: E402  (this file's folder, first on sys.path)
 
 from pallas_kernels import tpu, tpu_config  # noqa: E402
-from rpa_cases import operand_structs  # noqa: E402  (this file's folder, first on sys.path)
 
 TOPOLOGIES = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "7x": "tpu7x:1x1"}
 
@@ -47,8 +48,11 @@ CASES = {
     # most SMEM a table may take (tpu_config.PAGE_TABLE_SMEM_BYTES).
     "v5e-decode-256x8k": ("v5e", dict(tokens=256, seqs=256, pages_per_seq=512, pages=4096), {}),
     # f32 prefill, head_dim 256, 8 query heads per kv head: asks past the default scoped VMEM.
-    "v5e-f32-d256-gqa8": ("v5e", dict(tokens=512, q_heads=8, kv_heads=1, head_dim=256,
-                                      dtype="float32", seqs=2, pages_per_seq=64), {}),
+    "v5e-f32-d256-gqa8": (
+        "v5e",
+        dict(tokens=512, q_heads=8, kv_heads=1, head_dim=256, dtype="float32", seqs=2, pages_per_seq=64),
+        {},
+    ),
     # Query groups of 1 and 2 rows (decode [G, D] operands under one sublane tile).
     "v5e-group1-group2": ("v5e", dict(q_heads=4, kv_heads=2), {}),
     "v6e-mha": ("v6e", dict(q_heads=4, kv_heads=4), {}),
@@ -59,10 +63,12 @@ CASES = {
 # than the limit it asks for; a page table of 2 MiB (256 x 2048 pages) with the kernel's own
 # check of its size lifted (`unsupported_reason` refuses it before tracing otherwise).
 FAILING = {
-    "v5e-over-vmem": ("v5e", {}, dict(config=tpu.TpuConfig(block_q=256, pages_per_block=32,
-                                                           vmem_limit_bytes=1 << 20))),
-    "v5e-table-over-smem": ("v5e", dict(tokens=256, seqs=256, pages_per_seq=2048, pages=4096),
-                            dict(lift_table_check=True)),
+    "v5e-over-vmem": ("v5e", {}, dict(config=tpu.TpuConfig(block_q=256, pages_per_block=32, vmem_limit_bytes=1 << 20))),
+    "v5e-table-over-smem": (
+        "v5e",
+        dict(tokens=256, seqs=256, pages_per_seq=2048, pages=4096),
+        dict(lift_table_check=True),
+    ),
 }
 FAILING_WORDS = {"v5e-over-vmem": "memory space vmem", "v5e-table-over-smem": "space=smem"}
 
@@ -85,8 +91,14 @@ def compile_case(name: str) -> dict:
         error = f"{type(e).__name__}: {e}"[:4000]
     finally:
         tpu_config.PAGE_TABLE_SMEM_BYTES = limit
-    return {"case": name, "chip": chip, "device_kind": device.device_kind, "ok": error is None,
-            "seconds": round(time.perf_counter() - start, 1), "error": error}
+    return {
+        "case": name,
+        "chip": chip,
+        "device_kind": device.device_kind,
+        "ok": error is None,
+        "seconds": round(time.perf_counter() - start, 1),
+        "error": error,
+    }
 
 
 if __name__ == "__main__":

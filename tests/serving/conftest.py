@@ -5,6 +5,7 @@ few seconds); `serve(**options)` starts a BackgroundServer around its engine and
 the test, then checks that every KV page is free again. One engine serves the whole package,
 one server at a time: a stopped server's engine loop has let go of the engine.
 """
+
 import sys
 from pathlib import Path
 
@@ -13,12 +14,12 @@ from testpaths import FIXTURES
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from jaxinfer.llm import LLM  # noqa: E402
-from serving.server import BackgroundServer, ServerOptions  # noqa: E402
 from serving_support import assert_pages_free  # noqa: E402
 
-TINY = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32),
-            num_pages=48)
+from jaxinfer.llm import LLM  # noqa: E402
+from serving.server import BackgroundServer, ServerOptions  # noqa: E402
+
+TINY = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=48)
 
 
 @pytest.fixture(scope="package")
@@ -41,5 +42,3 @@ def serve(tiny_llm):
         server.stop()
     for server in servers:
         assert_pages_free(server.server.engine_loop.engine)
-
-

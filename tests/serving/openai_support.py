@@ -1,4 +1,5 @@
 """Helpers of the HTTP API tests: `jaxinfer serve` as a subprocess, raw HTTP, server stats."""
+
 import http.client
 import json
 import os
@@ -30,8 +31,14 @@ class ServedProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 240):
         self.env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
         self.log_path = log_path
-        self.proc = subprocess.Popen([*JAXINFER, "serve", *args], stdout=subprocess.PIPE, stderr=open(log_path, "w"),
-                                     text=True, env=self.env, cwd=REPO)
+        self.proc = subprocess.Popen(
+            [*JAXINFER, "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=open(log_path, "w"),
+            text=True,
+            env=self.env,
+            cwd=REPO,
+        )
         line = _read_line(self.proc.stdout, timeout)
         match = re.match(r"listening on (?:(\S+:\d+) \()?(http://[^\s)]+)\)?", line)
         if not match:
@@ -49,8 +56,15 @@ class ServedProcess:
             self.proc.wait(10)
 
 
-def raw_request(server: ServedProcess, method: str, path: str, body=None, key: str | None = None,
-                headers: dict | None = None, timeout: float = 60) -> tuple[int, dict, bytes]:
+def raw_request(
+    server: ServedProcess,
+    method: str,
+    path: str,
+    body=None,
+    key: str | None = None,
+    headers: dict | None = None,
+    timeout: float = 60,
+) -> tuple[int, dict, bytes]:
     """(status, headers, body bytes) of one request over a fresh connection; `body` a dict is JSON."""
     conn = http.client.HTTPConnection(server.host, int(server.port), timeout=timeout)
     hdrs = {"Content-Type": "application/json", **(headers or {})}
@@ -82,11 +96,24 @@ def asgi_request(app, method: str, path: str, body=None, headers: dict | None = 
     import asyncio
 
     raw = b"" if body is None else json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "state": {},
-             "headers": [(k.lower().encode(), v.encode()) for k, v in
-                         {"content-type": "application/json", "content-length": str(len(raw)), **(headers or {})}.items()]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+        "state": {},
+        "headers": [
+            (k.lower().encode(), v.encode())
+            for k, v in {"content-type": "application/json", "content-length": str(len(raw)), **(headers or {})}.items()
+        ],
+    }
     sent, messages = [], []
 
     async def receive():
@@ -100,5 +127,8 @@ def asgi_request(app, method: str, path: str, body=None, headers: dict | None = 
 
     asyncio.run(app(scope, receive, send))
     start = messages[0]
-    return (start["status"], {k.decode().lower(): v.decode() for k, v in start.get("headers", [])},
-            b"".join(m.get("body", b"") for m in messages[1:]))
+    return (
+        start["status"],
+        {k.decode().lower(): v.decode() for k, v in start.get("headers", [])},
+        b"".join(m.get("body", b"") for m in messages[1:]),
+    )

@@ -1,4 +1,5 @@
 """Helpers of the serving tests (conftest.py puts this folder on sys.path)."""
+
 import contextlib
 import time
 

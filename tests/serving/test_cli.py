@@ -1,5 +1,6 @@
 """`jaxinfer serve` as a real process: `jaxinfer client` against it, then SIGTERM with requests
 in flight: they finish, and the process exits 0."""
+
 import os
 import signal
 import subprocess
@@ -14,9 +15,23 @@ from testpaths import FIXTURES
 from serving.grpc.client import Client
 
 JAXINFER = [sys.executable, "-m", "jaxinfer.cli"]
-TINY_ARGS = ["--model", str(FIXTURES / "hf" / "llama3"), "--dtype", "float32", "--max-model-len", "256",
-             "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--token-buckets", "8,32",
-             "--num-pages", "48", "--no-penalties"]
+TINY_ARGS = [
+    "--model",
+    str(FIXTURES / "hf" / "llama3"),
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "32",
+    "--token-buckets",
+    "8,32",
+    "--num-pages",
+    "48",
+    "--no-penalties",
+]
 
 
 def read_line(stream, timeout: float) -> str:
@@ -33,9 +48,14 @@ def read_line(stream, timeout: float) -> str:
 @pytest.fixture
 def served(tmp_path):
     env = {**os.environ, "JAXINFER_AUTH_TOKEN": "tok", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([*JAXINFER, "serve", *TINY_ARGS, "--port", "0", "--metrics-port", "0",
-                             "--grace-period", "20"], stdout=subprocess.PIPE, stderr=open(tmp_path / "err", "w"),
-                            text=True, env=env, cwd=Path(__file__).parents[2])
+    proc = subprocess.Popen(
+        [*JAXINFER, "serve", *TINY_ARGS, "--port", "0", "--metrics-port", "0", "--grace-period", "20"],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "err", "w"),
+        text=True,
+        env=env,
+        cwd=Path(__file__).parents[2],
+    )
     try:
         line = read_line(proc.stdout, 120)
         assert line.startswith("listening on 127.0.0.1:"), line + (tmp_path / "err").read_text()
@@ -48,8 +68,9 @@ def served(tmp_path):
 
 def test_client_command_against_a_served_process(served):
     proc, address, env = served
-    run = lambda *a, **kw: subprocess.run([*JAXINFER, "client", "--server", address, *a], capture_output=True,
-                                          text=True, timeout=60, env={**env, **kw})
+    run = lambda *a, **kw: subprocess.run(
+        [*JAXINFER, "client", "--server", address, *a], capture_output=True, text=True, timeout=60, env={**env, **kw}
+    )
     out = run("generate", "--token-ids", "1,2,3", "--max-tokens", "4", "--ignore-eos")
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.split()) == 4
@@ -72,8 +93,9 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(served):
         try:
             with Client(address, token="tok") as client:
                 tokens, finish = [], ""
-                for i, msg in enumerate(client.stream([1, 2, k], max_tokens=220, temperature=0, ignore_eos=True,
-                                                      timeout=120)):
+                for i, msg in enumerate(
+                    client.stream([1, 2, k], max_tokens=220, temperature=0, ignore_eos=True, timeout=120)
+                ):
                     if i == 0:
                         started.wait(60)
                     tokens += msg.outputs[0].token_ids

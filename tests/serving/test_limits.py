@@ -2,14 +2,24 @@
 are charged and refunded, the concurrency cap, Retry-After values, keys kept apart; the
 request log's records (JSON fields, no prompts unless asked); and when the HTTP gate settles a
 request (before the end of its answer goes out)."""
+
 import asyncio
 import json
 
 import pytest
 
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
-from serving.limits import (ANONYMOUS, CONCURRENT, RPM, TPM, RateLimited, RateLimiter, RateLimits, retry_after,
-                            token_cost)
+from serving.limits import (
+    ANONYMOUS,
+    CONCURRENT,
+    RPM,
+    TPM,
+    RateLimited,
+    RateLimiter,
+    RateLimits,
+    retry_after,
+    token_cost,
+)
 from serving.openai import sse
 from serving.openai.admission import Admission
 from serving.openai.middleware import Gate
@@ -137,7 +147,7 @@ def test_no_limits_keep_no_state_and_bad_limits_are_named():
     lim = RateLimiter()
     grants = [lim.admit("a") for _ in range(1000)]
     for grant in grants:
-        grant.charge(10 ** 9)
+        grant.charge(10**9)
         grant.release(0)
     assert lim.available("a") == {}
     for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
@@ -146,8 +156,15 @@ def test_no_limits_keep_no_state_and_bad_limits_are_named():
 
 
 def _delta(completion_tokens, text, token_ids, finish=None, index=0):
-    return RequestOutput("r", None, [1, 2], [CompletionOutput(index, text, token_ids, finish_reason=finish)],
-                         finish is not None, Usage(2, completion_tokens), RequestMetrics(0.0))
+    return RequestOutput(
+        "r",
+        None,
+        [1, 2],
+        [CompletionOutput(index, text, token_ids, finish_reason=finish)],
+        finish is not None,
+        Usage(2, completion_tokens),
+        RequestMetrics(0.0),
+    )
 
 
 def test_request_log_lines(tmp_path):
@@ -169,12 +186,36 @@ def test_request_log_lines(tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 2
     plain, full = lines
-    assert plain["time"].endswith("Z") and {k: plain[k] for k in (
-        "request_id", "transport", "route", "key_id", "model", "status", "prompt_tokens", "completion_tokens",
-        "ttft_s", "e2e_s", "finish_reasons", "user")} == {
-        "request_id": "cmpl-1", "transport": "http", "route": "/v1/completions", "key_id": "1a2b3c4d", "model": "m",
-        "status": 400, "prompt_tokens": 2, "completion_tokens": 2, "ttft_s": 0.25, "e2e_s": 0.75,
-        "finish_reasons": ["stop"], "user": "u"}
+    assert plain["time"].endswith("Z") and {
+        k: plain[k]
+        for k in (
+            "request_id",
+            "transport",
+            "route",
+            "key_id",
+            "model",
+            "status",
+            "prompt_tokens",
+            "completion_tokens",
+            "ttft_s",
+            "e2e_s",
+            "finish_reasons",
+            "user",
+        )
+    } == {
+        "request_id": "cmpl-1",
+        "transport": "http",
+        "route": "/v1/completions",
+        "key_id": "1a2b3c4d",
+        "model": "m",
+        "status": 400,
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "ttft_s": 0.25,
+        "e2e_s": 0.75,
+        "finish_reasons": ["stop"],
+        "user": "u",
+    }
     assert "prompt" not in plain and "outputs" not in plain and "-1" not in plain["error"]  # no content quoted
     assert plain["error"].startswith("temperature")
     assert full["prompt"] == "Hello" and full["outputs"] == [" world"] and full["error"].endswith("must be >= 0")

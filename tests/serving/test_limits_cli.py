@@ -1,5 +1,6 @@
 """`jaxinfer serve`'s rate-limit and request-log flags: parsed into ServerOptions' fields, bad
 values named before the model loads, and a served process that answers 429 and logs JSON lines."""
+
 import json
 
 import pytest
@@ -10,9 +11,23 @@ from jaxinfer.cli import build_parser
 from serving.cli import _limit_options
 from serving.limits import RateLimits
 
-TINY_ARGS = ["--model", str(FIXTURES / "hf" / "llama3"), "--dtype", "float32", "--max-model-len", "256",
-             "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--token-buckets", "8,32",
-             "--num-pages", "48", "--no-penalties"]
+TINY_ARGS = [
+    "--model",
+    str(FIXTURES / "hf" / "llama3"),
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "32",
+    "--token-buckets",
+    "8,32",
+    "--num-pages",
+    "48",
+    "--no-penalties",
+]
 FLAGS = ("--rate-limit-rpm", "--rate-limit-tpm", "--max-concurrent-per-key", "--request-log", "--log-prompts")
 
 
@@ -22,20 +37,34 @@ def serve_args(*argv):
 
 def test_flags_become_server_options(tmp_path):
     log = tmp_path / "requests.jsonl"
-    options = _limit_options(serve_args("--rate-limit-rpm", "60", "--rate-limit-tpm", "1000",
-                                        "--max-concurrent-per-key", "4", "--request-log", str(log), "--log-prompts"))
+    options = _limit_options(
+        serve_args(
+            "--rate-limit-rpm",
+            "60",
+            "--rate-limit-tpm",
+            "1000",
+            "--max-concurrent-per-key",
+            "4",
+            "--request-log",
+            str(log),
+            "--log-prompts",
+        )
+    )
     assert options == dict(rate_limits=RateLimits(60, 1000, 4), request_log=str(log), log_prompts=True)
     assert _limit_options(serve_args()) == dict(rate_limits=RateLimits(), request_log=None, log_prompts=False)
     assert not RateLimits().enabled
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--rate-limit-rpm", "0"], "--rate-limit-rpm 0: must be >= 1"),
-    (["--rate-limit-tpm", "-5"], "--rate-limit-tpm -5: must be >= 1"),
-    (["--max-concurrent-per-key", "0"], "--max-concurrent-per-key 0: must be >= 1"),
-    (["--log-prompts"], "--log-prompts: needs --request-log"),
-    (["--request-log", "/nonexistent-dir/requests.jsonl"], "--request-log /nonexistent-dir/requests.jsonl"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--rate-limit-rpm", "0"], "--rate-limit-rpm 0: must be >= 1"),
+        (["--rate-limit-tpm", "-5"], "--rate-limit-tpm -5: must be >= 1"),
+        (["--max-concurrent-per-key", "0"], "--max-concurrent-per-key 0: must be >= 1"),
+        (["--log-prompts"], "--log-prompts: needs --request-log"),
+        (["--request-log", "/nonexistent-dir/requests.jsonl"], "--request-log /nonexistent-dir/requests.jsonl"),
+    ],
+)
 def test_bad_flags_are_named(argv, message):
     with pytest.raises(ValueError, match=message):
         _limit_options(serve_args(*argv))
@@ -45,14 +74,17 @@ def test_help_lists_the_flags_in_their_group(capsys):
     with pytest.raises(SystemExit):
         serve_args("--help")
     text = capsys.readouterr().out
-    group = text[text.index("per-key rate limits and request log"):]
+    group = text[text.index("per-key rate limits and request log") :]
     assert all(flag in group for flag in FLAGS) and "All off by default" in group
 
 
 def test_served_process_limits_and_logs(tmp_path):
     log = tmp_path / "requests.jsonl"
-    server = ServedProcess([*TINY_ARGS, "--no-grpc", "--http-port", "0", "--rate-limit-rpm", "1",
-                            "--request-log", str(log)], tmp_path / "stderr", env={"JAXINFER_API_KEYS": "sk-cli"})
+    server = ServedProcess(
+        [*TINY_ARGS, "--no-grpc", "--http-port", "0", "--rate-limit-rpm", "1", "--request-log", str(log)],
+        tmp_path / "stderr",
+        env={"JAXINFER_API_KEYS": "sk-cli"},
+    )
     try:
         body = {"model": "llama3", "prompt": [1, 2, 3], "max_tokens": 2}
         status, _, _ = raw_request(server, "POST", "/v1/completions", body, key="sk-cli")

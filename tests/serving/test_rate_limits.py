@@ -2,6 +2,7 @@
 engine): 429 with Retry-After through the official `openai` client, another key unaffected, tokens
 per minute refunded when a request stops early, the concurrency cap, and one limiter for both
 transports (the gRPC token is the HTTP key); the request log of both transports."""
+
 import json
 
 import grpc
@@ -120,8 +121,13 @@ def _lines(path) -> list[dict]:
 def test_request_log_of_both_transports_without_secrets(serve, tmp_path):
     path = tmp_path / "requests.jsonl"
     secrets = ("sk-http-secret", "grpc-secret-token")
-    server = serve(http_port=0, api_keys=(secrets[0],), auth_token=secrets[1], request_log=str(path),
-                   rate_limits=RateLimits(requests_per_minute=5))
+    server = serve(
+        http_port=0,
+        api_keys=(secrets[0],),
+        auth_token=secrets[1],
+        request_log=str(path),
+        rate_limits=RateLimits(requests_per_minute=5),
+    )
     client = openai_client(server, secrets[0])
     complete(client, max_tokens=3, user="alice", extra_body={"ignore_eos": True})
     list(complete(client, max_tokens=2, stream=True, n=2, extra_body={"ignore_eos": True}))

@@ -2,6 +2,7 @@
 SamplingParams field is either mapped from a request field or listed as not exposed with its
 reason, and every field a table names exists on both ends. A field added to SamplingParams
 fails here until each transport decides about it."""
+
 import dataclasses
 
 import pytest
@@ -14,8 +15,10 @@ from serving.openai.sampling_table import SAMPLING_TABLE as HTTP
 from serving.sampling_fields import FieldMapping, NotExposed, SamplingTable
 
 PARAMS = [f.name for f in dataclasses.fields(SamplingParams)]
-TRANSPORT_FIELDS = {"grpc": {f.name for f in pb.SamplingOptions.DESCRIPTOR.fields},
-                    "http": set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)}
+TRANSPORT_FIELDS = {
+    "grpc": {f.name for f in pb.SamplingOptions.DESCRIPTOR.fields},
+    "http": set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields),
+}
 TABLES = {"grpc": GRPC, "http": HTTP}
 
 
@@ -33,13 +36,15 @@ def test_mapped_request_fields_exist_on_the_transport(transport):
 
 
 def test_a_new_sampling_param_is_undecided_until_listed():
-    wider = dataclasses.make_dataclass("WiderParams", [("min_tokens", int, dataclasses.field(default=0))],
-                                       bases=(SamplingParams,), frozen=True)
+    wider = dataclasses.make_dataclass(
+        "WiderParams", [("min_tokens", int, dataclasses.field(default=0))], bases=(SamplingParams,), frozen=True
+    )
     names = [f.name for f in dataclasses.fields(wider)]
     for table in TABLES.values():
         assert table.undecided(names) == ["min_tokens"]
-        decided = dataclasses.replace(table, not_exposed=table.not_exposed + (
-            NotExposed("min_tokens", "not offered on this transport yet"),))
+        decided = dataclasses.replace(
+            table, not_exposed=table.not_exposed + (NotExposed("min_tokens", "not offered on this transport yet"),)
+        )
         assert decided.undecided(names) == []
 
 

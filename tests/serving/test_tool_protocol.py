@@ -3,6 +3,7 @@ tools and tool_choice checked with errors naming the field, the prompt the templ
 the structured output of "required" and named choices, whole messages and streamed deltas (a
 streamed choice adds up to the whole one, however its text is cut); the same over gRPC's Chat
 (tools and calls as JSON text, calls on the finishing delta)."""
+
 import dataclasses
 import json
 import random
@@ -29,8 +30,13 @@ from serving.tools import ChatReplies, tool_request
 
 LIMITS = ModelLimits(vocab_size=49152, max_model_len=512, penalties_enabled=False, max_n=4)
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time"}}
 
 
@@ -42,7 +48,10 @@ def tok():
     return tokenizer
 
 
-def chat(tok, parser=HermesParser(), **body):
+HERMES = HermesParser()
+
+
+def chat(tok, parser=HERMES, **body):
     body = {"model": "m", "messages": USER, **body}
     return chat_inputs(ChatCompletionRequest.model_validate(body), tok, tok.limits, tool_parser=parser)
 
@@ -60,9 +69,19 @@ def test_tools_reach_the_template_and_auto_reads_the_output(tok):
 
 def test_a_conversation_with_calls_and_results(tok):
     messages = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    ]
     prompt = tok.decode(chat(tok, tools=[WEATHER], messages=messages).prompts[0], skip_special_tokens=False)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert "<tool_response>\n18C\n</tool_response>" in prompt
@@ -89,32 +108,59 @@ def test_a_format_whose_marker_is_special_keeps_special_tokens(tok):
     assert chat(tok, tools=[WEATHER]).params.skip_special_tokens is True
 
 
-@pytest.mark.parametrize("body, param, words", [
-    (dict(tools={"type": "function"}), "tools", "non-empty list"),
-    (dict(tools=[]), "tools", "non-empty list"),
-    (dict(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]), "tools",
-     "129 tools; at most 128"),
-    (dict(tools=[{"type": "retrieval"}]), "tools[0].type", '"retrieval": only "function" tools'),
-    (dict(tools=[{"type": "function"}]), "tools[0].function", "required"),
-    (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name", '"a b": must be'),
-    (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name", "named twice"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools[0].function.parameters",
-     "JSON schema object"),
-    (dict(tool_choice="required"), "tool_choice", "needs tools"),
-    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", 'must be "none", "auto", "required"'),
-    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}),
-     "tool_choice.function.name", "'get_time': not among the tools (get_weather)"),
-    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format",
-     "not together with tool_choice='required'"),
-    (dict(functions=[{"name": "f"}]), "functions", "use tools"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
-          tool_choice="required"), "tools", "json"),
-    (dict(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]),
-     "messages[0].tool_calls[0].function.arguments", "JSON object"),
-    (dict(messages=[{"role": "assistant", "tool_calls": [{"type": "function"}]}]),
-     "messages[0].tool_calls[0].function", "with a name"),
-    (dict(messages=[{"role": "tool", "tool_call_id": "c"}]), "messages[0].content", "required"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (dict(tools={"type": "function"}), "tools", "non-empty list"),
+        (dict(tools=[]), "tools", "non-empty list"),
+        (
+            dict(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]),
+            "tools",
+            "129 tools; at most 128",
+        ),
+        (dict(tools=[{"type": "retrieval"}]), "tools[0].type", '"retrieval": only "function" tools'),
+        (dict(tools=[{"type": "function"}]), "tools[0].function", "required"),
+        (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name", '"a b": must be'),
+        (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name", "named twice"),
+        (
+            dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+            "tools[0].function.parameters",
+            "JSON schema object",
+        ),
+        (dict(tool_choice="required"), "tool_choice", "needs tools"),
+        (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", 'must be "none", "auto", "required"'),
+        (
+            dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+            "tool_choice.function.name",
+            "'get_time': not among the tools (get_weather)",
+        ),
+        (
+            dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+            "response_format",
+            "not together with tool_choice='required'",
+        ),
+        (dict(functions=[{"name": "f"}]), "functions", "use tools"),
+        (
+            dict(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
+                tool_choice="required",
+            ),
+            "tools",
+            "json",
+        ),
+        (
+            dict(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]),
+            "messages[0].tool_calls[0].function.arguments",
+            "JSON object",
+        ),
+        (
+            dict(messages=[{"role": "assistant", "tool_calls": [{"type": "function"}]}]),
+            "messages[0].tool_calls[0].function",
+            "with a name",
+        ),
+        (dict(messages=[{"role": "tool", "tool_call_id": "c"}]), "messages[0].content", "required"),
+    ],
+)
 def test_tool_errors_name_the_field(tok, body, param, words):
     with pytest.raises(APIError) as info:
         chat(tok, **body)
@@ -129,16 +175,27 @@ def test_auto_needs_a_format(tok):
 
 
 def output(text: str, reason: str | None = "stop") -> RequestOutput:
-    return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, text, [1], None, reason)], reason is not None,
-                         Usage(3, 1, 0), RequestMetrics(0.0))
+    return RequestOutput(
+        "r",
+        None,
+        [1, 2, 3],
+        [CompletionOutput(0, text, [1], None, reason)],
+        reason is not None,
+        Usage(3, 1, 0),
+        RequestMetrics(0.0),
+    )
 
 
 def test_whole_messages():
     head = outputs.ResponseHeader("chatcmpl-1", "chat.completion", 0, "m")
     texts = outputs.TokenTexts(None)
     auto = tool_request([WEATHER], None, None, HermesParser())
-    body = outputs.chat_response(head, output('Checking.\n<tool_call>{"name": "get_weather", "arguments": '
-                                              '{"city": "Oslo"}}</tool_call>'), texts, auto)
+    body = outputs.chat_response(
+        head,
+        output('Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+        texts,
+        auto,
+    )
     (choice,) = body["choices"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
     (call,) = choice["message"]["tool_calls"]
@@ -151,20 +208,26 @@ def test_whole_messages():
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     required = tool_request([WEATHER], "required", None, None)
-    choice = outputs.chat_response(head, output('[{"name": "get_weather", "parameters": {"city": "Nice"}}]'), texts,
-                                   required)["choices"][0]
+    choice = outputs.chat_response(
+        head, output('[{"name": "get_weather", "parameters": {"city": "Nice"}}]'), texts, required
+    )["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Nice"}'}
 
 
 STREAMED = [
-    (HermesParser(), 'Checking the weather.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-                     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
+    (
+        HermesParser(),
+        'Checking the weather.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    ),
     (HermesParser(), "A plain answer <b>with</b> a <tool_ lookalike and trailing space  "),
     (HermesParser(), '<tool_call>{"name": "get_weather", "arguments": {"ci'),  # cut short: stays content
     (HermesParser(), 'x <tool_call>{"bad"}</tool_call> y <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
-    (Llama3JsonParser(), '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", '
-                         '"parameters": {}}'),
+    (
+        Llama3JsonParser(),
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}',
+    ),
     (Llama3JsonParser(), "  Just text, with a { brace."),
     (MistralParser(), 'On it. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
     (MistralParser(), "[TOOL_CAL is not the marker"),
@@ -180,7 +243,7 @@ def test_a_streamed_choice_adds_up_to_the_whole_one(parser, text):
         stream, content, calls, pos = ToolStream(request), "", [], 0
         while pos < len(text):
             step = 1 if cut == 0 else rng.randint(1, 9)
-            shown, deltas = stream.feed(text[pos:pos + step], pos + step >= len(text))
+            shown, deltas = stream.feed(text[pos : pos + step], pos + step >= len(text))
             pos += step
             content += shown
             calls += deltas
@@ -207,19 +270,37 @@ def grpc_chat(**fields) -> pb.Chat:
 
 
 def test_grpc_chats_render_tools_calls_and_results(tok):
-    calls = json.dumps([{"id": "c1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}])
-    chat = grpc_chat(tools_json=json.dumps([WEATHER]), messages=[
-        pb.ChatMessage(role="user", content="Weather in Paris?"),
-        pb.ChatMessage(role="assistant", tool_calls_json=calls),
-        pb.ChatMessage(role="tool", tool_call_id="c1", content="18C")])
+    calls = json.dumps(
+        [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    )
+    chat = grpc_chat(
+        tools_json=json.dumps([WEATHER]),
+        messages=[
+            pb.ChatMessage(role="user", content="Weather in Paris?"),
+            pb.ChatMessage(role="assistant", tool_calls_json=calls),
+            pb.ChatMessage(role="tool", tool_call_id="c1", content="18C"),
+        ],
+    )
     prompt = tok.decode(convert.render_chat(tok, chat), skip_special_tokens=False)
     assert json.dumps(WEATHER["function"]) in prompt and "<tool_response>\n18C\n</tool_response>" in prompt
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     # the same prompt as the HTTP API renders for the same conversation
-    http = chat_inputs(ChatCompletionRequest.model_validate({"model": "m", "tools": [WEATHER], "messages": [
-        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": json.loads(calls)},
-        {"role": "tool", "tool_call_id": "c1", "content": "18C"}]}), tok, tok.limits, HermesParser())
+    http = chat_inputs(
+        ChatCompletionRequest.model_validate(
+            {
+                "model": "m",
+                "tools": [WEATHER],
+                "messages": [
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "tool_calls": json.loads(calls)},
+                    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+                ],
+            }
+        ),
+        tok,
+        tok.limits,
+        HermesParser(),
+    )
     assert http.prompts[0] == convert.render_chat(tok, chat)
 
 
@@ -231,8 +312,9 @@ def test_grpc_tool_choices_and_their_sampling(tok):
     assert named.mode == "named" and named.name == "get_time"
     params = convert.with_tools(SamplingParams(), named, pb.SamplingOptions())
     assert params.structured_output.json == {"type": "object"}
-    required = convert.chat_tools(grpc_chat(tools_json=json.dumps([WEATHER]), tool_choice="required",
-                                            parallel_tool_calls=False), None)
+    required = convert.chat_tools(
+        grpc_chat(tools_json=json.dumps([WEATHER]), tool_choice="required", parallel_tool_calls=False), None
+    )
     assert convert.with_tools(SamplingParams(), required, pb.SamplingOptions()).structured_output.json["maxItems"] == 1
     mistral = convert.chat_tools(grpc_chat(tools_json=json.dumps([WEATHER])), MistralParser())
     assert convert.with_tools(SamplingParams(), mistral, pb.SamplingOptions()).skip_special_tokens is False
@@ -240,20 +322,39 @@ def test_grpc_tool_choices_and_their_sampling(tok):
     assert convert.with_tools(SamplingParams(), mistral, kept) == SamplingParams()
 
 
-@pytest.mark.parametrize("chat, message", [
-    (dict(tools_json="[{"), "chat.tools_json: not valid JSON"),
-    (dict(tools_json="[" * 100_000 + "]" * 100_000), "chat.tools_json: not valid JSON"),  # nested too deeply
-    (dict(messages=[pb.ChatMessage(role="assistant", tool_calls_json=json.dumps(
-        [{"function": {"name": "f", "arguments": "[" * 100_000}}]))]),
-     "chat.messages[0].tool_calls_json[0].function.arguments: must be a JSON object"),
-    (dict(tools_json='[{"type": "function", "function": {"name": "a b"}}]'), "chat.tools[0].function.name=\"a b\""),
-    (dict(tool_choice="required"), 'chat.tool_choice="required": needs tools'),
-    (dict(tools_json=json.dumps([WEATHER]), tool_choice="get_time"), "chat.tool_choice.function.name='get_time'"),
-    (dict(messages=[pb.ChatMessage(role="assistant", tool_calls_json='{"a": 1}')]),
-     "chat.messages[0].tool_calls_json: must be a JSON list"),
-    (dict(messages=[pb.ChatMessage(role="assistant", tool_calls_json='[{"function": {"name": "f", "arguments": 3}}]')]),
-     "chat.messages[0].tool_calls_json[0].function.arguments: must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "chat, message",
+    [
+        (dict(tools_json="[{"), "chat.tools_json: not valid JSON"),
+        (dict(tools_json="[" * 100_000 + "]" * 100_000), "chat.tools_json: not valid JSON"),  # nested too deeply
+        (
+            dict(
+                messages=[
+                    pb.ChatMessage(
+                        role="assistant",
+                        tool_calls_json=json.dumps([{"function": {"name": "f", "arguments": "[" * 100_000}}]),
+                    )
+                ]
+            ),
+            "chat.messages[0].tool_calls_json[0].function.arguments: must be a JSON object",
+        ),
+        (dict(tools_json='[{"type": "function", "function": {"name": "a b"}}]'), 'chat.tools[0].function.name="a b"'),
+        (dict(tool_choice="required"), 'chat.tool_choice="required": needs tools'),
+        (dict(tools_json=json.dumps([WEATHER]), tool_choice="get_time"), "chat.tool_choice.function.name='get_time'"),
+        (
+            dict(messages=[pb.ChatMessage(role="assistant", tool_calls_json='{"a": 1}')]),
+            "chat.messages[0].tool_calls_json: must be a JSON list",
+        ),
+        (
+            dict(
+                messages=[
+                    pb.ChatMessage(role="assistant", tool_calls_json='[{"function": {"name": "f", "arguments": 3}}]')
+                ]
+            ),
+            "chat.messages[0].tool_calls_json[0].function.arguments: must be a JSON object",
+        ),
+    ],
+)
 def test_grpc_tool_errors_name_the_field(tok, chat, message):
     with pytest.raises(RequestError) as info:
         convert.render_chat(tok, grpc_chat(**chat))
@@ -277,8 +378,10 @@ def test_reasoning_then_calls_whole_and_streamed():
     from jaxinfer.tokenizer.reasoning import reasoning_parser
 
     qwen3, auto = reasoning_parser("qwen3"), tool_request([WEATHER, TIME], None, None, HermesParser())
-    text = ('<think>\nThe user wants weather.\n</think>\n\nChecking.\n<tool_call>\n{"name": "get_time", '
-            '"arguments": {}}\n</tool_call>')
+    text = (
+        '<think>\nThe user wants weather.\n</think>\n\nChecking.\n<tool_call>\n{"name": "get_time", '
+        '"arguments": {}}\n</tool_call>'
+    )
     head = outputs.ResponseHeader("chatcmpl-1", "chat.completion", 0, "m")
     choice = outputs.chat_response(head, output(text), outputs.TokenTexts(None), auto, qwen3)["choices"][0]
     assert choice["message"]["reasoning_content"] == "The user wants weather."
@@ -291,13 +394,14 @@ def test_reasoning_then_calls_whole_and_streamed():
         writer = outputs.ChunkWriter(head, 1, outputs.TokenTexts(None), False, tools=tools, reasoning=qwen3)
         chunks = []
         for i in range(0, len(text), 5):
-            chunks += writer.deltas(0, output(text[i:i + 5], None if i + 5 < len(text) else "stop"))
+            chunks += writer.deltas(0, output(text[i : i + 5], None if i + 5 < len(text) else "stop"))
         deltas = [c["choices"][0]["delta"] for c in chunks]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
         whole, _ = message(tools, text, "stop", qwen3)
         assert "".join(d.get("content", "") for d in deltas) == whole["content"]
         assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [
-            c["function"] for c in whole.get("tool_calls", [])]
+            c["function"] for c in whole.get("tool_calls", [])
+        ]
 
 
 def test_chat_template_kwargs_reach_the_template(tok):
@@ -307,8 +411,10 @@ def test_chat_template_kwargs_reach_the_template(tok):
         inputs = chat(tok, chat_template_kwargs={"enable_thinking": False})
         assert tok.decode(inputs.prompts[0]) == "NO-THINK Weather in Paris?"
         chat_kwargs = json.dumps({"enable_thinking": False})
-        assert tok.decode(convert.render_chat(tok, grpc_chat(chat_template_kwargs_json=chat_kwargs))) == \
-            "NO-THINK Weather in Paris?"
+        assert (
+            tok.decode(convert.render_chat(tok, grpc_chat(chat_template_kwargs_json=chat_kwargs)))
+            == "NO-THINK Weather in Paris?"
+        )
         with pytest.raises(APIError) as info:
             chat(tok, chat_template_kwargs={"messages": []})
         assert info.value.param == "chat_template_kwargs" and "set by the request itself" in info.value.message

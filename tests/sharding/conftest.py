@@ -1,4 +1,5 @@
 """Runs tests/sharding/scenarios.py in fresh processes with forced CPU devices."""
+
 import json
 import socket
 import subprocess
@@ -23,8 +24,9 @@ def _result(proc_stdout: str, stderr: str, args) -> dict:
 
 
 def run_scenario(*args, devices: int = 8, timeout: float = 300) -> dict:
-    proc = subprocess.run([sys.executable, str(SCENARIOS), *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(devices))
+    proc = subprocess.run(
+        [sys.executable, str(SCENARIOS), *args], capture_output=True, text=True, timeout=timeout, env=_env(devices)
+    )
     if proc.returncode:
         raise AssertionError(f"scenario {args} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return _result(proc.stdout, proc.stderr, args)
@@ -32,8 +34,16 @@ def run_scenario(*args, devices: int = 8, timeout: float = 300) -> dict:
 
 def run_processes(arg_lists, devices: int, timeout: float = 300) -> list[dict]:
     """Starts one process per argument list at once; returns their results in order."""
-    procs = [subprocess.Popen([sys.executable, str(SCENARIOS), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_env(devices)) for args in arg_lists]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCENARIOS), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(devices),
+        )
+        for args in arg_lists
+    ]
     outs = []
     try:
         for proc in procs:

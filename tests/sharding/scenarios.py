@@ -6,13 +6,17 @@ The tests start this in a subprocess because the device count is fixed when jax 
 imported, and other test modules of the same pytest run may have imported it with one device.
 XLA_FLAGS comes from the caller's environment (JAXINFER_TEST_DEVICES, default 8).
 """
+
 from __future__ import annotations
 
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                           + os.environ.get("JAXINFER_TEST_DEVICES", "8"))
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count="
+    + os.environ.get("JAXINFER_TEST_DEVICES", "8")
+)
 
 import collections  # noqa: E402
 import json  # noqa: E402
@@ -33,13 +37,28 @@ from jaxinfer.loader import load_model  # noqa: E402
 from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 from pallas_kernels import kv_cache_shape  # noqa: E402
-from sharding import (head_layout, kv_cache_spec, make_mesh, make_placer, param_specs,  # noqa: E402
-                      per_device_bytes, tokens_spec)
+from sharding import (
+    head_layout,
+    kv_cache_spec,
+    make_mesh,
+    make_placer,
+    param_specs,  # noqa: E402
+    per_device_bytes,
+    tokens_spec,
+)
 from sharding.multihost import put_inputs  # noqa: E402
 
 GENERATE = json.loads((FIXTURES / "hf" / "llama3" / "generate.json").read_text())
-ENGINE = dict(num_pages=24, page_size=16, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256,
-              token_buckets=(8, 32), compilation_cache_dir=None, penalties=False)
+ENGINE = dict(
+    num_pages=24,
+    page_size=16,
+    max_num_batched_tokens=32,
+    max_num_seqs=8,
+    max_model_len=256,
+    token_buckets=(8, 32),
+    compilation_cache_dir=None,
+    penalties=False,
+)
 
 
 def prompts_and_expected(name: str):
@@ -74,8 +93,10 @@ def scenario_engine(name: str, mesh: str) -> dict:
     pools_empty = all(r.kv_cache.num_free_pages == r.kv_cache.num_usable_pages for r in engine.replicas)
     return {
         "mismatched": [i for i, want in enumerate(expected) if results[str(i)] != want],
-        "num_prompts": len(prompts), "preemptions": engine.num_preemptions,
-        "recompiled": engine.worker.num_compiled() - compiled, "pools_empty": pools_empty,
+        "num_prompts": len(prompts),
+        "preemptions": engine.num_preemptions,
+        "recompiled": engine.worker.num_compiled() - compiled,
+        "pools_empty": pools_empty,
         "requests_per_replica": np.bincount(replicas, minlength=len(engine.replicas)).tolist(),
         "cache_shape": list(engine.worker.state.kv_caches[0].shape),
         "cache_shard_shape": list(engine.worker.state.kv_caches[0].addressable_shards[0].data.shape),
@@ -90,13 +111,16 @@ class ShardedSequence:
         place_for = None
         if self.mesh is not None:
             place_for = lambda cfg, fam: make_placer(  # noqa: E731
-                self.mesh, fam.param_axes, head_layout(self.mesh, cfg.num_heads, cfg.num_kv_heads))
+                self.mesh, fam.param_axes, head_layout(self.mesh, cfg.num_heads, cfg.num_kv_heads)
+            )
         model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False, place_for=place_for)
         self.family, self.config, self.params = model.family, model.config, model.params
         layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         pages = -(-max_len // page_size)
         shape = kv_cache_shape(pages + 1, page_size, layout.cache_kv_heads, self.config.head_dim)
-        cache_sharding = None if self.mesh is None else NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=False))
+        cache_sharding = (
+            None if self.mesh is None else NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=False))
+        )
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=cache_sharding)
         self.kv = tuple(zeros() for _ in range(self.config.num_layers))
         self.page_table = np.arange(1, pages + 1, dtype=np.int32)[None]
@@ -111,8 +135,9 @@ class ShardedSequence:
         n = len(tokens)
         tokens = np.asarray(tokens, np.int32)
         positions = np.arange(self.length, self.length + n, dtype=np.int32)
-        meta = AttentionMetadata(np.array([self.length + n], np.int32), self.page_table,
-                                 np.array([0, n], np.int32), np.ones(1, np.int32))
+        meta = AttentionMetadata(
+            np.array([self.length + n], np.int32), self.page_table, np.array([0, n], np.int32), np.ones(1, np.int32)
+        )
         if self.mesh is None:
             logits, self.kv = self._step(self.params, self.kv, tokens, positions, meta)
         else:
@@ -135,14 +160,18 @@ def scenario_logits(cases: str) -> dict:
         single = ShardedSequence(name, "none").feed(prompt)
         sharded = ShardedSequence(name, mesh)
         logits = np.concatenate([sharded.feed(prompt[:40]), sharded.feed(prompt[40:])])
-        out[case] = {"max_diff_single": float(np.abs(logits - single).max()),
-                     "max_diff_hf": float(np.abs(logits - golden["logits"]).max()),
-                     "argmax_equal": bool((logits.argmax(-1) == golden["logits"].argmax(-1)).all())}
+        out[case] = {
+            "max_diff_single": float(np.abs(logits - single).max()),
+            "max_diff_hf": float(np.abs(logits - golden["logits"]).max()),
+            "argmax_equal": bool((logits.argmax(-1) == golden["logits"].argmax(-1)).all()),
+        }
     return out
 
 
-_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
-                         r"(?:-start)?\(")
+_COLLECTIVE = re.compile(
+    r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
+    r"(?:-start)?\("
+)
 
 
 def scenario_hlo(name: str, mesh: str) -> dict:
@@ -152,15 +181,20 @@ def scenario_hlo(name: str, mesh: str) -> dict:
     runner = engine.worker
     text = runner.step.lower(runner.step.padding_inputs(8, False)).compile().as_text()
     collectives = [(kind, shape.split("{")[0]) for shape, kind in _COLLECTIVE.findall(text)]
-    specs = jax.tree.leaves(param_specs(runner.state.params, model.family.param_axes, runner.state.mesh),
-                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    specs = jax.tree.leaves(
+        param_specs(runner.state.params, model.family.param_axes, runner.state.mesh),
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
     leaves = jax.tree.leaves(runner.state.params)
-    weight_shapes = sorted({str(list(x.shape)) for x in leaves}
-                           | {str(list(x.addressable_shards[0].data.shape)) for x in leaves})
+    weight_shapes = sorted(
+        {str(list(x.shape)) for x in leaves} | {str(list(x.addressable_shards[0].data.shape)) for x in leaves}
+    )
     per_device = per_device_bytes(runner.state.params)
     return {
-        "collectives": collectives, "weight_shapes": weight_shapes,
-        "num_layers": model.config.num_layers, "hidden": model.config.hidden_size,
+        "collectives": collectives,
+        "weight_shapes": weight_shapes,
+        "num_layers": model.config.num_layers,
+        "hidden": model.config.hidden_size,
         "vocab": model.config.vocab_size,
         "total_bytes": int(sum(x.nbytes for x in leaves)),
         "replicated_bytes": int(sum(x.nbytes for x, s in zip(leaves, specs) if all(a is None for a in s))),
@@ -184,7 +218,8 @@ def scenario_orbax(root: str, cases: str) -> dict:
         try:
             mesh = make_mesh(spec)
             place_for = lambda cfg, fam: make_placer(  # noqa: E731
-                mesh, fam.param_axes, head_layout(mesh, cfg.num_heads, cfg.num_kv_heads))
+                mesh, fam.param_axes, head_layout(mesh, cfg.num_heads, cfg.num_kv_heads)
+            )
             got = load_model(ckpt, "float32", with_tokenizer=False, place_for=place_for).params
         except ValueError as e:
             out[case] = {"error": str(e)}
@@ -204,10 +239,17 @@ def scenario_multihost(process_id: str, port: str, mesh: str, model: str = "") -
     fixture, or `model`: e.g. its orbax checkpoint, which each process restores its shards of)."""
     from jaxinfer.llm import LLM
 
-    llm = LLM(model or str(FIXTURES / "hf" / "llama3"), "float32", mesh=mesh,
-              coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id),
-              **{k: v for k, v in ENGINE.items() if k != "max_num_batched_tokens"},
-              max_num_batched_tokens=ENGINE["max_num_batched_tokens"], enable_prompt_logprobs=True)
+    llm = LLM(
+        model or str(FIXTURES / "hf" / "llama3"),
+        "float32",
+        mesh=mesh,
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=int(process_id),
+        **{k: v for k, v in ENGINE.items() if k != "max_num_batched_tokens"},
+        max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+        enable_prompt_logprobs=True,
+    )
     prompts = GENERATE["prompts"][:8]
     params = SamplingParams(temperature=0, max_tokens=GENERATE["max_new_tokens"], ignore_eos=True)
     first = llm.generate(prompts, params, use_tqdm=False)
@@ -215,11 +257,15 @@ def scenario_multihost(process_id: str, port: str, mesh: str, model: str = "") -
     # Steps that score prompt rows: their variant is named in each step's header to the followers.
     golden = np.load(FIXTURES / "hf" / "llama3" / "golden.npz")["input_ids"].tolist()
     scored = llm.generate([golden], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
-    return {"process": jax.process_index(), "processes": jax.process_count(),
-            "devices": jax.device_count(), "local_devices": jax.local_device_count(),
-            "outputs": [o.outputs[0].token_ids for o in first + second],
-            "expected": GENERATE["outputs"][:8] + GENERATE["outputs"][:2],
-            "prompt_logprobs": [lp.logprob for o in scored for lp in o.prompt_logprobs[1:]]}
+    return {
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "outputs": [o.outputs[0].token_ids for o in first + second],
+        "expected": GENERATE["outputs"][:8] + GENERATE["outputs"][:2],
+        "prompt_logprobs": [lp.logprob for o in scored for lp in o.prompt_logprobs[1:]],
+    }
 
 
 def scenario_context(lengths: str) -> dict:
@@ -232,8 +278,9 @@ def scenario_context(lengths: str) -> dict:
         q = jax.random.normal(ks[0], (length, 6, 16))
         k, v = (jax.random.normal(key, (length, 2, 16)) for key in ks[1:])
         want = dense_causal_attention(q, k, v)
-        out[length] = {m: float(jnp.abs(context_parallel_attention(q, k, v, mesh, m) - want).max())
-                       for m in ("allgather", "ring")}
+        out[length] = {
+            m: float(jnp.abs(context_parallel_attention(q, k, v, mesh, m) - want).max()) for m in ("allgather", "ring")
+        }
     return out
 
 
@@ -246,6 +293,7 @@ def scenario_experts(meshes: str, quant: str = "") -> dict:
     from jaxinfer.models.moe.model import PARAM_AXES
     from jaxinfer.quant import QuantConfig, quantize_field
     from sharding import logical_to_spec
+
     ks = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(ks[0], (38, 48))  # even: split over sequence=2
     router = jax.random.normal(ks[1], (48, 8))
@@ -254,21 +302,32 @@ def scenario_experts(meshes: str, quant: str = "") -> dict:
     if quant:
         method, _, group = quant.partition(":")
         config = QuantConfig(method, int(group) if group else None)
-        w_gate_up, w_down = (quantize_field(np.asarray(w), name, (1,), config, np.float32)
-                             for w, name in ((w_gate_up, "experts_gate_up"), (w_down, "experts_down")))
+        w_gate_up, w_down = (
+            quantize_field(np.asarray(w), name, (1,), config, np.float32)
+            for w, name in ((w_gate_up, "experts_gate_up"), (w_down, "experts_down"))
+        )
     run = lambda impl: jax.jit(lambda *a: experts.moe_mlp(*a, top_k=3, renormalize=False, impl=impl))  # noqa: E731
     want = np.asarray(run("dense")(x, router, w_gate_up, w_down))
     out = {}
     for spec in meshes.split(";"):
         mesh = make_mesh(spec)
-        place = lambda w, name: jax.tree.map(lambda a: jax.device_put(a, NamedSharding(  # noqa: E731
-            mesh, logical_to_spec(PARAM_AXES[name], a.shape, mesh))), w)
+        place = lambda w, name: jax.tree.map(
+            lambda a: jax.device_put(
+                a,
+                NamedSharding(  # noqa: E731
+                    mesh, logical_to_spec(PARAM_AXES[name], a.shape, mesh)
+                ),
+            ),
+            w,
+        )
         w1, w2 = place(w_gate_up, "experts_gate_up"), place(w_down, "experts_down")
         with jax.set_mesh(mesh):
             got = {impl: np.asarray(run(impl)(x, router, w1, w2)) for impl in ("dense", "ragged", "capacity")}
-        out[spec] = {"max_diff": {k: float(np.abs(v - want).max()) for k, v in got.items()},
-                     "gate_up_shard": list(jax.tree.leaves(w1)[0].addressable_shards[0].data.shape),
-                     "down_shard": list(jax.tree.leaves(w2)[0].addressable_shards[0].data.shape)}
+        out[spec] = {
+            "max_diff": {k: float(np.abs(v - want).max()) for k, v in got.items()},
+            "gate_up_shard": list(jax.tree.leaves(w1)[0].addressable_shards[0].data.shape),
+            "down_shard": list(jax.tree.leaves(w2)[0].addressable_shards[0].data.shape),
+        }
     return out
 
 

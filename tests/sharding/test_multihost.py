@@ -1,6 +1,7 @@
 """Two processes on loopback (jax.distributed over 127.0.0.1) run one engine together: process 0
 schedules and broadcasts each step, and its tokens equal the single-process run's (which the
 llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it)."""
+
 import numpy as np
 import pytest
 from testpaths import FIXTURES
@@ -8,11 +9,11 @@ from testpaths import FIXTURES
 from jaxinfer.convert import convert
 
 
-@pytest.mark.parametrize("mesh,devices", [("tensor=2", 1), ("data=2,tensor=2", 2)],
-                         ids=["tensor2-across-hosts", "data2xtensor2"])
+@pytest.mark.parametrize(
+    "mesh,devices", [("tensor=2", 1), ("data=2,tensor=2", 2)], ids=["tensor2-across-hosts", "data2xtensor2"]
+)
 def test_two_processes_match_one(processes, port, mesh, devices):
-    leader, follower = processes(
-        [["multihost", str(i), str(port), mesh] for i in range(2)], devices=devices)
+    leader, follower = processes([["multihost", str(i), str(port), mesh] for i in range(2)], devices=devices)
     assert (leader["process"], follower["process"]) == (0, 1)
     assert leader["processes"] == 2 and leader["devices"] == 2 * devices
     assert leader["local_devices"] == devices
@@ -30,6 +31,7 @@ def test_two_processes_restore_an_orbax_checkpoint(processes, port, tmp_path):
     single-process run's."""
     convert(FIXTURES / "hf" / "llama3", tmp_path / "ckpt", dtype="float32", progress=False)
     leader, follower = processes(
-        [["multihost", str(i), str(port), "tensor=2", str(tmp_path / "ckpt")] for i in range(2)], devices=1)
+        [["multihost", str(i), str(port), "tensor=2", str(tmp_path / "ckpt")] for i in range(2)], devices=1
+    )
     assert leader["outputs"] == leader["expected"]
     assert follower["outputs"] == []

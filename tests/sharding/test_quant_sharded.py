@@ -1,6 +1,7 @@
 """Quantized weights on meshes of forced CPU devices: scales split with their weight's output (or
 grouped input) axis, and greedy tokens equal to the single-device quantized run; a mixture's
 quantized experts split over `expert` and `tensor` alike."""
+
 import json
 import subprocess
 import sys
@@ -38,8 +39,13 @@ print(json.dumps(out))
 
 def _run(cases: list[str]) -> dict:
     env = child_env(8, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(FIXTURES / "hf"), ";".join(cases)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(FIXTURES / "hf"), ";".join(cases)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     for case in cases:

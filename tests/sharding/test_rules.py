@@ -1,8 +1,10 @@
 """Host-side pieces of sharding, in process: mesh specs, the rule table and the specs derived
 from a model's logical axes, KV-head layout, context-parallel metadata, multi-host arguments."""
+
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.cli import build_parser
 from jaxinfer.config import EngineConfig
@@ -24,10 +26,17 @@ def test_parse_mesh_spec():
     assert parse_mesh_spec("expert=4,tensor=2") == {"data": 1, "sequence": 1, "expert": 4, "tensor": 2}
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("", "mesh spec must be"), ("tensor", "is not axis=size"), ("model=2", "unknown axis 'model'"),
-    ("tensor=2,tensor=2", "given twice"), ("tensor=0", "positive size"), ({"tensor": -1}, "positive size"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("", "mesh spec must be"),
+        ("tensor", "is not axis=size"),
+        ("model=2", "unknown axis 'model'"),
+        ("tensor=2,tensor=2", "given twice"),
+        ("tensor=0", "positive size"),
+        ({"tensor": -1}, "positive size"),
+    ],
+)
 def test_bad_mesh_specs_are_named(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_mesh_spec(spec)
@@ -77,9 +86,17 @@ def test_indivisible_axes():
     assert logical_to_spec(("vocab", "embed"), (32001, 64), mesh(tensor=2)) == P(None, None)  # kept whole
 
 
-@pytest.mark.parametrize("heads,kv,tp,repeat,per_device", [
-    (8, 2, 1, 1, 2), (8, 2, 2, 1, 1), (8, 2, 4, 2, 1), (8, 2, 8, 4, 1), (4, 1, 4, 4, 1), (32, 8, 4, 1, 2),
-])
+@pytest.mark.parametrize(
+    "heads,kv,tp,repeat,per_device",
+    [
+        (8, 2, 1, 1, 2),
+        (8, 2, 2, 1, 1),
+        (8, 2, 4, 2, 1),
+        (8, 2, 8, 4, 1),
+        (4, 1, 4, 4, 1),
+        (32, 8, 4, 1, 2),
+    ],
+)
 def test_head_layout(heads, kv, tp, repeat, per_device):
     layout = HeadLayout(heads, kv, tp)
     assert (layout.kv_repeat, layout.kv_heads_per_device) == (repeat, per_device)
@@ -121,8 +138,7 @@ def test_local_metadata_matches_a_split_batch():
 
 
 def test_distributed_args_from_flags_and_environment():
-    env = {"JAXINFER_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAXINFER_NUM_PROCESSES": "4",
-           "JAXINFER_PROCESS_ID": "2"}
+    env = {"JAXINFER_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAXINFER_NUM_PROCESSES": "4", "JAXINFER_PROCESS_ID": "2"}
     assert DistributedArgs.from_env(env=env) == DistributedArgs("10.0.0.1:1234", 4, 2)
     assert DistributedArgs.from_env("h:1", None, 0, env=env) == DistributedArgs("h:1", 4, 0)
     with pytest.raises(ValueError, match="num_processes='x' must be int"):
@@ -142,19 +158,45 @@ def test_initialize_single_process_and_bad_arguments(monkeypatch):
 
 
 def test_cli_takes_mesh_and_multihost_flags():
-    args = build_parser().parse_args([
-        "generate", "hi", "--mesh", "data=2,tensor=4", "--coordinator-address", "10.0.0.1:8476",
-        "--num-processes", "2", "--process-id", "1"])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "hi",
+            "--mesh",
+            "data=2,tensor=4",
+            "--coordinator-address",
+            "10.0.0.1:8476",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+        ]
+    )
     assert (args.mesh, args.coordinator_address, args.num_processes, args.process_id) == (
-        "data=2,tensor=4", "10.0.0.1:8476", 2, 1)
+        "data=2,tensor=4",
+        "10.0.0.1:8476",
+        2,
+        1,
+    )
 
 
 def _config():
     from jaxinfer.config import ModelConfig
 
-    return ModelConfig(model_type="llama", family="llama", vocab_size=512, hidden_size=64,
-                       intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
-                       rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256)
+    return ModelConfig(
+        model_type="llama",
+        family="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=256,
+    )
 
 
 def test_replicated_kv_heads_deal_out_each_groups_query_heads():
@@ -172,6 +214,7 @@ def test_replicated_kv_heads_deal_out_each_groups_query_heads():
 
 def test_expert_axis_must_divide_the_experts():
     from sharding.experts import check_expert_axis
+
     check_expert_axis(mesh(expert=4, tensor=2), 8)
     check_expert_axis(mesh(tensor=2), 0)  # no expert axis: any model
     with pytest.raises(ValueError, match="expert=4 cannot split 6 experts"):

@@ -2,21 +2,22 @@
 greedy outputs equal to the single-device run (= HF generate) for tensor, data x tensor and
 sequence (context-parallel) meshes; logits within float32 tolerance; the decode step's
 collectives; parameter bytes per device; ring and all-gather context attention."""
+
 import re
 
 import pytest
 
 ENGINE_CASES = [
-    ("llama3", "tensor=2"),             # 2 KV heads: one per shard
-    ("llama3", "tensor=4"),             # 2 KV heads < 4 shards: each KV head stored twice
-    ("llama3", "tensor=8"),             # one query head per shard
-    ("llama3", "data=2,tensor=4"),      # two replicas, each 4-way tensor parallel
-    ("llama3", "sequence=4"),           # context-parallel prefill over 4 devices
+    ("llama3", "tensor=2"),  # 2 KV heads: one per shard
+    ("llama3", "tensor=4"),  # 2 KV heads < 4 shards: each KV head stored twice
+    ("llama3", "tensor=8"),  # one query head per shard
+    ("llama3", "data=2,tensor=4"),  # two replicas, each 4-way tensor parallel
+    ("llama3", "sequence=4"),  # context-parallel prefill over 4 devices
     ("llama3", "data=2,sequence=2,tensor=2"),  # all three axes at once
-    ("mistral", "tensor=4"),            # 1 KV head, sliding window
-    ("qwen3_tied", "tensor=2"),         # QK-norm, 1 KV head stored twice, tied LM head
-    ("mixtral", "tensor=2"),            # experts' F split over tensor, 1 KV head stored twice
-    ("mixtral", "expert=4,tensor=2"),   # one whole expert per expert shard, its F split in two
+    ("mistral", "tensor=4"),  # 1 KV head, sliding window
+    ("qwen3_tied", "tensor=2"),  # QK-norm, 1 KV head stored twice, tied LM head
+    ("mixtral", "tensor=2"),  # experts' F split over tensor, 1 KV head stored twice
+    ("mixtral", "expert=4,tensor=2"),  # one whole expert per expert shard, its F split in two
     ("qwen3_moe", "data=2,expert=2,tensor=2"),  # replicas x experts x tensor
 ]
 
@@ -39,9 +40,20 @@ def test_greedy_outputs_equal_single_device(scenario, name, mesh):
         assert sum(counts) == r["num_prompts"] and max(counts) - min(counts) <= 1  # balanced
 
 
-LOGIT_CASES = ["llama3:tensor=8", "mistral:tensor=4", "qwen2:tensor=4", "tied_gqa3:tensor=2",
-               "llama3:sequence=4", "qwen2:sequence=2,tensor=2", "qwen3:tensor=2", "qwen3_tied:tensor=2",
-               "mixtral:tensor=4", "qwen3_moe:tensor=2", "mixtral:expert=4,tensor=2", "qwen3_moe:expert=8"]
+LOGIT_CASES = [
+    "llama3:tensor=8",
+    "mistral:tensor=4",
+    "qwen2:tensor=4",
+    "tied_gqa3:tensor=2",
+    "llama3:sequence=4",
+    "qwen2:sequence=2,tensor=2",
+    "qwen3:tensor=2",
+    "qwen3_tied:tensor=2",
+    "mixtral:tensor=4",
+    "qwen3_moe:tensor=2",
+    "mixtral:expert=4,tensor=2",
+    "qwen3_moe:expert=8",
+]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Fused weights on a TPU in the layout their matmuls read (sharding/weight_layout.py); the
 compiled TPU step's absence of weight relayouts is checked in tests/test_tpu_aot.py."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,13 +11,19 @@ from jaxinfer.models.moe import model as moe
 from sharding.weight_layout import dot_layout, pin_weight_layouts, weight_format
 
 
-@pytest.mark.parametrize("name,want", [
-    ("w_qkv", (1, 2, 0, 3)),      # [E, K, G + 2, D]: each kv head group's [E, D] matrices
-    ("w_gate_up", (1, 0, 2)),     # [E, 2, F]: gate and up, each an [E, F] matrix
-    ("wq", (1, 0, 2)),            # [E, H, D], the unfused form
-    ("wo", None),                 # [H, D, E]: contracted on its leading axes
-    ("w_down", None), ("lm_head", None), ("embed", None), ("b_qkv", None),
-])
+@pytest.mark.parametrize(
+    "name,want",
+    [
+        ("w_qkv", (1, 2, 0, 3)),  # [E, K, G + 2, D]: each kv head group's [E, D] matrices
+        ("w_gate_up", (1, 0, 2)),  # [E, 2, F]: gate and up, each an [E, F] matrix
+        ("wq", (1, 0, 2)),  # [E, H, D], the unfused form
+        ("wo", None),  # [H, D, E]: contracted on its leading axes
+        ("w_down", None),
+        ("lm_head", None),
+        ("embed", None),
+        ("b_qkv", None),
+    ],
+)
 def test_fused_weights_take_their_groups_major(name, want):
     axes = llama.PARAM_AXES[name]
     assert dot_layout(axes, len(axes)) == want
@@ -24,11 +31,15 @@ def test_fused_weights_take_their_groups_major(name, want):
     assert dot_layout(None, 3) is None
 
 
-@pytest.mark.parametrize("name,want", [
-    ("experts_gate_up", (0, 2, 1, 3)),  # [X, E, 2, F]: each expert's gate and up [E, F] matrices
-    ("experts_down", (0, 1, 2)),        # [X, F, E]: each expert an [F, E] matrix, row-major
-    ("router", None), ("w_qkv", (1, 2, 0, 3)),
-])
+@pytest.mark.parametrize(
+    "name,want",
+    [
+        ("experts_gate_up", (0, 2, 1, 3)),  # [X, E, 2, F]: each expert's gate and up [E, F] matrices
+        ("experts_down", (0, 1, 2)),  # [X, F, E]: each expert an [F, E] matrix, row-major
+        ("router", None),
+        ("w_qkv", (1, 2, 0, 3)),
+    ],
+)
 def test_stacked_experts_are_placed_as_the_grouped_matmuls_read_them(name, want):
     """A mixture's experts on a TPU: each expert's matrices [in, out] whole, as the grouped
     matmuls read them; XLA:TPU's own layout relaid them on every step."""

@@ -5,6 +5,7 @@ and records, per option: its strings, dest, default, type, choices, nargs, metav
 the title of the argument group it is listed under. Comparing it against the fixture shows any flag
 that changed name, default, help or grouping.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,11 +20,18 @@ def _action(action: argparse.Action, group: str) -> dict:
     default = action.default
     if not isinstance(default, (str, int, float, bool, type(None), list, tuple)):
         default = repr(default)
-    return {"dest": action.dest, "kind": kind, "default": default,
-            "type": getattr(action.type, "__name__", None) if action.type else None,
-            "choices": list(action.choices) if action.choices is not None and kind != "_SubParsersAction" else None,
-            "nargs": action.nargs, "metavar": action.metavar, "help": action.help, "group": group,
-            "required": action.required}
+    return {
+        "dest": action.dest,
+        "kind": kind,
+        "default": default,
+        "type": getattr(action.type, "__name__", None) if action.type else None,
+        "choices": list(action.choices) if action.choices is not None and kind != "_SubParsersAction" else None,
+        "nargs": action.nargs,
+        "metavar": action.metavar,
+        "help": action.help,
+        "group": group,
+        "required": action.required,
+    }
 
 
 def _parser(p: argparse.ArgumentParser, prefix: str, out: dict) -> None:
@@ -37,8 +45,12 @@ def _parser(p: argparse.ArgumentParser, prefix: str, out: dict) -> None:
         key = "/".join(action.option_strings) or action.dest
         flags[key] = _action(action, groups.get(id(action), ""))
     exclusive = [sorted("/".join(a.option_strings) for a in g._group_actions) for g in p._mutually_exclusive_groups]
-    out[prefix or "jaxinfer"] = {"flags": flags, "exclusive": exclusive, "epilog": p.epilog,
-                                 "description": p.description}
+    out[prefix or "jaxinfer"] = {
+        "flags": flags,
+        "exclusive": exclusive,
+        "epilog": p.epilog,
+        "description": p.description,
+    }
 
 
 def surface() -> dict:

@@ -8,6 +8,7 @@ charges them to the test running in that process (a module fixture's to its firs
 Compiles run on threads side by side can add up to more than the test's wall time. Work done in
 processes a test starts (servers, CLI runs, 8-device scenarios, TPU compiles) is not seen: those
 tests show wall time and no compiles."""
+
 from __future__ import annotations
 
 import collections
@@ -18,17 +19,23 @@ from pathlib import Path
 
 import pytest
 
-EVENTS = {"/jax/core/compile/backend_compile_duration": "compile",
-          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-          "/jax/core/compile/jaxpr_trace_duration": "trace",
-          "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read"}
+EVENTS = {
+    "/jax/core/compile/backend_compile_duration": "compile",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read",
+}
 COLUMNS = ("wall", "compile", "lower", "trace", "cache_read", "compiles")
 
 
 def add_option(parser) -> None:
-    parser.addoption("--compile-report", metavar="DIR", default=None,
-                     help="write each process's JAX trace / lowering / compile seconds per test to "
-                          "DIR (tests/support/compile_report.py DIR prints them by module)")
+    parser.addoption(
+        "--compile-report",
+        metavar="DIR",
+        default=None,
+        help="write each process's JAX trace / lowering / compile seconds per test to "
+        "DIR (tests/support/compile_report.py DIR prints them by module)",
+    )
 
 
 def configure(config) -> None:
@@ -51,10 +58,12 @@ class CompileReport:
 
     def pytest_configure(self, config):
         import jax.monitoring
+
         jax.monitoring.register_event_duration_secs_listener(self.listen)
 
     def pytest_unconfigure(self, config):
         import jax.monitoring
+
         jax.monitoring.unregister_event_duration_listener(self.listen)
 
     @pytest.hookimpl(hookwrapper=True)

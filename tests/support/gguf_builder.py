@@ -1,4 +1,5 @@
 """Writes small GGUF files for tests: HF-layout tensors in, llama.cpp conventions out."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +14,13 @@ def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndarray],
-               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    arch: str,
+    metadata: dict,
+    tensors: dict[str, np.ndarray],
+    qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> Path:
     """tensors: name -> float32 array in HF row-major shape; qtypes: name -> storage type."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
@@ -49,26 +55,39 @@ def llama_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray], arch: str 
     QK-norm weights as attn_q_norm / attn_k_norm)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
-    meta = {f"{arch}.{key}": value for key, value in {
-        "block_count": config["num_hidden_layers"],
-        "context_length": config["max_position_embeddings"],
-        "embedding_length": config["hidden_size"],
-        "feed_forward_length": config["intermediate_size"],
-        "attention.head_count": heads,
-        "attention.head_count_kv": kv_heads,
-        "attention.key_length": config.get("head_dim") or config["hidden_size"] // heads,
-        "rope.freq_base": float(rope["rope_theta"]),
-        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
-        "vocab_size": config["vocab_size"],
-    }.items()}
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-             "self_attn.k_norm.weight": "attn_k_norm.weight"}
+    meta = {
+        f"{arch}.{key}": value
+        for key, value in {
+            "block_count": config["num_hidden_layers"],
+            "context_length": config["max_position_embeddings"],
+            "embedding_length": config["hidden_size"],
+            "feed_forward_length": config["intermediate_size"],
+            "attention.head_count": heads,
+            "attention.head_count_kv": kv_heads,
+            "attention.key_length": config.get("head_dim") or config["hidden_size"] // heads,
+            "rope.freq_base": float(rope["rope_theta"]),
+            "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+            "vocab_size": config["vocab_size"],
+        }.items()
+    }
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+    }
     out = {}
     for name, w in hf_tensors.items():
         if name in names:
@@ -84,8 +103,10 @@ def llama_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray], arch: str 
 
 
 # Mixtral and Qwen3-MoE per-expert HF names -> (router name, per-expert module, gate/up/down names)
-_HF_MOE = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")),
-           "qwen3_moe": ("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))}
+_HF_MOE = {
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+}
 
 
 def moe_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray], arch: str) -> tuple[dict, dict]:
@@ -96,9 +117,14 @@ def moe_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray], arch: str) -
     moe = {name: w for name, w in hf_tensors.items() if f".{router}." in name or f".{experts}." in name}
     meta, out = llama_hf_to_gguf(config, {n: w for n, w in hf_tensors.items() if n not in moe}, arch)
     count = config.get("num_experts") or config["num_local_experts"]
-    meta.update({f"{arch}.expert_count": count, f"{arch}.expert_used_count": config["num_experts_per_tok"],
-                 f"{arch}.expert_feed_forward_length": config.get("moe_intermediate_size") or config["intermediate_size"],
-                 f"{arch}.expert_weights_norm": bool(config.get("norm_topk_prob", True))})
+    meta.update(
+        {
+            f"{arch}.expert_count": count,
+            f"{arch}.expert_used_count": config["num_experts_per_tok"],
+            f"{arch}.expert_feed_forward_length": config.get("moe_intermediate_size") or config["intermediate_size"],
+            f"{arch}.expert_weights_norm": bool(config.get("norm_topk_prob", True)),
+        }
+    )
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
         if prefix + router + ".weight" not in moe:
@@ -106,5 +132,6 @@ def moe_hf_to_gguf(config: dict, hf_tensors: dict[str, np.ndarray], arch: str) -
         out[f"blk.{i}.ffn_gate_inp.weight"] = moe[prefix + router + ".weight"]
         for gguf_name, hf_name in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), names):
             out[f"blk.{i}.{gguf_name}.weight"] = np.stack(
-                [moe[f"{prefix}{experts}.{j}.{hf_name}.weight"] for j in range(count)])
+                [moe[f"{prefix}{experts}.{j}.{hf_name}.weight"] for j in range(count)]
+            )
     return meta, out

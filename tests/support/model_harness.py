@@ -1,4 +1,5 @@
 """Runs a model over one sequence through the paged cache, as the engine would (for tests)."""
+
 from __future__ import annotations
 
 import functools
@@ -28,8 +29,11 @@ class SingleSequence:
     def _forward(family, config, params, kv, tokens, start, page_table):
         n = tokens.shape[0]
         meta = AttentionMetadata(
-            kv_lens=(start + n).reshape(1), page_indices=page_table,
-            cu_q_lens=jnp.array([0, n], jnp.int32), num_seqs=jnp.ones((1,), jnp.int32))
+            kv_lens=(start + n).reshape(1),
+            page_indices=page_table,
+            cu_q_lens=jnp.array([0, n], jnp.int32),
+            num_seqs=jnp.ones((1,), jnp.int32),
+        )
         positions = start + jnp.arange(n, dtype=jnp.int32)
         hidden, kv = family.forward(params, config, tokens, positions, kv, meta)
         return family.compute_logits(params, hidden), kv

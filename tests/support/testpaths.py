@@ -1,5 +1,6 @@
 """Paths of fixtures and of the real models that packages ship, for tests; the small engine that
 the SmolLM2 modules share."""
+
 import importlib.util
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def sentencepiece_model_path() -> Path:
 # first read its step variants from the run's compilation cache (xla_env.share_compilation_cache)
 # instead of compiling them again.
 SMOLLM2_SMALL = dict(max_model_len=512, max_num_batched_tokens=64, token_buckets=(16, 64), max_num_seqs=16)
-SMOLLM2_SMALL_ARGS = [arg for name, value in SMOLLM2_SMALL.items()  # the same, as command-line flags
-                      for arg in (f"--{name.replace('_', '-')}",
-                                  ",".join(map(str, value)) if isinstance(value, tuple) else str(value))]
+SMOLLM2_SMALL_ARGS = [
+    arg
+    for name, value in SMOLLM2_SMALL.items()  # the same, as command-line flags
+    for arg in (f"--{name.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, tuple) else str(value))
+]

@@ -10,6 +10,7 @@ Numerics may move by rounding: the fp8-cache comparison in test_kv_quant.py, alr
 some CPUs, is one there. Benchmarks
 and the engine itself are not affected: the flag lives only in the test processes' environment.
 `JAXINFER_TEST_XLA_OPT=1` keeps XLA's default level (to run the suite as production compiles)."""
+
 import os
 import tempfile
 from pathlib import Path
@@ -65,8 +66,13 @@ def tpu_compiler_env() -> dict:
     JAX's own backend the CPU, libtpu's start-up chatter quiet, and its one-process lock
     (/tmp/libtpu_lockfile) off, since two xdist workers may compile for TPUs at once."""
     path = os.pathsep.join([str(TPU_COMPILER), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return child_env(JAX_PLATFORMS="cpu", PYTHONPATH=path, TPU_ACCELERATOR_TYPE="v5litepod-1",
-                     TF_CPP_MIN_LOG_LEVEL="2", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    return child_env(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=path,
+        TPU_ACCELERATOR_TYPE="v5litepod-1",
+        TF_CPP_MIN_LOG_LEVEL="2",
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+    )
 
 
 def has_tpu_compiler() -> bool:

@@ -9,9 +9,11 @@ sliding_attention}` (transformers 5) or as rope_theta / rope_scaling / rope_loca
 scale: llama.cpp's fixed values are used (every 6th Gemma 3 layer global, every 2nd Gemma 2 layer;
 local base 10000; scale head_dim, hidden / heads for the 27B).
 """
+
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from jaxinfer.config.errors import ConfigError, require
 from jaxinfer.config.model import FULL, SLIDING, check_layer_types, pattern_layer_types, rope_from_hf
@@ -64,16 +66,21 @@ def read_hf(cfg: Mapping[str, Any], shared: Mapping[str, Any], source: str) -> d
     softcaps = {k: cfg.get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
     if model_type == "gemma3_text":
         softcaps["attn_logit_softcapping"] = None  # Gemma 3's attention never applies it
-    return dict(rope, rope_local_theta=None if local_theta is None else float(local_theta),
-                layer_types=types, sliding_window=int(window) if window else None,
-                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
-                attn_logit_softcap=_positive_or_none(softcaps["attn_logit_softcapping"], "attn_logit_softcapping", source),
-                final_logit_softcap=_positive_or_none(softcaps["final_logit_softcapping"], "final_logit_softcapping", source),
-                qk_norm=model_type == "gemma3_text")
+    return dict(
+        rope,
+        rope_local_theta=None if local_theta is None else float(local_theta),
+        layer_types=types,
+        sliding_window=int(window) if window else None,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
+        attn_logit_softcap=_positive_or_none(softcaps["attn_logit_softcapping"], "attn_logit_softcapping", source),
+        final_logit_softcap=_positive_or_none(softcaps["final_logit_softcapping"], "final_logit_softcapping", source),
+        qk_norm=model_type == "gemma3_text",
+    )
 
 
-def read_gguf(meta: Mapping[str, Any], arch: str, shared: Mapping[str, Any], tensor_names: Collection[str] | None,
-              source: str) -> dict[str, Any]:
+def read_gguf(
+    meta: Mapping[str, Any], arch: str, shared: Mapping[str, Any], tensor_names: Collection[str] | None, source: str
+) -> dict[str, Any]:
     """The Gemma fields of GGUF metadata, with llama.cpp's fixed values where the file is silent."""
     num_layers = shared["num_layers"]
     window = meta.get(f"{arch}.attention.sliding_window")
@@ -86,21 +93,35 @@ def read_gguf(meta: Mapping[str, Any], arch: str, shared: Mapping[str, Any], ten
     local = meta.get(f"{arch}.rope.freq_base_swa", _GGUF_LOCAL_THETA.get(arch))
     hidden, heads = shared["hidden_size"], shared["num_heads"]
     scalar = hidden / heads if num_layers == _GGUF_27B_LAYERS[arch] else shared["head_dim"]
-    caps = ({"attn": meta.get("gemma2.attn_logit_softcapping", 50.0),
-             "final": meta.get("gemma2.final_logit_softcapping", 30.0)} if arch == "gemma2"
-            else {"attn": None, "final": meta.get(f"{arch}.final_logit_softcapping")})
-    return dict(layer_types=types, sliding_window=int(window) if window and SLIDING in types else None,
-                rope_local_theta=None if local is None else float(local),
-                query_pre_attn_scalar=float(scalar), qk_norm=arch == "gemma3",
-                attn_logit_softcap=_positive_or_none(caps["attn"], "attn_logit_softcapping", source),
-                final_logit_softcap=_positive_or_none(caps["final"], "final_logit_softcapping", source))
+    caps = (
+        {
+            "attn": meta.get("gemma2.attn_logit_softcapping", 50.0),
+            "final": meta.get("gemma2.final_logit_softcapping", 30.0),
+        }
+        if arch == "gemma2"
+        else {"attn": None, "final": meta.get(f"{arch}.final_logit_softcapping")}
+    )
+    return dict(
+        layer_types=types,
+        sliding_window=int(window) if window and SLIDING in types else None,
+        rope_local_theta=None if local is None else float(local),
+        query_pre_attn_scalar=float(scalar),
+        qk_norm=arch == "gemma3",
+        attn_logit_softcap=_positive_or_none(caps["attn"], "attn_logit_softcapping", source),
+        final_logit_softcap=_positive_or_none(caps["final"], "final_logit_softcapping", source),
+    )
 
 
 def to_hf(config) -> dict[str, Any]:
     """The Gemma keys of a config.json for `config` (a gemma-family ModelConfig)."""
-    cfg = {"layer_types": list(config.layer_types), "query_pre_attn_scalar": config.query_pre_attn_scalar,
-           "attn_logit_softcapping": config.attn_logit_softcap, "final_logit_softcapping": config.final_logit_softcap,
-           "hidden_activation": ACTIVATION, "sliding_window": config.sliding_window}
+    cfg = {
+        "layer_types": list(config.layer_types),
+        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        "attn_logit_softcapping": config.attn_logit_softcap,
+        "final_logit_softcapping": config.final_logit_softcap,
+        "hidden_activation": ACTIVATION,
+        "sliding_window": config.sliding_window,
+    }
     if config.model_type == "gemma3_text":
         full = {"rope_theta": config.rope_theta, "rope_type": "default"}
         if config.rope_scaling is not None:

@@ -13,6 +13,7 @@ assistant's role spelled "model", a system message folded into the first user tu
 system role) and `<start_of_turn>model\\n` as the generation prompt; it starts with the BOS token,
 so a rendered prompt is encoded without adding another.
 """
+
 from __future__ import annotations
 
 GEMMA_CHAT_TEMPLATE = (
@@ -34,4 +35,3 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 GEMMA_END_OF_TURN = "<end_of_turn>"
-

@@ -18,6 +18,7 @@ llama/model.py), so a layer's window and rope table are fixed when the step is t
 per step and each layer's attention is traced with its own window: one compiled step serves
 every layer pattern, with nothing recompiled per step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,8 +72,19 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def layer_fields(config: ModelConfig) -> list[str]:
     """One layer's tensors in a checkpoint, by our field names (before `assemble` fuses them)."""
-    fields = ["attn_norm", "wq", "wk", "wv", "wo", "post_attn_norm", "mlp_norm", "w_gate", "w_up",
-              "w_down", "post_mlp_norm"]
+    fields = [
+        "attn_norm",
+        "wq",
+        "wk",
+        "wv",
+        "wo",
+        "post_attn_norm",
+        "mlp_norm",
+        "w_gate",
+        "w_up",
+        "w_down",
+        "post_mlp_norm",
+    ]
     return fields + (["q_norm", "k_norm"] if config.qk_norm else [])
 
 
@@ -80,15 +92,19 @@ def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dic
     """The parameter tree from arrays keyed by field name, q|k|v and gate|up fused (each layer's
     unfused arrays popped as it is built)."""
     return GemmaParams(
-        embed=top["embed"], final_norm=top["final_norm"], lm_head=top.get("lm_head"),
+        embed=top["embed"],
+        final_norm=top["final_norm"],
+        lm_head=top.get("lm_head"),
         layers=tuple(GemmaLayer(**llama.fuse_gate_up(llama.fuse_qkv(fields))) for fields in per_layer),
-        final_logit_softcap=config.final_logit_softcap)
+        final_logit_softcap=config.final_logit_softcap,
+    )
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> GemmaParams:
     """Random parameters (for tests and benchmarks): normal(0, scale); norm weights 0 (scale 1)."""
-    top, per_layer = llama.random_fields(param_shapes(config), top_fields(config), layer_fields(config),
-                                         config.num_layers, key, dtype, scale, 0.0)
+    top, per_layer = llama.random_fields(
+        param_shapes(config), top_fields(config), layer_fields(config), config.num_layers, key, dtype, scale, 0.0
+    )
     return assemble(config, top, per_layer)
 
 
@@ -99,8 +115,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def _attention(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str,
-               sliding: bool):
+def _attention(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str, sliding: bool):
     """x [T, E] -> x + post_norm(attention(norm(x))), and the layer's updated cache."""
     eps = config.rms_norm_eps
     qkv = L.project_qkv(rms_norm(x, p.attn_norm, eps), p.w_qkv)  # [T, K, G+2, D]
@@ -122,8 +137,7 @@ def _mlp(x, p: GemmaLayer, eps: float):
     return x + rms_norm(einsum("tf,fe->te", hidden, p.w_down), p.post_mlp_norm, eps)
 
 
-def _layer(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str,
-           sliding: bool):
+def _layer(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str, sliding: bool):
     x, kv_cache = _attention(x, p, kv_cache, cos, sin, meta, config, attn_impl, sliding)
     return _mlp(x, p, config.rms_norm_eps), kv_cache
 
@@ -132,12 +146,19 @@ def _local_config(config: ModelConfig) -> ModelConfig:
     """The config whose rope the sliding layers use: their own base, no scaling."""
     if config.rope_local_theta is None:
         return config
-    return dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None,
-                               rope_freq_factors=None)
+    return dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
 
 
-def forward(params: GemmaParams, config: ModelConfig, tokens, positions, kv_caches,
-            meta: L.AttentionMetadata, *, attn_impl: str = "auto"):
+def forward(
+    params: GemmaParams,
+    config: ModelConfig,
+    tokens,
+    positions,
+    kv_caches,
+    meta: L.AttentionMetadata,
+    *,
+    attn_impl: str = "auto",
+):
     """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple)."""

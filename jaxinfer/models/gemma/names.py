@@ -12,18 +12,27 @@ after attention and one on each side of the MLP:
 HF stores every norm weight as w (the layer scales by 1 + w); llama.cpp's converter stores 1 + w,
 so GGUF norms are read back as stored - 1. GGUF q/k projections of Gemma are not permuted.
 """
+
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.llama import names as llama_names
 from jaxinfer.models.gemma.model import layer_fields, param_shapes, top_fields
+from jaxinfer.models.llama import names as llama_names
 from jaxinfer.models.specs import TensorSpec
 
 IGNORED = llama_names.IGNORED
-_HF_LAYER = {"attn_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
-             "mlp_norm": "pre_feedforward_layernorm.weight", "post_mlp_norm": "post_feedforward_layernorm.weight"}
-_GGUF_LAYER = {"attn_norm": "attn_norm.weight", "post_attn_norm": "post_attention_norm.weight",
-               "mlp_norm": "ffn_norm.weight", "post_mlp_norm": "post_ffw_norm.weight"}
+_HF_LAYER = {
+    "attn_norm": "input_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "attn_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "post_mlp_norm": "post_ffw_norm.weight",
+}
 
 
 def _norm_spec(name: str, field: str, layer: int | None, size: int, fmt: str) -> TensorSpec:
@@ -36,8 +45,7 @@ def checkpoint_specs(config: ModelConfig, fmt: str) -> list[TensorSpec]:
     """Every tensor the checkpoint must hold, in load order. fmt: "hf", "gguf", or "ours" (our own
     fields in our layout, named "embed", "layers.3.post_mlp_norm", ...: what `jaxinfer convert` saves)."""
     if fmt == "ours":
-        return llama_names.ours_specs(param_shapes(config), top_fields(config), layer_fields(config),
-                                      config.num_layers)
+        return llama_names.ours_specs(param_shapes(config), top_fields(config), layer_fields(config), config.num_layers)
     if fmt not in ("hf", "gguf"):
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     # Llama's map names the projections, embeddings, final and QK norms (Gemma does not permute

@@ -6,9 +6,11 @@
 
 Every model of the family is SiLU-gated. The MoE family reads these too, for its attention.
 """
+
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from jaxinfer.config.errors import ConfigError
 
@@ -24,12 +26,16 @@ def sliding_window(cfg: Mapping[str, Any], model_type: str, source: str) -> int 
         return None
     if model_type == "qwen3":
         first = int(cfg.get("max_window_layers", 28))
-        types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                           for i in range(int(cfg.get("num_hidden_layers") or 0))]
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention"
+            for i in range(int(cfg.get("num_hidden_layers") or 0))
+        ]
         sliding = sum(t == "sliding_attention" for t in types)
         if 0 < sliding < len(types):
-            raise ConfigError(f"{source}: sliding_window in {sliding} of {len(types)} layers "
-                              "(use_sliding_window with max_window_layers / layer_types) is not supported")
+            raise ConfigError(
+                f"{source}: sliding_window in {sliding} of {len(types)} layers "
+                "(use_sliding_window with max_window_layers / layer_types) is not supported"
+            )
         if not sliding:
             return None
     return int(window)
@@ -41,12 +47,17 @@ def read_hf(cfg: Mapping[str, Any], shared: Mapping[str, Any], source: str) -> d
     if hidden_act != "silu":
         raise ConfigError(f"{source}: unsupported hidden_act {hidden_act!r}; supported: 'silu'")
     attention_bias = bool(cfg.get("attention_bias", False))
-    return dict(qkv_bias=model_type == "qwen2" or attention_bias, o_bias=model_type != "qwen2" and attention_bias,
-                qk_norm=model_type in QK_NORM_TYPES, sliding_window=sliding_window(cfg, model_type, source))
+    return dict(
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type != "qwen2" and attention_bias,
+        qk_norm=model_type in QK_NORM_TYPES,
+        sliding_window=sliding_window(cfg, model_type, source),
+    )
 
 
-def read_gguf(meta: Mapping[str, Any], arch: str, shared: Mapping[str, Any], tensor_names: Collection[str] | None,
-              source: str) -> dict[str, Any]:
+def read_gguf(
+    meta: Mapping[str, Any], arch: str, shared: Mapping[str, Any], tensor_names: Collection[str] | None, source: str
+) -> dict[str, Any]:
     return dict(qkv_bias=arch == "qwen2", qk_norm=shared["model_type"] in QK_NORM_TYPES)
 
 

@@ -18,6 +18,7 @@ matmul for each instead of three and two (and XLA never concatenates weights ins
 Splitting the KV-head axis over `tensor` gives each shard whole groups with their own q|k|v
 columns; K here is the KV heads the cache carries (see sharding/rules.py on replicated heads).
 """
+
 from __future__ import annotations
 
 import flax.struct
@@ -81,20 +82,41 @@ PARAM_AXES = {
 
 # The input (contracted) axes of each linear weight: weight-only quantization (jaxinfer.quant)
 # keeps one scale per output channel over them, or groups along the last of them.
-LINEAR_INPUTS = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,), "w_up": (0,),
-                 "w_down": (0,)}
+LINEAR_INPUTS = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,), "w_up": (0,), "w_down": (0,)}
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every parameter of one layer and of the top level, by field name."""
-    e, h, k, d, f, v = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                        config.intermediate_size, config.vocab_size)
+    e, h, k, d, f, v = (
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+    )
     shapes = {
-        "embed": (v, e), "final_norm": (e,), "lm_head": (e, v),
-        "attn_norm": (e,), "wq": (e, h, d), "wk": (e, k, d), "wv": (e, k, d), "wo": (h, d, e),
-        "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
-        "bq": (h, d), "bk": (k, d), "bv": (k, d), "bo": (e,), "q_norm": (d,), "k_norm": (d,),
-        "w_qkv": (e, k, h // k + 2, d), "b_qkv": (k, h // k + 2, d), "w_gate_up": (e, 2, f),
+        "embed": (v, e),
+        "final_norm": (e,),
+        "lm_head": (e, v),
+        "attn_norm": (e,),
+        "wq": (e, h, d),
+        "wk": (e, k, d),
+        "wv": (e, k, d),
+        "wo": (h, d, e),
+        "mlp_norm": (e,),
+        "w_gate": (e, f),
+        "w_up": (e, f),
+        "w_down": (f, e),
+        "bq": (h, d),
+        "bk": (k, d),
+        "bv": (k, d),
+        "bo": (e,),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "w_qkv": (e, k, h // k + 2, d),
+        "b_qkv": (k, h // k + 2, d),
+        "w_gate_up": (e, 2, f),
     }
     return shapes
 
@@ -116,14 +138,16 @@ def top_fields(config: ModelConfig) -> list[str]:
     return ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
 
 
-def assemble(config: ModelConfig, top: dict[str, jax.Array],
-             per_layer: list[dict[str, jax.Array]]) -> LlamaParams:
+def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dict[str, jax.Array]]) -> LlamaParams:
     """Builds the parameter tree from arrays keyed by field name, fusing q|k|v and gate|up. Each
     layer's dict is consumed (its unfused arrays popped) as the layer is built, so a load never
     holds the unfused and the fused copies of every layer at once."""
     return LlamaParams(
-        embed=top["embed"], final_norm=top["final_norm"], lm_head=top.get("lm_head"),
-        layers=tuple(LlamaLayer(**fuse_gate_up(fuse_qkv(fields))) for fields in per_layer))
+        embed=top["embed"],
+        final_norm=top["final_norm"],
+        lm_head=top.get("lm_head"),
+        layers=tuple(LlamaLayer(**fuse_gate_up(fuse_qkv(fields))) for fields in per_layer),
+    )
 
 
 def fuse_qkv(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -132,8 +156,13 @@ def fuse_qkv(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
     wq, wk, wv = fields.pop("wq"), fields.pop("wk"), fields.pop("wv")
     k = wk.shape[1]
     fields["w_qkv"] = fuse(  # a quantized weight's scales [1|E/g, H, D] fuse alike
-        lambda q, kk, v: jnp.concatenate([q.reshape(q.shape[0], k, -1, q.shape[2]), kk[:, :, None],
-                                          v[:, :, None]], axis=2), wq, wk, wv)
+        lambda q, kk, v: jnp.concatenate(
+            [q.reshape(q.shape[0], k, -1, q.shape[2]), kk[:, :, None], v[:, :, None]], axis=2
+        ),
+        wq,
+        wk,
+        wv,
+    )
     if "bq" in fields:
         bq, bk, bv = fields.pop("bq"), fields.pop("bk"), fields.pop("bv")
         fields["b_qkv"] = jnp.concatenate([bq.reshape(k, -1, bq.shape[1]), bk[:, None], bv[:, None]], axis=1)
@@ -142,15 +171,16 @@ def fuse_qkv(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 def fuse_gate_up(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """w_gate, w_up [E, F] -> w_gate_up [E, 2, F], in place."""
-    fields["w_gate_up"] = fuse(lambda g, u: jnp.stack([g, u], axis=1), fields.pop("w_gate"),
-                                       fields.pop("w_up"))
+    fields["w_gate_up"] = fuse(lambda g, u: jnp.stack([g, u], axis=1), fields.pop("w_gate"), fields.pop("w_up"))
     return fields
 
 
-def random_fields(shapes: dict, top_names, layer_names, num_layers: int, key: jax.Array, dtype,
-                  scale: float, norm_value: float) -> tuple[dict, list[dict]]:
+def random_fields(
+    shapes: dict, top_names, layer_names, num_layers: int, key: jax.Array, dtype, scale: float, norm_value: float
+) -> tuple[dict, list[dict]]:
     """Random arrays by field name (tests and benchmarks): normal(0, scale), norms filled with
     `norm_value`; one key per array, in field order."""
+
     def make(name, k):
         if name.endswith("norm"):
             return jnp.full(shapes[name], norm_value, dtype)
@@ -164,8 +194,9 @@ def random_fields(shapes: dict, top_names, layer_names, num_layers: int, key: ja
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> LlamaParams:
     """Random parameters (for tests and benchmarks): normal(0, scale), norms at 1."""
-    top, per_layer = random_fields(param_shapes(config), top_fields(config), layer_fields(config),
-                                   config.num_layers, key, dtype, scale, 1.0)
+    top, per_layer = random_fields(
+        param_shapes(config), top_fields(config), layer_fields(config), config.num_layers, key, dtype, scale, 1.0
+    )
     return assemble(config, top, per_layer)
 
 
@@ -196,8 +227,16 @@ def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn
     return x, kv_cache
 
 
-def forward(params: LlamaParams, config: ModelConfig, tokens, positions, kv_caches,
-            meta: L.AttentionMetadata, *, attn_impl: str = "auto"):
+def forward(
+    params: LlamaParams,
+    config: ModelConfig,
+    tokens,
+    positions,
+    kv_caches,
+    meta: L.AttentionMetadata,
+    *,
+    attn_impl: str = "auto",
+):
     """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple).

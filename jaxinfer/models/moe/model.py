@@ -16,6 +16,7 @@ logical axis "experts" maps to the mesh axis `expert` (each device holds whole e
 `tensor` like a dense MLP's columns; sharding/experts.py runs each device's part and sums them
 with one all-reduce after the MLP.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,8 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
-from jaxinfer.models.llama import model as llama
 from jaxinfer.models.experts import Experts, moe_mlp
+from jaxinfer.models.llama import model as llama
 from jaxinfer.quant import stack, unstack
 
 compute_logits = llama.compute_logits
@@ -62,14 +63,21 @@ class MoeParams:
 
 
 def _base_field(field: str) -> str:
-    """"expert_gate.3" -> "expert_gate"; any other field name as it is."""
+    """ "expert_gate.3" -> "expert_gate"; any other field name as it is."""
     return re.sub(r"\.\d+$", "", field)
 
 
-_AXES = {**llama.PARAM_AXES, "router": ("embed", "experts"),
-         "experts_gate_up": ("experts", "embed", "gate_up", "mlp"), "experts_down": ("experts", "mlp", "embed"),
-         "experts_gate": ("experts", "embed", "mlp"), "experts_up": ("experts", "embed", "mlp"),
-         "expert_gate": ("embed", "mlp"), "expert_up": ("embed", "mlp"), "expert_down": ("mlp", "embed")}
+_AXES = {
+    **llama.PARAM_AXES,
+    "router": ("embed", "experts"),
+    "experts_gate_up": ("experts", "embed", "gate_up", "mlp"),
+    "experts_down": ("experts", "mlp", "embed"),
+    "experts_gate": ("experts", "embed", "mlp"),
+    "experts_up": ("experts", "embed", "mlp"),
+    "expert_gate": ("embed", "mlp"),
+    "expert_up": ("embed", "mlp"),
+    "expert_down": ("mlp", "embed"),
+}
 
 
 class _ByKind(Mapping):
@@ -91,15 +99,31 @@ class _ByKind(Mapping):
 PARAM_AXES = _ByKind(_AXES)
 # Weight-only quantization's input axes (llama.LINEAR_INPUTS): Llama's, and each expert's E for
 # gate and up, F for down (HF: one [in, out] per expert; GGUF: stacked [X, in, out]).
-LINEAR_INPUTS = _ByKind({**llama.LINEAR_INPUTS, "expert_gate": (0,), "expert_up": (0,), "expert_down": (0,),
-                         "experts_gate": (1,), "experts_up": (1,), "experts_down": (1,)})
+LINEAR_INPUTS = _ByKind(
+    {
+        **llama.LINEAR_INPUTS,
+        "expert_gate": (0,),
+        "expert_up": (0,),
+        "expert_down": (0,),
+        "experts_gate": (1,),
+        "experts_up": (1,),
+        "experts_down": (1,),
+    }
+)
 
 
 def field_shape(config: ModelConfig, field: str) -> tuple[int, ...]:
     e, f, x = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    shapes = {"router": (e, x), "expert_gate": (e, f), "expert_up": (e, f), "expert_down": (f, e),
-              "experts_gate_up": (x, e, 2, f), "experts_down": (x, f, e), "experts_gate": (x, e, f),
-              "experts_up": (x, e, f)}
+    shapes = {
+        "router": (e, x),
+        "expert_gate": (e, f),
+        "expert_up": (e, f),
+        "expert_down": (f, e),
+        "experts_gate_up": (x, e, 2, f),
+        "experts_down": (x, f, e),
+        "experts_gate": (x, e, f),
+        "experts_up": (x, e, f),
+    }
     base = _base_field(field)
     return shapes[base] if base in shapes else llama.param_shapes(config)[base]
 
@@ -118,8 +142,12 @@ top_fields = llama.top_fields
 def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dict[str, jax.Array]]) -> MoeParams:
     """The parameter tree from arrays keyed by field name: q|k|v fused, dense gate|up fused, each
     sparse layer's per-expert tensors stacked (popped from the layer's dict as they are used)."""
-    return MoeParams(embed=top["embed"], final_norm=top["final_norm"], lm_head=top.get("lm_head"),
-                     layers=tuple(MoeLayer(**_fuse(config, fields)) for fields in per_layer))
+    return MoeParams(
+        embed=top["embed"],
+        final_norm=top["final_norm"],
+        lm_head=top.get("lm_head"),
+        layers=tuple(MoeLayer(**_fuse(config, fields)) for fields in per_layer),
+    )
 
 
 def _fuse(config: ModelConfig, fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -139,6 +167,7 @@ def _fuse(config: ModelConfig, fields: dict[str, jax.Array]) -> dict[str, jax.Ar
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> MoeParams:
     """Random parameters (for tests and benchmarks): normal(0, scale), norms at 1; the router
     normal(0, 1) so expert choices are decisive."""
+
     def make(name, k):
         shape = field_shape(config, name)
         if name.endswith("norm"):
@@ -165,7 +194,9 @@ def compute_layout(params: MoeParams, mesh) -> MoeParams:
         if layer.experts_gate_up is None or isinstance(layer.experts_gate_up, tuple) == per_expert:
             return layer
         if per_expert:
-            return layer.replace(experts_gate_up=unstack(layer.experts_gate_up), experts_down=unstack(layer.experts_down))
+            return layer.replace(
+                experts_gate_up=unstack(layer.experts_gate_up), experts_down=unstack(layer.experts_down)
+            )
         return layer.replace(experts_gate_up=stack(layer.experts_gate_up), experts_down=stack(layer.experts_down))
 
     return L.linear_layout(params.replace(layers=tuple(relayout(layer) for layer in params.layers)), mesh)
@@ -176,13 +207,27 @@ def _layer(x, p: MoeLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_i
     h = L.rms_norm(x, p.mlp_norm, config.rms_norm_eps)  # [T, E]
     if p.router is None:
         return x + L.gated_mlp(h, p.w_gate_up, p.w_down), kv_cache
-    out = moe_mlp(h, p.router, p.experts_gate_up, p.experts_down, top_k=config.num_experts_per_tok,
-                  renormalize=config.norm_topk_prob)
+    out = moe_mlp(
+        h,
+        p.router,
+        p.experts_gate_up,
+        p.experts_down,
+        top_k=config.num_experts_per_tok,
+        renormalize=config.norm_topk_prob,
+    )
     return x + out, kv_cache
 
 
-def forward(params: MoeParams, config: ModelConfig, tokens, positions, kv_caches,
-            meta: L.AttentionMetadata, *, attn_impl: str = "auto"):
+def forward(
+    params: MoeParams,
+    config: ModelConfig,
+    tokens,
+    positions,
+    kv_caches,
+    meta: L.AttentionMetadata,
+    *,
+    attn_impl: str = "auto",
+):
     """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple)."""

@@ -9,6 +9,7 @@ sparse layer's experts stacked: blk.N.ffn_gate_exps | ffn_up_exps [X, F, E] and 
 [X, E, F] (each expert [out, in]), read whole into the fields experts_gate | experts_up |
 experts_down, and the router as blk.N.ffn_gate_inp [X, E].
 """
+
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig
@@ -18,8 +19,10 @@ from jaxinfer.models.specs import TensorSpec
 
 IGNORED = llama_names.IGNORED
 # model_type -> (module prefix of a sparse layer's MLP, names of gate, up, down in one expert)
-_HF_SPARSE = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-              "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+_HF_SPARSE = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
 _KINDS = ("expert_gate", "expert_up", "expert_down")
 
 
@@ -41,7 +44,11 @@ def _sparse_specs(config: ModelConfig, i: int) -> list[TensorSpec]:
 def _gguf_sparse_specs(config: ModelConfig, i: int) -> list[TensorSpec]:
     experts_last = lambda w: w.transpose(0, 2, 1)  # noqa: E731  [X, out, in] -> [X, in, out]
     specs = [_transposed(f"blk.{i}.ffn_gate_inp.weight", "router", i, field_shape(config, "router"))]
-    for field, name in (("experts_gate", "ffn_gate_exps"), ("experts_up", "ffn_up_exps"), ("experts_down", "ffn_down_exps")):
+    for field, name in (
+        ("experts_gate", "ffn_gate_exps"),
+        ("experts_up", "ffn_up_exps"),
+        ("experts_down", "ffn_down_exps"),
+    ):
         x, a, b = field_shape(config, field)
         specs.append(TensorSpec(f"blk.{i}.{name}.weight", field, i, (x, b, a), experts_last))
     return specs
@@ -52,9 +59,11 @@ def checkpoint_specs(config: ModelConfig, fmt: str) -> list[TensorSpec]:
     fields in our layout, named "embed", "layers.3.expert_up.5", ...: what `jaxinfer convert` saves)."""
     if fmt == "ours":
         keep = lambda w: w  # noqa: E731
-        return ([TensorSpec(f, f, None, field_shape(config, f), keep) for f in top_fields(config)]
-                + [TensorSpec(f"layers.{i}.{f}", f, i, field_shape(config, f), keep)
-                   for i in range(config.num_layers) for f in layer_fields(config, i)])
+        return [TensorSpec(f, f, None, field_shape(config, f), keep) for f in top_fields(config)] + [
+            TensorSpec(f"layers.{i}.{f}", f, i, field_shape(config, f), keep)
+            for i in range(config.num_layers)
+            for f in layer_fields(config, i)
+        ]
     if fmt not in ("hf", "gguf"):
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     specs = []

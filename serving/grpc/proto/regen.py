@@ -7,6 +7,7 @@ Run from anywhere: protoc is given the repository root as its include path, so t
 modules import each other as `serving.grpc.proto.jaxinfer_pb2` and the descriptor is registered
 under "serving/grpc/proto/jaxinfer.proto" (the name server reflection reports).
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,8 +19,14 @@ GENERATED = ("jaxinfer_pb2.py", "jaxinfer_pb2.pyi", "jaxinfer_pb2_grpc.py")
 
 
 def protoc_args(out_dir: Path) -> list[str]:
-    return ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", str(ROOT / PROTO)]
+    return [
+        "grpc_tools.protoc",
+        f"-I{ROOT}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(ROOT / PROTO),
+    ]
 
 
 def generate(out_dir: Path) -> list[Path]:

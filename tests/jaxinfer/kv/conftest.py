@@ -1,4 +1,5 @@
 """The kv tests share kv_support.py (a sequence as the KV cache manager sees it)."""
+
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """A sequence as the KV cache manager sees it (the KVSequence protocol), for the kv tests."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,8 @@ class Seq:
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list = dataclasses.field(default_factory=list)
     num_cached_pages: int = 0
-    num_pending: int = 0            # trailing tokens not known yet (steps in flight)
-    cacheable: int | None = None    # what cacheable_pages answers
+    num_pending: int = 0  # trailing tokens not known yet (steps in flight)
+    cacheable: int | None = None  # what cacheable_pages answers
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
 """KV events (BlockStored / BlockRemoved / AllBlocksCleared) and the eviction listener."""
+
 from kv_support import Seq, admit, assert_all_free
 
 from jaxinfer.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager, hash_page
@@ -7,7 +8,7 @@ from jaxinfer.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheMana
 def chain(token_ids, page_size):
     hashes = []
     for i in range(len(token_ids) // page_size):
-        hashes.append(hash_page(hashes[-1] if hashes else None, tuple(token_ids[i * page_size:(i + 1) * page_size])))
+        hashes.append(hash_page(hashes[-1] if hashes else None, tuple(token_ids[i * page_size : (i + 1) * page_size])))
     return hashes
 
 
@@ -18,8 +19,10 @@ def test_stored_removed_and_cleared_in_order():
     admit(kv, a)
     admit(kv, b)
     ha, hb = chain(a.token_ids, 2), chain(b.token_ids, 2)
-    assert kv.take_events() == [BlockStored((ha[0], ha[1]), None, (1, 2, 3, 4), 2),
-                                BlockStored((hb[0], hb[1]), None, (6, 7, 8, 9), 2)]
+    assert kv.take_events() == [
+        BlockStored((ha[0], ha[1]), None, (1, 2, 3, 4), 2),
+        BlockStored((hb[0], hb[1]), None, (6, 7, 8, 9), 2),
+    ]
     assert kv.take_events() == []
 
     a.token_ids.append(6)  # a's third page fills: one more page, parent a's second
@@ -53,8 +56,7 @@ def test_a_run_broken_by_a_page_cached_elsewhere_is_two_events():
     assert kv.allocate(b, 7, kv.computed_prefix(b))  # no hit: the parents differ
     b.num_computed_tokens = 7
     kv.cache_computed(b)
-    assert kv.take_events() == [BlockStored(((1, 1),), None, (1, 1), 2),
-                                BlockStored(((2, 2),), (7, 7), (2, 2), 2)]
+    assert kv.take_events() == [BlockStored(((1, 1),), None, (1, 1), 2), BlockStored(((2, 2),), (7, 7), (2, 2), 2)]
     kv.free(a)
     kv.free(b)
     assert_all_free(kv)

@@ -1,5 +1,6 @@
 """Copy-on-write forks: a child shares its parent's pages by reference count; the first of the
 two to write into the shared partial page gets a fresh page and a (source, copy) pair."""
+
 import pytest
 from kv_support import Seq, admit, assert_all_free
 

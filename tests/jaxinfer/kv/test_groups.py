@@ -1,5 +1,6 @@
 """KV cache groups: a sliding window gives back the pages that fell out of it (null entries in
 the page table) and takes a prefix hit from the cached pages its window needs alone."""
+
 import pytest
 from kv_support import Seq, admit, assert_all_free
 

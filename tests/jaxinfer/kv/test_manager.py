@@ -1,5 +1,6 @@
 """KVCacheManager: exact page ids for admission with a prefix hit, allocation that fails with
 nothing changed, tail-first release and LRU eviction, truncation and the counters."""
+
 import pytest
 from kv_support import Seq, admit, assert_all_free
 
@@ -97,8 +98,11 @@ def test_admission_with_a_prefix_is_for_a_sequence_without_pages():
     kv = KVCacheManager(5, 2)
     a = Seq([1, 2, 3])
     admit(kv, a)
-    with pytest.raises(ValueError, match=r"allocate with a prefix is for admission, but the sequence "
-                                         r"holds pages \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"allocate with a prefix is for admission, but the sequence "
+        r"holds pages \[1, 2\]",
+    ):
         kv.allocate(a, 4, NO_PREFIX)
     kv.free(a)
 

@@ -1,4 +1,5 @@
 """PagePool: exact page ids for allocation, freeing, prefix hits and LRU eviction."""
+
 import hashlib
 import struct
 import subprocess

@@ -1,4 +1,5 @@
 """Bearer-token authentication and TLS over loopback; after each refusal a good call still works."""
+
 import shutil
 import subprocess
 
@@ -15,8 +16,15 @@ def generate(client):
     return client.generate([1, 2, 3], max_tokens=3, temperature=0, ignore_eos=True, timeout=30)
 
 
-@pytest.mark.parametrize("token,why", [(None, "missing bearer token"), ("wrong", "invalid bearer token"),
-                                       (TOKEN + "x", "invalid bearer token"), ("", "missing bearer token")])
+@pytest.mark.parametrize(
+    "token,why",
+    [
+        (None, "missing bearer token"),
+        ("wrong", "invalid bearer token"),
+        (TOKEN + "x", "invalid bearer token"),
+        ("", "missing bearer token"),
+    ],
+)
 def test_calls_without_the_right_token_are_unauthenticated(serve, token, why):
     server = serve(auth_token=TOKEN)
     with client_of(server, token=token) as client:
@@ -44,9 +52,28 @@ def certificate(tmp_path_factory):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
     d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return d / "cert.pem", d / "key.pem"
 
 

@@ -1,15 +1,16 @@
 """The server over a real loopback socket on the tiny Llama fixture: parity with LLM.generate,
 64 concurrent streams, cancel / deadline / backpressure / bad input / failures, each followed by
 a normal request, pages freed, graceful stop, health, reflection, metrics, the async client."""
+
 import asyncio
 import threading
 import urllib.request
 
 import grpc
 import pytest
-from serving_support import assert_pages_free, client_of, slow_steps, wait_for
 from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from serving_support import assert_pages_free, client_of, slow_steps, wait_for
 
 from jaxinfer.sampling import SamplingParams
 from serving.grpc import convert
@@ -20,8 +21,15 @@ SETTINGS = [  # (sampling kwargs for the client == SamplingParams fields)
     dict(temperature=0.0, max_tokens=12, ignore_eos=True),
     dict(temperature=0.9, top_k=50, seed=7, max_tokens=20, ignore_eos=True, logprobs=3),
     dict(temperature=1.0, top_p=0.8, min_p=0.05, seed=123, max_tokens=9, ignore_eos=True),
-    dict(temperature=0.7, seed=5, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5,
-         frequency_penalty=0.2, ignore_eos=True),
+    dict(
+        temperature=0.7,
+        seed=5,
+        max_tokens=16,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        ignore_eos=True,
+    ),
     dict(temperature=0.0, max_tokens=30, stop_token_ids=[175, 420], logprobs=1),
 ]
 
@@ -59,8 +67,9 @@ def test_streamed_output_equals_llm_generate(serve, expected):
                 lps = [lp for m in messages for lp in m.outputs[0].logprobs]
                 assert [lp.token_id for lp in lps] == [lp.token_id for lp in want.logprobs]
                 assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
-                assert [dict((t.token_id, t.logprob) for t in lp.top) for lp in lps] == \
-                    [pytest.approx(lp.top, abs=1e-4) for lp in want.logprobs]
+                assert [dict((t.token_id, t.logprob) for t in lp.top) for lp in lps] == [
+                    pytest.approx(lp.top, abs=1e-4) for lp in want.logprobs
+                ]
             final = messages[-1]
             assert final.usage.prompt_tokens == len(PROMPTS[j])
             assert final.usage.completion_tokens == len(want.token_ids)
@@ -72,6 +81,7 @@ def test_64_concurrent_streaming_clients(serve, expected):
 
     async def run_all():
         async with AsyncClient(server.address) as client:
+
             async def one(k):
                 i, j = k % len(SETTINGS), (k // len(SETTINGS)) % len(PROMPTS)
                 tokens, n_messages = [], 0
@@ -79,6 +89,7 @@ def test_64_concurrent_streaming_clients(serve, expected):
                     tokens += msg.outputs[0].token_ids
                     n_messages += 1
                 return (i, j), tokens, n_messages
+
             return await asyncio.gather(*(one(k) for k in range(64)))
 
     results = asyncio.run(run_all())
@@ -95,8 +106,9 @@ def test_64_concurrent_streaming_clients(serve, expected):
 def test_n_samples_and_request_id(serve):
     server = serve()
     with client_of(server) as client:
-        result = client.generate([5, 6, 7], n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True,
-                                 request_id="mine-1")
+        result = client.generate(
+            [5, 6, 7], n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True, request_id="mine-1"
+        )
     assert result.request_id == "mine-1"
     assert [c.index for c in result.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 6 for c in result.outputs)
@@ -147,8 +159,12 @@ def test_backpressure_resource_exhausted(serve):
     engine = server.server.engine_loop.engine
     assert server.server.servicer.max_in_flight == 10
     with client_of(server) as client, slow_steps(engine, 0.02):
-        calls = [client.stub.Generate(build_request([1, 2, 3, k], max_tokens=200, temperature=0, ignore_eos=True),
-                                      timeout=60) for k in range(10)]
+        calls = [
+            client.stub.Generate(
+                build_request([1, 2, 3, k], max_tokens=200, temperature=0, ignore_eos=True), timeout=60
+            )
+            for k in range(10)
+        ]
         wait_for(lambda: client.server_stats().active_streams == 10)
         err = rpc_error(client.generate, [9, 9], max_tokens=2)
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in err.details()
@@ -158,28 +174,34 @@ def test_backpressure_resource_exhausted(serve):
     normal_request_works(server)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(prompt=[1, 2], top_p=2.0), "sampling.top_p"),
-    (dict(prompt=[1, 2], n=0), "sampling.n"),
-    (dict(prompt=[1, 2], max_tokens=-1), "sampling.max_tokens"),
-    (dict(prompt=[1, 2], temperature=-1.0), "sampling.temperature"),
-    (dict(prompt=[1, 2], logprobs=50), "sampling.logprobs"),
-    (dict(prompt=[1, 2], stop=[""]), "sampling.stop"),
-    (dict(prompt=[1, 2, 9999]), "token_ids.ids"),
-    (dict(prompt=[1, -5]), "token_ids.ids"),
-    (dict(prompt=[]), "token_ids.ids"),
-    (dict(prompt="hello"), "text"),  # this model has no tokenizer
-    (dict(messages=[{"role": "user", "content": "hi"}]), "chat"),
-    (dict(prompt=list(range(1, 300))), "token_ids"),  # longer than max_model_len=256
-    (dict(prompt=list(range(1, 200)), max_tokens=100), "sampling.max_tokens"),  # together too long
-    (dict(prompt=[1, 2], n=65), "sampling.n=65: exceeds this server's max_n=64"),
-    (dict(prompt=[1, 2], temperature=1e300), "sampling.temperature"),
-    (dict(prompt=[1, 2], logit_bias={9999: 1.0}), "sampling.logit_bias[9999]: token ids out of the vocabulary"),
-    (dict(prompt=[1, 2], logit_bias={5: -100.5}), "sampling.logit_bias[5]=-100.5"),
-    (dict(prompt=[1, 2], prompt_logprobs=1), "sampling.prompt_logprobs=1: prompt logprobs are off on this "
-                                             "server (start it with --enable-prompt-logprobs)"),
-    (dict(prompt=[1, 2], prompt_logprobs=-1), "sampling.prompt_logprobs=-1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(prompt=[1, 2], top_p=2.0), "sampling.top_p"),
+        (dict(prompt=[1, 2], n=0), "sampling.n"),
+        (dict(prompt=[1, 2], max_tokens=-1), "sampling.max_tokens"),
+        (dict(prompt=[1, 2], temperature=-1.0), "sampling.temperature"),
+        (dict(prompt=[1, 2], logprobs=50), "sampling.logprobs"),
+        (dict(prompt=[1, 2], stop=[""]), "sampling.stop"),
+        (dict(prompt=[1, 2, 9999]), "token_ids.ids"),
+        (dict(prompt=[1, -5]), "token_ids.ids"),
+        (dict(prompt=[]), "token_ids.ids"),
+        (dict(prompt="hello"), "text"),  # this model has no tokenizer
+        (dict(messages=[{"role": "user", "content": "hi"}]), "chat"),
+        (dict(prompt=list(range(1, 300))), "token_ids"),  # longer than max_model_len=256
+        (dict(prompt=list(range(1, 200)), max_tokens=100), "sampling.max_tokens"),  # together too long
+        (dict(prompt=[1, 2], n=65), "sampling.n=65: exceeds this server's max_n=64"),
+        (dict(prompt=[1, 2], temperature=1e300), "sampling.temperature"),
+        (dict(prompt=[1, 2], logit_bias={9999: 1.0}), "sampling.logit_bias[9999]: token ids out of the vocabulary"),
+        (dict(prompt=[1, 2], logit_bias={5: -100.5}), "sampling.logit_bias[5]=-100.5"),
+        (
+            dict(prompt=[1, 2], prompt_logprobs=1),
+            "sampling.prompt_logprobs=1: prompt logprobs are off on this "
+            "server (start it with --enable-prompt-logprobs)",
+        ),
+        (dict(prompt=[1, 2], prompt_logprobs=-1), "sampling.prompt_logprobs=-1"),
+    ],
+)
 def test_invalid_argument_names_the_field(serve, kwargs, field):
     server = serve()
     with client_of(server) as client:
@@ -233,8 +255,9 @@ def test_exception_in_one_request_fails_only_that_request(serve, monkeypatch):
     def run(rid):
         try:
             with client_of(server) as c:
-                results[rid] = c.generate([4, 5, 6], request_id=rid, max_tokens=20, temperature=0,
-                                          ignore_eos=True, timeout=60)
+                results[rid] = c.generate(
+                    [4, 5, 6], request_id=rid, max_tokens=20, temperature=0, ignore_eos=True, timeout=60
+                )
         except grpc.RpcError as e:
             results[rid] = e
 
@@ -283,8 +306,7 @@ def test_graceful_stop_lets_requests_finish_or_ends_them_unavailable(serve):
     def run(name, max_tokens):
         try:
             with client_of(server) as c:
-                outcome[name] = c.generate([1, 2, 3], max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                           timeout=60)
+                outcome[name] = c.generate([1, 2, 3], max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=60)
         except grpc.RpcError as e:
             outcome[name] = e
 
@@ -323,8 +345,13 @@ def test_reflection_lists_the_services(serve):
         services = set(database.get_services())
         assert {"jaxinfer.v1.InferenceService", "grpc.health.v1.Health"} <= services
         service = descriptor_pool.DescriptorPool(database).FindServiceByName("jaxinfer.v1.InferenceService")
-        assert {m.name for m in service.methods} == {"Generate", "Tokenize", "Detokenize", "GetModelInfo",
-                                                     "GetServerStats"}
+        assert {m.name for m in service.methods} == {
+            "Generate",
+            "Tokenize",
+            "Detokenize",
+            "GetModelInfo",
+            "GetServerStats",
+        }
         assert service.methods_by_name["Generate"].server_streaming
 
 
@@ -335,8 +362,9 @@ def test_prometheus_metrics(serve):
             client.generate([1, 2, 3 + k], max_tokens=5, temperature=0, ignore_eos=True)
         rpc_error(client.generate, [1], top_p=5.0)
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read().decode()
-    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
     assert samples["jaxinfer_time_to_first_token_seconds_count"] == 3
     assert samples["jaxinfer_e2e_request_latency_seconds_count"] == 3
     assert samples["jaxinfer_request_queue_time_seconds_count"] == 3
@@ -345,9 +373,14 @@ def test_prometheus_metrics(serve):
     assert samples["jaxinfer_prompt_tokens_total"] == 9
     assert samples['jaxinfer_requests_total{finish_reason="length"}'] == 3
     assert samples['jaxinfer_rejected_requests_total{code="INVALID_ARGUMENT"}'] == 1
-    for name in ("jaxinfer_num_requests_running", "jaxinfer_num_requests_waiting", "jaxinfer_kv_cache_usage_ratio",
-                 "jaxinfer_preemptions_total", "jaxinfer_prefix_cache_hits_total",
-                 "jaxinfer_generation_tokens_per_second"):
+    for name in (
+        "jaxinfer_num_requests_running",
+        "jaxinfer_num_requests_waiting",
+        "jaxinfer_kv_cache_usage_ratio",
+        "jaxinfer_preemptions_total",
+        "jaxinfer_prefix_cache_hits_total",
+        "jaxinfer_generation_tokens_per_second",
+    ):
         assert name in samples
     assert samples["jaxinfer_generation_tokens_per_second"] > 0
 

@@ -1,5 +1,6 @@
 """The server on the embedded SmolLM2-135M-Instruct: text, chat, stop strings, n samples and
 logprobs stream exactly what LLM.generate returns; Tokenize / Detokenize / GetModelInfo."""
+
 import asyncio
 
 import grpc
@@ -56,6 +57,7 @@ def server(llm, expected):
 def test_concurrent_streams_equal_llm_generate(server, expected):
     async def stream_all():
         async with AsyncClient(server.address) as client:
+
             async def one(prompt, fields):
                 acc, pieces = Accumulator(), {}
                 async for msg in client.stream(timeout=300, **prompt, **fields):
@@ -63,6 +65,7 @@ def test_concurrent_streams_equal_llm_generate(server, expected):
                     for d in msg.outputs:
                         pieces.setdefault(d.index, []).append(d.text)
                 return acc.result(), pieces
+
             return await asyncio.gather(*(one(p, f) for _, p, f in cases()))
 
     by_name = {name: want for (name, _, _), want in zip(cases(), expected)}
@@ -79,7 +82,8 @@ def test_concurrent_streams_equal_llm_generate(server, expected):
             if ref.logprobs is not None:
                 assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in ref.logprobs]
                 assert [lp.logprob for lp in got.logprobs] == pytest.approx(
-                    [lp.logprob for lp in ref.logprobs], abs=1e-4)
+                    [lp.logprob for lp in ref.logprobs], abs=1e-4
+                )
         assert result.usage.prompt_tokens == want.usage.prompt_tokens
 
 
@@ -115,5 +119,8 @@ def test_penalties_refused_when_compiled_out(server):
         long_text = "word " * 2000
         with pytest.raises(grpc.RpcError) as info:
             client.generate(long_text)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not fit the context of 512 tokens" in info.value.details()
+        assert (
+            info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "does not fit the context of 512 tokens" in info.value.details()
+        )
         assert client.generate("Hi", max_tokens=2, timeout=120).usage.completion_tokens == 2

@@ -2,6 +2,7 @@
 to stay in flight): API keys from a file, then SIGTERM with streams in flight: /health and new
 requests get 503 at once, the streams finish within the grace period, and the process exits 0.
 Bad HTTP flags of `serve` are refused before the model loads."""
+
 import signal
 import threading
 import time
@@ -13,8 +14,19 @@ from openai_support import ServedProcess, raw_request, wait_for
 from jaxinfer.cli import main
 
 MODEL = "SmolLM2-135M-Instruct"
-ARGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
-        "--max-num-seqs", "8", "--num-pages", "128", "--no-penalties"]  # as openai/test_api.py: compiled once
+ARGS = [
+    "--max-model-len",
+    "512",
+    "--max-num-batched-tokens",
+    "64",
+    "--token-buckets",
+    "16,64",
+    "--max-num-seqs",
+    "8",
+    "--num-pages",
+    "128",
+    "--no-penalties",
+]  # as openai/test_api.py: compiled once
 MAX_TOKENS = 48  # two streams: ~3 s of engine steps on a 2-core CPU
 
 
@@ -22,8 +34,9 @@ MAX_TOKENS = 48  # two streams: ~3 s of engine steps on a 2-core CPU
 def served(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# operators\nsk-ops-1\nsk-ops-2  # spare\n")
-    server = ServedProcess([*ARGS, "--no-grpc", "--http-port", "0", "--api-keys-file", str(keys),
-                            "--grace-period", "60"], tmp_path / "log")
+    server = ServedProcess(
+        [*ARGS, "--no-grpc", "--http-port", "0", "--api-keys-file", str(keys), "--grace-period", "60"], tmp_path / "log"
+    )
     yield server
     server.stop()
 
@@ -39,9 +52,17 @@ def test_http_only_server_drains_on_sigterm(served):
     def stream(k):
         try:
             tokens, finish = [], None
-            for i, chunk in enumerate(client.completions.create(
-                    model=MODEL, prompt=f"Story number {k}:", max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
-                    stream=True, extra_body={"ignore_eos": True})):
+            for i, chunk in enumerate(
+                client.completions.create(
+                    model=MODEL,
+                    prompt=f"Story number {k}:",
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    logprobs=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            ):
                 if i == 0:
                     first_chunk.wait(60)
                 if chunk.choices and chunk.choices[0].logprobs:
@@ -69,14 +90,23 @@ def test_http_only_server_drains_on_sigterm(served):
     assert all(r[2] > draining_seen for r in results.values())  # they were still streaming while draining
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--no-grpc"], "--no-grpc: needs --http-port"),
-    (["--http-port", "70000"], "--http-port 70000: must be in [0, 65535]"),
-    (["--http-port", "0", "--api-keys-file", "/nonexistent/keys"], "--api-keys-file /nonexistent/keys: does not exist"),
-    (["--http-port", "0", "--max-body-bytes", "0"], "--max-body-bytes 0: must be >= 1"),
-    (["--http-port", "0", "--tool-call-parser", "xml"], "--tool-call-parser xml: unknown; choose one of hermes,"),
-    (["--http-port", "0", "--reasoning-parser", "none"], "--reasoning-parser none: unknown; choose one of deepseek_r1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--no-grpc"], "--no-grpc: needs --http-port"),
+        (["--http-port", "70000"], "--http-port 70000: must be in [0, 65535]"),
+        (
+            ["--http-port", "0", "--api-keys-file", "/nonexistent/keys"],
+            "--api-keys-file /nonexistent/keys: does not exist",
+        ),
+        (["--http-port", "0", "--max-body-bytes", "0"], "--max-body-bytes 0: must be >= 1"),
+        (["--http-port", "0", "--tool-call-parser", "xml"], "--tool-call-parser xml: unknown; choose one of hermes,"),
+        (
+            ["--http-port", "0", "--reasoning-parser", "none"],
+            "--reasoning-parser none: unknown; choose one of deepseek_r1",
+        ),
+    ],
+)
 def test_serve_refuses_bad_http_flags_before_loading(args, message, capsys):
     assert main(["serve", *args]) == 2
     assert capsys.readouterr().err.startswith(f"error: {message}")

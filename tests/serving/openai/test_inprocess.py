@@ -2,6 +2,7 @@
 has no tokenizer): completions equal LLM.generate token for token, one in-flight limit for both
 transports, a server that stops under a request answers 503 / an error event, what a model
 without a tokenizer refuses, and TLS with the gRPC token as the API key."""
+
 import http.client
 import json
 import shutil
@@ -20,21 +21,25 @@ from serving_support import client_of, slow_steps, wait_for
 from jaxinfer.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 50))]
-SETTINGS = [dict(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
-            dict(temperature=0.9, top_k=50, seed=7, max_tokens=10, ignore_eos=True, logprobs=1)]
+SETTINGS = [
+    dict(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+    dict(temperature=0.9, top_k=50, seed=7, max_tokens=10, ignore_eos=True, logprobs=1),
+]
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_llm):
     """LLM.generate's outputs, computed before a server owns the engine."""
-    outs = tiny_llm.generate([p for _ in SETTINGS for p in PROMPTS], [SamplingParams(**s) for s in SETTINGS
-                                                                      for _ in PROMPTS], use_tqdm=False)
+    outs = tiny_llm.generate(
+        [p for _ in SETTINGS for p in PROMPTS], [SamplingParams(**s) for s in SETTINGS for _ in PROMPTS], use_tqdm=False
+    )
     return [o.outputs[0] for o in outs]
 
 
 def openai_client(server, **kwargs):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none", max_retries=0,
-                         timeout=60, **kwargs)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none", max_retries=0, timeout=60, **kwargs
+    )
 
 
 def _ids(tokens: list[str]) -> list[int]:
@@ -53,9 +58,12 @@ def test_completions_equal_llm_generate(serve, expected):
         assert _ids(choice.logprobs.tokens) == want.token_ids and choice.finish_reason == want.finish_reason
         assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
         assert done.usage.prompt_tokens == len(prompt) and done.usage.completion_tokens == len(want.token_ids)
-        streamed = [t for c in client.completions.create(model="llama3", prompt=prompt, extra_body=extra,
-                                                         stream=True, **fields)
-                    if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        streamed = [
+            t
+            for c in client.completions.create(model="llama3", prompt=prompt, extra_body=extra, stream=True, **fields)
+            if c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens
+        ]
         assert _ids(streamed) == want.token_ids
 
 
@@ -65,8 +73,12 @@ def test_one_in_flight_limit_for_both_transports(serve):
     engine = server.server.engine_loop.engine
     client = openai_client(server)
     with slow_steps(engine, 0.05):
-        streams = [client.completions.create(model="llama3", prompt=[1, 2, k], max_tokens=200, stream=True,
-                                             extra_body={"ignore_eos": True}) for k in range(8)]
+        streams = [
+            client.completions.create(
+                model="llama3", prompt=[1, 2, k], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+            )
+            for k in range(8)
+        ]
         wait_for(lambda: server.server.http.num_in_flight == 8)
         with client_of(server) as grpc_client:
             with pytest.raises(grpc.RpcError) as info:
@@ -96,8 +108,16 @@ def test_requests_cut_by_a_stop_get_503_or_an_error_event(serve):
 
     def streamed():
         try:
-            chunks = list(client.completions.create(model="llama3", prompt=[1, 3], max_tokens=200, stream=True,
-                                                    logprobs=0, extra_body={"ignore_eos": True}))
+            chunks = list(
+                client.completions.create(
+                    model="llama3",
+                    prompt=[1, 3],
+                    max_tokens=200,
+                    stream=True,
+                    logprobs=0,
+                    extra_body={"ignore_eos": True},
+                )
+            )
             answers["stream"] = chunks
         except openai.APIError as e:  # the client raises on an error event
             answers["stream"] = e.message
@@ -137,9 +157,28 @@ def test_tls_and_the_grpc_token_as_api_key(serve, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     server = serve(http_port=0, tls_cert_file=str(cert), tls_key_file=str(key), auth_token="tok")
     assert server.server.http.url.startswith("https://")
     context = ssl.create_default_context(cafile=str(cert))

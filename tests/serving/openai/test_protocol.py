@@ -1,6 +1,7 @@
 """The HTTP API's pure parts, without a server: request bodies -> prompt ids + SamplingParams
 (errors name the request's own field), pydantic errors -> OpenAI errors, response and chunk
 shapes, SSE framing, API keys, the served model name."""
+
 import json
 
 import pydantic
@@ -10,7 +11,7 @@ from testpaths import FIXTURES
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, Usage
 from jaxinfer.tokenizer import load_tokenizer
 from serving.model_limits import ModelLimits
-from serving.openai import generation, outputs, sse
+from serving.openai import outputs, sse
 from serving.openai.auth import APIKeys, key_id, read_api_keys
 from serving.openai.errors import APIError, from_validation
 from serving.openai.inputs import chat_inputs, completion_inputs
@@ -60,15 +61,39 @@ def test_completion_prompts_of_every_shape(tok):
 
 
 def test_sampling_fields_map_onto_sampling_params(tok):
-    params = completion(tok, prompt="x", temperature=0.5, top_p=0.9, n=2, stop="\n", seed=3, top_k=7, min_p=0.1,
-                        ignore_eos=True, logprobs=2, stop_token_ids=[9], skip_special_tokens=False).params
-    assert (params.temperature, params.top_p, params.n, params.stop, params.seed, params.top_k, params.min_p,
-            params.ignore_eos, params.logprobs, params.stop_token_ids, params.skip_special_tokens) == \
-        (0.5, 0.9, 2, ("\n",), 3, 7, 0.1, True, 2, (9,), False)
+    params = completion(
+        tok,
+        prompt="x",
+        temperature=0.5,
+        top_p=0.9,
+        n=2,
+        stop="\n",
+        seed=3,
+        top_k=7,
+        min_p=0.1,
+        ignore_eos=True,
+        logprobs=2,
+        stop_token_ids=[9],
+        skip_special_tokens=False,
+    ).params
+    assert (
+        params.temperature,
+        params.top_p,
+        params.n,
+        params.stop,
+        params.seed,
+        params.top_k,
+        params.min_p,
+        params.ignore_eos,
+        params.logprobs,
+        params.stop_token_ids,
+        params.skip_special_tokens,
+    ) == (0.5, 0.9, 2, ("\n",), 3, 7, 0.1, True, 2, (9,), False)
     assert completion(tok, prompt="x").params.max_tokens == 16  # OpenAI's completions default
     assert completion(tok, prompt="x", stop=["a", "b"]).params.stop == ("a", "b")
-    penalized = completion(tok, PENALTIES_ON, prompt="x", presence_penalty=0.5, frequency_penalty=-0.5,
-                           repetition_penalty=1.2).params
+    penalized = completion(
+        tok, PENALTIES_ON, prompt="x", presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2
+    ).params
     assert (penalized.presence_penalty, penalized.frequency_penalty, penalized.repetition_penalty) == (0.5, -0.5, 1.2)
     prompt_len = len(chat(tok).prompts[0])
     assert chat(tok).params.max_tokens == 128 - prompt_len  # chat: whatever the context leaves
@@ -89,37 +114,48 @@ def test_chat_uses_the_chat_template(tok):
     assert not tok.decode(no_prompt, skip_special_tokens=False).endswith("assistant\n")
 
 
-@pytest.mark.parametrize("body,param,words", [
-    (dict(temperature=-1), "temperature", "temperature=-1"),
-    (dict(top_p=2), "top_p", "(0, 1]"),
-    (dict(n=9), "n", "max_n=4"),
-    (dict(max_tokens=0), "max_tokens", ">= 1"),
-    (dict(max_completion_tokens=500), "max_completion_tokens", "max_model_len=128"),
-    (dict(logprobs=True, top_logprobs=21), "top_logprobs", "[0, 20]"),
-    (dict(top_logprobs=2), "top_logprobs", "needs logprobs=true"),
-    (dict(stop=["ok", 3]), "stop", "strings"),
-    (dict(presence_penalty=0.5), "presence_penalty", "--no-penalties"),
-    (dict(logit_bias={"50256": -100}), "logit_bias", "logit_bias[50256]: token ids out of the vocabulary [0, 49152)"),
-    (dict(logit_bias={"abc": 1}), "logit_bias", "logit_bias['abc']: keys must be token ids"),
-    (dict(logit_bias={"1.5": 1}), "logit_bias", "keys must be token ids"),
-    (dict(logit_bias={"-2": 1}), "logit_bias", "logit_bias[-2]: a token id must be an integer >= 0"),
-    (dict(logit_bias={"5": 100.5}), "logit_bias", "logit_bias[5]=100.5: must be a number in [-100, 100]"),
-    (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "301 tokens; at most 300"),
-    (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "schema: required"),
-    (dict(response_format={"type": "xml"}), "response_format", "unknown"),
-    (dict(guided_regex="a+", guided_choice=["a"]), "guided_regex", "only one of guided_choice, guided_regex"),
-    (dict(guided_choice=[]), "guided_choice", "non-empty list"),
-    (dict(stream_options={"include_usage": True}), "stream_options", "stream=true"),
-    (dict(tools=[{"type": "function"}]), "tools[0].function", "required"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "--tool-call-parser"),
-    (dict(messages=[]), "messages", "empty"),
-    (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content[0].type", "text"),
-])
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        (dict(temperature=-1), "temperature", "temperature=-1"),
+        (dict(top_p=2), "top_p", "(0, 1]"),
+        (dict(n=9), "n", "max_n=4"),
+        (dict(max_tokens=0), "max_tokens", ">= 1"),
+        (dict(max_completion_tokens=500), "max_completion_tokens", "max_model_len=128"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs", "[0, 20]"),
+        (dict(top_logprobs=2), "top_logprobs", "needs logprobs=true"),
+        (dict(stop=["ok", 3]), "stop", "strings"),
+        (dict(presence_penalty=0.5), "presence_penalty", "--no-penalties"),
+        (
+            dict(logit_bias={"50256": -100}),
+            "logit_bias",
+            "logit_bias[50256]: token ids out of the vocabulary [0, 49152)",
+        ),
+        (dict(logit_bias={"abc": 1}), "logit_bias", "logit_bias['abc']: keys must be token ids"),
+        (dict(logit_bias={"1.5": 1}), "logit_bias", "keys must be token ids"),
+        (dict(logit_bias={"-2": 1}), "logit_bias", "logit_bias[-2]: a token id must be an integer >= 0"),
+        (dict(logit_bias={"5": 100.5}), "logit_bias", "logit_bias[5]=100.5: must be a number in [-100, 100]"),
+        (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "301 tokens; at most 300"),
+        (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "schema: required"),
+        (dict(response_format={"type": "xml"}), "response_format", "unknown"),
+        (dict(guided_regex="a+", guided_choice=["a"]), "guided_regex", "only one of guided_choice, guided_regex"),
+        (dict(guided_choice=[]), "guided_choice", "non-empty list"),
+        (dict(stream_options={"include_usage": True}), "stream_options", "stream=true"),
+        (dict(tools=[{"type": "function"}]), "tools[0].function", "required"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "--tool-call-parser"),
+        (dict(messages=[]), "messages", "empty"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content[0].type", "text"),
+    ],
+)
 def test_chat_errors_name_the_request_field(tok, body, param, words):
     error = refused(chat, tok, **body)
     assert error.param == param and error.message.startswith(param) and words in error.message, error.message
-    assert error.body()["error"] == {"message": error.message, "type": "invalid_request_error", "param": param,
-                                     "code": None}
+    assert error.body()["error"] == {
+        "message": error.message,
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }
 
 
 def test_logit_bias_keys_become_token_ids(tok):
@@ -143,14 +179,17 @@ def test_completion_only_errors(tok):
     assert completion(tok, prompt="x", response_format={"type": "text"}, logit_bias={}).params.max_tokens == 16
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": USER}, "model"),
-    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"model": "m", "messages": USER, "temperature": "hot"}, "temperature"),
-    ({"model": "m", "messages": USER, "logit_bias": {"5": "much"}}, "logit_bias"),
-    ({"model": "m", "messages": USER, "logit_bias": [5]}, "logit_bias"),
-    ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": USER}, "model"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": "m", "messages": USER, "temperature": "hot"}, "temperature"),
+        ({"model": "m", "messages": USER, "logit_bias": {"5": "much"}}, "logit_bias"),
+        ({"model": "m", "messages": USER, "logit_bias": [5]}, "logit_bias"),
+        ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
+    ],
+)
 def test_validation_errors_name_the_field(body, param):
     with pytest.raises(pydantic.ValidationError) as info:
         ChatCompletionRequest.model_validate(body)
@@ -159,8 +198,15 @@ def test_validation_errors_name_the_field(body, param):
 
 
 def _output(text, token_ids, finish=None, logprobs=None, index=0, completion_tokens=1):
-    return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(index, text, token_ids, logprobs, finish)],
-                         finish is not None, Usage(3, completion_tokens, 2), RequestMetrics(0.0))
+    return RequestOutput(
+        "r",
+        None,
+        [1, 2, 3],
+        [CompletionOutput(index, text, token_ids, logprobs, finish)],
+        finish is not None,
+        Usage(3, completion_tokens, 2),
+        RequestMetrics(0.0),
+    )
 
 
 def test_chat_chunks_role_content_finish_usage():
@@ -172,19 +218,37 @@ def test_chat_chunks_role_content_finish_usage():
     last = _output("lo", [6], finish="stop", logprobs=[], completion_tokens=2)
     chunks += writer.deltas(0, last) + writer.deltas(0, last)  # a finished choice says so once
     chunks += writer.closing([last])
-    assert [c["choices"][0]["delta"] if c["choices"] else None for c in chunks] == \
-        [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}, None]
-    assert [c["choices"][0]["finish_reason"] if c["choices"] else "-" for c in chunks] == \
-        [None, None, None, "stop", "-"]
+    assert [c["choices"][0]["delta"] if c["choices"] else None for c in chunks] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Hel"},
+        {"content": "lo"},
+        {},
+        None,
+    ]
+    assert [c["choices"][0]["finish_reason"] if c["choices"] else "-" for c in chunks] == [
+        None,
+        None,
+        None,
+        "stop",
+        "-",
+    ]
     assert chunks[1]["choices"][0]["logprobs"]["content"][0] == {
-        "token": "token_id:5", "logprob": -0.5, "bytes": list(b"token_id:5"),
-        "top_logprobs": [{"token": "token_id:5", "logprob": -0.5, "bytes": list(b"token_id:5")},
-                         {"token": "token_id:6", "logprob": -1.5, "bytes": list(b"token_id:6")}]}
-    assert all(c["id"] == "chatcmpl-1" and c["created"] == 7 and c["object"] == "chat.completion.chunk"
-               for c in chunks)
+        "token": "token_id:5",
+        "logprob": -0.5,
+        "bytes": list(b"token_id:5"),
+        "top_logprobs": [
+            {"token": "token_id:5", "logprob": -0.5, "bytes": list(b"token_id:5")},
+            {"token": "token_id:6", "logprob": -1.5, "bytes": list(b"token_id:6")},
+        ],
+    }
+    assert all(c["id"] == "chatcmpl-1" and c["created"] == 7 and c["object"] == "chat.completion.chunk" for c in chunks)
     assert [c["usage"] for c in chunks[:-1]] == [None] * 4
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                                   "prompt_tokens_details": {"cached_tokens": 2}}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
 
 
 def test_completion_response_indices_echo_and_offsets(tok):
@@ -193,8 +257,10 @@ def test_completion_response_indices_echo_and_offsets(tok):
     lps = [Logprob(t, -float(i), {t: -float(i)}) for i, t in enumerate(ids)]
     results = [_output(" big cat", ids, "length", lps), _output("!", [0], "stop", None)]
     body = outputs.completion_response(head, results, 1, outputs.TokenTexts(tok), echo=["A", "B"])
-    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
-        [(0, "A big cat", "length"), (1, "B!", "stop")]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "A big cat", "length"),
+        (1, "B!", "stop"),
+    ]
     logprobs = body["choices"][0]["logprobs"]
     assert "".join(logprobs["tokens"]) == " big cat" and logprobs["text_offset"] == [1, 5]
     assert body["usage"]["prompt_tokens"] == 6 and body["object"] == "text_completion"
@@ -250,14 +316,16 @@ def test_structured_output_fields_become_the_spec(tok):
     # compiled on the caller's (worker) thread: a bad pattern is a 400 naming the request's field
     error = refused(chat, tok, limits, guided_regex="(open")
     assert error.param == "guided_regex" and error.message.startswith("guided_regex: regex:"), error.message
-    error = refused(chat, tok, limits, response_format={"type": "json_schema", "json_schema": {
-        "schema": {"type": "no-such-type"}}})
+    error = refused(
+        chat, tok, limits, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}
+    )
     assert error.param == "response_format" and "json" in error.message
     assert refused(chat, tok, LIMITS, guided_regex="a").message.endswith("no tokenizer to constrain")
 
 
-PROMPT_LOGPROBS_ON = ModelLimits(vocab_size=49152, max_model_len=128, penalties_enabled=False, max_n=4,
-                                 prompt_logprobs_enabled=True)
+PROMPT_LOGPROBS_ON = ModelLimits(
+    vocab_size=49152, max_model_len=128, penalties_enabled=False, max_n=4, prompt_logprobs_enabled=True
+)
 
 
 def test_prompt_logprobs_requests(tok):
@@ -275,8 +343,9 @@ def test_prompt_logprobs_requests(tok):
 
 def _scored(prompt_ids, logprobs, completion_output):
     scored = [None] + [Logprob(t, lp, {t: lp, 99: lp - 1.0}, 1) for t, lp in zip(prompt_ids[1:], logprobs)]
-    return RequestOutput("r", None, prompt_ids, [completion_output], True, Usage(len(prompt_ids), 1),
-                         RequestMetrics(0.0), scored)
+    return RequestOutput(
+        "r", None, prompt_ids, [completion_output], True, Usage(len(prompt_ids), 1), RequestMetrics(0.0), scored
+    )
 
 
 def test_echoed_prompt_logprobs_and_the_field(tok):
@@ -294,9 +363,12 @@ def test_echoed_prompt_logprobs_and_the_field(tok):
     assert lps["top_logprobs"] == [None, {" big": -1.0}, {" cat": -2.0}, {"!": -0.5}]  # echo_top=1
     assert lps["text_offset"] == [0, 1, 5, 9] and choice["text"] == "A big cat!"
     assert choice["prompt_logprobs"] == [None] + [
-        {str(t): {"logprob": lp, "rank": 1, "decoded_token": tok.decode([t])},
-         "99": {"logprob": lp - 1.0, "rank": 2, "decoded_token": tok.decode([99])}}
-        for t, lp in zip(ids[1:], [-1.0, -2.0])]
+        {
+            str(t): {"logprob": lp, "rank": 1, "decoded_token": tok.decode([t])},
+            "99": {"logprob": lp - 1.0, "rank": 2, "decoded_token": tok.decode([99])},
+        }
+        for t, lp in zip(ids[1:], [-1.0, -2.0])
+    ]
     writer = outputs.ChunkWriter(head, 1, texts, include_usage=False, echo=["A big cat"], shown=shown)
     assert writer.opening(1) == []  # the echo waits for the prompt's logprobs
     chunks = writer.deltas(0, out)
@@ -322,8 +394,16 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(tok):
     assert refused(completion, tok, PROMPT_LOGPROBS_ON, prompt="x", max_tokens=0).param == "max_tokens"
     ids = tok.encode("A big cat")
     scored = [None] + [Logprob(t, lp, {t: lp, 99: lp - 1.0}, 1) for t, lp in zip(ids[1:], [-1.0, -2.0])]
-    out = RequestOutput("r", None, ids, [CompletionOutput(0, "", [], [], "length")], True, Usage(len(ids), 0),
-                        RequestMetrics(0.0), scored)
+    out = RequestOutput(
+        "r",
+        None,
+        ids,
+        [CompletionOutput(0, "", [], [], "length")],
+        True,
+        Usage(len(ids), 0),
+        RequestMetrics(0.0),
+        scored,
+    )
     texts, shown = outputs.TokenTexts(tok), outputs.PromptShown(echo_top=1)
     head = outputs.ResponseHeader("cmpl-1", "text_completion", 7, "m")
     body = outputs.completion_response(head, [out], 1, texts, echo=["A big cat"], shown=shown)
@@ -334,4 +414,6 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(tok):
     writer = outputs.ChunkWriter(head, 1, texts, include_usage=False, echo=["A big cat"], shown=shown)
     chunks = writer.deltas(0, out)
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
-        ("A big cat", None), ("", "length")]
+        ("A big cat", None),
+        ("", "length"),
+    ]

@@ -4,6 +4,7 @@ every optional field is nullable as in OpenAI's reference, /docs is Swagger UI f
 only, and the conformance fixes: null means the default, 405 keeps `Allow`, token ids written as
 integral floats are ids (others are named by index), and an empty prompt is read alike by
 /tokenize and /v1/completions."""
+
 import concurrent.futures
 import json
 import re
@@ -50,8 +51,12 @@ def _inline(schema, components):
 
 
 def test_every_route_is_documented(app):
-    served = {(route.path.replace("{model:path}", "{model}"), method.lower()) for route in app.routes
-              for method in route.methods if method != "HEAD" and route.path not in NOT_DOCUMENTED}
+    served = {
+        (route.path.replace("{model:path}", "{model}"), method.lower())
+        for route in app.routes
+        for method in route.methods
+        if method != "HEAD" and route.path not in NOT_DOCUMENTED
+    }
     schema = openapi_schema("m")
     assert {(path, method) for path, ops in schema["paths"].items() for method in ops} == served
     assert schema["openapi"] == "3.1.0" and "securitySchemes" not in schema["components"]
@@ -67,16 +72,24 @@ def test_request_bodies_are_the_parsed_models():
         own.pop("$defs", None)
         served = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
         model = served["properties"].pop("model")  # the served model's name, written in
-        assert [model] == [{"type": "string", "enum": ["m"], "title": "Model"}] or \
-            model["anyOf"] == [{"type": "string", "enum": ["m"]}, {"type": "null"}]
+        assert [model] == [{"type": "string", "enum": ["m"], "title": "Model"}] or model["anyOf"] == [
+            {"type": "string", "enum": ["m"]},
+            {"type": "null"},
+        ]
         own["properties"].pop("model")
         assert served == own
 
 
 def test_every_optional_field_is_nullable():
     components = openapi_schema("m")["components"]["schemas"]
-    models = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
-              protocol.DetokenizeRequest, protocol.StreamOptions, protocol.ChatMessage]
+    models = [
+        protocol.CompletionRequest,
+        protocol.ChatCompletionRequest,
+        protocol.TokenizeRequest,
+        protocol.DetokenizeRequest,
+        protocol.StreamOptions,
+        protocol.ChatMessage,
+    ]
     for model in models:
         spec = components[model.__name__]
         for name, prop in spec["properties"].items():
@@ -122,17 +135,21 @@ def test_405_keeps_the_allow_header(app):
 def test_null_means_the_default(tok):
     nulls = dict(logprobs=None, echo=None, stream=None, stream_options=None, n=None, max_tokens=None, stop=None)
     plain = completion_inputs(protocol.CompletionRequest.model_validate({"model": "m", "prompt": "Hi"}), tok, LIMITS)
-    nulled = completion_inputs(protocol.CompletionRequest.model_validate({"model": "m", "prompt": "Hi", **nulls}),
-                               tok, LIMITS)
+    nulled = completion_inputs(
+        protocol.CompletionRequest.model_validate({"model": "m", "prompt": "Hi", **nulls}), tok, LIMITS
+    )
     assert nulled == plain
     messages = [{"role": "user", "content": "Hi"}]
     chat = protocol.ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": messages, "logprobs": None, "stream": None, "add_generation_prompt": None})
+        {"model": "m", "messages": messages, "logprobs": None, "stream": None, "add_generation_prompt": None}
+    )
     assert (chat.logprobs, chat.stream, chat.add_generation_prompt) == (False, False, True)
     assert chat_inputs(chat, tok, LIMITS) == chat_inputs(
-        protocol.ChatCompletionRequest.model_validate({"model": "m", "messages": messages}), tok, LIMITS)
-    tokenize = protocol.TokenizeRequest.model_validate({"prompt": "x", "add_special_tokens": None,
-                                                        "add_generation_prompt": None})
+        protocol.ChatCompletionRequest.model_validate({"model": "m", "messages": messages}), tok, LIMITS
+    )
+    tokenize = protocol.TokenizeRequest.model_validate(
+        {"prompt": "x", "add_special_tokens": None, "add_generation_prompt": None}
+    )
     assert (tokenize.add_special_tokens, tokenize.add_generation_prompt) == (True, True)
     with pytest.raises(Exception, match="model"):  # a required field stays required
         protocol.CompletionRequest.model_validate({"model": None, "prompt": "Hi"})
@@ -140,12 +157,15 @@ def test_null_means_the_default(tok):
 
 def test_token_ids_written_as_floats(tok, app):
     def completion(prompt):
-        return completion_inputs(protocol.CompletionRequest.model_validate({"model": "m", "prompt": prompt}), tok,
-                                 LIMITS)
+        return completion_inputs(
+            protocol.CompletionRequest.model_validate({"model": "m", "prompt": prompt}), tok, LIMITS
+        )
 
     assert completion([272.0, 5]).prompts == [[272, 5]] and completion([[1.0], [2]]).prompts == [[1], [2]]
-    for prompt, param, message in (([5, 272.5], "prompt", "prompt[1]: 272.5 is not an integer token id"),
-                                   ([[1], [2, 0.5]], "prompt[1]", "prompt[1][1]: 0.5 is not an integer token id")):
+    for prompt, param, message in (
+        ([5, 272.5], "prompt", "prompt[1]: 272.5 is not an integer token id"),
+        ([[1], [2, 0.5]], "prompt[1]", "prompt[1][1]: 0.5 is not an integer token id"),
+    ):
         with pytest.raises(APIError) as info:
             completion(prompt)
         assert (info.value.status, info.value.param, info.value.message) == (400, param, message)
@@ -172,8 +192,13 @@ def test_an_empty_prompt_is_read_as_tokenize_reads_it(tok, app):
         completion_inputs(protocol.CompletionRequest.model_validate({"model": "m", "prompt": ""}), tok, LIMITS)
     assert info.value.param == "prompt" and "the prompt has no tokens" in info.value.message
     bos = _WithBos(tok)  # a tokenizer that gives "" a token: a completion starts from it, as in vLLM
-    assert completion_inputs(protocol.CompletionRequest.model_validate({"model": "m", "prompt": ["", "hi"]}), bos,
-                             LIMITS).prompts == [bos.encode(""), bos.encode("hi")] == [[1], [1, 6004]]
+    assert (
+        completion_inputs(
+            protocol.CompletionRequest.model_validate({"model": "m", "prompt": ["", "hi"]}), bos, LIMITS
+        ).prompts
+        == [bos.encode(""), bos.encode("hi")]
+        == [[1], [1, 6004]]
+    )
 
 
 def test_response_models_describe_the_bodies(app):

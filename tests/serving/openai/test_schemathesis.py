@@ -9,6 +9,7 @@ The schema is narrowed before generating, so each request stays cheap on two CPU
 4 new tokens, n <= 2, short prompts of ids inside the vocabulary (the served schema leaves
 these to the server's limits). Examples are derandomized: every run sends the same requests.
 """
+
 import copy
 import urllib.request
 
@@ -17,19 +18,32 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, example, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
-                                               response_schema_conformance, status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from serving_support import assert_pages_free
 
 from serving.openai.schema import OPERATIONS
 from serving.server import BackgroundServer, ServerOptions
 
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 15}  # per operation
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+]
 VOCAB = 512  # the tiny engine's
-CAPS = {"max_tokens": {"maximum": 4}, "max_completion_tokens": {"maximum": 4}, "n": {"maximum": 2},
-        "best_of": {"maximum": 2}}
+CAPS = {
+    "max_tokens": {"maximum": 4},
+    "max_completion_tokens": {"maximum": 4},
+    "n": {"maximum": 2},
+    "best_of": {"maximum": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +62,19 @@ def _cheap(raw: dict) -> dict:
         for field, cap in CAPS.items():
             if field in components[name]["properties"]:
                 components[name]["properties"][field].update(cap)
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1}, "minItems": 1,
-           "maxItems": 8}
+    ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1},
+        "minItems": 1,
+        "maxItems": 8,
+    }
     prompt = components["CompletionRequest"]["properties"]["prompt"]
-    prompt["anyOf"] = [{"type": "string", "maxLength": 16}, {"type": "array", "items": {"type": "string"},
-                                                             "minItems": 1, "maxItems": 2},
-                       ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": 2}]
+    prompt["anyOf"] = [
+        {"type": "string", "maxLength": 16},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2},
+        ids,
+        {"type": "array", "items": ids, "minItems": 1, "maxItems": 2},
+    ]
     return schema
 
 
@@ -68,12 +89,22 @@ def api(served):
 
 # Valid requests sent first (hypothesis' explicit phase), so every run serves some for certain:
 # token-id prompts whole and streamed, one refused for the model's lack of a tokenizer.
-EXPLICIT = {"/v1/completions": [
-    {"model": "llama3", "prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 1, "echo": None, "stream": None},
-    {"model": "llama3", "prompt": [[4, 5], [6.0]], "max_tokens": 2, "n": 2, "stream": True,
-     "stream_options": {"include_usage": True}}],
+EXPLICIT = {
+    "/v1/completions": [
+        {"model": "llama3", "prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 1, "echo": None, "stream": None},
+        {
+            "model": "llama3",
+            "prompt": [[4, 5], [6.0]],
+            "max_tokens": 2,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ],
     "/v1/chat/completions": [{"model": "llama3", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}],
-    "/tokenize": [{"prompt": ""}], "/detokenize": [{"tokens": [1, 2]}]}
+    "/tokenize": [{"prompt": ""}],
+    "/detokenize": [{"tokens": [1, 2]}],
+}
 
 
 @pytest.mark.parametrize("mode", list(EXAMPLES), ids=str)
@@ -92,8 +123,14 @@ def test_generated_requests_get_documented_answers(served, api, operation, mode)
     if mode is GenerationMode.POSITIVE:
         for body in EXPLICIT.get(operation.path, ()):
             test = example(case=endpoint.Case(body=body, media_type="application/json"))(test)
-    settings(max_examples=EXAMPLES[mode], deadline=None, derandomize=True, database=None,
-             phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))(test)()
+    settings(
+        max_examples=EXAMPLES[mode],
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )(test)()
     assert answered and all(status < 500 for status in answered)
     if mode is GenerationMode.POSITIVE and operation.path in ("/v1/completions", "/v1/models", "/health"):
         assert answered.count(200) >= 2 if operation.path == "/v1/completions" else 200 in answered, answered

@@ -9,6 +9,7 @@ x + s * mlp(x)) and whose checkpoints name their tensors their own way, stored [
 Like a built-in family, this descriptor imports no JAX; `model_code` imports the model code
 the first time the family is used.
 """
+
 from __future__ import annotations
 
 from jaxinfer.config.families import FamilySpec
@@ -23,5 +24,9 @@ def model_code():
     return model.family()
 
 
-FAMILY = FamilySpec(name="toyllama", model=model_code, hf_architectures={"toyllama": "ToyLlamaForCausalLM"},
-                    read_hf=llama_config.read_hf)
+FAMILY = FamilySpec(
+    name="toyllama",
+    model=model_code,
+    hf_architectures={"toyllama": "ToyLlamaForCausalLM"},
+    read_hf=llama_config.read_hf,
+)

@@ -12,11 +12,10 @@ own checkpoint names.
     w_gate | w_up blocks.{i}.mlp.gate | up     [E, F]
     w_down        blocks.{i}.mlp.down          [F, E]
 """
+
 from __future__ import annotations
 
 import math
-
-from toy_family import RESIDUAL_SCALE
 
 from jaxinfer.models import layers as L
 from jaxinfer.models.llama import model as llama
@@ -24,10 +23,20 @@ from jaxinfer.models.llama import names as llama_names
 from jaxinfer.models.registry import ModelFamily
 from jaxinfer.models.specs import TensorSpec
 from jaxinfer.quant import einsum
+from toy_family import RESIDUAL_SCALE
 
 TOP = {"embed": "tok_embeddings", "final_norm": "norm", "lm_head": "output"}
-LAYER = {"attn_norm": "attn_norm", "wq": "attn.q", "wk": "attn.k", "wv": "attn.v", "wo": "attn.out",
-         "mlp_norm": "mlp_norm", "w_gate": "mlp.gate", "w_up": "mlp.up", "w_down": "mlp.down"}
+LAYER = {
+    "attn_norm": "attn_norm",
+    "wq": "attn.q",
+    "wk": "attn.k",
+    "wv": "attn.v",
+    "wo": "attn.out",
+    "mlp_norm": "mlp_norm",
+    "w_gate": "mlp.gate",
+    "w_up": "mlp.up",
+    "w_down": "mlp.down",
+}
 
 
 def checkpoint_specs(config, fmt: str) -> list[TensorSpec]:
@@ -44,8 +53,9 @@ def checkpoint_specs(config, fmt: str) -> list[TensorSpec]:
         return TensorSpec(name, field, layer, stored, lambda w, shape=ours: w.reshape(shape))
 
     specs = [spec(TOP[f], f, None) for f in llama.top_fields(config)]
-    return specs + [spec(f"blocks.{i}.{LAYER[f]}", f, i) for i in range(config.num_layers)
-                    for f in llama.layer_fields(config)]
+    return specs + [
+        spec(f"blocks.{i}.{LAYER[f]}", f, i) for i in range(config.num_layers) for f in llama.layer_fields(config)
+    ]
 
 
 def _layer(x, p, kv_cache, cos, sin, meta, config, attn_impl: str):
@@ -67,7 +77,15 @@ def forward(params, config, tokens, positions, kv_caches, meta, *, attn_impl: st
 
 def family() -> ModelFamily:
     return ModelFamily(
-        name="toyllama", forward=forward, compute_logits=llama.compute_logits, init_params=llama.init_params,
-        assemble=llama.assemble, checkpoint_specs=checkpoint_specs, ignored_tensors=(),
-        param_axes=llama.PARAM_AXES, linear_inputs=llama.LINEAR_INPUTS, compute_layout=L.linear_layout,
-        traits=("residual branches scaled by 0.5",))
+        name="toyllama",
+        forward=forward,
+        compute_logits=llama.compute_logits,
+        init_params=llama.init_params,
+        assemble=llama.assemble,
+        checkpoint_specs=checkpoint_specs,
+        ignored_tensors=(),
+        param_axes=llama.PARAM_AXES,
+        linear_inputs=llama.LINEAR_INPUTS,
+        compute_layout=L.linear_layout,
+        traits=("residual branches scaled by 0.5",),
+    )
