@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.config.model import pattern_layer_types
-from jaxinfer.loader import LoadedModel, resolve_dtype
+from jaxinfer.config.sources import pattern_layer_types
+from jaxinfer.loader import LoadedModel
+from jaxinfer.models.reading import resolve_dtype
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant.config import param_bytes as quant_param_bytes
 from jaxinfer.quant.config import param_count

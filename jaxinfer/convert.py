@@ -29,14 +29,8 @@ import numpy as np
 from checkpoints import CheckpointError, save_arrays, write_metadata
 from checkpoints.orbax_io import epath
 from jaxinfer.config import ModelConfig
-from jaxinfer.loader import (
-    ORBAX_FORMAT,
-    checkpoint_quantization,
-    gguf_tokenizer,
-    open_checkpoint,
-    read_fields,
-    resolve_dtype,
-)
+from jaxinfer.loader import gguf_tokenizer, open_checkpoint
+from jaxinfer.models.reading import ORBAX_FORMAT, checkpoint_quantization, read_fields, resolve_dtype
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import QuantConfig, flat_arrays
 from jaxinfer.tokenizer import TokenizerError
@@ -92,15 +86,7 @@ def convert(
     dtype = _convert_dtype(dtype, reader, fmt)
     family = get_family(config.family)
     quantization = checkpoint_quantization(reader, fmt, quantization, str(src), family)  # "auto" resolved
-    place = DevicePlacer()
-    if mesh is not None:
-        device_mesh = make_mesh(mesh)
-        place = MeshPlacer(
-            device_mesh,
-            family.param_axes,
-            head_layout(device_mesh, config.num_heads, config.num_kv_heads),
-            repeat_kv=False,
-        )
+    place = _placer(mesh, config, family)
     specs = family.checkpoint_specs(config, ORBAX_FORMAT)
     bar = _bar(len(specs), progress)
     try:
@@ -134,6 +120,16 @@ def convert(
         dtype=np.dtype(dtype).name,
         seconds=time.perf_counter() - start,
     )
+
+
+def _placer(mesh: str | None, config, family) -> DevicePlacer | MeshPlacer:
+    """Where each converted tensor is put on its way to the file: one device, or the shards of
+    `mesh` (each KV head stored once: the checkpoint is written as one logical array)."""
+    if mesh is None:
+        return DevicePlacer()
+    device_mesh = make_mesh(mesh)
+    layout = head_layout(device_mesh, config.num_heads, config.num_kv_heads)
+    return MeshPlacer(device_mesh, family.param_axes, layout, repeat_kv=False)
 
 
 def _convert_dtype(dtype: str, reader, fmt: str) -> np.dtype:

@@ -23,7 +23,6 @@ Several hosts: only process 0 schedules; its worker broadcasts each step's padde
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 
 import jax
@@ -32,7 +31,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.prompts import tokenize_prompt
 from jaxinfer.core.replica import Replica, replica_stats
-from jaxinfer.core.requests import CheckedRequest, RequestLimits, check_request
+from jaxinfer.core.requests import CheckedRequest, RequestLimits, check_request, context_length
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.kv import KVCacheManager
 from jaxinfer.loader import LoadedModel
@@ -47,19 +46,12 @@ from jaxinfer.worker.warm_up import enable_compilation_cache
 from jaxinfer.worker.worker import StepHandle, Worker
 from sharding import StepChannel, is_leader, is_multiprocess
 
-logger = logging.getLogger(__name__)
-
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *, warm_up: bool = True):
         config = config or EngineConfig()
         self.model, self.tokenizer = model, model.tokenizer
-        model_len = model.config.max_position_embeddings
-        if config.scheduler.max_model_len is not None and config.scheduler.max_model_len > model_len:
-            raise ValueError(
-                f"max_model_len={config.scheduler.max_model_len} exceeds the model's context of {model_len} tokens"
-            )
-        self.max_model_len = config.scheduler.max_model_len or model_len
+        self.max_model_len = context_length(config.scheduler.max_model_len, model.config.max_position_embeddings)
         self.config = config = config.with_page_size(self.max_model_len)
         enable_compilation_cache(config.compile.compilation_cache_dir)
         self.worker = Worker(model, config, self.max_model_len, StepChannel() if is_multiprocess() else None)
@@ -68,23 +60,9 @@ class Engine:
         # Replica 0 (the only one without data parallelism).
         self.kv_cache, self.scheduler = self.replicas[0].kv_cache, self.replicas[0].scheduler
         self.is_leader = is_leader()
-        self.limits = RequestLimits(  # what a request is checked against, once (core/requests.py)
-            model.config.vocab_size,
-            self.max_model_len,
-            config.scheduler.max_request_tokens,
-            config.scheduler.max_n,
-            config.compile.penalties,
-            config.compile.enable_prompt_logprobs,
-            self.worker.page_size,
-            self.kv_cache.num_usable_pages,
-        )
-        self.grammars = (
-            None
-            if self.tokenizer is None
-            else GrammarBackend(  # structured output: llguidance
-                self.tokenizer, model.config.vocab_size, reasoning_parser(config.load.reasoning_parser)
-            )
-        )
+        self.limits = self._request_limits()  # what a request is checked against, once (core/requests.py)
+        parser = reasoning_parser(config.load.reasoning_parser)  # structured output: llguidance
+        self.grammars = GrammarBackend(self.tokenizer, model.config.vocab_size, parser) if self.tokenizer else None
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
         self._flight: StepHandle | None = None  # the step launched last, tokens not fetched yet
@@ -99,6 +77,19 @@ class Engine:
     def warm_up(self) -> None:
         """Compiles every step variant now (else each compiles when first needed)."""
         self.warm_up_seconds += self.worker.warm_up() + (self.speculator.warm_up() if self.speculator else 0.0)
+
+    def _request_limits(self) -> RequestLimits:
+        sched, compiled = self.config.scheduler, self.config.compile
+        return RequestLimits(
+            self.model.config.vocab_size,
+            self.max_model_len,
+            sched.max_request_tokens,
+            sched.max_n,
+            compiled.penalties,
+            compiled.enable_prompt_logprobs,
+            self.worker.page_size,
+            self.kv_cache.num_usable_pages,
+        )
 
     def _make_replica(self, index: int) -> Replica:
         config = self.config
@@ -251,7 +242,7 @@ class Engine:
                 else self._steps(plan, out_r, scheduler)
             )
             for out_i, updated in steps:  # each emitted (stop strings found) before the next resolves
-                self._emit(plan, out_i, updated, scheduler, touched)
+                self.outputs.on_tokens(plan, out_i, updated, self._requests, touched)
         return [self._delta(state, now) for state in touched.values()]
 
     @staticmethod
@@ -260,30 +251,6 @@ class Engine:
         for i in range(plan.num_steps):
             out_i = out if plan.num_steps == 1 else jax.tree.map(lambda a: a[i], out)  # noqa: B023
             yield out_i, {s.seq_id for s in scheduler.resolve(plan, out_i.tokens, i)}
-
-    def _emit(
-        self,
-        plan: SchedulerPlan,
-        out: SamplerOutput,
-        updated: set[int],
-        scheduler: Scheduler,
-        touched: dict[str, RequestState],
-    ) -> None:
-        """Output processing of the tokens the scheduler just gave the `updated` sequences."""
-        for row, entry in enumerate(plan.seqs):
-            seq = entry.seq
-            state = self._requests.get(seq.request_id)
-            if seq.seq_id not in updated or state is None:
-                continue
-            if seq.grammar is not None and not seq.grammar.consume(int(out.tokens[row])):
-                logger.warning(
-                    "request %s: the grammar rejected token %d (%s)",
-                    seq.request_id,
-                    int(out.tokens[row]),
-                    seq.grammar.error,
-                )
-            self.outputs.on_token(state, state.samples[seq.sample_index], out, row)
-            touched[seq.request_id] = state
 
     def follow(self) -> bool:
         """On processes other than 0: runs process 0's steps until it releases this process.

@@ -3,8 +3,8 @@
     Engine.step(): scheduler.resolve(plan, tokens) appends each sampled token to its Sequence
       and decides whether it stops there (core/stops.py), asking `stop_checker(seq)` about
       stop strings: the token's text (IncrementalDetokenizer) and the first stop string in it
-      on_token(state, sample, out, row)
-        -> the token's logprobs (when asked for), its text where not made yet
+      on_tokens(plan, out, updated, requests, touched) -> on_token(state, sample, out, row)
+        -> the grammar advanced past the token, its logprobs (when asked for), its text
       delta(state, now)
         -> RequestOutput with what is new since the last delta, usage and timings
 
@@ -18,6 +18,7 @@ itself (`include_stop_str_in_output`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.sequence import Sequence
@@ -26,6 +27,8 @@ from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.prompt_logprobs import PromptLogprobs
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -130,6 +133,30 @@ class OutputProcessor:
         if stop is not None:
             sample.stopped = True
         return stop
+
+    def on_tokens(
+        self,
+        plan: SchedulerPlan,
+        out: SamplerOutput,
+        updated: set[int],
+        requests: dict[str, RequestState],
+        touched: dict[str, RequestState],
+    ) -> None:
+        """The tokens the scheduler just gave the `updated` sequences of `plan` (row i of `out`
+        for plan.seqs[i]): each grammar advanced past its token, each token recorded; the
+        requests that got one are added to `touched`."""
+        for row, entry in enumerate(plan.seqs):
+            seq = entry.seq
+            state = requests.get(seq.request_id)
+            if seq.seq_id not in updated or state is None:
+                continue
+            token = int(out.tokens[row])
+            if seq.grammar is not None and not seq.grammar.consume(token):
+                logger.warning(
+                    "request %s: the grammar rejected token %d (%s)", seq.request_id, token, seq.grammar.error
+                )
+            self.on_token(state, state.samples[seq.sample_index], out, row)
+            touched[seq.request_id] = state
 
     def on_token(self, state: RequestState, sample: SampleState, out: SamplerOutput, row: int) -> None:
         """Records the token the scheduler just put into `sample.seq` (row `row` of `out`); a

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from jaxinfer.cli.options import add_option, add_options, read_option, read_options
 from jaxinfer.config import ConfigError, EngineConfig
 from jaxinfer.options import Declared, declared
-from jaxinfer.sampling.params import STRUCTURED_TITLE, SamplingParams, StructuredOutput, logit_bias_from_json
+from jaxinfer.sampling.params import SamplingParams, StructuredOutput, logit_bias_from_json
+from jaxinfer.sampling.structured_output import STRUCTURED_TITLE
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM  # imports JAX: only when a command runs

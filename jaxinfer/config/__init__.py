@@ -17,9 +17,10 @@ from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.compile import CompileConfig
 from jaxinfer.config.engine import EngineConfig
 from jaxinfer.config.load import LoadConfig
-from jaxinfer.config.model import ConfigError, ModelConfig, RopeScaling
+from jaxinfer.config.model import ConfigError, ModelConfig
 from jaxinfer.config.parallel import ParallelConfig
 from jaxinfer.config.scheduler import SchedulerConfig
+from jaxinfer.config.sources import RopeScaling
 from jaxinfer.config.speculative import SpeculativeConfig
 
 __all__ = [

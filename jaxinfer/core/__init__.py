@@ -2,7 +2,9 @@
 
     sequence.py   Sequence: one sample's tokens, pages, status and random stream
     plan.py       SchedulerPlan / ScheduledSeq: what one step computes
-    scheduler.py  Scheduler: admission, chunked prefill, preemption, stops
+    queue.py      RequestQueue: the requests held, their sequences queued, running, finished
+    scheduler.py  Scheduler (a RequestQueue): admission, chunked prefill, preemption, stops
+    requests.py   every request checked once, before it is queued
 
 The KV pages, reference counts and the prefix cache are jaxinfer.kv's: the scheduler asks its
 KVCacheManager for pages and never touches a pool.

@@ -58,6 +58,14 @@ class RequestLimits:
         return flag if self.owner == "server" else f"{kwarg} or {flag}"
 
 
+def context_length(max_model_len: int | None, model_len: int) -> int:
+    """The engine's context: EngineConfig.max_model_len where given (at most the model's), else
+    the model's max_position_embeddings."""
+    if max_model_len is not None and max_model_len > model_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {model_len} tokens")
+    return max_model_len or model_len
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckedRequest:
     """A request that passed `check_request`: the engine queues it without checking again."""

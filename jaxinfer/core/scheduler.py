@@ -33,20 +33,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import operator
-import random
-from collections.abc import Iterable
 
-from jaxinfer.core.admission import RequestEntry
 from jaxinfer.core.multistep import decode_window
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
-from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, sample_seed
+from jaxinfer.core.queue import RequestQueue, sort_key
+from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.core.spec import fit_drafts
-from jaxinfer.core.stops import StopChecker, is_awaiting_results, stop_decision
-from jaxinfer.kv import KVCacheManager
-from jaxinfer.sampling.params import SamplingParams
-
-_sort_key = operator.attrgetter("sort_key")  # (priority, arrival, sample index)
+from jaxinfer.core.stops import is_awaiting_results, stop_decision
 
 
 @dataclasses.dataclass
@@ -56,155 +49,15 @@ class _Step:  # the plan being built, with the budget that is left
     preempted: list[Sequence]
 
 
-class Scheduler:
-    def __init__(
-        self,
-        kv_cache: KVCacheManager,
-        *,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        eos_token_ids: Iterable[int] = (),
-        stop_checker: StopChecker | None = None,
-        seed: int = 0,
-        max_seqs_per_request: int | None = None,
-    ):
-        for name, value in (
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_num_seqs", max_num_seqs),
-            ("max_model_len", max_model_len),
-            ("max_seqs_per_request", max_seqs_per_request or 1),
-        ):
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
-        self.kv_cache = kv_cache
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.stop_checker = stop_checker
-        self.max_seqs_per_request = max_seqs_per_request  # None: no window
-        self.waiting: list[Sequence] = []  # sorted by sort_key
-        self.running: list[Sequence] = []  # in admission order (at most max_num_seqs)
-        self.requests: dict[str, RequestEntry] = {}  # unfinished requests
-        self._num_held = 0  # siblings not yet in the queue
-        self._rng = random.Random(seed)  # seeds of unseeded requests
-        self._next_seq_id = 0
-        self._next_arrival = 0
-
-    # --- requests ---------------------------------------------------------------------------------
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *, priority: int = 0
-    ) -> list[Sequence]:
-        """Queues one Sequence per sample (sampling_params.n) of a request that passed
-        core/requests.py's checks (the engine's, once): nothing here checks it again."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
-        base_seed = sampling_params.seed if sampling_params.seed is not None else self._rng.getrandbits(64)
-        seqs: list[Sequence] = []
-        for i in range(sampling_params.n):
-            seq = Sequence(
-                self._next_seq_id,
-                request_id,
-                prompt_token_ids,
-                sampling_params,
-                seed=sample_seed(base_seed, i),
-                arrival=arrival,
-                priority=priority,
-                sample_index=i,
-                parent=seqs[0] if seqs else None,
-            )
-            self._next_seq_id += 1
-            seqs.append(seq)
-        self.requests[request_id] = entry = RequestEntry.new(seqs)
-        self._num_held += len(entry.held)
-        self._enqueue(entry, seqs[0])
-        return seqs
-
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finishes every unfinished sequence of the request; unknown ids abort nothing."""
-        entry = self.requests.get(request_id)
-        if entry is None:
-            return []
-        held = list(entry.held)
-        entry.held.clear()
-        self._num_held -= len(held)
-        for seq in held:  # never queued: nothing to remove, no pages
-            seq.status = SequenceStatus.FINISHED_ABORTED
-        entry.num_unfinished -= len(held)
-        active = [s for s in entry.seqs if not s.is_finished]
-        for seq in active:
-            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        if entry.num_unfinished == 0:
-            self.requests.pop(request_id, None)
-        return held + active
-
-    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None):
-        """Ends a queued or running sequence (any finished status) and frees its pages."""
-        if not status.is_finished:
-            raise ValueError(f"{status} is not a finished status")
-        if seq.is_finished:
-            return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)  # at most max_num_seqs long
-        else:
-            self._dequeue(seq)
-        self.kv_cache.free(seq)
-        if seq.num_pending:  # tokens of steps in flight past the end: overrun, never emitted
-            del seq.token_ids[-seq.num_pending :]
-            seq.num_pending = 0
-        seq.status, seq.stop_reason = status, stop_reason
-        entry = self.requests[seq.request_id]
-        entry.num_active -= 1
-        entry.num_unfinished -= 1
-        if entry.num_unfinished == 0:
-            del self.requests[seq.request_id]
-        else:
-            self._release(entry)
-
-    def _enqueue(self, entry: RequestEntry, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=_sort_key)
-        entry.num_active += 1
-
-    def _dequeue(self, seq: Sequence) -> None:
-        i = bisect.bisect_left(self.waiting, seq.sort_key, key=_sort_key)
-        while self.waiting[i] is not seq:  # sort keys are unique per sequence; this is a guard
-            i += 1
-        del self.waiting[i]
-
-    def _release(self, entry: RequestEntry) -> None:
-        """Lets held siblings into the queue as the request's window allows (admission.py)."""
-        count = entry.releasable(self.max_seqs_per_request)
-        if not count:
-            return
-        fresh = entry.num_waves > 0  # later waves queue behind the requests that came since
-        entry.num_waves += 1
-        for _ in range(count):
-            seq = entry.held.popleft()
-            if fresh:
-                seq.arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
-            self._num_held -= 1
-            self._enqueue(entry, seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._num_held)
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences queued or held back (siblings waiting for their parent or their turn)."""
-        return len(self.waiting) + self._num_held
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
+class Scheduler(RequestQueue):
+    """Plans each step over the requests its RequestQueue holds (module docstring)."""
 
     # --- schedule ---------------------------------------------------------------------------------
     def schedule(self, num_steps: int = 1) -> SchedulerPlan:
         if num_steps > 1 and (window := decode_window(self, num_steps)) is not None:
             return window
         step = _Step({}, self.max_num_batched_tokens, [])
-        by_priority = sorted((s for s in self.running if not is_awaiting_results(s, self.max_model_len)), key=_sort_key)
+        by_priority = sorted((s for s in self.running if not is_awaiting_results(s, self.max_model_len)), key=sort_key)
         decodes = [s for s in by_priority if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in by_priority if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decodes + prefills:
@@ -233,7 +86,7 @@ class Scheduler:
     def _reserve_pages(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
         """Gives `seq` pages for `num_tokens`, preempting others; False if `seq` itself was."""
         while not self.kv_cache.allocate(seq, num_tokens):
-            victim = max(self.running, key=_sort_key)
+            victim = max(self.running, key=sort_key)
             self._preempt(victim, step)
             if victim is seq:
                 return False
@@ -248,7 +101,7 @@ class Scheduler:
         seq.num_computed_tokens, seq.draft_token_ids = 0, []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
-        bisect.insort(self.waiting, seq, key=_sort_key)
+        bisect.insort(self.waiting, seq, key=sort_key)
         step.preempted.append(seq)
 
     def _admit(self, seq: Sequence, step: _Step) -> bool:

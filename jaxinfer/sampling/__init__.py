@@ -1,5 +1,5 @@
-"""Sampling: SamplingParams (params.py, no JAX), params -> numpy SamplingArrays (arrays.py),
-and the sampler inside the jitted step (sampler.py).
+"""Sampling: SamplingParams (params.py, no JAX) and its StructuredOutput (structured_output.py),
+params -> numpy SamplingArrays (arrays.py), and the sampler inside the jitted step (sampler.py).
 
 Only the JAX-free user-facing names are exported here, so `from jaxinfer.sampling import
 SamplingParams` does not import JAX; device code imports `jaxinfer.sampling.sampler` and

@@ -16,7 +16,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from jaxinfer.config.errors import ConfigError, require
-from jaxinfer.config.model import FULL, SLIDING, check_layer_types, pattern_layer_types, rope_from_hf
+from jaxinfer.config.sources import FULL, SLIDING, check_layer_types, pattern_layer_types, rope_from_hf
 
 ACTIVATION = "gelu_pytorch_tanh"
 # llama.cpp: Gemma 3 slides all layers but every 6th, Gemma 2 every other one; local rope base 10000.

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.config.model import is_sliding_layer
+from jaxinfer.config.sources import is_sliding_layer
 from jaxinfer.models import layers as L
 from jaxinfer.models.llama import model as llama
 from jaxinfer.quant import einsum
