@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -12,7 +10,7 @@ class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls_json", "tool_call_id", "name")
@@ -26,24 +24,10 @@ class ChatMessage(_message.Message):
     tool_calls_json: str
     tool_call_id: str
     name: str
-    def __init__(
-        self,
-        role: str | None = ...,
-        content: str | None = ...,
-        tool_calls_json: str | None = ...,
-        tool_call_id: str | None = ...,
-        name: str | None = ...,
-    ) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = (
-        "messages",
-        "add_generation_prompt",
-        "tools_json",
-        "tool_choice",
-        "parallel_tool_calls",
-        "chat_template_kwargs_json",
-    )
+    __slots__ = ("messages", "add_generation_prompt", "tools_json", "tool_choice", "parallel_tool_calls", "chat_template_kwargs_json")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -56,15 +40,7 @@ class Chat(_message.Message):
     tool_choice: str
     parallel_tool_calls: bool
     chat_template_kwargs_json: str
-    def __init__(
-        self,
-        messages: _Iterable[ChatMessage | _Mapping] | None = ...,
-        add_generation_prompt: bool | None = ...,
-        tools_json: str | None = ...,
-        tool_choice: str | None = ...,
-        parallel_tool_calls: bool | None = ...,
-        chat_template_kwargs_json: str | None = ...,
-    ) -> None: ...
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")
@@ -74,7 +50,7 @@ class ToolCall(_message.Message):
     id: str
     name: str
     arguments: str
-    def __init__(self, id: str | None = ..., name: str | None = ..., arguments: str | None = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -82,8 +58,7 @@ class StructuredOutput(_message.Message):
         __slots__ = ("choices",)
         CHOICES_FIELD_NUMBER: _ClassVar[int]
         choices: _containers.RepeatedScalarFieldContainer[str]
-        def __init__(self, choices: _Iterable[str] | None = ...) -> None: ...
-
+        def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -94,46 +69,17 @@ class StructuredOutput(_message.Message):
     regex: str
     choice: StructuredOutput.Choices
     grammar: str
-    def __init__(
-        self,
-        json_schema: str | None = ...,
-        json_object: bool | None = ...,
-        regex: str | None = ...,
-        choice: StructuredOutput.Choices | _Mapping | None = ...,
-        grammar: str | None = ...,
-    ) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[StructuredOutput.Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = (
-        "n",
-        "max_tokens",
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "logprobs",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "structured_output",
-        "logit_bias",
-        "speculative",
-        "prompt_logprobs",
-    )
+    __slots__ = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "structured_output", "logit_bias", "speculative", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: int
         value: float
-        def __init__(self, key: int | None = ..., value: float | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -174,29 +120,7 @@ class SamplingOptions(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     speculative: bool
     prompt_logprobs: int
-    def __init__(
-        self,
-        n: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        seed: int | None = ...,
-        stop: _Iterable[str] | None = ...,
-        stop_token_ids: _Iterable[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        logprobs: int | None = ...,
-        include_stop_str_in_output: bool | None = ...,
-        skip_special_tokens: bool | None = ...,
-        structured_output: StructuredOutput | _Mapping | None = ...,
-        logit_bias: _Mapping[int, float] | None = ...,
-        speculative: bool | None = ...,
-        prompt_logprobs: int | None = ...,
-    ) -> None: ...
+    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., speculative: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority")
@@ -212,15 +136,7 @@ class GenerateRequest(_message.Message):
     chat: Chat
     sampling: SamplingOptions
     priority: int
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        text: str | None = ...,
-        token_ids: TokenIds | _Mapping | None = ...,
-        chat: Chat | _Mapping | None = ...,
-        sampling: SamplingOptions | _Mapping | None = ...,
-        priority: int | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -228,7 +144,7 @@ class TopLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top", "rank")
@@ -240,27 +156,10 @@ class TokenLogprob(_message.Message):
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     rank: int
-    def __init__(
-        self,
-        token_id: int | None = ...,
-        logprob: float | None = ...,
-        top: _Iterable[TopLogprob | _Mapping] | None = ...,
-        rank: int | None = ...,
-    ) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class CompletionDelta(_message.Message):
-    __slots__ = (
-        "index",
-        "text",
-        "token_ids",
-        "logprobs",
-        "finish_reason",
-        "stop_token_id",
-        "stop_string",
-        "tool_calls",
-        "content",
-        "reasoning_content",
-    )
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_token_id", "stop_string", "tool_calls", "content", "reasoning_content")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -281,19 +180,7 @@ class CompletionDelta(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     content: str
     reasoning_content: str
-    def __init__(
-        self,
-        index: int | None = ...,
-        text: str | None = ...,
-        token_ids: _Iterable[int] | None = ...,
-        logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
-        finish_reason: str | None = ...,
-        stop_token_id: int | None = ...,
-        stop_string: str | None = ...,
-        tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
-        content: str | None = ...,
-        reasoning_content: str | None = ...,
-    ) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "draft_tokens", "accepted_draft_tokens")
@@ -307,14 +194,7 @@ class Usage(_message.Message):
     cached_prompt_tokens: int
     draft_tokens: int
     accepted_draft_tokens: int
-    def __init__(
-        self,
-        prompt_tokens: int | None = ...,
-        completion_tokens: int | None = ...,
-        cached_prompt_tokens: int | None = ...,
-        draft_tokens: int | None = ...,
-        accepted_draft_tokens: int | None = ...,
-    ) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_time_s", "time_to_first_token_s", "e2e_latency_s", "mean_inter_token_latency_s")
@@ -326,13 +206,7 @@ class Timings(_message.Message):
     time_to_first_token_s: float
     e2e_latency_s: float
     mean_inter_token_latency_s: float
-    def __init__(
-        self,
-        queue_time_s: float | None = ...,
-        time_to_first_token_s: float | None = ...,
-        e2e_latency_s: float | None = ...,
-        mean_inter_token_latency_s: float | None = ...,
-    ) -> None: ...
+    def __init__(self, queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., mean_inter_token_latency_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "outputs", "finished", "usage", "timings", "prompt_logprobs")
@@ -348,15 +222,7 @@ class GenerateResponse(_message.Message):
     usage: Usage
     timings: Timings
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        outputs: _Iterable[CompletionDelta | _Mapping] | None = ...,
-        finished: bool | None = ...,
-        usage: Usage | _Mapping | None = ...,
-        timings: Timings | _Mapping | None = ...,
-        prompt_logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens")
@@ -366,18 +232,13 @@ class TokenizeRequest(_message.Message):
     text: str
     chat: Chat
     add_special_tokens: bool
-    def __init__(
-        self,
-        text: str | None = ...,
-        chat: Chat | _Mapping | None = ...,
-        add_special_tokens: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids", "skip_special_tokens")
@@ -385,37 +246,20 @@ class DetokenizeRequest(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_special_tokens: bool
-    def __init__(self, token_ids: _Iterable[int] | None = ..., skip_special_tokens: bool | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("text",)
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: str | None = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = (
-        "model",
-        "model_type",
-        "dtype",
-        "vocab_size",
-        "max_model_len",
-        "eos_token_ids",
-        "has_tokenizer",
-        "has_chat_template",
-        "page_size",
-        "kv_pages_total",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "penalties_enabled",
-        "max_logprobs",
-        "tool_call_format",
-        "prompt_logprobs_enabled",
-    )
+    __slots__ = ("model", "model_type", "dtype", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "has_chat_template", "page_size", "kv_pages_total", "max_num_seqs", "max_num_batched_tokens", "penalties_enabled", "max_logprobs", "tool_call_format", "prompt_logprobs_enabled")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -448,43 +292,14 @@ class GetModelInfoResponse(_message.Message):
     max_logprobs: int
     tool_call_format: str
     prompt_logprobs_enabled: bool
-    def __init__(
-        self,
-        model: str | None = ...,
-        model_type: str | None = ...,
-        dtype: str | None = ...,
-        vocab_size: int | None = ...,
-        max_model_len: int | None = ...,
-        eos_token_ids: _Iterable[int] | None = ...,
-        has_tokenizer: bool | None = ...,
-        has_chat_template: bool | None = ...,
-        page_size: int | None = ...,
-        kv_pages_total: int | None = ...,
-        max_num_seqs: int | None = ...,
-        max_num_batched_tokens: int | None = ...,
-        penalties_enabled: bool | None = ...,
-        max_logprobs: int | None = ...,
-        tool_call_format: str | None = ...,
-        prompt_logprobs_enabled: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., penalties_enabled: _Optional[bool] = ..., max_logprobs: _Optional[int] = ..., tool_call_format: _Optional[str] = ..., prompt_logprobs_enabled: _Optional[bool] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetServerStatsResponse(_message.Message):
-    __slots__ = (
-        "running",
-        "waiting",
-        "active_streams",
-        "kv_pages_total",
-        "kv_pages_free",
-        "kv_cache_usage",
-        "prefix_cache_hit_rate",
-        "preemptions",
-        "compiled_variants",
-        "steps",
-    )
+    __slots__ = ("running", "waiting", "active_streams", "kv_pages_total", "kv_pages_free", "kv_cache_usage", "prefix_cache_hit_rate", "preemptions", "compiled_variants", "steps")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
@@ -505,16 +320,4 @@ class GetServerStatsResponse(_message.Message):
     preemptions: int
     compiled_variants: int
     steps: int
-    def __init__(
-        self,
-        running: int | None = ...,
-        waiting: int | None = ...,
-        active_streams: int | None = ...,
-        kv_pages_total: int | None = ...,
-        kv_pages_free: int | None = ...,
-        kv_cache_usage: float | None = ...,
-        prefix_cache_hit_rate: float | None = ...,
-        preemptions: int | None = ...,
-        compiled_variants: int | None = ...,
-        steps: int | None = ...,
-    ) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., active_streams: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., compiled_variants: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
