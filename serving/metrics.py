@@ -24,7 +24,17 @@ _THROUGHPUT_WINDOW_S = 10.0
 
 class ServerMetrics:
     def __init__(self):
-        self.registry = r = prom.CollectorRegistry()
+        self.registry = prom.CollectorRegistry()
+        self._define_latencies(self.registry)
+        self._define_requests(self.registry)
+        self._define_engine_state(self.registry)
+        self._define_spec_decode(self.registry)
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, **dict.fromkeys(self.spec_counters, 0)}
+        self._http = None
+
+    def _define_latencies(self, r: prom.CollectorRegistry) -> None:
+        """Per-request histograms, observed when a request finishes (on_finished)."""
         self.ttft = prom.Histogram(
             "jaxinfer_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -37,6 +47,9 @@ class ServerMetrics:
         self.queue = prom.Histogram(
             "jaxinfer_request_queue_time_seconds", "arrival to first scheduled", buckets=_LATENCY_BUCKETS, registry=r
         )
+
+    def _define_requests(self, r: prom.CollectorRegistry) -> None:
+        """Tokens and requests: finished ones (engine thread), refused ones and HTTP statuses (event loop)."""
         self.prompt_tokens = prom.Counter("jaxinfer_prompt_tokens", "prompt tokens of completed requests", registry=r)
         self.generation_tokens = prom.Counter("jaxinfer_generation_tokens", "generated tokens", registry=r)
         self.requests = prom.Counter(
@@ -59,6 +72,9 @@ class ServerMetrics:
             f"generated tokens per second over the last {_THROUGHPUT_WINDOW_S:g} s",
             registry=r,
         )
+
+    def _define_engine_state(self, r: prom.CollectorRegistry) -> None:
+        """The engine's state after each step (on_step): queues, KV pages, preemptions, prefix cache."""
         self.running = prom.Gauge("jaxinfer_num_requests_running", "sequences running in the engine", registry=r)
         self.waiting = prom.Gauge("jaxinfer_num_requests_waiting", "sequences waiting in the engine", registry=r)
         self.kv_usage = prom.Gauge("jaxinfer_kv_cache_usage_ratio", "fraction of KV pages in use", registry=r)
@@ -66,7 +82,9 @@ class ServerMetrics:
         self.preemptions = prom.Counter("jaxinfer_preemptions", "sequences preempted", registry=r)
         self.prefix_queries = prom.Counter("jaxinfer_prefix_cache_queries", "prompt tokens looked up", registry=r)
         self.prefix_hits = prom.Counter("jaxinfer_prefix_cache_hits", "prompt tokens served from the cache", registry=r)
-        # Speculative decoding (when the engine has it on): totals since start-up.
+
+    def _define_spec_decode(self, r: prom.CollectorRegistry) -> None:
+        """Speculative decoding (when the engine has it on): totals since start-up."""
         self.spec_counters = {
             key: prom.Counter(f"jaxinfer_spec_decode_{name}", doc, registry=r)
             for key, name, doc in (
@@ -83,9 +101,6 @@ class ServerMetrics:
             "tokens emitted per verify step (accepted drafts + 1) since start-up",
             registry=r,
         )
-        self._window: collections.deque[tuple[float, int]] = collections.deque()
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, **dict.fromkeys(self.spec_counters, 0)}
-        self._http = None
 
     # --- engine thread --------------------------------------------------------------------------
     def on_tokens(self, count: int, now: float | None = None) -> None:

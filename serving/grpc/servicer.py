@@ -14,6 +14,7 @@ Generate, for one call:
        tokens refunded, one request-log line.
 An exception while serving one call ends that call with INTERNAL; nothing else is affected.
 The key of every call is the bearer token's id (one shared token); without a token, anonymous.
+Waiting on the call's queue, its deadline and the statuses it ends with are streaming.py's.
 """
 
 from __future__ import annotations
@@ -32,24 +33,19 @@ import jax
 from google.protobuf import json_format
 
 from jaxinfer.sampling import MAX_LOGPROBS
-from serving.engine_loop import EngineLoop, RequestRejected, ServerShuttingDown, merge_deltas
+from serving.engine_loop import EngineLoop, ServerShuttingDown, merge_deltas
 from serving.errors import RequestError
 from serving.grpc import convert
 from serving.grpc.proto import jaxinfer_pb2 as pb
 from serving.grpc.proto import jaxinfer_pb2_grpc as pb_grpc
-from serving.limits import Grant, RateLimited, RateLimiter, token_cost
+from serving.grpc.streaming import Refused, call_deadline, charge, next_items, rate_limited, status_of
+from serving.limits import Grant, RateLimited, RateLimiter
 from serving.model_limits import ModelLimits, check_request
 from serving.request_log import RequestLog, RequestRecord
 from serving.tools import output_readers
 
 logger = logging.getLogger(__name__)
 GENERATE = "/jaxinfer.v1.InferenceService/Generate"
-
-
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str, metadata: tuple = ()):
-        super().__init__(details)
-        self.code, self.details, self.metadata = code, details, metadata
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -95,7 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _in_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, refused: _Refused) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, refused: Refused) -> None:
         if self._metrics is not None:
             self._metrics.rejected.labels(code=refused.code.name).inc()
         await context.abort(refused.code, refused.details, trailing_metadata=refused.metadata)
@@ -118,7 +114,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             ) as responses:
                 async for response in responses:
                     yield response
-        except _Refused as e:
+        except Refused as e:
             status, record.error = e.code.name, e.details
             await self._refuse(context, e)
         except grpc.aio.AbortError:
@@ -129,7 +125,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except Exception as e:  # a bug while serving this call: fail it alone
             logger.exception("request %s failed", request_id)
             status, record.error = "INTERNAL", f"request failed: {type(e).__name__}: {e}"
-            await self._refuse(context, _Refused(grpc.StatusCode.INTERNAL, record.error))
+            await self._refuse(context, Refused(grpc.StatusCode.INTERNAL, record.error))
         finally:
             if grant is not None:
                 grant.release(record.total_tokens)  # the unused part of max_tokens goes back
@@ -138,18 +134,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def _admit(self, request_id: str) -> Grant:
         """Draining, the in-flight limit of both transports, a duplicate id, the key's limits."""
         if self.draining:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if (in_flight := len(self._streams) + self.in_flight_elsewhere()) >= self.max_in_flight:
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"server busy: {in_flight} requests in flight (limit {self.max_in_flight}); retry later",
             )
         if request_id in self._streams:
-            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in flight")
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in flight")
         try:
             return self.limiter.admit(self.key_id)
         except RateLimited as e:
-            raise _rate_limited(e) from None
+            raise rate_limited(e) from None
 
     async def _generate(
         self,
@@ -160,7 +156,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         record: RequestRecord,
         grant: Grant,
     ):
-        """The call's responses; refusals raise _Refused. Ended early: the request is aborted."""
+        """The call's responses; refusals raise Refused. Ended early: the request is aborted."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         submitted = finished = False
@@ -168,17 +164,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             try:
                 checked, replies = await self._in_worker(self._prepare, request)
             except RequestError as e:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             record.prompt_tokens = len(checked.prompt_token_ids)
-            _charge(grant, len(checked.prompt_token_ids), checked.params)
+            charge(grant, len(checked.prompt_token_ids), checked.params)
             loop = asyncio.get_running_loop()
-            deadline = _deadline(context, loop)
+            deadline = call_deadline(context, loop)
             self._engine_loop.submit(
                 request_id, checked, functools.partial(loop.call_soon_threadsafe, queue.put_nowait), arrival_time
             )
             submitted = True
             while not finished:
-                deltas, error = await _next_items(queue, deadline, loop)
+                deltas, error = await next_items(queue, deadline, loop)
                 if deltas:
                     out = merge_deltas(deltas)
                     record.observe(0, out)
@@ -186,7 +182,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     yield convert.response(out, replies)
                 if error is not None:
                     finished = True  # the engine loop has already let go of it
-                    raise _status_of(error)
+                    raise status_of(error)
         finally:
             self._streams.pop(request_id, None)
             if submitted and not finished:
@@ -266,59 +262,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         )
 
 
-async def _next_items(queue: asyncio.Queue, deadline: float | None, loop) -> tuple[list, Exception | None]:
-    """Waits for the next item, then takes whatever else is queued: (deltas, error or None)."""
-    if deadline is None:
-        items = [await queue.get()]
-    else:
-        try:
-            async with asyncio.timeout_at(deadline):
-                items = [await queue.get()]
-        except TimeoutError:
-            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished") from None
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    deltas = []
-    for item in items:
-        if isinstance(item, BaseException):
-            return deltas, item
-        deltas.append(item)
-    return deltas, None
-
-
-def _deadline(context, loop) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else loop.time() + max(0.0, remaining)
-
-
-def _charge(grant: Grant, num_prompt_tokens: int, params) -> None:
-    """The key's tokens per minute: the prompt + max_tokens x n (RESOURCE_EXHAUSTED past them)."""
-    try:
-        grant.charge(
-            token_cost([num_prompt_tokens], params.max_tokens, params.n),
-            f"{num_prompt_tokens} prompt tokens + max_tokens {params.max_tokens} x n {params.n}",
-        )
-    except RateLimited as e:
-        raise _rate_limited(e) from None
-
-
-def _rate_limited(e: RateLimited) -> _Refused:
-    metadata = (("retry-after", str(e.retry_after_s)),) if e.retry_after_s is not None else ()
-    return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, metadata)
-
-
 def _prompt_of(request: pb.GenerateRequest):
     """The prompt as sent (for a request log with prompts): text, {"ids": [...]} or {"messages": [...]}."""
     kind = request.WhichOneof("prompt")
     return json_format.MessageToDict(request, preserving_proto_field_name=True).get(kind) if kind else None
-
-
-def _status_of(error: BaseException) -> _Refused:
-    if isinstance(error, RequestRejected):
-        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-    if isinstance(error, ServerShuttingDown):
-        return _Refused(grpc.StatusCode.UNAVAILABLE, str(error))
-    return _Refused(grpc.StatusCode.INTERNAL, f"request failed: {error}")
 
 
 def _model_info(engine, tool_parser) -> pb.GetModelInfoResponse:

@@ -12,7 +12,9 @@ transports, one event loop, one shutdown).
     schema.py     the OpenAPI schema from those models   docs.py   /openapi.json, /docs (Swagger UI)
     inputs.py     body -> prompt ids + SamplingParams (response_format / guided_* -> StructuredOutput),
                   by sampling_table.py (request field -> SamplingParams field)
-    outputs.py    RequestOutput -> responses, chunks
+    prompts.py    a completion's prompt (text, ids, or lists of either) -> token ids per prompt
+    messages.py   chat messages (+ tools, template kwargs) -> the chat template's token ids
+    outputs.py    RequestOutput -> responses, chunks    tools.py  tool calls, reasoning in OpenAI's shapes
     sse.py        `data: ...` events, disconnect-aware streaming response
     generation.py one request's engine requests     admission.py in-flight limit + per-key rate limits
     auth.py       API keys (sha256, constant time)  middleware.py  the Gate

@@ -2,8 +2,11 @@
 
 Plain functions, no I/O (tokenizing runs on a worker thread). Every user error is a 400 APIError
 naming the request's own field (`max_completion_tokens`, `top_logprobs`, `prompt[1]`), even when
-the check is SamplingParams' or serving.model_limits', which name the engine's fields. Chat messages become
-the prompt in messages.py.
+the check is SamplingParams' or serving.model_limits', which name the engine's fields.
+
+    completions: prompt -> prompts.py (token ids per prompt); chat: messages -> messages.py
+    -> request fields -> SamplingParams kwargs (sampling_table.py; response_format / guided_*
+       -> StructuredOutput; tools -> serving.tools) -> check_request per prompt -> EngineInputs
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from serving.errors import RequestError
 from serving.model_limits import ModelLimits, check_request
 from serving.openai.errors import bad_request, named_400
 from serving.openai.messages import render_messages
+from serving.openai.prompts import as_list, completion_prompts
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from serving.openai.sampling_table import SAMPLING_TABLE
 from serving.tools import ToolRequest, sampling_updates, tool_request
@@ -54,7 +58,7 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
         raise bad_request("suffix", "suffix: not supported by this server")
     if req.best_of is not None and req.best_of not in (1, req.n or 1):
         raise bad_request("best_of", f"best_of={req.best_of}: only best_of == n is supported")
-    prompts = _completion_prompts(req.prompt, tokenizer, limits)
+    prompts = completion_prompts(req.prompt, tokenizer, limits)
     names = {"logprobs": "logprobs", "max_tokens": "max_tokens", "structured_output": _structured_field(req)}
     kwargs = _sampling_kwargs(req, limits, logprobs=req.logprobs)
     echo_top = req.logprobs if req.echo and _is_count(req.logprobs) else None
@@ -80,7 +84,7 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
             raise bad_request("echo", "echo: this model has no tokenizer to write the prompt as text")
         echo = [
             p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
-            for p, ids in zip(_as_list(req.prompt), prompts)
+            for p, ids in zip(as_list(req.prompt), prompts)
         ]
     return EngineInputs(
         requests, params, echo, echo_top=echo_top, prompt_logprobs_field=req.prompt_logprobs is not None
@@ -234,72 +238,6 @@ def _renamed(message: str, names: dict[str, str]):
     return bad_request(ours, ours + rest if rest[:1] in ("=", "[", ":", "/") else f"{ours}: {message}")
 
 
-def _as_list(prompt) -> list:
-    """The prompts of a completion request: one unless it is a list of strings or of id lists."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return prompt
-    return [prompt]
-
-
 def _is_count(value) -> bool:
     """An int that is not a bool (anything else is left for SamplingParams to name)."""
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _token_ids(value, field: str) -> list[int] | None:
-    """A non-empty list of numbers as token ids, None for any other value. Integral numbers
-    written as floats (272.0) are ids, as in vLLM's API (JSON Schema's integer); any other number
-    is a 400 naming the element (`prompt[3]: 272.5 is not an integer token id`)."""
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in value)
-    ):
-        return None
-    for j, t in enumerate(value):
-        if isinstance(t, float) and not t.is_integer():
-            raise bad_request(field, f"{field}[{j}]: {t!r} is not an integer token id")
-    return [int(t) for t in value]
-
-
-def _prompt_shapes(prompt) -> list[str | list[int]]:
-    """The prompts of a completion request: a string, token ids, or a non-empty list of either."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if (ids := _token_ids(prompt, "prompt")) is not None:
-        return [ids]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        lists = [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-        if all(ids is not None for ids in lists):
-            return lists
-    raise bad_request(
-        "prompt",
-        "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists (none empty)",
-    )
-
-
-def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[list[int]]:
-    """Each prompt as token ids. Text is tokenized as /tokenize does it; an empty string is a
-    prompt when the tokenizer gives it a token (BOS), and refused when it gives none, as vLLM
-    refuses a prompt of no tokens: generation has nothing to start from."""
-    prompts = _prompt_shapes(prompt)
-    if len(prompts) > limits.max_n:
-        raise bad_request("prompt", f"prompt: {len(prompts)} prompts in one request; at most {limits.max_n}")
-    out = []
-    for i, p in enumerate(prompts):
-        field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise bad_request(field, f"{field}: this model has no tokenizer; send token ids")
-            ids = tokenizer.encode(p)
-            if not ids:
-                raise bad_request(field, f"{field}: the prompt has no tokens; a completion needs at least one")
-        else:
-            ids = p
-            bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-            if bad:
-                raise bad_request(field, f"{field}: token ids out of range [0, {limits.vocab_size}): {bad[:5]}")
-        out.append(ids)
-    return out
