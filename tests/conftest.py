@@ -16,7 +16,7 @@ from testpaths import FIXTURES, TESTS, sentencepiece_model_path, smollm2_gguf_pa
 from xla_env import apply_suite_flags, share_compilation_cache  # noqa: E402
 
 apply_suite_flags()
-_RUN_CACHE = share_compilation_cache()  # made here: removed when the run ends
+_RUN_CACHE = share_compilation_cache()  # made here; a fresh one is removed when the run ends
 
 
 def pytest_addoption(parser):

@@ -42,19 +42,33 @@ def apply_suite_flags() -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 
+# The suite's compilation cache, kept between runs (apart from the engine's own ~/.cache/jaxinfer/xla),
+# and the most it may hold: JAX evicts the least recently used programs past it.
+SUITE_CACHE = Path("~/.cache/jaxinfer/test-xla").expanduser()
+SUITE_CACHE_BYTES = 4 << 30
+FRESH_CACHE_VAR = "JAXINFER_TEST_FRESH_CACHE"
+
+
 def share_compilation_cache() -> str | None:
-    """One persistent compilation cache for the whole run: every engine the tests build with the
+    """One persistent compilation cache for the run: every engine the tests build with the
     default compilation_cache_dir ("auto"), in the xdist workers and in the processes tests
     start (servers, CLI runs), reads and writes this directory, so a step compiled once is read
-    back everywhere else, and nothing lands in ~/.cache. The process that makes it (pytest's
-    controller, whose environment the workers inherit) returns it, to remove at the end; a
-    directory already set is used and kept (to keep compiles between local runs)."""
+    back everywhere else. It is kept between runs: a machine that ran the suite before reads back
+    every program whose code did not change (JAX keys each by its HLO, compile options, XLA flags
+    and jax version); a clean machine compiles them all. Returns the directory to remove when the
+    run ends, if any: with JAXINFER_TEST_FRESH_CACHE=1 the run gets one of its own, as a clean
+    machine would. A directory already set is used as it is."""
     from jaxinfer.config.compile import CACHE_DIR_VAR
 
     if os.environ.get(CACHE_DIR_VAR):
         return None
-    os.environ[CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="jaxinfer-test-xla-")
-    return os.environ[CACHE_DIR_VAR]
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(SUITE_CACHE_BYTES))
+    if os.environ.get(FRESH_CACHE_VAR) == "1":
+        os.environ[CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="jaxinfer-test-xla-")
+        return os.environ[CACHE_DIR_VAR]
+    SUITE_CACHE.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_DIR_VAR] = str(SUITE_CACHE)
+    return None
 
 
 # libtpu for compiling TPU programs on this machine (tools/install.sh --test), off the venv's path.
