@@ -62,13 +62,18 @@ def share_compilation_cache() -> str | None:
 
     if os.environ.get(CACHE_DIR_VAR):
         return None
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(SUITE_CACHE_BYTES))
-    if os.environ.get(FRESH_CACHE_VAR) == "1":
+    fresh = os.environ.get(FRESH_CACHE_VAR) == "1"
+    if fresh:
         os.environ[CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="jaxinfer-test-xla-")
-        return os.environ[CACHE_DIR_VAR]
-    SUITE_CACHE.mkdir(parents=True, exist_ok=True)
-    os.environ[CACHE_DIR_VAR] = str(SUITE_CACHE)
-    return None
+    else:
+        SUITE_CACHE.mkdir(parents=True, exist_ok=True)
+        os.environ[CACHE_DIR_VAR] = str(SUITE_CACHE)
+    # Every process of the run, not only those that build engines, compiles through it (the
+    # kernel tests' programs too), as an engine would: programs that took 0.5 s and more.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[CACHE_DIR_VAR])
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(SUITE_CACHE_BYTES))
+    return os.environ[CACHE_DIR_VAR] if fresh else None
 
 
 # libtpu for compiling TPU programs on this machine (tools/install.sh --test), off the venv's path.
