@@ -51,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from pallas_kernels import common, gpu, gpu_config, gpu_tuned, tpu, tpu_config  # noqa: E402
+from pallas_kernels import common, gpu, gpu_config, gpu_tuned, tpu, tpu_blocks  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -196,7 +196,7 @@ def _ours(model, smoke, config=None, kernel="gpu"):
 def _one_call_config(batch: Batch, model: Model) -> tpu.TpuConfig:
     """The TPU kernel's single ragged call over the whole batch, as before the path split."""
     q, _, _, cache, _, page_indices, _, _ = batch.args
-    return tpu_config.default_config(
+    return tpu_blocks.default_config(
         q.shape[0],
         page_indices.shape[0],
         model.q_heads // model.kv_heads,

@@ -58,7 +58,7 @@ from jaxinfer.worker.step_variants import (
     step_jits,
 )
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
-from pallas_kernels.tpu_config import target_chip  # noqa: E402
+from pallas_kernels.tpu_blocks import target_chip  # noqa: E402
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, leaf_name, make_mesh, param_structs  # noqa: E402
 
 

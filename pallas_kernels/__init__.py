@@ -4,6 +4,14 @@
 reference (the CPU path and the oracle, reference.py), the Pallas GPU kernel (Triton lowering,
 gpu.py) or the Pallas TPU kernel (Mosaic, tpu.py); "auto" chooses by backend and falls back to the
 reference, with one logged warning per cause, for shapes a kernel cannot take (dispatch.py).
+
+The GPU kernel: gpu.py (the entry, its inputs and pallas_call, the decode split), gpu_kernel.py
+(the kernel body and the call's BlockSpecs), gpu_work.py (the work list around the call),
+gpu_config.py and gpu_tuned.py (block sizes; measured ones). The TPU kernels: tpu.py (the entry
+and its three paths), tpu_decode.py and tpu_ragged.py (the kernels), tpu_layout.py and
+tpu_rows.py (their operands' layouts), tpu_config.py (the configs and what the kernels take),
+tpu_blocks.py (a batch shape's blocks, fitted to the chip's VMEM). Shared: common.py (checks and
+the online softmax), kv_layout.py (the cache's layout in device memory).
 """
 
 from __future__ import annotations

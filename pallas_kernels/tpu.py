@@ -20,7 +20,8 @@ steps past a path's real blocks do no work but move their q and out blocks (a pa
 visits each block once: a spare block shared by the idle steps would be revisited). The outputs
 are gathered back into token order; padding tokens get zeros.
 
-A `TpuConfig` instead of paths runs the ragged kernel once over the whole batch.
+A `TpuConfig` instead of paths runs the ragged kernel once over the whole batch. The default
+blocks come from tpu_blocks.py, fitted to the target chip's VMEM.
 """
 
 from __future__ import annotations
@@ -36,14 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common, tpu_decode, tpu_layout, tpu_ragged
 from pallas_kernels.reference import stored_kv
-from pallas_kernels.tpu_config import (
-    DecodeConfig,
-    TpuConfig,
-    TpuPaths,
-    check_config,
-    default_paths,
-    unsupported_reason,
-)
+from pallas_kernels.tpu_blocks import default_paths
+from pallas_kernels.tpu_config import DecodeConfig, TpuConfig, TpuPaths, check_config, unsupported_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +158,55 @@ def _three_paths(batch: _Batch, paths: TpuPaths, **opts: object) -> tuple[jax.Ar
     return _rows(jnp.concatenate([out_d, out_m, out_p]), index), kv_cache
 
 
+def _checked_config(
+    config: TpuPaths | TpuConfig | None, q: jax.Array, kv_cache: jax.Array, page_indices: jax.Array
+) -> TpuPaths | TpuConfig:
+    """`config`, or `default_paths`' for these shapes; raises UnsupportedShape unless it tiles."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2] // 2
+    num_seqs_max, pages_per_seq = page_indices.shape
+    if config is None:
+        config = default_paths(
+            num_tokens,
+            num_seqs_max,
+            num_q_heads // num_kv_heads,
+            num_kv_heads,
+            page_size,
+            pages_per_seq,
+            head_dim,
+            q.dtype,
+            kv_cache.dtype,
+        )
+    check_config(config)
+    return config
+
+
+def _batch(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+) -> _Batch:
+    """The call's operands as the kernels take them, in the batch's own order."""
+    return _Batch(
+        q=q,
+        source=jnp.arange(q.shape[0], dtype=jnp.int32),
+        stored=stored_kv(k, v, kv_cache.dtype, k_scale, v_scale),
+        kv_cache=kv_cache,
+        kv_lens=kv_lens.astype(jnp.int32),
+        pages=page_indices.reshape(-1).astype(jnp.int32),
+        cu_q_lens=cu_q_lens.astype(jnp.int32),
+        num_seqs=common.scalar_num_seqs(num_seqs),
+        scales=common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1),
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
 def ragged_paged_attention_tpu(
     q: jax.Array,
@@ -204,35 +248,10 @@ def ragged_paged_attention_tpu(
         sliding_window,
         soft_cap,
     )
-    num_tokens, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2] // 2
-    num_seqs_max, pages_per_seq = page_indices.shape
-    if config is None:
-        config = default_paths(
-            num_tokens,
-            num_seqs_max,
-            num_q_heads // num_kv_heads,
-            num_kv_heads,
-            page_size,
-            pages_per_seq,
-            head_dim,
-            q.dtype,
-            kv_cache.dtype,
-        )
-    check_config(config)
-    batch = _Batch(
-        q=q,
-        source=jnp.arange(num_tokens, dtype=jnp.int32),
-        stored=stored_kv(k, v, kv_cache.dtype, k_scale, v_scale),
-        kv_cache=kv_cache,
-        kv_lens=kv_lens.astype(jnp.int32),
-        pages=page_indices.reshape(-1).astype(jnp.int32),
-        cu_q_lens=cu_q_lens.astype(jnp.int32),
-        num_seqs=common.scalar_num_seqs(num_seqs),
-        scales=common.kv_scales(kv_cache, k_scale, v_scale).reshape(-1),
-    )
+    config = _checked_config(config, q, kv_cache, page_indices)
+    batch = _batch(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
     opts = dict(
-        pages_per_seq=pages_per_seq,
+        pages_per_seq=page_indices.shape[1],
         interpret=interpret,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,

@@ -18,7 +18,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 MAX_FILE_LINES = 300
 MAX_FUNCTION_LINES = 60
 KERNEL_BODIES = {
-    ("pallas_kernels/gpu.py", "_attention_kernel"),
+    ("pallas_kernels/gpu_kernel.py", "attention_kernel"),
     ("pallas_kernels/tpu_ragged.py", "_attention_kernel"),
     ("pallas_kernels/tpu_decode.py", "_decode_kernel"),
 }

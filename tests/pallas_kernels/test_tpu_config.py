@@ -1,4 +1,5 @@
-"""The TPU kernel's block sizes fit the target chip's VMEM (pallas_kernels/tpu_config.py)."""
+"""The TPU kernel's block sizes fit the target chip's VMEM (pallas_kernels/tpu_blocks.py), and what the
+kernels take (pallas_kernels/tpu_config.py)."""
 
 import math
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+from pallas_kernels import tpu_blocks as tb
 from pallas_kernels import tpu_config as tc
 
 CHIPS = ["v4", "v5e", "v5p", "v6e", "7x"]
@@ -28,18 +30,18 @@ SHAPES = [
 @pytest.mark.parametrize("dtype,cache_dtype", DTYPES, ids=["bf16", "f32", "int8kv"])
 def test_every_default_config_fits_the_chip(chip, head_dim, dtype, cache_dtype):
     """The single ragged call's blocks, and each of the three paths' (separate kernels) alone."""
-    capacity = tc.vmem_capacity(chip)
+    capacity = tb.vmem_capacity(chip)
     for tokens, seqs, group, kv_heads, page_size, pages_per_seq in SHAPES:
         shape = (tokens, seqs, group, kv_heads, page_size, pages_per_seq, head_dim, dtype, cache_dtype)
-        paths = tc.default_paths(*shape, chip=chip)
+        paths = tb.default_paths(*shape, chip=chip)
         tc.check_config(paths)
         assert paths.mixed.block_q == 16 and paths.prefill.block_q >= 16
-        for config in (tc.default_config(*shape, chip=chip), paths.decode, paths.mixed, paths.prefill):
+        for config in (tb.default_config(*shape, chip=chip), paths.decode, paths.mixed, paths.prefill):
             tc.check_config(config)
-            need = tc.vmem_bytes(config, group, kv_heads, page_size, head_dim, dtype, cache_dtype)
+            need = tb.vmem_bytes(config, group, kv_heads, page_size, head_dim, dtype, cache_dtype)
             assert need <= capacity * 3 // 8, (config, need)
             if config.vmem_limit_bytes is None:  # Mosaic's default limit holds it twice over
-                assert 2 * need <= tc.DEFAULT_SCOPED_VMEM, (config, need)
+                assert 2 * need <= tb.DEFAULT_SCOPED_VMEM, (config, need)
             else:
                 assert 2 * need <= config.vmem_limit_bytes <= capacity * 3 // 4, (config, need)
 
@@ -47,26 +49,26 @@ def test_every_default_config_fits_the_chip(chip, head_dim, dtype, cache_dtype):
 def test_decode_blocks_take_long_kv_steps_and_shrink_to_fit():
     """bf16, 8 KV heads of 128: a decode step takes 2048 positions (128 pages of 16) where
     VMEM allows; with 16 KV heads of 256 in float32 on v4 it takes fewer, then fewer sequences."""
-    roomy = tc.default_paths(256, 256, 4, 8, 16, 256, 128, jnp.bfloat16, chip="v6e").decode
+    roomy = tb.default_paths(256, 256, 4, 8, 16, 256, 128, jnp.bfloat16, chip="v6e").decode
     assert (roomy.seqs_per_block, roomy.pages_per_block) == (8, 128)
-    tight = tc.default_paths(256, 256, 4, 16, 16, 256, 256, jnp.float32, chip="v4").decode
+    tight = tb.default_paths(256, 256, 4, 16, 16, 256, 256, jnp.float32, chip="v4").decode
     assert tight.pages_per_block < 128
-    assert tc.vmem_bytes(tight, 4, 16, 16, 256, jnp.float32, jnp.float32) <= tc.vmem_capacity("v4") * 3 // 8
-    one_seq = tc.default_paths(1, 1, 4, 8, 16, 256, 128, jnp.bfloat16, chip="v6e").decode
+    assert tb.vmem_bytes(tight, 4, 16, 16, 256, jnp.float32, jnp.float32) <= tb.vmem_capacity("v4") * 3 // 8
+    one_seq = tb.default_paths(1, 1, 4, 8, 16, 256, 128, jnp.bfloat16, chip="v6e").decode
     assert one_seq.seqs_per_block == 1  # never more sequences per step than the batch holds
 
 
 def test_vmem_bytes_counts_whole_sublane_tiles():
     """One bf16 KV head: [N, 2, D] key buffers take 16 rows per key in VMEM, not 2."""
     config = tc.TpuConfig(block_q=16, pages_per_block=4)
-    one = tc.vmem_bytes(config, 4, 1, 16, 128, jnp.bfloat16, jnp.bfloat16)
-    eight = tc.vmem_bytes(config, 4, 8, 16, 128, jnp.bfloat16, jnp.bfloat16)
+    one = tb.vmem_bytes(config, 4, 1, 16, 128, jnp.bfloat16, jnp.bfloat16)
+    eight = tb.vmem_bytes(config, 4, 8, 16, 128, jnp.bfloat16, jnp.bfloat16)
     buffers = tc.KV_SCRATCH_BUFFERS * 2 * 64 * 16 * 128 * 2  # padded rows: the same for 1..8 heads
     assert one >= buffers and eight - one == 7 * (2 * 2 * 64 * 128 * 2 + 64 * (128 + 256) * 4)
 
 
 def test_capacities_come_from_jax_table():
-    mib = {chip: tc.vmem_capacity(chip) >> 20 for chip in CHIPS}
+    mib = {chip: tb.vmem_capacity(chip) >> 20 for chip in CHIPS}
     assert mib == {"v4": 16, "v5e": 128, "v5p": 64, "v6e": 128, "7x": 64}
 
 
@@ -74,12 +76,12 @@ def test_a_config_too_big_for_the_chip_shrinks_kv_step_first():
     """f32, head_dim 256, 16 query heads per KV head, one KV head: the shape's blocks need ~10
     MiB, over 3/8 of v4's 16 MiB; the KV step halves until they fit, and the query block stays."""
     args = dict(group=16, num_kv_heads=1, page_size=16, head_dim=256, dtype=jnp.float32, cache_dtype=jnp.float32)
-    shaped = tc._shape_config(2048, 4, 16, 16, 256)
-    assert tc.vmem_bytes(shaped, **args) > tc.vmem_capacity("v4") * 3 // 8
-    fitted = tc.default_config(2048, 4, 16, 1, 16, 256, 256, jnp.float32, chip="v4")
+    shaped = tb._shape_config(2048, 4, 16, 16, 256)
+    assert tb.vmem_bytes(shaped, **args) > tb.vmem_capacity("v4") * 3 // 8
+    fitted = tb.default_config(2048, 4, 16, 1, 16, 256, 256, jnp.float32, chip="v4")
     assert fitted.block_q == shaped.block_q and fitted.pages_per_block < shaped.pages_per_block
-    assert tc.vmem_bytes(fitted, **args) <= tc.vmem_capacity("v4") * 3 // 8
-    on_v6e = tc.default_config(2048, 4, 16, 1, 16, 256, 256, jnp.float32, chip="v6e")
+    assert tb.vmem_bytes(fitted, **args) <= tb.vmem_capacity("v4") * 3 // 8
+    on_v6e = tb.default_config(2048, 4, 16, 1, 16, 256, 256, jnp.float32, chip="v6e")
     assert on_v6e.pages_per_block == shaped.pages_per_block and on_v6e.vmem_limit_bytes is not None
 
 
@@ -90,11 +92,11 @@ def test_vmem_bytes_counts_the_kernels_scratch():
     assert tc.KV_SCRATCH_BUFFERS * math.prod(tc.kv_scratch_shape(config, 16, kv_heads, 128)) * 2 == scratch
     blocks = 2 * 2 * kv_heads * (8 * 32) * 128 * 2  # q and out [Hkv, M, D], double-buffered
     state = kv_heads * (8 * 32) * (128 + 2 * 128) * 4  # acc, and m and l padded to 128 lanes
-    assert tc.vmem_bytes(config, 8, kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16) > scratch + blocks + state
+    assert tb.vmem_bytes(config, 8, kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16) > scratch + blocks + state
     # Every kv head's blocks live at once: the need grows with the head count.
     assert (
-        tc.vmem_bytes(config, 8, 2 * kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16)
-        > tc.vmem_bytes(config, 8, kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16) + scratch + blocks
+        tb.vmem_bytes(config, 8, 2 * kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16)
+        > tb.vmem_bytes(config, 8, kv_heads, 16, 128, jnp.bfloat16, jnp.bfloat16) + scratch + blocks
     )
 
 
@@ -109,9 +111,9 @@ def test_the_target_chip_is_the_abstract_meshs_when_lowering_from_elsewhere(kind
         abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"),
     )
     with jax.sharding.use_abstract_mesh(mesh):
-        assert tc.target_chip() == chip
+        assert tb.target_chip() == chip
     if jax.default_backend() != "tpu":
-        assert tc.target_chip() == "v5e"
+        assert tb.target_chip() == "v5e"
 
 
 def _table_operands(seqs: int, pages_per_seq: int):
