@@ -7,12 +7,16 @@ before anything is lowered, and hold the online-softmax math both kernels trace.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
+
+# A Pallas memory reference: a kernel's input, output or scratch buffer (indexed, loaded, stored).
+type Ref = Any
 
 # Finite stand-in for -inf in kernels: exp(MASK - MASK) is 1, not NaN, and any real score wipes
 # what a fully masked block added (exp(MASK - real) == 0 exactly in float32).

@@ -10,7 +10,7 @@ warning.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -86,7 +86,9 @@ def ragged_paged_attention(
     args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     common.check_contract(*args, k_scale, v_scale)
     common.check_options(sliding_window, soft_cap)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    kwargs: dict[str, Any] = dict(
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale
+    )
     if chosen == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
     module, _ = _KERNELS[chosen]

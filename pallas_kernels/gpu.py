@@ -34,6 +34,7 @@ sizes and split count live in gpu_config.py.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,10 @@ from pallas_kernels.gpu_config import (
 from pallas_kernels.gpu_work import combine, new_kv, work_list
 from pallas_kernels.reference import write_kv
 
+# _attend's operands: q rows, this step's K and V, kv_cache, the scales, kv_lens, page_indices,
+# cu_q_lens, num_seqs (`_inputs`).
+type Operands = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
 
 def _call_kernel(
     meta: jax.Array,
@@ -67,7 +72,7 @@ def _call_kernel(
     config: GpuConfig,
     group: int,
     interpret: bool,
-    **opts: object,
+    **opts: Any,
 ) -> tuple[jax.Array | tuple[jax.Array, ...], jax.Array]:
     """The pallas_call over grid (W, Hkv, C) -> (out rows [T * Hq, D], or the C partial (acc, m,
     l) in that row layout; kv_cache written). `prev` (a call before over the same batch) is the
@@ -129,7 +134,7 @@ def _attend(
     config: GpuConfig,
     select: jax.Array | None = None,
     num_items: int | None = None,
-    **opts: object,
+    **opts: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """One kernel call over the selected sequences (all if `select` is None) -> (out rows
     [T * Hq, D]: theirs written, the others `prev`'s; kv_cache with their K/V written). A call
@@ -157,14 +162,14 @@ def _attend(
         config=config,
         **opts,
     )
-    if config.num_splits > 1:  # one XLA fusion merges the splits in the row layout
+    if isinstance(out, tuple):  # the splits' partials: one XLA fusion merges them in the row layout
         rows = lambda x: jnp.repeat(x, q_rows.shape[0] // num_tokens)[:, None]  # noqa: E731
         other = 0 if prev is None else jnp.where(rows(real), prev, 0)
         out = jnp.where(rows(mine), combine(*out).astype(q_rows.dtype), other)
     return out, kv_cache
 
 
-def _decode_split(operands: tuple, paths: GpuPaths, **opts: object) -> tuple[jax.Array, jax.Array]:
+def _decode_split(operands: Operands, paths: GpuPaths, **opts: Any) -> tuple[jax.Array, jax.Array]:
     """The sequences with one query token by a call with `paths.decode` (an item each), then the
     others by a call with `paths.rest` over the first call's output buffer."""
     _, k_new, *_, page_indices, cu_q_lens, num_seqs = operands
@@ -205,7 +210,7 @@ def _inputs(
     num_seqs: jax.Array,
     k_scale: jax.Array | None,
     v_scale: jax.Array | None,
-) -> tuple[jax.Array, ...]:
+) -> Operands:
     """`_attend`'s operands: q rows [T * Hq, Dp] and this step's K and V [T, Hkv, Dp] as the
     cache stores them (head_dim padded to Dp, a power of two), kv_cache (this step's K/V written
     by XLA where Dp != D), the scales [Hkv, 2], kv_lens, page_indices, cu_q_lens, num_seqs."""
@@ -262,7 +267,7 @@ def ragged_paged_attention_gpu(
     config = _checked_config(config, q, kv_cache, page_indices)
     num_tokens, num_q_heads, head_dim = q.shape
     operands = _inputs(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
-    opts = dict(
+    opts: dict[str, Any] = dict(
         group=num_q_heads // (kv_cache.shape[2] // 2),
         interpret=interpret,
         sm_scale=float(sm_scale),

@@ -33,33 +33,34 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.common import Ref
 from pallas_kernels.gpu_work import META_WIDTH
 
 
 def attention_kernel(
-    meta_ref,
-    pages_ref,
-    scale_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    cache_ref,
-    *refs,
-    page_size,
-    block_q,
-    block_kv,
-    group,
-    gp,
-    num_q_heads,
-    num_splits,
-    sm_scale,
-    sliding_window,
-    soft_cap,
-    precision,
-    real_dim,
-    fused_write,
-    has_prev,
-):
+    meta_ref: Ref,
+    pages_ref: Ref,
+    scale_ref: Ref,
+    q_ref: Ref,
+    k_ref: Ref,
+    v_ref: Ref,
+    cache_ref: Ref,
+    *refs: Ref,
+    page_size: int,
+    block_q: int,
+    block_kv: int,
+    group: int,
+    gp: int,
+    num_q_heads: int,
+    num_splits: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    precision: lax.Precision | None,
+    real_dim: int,
+    fused_write: bool,
+    has_prev: bool,
+) -> None:
     refs = refs[1:] if has_prev else refs  # the aliased output of the call before: not read
     *o_refs, cache_out = refs if fused_write else (*refs, None)
     rows_m, head_dim = block_q * gp, q_ref.shape[1]  # head_dim padded to a power of two

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
+from jax.typing import DTypeLike
 
 TILED_PLATFORMS = ("tpu",)  # where an array's bytes in memory exceed its element count's
 
@@ -28,14 +29,14 @@ def kv_cache_format(sharding: jax.sharding.Sharding, ndim: int = 4) -> Format:
 
 
 @functools.cache
-def _compiled_bytes(shape: tuple[int, ...], dtype: jnp.dtype, device) -> int:
+def _compiled_bytes(shape: tuple[int, ...], dtype: jnp.dtype, device: jax.Device) -> int:
     zeros = jax.jit(
         lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_format(SingleDeviceSharding(device), len(shape))
     )
     return int(zeros.trace().lower().compile().memory_analysis().output_size_in_bytes)
 
 
-def layout_bytes(shape: tuple[int, ...], dtype, device) -> int:
+def layout_bytes(shape: tuple[int, ...], dtype: DTypeLike, device: jax.Device) -> int:
     """Bytes an array of `shape` takes on `device` in the cache's row-major layout, tile padding
     included: XLA's own count where the platform tiles (zeros of that shape compiled for the
     device, nothing run), the elements' bytes elsewhere."""

@@ -55,15 +55,23 @@ def token_positions(
     return seq, jnp.where(valid, pos, 0), valid
 
 
+def _scale(scale: jax.Array | None) -> jax.Array:
+    """The per-head scales an int8 / fp8 cache is read and written with (common.check_contract
+    refuses such a cache without them)."""
+    if scale is None:
+        raise ValueError("an int8 / fp8 KV cache needs its per-head k_scale and v_scale")
+    return scale
+
+
 def quantize_kv(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
     """x: [T, Hkv, D] float -> dtype, dividing by the per-head scale [Hkv]."""
     y = x.astype(jnp.float32) / scale[None, :, None]
     if jnp.issubdtype(dtype, jnp.integer):
-        info = jnp.iinfo(dtype)
-        y = jnp.clip(jnp.round(y), info.min, info.max)
+        ints = jnp.iinfo(dtype)
+        y = jnp.clip(jnp.round(y), ints.min, ints.max)
     else:
-        info = jnp.finfo(dtype)
-        y = jnp.clip(y, float(info.min), float(info.max))
+        floats = jnp.finfo(dtype)
+        y = jnp.clip(y, float(floats.min), float(floats.max))
     return y.astype(dtype)
 
 
@@ -77,7 +85,7 @@ def stored_k_v(
     """This step's K and V ([T, Hkv, D] each) as the cache stores them: in `cache_dtype`,
     quantized with the per-head scales for an int8/fp8 cache."""
     if is_quantized(cache_dtype):
-        return quantize_kv(k, k_scale, cache_dtype), quantize_kv(v, v_scale, cache_dtype)
+        return quantize_kv(k, _scale(k_scale), cache_dtype), quantize_kv(v, _scale(v_scale), cache_dtype)
     return k.astype(cache_dtype), v.astype(cache_dtype)
 
 
@@ -133,6 +141,7 @@ def _pages_per_block(num_tokens: int, page_size: int, two_hkv: int, d: int, page
 def _stored(x: jax.Array, scale: jax.Array | None, dtype: DTypeLike) -> jax.Array:
     """x [T, K, D] as the cache holds it (rounded to its dtype, or quantized), read back in f32."""
     if is_quantized(dtype):
+        scale = _scale(scale)
         return quantize_kv(x, scale, dtype).astype(jnp.float32) * scale[None, :, None]
     return x.astype(dtype).astype(jnp.float32)
 
@@ -217,7 +226,7 @@ def _attend_context(
 
     def read(idx: jax.Array, scale: jax.Array | None) -> jax.Array:  # [T, K, B] -> [T, K, B, D] f32
         x = rows[idx].astype(jnp.float32)
-        return x * scale.astype(jnp.float32)[None, :, None, None] if quantized else x
+        return x * _scale(scale).astype(jnp.float32)[None, :, None, None] if quantized else x
 
     def body(j: jax.Array, carry: SoftmaxCarry) -> SoftmaxCarry:
         pages = jax.lax.dynamic_slice_in_dim(token_pages, j * ppb, ppb, axis=1)  # [T, ppb]

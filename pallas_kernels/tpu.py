@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,7 @@ def _rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])[index]
 
 
-def _decode_path(batch: _Batch, config: DecodeConfig, count: jax.Array, **opts: object) -> tuple[jax.Array, jax.Array]:
+def _decode_path(batch: _Batch, config: DecodeConfig, count: jax.Array, **opts: Any) -> tuple[jax.Array, jax.Array]:
     """The decode sequences (the batch's first `count`, one token each) -> (out rows
     [nb * B, Hq, D] in the batch's token order, kv_cache)."""
     num_tokens, num_q_heads, head_dim = batch.q.shape
@@ -87,7 +88,7 @@ def _decode_path(batch: _Batch, config: DecodeConfig, count: jax.Array, **opts: 
 
 
 def _ragged_path(
-    batch: _Batch, config: TpuConfig, start: jax.Array, end: jax.Array, max_tokens: int, **opts: object
+    batch: _Batch, config: TpuConfig, start: jax.Array, end: jax.Array, max_tokens: int, **opts: Any
 ) -> tuple[jax.Array, jax.Array]:
     """The batch's tokens [start, end) by the ragged kernel -> (out rows [nqb * bq, Hq, D] for
     tokens start.., kv_cache)."""
@@ -110,7 +111,7 @@ def _ragged_path(
     return tpu_layout.token_rows(out, num_blocks * bq, num_q_heads // batch.num_kv_heads), kv_cache
 
 
-def _one_call(batch: _Batch, config: TpuConfig, **opts: object) -> tuple[jax.Array, jax.Array]:
+def _one_call(batch: _Batch, config: TpuConfig, **opts: Any) -> tuple[jax.Array, jax.Array]:
     """The whole batch in its own order by one ragged kernel."""
     num_tokens = batch.q.shape[0]
     end = batch.cu_q_lens[common.scalar_num_seqs(batch.num_seqs)[0]]
@@ -118,7 +119,7 @@ def _one_call(batch: _Batch, config: TpuConfig, **opts: object) -> tuple[jax.Arr
     return out[:num_tokens], kv_cache
 
 
-def _three_paths(batch: _Batch, paths: TpuPaths, **opts: object) -> tuple[jax.Array, jax.Array]:
+def _three_paths(batch: _Batch, paths: TpuPaths, **opts: Any) -> tuple[jax.Array, jax.Array]:
     """Decode, mixed and prefill sequences each by their kernel, over the batch ordered by path."""
     num_tokens = batch.q.shape[0]
     num_seqs_max = batch.kv_lens.shape[0]

@@ -175,8 +175,8 @@ def vmem_bytes(
     return blocks + scratch + state + temporaries
 
 
-def fit_vmem(
-    config: TpuConfig | DecodeConfig,
+def fit_vmem[C: (TpuConfig, DecodeConfig)](
+    config: C,
     group: int,
     num_kv_heads: int,
     page_size: int,
@@ -184,7 +184,7 @@ def fit_vmem(
     dtype: DTypeLike,
     cache_dtype: DTypeLike,
     capacity: int,
-) -> TpuConfig | DecodeConfig:
+) -> C:
     """`config` shrunk (KV step, then query block or sequences per step) until it needs at most
     3/8 of `capacity`, asking for a scoped limit of twice its need (within 3/4 of `capacity`)
     past the default."""

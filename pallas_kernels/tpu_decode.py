@@ -85,7 +85,7 @@ def _decode_kernel(
             p0 = blk * block_kv + j * page_size
 
             @pl.when(p0 < ctx)
-            def _():
+            def _copy_page():
                 src = cache_hbm.at[pl.ds(slot_of(seq, p0), page_size)]
                 dst = kv_buf.at[slot, pl.ds(j * page_size, page_size)]
                 getattr(pltpu.make_async_copy(src, dst, sems.at[slot]), action)()
@@ -96,7 +96,7 @@ def _decode_kernel(
         seq, ctx, lo, hi = blocks(i)
 
         @pl.when((i < count) & (lo < hi))
-        def _():
+        def _start():
             copies(seq, ctx, lo, slot, "start")
 
     def own_token(i, h, q):
@@ -138,11 +138,11 @@ def _decode_kernel(
             copies(seq, ctx, blk, slot, "wait")
 
             @pl.when(blk + 1 < hi)
-            def _():
+            def _start_next():
                 copies(seq, ctx, blk + 1, 1 - slot, "start")
 
             @pl.when(blk + 1 == hi)
-            def _():
+            def _start_next_sequence():
                 start_first(i + 1, 1 - slot)
 
             return step + 1, attend(i, ctx, blk, slot, state)
@@ -150,7 +150,7 @@ def _decode_kernel(
         step, state = lax.fori_loop(lo, hi, kv_step, (step, state))
 
         @pl.when(lo >= hi)  # nothing cached: the next sequence's first step is not started yet
-        def _():
+        def _start_next_sequence_now():
             start_first(i + 1, lax.rem(step, 2))
 
         for h, (_, l, acc) in enumerate(state):

@@ -4,6 +4,8 @@ block touches (tpu_ragged.py, steps 2 and 5); the batch's sequences ordered by p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -87,7 +89,7 @@ def token_maps(
 
 
 def call_in_place(
-    kernel,
+    kernel: Callable[..., None],
     grid_spec: pltpu.PrefetchScalarGridSpec,
     name: str,
     scalars: tuple[jax.Array, ...],

@@ -121,12 +121,12 @@ def _attention_kernel(
             dst = pl.ds(i * page_size, page_size)
 
             @pl.when(p0 < ctx_len)
-            def _():
+            def _copy_cached():
                 src = pl.ds(slot_of(seq, p0), page_size)
                 getattr(pltpu.make_async_copy(cache_hbm.at[src], cached_buf.at[slot, dst], sems.at[slot]), action)()
 
             @pl.when((p0 + page_size > ctx_len) & (p0 < kv_end))
-            def _():  # new rows carry page_size rows of padding in front: index >= 0
+            def _copy_new():  # new rows carry page_size rows of padding in front: index >= 0
                 src = pl.ds(page_size + p0 - delta, page_size)
                 getattr(pltpu.make_async_copy(new_hbm.at[src], new_buf.at[slot, dst], sems.at[slot]), action)()
 
@@ -181,11 +181,11 @@ def _attention_kernel(
         copies = functools.partial(block_copies, seq, ctx_len=ctx_len, kv_end=kv_end, delta=delta)
 
         @pl.when(live)
-        def _():
+        def _write_new():
             write_new_kv(seq, lo, hi, delta)
 
         @pl.when(blk_lo < blk_hi)
-        def _():
+        def _start_first():
             copies(blk_lo, 0, action="start")
 
         def kv_step(blk, _):
@@ -193,7 +193,7 @@ def _attention_kernel(
             copies(blk, slot, action="wait")
 
             @pl.when(blk + 1 < blk_hi)
-            def _():
+            def _start_next():
                 copies(blk + 1, 1 - slot, action="start")
 
             attend_block(blk, slot, ctx_len, kv_end, row_pos, in_seq)

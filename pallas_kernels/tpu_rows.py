@@ -18,17 +18,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
+
+from pallas_kernels.common import Ref
 
 _LANES = 128
 _SUBLANES = 8
 
 
-def packing(dtype) -> int:
+def packing(dtype: DTypeLike) -> int:
     """Rows of `dtype` in one 32-bit word."""
     return 4 // jnp.dtype(dtype).itemsize
 
 
-def strided(rows: int, head_dim: int, dtype) -> bool:
+def strided(rows: int, head_dim: int, dtype: DTypeLike) -> bool:
     """Whether `head_kv` reads a buffer of `rows` (2Hkv) rows of `dtype` by strided loads: the
     rows fill whole words (one-byte caches need an even number of kv heads); Mosaic folds the
     buffer's [N, rows] axes into one only where `rows` fills its 8-row tiles or divides one
@@ -37,7 +40,7 @@ def strided(rows: int, head_dim: int, dtype) -> bool:
     return rows % packing(dtype) == 0 and (rows % _SUBLANES == 0 or _SUBLANES % rows == 0) and head_dim <= _LANES
 
 
-def interpreted(interpret) -> bool:
+def interpreted(interpret: object) -> bool:
     """Whether a pallas_call given `interpret` runs in the TPU interpreter: by the argument, or
     under an enclosing `pltpu.force_tpu_interpret_mode`."""
     if interpret:
@@ -49,7 +52,9 @@ def interpreted(interpret) -> bool:
     )
 
 
-def head_kv(buf, slot, h: int, dtype, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def head_kv(
+    buf: Ref, slot: int | jax.Array, h: int, dtype: DTypeLike, *, interpret: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """buf: a VMEM ref [slots, N, 2Hkv, D] -> (K, V) of kv head `h`, [N, D] each, as `dtype`.
 
     `interpret`: the TPU interpreter takes refs indexed only, not reshaped or bitcast; there
