@@ -48,8 +48,8 @@ def test_mesh_needing_more_devices_than_exist():
 
 
 def test_engine_config_mesh_is_validated_and_normalised():
-    assert EngineConfig(mesh="tensor=2").mesh == "data=1,sequence=1,expert=1,tensor=2"
-    assert EngineConfig(mesh={"data": 2}).mesh == "data=2,sequence=1,expert=1,tensor=1"
+    assert EngineConfig(mesh="tensor=2").parallel.mesh == "data=1,sequence=1,expert=1,tensor=2"
+    assert EngineConfig(mesh={"data": 2}).parallel.mesh == "data=2,sequence=1,expert=1,tensor=1"
     with pytest.raises(ValueError, match="unknown axis"):
         EngineConfig(mesh="pipeline=2")
 
