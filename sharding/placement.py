@@ -34,7 +34,8 @@ from sharding.weight_layout import weight_format
 class FieldSpec(Protocol):
     """What the placer reads of the loader's tensor spec: the parameter field it fills."""
 
-    field: str
+    @property
+    def field(self) -> str: ...
 
 
 class Placer(Protocol):

@@ -8,6 +8,8 @@ structure of committed device arrays and runs the same compiled variant. Plain a
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -32,12 +34,13 @@ class DeviceDefaults:
         if sampling is None:
             return None
         if self.home is not None:
-            sampling = sampling.replace(
+            sampling = dataclasses.replace(
+                sampling,
                 **{
                     name: jax.device_put(x, self.home)
                     for name in UNSENT_DEFAULTS
                     if (x := getattr(sampling, name)) is not None
-                }
+                },
             )
         return fill_defaults(sampling, self.vocab_size, self._full)
 

@@ -27,6 +27,7 @@ replica fills its row) and the step is vmapped over it, so all replicas run in o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -39,9 +40,10 @@ from jaxinfer.sampling.arrays import fill_defaults
 from jaxinfer.sampling.device_defaults import DeviceDefaults
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.worker.device_state import DeviceState
-from jaxinfer.worker.inputs import InputBuilder, StepInputs
+from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.launcher import Launcher, dispatch_thread_enabled, landed
 from jaxinfer.worker.page_table import DevicePageTable
+from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import (
     as_greedy,
     decode_sized_buckets,
@@ -162,7 +164,7 @@ class CompiledStep:
         """Sets the page-table entries the (placed) inputs carry; the inputs without them."""
         if inputs.table is not None:
             self.page_table.apply(inputs.table)
-        return inputs.replace(table=None)
+        return dataclasses.replace(inputs, table=None)
 
     def dispatch_forward(self, inputs: StepInputs) -> jax.Array | Future:
         """The first half of a split step (a bucket in `split_buckets`): the forward, K/V
@@ -177,7 +179,7 @@ class CompiledStep:
                 )
             return hidden
 
-        return self.launcher.submit(launch, self._placed(inputs.replace(sampling=None)))
+        return self.launcher.submit(launch, self._placed(dataclasses.replace(inputs, sampling=None)))
 
     def dispatch_sample(self, hidden: jax.Array | Future, inputs: StepInputs) -> SamplerOutput | Future:
         """The second half: LM head and sampling with `inputs.sampling` as it is now (its
@@ -221,13 +223,13 @@ class CompiledStep:
         sampling defaults that were not sent filled on the device."""
         if self.mesh is not None:
             inputs = put_inputs(inputs, input_shardings(self.mesh, inputs, self.num_replicas > 1))
-        return inputs.replace(sampling=self._defaults.fill(inputs.sampling))
+        return dataclasses.replace(inputs, sampling=self._defaults.fill(inputs.sampling))
 
     def for_followers(self, inputs: StepInputs) -> tuple:
         """What StepChannel.send sends the other processes: the inputs with every sampling default
         filled (their template has them), then the header: token bucket, penalty history, prompt
         rows, page-table entries."""
-        inputs = inputs.replace(sampling=fill_defaults(inputs.sampling, self.config.vocab_size))
+        inputs = dataclasses.replace(inputs, sampling=fill_defaults(inputs.sampling, self.config.vocab_size))
         return (
             inputs,
             inputs.token_ids.shape[-1],

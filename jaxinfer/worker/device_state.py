@@ -37,7 +37,7 @@ class DeviceState:
         self.model, self.config, self.engine = model, model.config, engine
         self.family = model.family
         self.max_model_len = max_model_len
-        self.page_size: int = engine.cache.page_size  # type: ignore[assignment]  # set by with_page_size
+        self.page_size = engine.cache.chosen_page_size
         self.pages_per_seq = -(-max_model_len // self.page_size)
         self.mesh = make_mesh(engine.parallel.mesh) if engine.parallel.mesh is not None else None
         check_expert_axis(self.mesh, self.config.num_experts)

@@ -13,6 +13,7 @@ input_shardings       where each input array goes on a mesh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -22,8 +23,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxinfer.sampling.arrays import is_plain, unsent_defaults
-from jaxinfer.worker.inputs import InputBuilder, StepInputs
+from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.step import decode_window, forward_part, sample_part, step
+from jaxinfer.worker.step_inputs import StepInputs
 from sharding import DATA, is_multiprocess, replicated_spec, tokens_spec
 
 DEFAULT_DECODE_STEPS = 8
@@ -90,7 +92,8 @@ def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:
     replicated (per data replica with `replicas`); a tree like `inputs`."""
     tokens = NamedSharding(mesh, tokens_spec(mesh, replicas=replicas))
     other = NamedSharding(mesh, replicated_spec(replicas=replicas))
-    return inputs.replace(
+    return dataclasses.replace(
+        inputs,
         token_ids=tokens,
         positions=tokens,
         prev_rows=tokens,
@@ -100,7 +103,7 @@ def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:
         sampling=jax.tree.map(lambda _: other, inputs.sampling),
         spec=jax.tree.map(lambda _: other, inputs.spec),
         table=jax.tree.map(lambda _: other, inputs.table),
-        prompt=None if inputs.prompt is None else inputs.prompt.replace(targets=tokens, num_top=other),
+        prompt=None if inputs.prompt is None else dataclasses.replace(inputs.prompt, targets=tokens, num_top=other),
     )
 
 
@@ -139,14 +142,14 @@ def as_greedy(inputs: StepInputs, num_steps: int, buckets: tuple[int, ...], twin
         or not is_plain(sampling)
     ):
         return inputs
-    return inputs.replace(sampling=sampling.replace(plain=True))
+    return dataclasses.replace(inputs, sampling=dataclasses.replace(sampling, plain=True))
 
 
 def plain_padding(inputs: StepInputs) -> StepInputs:
     """Padding inputs (InputBuilder.padding_inputs) that qualify for the greedy twin: every row
     greedy, the allowed bits and the bias pair unsent, as a plain batch's come from `prepare`."""
-    sampling = inputs.sampling.replace(temperature=np.zeros_like(inputs.sampling.temperature))
-    return inputs.replace(sampling=unsent_defaults(sampling, grammar=False))
+    sampling = dataclasses.replace(inputs.sampling, temperature=np.zeros_like(inputs.sampling.temperature))
+    return dataclasses.replace(inputs, sampling=unsent_defaults(sampling, grammar=False))
 
 
 def decode_steps(setting: int | None, num_replicas: int = 1) -> int:

@@ -29,7 +29,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from jaxinfer.config.compile import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
-from jaxinfer.worker.inputs import StepInputs
+from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import plain_padding
 
 SERIAL_PLATFORMS = ("gpu", "cuda", "rocm")

@@ -31,7 +31,8 @@ from jaxinfer.loader import LoadedModel
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.worker.compiled_step import CompiledStep
 from jaxinfer.worker.device_state import DeviceState
-from jaxinfer.worker.inputs import InputBuilder, StepInputs
+from jaxinfer.worker.inputs import InputBuilder
+from jaxinfer.worker.step_inputs import StepInputs
 from sharding import StepChannel
 from sharding.multihost import SHUTDOWN
 
