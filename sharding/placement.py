@@ -79,7 +79,7 @@ def repeated_shape(shape: tuple[int, ...], axes: tuple[str, ...], layout: HeadLa
     return tuple(out)
 
 
-def put_sharded(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def put_sharded(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array from a host array; each addressable device receives only its slice."""
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 

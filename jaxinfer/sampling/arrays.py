@@ -43,12 +43,12 @@ from typing import Protocol
 import flax.struct
 import jax
 import numpy as np
-from numpy.typing import DTypeLike
 
 from jaxinfer.sampling.params import GREEDY_EPS, MAX_LOGIT_BIAS, LogitBias, SamplingParams
 
 BIAS_DTYPE = np.float16  # SamplingArrays.bias_values (module docstring)
 UNSENT_DEFAULTS = ("allowed", "bias_ids", "bias_values")  # None when every row has the default
+HostOrDevice = np.ndarray | jax.Array  # a batch's arrays: numpy as built, jax.Array where placed
 
 
 class SequenceLike(Protocol):
@@ -186,7 +186,7 @@ def is_plain(arrays: SamplingArrays[np.ndarray]) -> bool:
 def fill_defaults[A: np.ndarray | jax.Array](
     arrays: SamplingArrays[A],
     vocab_size: int | None,
-    full: Callable[[tuple[int, ...], int, DTypeLike], A] = np.full,  # type: ignore[assignment]  # numpy's: A is np.ndarray
+    full: Callable[[tuple[int, ...], int, type[np.generic]], A] = np.full,  # type: ignore[assignment]  # numpy's: A is np.ndarray
 ) -> SamplingArrays[A]:
     """`arrays` with each None default filled, shaped like its rows: allowed all set, no bias.
     `full(shape, value, dtype)` makes them (numpy; the compiled step passes its cached device arrays).

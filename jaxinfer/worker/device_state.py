@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.loader import LoadedModel
-from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
+from jaxinfer.models.registry import KVCaches, ModelParams
+from jaxinfer.quant.kv_cache import is_quantized_kv, resolve_kv_dtype
 from jaxinfer.worker.host_memory import reuse_freed_heap
 from jaxinfer.worker.kv_calibration import calibrated_caches
 from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages, zeroed_caches
@@ -52,7 +53,7 @@ class DeviceState:
         if engine.compile.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
             reuse_freed_heap()
 
-    def _place_params(self, model: LoadedModel):
+    def _place_params(self, model: LoadedModel) -> ModelParams:
         """The parameters as the step computes with them: the family's layout, placed on the mesh,
         fused weights pinned to their matmuls' layout on a TPU. The model is left holding one copy
         of each weight."""
@@ -68,11 +69,11 @@ class DeviceState:
             model.params = params  # relaid on a TPU
         return params
 
-    def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
+    def _allocate_kv_caches(self) -> KVCaches:
         sharding = self.home
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
-        caches = zeroed_caches(
+        pages = zeroed_caches(
             cache_struct(
                 self.num_pages,
                 self.page_size,
@@ -85,10 +86,10 @@ class DeviceState:
             self.config.num_layers,
         )
         if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
-            caches = calibrated_caches(
-                caches, self.model, self.params, self.layout.cache_kv_heads, self.engine.compile.attn_impl, self.mesh
+            return calibrated_caches(
+                pages, self.model, self.params, self.layout.cache_kv_heads, self.engine.compile.attn_impl, self.mesh
             )
-        return caches
+        return pages
 
     @property
     def home(self) -> SingleDeviceSharding | NamedSharding:

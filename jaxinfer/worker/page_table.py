@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxinfer.core.plan import ScheduledSeq
 from jaxinfer.kv import NULL_PAGE
+from jaxinfer.sampling.arrays import HostOrDevice
 
 NULL_ROW = 0
 _WIDTH_STEP = 8  # each update width 8x the one before
@@ -155,9 +156,9 @@ class DevicePageTable:
         self._update = jax.jit(fn, donate_argnums=(0,), out_shardings=sharding)
         self.num_replicas = num_replicas
 
-    def apply(self, updates: PageTableUpdates[jax.Array]) -> None:
+    def apply(self, updates: PageTableUpdates[HostOrDevice]) -> None:
         """Sets the entries (placed like the table's other inputs) before the next step reads it."""
         self.array = self._update(self.array, updates)
 
     def num_compiled(self) -> int:
-        return self._update._cache_size()
+        return self._update._cache_size()  # type: ignore[attr-defined]  # jit's count; not in jax's stubs

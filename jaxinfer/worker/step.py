@@ -34,6 +34,8 @@ from jaxinfer.sampling.rejection import SpecInputs, VerifyOutput, last_tokens, v
 from jaxinfer.sampling.sampler import SamplerOutput, sample
 from jaxinfer.worker.step_inputs import StepInputs
 
+StepOutput = SamplerOutput | VerifyOutput  # a verify step's (inputs with drafts) is a VerifyOutput
+
 
 def step(
     family: ModelFamily,
@@ -45,7 +47,7 @@ def step(
     inputs: StepInputs[jax.Array],
     prev_tokens: jax.Array,
     page_table: jax.Array,
-) -> tuple[SamplerOutput | VerifyOutput, KVCaches, jax.Array]:
+) -> tuple[StepOutput, KVCaches, jax.Array]:
     """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here;
     page_table i32[rows, pages_per_seq]: the sequences' block tables (page_table.py). A verify
     step (inputs with drafts) returns a VerifyOutput."""
@@ -135,7 +137,7 @@ def decode_window(
     inputs: StepInputs[jax.Array],
     prev_tokens: jax.Array,
     page_table: jax.Array,
-) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+) -> tuple[StepOutput, KVCaches, jax.Array]:
     """`num_steps` decode steps of a decode-only batch (token t is sequence t) in one call.
 
     Step i feeds each sequence the token it sampled at step i - 1 (step 0: the inputs' own ids and
@@ -147,9 +149,7 @@ def decode_window(
     real = t < meta.num_seqs[0]
     own_row = jnp.where(real, t, -1)
 
-    def body(
-        carry: tuple[KVCaches, jax.Array], i: jax.Array
-    ) -> tuple[tuple[KVCaches, jax.Array], SamplerOutput | VerifyOutput]:
+    def body(carry: tuple[KVCaches, jax.Array], i: jax.Array) -> tuple[tuple[KVCaches, jax.Array], StepOutput]:
         caches, prev = carry
         step_inputs = dataclasses.replace(
             inputs,
