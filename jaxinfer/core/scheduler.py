@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Collection
 
 from jaxinfer.core.multistep import decode_window
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
@@ -117,7 +118,7 @@ class Scheduler(RequestQueue):
         return True
 
     # --- after the step -------------------------------------------------------------------------
-    def update(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
+    def update(self, plan: SchedulerPlan, sampled_token_ids: Collection[int]) -> list[Sequence]:
         """advance + resolve: applies a one-step plan whose tokens are already known."""
         self.advance(plan)
         return self.resolve(plan, sampled_token_ids)
@@ -134,7 +135,7 @@ class Scheduler(RequestQueue):
                 seq.token_ids += [PLACEHOLDER] * plan.num_steps
                 seq.num_pending += plan.num_steps
 
-    def resolve(self, plan: SchedulerPlan, sampled_token_ids, step: int = 0) -> list[Sequence]:
+    def resolve(self, plan: SchedulerPlan, sampled_token_ids: Collection[int], step: int = 0) -> list[Sequence]:
         """The step's tokens are known (row i for plan.seqs[i]; rows past the plan are padding);
         `step`: which step of a decode window they come from (windows resolve step by step).
         Returns the sequences that got a token, in plan order (finished ones have no pages)."""
