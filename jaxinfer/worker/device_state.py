@@ -15,6 +15,7 @@ host allocates the same pool: process 0's page count wins.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -100,11 +101,11 @@ class DeviceState:
         return SingleDeviceSharding(next(iter(self.params.embed.devices())))
 
     @property
-    def local_device(self):
+    def local_device(self) -> jax.Device:
         """A device of this process holding the model: its platform and memory plan the pool."""
         return jax.tree.leaves(self.params.embed)[0].addressable_shards[0].device
 
-    def mesh_context(self):
+    def mesh_context(self) -> contextlib.AbstractContextManager[Any]:
         """The mesh the step is traced and launched under (layers read it back)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
