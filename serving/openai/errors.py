@@ -124,4 +124,5 @@ def named_400():
     try:
         yield
     except RequestError as e:
-        raise bad_request(re.match(r"[\w.\[\]]+", str(e)).group(0), str(e)) from None
+        field = m.group(0) if (m := re.match(r"[\w.\[\]]+", str(e))) else "request"  # they lead with it
+        raise bad_request(field, str(e)) from None
