@@ -15,12 +15,16 @@ Any dtype round-trips, integer (quantized) arrays and their scales included.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from checkpoints.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from etils.epath import Path as EPath
 
 FORMAT_VERSION = 1
 METADATA_FILE = "jaxinfer_checkpoint.json"
@@ -36,7 +40,7 @@ def _checkpointer(**options):
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**options))
 
 
-def epath(path: Any):
+def epath(path: str | os.PathLike[str]) -> EPath:
     """A path object for local paths and gs:// URIs alike (etils.epath, which orbax uses)."""
     from etils import epath as _epath
 
@@ -154,7 +158,7 @@ class OrbaxCheckpoint:
         return np.asarray(self.restore({name: target})[name])
 
 
-def _read_metadata(meta_file) -> dict[str, Any]:
+def _read_metadata(meta_file: EPath) -> dict[str, Any]:
     try:
         record = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -85,7 +85,7 @@ class SafetensorsFile:
         return self._entries[name][1]
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self._entries:
+        if name not in self._entries or self._mmap is None:  # no mapping: an empty file, no tensors
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         dtype, shape, begin, end = self._entries[name]
         raw = self._mmap[self._data_start + begin : self._data_start + end]

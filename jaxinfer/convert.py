@@ -23,18 +23,23 @@ import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from checkpoints import CheckpointError, save_arrays, write_metadata
+from checkpoints import CheckpointError, CheckpointReader, GGUFCheckpoint, save_arrays, write_metadata
 from checkpoints.orbax_io import epath
 from jaxinfer.config import ModelConfig
 from jaxinfer.loader import gguf_tokenizer, open_checkpoint
 from jaxinfer.models.reading import ORBAX_FORMAT, checkpoint_quantization, read_fields, resolve_dtype
-from jaxinfer.models.registry import get_family
+from jaxinfer.models.registry import ModelFamily, get_family
 from jaxinfer.quant import QuantConfig, flat_arrays
 from jaxinfer.tokenizer import TokenizerError
 from sharding import DevicePlacer, MeshPlacer, head_layout, make_mesh
+
+if TYPE_CHECKING:
+    from etils.epath import Path as EPath
+    from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +88,16 @@ def convert(
     config, reader, fmt = open_checkpoint(src)
     if fmt == ORBAX_FORMAT:
         raise CheckpointError(f"{src} is a jaxinfer orbax checkpoint already")
-    dtype = _convert_dtype(dtype, reader, fmt)
+    resolved = _convert_dtype(dtype, reader, fmt)
     family = get_family(config.family)
     quantization = checkpoint_quantization(reader, fmt, quantization, str(src), family)  # "auto" resolved
     place = _placer(mesh, config, family)
     specs = family.checkpoint_specs(config, ORBAX_FORMAT)
     bar = _bar(len(specs), progress)
     try:
-        top, per_layer = read_fields(reader, config, fmt, dtype, place, str(src), bar.update, quantization=quantization)
+        top, per_layer = read_fields(
+            reader, config, fmt, resolved, place, str(src), bar.update, quantization=quantization
+        )
     finally:
         bar.close()
     arrays = {
@@ -105,7 +112,7 @@ def convert(
         {
             "family": config.family,
             "model_type": config.model_type,
-            "dtype": np.dtype(dtype).name,
+            "dtype": resolved.name,
             "quantization": quantization and quantization.to_metadata(),
             "source": str(src),
             "source_format": fmt,
@@ -117,12 +124,12 @@ def convert(
         tensors=len(arrays),
         parameters=sum(int(a.size) for a in arrays.values()),
         bytes=sum(int(a.nbytes) for a in arrays.values()),
-        dtype=np.dtype(dtype).name,
+        dtype=resolved.name,
         seconds=time.perf_counter() - start,
     )
 
 
-def _placer(mesh: str | None, config, family) -> DevicePlacer | MeshPlacer:
+def _placer(mesh: str | None, config: ModelConfig, family: ModelFamily) -> DevicePlacer | MeshPlacer:
     """Where each converted tensor is put on its way to the file: one device, or the shards of
     `mesh` (each KV head stored once: the checkpoint is written as one logical array)."""
     if mesh is None:
@@ -132,7 +139,7 @@ def _placer(mesh: str | None, config, family) -> DevicePlacer | MeshPlacer:
     return MeshPlacer(device_mesh, family.param_axes, layout, repeat_kv=False)
 
 
-def _convert_dtype(dtype: str, reader, fmt: str) -> np.dtype:
+def _convert_dtype(dtype: str, reader: CheckpointReader, fmt: str) -> np.dtype:
     if dtype != "auto":
         return resolve_dtype(dtype)
     if fmt == "hf":
@@ -143,9 +150,11 @@ def _convert_dtype(dtype: str, reader, fmt: str) -> np.dtype:
     return resolve_dtype("bfloat16")
 
 
-def _side_files(src, fmt: str, reader, config: ModelConfig, dst) -> dict:
+def _side_files(
+    src: str | Path, fmt: str, reader: CheckpointReader, config: ModelConfig, dst: EPath
+) -> dict[str, list[str]]:
     """Writes config.json and the tokenizer files beside the params; -> metadata about them."""
-    if fmt == "hf":
+    if fmt == "hf" or not isinstance(reader, GGUFCheckpoint):  # else "gguf" (orbax is not converted)
         copied = [name for name in HF_SIDE_FILES if (Path(src) / name).is_file()]
         for name in copied:
             (dst / name).write_bytes((Path(src) / name).read_bytes())
@@ -164,7 +173,7 @@ def _side_files(src, fmt: str, reader, config: ModelConfig, dst) -> dict:
     return {"files": ["config.json", *names]}
 
 
-def _bar(total: int, enabled: bool):
+def _bar(total: int, enabled: bool) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, desc="converting", unit="tensor", disable=not enabled, dynamic_ncols=True)

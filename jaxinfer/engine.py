@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 
 import jax
 
@@ -38,10 +39,12 @@ from jaxinfer.loader import LoadedModel
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.rejection import VerifyOutput
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode import build_speculator
 from jaxinfer.structured import GrammarBackend, grammar_for
 from jaxinfer.tokenizer.reasoning import reasoning_parser
+from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.warm_up import enable_compilation_cache
 from jaxinfer.worker.worker import StepHandle, Worker
 from sharding import StepChannel, is_leader, is_multiprocess
@@ -131,8 +134,9 @@ class Engine:
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
         grammar = grammar_for(self.grammars, params)
         seqs = self.replicas[replica].scheduler.add_request(request_id, ids, params, priority=checked.priority)
-        for seq in seqs if grammar is not None else ():
-            seq.grammar = grammar.matcher()
+        if grammar is not None:
+            for seq in seqs:
+                seq.grammar = grammar.matcher()
         cost = (len(ids) + params.max_tokens) * params.n
         self.replicas[replica].load += cost
         self._requests[request_id] = self.outputs.new_request(
@@ -182,7 +186,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         previous, self._flight = self._flight, None
         landing = self._landing(previous) if previous is not None else None
-        if landing == "first":
+        if landing == "first" and previous is not None:  # landing is None without a previous step
             outputs += self._land(previous)
             previous = None
         if self.speculator is not None:  # drafts of the sequences that speculate (spec_decode/)
@@ -234,19 +238,28 @@ class Engine:
         for r, plan in enumerate(flight.plans):
             out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a, r=r: a[r], out)
             scheduler = self.replicas[r].scheduler
-            if not plan.verifies and out_r.prompt is not None:  # prompt logprobs, before the first delta
+            if isinstance(out_r, SamplerOutput) and out_r.prompt is not None:  # prompt logprobs, first
                 self.outputs.on_prompt_rows(plan, out_r.prompt, self._requests)
-            steps = (
-                self.speculator.resolve(plan, out_r, scheduler)
-                if plan.verifies  # position by position
-                else self._steps(plan, out_r, scheduler)
-            )
-            for out_i, updated in steps:  # each emitted (stop strings found) before the next resolves
+            for out_i, updated in self._resolved(
+                plan, out_r, scheduler
+            ):  # each emitted (stop strings found) before the next resolves
                 self.outputs.on_tokens(plan, out_i, updated, self._requests, touched)
         return [self._delta(state, now) for state in touched.values()]
 
+    def _resolved(
+        self, plan: SchedulerPlan, out: StepOutput, scheduler: Scheduler
+    ) -> Iterator[tuple[SamplerOutput, set[int]]]:
+        """A verify step's outputs position by position (plan.verifies: a VerifyOutput), else `_steps`."""
+        if isinstance(out, VerifyOutput) and self.speculator is not None:
+            return self.speculator.resolve(plan, out, scheduler)
+        if isinstance(out, SamplerOutput):
+            return self._steps(plan, out, scheduler)
+        raise RuntimeError("a verify step's outputs, but the engine has no speculator")
+
     @staticmethod
-    def _steps(plan: SchedulerPlan, out: SamplerOutput, scheduler: Scheduler):
+    def _steps(
+        plan: SchedulerPlan, out: SamplerOutput, scheduler: Scheduler
+    ) -> Iterator[tuple[SamplerOutput, set[int]]]:
         """(outputs, ids of the sequences that got a token) of a step, or of a window's steps in order."""
         for i in range(plan.num_steps):
             out_i = out if plan.num_steps == 1 else jax.tree.map(lambda a: a[i], out)  # noqa: B023

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import inspect
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -35,8 +35,12 @@ from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quant import QuantConfig
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.chat_template import check_template_kwargs, load_chat_template
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 Prompt = str | list[int] | CheckedRequest  # a CheckedRequest (Engine.check_request) carries its params
 Message = dict[str, str]
@@ -100,16 +104,15 @@ class LLM:
         if not self.engine.is_leader:
             self.engine.follow()
             return []
-        single = isinstance(prompts, (str, CheckedRequest)) or _is_token_ids(prompts)
-        prompts = [prompts] if single else list(prompts)
+        batch = [prompts] if isinstance(prompts, (str, CheckedRequest)) or _is_token_ids(prompts) else list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        priority = priority or [0] * len(prompts)
+            sampling_params = [sampling_params or SamplingParams()] * len(batch)
+        if len(sampling_params) != len(batch):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(batch)} prompts")
+        priority = priority or [0] * len(batch)
         ids = []
         try:
-            for prompt, params, prio in zip(prompts, sampling_params, priority):
+            for prompt, params, prio in zip(batch, sampling_params, priority):
                 ids.append(self._add(prompt, params, prio))
         except Exception:
             for rid in ids:  # a bad prompt rejects the call; nothing of it stays queued
@@ -134,7 +137,7 @@ class LLM:
         [{"type": "function", "function": {...}}]) go to the template; read the calls out of the
         text with `jaxinfer.tokenizer.tool_calls` (`parser_for_template(llm.tokenizer.chat_template)`).
         `chat_template_kwargs`: more template variables, e.g. {"enable_thinking": False} (Qwen3)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if _is_conversation(messages) else list(messages)
         prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -217,7 +220,7 @@ class LLM:
         return results
 
 
-def _with_template(tokenizer, template: str | None):
+def _with_template(tokenizer: Tokenizer | None, template: str | None) -> Tokenizer | None:
     """The tokenizer, rendering chats with `template` when one is given."""
     if template is not None:
         if tokenizer is None:
@@ -226,8 +229,13 @@ def _with_template(tokenizer, template: str | None):
     return tokenizer
 
 
-def _is_token_ids(prompts) -> bool:
+def _is_token_ids(prompts: object) -> TypeIs[list[int]]:
     return isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+
+
+def _is_conversation(messages: object) -> TypeIs[list[Message]]:
+    """One conversation (its first message a dict), not a sequence of them."""
+    return isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
 
 
 def _check_messages(messages: object) -> None:

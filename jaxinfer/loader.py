@@ -22,10 +22,12 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from jax.typing import DTypeLike
 
 from checkpoints import CheckpointError, GGUFCheckpoint, OrbaxCheckpoint, SafetensorsCheckpoint, is_orbax_checkpoint
 from jaxinfer.config import ModelConfig, families
@@ -68,19 +70,20 @@ def is_remote(path: str | Path) -> bool:
     return str(path).startswith("gs://")
 
 
-def open_checkpoint(path: str | Path, files: Path | None = None):
+def open_checkpoint(
+    path: str | Path, files: Path | None = None
+) -> tuple[ModelConfig, OrbaxCheckpoint | GGUFCheckpoint | SafetensorsCheckpoint, str]:
     """-> (ModelConfig, reader, fmt) for a model directory, a .gguf file or an orbax checkpoint
     (fmt "hf", "gguf" or "ours"). An orbax checkpoint's config is read from `files` (a local copy
     of a gs:// checkpoint's small files, see `side_files`) or from the checkpoint itself."""
     if is_remote(path) or is_orbax_checkpoint(path):
-        reader = OrbaxCheckpoint(path)
+        orbax = OrbaxCheckpoint(path)
         config = ModelConfig.from_hf_file(Path(files or path) / "config.json")
-        if reader.metadata.get("family") != config.family:
+        if orbax.metadata.get("family") != config.family:
             raise CheckpointError(
-                f"{path}: saved for family {reader.metadata.get('family')!r} but "
-                f"config.json describes {config.family!r}"
+                f"{path}: saved for family {orbax.metadata.get('family')!r} but config.json describes {config.family!r}"
             )
-        return config, reader, ORBAX_FORMAT
+        return config, orbax, ORBAX_FORMAT
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
@@ -119,7 +122,7 @@ def side_files(path: str | Path) -> Path:
     return local
 
 
-def gguf_tokenizer(metadata, config: ModelConfig, name: str) -> Tokenizer:
+def gguf_tokenizer(metadata: Mapping[str, Any], config: ModelConfig, name: str) -> Tokenizer:
     """A GGUF's tokenizer, with what the model's family implies where the file is silent."""
     spec = families.family_spec(config.family)
     return from_gguf_metadata(metadata, name, TokenizerDefaults(spec.chat_template, spec.end_tokens))
@@ -127,7 +130,7 @@ def gguf_tokenizer(metadata, config: ModelConfig, name: str) -> Tokenizer:
 
 def load_model(
     path: str | Path | None = None,
-    dtype="auto",
+    dtype: DTypeLike = "auto",
     *,
     with_tokenizer: bool = True,
     place_for: Callable[[ModelConfig, ModelFamily], Placer] | None = None,
@@ -141,18 +144,24 @@ def load_model(
     weight-only int8 / int4 of every linear layer, applied as each weight is read; "gguf" keeps
     a GGUF file's quantized blocks; "auto" is "gguf" for a GGUF file on an accelerator and none
     elsewhere; None or "none" dequantizes."""
-    path = path if is_remote(path) else Path(path) if path is not None else default_model_path()
+    where = default_model_path() if path is None else path if is_remote(path) else Path(path)
     start = time.perf_counter()
-    files = side_files(path)
+    files = side_files(where)
     try:
-        return _load(path, files, dtype, with_tokenizer, place_for, start, quantization)
+        return _load(where, files, dtype, with_tokenizer, place_for, start, quantization)
     finally:
-        if files != path:
+        if files != where:
             shutil.rmtree(files, ignore_errors=True)
 
 
 def _load(
-    path, files: Path, dtype, with_tokenizer: bool, place_for, start: float, quantization: QuantConfig | None
+    path: str | Path,
+    files: Path,
+    dtype: DTypeLike,
+    with_tokenizer: bool,
+    place_for: Callable[[ModelConfig, ModelFamily], Placer] | None,
+    start: float,
+    quantization: QuantConfig | None,
 ) -> LoadedModel:
     config, reader, fmt = open_checkpoint(path, files)
     family = get_family(config.family)
@@ -162,9 +171,9 @@ def _load(
     tokenizer = None
     if with_tokenizer:
         # A GGUF carries its vocabulary in the metadata already read (if any); a directory its own files.
-        if fmt == "gguf" and "tokenizer.ggml.model" in reader.metadata:
+        if isinstance(reader, GGUFCheckpoint) and "tokenizer.ggml.model" in reader.metadata:  # fmt "gguf"
             tokenizer = gguf_tokenizer(reader.metadata, config, str(reader.path))
-        elif fmt != "gguf" and any((files / name).exists() for name in TOKENIZER_FILES):
+        elif not isinstance(reader, GGUFCheckpoint) and any((files / name).exists() for name in TOKENIZER_FILES):
             tokenizer = load_tokenizer(files)
         else:
             logger.warning("%s has no tokenizer (files, or a GGUF vocabulary): prompts must be token ids", path)

@@ -106,8 +106,9 @@ class OutputProcessor:
         for e in plan.seqs:
             state, seq = requests.get(e.seq.request_id), e.seq
             recorded = state.prompt_logprobs if state is not None and seq.sample_index == 0 else None
-            if recorded is not None and e.start <= len(recorded) - 1:  # in order (Sequence.cacheable_pages)
-                n = state.params.prompt_logprobs
+            # In order (Sequence.cacheable_pages); a request records them when it asks for them.
+            if state is not None and recorded is not None and e.start <= len(recorded) - 1:
+                n = state.params.prompt_logprobs or 0
                 for p in range(max(e.start, len(recorded) - 1), min(e.kv_len, seq.num_prompt_tokens - 1)):
                     row = offset + p - e.start
                     recorded.append(
@@ -185,7 +186,7 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = m.last_token_time = now
                 new -= 1
-            if new:  # tokens that came together (a decode window) share the gap evenly
+            if new and m.last_token_time is not None:  # tokens that came together (a window) share the gap
                 m.inter_token_latencies += [(now - m.last_token_time) / new] * new
             m.last_token_time = now
         seqs = [s.seq for s in state.samples]
@@ -221,7 +222,7 @@ def _detokenize(sample: SampleState) -> None:
     """Adds the text of the sample's known output tokens not yet detokenized."""
     seq = sample.seq
     start, end = seq.num_prompt_tokens + sample.num_detokenized, seq.num_known_tokens
-    if end > start:
+    if end > start and sample.detok is not None:  # None: no tokenizer, no text
         sample.text += sample.detok.step(seq.token_ids[start:end])
         sample.num_detokenized = end - seq.num_prompt_tokens
 

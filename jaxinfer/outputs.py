@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass
@@ -27,7 +28,7 @@ class Logprob:
         }
 
 
-def logprobs_json(logprobs: list[Logprob | None] | None) -> list[dict | None] | None:
+def logprobs_json(logprobs: Sequence[Logprob | None] | None) -> list[dict | None] | None:
     """A list of logprobs as JSON values (None entries, such as a prompt's first, stay null)."""
     return None if logprobs is None else [None if lp is None else lp.to_json() for lp in logprobs]
 

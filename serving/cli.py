@@ -21,9 +21,14 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from serving.grpc.client_cli import TOKEN_ENV, add_client_parser
 from serving.openai.auth import API_KEYS_ENV
+
+if TYPE_CHECKING:  # both import JAX: only when a command runs
+    from jaxinfer.engine import Engine
+    from serving.server import ServerOptions
 
 AddArgs = Callable[[argparse.ArgumentParser], None]
 
@@ -212,7 +217,7 @@ def _terminated_while_starting(signum, frame):
     raise SystemExit(0)  # nothing was served yet; the handler of _serve takes over once it is
 
 
-async def _serve(engine, options) -> int:
+async def _serve(engine: Engine, options: ServerOptions) -> int:
     from serving.server import InferenceServer
 
     server = InferenceServer(engine, options)

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.engine import Engine
@@ -82,8 +82,16 @@ class _Call:
 _STOP = object()
 
 
+class StepMetrics(Protocol):
+    """What the loop tells the server's metrics (serving.metrics.ServerMetrics)."""
+
+    def on_tokens(self, count: int, now: float | None = None) -> None: ...
+    def on_finished(self, out: RequestOutput) -> None: ...
+    def on_step(self, engine: Engine) -> None: ...
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics=None, idle_poll_s: float = 0.5):
+    def __init__(self, engine: Engine, metrics: StepMetrics | None = None, idle_poll_s: float = 0.5) -> None:
         self.engine = engine
         self.metrics = metrics
         self.num_steps = 0
@@ -202,17 +210,17 @@ class EngineLoop:
         new_tokens = 0
         for out in outputs:
             new_tokens += sum(len(c.token_ids) for c in out.outputs)
-            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            to = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if out.finished and self.metrics is not None:
                 self.metrics.on_finished(out)
-            if sink is not None and not self._deliver(out.request_id, out, sink):
+            if to is not None and not self._deliver(out.request_id, out, to):
                 self._sinks.pop(out.request_id, None)
                 self._safe_abort(out.request_id)
         if self.metrics is not None:
             self.metrics.on_tokens(new_tokens, now)
             self.metrics.on_step(self.engine)
 
-    def _deliver(self, request_id: str, item, sink: Sink) -> bool:
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, sink: Sink) -> bool:
         try:
             sink(item)
             return True

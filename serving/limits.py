@@ -29,6 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 RPM, TPM, CONCURRENT = "rpm", "tpm", "concurrent"  # the `limit` label of jaxinfer_rate_limited_total
 ANONYMOUS = "anonymous"
@@ -186,7 +187,7 @@ class RateLimiter:
                 bucket.refill(now)
         return state
 
-    def _refuse(self, limit: str, message: str, retry_after_s: int | None):
+    def _refuse(self, limit: str, message: str, retry_after_s: int | None) -> NoReturn:
         if self._on_limited is not None:
             self._on_limited(limit)
         raise RateLimited(limit, message, retry_after_s)
@@ -197,6 +198,8 @@ class RateLimiter:
             return
         with self._lock:
             bucket = self._state(grant.key).tokens
+            if bucket is None:  # never: a key's state has a tokens bucket under a tokens limit
+                return
             needs = f"this request needs {tokens} tokens{f' ({detail})' if detail else ''}"
             if tokens > bucket.capacity:
                 self._refuse(

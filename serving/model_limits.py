@@ -16,12 +16,16 @@ transports share it.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from jaxinfer.core import requests as core
 from jaxinfer.core.requests import CheckedRequest, RequestLimits
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.structured import GrammarBackend
 from serving.errors import RequestError
+
+if TYPE_CHECKING:  # the engine imports JAX; these limits are host-side
+    from jaxinfer.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +45,7 @@ class ModelLimits:
     num_usable_pages: int | None = None
 
     @classmethod
-    def of(cls, engine) -> ModelLimits:
+    def of(cls, engine: Engine) -> ModelLimits:
         """The limits of a running Engine (its RequestLimits, and its grammar backend)."""
         r = engine.limits
         return cls(

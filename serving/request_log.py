@@ -25,7 +25,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxinfer.outputs import RequestOutput
@@ -77,9 +77,9 @@ class RequestRecord:
         """Prompt and generated tokens: what a tokens-per-minute limit settles on."""
         return self.prompt_tokens + self.completion_tokens
 
-    def fields(self, model: str, status, now: float, log_prompts: bool) -> dict:
+    def fields(self, model: str, status: int | str | None, now: float, log_prompts: bool) -> dict:
         time_iso = datetime.datetime.fromtimestamp(self.wall_time, datetime.UTC)
-        out = {
+        out: dict[str, Any] = {
             "time": time_iso.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "request_id": self.request_id,
             "transport": self.transport,
@@ -106,7 +106,7 @@ class RequestRecord:
 
 def _field_of(message: str) -> str:
     """`temperature=-1: must be ...` -> `temperature: invalid (...)`: the field, not the value."""
-    field = re.match(r"[\w.\[\]]*", message).group(0) or "request"
+    field = (m.group(0) if (m := re.match(r"[\w.\[\]]*", message)) else "") or "request"
     return f"{field}: invalid (the message is logged with --log-prompts)"
 
 

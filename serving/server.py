@@ -101,12 +101,12 @@ class InferenceServer:
             tool_call_parser=opts.tool_call_parser,
             reasoning_parser=opts.reasoning_parser,
         )
-        self.http = self._http_server() if self.options.http_port is not None else None
+        self.http = self._http_server(self.options.http_port) if self.options.http_port is not None else None
         self.grpc: GrpcServer | None = None  # made in start(): a grpc.aio server belongs to its event loop
         self.metrics_port: int | None = None
         self._started = False
 
-    def _http_server(self) -> HttpServer:
+    def _http_server(self, port: int) -> HttpServer:
         opts = self.options
         admission = Admission(self.servicer.max_in_flight, lambda: self.servicer.num_streams, self.limiter)
         self.servicer.in_flight_elsewhere = lambda: admission.in_flight
@@ -116,7 +116,7 @@ class InferenceServer:
             self.servicer.limits,
             HttpOptions(
                 host=opts.http_host,
-                port=opts.http_port,
+                port=port,
                 served_model_name=opts.served_model_name,
                 api_keys=keys,
                 max_body_bytes=opts.max_body_bytes,
@@ -139,7 +139,7 @@ class InferenceServer:
     @property
     def address(self) -> str:
         """The gRPC address, or the HTTP one when there is no gRPC server."""
-        if self.options.port is None:
+        if self.options.port is None and self.http is not None:  # one of them: options checked
             return self.http.address
         return f"{self.options.host}:{self.port}"
 
@@ -227,7 +227,7 @@ class BackgroundServer:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="jaxinfer-grpc", daemon=True)
 
     @property
-    def port(self) -> int:
+    def port(self) -> int | None:  # None: no gRPC server
         return self.server.port
 
     @property
@@ -247,7 +247,7 @@ class BackgroundServer:
         return self
 
     def stop(self, grace: float | None = None, timeout: float = 60.0) -> None:
-        if self._loop is not None and self._thread.is_alive():
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():  # set together
             self._grace = grace
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout)
@@ -269,5 +269,5 @@ class BackgroundServer:
     def __enter__(self) -> BackgroundServer:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

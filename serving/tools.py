@@ -19,8 +19,10 @@ import json
 import logging
 import re
 import uuid
+from typing import Any
 
 from jaxinfer.sampling import StructuredOutput
+from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.reasoning import reasoning_parser as named_reasoning_parser
 from jaxinfer.tokenizer.tool_calls import ParsedText, ToolCall, ToolCallParser, resolve_parser
@@ -62,8 +64,10 @@ class ToolRequest:
     structured_output: StructuredOutput | None = None  # required and named
 
     def parse(self, text: str) -> ParsedText:
-        if self.mode == "named":
+        if self.mode == "named" and self.name is not None:
             return ParsedText(None, (ToolCall(self.name, text),))
+        if self.parser is None:  # mode "none": content only (its outputs are not read for calls)
+            return ParsedText(text, ())
         return self.parser.parse(text)
 
 
@@ -72,7 +76,8 @@ class ChatReplies:
     server's reasoning parser), then the calls out of the rest (a tool choice other than none)."""
 
     def __init__(self, tools: ToolRequest | None, reasoning: ReasoningParser | None = None):
-        self.tools, self.reasoning, self._texts = tools, reasoning, {}
+        self.tools, self.reasoning = tools, reasoning
+        self._texts: dict[int, str] = {}
 
     def add(self, index: int, text: str, finished: bool) -> tuple[str | None, ParsedText] | None:
         """Sample `index`'s new text; once it has finished, (its reasoning, its content and calls)."""
@@ -85,7 +90,9 @@ class ChatReplies:
         return thought, (ParsedText(rest, ()) if self.tools is None else self.tools.parse(rest))
 
 
-def output_readers(tokenizer, tool_call_parser: str, reasoning_parser: str | None):
+def output_readers(
+    tokenizer: Tokenizer | None, tool_call_parser: str, reasoning_parser: str | None
+) -> tuple[ToolCallParser | None, ReasoningParser | None]:
     """A server's (tool-call format, reasoning parser), from `--tool-call-parser` (auto: the one
     the chat template shows) and `--reasoning-parser`; both transports read chat outputs with them."""
     tool_parser = resolve_parser(tool_call_parser, getattr(tokenizer, "chat_template", None))
@@ -98,7 +105,9 @@ def output_readers(tokenizer, tool_call_parser: str, reasoning_parser: str | Non
     return tool_parser, reasoning
 
 
-def reasoning_for(reasoning: ReasoningParser | None, structured_output, engine_gated: bool) -> ReasoningParser | None:
+def reasoning_for(
+    reasoning: ReasoningParser | None, structured_output: StructuredOutput | None, engine_gated: bool
+) -> ReasoningParser | None:
     """How a request's output is read for reasoning. Where the engine gates grammars behind the
     reasoning (EngineConfig.reasoning_parser, set by `serve --reasoning-parser`), as any output;
     otherwise a constrained one only where it writes `<think>` (a grammar that constrains the
@@ -108,15 +117,17 @@ def reasoning_for(reasoning: ReasoningParser | None, structured_output, engine_g
     return reasoning.explicit()
 
 
-def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallParser | None) -> ToolRequest | None:
-    """The request's tools and tool_choice checked (RequestError naming the field); None without
-    tools."""
+def tool_request(
+    tools: object, tool_choice: object, parallel: bool | None, parser: ToolCallParser | None
+) -> ToolRequest | None:
+    """The request's tools and tool_choice (JSON values) checked (RequestError naming the field);
+    None without tools."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise RequestError(f"tool_choice={_short(tool_choice)}: needs tools")
         return None
-    tools = checked_tools(tools)
-    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    checked = checked_tools(tools)
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in checked}
     mode, name = _checked_choice(tool_choice, schemas)
     if mode == "auto" and parser is None:
         raise RequestError(
@@ -137,13 +148,13 @@ def tool_request(tools, tool_choice, parallel: bool | None, parser: ToolCallPars
             ]
         }
         schema = {"type": "array", "items": item, "minItems": 1, **({} if parallel is not False else {"maxItems": 1})}
-        return ToolRequest(tools, mode, RequiredCallsParser(), structured_output=StructuredOutput(json=schema))
-    if mode == "named":
-        return ToolRequest(tools, mode, None, name, StructuredOutput(json=schemas[name]))
-    return ToolRequest(tools, mode, parser)
+        return ToolRequest(checked, mode, RequiredCallsParser(), structured_output=StructuredOutput(json=schema))
+    if mode == "named" and name is not None:
+        return ToolRequest(checked, mode, None, name, StructuredOutput(json=schemas[name]))
+    return ToolRequest(checked, mode, parser)
 
 
-def checked_tools(tools) -> list[dict]:
+def checked_tools(tools: object) -> list[dict]:
     """OpenAI's tools list, each a function with a unique name and an object schema."""
     if not isinstance(tools, list) or not tools:
         raise RequestError('tools: must be a non-empty list of {"type": "function", "function": {...}}')
@@ -169,10 +180,10 @@ def checked_tools(tools) -> list[dict]:
     return tools
 
 
-def _checked_choice(choice, schemas: dict) -> tuple[str, str | None]:
+def _checked_choice(choice: object, schemas: dict[str, Any]) -> tuple[str, str | None]:
     if choice is None:
         return "auto", None
-    if choice in ("none", "auto", "required"):
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
         return choice, None
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -182,11 +193,11 @@ def _checked_choice(choice, schemas: dict) -> tuple[str, str | None]:
     return "named", fn["name"]
 
 
-def template_call(call, field: str) -> dict:
-    """An assistant message's tool call as templates read it: arguments decoded (they write them
-    with `tojson`). RequestError naming the field when it is malformed."""
+def template_call(call: object, field: str) -> dict[str, Any]:
+    """An assistant message's tool call (a JSON value) as templates read it: arguments decoded (they
+    write them with `tojson`). RequestError naming the field when it is malformed."""
     fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+    if not isinstance(call, dict) or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise RequestError(f"{field}.function: must be an object with a name")
     arguments = fn.get("arguments", "{}")
     try:
@@ -199,12 +210,15 @@ def template_call(call, field: str) -> dict:
 
 
 def sampling_updates(
-    tools: ToolRequest, structured_output, skip_special_tokens_given: bool, structured_field: str
-) -> dict:
+    tools: ToolRequest,
+    structured_output: StructuredOutput | None,
+    skip_special_tokens_given: bool,
+    structured_field: str,
+) -> dict[str, Any]:
     """The SamplingParams fields the tool choice sets: "required" and named choices the structured
     output that makes the calls (not beside the request's own); a format whose marker is a special
     token keeps special tokens in the text unless the request said otherwise."""
-    updates = {}
+    updates: dict[str, Any] = {}
     if tools.structured_output is not None:
         if structured_output is not None:
             raise RequestError(
@@ -216,5 +230,5 @@ def sampling_updates(
     return updates
 
 
-def _short(value) -> str:
+def _short(value: object) -> str:
     return json.dumps(value, default=repr)[:80]

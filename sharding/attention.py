@@ -48,21 +48,22 @@ def local_metadata(
     return kv_local, cu_local.astype(cu_q_lens.dtype)
 
 
-def shard_paged_attention(
-    attend: Attend,
-    write_kv: WriteKv,
+def shard_paged_attention[C](
+    attend: Callable[..., tuple[jax.Array, C]],
+    write_kv: Callable[..., C],
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    kv_cache: jax.Array,
+    kv_cache: C,
     kv_lens: jax.Array,
     page_indices: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, C]:
     """attend(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> (out, cache) is
-    the kernel contract; write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs)
-    writes new K/V only. Without a mesh this is `attend` itself."""
+    the kernel contract (Attend); write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens,
+    num_seqs) writes new K/V only (WriteKv). Without a mesh this is `attend` itself. The cache `C`:
+    the contract's array, or a pytree of arrays split alike (a quantized cache's pages and scales)."""
     args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     mesh = current_mesh()
     if mesh is None:
@@ -76,12 +77,12 @@ def shard_paged_attention(
         q: jax.Array,
         k: jax.Array,
         v: jax.Array,
-        kv_cache: jax.Array,
+        kv_cache: C,
         kv_lens: jax.Array,
         page_indices: jax.Array,
         cu_q_lens: jax.Array,
         num_seqs: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, C]:
         if split_seq:
             k_all = jax.lax.all_gather(k, SEQUENCE, axis=0, tiled=True)  # [T, K'/tp, D]
             v_all = jax.lax.all_gather(v, SEQUENCE, axis=0, tiled=True)

@@ -75,6 +75,7 @@ def _per_shard(method: str, axis: str, q: jax.Array, k: jax.Array, v: jax.Array)
     if method == "allgather":
         k_all = jax.lax.all_gather(k, axis, axis=0, tiled=True)  # [T, K, D]
         v_all = jax.lax.all_gather(v, axis, axis=0, tiled=True)
+    src: int | jax.Array  # the shard whose K/V chunk this step reads
     for step in range(n):
         if method == "allgather":
             src = step

@@ -21,19 +21,28 @@ choice made for another device's expert, whose weight is 0.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sharding.mesh import EXPERT, SEQUENCE, TENSOR, axis_size, current_mesh
+from sharding.mesh import EXPERT, SEQUENCE, TENSOR, AnyMesh, axis_size, current_mesh
 
 # (x [T, E], weights [T, k], experts [T, k] local ids, w_gate_up [X', E, 2, F'], w_down [X', F', E])
 # -> [T, E]: the experts' weighted sum on one device.
 LocalExperts = Callable[..., jax.Array]
 
 
-def check_expert_axis(mesh, num_experts: int) -> None:
+class ExpertWeight(Protocol):
+    """A stacked experts' weight [X, ...]: a plain array, or a pytree of arrays (a quantized
+    weight's integers and scales) that says the shape of the float weight it stands for."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def check_expert_axis(mesh: AnyMesh | None, num_experts: int) -> None:
     """ValueError unless the mesh's `expert` axis (if > 1) divides the model's expert count."""
     ep = axis_size(mesh, EXPERT)
     if ep > 1 and (num_experts == 0 or num_experts % ep):
@@ -54,7 +63,7 @@ def own_choices(
     return jnp.where(mine, local, n_local).astype(experts.dtype), jnp.where(mine, weights, 0)
 
 
-def _specs(weight, axes: tuple) -> object:
+def _specs(weight: ExpertWeight, axes: tuple[str | None, ...]) -> Any:
     """The PartitionSpec of each array of a weight (a plain array, or a quantized weight's pytree
     of integers and scales of the weight's rank): an axis of size 1 (a per-channel scale's input
     axis) is not split."""
@@ -62,7 +71,12 @@ def _specs(weight, axes: tuple) -> object:
 
 
 def shard_experts(
-    local: LocalExperts, x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
+    local: LocalExperts,
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate_up: ExpertWeight,
+    w_down: ExpertWeight,
 ) -> jax.Array:
     """The experts' weighted sum [T, E] for routed tokens; without a mesh (or with neither an
     expert nor a tensor split) this is `local` itself."""
@@ -81,7 +95,9 @@ def shard_experts(
     tok = P(SEQUENCE if axis_size(mesh, SEQUENCE) > 1 else None, None)
     reduce_over = tuple(a for a in (split, cols) if a is not None)
 
-    def per_shard(x, weights, experts, w_gate_up, w_down):
+    def per_shard(
+        x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: ExpertWeight, w_down: ExpertWeight
+    ) -> jax.Array:
         n_local = w_gate_up.shape[0]
         first = jax.lax.axis_index(EXPERT) * n_local if split else 0
         experts, weights = own_choices(experts, weights, first, n_local)

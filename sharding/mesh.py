@@ -31,8 +31,9 @@ _ITEM = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
 AnyMesh = Mesh | AbstractMesh
 
 
-def parse_mesh_spec(spec: str | dict[str, int]) -> dict[str, int]:
-    """ "data=2,tensor=4" (or a dict) -> {"data": 2, "sequence": 1, "expert": 1, "tensor": 4}."""
+def parse_mesh_spec(spec: object) -> dict[str, int]:
+    """ "data=2,tensor=4" (or a dict) -> {"data": 2, "sequence": 1, "expert": 1, "tensor": 4};
+    a ValueError names anything else (a config's value, checked here)."""
     if isinstance(spec, dict):
         items = list(spec.items())
     else:
@@ -58,8 +59,9 @@ def parse_mesh_spec(spec: str | dict[str, int]) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(spec: str | dict[str, int] | Mesh, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(spec: object, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, sequence, expert, tensor) mesh over the first prod(sizes) of `devices` (default: all).
+    `spec`: a Mesh (returned as it is), or what parse_mesh_spec reads ("data=2,tensor=4", a dict).
 
     Devices are taken in jax.devices() order, which groups each host's devices together, so the
     tensor axis (innermost) never crosses hosts unless it is larger than one host.

@@ -52,10 +52,10 @@ class DistributedArgs:
         env: Mapping[str, str] | None = None,
     ) -> DistributedArgs:
         """Arguments win over JAXINFER_* environment variables."""
-        env = os.environ if env is None else env
+        environ = os.environ if env is None else env
 
-        def pick(value: str | int | None, name: str, kind: type) -> str | int | None:
-            raw = value if value is not None else env.get(ENV_PREFIX + name)
+        def pick[T: (str, int)](value: T | None, name: str, kind: type[T]) -> T | None:
+            raw = value if value is not None else environ.get(ENV_PREFIX + name)
             if raw is None or raw == "":
                 return None
             try:

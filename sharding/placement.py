@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.typing import DTypeLike
 
 from sharding.rules import HeadLayout, ParamAxes, PyTree, leaf_name, logical_to_spec
 from sharding.weight_layout import weight_format
@@ -33,7 +34,8 @@ from sharding.weight_layout import weight_format
 class FieldSpec(Protocol):
     """What the placer reads of the loader's tensor spec: the parameter field it fills."""
 
-    field: str
+    @property
+    def field(self) -> str: ...
 
 
 class Placer(Protocol):
@@ -42,7 +44,7 @@ class Placer(Protocol):
     def __call__(self, spec: FieldSpec, array: np.ndarray) -> jax.Array:
         """A host array read from a checkpoint -> the array on its device(s)."""
 
-    def target(self, field: str, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    def target(self, field: str, shape: tuple[int, ...], dtype: DTypeLike) -> jax.ShapeDtypeStruct:
         """What to read a saved array of this field as: shape, dtype and sharding."""
 
     def finish(self, field: str, array: jax.Array) -> jax.Array:
@@ -77,7 +79,7 @@ def repeated_shape(shape: tuple[int, ...], axes: tuple[str, ...], layout: HeadLa
     return tuple(out)
 
 
-def put_sharded(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def put_sharded(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array from a host array; each addressable device receives only its slice."""
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
@@ -98,7 +100,7 @@ class DevicePlacer:
     def __call__(self, spec: FieldSpec, array: np.ndarray) -> jax.Array:
         return jax.device_put(array, self.device)
 
-    def target(self, field: str, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    def target(self, field: str, shape: tuple[int, ...], dtype: DTypeLike) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(self.device))
 
     def finish(self, field: str, array: jax.Array) -> jax.Array:
@@ -121,7 +123,7 @@ class MeshPlacer:
     def _repeats(self, field: str) -> bool:
         return self.layout.kv_repeat > 1 and "kv_heads" in self.param_axes[field]
 
-    def target(self, field: str, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    def target(self, field: str, shape: tuple[int, ...], dtype: DTypeLike) -> jax.ShapeDtypeStruct:
         axes = self.param_axes[field]
         spec = logical_to_spec(axes, shape, self.mesh, strict=not self._repeats(field))
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
@@ -158,7 +160,7 @@ def param_structs(params: PyTree, param_axes: ParamAxes, mesh: Mesh, layout: Hea
     shape structs), as shape structs with their shardings (and, for fused weights on a TPU, their
     pinned layout): to compile a step ahead of time without the weights."""
 
-    def struct(path: jax.tree_util.KeyPath, x) -> jax.ShapeDtypeStruct:
+    def struct(path: jax.tree_util.KeyPath, x: jax.Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         name = leaf_name(path)
         shape, sharding = _placed_shape(name, x.shape, param_axes, mesh, layout)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=weight_format(name, shape, sharding, param_axes))

@@ -64,13 +64,15 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh
     array is read under before `finish` gives it its final placement (e.g. unrepeated KV heads)."""
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match shape {shape}")
-    out, used = [], set()
+    out: list[str | None] = []
+    used: set[str] = set()
     for name, dim in zip(axes, shape):
         if name not in LOGICAL_RULES:
             raise ValueError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_RULES)}")
         mesh_axis = LOGICAL_RULES[name]
         size = axis_size(mesh, mesh_axis) if mesh_axis else 1
-        if size == 1 or mesh_axis in used or dim == 1:  # size 1: e.g. a per-channel scale's input axis
+        # size 1: e.g. a per-channel scale's input axis
+        if mesh_axis is None or size == 1 or mesh_axis in used or dim == 1:
             out.append(None)
             continue
         if dim % size:

@@ -15,6 +15,8 @@ grouped matmuls read (each expert's [in, out] matrices whole). Other platforms k
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.experimental.layout import Format, Layout
 
@@ -41,7 +43,8 @@ def dot_layout(axes: tuple[str, ...] | None, ndim: int) -> tuple[int, ...] | Non
 
 
 def _platform(sharding: jax.sharding.Sharding) -> str:
-    return next(iter(sharding.device_set)).platform
+    device: jax.Device = next(iter(sharding.device_set))  # jax's stubs leave device_set's element unnamed
+    return device.platform
 
 
 def weight_format(
@@ -59,7 +62,7 @@ def pin_weight_layouts(params: PyTree, param_axes: ParamAxes) -> PyTree:
     """The parameters with each fused weight on a TPU moved (on the device, once) into the layout
     its matmul reads; elsewhere, and for every other parameter, the arrays as they are."""
 
-    def pin(path: jax.tree_util.KeyPath, x):
+    def pin(path: jax.tree_util.KeyPath, x: Any) -> Any:  # x: any leaf; arrays are moved
         if not isinstance(x, jax.Array):
             return x
         target = weight_format(leaf_name(path), x.shape, x.sharding, param_axes)

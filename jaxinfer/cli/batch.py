@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tqdm import tqdm
 
@@ -70,6 +70,7 @@ def parse_line(
     for key in ("tools", "chat_template_kwargs"):
         if key in obj and "messages" not in obj:
             raise ValueError(f"line {lineno}: {key}: only with messages (the chat template takes them)")
+    prompt: str | list[int]
     if "messages" in obj:
         prompt = llm.render_chat(
             obj["messages"], tools=obj.get("tools"), chat_template_kwargs=obj.get("chat_template_kwargs")
@@ -82,7 +83,7 @@ def parse_line(
         prompt = obj["prompt_token_ids"]
         if not isinstance(prompt, list):
             raise ValueError(f"line {lineno}: prompt_token_ids must be a list of integers")
-    overrides = {k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items() if k in _FIELDS}
+    overrides: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items() if k in _FIELDS}
     try:
         if isinstance(overrides.get("structured_output"), dict):  # {"json": {...}} / {"regex": "..."} ...
             overrides["structured_output"] = StructuredOutput(**overrides["structured_output"])
@@ -154,7 +155,7 @@ def _record(rid: str, out: RequestOutput) -> dict:
         }
         for c in out.outputs
     ]
-    record = {"id": rid, "outputs": outputs, "usage": dataclasses.asdict(out.usage)}
+    record: dict[str, Any] = {"id": rid, "outputs": outputs, "usage": dataclasses.asdict(out.usage)}
     if out.prompt_logprobs is not None:
         record["prompt_logprobs"] = logprobs_json(out.prompt_logprobs)
     return record
@@ -241,7 +242,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         )
     if partial is not None:
         os.replace(partial, args.output)  # the finished file appears whole, or not at all
-        journal.close(remove=True)
+        if journal is not None:  # there is one whenever the output is a file
+            journal.close(remove=True)
     elapsed = max(time.monotonic() - start, 1e-9)
     fresh = stats.served + stats.failed - stats.resumed
     print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 from jaxinfer.outputs import CompletionOutput, RequestOutput, logprobs_json
@@ -34,7 +35,7 @@ def check_logprob_flags(args: argparse.Namespace, where: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    prompts = read_prompts(args)
+    texts = read_prompts(args)
     params = sampling_params(args)
     if args.output_format == "text":
         check_logprob_flags(args, "--output-format text")
@@ -42,8 +43,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = make_llm(
         args, penalties=params.uses_penalties, warm_up=False, prompt_logprobs=params.prompt_logprobs is not None
     )
+    prompts: Sequence[str | list[int]] = texts
     if args.chat:
-        prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in texts]
     checked = []  # each prompt tokenized and checked once, here, before anything compiles
     for i, prompt in enumerate(prompts, start=1):
         try:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from typing import TYPE_CHECKING
 
 from jaxinfer.cli.args import add_engine_args, engine_options
 from jaxinfer.cli.options import read_options
 from jaxinfer.config import EngineConfig
 from jaxinfer.config.engine import OPTION_GROUPS
+
+if TYPE_CHECKING:
+    from jaxinfer.tokenizer import Tokenizer
 
 
 def describe(args: argparse.Namespace) -> dict:
@@ -71,7 +75,7 @@ def _options_json(config: EngineConfig) -> dict:
     """Every EngineConfig option by group, as this command would start an engine with it."""
     out: dict = {}
     for name, value in config.options().items():
-        if dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = dataclasses.asdict(value)
         elif not isinstance(value, (str, int, float, bool, list, tuple, dict, type(None))):
             value = str(value)  # a jax Mesh
@@ -80,7 +84,7 @@ def _options_json(config: EngineConfig) -> dict:
     return out
 
 
-def _tool_call_format(args: argparse.Namespace, tokenizer) -> str | None:
+def _tool_call_format(args: argparse.Namespace, tokenizer: Tokenizer | None) -> str | None:
     """The format `jaxinfer serve` reads tool calls in by default: the one the chat template shows."""
     from jaxinfer.tokenizer.chat_template import load_chat_template
     from jaxinfer.tokenizer.tool_calls import parser_for_template

@@ -72,7 +72,7 @@ def read_option(args: argparse.Namespace, d: Declared) -> Any:
     if form == DISABLE:
         return not value
     if form == TRISTATE:
-        return {"on": True, "off": False}.get(value)
+        return None if value is None else {"on": True, "off": False}.get(value)
     if form == JSON and value is not None:
         try:
             return json.loads(value)

@@ -51,5 +51,12 @@ class CacheConfig:
         bools(self, "enable_prefix_caching")
 
     @property
+    def chosen_page_size(self) -> int:
+        """`page_size` once chosen (EngineConfig.with_page_size; the engine's config has it)."""
+        if self.page_size is None:
+            raise ValueError("EngineConfig.page_size is not chosen yet: EngineConfig.with_page_size chooses it")
+        return self.page_size
+
+    @property
     def one_byte(self) -> bool:
         return self.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3")

@@ -25,7 +25,7 @@ from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.options import JSON, Declared, declared, option
 
-GROUPS = {
+GROUPS: dict[str, type[LoadConfig | CacheConfig | SchedulerConfig | CompileConfig | ParallelConfig]] = {
     "load": LoadConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,

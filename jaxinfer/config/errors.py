@@ -14,7 +14,7 @@ class ConfigError(ValueError):
     """A model configuration is missing a field or asks for something unsupported."""
 
 
-def require(cfg: Mapping[str, Any], key: str, source: str):
+def require(cfg: Mapping[str, Any], key: str, source: str) -> Any:  # a config.json value
     """cfg[key], or a ConfigError naming the field and where it was looked for."""
     if key not in cfg or cfg[key] is None:
         raise ConfigError(f"{source}: missing required field {key!r}")

@@ -57,7 +57,7 @@ def _split(hidden: int, heads: int, source: str) -> int:
     return hidden // heads
 
 
-def _as_id_tuple(value) -> tuple[int, ...]:
+def _as_id_tuple(value: Any) -> tuple[int, ...]:  # a config.json value: an id, a list of them, or null
     return () if value is None else tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
 
 

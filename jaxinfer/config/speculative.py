@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
+from typing import NoReturn
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # the static width of the verify step's draft rows
@@ -30,7 +31,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: a model directory or .gguf with the same vocabulary
 
     def __post_init__(self):
-        def bad(name: str, why: str):
+        def bad(name: str, why: str) -> NoReturn:
             raise ValueError(f"speculative_config.{name}={getattr(self, name)!r}: {why}")
 
         if self.method not in METHODS:

@@ -111,7 +111,7 @@ class RequestQueue:
             self.requests.pop(request_id, None)
         return held + active
 
-    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None):
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         """Ends a queued or running sequence (any finished status) and frees its pages."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")

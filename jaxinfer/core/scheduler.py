@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Iterator
+from typing import Protocol, SupportsInt
 
 from jaxinfer.core.multistep import decode_window
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
@@ -40,6 +42,13 @@ from jaxinfer.core.queue import RequestQueue, sort_key
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.core.spec import fit_drafts
 from jaxinfer.core.stops import is_awaiting_results, stop_decision
+
+
+class TokenRows(Protocol):
+    """A step's sampled token ids, row by row: a list, or the fetched array of them."""
+
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[SupportsInt]: ...
 
 
 @dataclasses.dataclass
@@ -117,7 +126,7 @@ class Scheduler(RequestQueue):
         return True
 
     # --- after the step -------------------------------------------------------------------------
-    def update(self, plan: SchedulerPlan, sampled_token_ids) -> list[Sequence]:
+    def update(self, plan: SchedulerPlan, sampled_token_ids: TokenRows) -> list[Sequence]:
         """advance + resolve: applies a one-step plan whose tokens are already known."""
         self.advance(plan)
         return self.resolve(plan, sampled_token_ids)
@@ -134,7 +143,7 @@ class Scheduler(RequestQueue):
                 seq.token_ids += [PLACEHOLDER] * plan.num_steps
                 seq.num_pending += plan.num_steps
 
-    def resolve(self, plan: SchedulerPlan, sampled_token_ids, step: int = 0) -> list[Sequence]:
+    def resolve(self, plan: SchedulerPlan, sampled_token_ids: TokenRows, step: int = 0) -> list[Sequence]:
         """The step's tokens are known (row i for plan.seqs[i]; rows past the plan are padding);
         `step`: which step of a decode window they come from (windows resolve step by step).
         Returns the sequences that got a token, in plan order (finished ones have no pages)."""

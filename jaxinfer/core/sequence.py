@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from typing import Protocol
 
 from jaxinfer.sampling.params import SamplingParams
 
@@ -50,6 +51,15 @@ class SequenceStatus(enum.Enum):
 
 
 _FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+
+
+class GrammarMatcher(Protocol):
+    """What the host side reads of a sequence's grammar matcher (a jaxinfer.structured RowMatcher
+    or ReasoningGate; core imports none of structured): it advances past each sampled token."""
+
+    def consume(self, token: int) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
@@ -96,7 +106,7 @@ class Sequence:
         self.page_hashes: list = []  # chained hashes of the full pages of token_ids
         self.num_cached_pages = 0  # leading pages registered in the prefix cache
         # Structured output: a jaxinfer.structured.RowMatcher the engine attaches (None: free).
-        self.grammar: object | None = None
+        self.grammar: GrammarMatcher | None = None
         # Speculative decoding: the drafts proposed for the next step (set before each schedule),
         # and how many were drafted / accepted over how many verify steps (metrics).
         self.draft_token_ids: list[int] = []

@@ -35,7 +35,7 @@ class _SchedulerState(Protocol):  # what accept_draft uses of the Scheduler (no 
     max_model_len: int
     stop_checker: StopChecker | None
 
-    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None): ...
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None: ...
 
 
 def fit_drafts(kv_cache: KVCacheManager, seq: Sequence, budget: int) -> int:

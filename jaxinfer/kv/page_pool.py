@@ -184,6 +184,8 @@ class PagePool:
 
     def _record_stored(self, indices: list[int], hashes: Sequence[PageHash], token_ids: Sequence[int]) -> None:
         """One BlockStored per run of consecutive page indices."""
+        if self._events is None:  # the caller records only with events on
+            return
         ps, runs = self.page_size, [[indices[0]]]
         for i in indices[1:]:
             if i == runs[-1][-1] + 1:

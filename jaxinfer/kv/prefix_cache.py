@@ -19,9 +19,11 @@ import dataclasses
 import hashlib
 import struct
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 PageHash = Hashable
-HashFn = Callable[[PageHash | None, tuple[int, ...]], PageHash]
+# (the hash it made of the page before, None for the first; the page's token ids) -> the page's hash
+HashFn = Callable[[Any, tuple[int, ...]], PageHash]
 
 
 def hash_page(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:

@@ -27,6 +27,9 @@ other layouts first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -36,7 +39,10 @@ from pallas_kernels import target_backend
 from pallas_kernels.common import next_pow2
 from sharding.experts import shard_experts
 
-Experts = jax.Array | QuantizedWeight | tuple[jax.Array | QuantizedWeight, ...]
+Stacked = jax.Array | QuantizedWeight  # the experts stacked: [X, ...], maybe quantized
+Experts = Stacked | tuple[Stacked, ...]  # stacked, or one weight per expert
+# A stacked form: (x [T, E], weights [T, k], experts i32[T, k], w_gate_up, w_down) -> [T, E].
+Form = Callable[[jax.Array, jax.Array, jax.Array, Stacked, Stacked], jax.Array]
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -63,7 +69,9 @@ def moe_mlp(
     """x [T, E] -> [T, E]: each token's top-k experts' gated MLPs summed with the router's weights.
     Per-expert tuples take the per-expert forms; `impl` picks a stacked form."""
     weights, experts = route(x, router, top_k, renormalize)
-    if isinstance(w_gate_up, tuple):
+    if isinstance(w_gate_up, tuple) or isinstance(w_down, tuple):
+        if not (isinstance(w_gate_up, tuple) and isinstance(w_down, tuple)):
+            raise ValueError("moe_mlp: gate|up and down weights must both be stacked or both per expert")
         return per_expert(x, weights, experts, w_gate_up, w_down)
     if impl == "auto":
         impl = _AUTO.get(target_backend(), "ragged")  # the mesh's platform: a TPU step traced here too
@@ -72,7 +80,9 @@ def moe_mlp(
     return shard_experts(_FORMS[impl], x, weights, experts, w_gate_up, w_down)
 
 
-def dense_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
+def dense_experts(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: Stacked, w_down: Stacked
+) -> jax.Array:
     """Every expert on every token, X a batch dimension of both matmuls (contracting a stacked
     weight over its middle axis would transpose all of it first); an id past the last expert
     (another shard's) selects none."""
@@ -84,7 +94,7 @@ def dense_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
     return jnp.einsum("xte,xt->te", out, combine)
 
 
-def replicas_as_rows(form):
+def replicas_as_rows(form: Form) -> Form:
     """A stacked form that also runs vmapped over data replicas (the compiled step: jax.vmap over
     [data]). Each token's output depends on that token alone, so the replicas' tokens run as the
     rows of one call: lax.ragged_dot(_general) has no batching rule for weights the replicas share;
@@ -93,11 +103,11 @@ def replicas_as_rows(form):
     fn = jax.custom_batching.custom_vmap(form)
 
     @fn.def_vmap
-    def _rule(axis_size, in_batched, x, weights, experts, w_gate_up, w_down):
-        args = (x, weights, experts, w_gate_up, w_down)
+    def _rule(axis_size: int, in_batched: list[Any], *args: Any) -> tuple[jax.Array, bool]:
+        w_gate_up, w_down = args[3:]  # args: x, weights, experts, w_gate_up, w_down
         if any(jax.tree.leaves(in_batched[3:])):
 
-            def replica(r):
+            def replica(r: jax.Array) -> jax.Array:
                 return form(
                     *(
                         jax.tree.map(lambda a, b: a[r] if b else a, arg, batched)
@@ -116,7 +126,9 @@ def replicas_as_rows(form):
 
 
 @replicas_as_rows
-def ragged_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
+def ragged_experts(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: Stacked, w_down: Stacked
+) -> jax.Array:
     """Rows sorted by expert, grouped matmuls; rows for an id past the last expert (another
     shard's) sort last, outside every group, and add nothing. Gate and up are one product with
     the weight's [2, F] axes as its output: as an [X, E, 2F] product (a reshape) XLA:TPU relaid
@@ -136,7 +148,7 @@ def ragged_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
     return jnp.einsum("tke,tk->te", out, weights)
 
 
-def _map(w, fn):
+def _map(w: Stacked, fn: Callable[[jax.Array], jax.Array]) -> Stacked:
     """fn on a float weight, or on each array of a quantized one."""
     return w.map(fn) if isinstance(w, QuantizedWeight) else fn(w)
 
@@ -146,13 +158,13 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+def _grouped_matmul(xs: jax.Array, w: Stacked, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
     """Grouped matmul (lax.ragged_dot_general) of rows xs [rows, in] sorted by expert with
     stacked weights w [X, in, out...] -> [rows, out...]: per-channel int8 runs on the integers
     and scales each row's output by its expert's scales; other quantized layouts are
     dequantized first."""
 
-    def grouped(w):
+    def grouped(w: jax.Array) -> jax.Array:
         return jax.lax.ragged_dot_general(xs, w, group_sizes, _GROUPED, preferred_element_type=xs.dtype)
 
     if not isinstance(w, QuantizedWeight):
@@ -163,7 +175,9 @@ def _grouped_matmul(xs: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Ar
     return grouped(dequantize(w, xs.dtype))
 
 
-def capacity_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
+def capacity_experts(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: Stacked, w_down: Stacked
+) -> jax.Array:
     """Each expert run once on its chosen tokens, packed into C rows ([slots, C, E] through one
     batched matmul over the experts), then gathered back to each token's choices.
 
@@ -186,7 +200,15 @@ def capacity_experts(x, weights, experts, w_gate_up, w_down) -> jax.Array:
 _EXACT_TOKENS = 128
 
 
-def _by_capacity(x, weights, experts, w_gate_up, w_down, counts, capacity: int) -> jax.Array:
+def _by_capacity(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate_up: Stacked,
+    w_down: Stacked,
+    counts: jax.Array,
+    capacity: int,
+) -> jax.Array:
     """capacity_experts with C = `capacity` rows per expert (every group must fit)."""
     (t, top_k), num_experts = experts.shape, w_gate_up.shape[0]
     flat = experts.reshape(-1)  # [N = T*k]: row j is token j // k's (j % k)-th choice
@@ -221,7 +243,9 @@ _FORMS = {"dense": dense_experts, "ragged": ragged_experts, "capacity": capacity
 _AUTO = {"cpu": "dense", "gpu": "capacity", "cuda": "capacity", "rocm": "capacity"}
 
 
-def per_expert(x, weights, experts, w_gate_up: tuple, w_down: tuple) -> jax.Array:
+def per_expert(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: tuple[Stacked, ...], w_down: tuple[Stacked, ...]
+) -> jax.Array:
     """The per-expert layout's forms (module docstring): under 64 tokens a loop over the choices,
     sorted by expert, with a switch over the experts in its body; from 64 a conditional per expert.
     Quantized experts always take the conditionals: each chosen expert's weights are converted
@@ -232,7 +256,7 @@ def per_expert(x, weights, experts, w_gate_up: tuple, w_down: tuple) -> jax.Arra
     quantized = any(isinstance(w, QuantizedWeight) for w in (*w_gate_up, *w_down))
     if t < _FEWEST_PACKED and not quantized:
 
-        def choice(out, c):
+        def choice(out: jax.Array, c: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
             expert, weight, row = c
             y = jax.lax.switch(expert, mlps, jax.lax.dynamic_slice_in_dim(x, row, 1))  # [1, E]
             return out.at[row].add((y[0] * weight).astype(x.dtype)), None
@@ -252,7 +276,7 @@ def per_expert(x, weights, experts, w_gate_up: tuple, w_down: tuple) -> jax.Arra
 _FEWEST_PACKED = 64  # from this many tokens on, each expert runs once on its packed rows
 
 
-def _chosen_rows(mlp, x: jax.Array, gate: jax.Array) -> jax.Array:
+def _chosen_rows(mlp: Callable[[jax.Array], jax.Array], x: jax.Array, gate: jax.Array) -> jax.Array:
     """gate[:, None] * mlp(x) for the rows with a non-zero gate (others 0): the rows packed to the
     front, the MLP run on the fewest of T/8, T/4, T/2 or T rows that holds them (one branch per
     size), nothing run when no row has a gate."""
@@ -261,8 +285,8 @@ def _chosen_rows(mlp, x: jax.Array, gate: jax.Array) -> jax.Array:
     sizes = [t // 8, t // 4, t // 2, t]
     order = jnp.argsort(gate == 0, stable=True)  # rows with a gate first
 
-    def rows(n):
-        def run(_):
+    def rows(n: int) -> Callable[[None], jax.Array]:
+        def run(_: None) -> jax.Array:
             picked = order[:n]
             out = mlp(x[picked]) * gate[picked][:, None]
             return jnp.zeros_like(x).at[picked].add(out.astype(x.dtype))

@@ -8,15 +8,19 @@ D head dim, F mlp hidden, V vocab, X experts, k experts per token.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.layout import Layout, with_layout_constraint
+from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.quant import einsum, embedding_rows
@@ -26,15 +30,65 @@ from pallas_kernels import ragged_paged_attention
 from pallas_kernels.reference import write_kv
 from sharding import shard_paged_attention
 
+# Parameters by field name as loaded (a layer's, or the top level's): float arrays and quantized
+# weights (jaxinfer.quant) side by side, before a family's `assemble` builds its tree.
+Fields = dict[str, Any]
+KVCache = jax.Array | QuantizedKVCache  # one layer's pages [P, page, 2K, D] (int8 / fp8: and their scales)
+# A layer function of the decoder stack: (x, layer, kv_cache, cos, sin, meta, config, attn_impl,
+# *static) -> (x, kv_cache).
+LayerFn = Callable[..., tuple[jax.Array, KVCache]]
 
-@flax.struct.dataclass
-class AttentionMetadata:
-    """Where this step's tokens sit in the paged KV cache (the kernel contract's metadata)."""
 
-    kv_lens: jax.Array  # i32[S] tokens in the cache per sequence after this step
-    page_indices: jax.Array  # i32[S, pages_per_seq]
-    cu_q_lens: jax.Array  # i32[S+1] query token offsets
-    num_seqs: jax.Array  # i32[1] real sequences; the rest is padding
+class DecoderParams(Protocol):
+    """What the shared layers read of a family's parameter tree (a flax.struct dataclass)."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    @property
+    def embed(self) -> jax.Array: ...  # [V, E], maybe quantized
+    @property
+    def layers(self) -> tuple[Any, ...]: ...  # the family's layer dataclasses
+    @property
+    def final_norm(self) -> jax.Array: ...  # [E]
+
+
+@flax.struct.dataclass(frozen=True)  # as flax makes it; said for the type checker: `A` is covariant
+class AttentionMetadata[A]:
+    """Where this step's tokens sit in the paged KV cache (the kernel contract's metadata).
+    `A`: the arrays' type: numpy as the host builds them, jax.Array on the device."""
+
+    kv_lens: A  # i32[S] tokens in the cache per sequence after this step
+    page_indices: A | None  # i32[S, pages_per_seq]; None from the host (the step reads its page table)
+    cu_q_lens: A  # i32[S+1] query token offsets
+    num_seqs: A  # i32[1] real sequences; the rest is padding
+
+
+class AttentionLayer(Protocol):
+    """What llama.model.attention_block reads of a layer: LlamaLayer's attention fields (MoeLayer's too)."""
+
+    @property
+    def attn_norm(self) -> jax.Array: ...
+    @property
+    def w_qkv(self) -> jax.Array: ...
+    @property
+    def wo(self) -> jax.Array: ...
+    @property
+    def b_qkv(self) -> jax.Array | None: ...
+    @property
+    def bo(self) -> jax.Array | None: ...
+    @property
+    def q_norm(self) -> jax.Array | None: ...
+    @property
+    def k_norm(self) -> jax.Array | None: ...
+
+
+class LMHead(Protocol):
+    """What llama.model.compute_logits (every family's LM head) reads of the parameters."""
+
+    @property
+    def embed(self) -> jax.Array: ...
+    @property
+    def lm_head(self) -> jax.Array | None: ...
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -84,7 +138,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def traced_once(layer_fn):
+def traced_once(layer_fn: LayerFn) -> jax.stages.Wrapped:
     """layer_fn(x, layer, kv_cache, cos, sin, meta, config, attn_impl, *static) as a jit of its
     own, config, attn_impl and the rest static: inside the step's jit, layers of one signature are
     traced and lowered once, each layer a call of that one function, and XLA inlines the calls, so
@@ -95,15 +149,15 @@ def traced_once(layer_fn):
 
 
 def decoder_stack(
-    layer_fn,
-    params,
+    layer_fn: LayerFn,
+    params: DecoderParams,
     config: ModelConfig,
     tokens: jax.Array,
     positions: jax.Array,
-    kv_caches,
-    meta: AttentionMetadata,
+    kv_caches: tuple[KVCache, ...],
+    meta: AttentionMetadata[jax.Array],
     attn_impl: str,
-):
+) -> tuple[jax.Array, tuple[KVCache, ...]]:
     """Embedding, then `layer_fn(x, layer, kv_cache, cos, sin, meta, config, attn_impl)` for each
     layer in order (each writes its K/V pages), then the final norm: (hidden [T, E], caches)."""
     x = embedding_rows(params.embed, tokens)  # [T, E]; a quantized embedding dequantizes these rows
@@ -138,18 +192,20 @@ def paged_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    kv_cache: jax.Array | QuantizedKVCache,
-    meta: AttentionMetadata,
+    kv_cache: KVCache,
+    meta: AttentionMetadata[jax.Array],
     config: ModelConfig,
     impl: str,
     sliding: bool = True,
-) -> tuple[jax.Array, jax.Array | QuantizedKVCache]:
+) -> tuple[jax.Array, KVCache]:
     """q [T, H, D], k/v [T, K, D] -> (out [T, H, D], kv_cache) via the ragged paged kernel; the
     cache is a float array or an int8/fp8 QuantizedKVCache (jaxinfer.quant.kv_cache).
 
     Under a mesh (jax.set_mesh) the kernel runs once per shard: heads split over `tensor`,
     tokens over `sequence` (see sharding/attention.py); without one it is a plain call. `sliding`:
     False for a global layer of a model whose layers differ (config.layer_types)."""
+    if meta.page_indices is None:
+        raise ValueError("paged_attention: the metadata has no page_indices (the step reads them from its page table)")
     window = config.sliding_window if sliding else None
     attend = functools.partial(
         ragged_paged_attention,
@@ -172,20 +228,20 @@ def paged_attention(
     )
 
 
-def _with_kv_scales(fn, cache_at: int):
+def _with_kv_scales(fn: Callable[..., Any], cache_at: int) -> Callable[..., Any]:
     """A kernel-contract call that also takes a QuantizedKVCache at argument `cache_at` (3 for
     attend(q, k, v, cache, ...) -> (out, cache), 0 for write_kv(cache, ...) -> cache): its pages go
     in as the cache and its per-head scales as k_scale / v_scale, so new K/V are written quantized
     and pages are read back dequantized; the cache comes back with the same scales."""
 
-    def call(*args):
+    def call(*args: Any) -> Any:
         cache = args[cache_at]
         if not isinstance(cache, QuantizedKVCache):
             return fn(*args)
         out = fn(*args[:cache_at], cache.pages, *args[cache_at + 1 :], k_scale=cache.k_scale, v_scale=cache.v_scale)
         if cache_at == 0:
-            return cache.replace(pages=out)
-        return out[0], cache.replace(pages=out[1])
+            return dataclasses.replace(cache, pages=out)
+        return out[0], dataclasses.replace(cache, pages=out[1])
 
     return call
 
@@ -194,13 +250,13 @@ def _with_kv_scales(fn, cache_at: int):
 LAYER_LINEARS = {"w_qkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
 
 
-def linear_layout(params, mesh):
+def linear_layout[P: DecoderParams](params: P, mesh: Mesh | None) -> P:
     """The layers' float32 linear weights in the layout the step computes with: output axes first
     (jaxinfer/quant/out_first.py) on one CPU device without a mesh, where small batches run as
     streaming reductions; [in..., out...] everywhere else. Either layout converts to the other.
     (A tied LM head needs no conversion: the embedding [V, E] is already out-first.)"""
     device = next(iter(jax.tree.leaves(params)[0].devices()))
     if mesh is None and device.platform == "cpu":
-        return params.replace(layers=tuple(to_out_first(layer, LAYER_LINEARS) for layer in params.layers))
+        return dataclasses.replace(params, layers=tuple(to_out_first(layer, LAYER_LINEARS) for layer in params.layers))
     stored = lambda w: w.stored() if isinstance(w, OutFirstWeight) else w  # noqa: E731
     return jax.tree.map(stored, params, is_leaf=lambda w: isinstance(w, OutFirstWeight))

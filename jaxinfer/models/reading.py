@@ -14,18 +14,22 @@ split, and every process reads only its own shards).
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
-from checkpoints import CheckpointError, OrbaxCheckpoint
+from checkpoints import CheckpointError, CheckpointReader, GGUFCheckpoint, OrbaxCheckpoint
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.registry import ModelFamily, get_family
+from jaxinfer.models.layers import Fields
+from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
 from jaxinfer.models.specs import TensorSpec
-from jaxinfer.quant import QuantConfig, join_components, quantize_field, resolve, stored_components
+from jaxinfer.quant import QuantConfig, QuantizedWeight, join_components, quantize_field, resolve, stored_components
 from jaxinfer.quant.gguf import native_weight
 from sharding import DevicePlacer, Placer
 
@@ -35,7 +39,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 ORBAX_FORMAT = "ours"  # an orbax checkpoint holds our own fields under our own names
 
 
-def resolve_dtype(dtype) -> jnp.dtype:
+def resolve_dtype(dtype: DTypeLike) -> np.dtype:
     """A dtype name or dtype; "auto" is bfloat16 on accelerators and float32 on the CPU, where
     XLA's bfloat16 matmuls run several times slower than float32."""
     if dtype == "auto":
@@ -50,7 +54,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return dtype
 
 
-def _check_tensors(reader, specs: list[TensorSpec], ignored: tuple[str, ...], where: str):
+def _check_tensors(reader: CheckpointReader, specs: list[TensorSpec], ignored: tuple[str, ...], where: str) -> None:
     names = set(reader.keys())
     wanted = {s.name for s in specs}
     missing = [s.name for s in specs if s.name not in names]
@@ -72,14 +76,14 @@ def _check_tensors(reader, specs: list[TensorSpec], ignored: tuple[str, ...], wh
 
 
 def load_params(
-    reader,
+    reader: CheckpointReader,
     config: ModelConfig,
     fmt: str,
-    dtype,
+    dtype: DTypeLike,
     place: Placer | None = None,
     where: str = "checkpoint",
     quantization: QuantConfig | None = None,
-):
+) -> ModelParams:
     """Reads, checks and converts every tensor; `place` puts each on its device(s)."""
     family = get_family(config.family)
     top, per_layer = read_fields(reader, config, fmt, dtype, place, where, quantization=quantization)
@@ -87,39 +91,41 @@ def load_params(
 
 
 def checkpoint_quantization(
-    reader, fmt: str, asked: QuantConfig | None, where: str, family: ModelFamily | None = None
+    reader: CheckpointReader, fmt: str, asked: QuantConfig | None, where: str, family: ModelFamily | None = None
 ) -> QuantConfig | None:
     """The quantization a load ends with (jaxinfer.quant.resolve): an orbax checkpoint saved
     quantized keeps its own; "auto" keeps a GGUF file's blocks on accelerators."""
-    saved = QuantConfig.from_metadata(reader.metadata.get("quantization")) if fmt == ORBAX_FORMAT else None
+    saved = None
+    if fmt == ORBAX_FORMAT and isinstance(reader, OrbaxCheckpoint):  # fmt "ours": an orbax reader
+        saved = QuantConfig.from_metadata(reader.metadata.get("quantization"))
     has_linear = family is None or bool(family.linear_inputs)
     return resolve(asked, fmt, saved, has_linear, jax.default_backend(), where)
 
 
 def read_fields(
-    reader,
+    reader: CheckpointReader,
     config: ModelConfig,
     fmt: str,
-    dtype,
+    dtype: DTypeLike,
     place: Placer | None = None,
     where: str = "checkpoint",
     progress: Callable[[int], None] | None = None,
     quantization: QuantConfig | None = None,
-):
+) -> tuple[Fields, list[Fields]]:
     """Every checkpoint tensor as our field, placed: (top fields, one dict per layer), before the
     family assembles them; linear weights quantized when `quantization` (or the checkpoint) says
     so. `progress(n)` is told of each n tensors done."""
     family = get_family(config.family)
-    dtype = resolve_dtype(dtype)
+    resolved = resolve_dtype(dtype)
     quant = checkpoint_quantization(reader, fmt, quantization, where, family)
     if quant is not None and not family.linear_inputs:
         raise ValueError(f"model family {family.name!r} does not support quantization={quant.method!r} yet")
     specs = family.checkpoint_specs(config, fmt)
     place = place or DevicePlacer()
-    top: dict = {}
-    per_layer: list[dict] = [{} for _ in range(config.num_layers)]
-    if fmt == ORBAX_FORMAT:
-        for field, value, layer in _restore_fields(reader, specs, dtype, place, quant, family, where):
+    top: Fields = {}
+    per_layer: list[Fields] = [{} for _ in range(config.num_layers)]
+    if fmt == ORBAX_FORMAT and isinstance(reader, OrbaxCheckpoint):  # fmt "ours": an orbax reader
+        for field, value, layer in _restore_fields(reader, specs, resolved, place, quant, family, where):
             (top if layer is None else per_layer[layer])[field] = value
         if progress:
             progress(len(specs))
@@ -127,7 +133,7 @@ def read_fields(
     _check_tensors(reader, specs, family.ignored_tensors, where)
     for spec in specs:
         inputs = quant.inputs(spec.field, family.linear_inputs) if quant is not None else None
-        value = _read_field(reader, spec, inputs, quant, dtype, place)
+        value = _read_field(reader, spec, inputs, quant, resolved, place)
         (top if spec.layer is None else per_layer[spec.layer])[spec.field] = value
         if progress:
             progress(1)
@@ -135,25 +141,36 @@ def read_fields(
 
 
 def _read_field(
-    reader, spec: TensorSpec, inputs: tuple[int, ...] | None, quant: QuantConfig | None, dtype, place: Placer
-):
+    reader: CheckpointReader,
+    spec: TensorSpec,
+    inputs: tuple[int, ...] | None,
+    quant: QuantConfig | None,
+    dtype: np.dtype,
+    place: Placer,
+) -> jax.Array | QuantizedWeight:
     """One tensor of an HF or GGUF checkpoint as our field, placed: GGUF blocks repacked (quant
-    "gguf"; a tensor whose blocks do not fit stays float), quantized, or float."""
-    if inputs is not None and quant.method == "gguf":
+    "gguf", a GGUF file's reader; a tensor whose blocks do not fit stays float), quantized, or float."""
+    if inputs is not None and quant is not None and quant.method == "gguf" and isinstance(reader, GGUFCheckpoint):
         weight = native_weight(reader, spec, inputs, dtype)
         if weight is not None:
             return weight.map(lambda a: place(spec, a))
         logger.info("%s (%s) stays float", spec.name, reader.quant_type(spec.name))
         inputs = None
     array = spec.to_ours(np.asarray(reader.get(spec.name)))
-    if inputs is not None:
+    if inputs is not None and quant is not None:
         return quantize_field(array, spec.field, inputs, quant, dtype).map(lambda a: place(spec, a))
     return place(spec, np.ascontiguousarray(array.astype(dtype)))
 
 
 def _restore_fields(
-    reader, specs: list[TensorSpec], dtype, place: Placer, quant: QuantConfig | None, family: ModelFamily, where: str
-):
+    reader: OrbaxCheckpoint,
+    specs: list[TensorSpec],
+    dtype: np.dtype,
+    place: Placer,
+    quant: QuantConfig | None,
+    family: ModelFamily,
+    where: str,
+) -> Iterator[tuple[str, Any, int | None]]:
     """(field, value, layer) of every spec, restored from an orbax checkpoint; a quantized
     checkpoint's weights from their stored arrays, a float one's quantized if asked."""
     saved = QuantConfig.from_metadata(reader.metadata.get("quantization"))
@@ -178,22 +195,29 @@ def _restore_fields(
         reader, [p for s in specs if not (requantize and s.name in inputs) for p in stored[s.name]], dtype, place, keep
     )
     for spec in specs:
-        if len(stored[spec.name]) > 1:
+        value: jax.Array | QuantizedWeight
+        if saved is not None and len(stored[spec.name]) > 1:
             value = join_components(arrays, spec.name, inputs[spec.name], saved, dtype)
-        elif requantize and spec.name in inputs:  # read whole on this host, quantized, then placed
+        elif quant is not None and requantize and spec.name in inputs:  # read whole here, quantized, placed
             value = quantize_field(np.asarray(reader.get(spec.name)), spec.field, inputs[spec.name], quant, dtype).map(
-                lambda a, s=spec: place(s, a)
+                functools.partial(place, spec)
             )
         else:
             value = arrays[spec.name]
         yield spec.field, value, spec.layer
 
 
-def _restore(reader: OrbaxCheckpoint, specs: list[TensorSpec], dtype, place: Placer, keep=frozenset()) -> dict:
+def _restore(
+    reader: OrbaxCheckpoint,
+    specs: list[TensorSpec],
+    dtype: np.dtype,
+    place: Placer,
+    keep: frozenset[str] | set[str] = frozenset(),
+) -> dict[str, jax.Array]:
     """Every array read straight onto its devices; floating arrays cast to `dtype` (except those
     named in `keep`), others (the integers of a quantized model) kept as saved."""
 
-    def target(spec: TensorSpec):
+    def target(spec: TensorSpec) -> jax.ShapeDtypeStruct:
         saved = reader.dtype(spec.name)
         return place.target(
             spec.field,

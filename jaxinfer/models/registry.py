@@ -18,56 +18,57 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
-import numpy as np
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from jaxinfer.config import ModelConfig, families
 from jaxinfer.config.families import FamilySpec
-from jaxinfer.models.layers import AttentionMetadata
+from jaxinfer.models.layers import AttentionMetadata, Fields, KVCache
 from jaxinfer.models.specs import TensorSpec
 
-KVCaches = tuple[jax.Array, ...]  # one [P, page, 2K, D] array per layer
+KVCaches = tuple[KVCache, ...]  # one [P, page, 2K, D] array (or quantized cache) per layer
 
 
 class ModelParams(Protocol):
     """What code outside a family reads of its parameter pytree (a flax.struct dataclass)."""
 
-    embed: jax.Array  # [V, E]; its dtype is the model's dtype
+    @property
+    def embed(self) -> jax.Array: ...  # [V, E]; its dtype is the model's dtype
 
 
-class ForwardFn(Protocol):
+# The protocols of a family's functions take its own parameter tree `P` (LlamaParams, ...).
+
+
+class ForwardFn[P: ModelParams](Protocol):
     def __call__(
         self,
-        params: ModelParams,
+        params: P,
         config: ModelConfig,
         tokens: jax.Array,
         positions: jax.Array,
         kv_caches: KVCaches,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata[jax.Array],
         *,
         attn_impl: str = "auto",
     ) -> tuple[jax.Array, KVCaches]:
         """tokens, positions i32[T] -> (hidden [T, E] after the final norm, new caches)."""
 
 
-class LogitsFn(Protocol):
-    def __call__(self, params: ModelParams, hidden: jax.Array) -> jax.Array:
+class LogitsFn[P: ModelParams](Protocol):
+    def __call__(self, params: P, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> logits f32[N, V]."""
 
 
-class InitParamsFn(Protocol):
-    def __call__(
-        self, config: ModelConfig, key: jax.Array, dtype: np.dtype | type = ..., scale: float = ...
-    ) -> ModelParams:
+class InitParamsFn[P: ModelParams](Protocol):
+    def __call__(self, config: ModelConfig, key: jax.Array, dtype: DTypeLike = ..., scale: float = ...) -> P:
         """Random parameters of the config's shapes (tests and benchmarks)."""
 
 
-class AssembleFn(Protocol):
-    def __call__(
-        self, config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dict[str, jax.Array]]
-    ) -> ModelParams:
+class AssembleFn[P: ModelParams](Protocol):
+    def __call__(self, config: ModelConfig, top: Fields, per_layer: list[Fields]) -> P:
         """The parameter tree from loaded arrays keyed by field name (it may empty `per_layer`
         dicts as it goes, freeing arrays it has fused)."""
 
@@ -78,12 +79,12 @@ class CheckpointSpecsFn(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelFamily:
+class ModelFamily[P: ModelParams]:
     name: str
-    forward: ForwardFn
-    compute_logits: LogitsFn
-    init_params: InitParamsFn
-    assemble: AssembleFn
+    forward: ForwardFn[P]
+    compute_logits: LogitsFn[P]
+    init_params: InitParamsFn[P]
+    assemble: AssembleFn[P]
     checkpoint_specs: CheckpointSpecsFn
     ignored_tensors: tuple[str, ...]  # checkpoint name suffixes that may be present and unused
     param_axes: Mapping[str, tuple[str, ...]]  # field name -> logical axis names
@@ -91,7 +92,7 @@ class ModelFamily:
     linear_inputs: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     traits: tuple[str, ...] = ()  # what every model of the family does (for `jaxinfer info`)
     # (params, mesh or None) -> params in the layout the step computes with there (the worker's).
-    compute_layout: Callable[[Any, Any], Any] | None = None
+    compute_layout: Callable[[P, Mesh | None], P] | None = None
 
 
 _LOADED: dict[str, tuple[FamilySpec, ModelFamily]] = {}  # name -> (its spec, the record spec.model made)

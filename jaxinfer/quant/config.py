@@ -10,12 +10,14 @@ a load restores them as saved, and its metadata carries `QuantConfig.to_metadata
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Protocol
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
+from checkpoints import CheckpointReader
 from jaxinfer.quant.weights import QuantizedWeight, quantize_int4, quantize_int8
 
 METHODS = ("int8", "int4", "gguf")
@@ -31,6 +33,20 @@ EMBEDDING_INPUTS = {"embed": (1,), "lm_head": (0,)}
 # vs 32.6 at batch 8): its float32 matmuls are compute-bound and every step re-expands the
 # integers. Accelerators decode memory-bound, where reading 4.5-8.5 bits a weight beats 16-32.
 GGUF_NATIVE_BACKENDS = ("gpu", "tpu", "cuda", "rocm")
+PyTree = Any  # a model's parameter tree (a flax.struct dataclass of arrays and quantized weights)
+
+
+class StoredSpec(Protocol):
+    """What quantization reads of a checkpoint tensor's spec (jaxinfer.models.specs.TensorSpec)."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def ckpt_shape(self) -> tuple[int, ...]: ...
+    @property
+    def to_ours(self) -> Callable[[np.ndarray], np.ndarray]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +89,11 @@ class QuantConfig:
                 raise ValueError("quantize_embedding=True needs quantization int8 or int4, not none")
             return None
         return cls(method, group_size, bool(embedding))
+
+    @property
+    def group(self) -> int:
+        """`group_size` as settled at construction (0: one scale per output channel)."""
+        return self.group_size or 0
 
     def to_metadata(self) -> dict[str, Any]:
         return {"method": self.method, "group_size": self.group_size or None, "embedding": self.embedding}
@@ -119,28 +140,28 @@ def resolve(
 
 
 def quantize_field(
-    array: np.ndarray, field: str, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype
+    array: np.ndarray, field: str, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype: DTypeLike
 ) -> QuantizedWeight:
     """One linear weight in our layout (`inputs`: its input axes) -> its host QuantizedWeight."""
     if quant.method == "int8":
-        return quantize_int8(array, inputs, scale_dtype, quant.group_size, name=field)
-    return quantize_int4(array, inputs, quant.group_size, scale_dtype, name=field)
+        return quantize_int8(array, inputs, scale_dtype, quant.group, name=field)
+    return quantize_int4(array, inputs, quant.group, scale_dtype, name=field)
 
 
 def component_shapes(
-    shape: tuple[int, ...], inputs: tuple[int, ...], quant: QuantConfig, scale_dtype
+    shape: tuple[int, ...], inputs: tuple[int, ...], quant: QuantConfig, scale_dtype: DTypeLike
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The arrays a weight of this float shape is stored as: {component: (shape, dtype)}."""
     if quant.method == "int8":
         scales = [1 if i in inputs else n for i, n in enumerate(shape)]
-        if quant.group_size:  # grouped along the last input axis, varying over the others
+        if quant.group:  # grouped along the last input axis, varying over the others
             scales = [n for n in shape]
-            scales[inputs[-1]] //= quant.group_size
+            scales[inputs[-1]] //= quant.group
         return {"values": (tuple(shape), np.dtype(np.int8)), "scales": (tuple(scales), np.dtype(scale_dtype))}
     axis = inputs[-1]
     values, scales = list(shape), list(shape)
     values[axis] //= 2
-    scales[axis] //= quant.group_size
+    scales[axis] //= quant.group
     return {
         "values": (tuple(values), np.dtype(np.uint8)),
         "scales": (tuple(scales), np.dtype(scale_dtype)),
@@ -148,7 +169,9 @@ def component_shapes(
     }
 
 
-def component_specs(spec, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype) -> list:
+def component_specs[S: StoredSpec](
+    spec: S, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype: DTypeLike
+) -> list[S]:
     """A checkpoint TensorSpec of a linear weight -> one spec per stored array (NAME.values, ...)."""
     shapes = component_shapes(spec.ckpt_shape, inputs, quant, scale_dtype)
     return [
@@ -156,7 +179,9 @@ def component_specs(spec, inputs: tuple[int, ...], quant: QuantConfig, scale_dty
     ]
 
 
-def stored_components(reader, spec, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype) -> list:
+def stored_components[S: StoredSpec](
+    reader: CheckpointReader, spec: S, inputs: tuple[int, ...], quant: QuantConfig, scale_dtype: DTypeLike
+) -> list[S]:
     """The checkpoint specs a quantized orbax checkpoint stores `spec` as: our int8 / int4 by
     `component_specs`; a GGUF-native one as the arrays it holds (a tensor GGUF kept float, or
     whose blocks did not fit our layout, is stored float under its own name)."""
@@ -175,7 +200,7 @@ def stored_components(reader, spec, inputs: tuple[int, ...], quant: QuantConfig,
 
 
 def join_components(
-    arrays: Mapping[str, Any], name: str, inputs: tuple[int, ...], quant: QuantConfig, dtype=None
+    arrays: Mapping[str, Any], name: str, inputs: tuple[int, ...], quant: QuantConfig, dtype: DTypeLike | None = None
 ) -> QuantizedWeight:
     """The QuantizedWeight restored as NAME.values, NAME.scales (, NAME.zeros, NAME.offsets)."""
     values, scales = arrays[f"{name}.values"], arrays[f"{name}.scales"]
@@ -183,31 +208,31 @@ def join_components(
     if quant.method == "gguf":
         group = values.shape[inputs[-1]] * (2 if method == "int4" else 1) // scales.shape[inputs[-1]]
     else:
-        group = quant.group_size
+        group = quant.group
     return QuantizedWeight(
         values, scales, arrays.get(f"{name}.zeros"), method, inputs, group, arrays.get(f"{name}.offsets"), dtype
     )
 
 
-def flat_arrays(name: str, value) -> dict[str, Any]:
+def flat_arrays(name: str, value: Any) -> dict[str, Any]:  # value: an array, or a QuantizedWeight
     """{checkpoint name: array} of a field: itself, or a QuantizedWeight's arrays."""
     if isinstance(value, QuantizedWeight):
         return {f"{name}.{part}": array for part, array in value.arrays().items()}
     return {name: value}
 
 
-def param_bytes(params) -> int:
+def param_bytes(params: PyTree) -> int:
     """Bytes of every parameter array (each counted once, however it is split over devices)."""
     return sum(int(x.nbytes) for x in jax.tree.leaves(params))
 
 
-def param_count(params) -> int:
+def param_count(params: PyTree) -> int:
     """Parameters of the float model the tree stands for (a quantized weight counts its shape)."""
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params, is_leaf=is_weight))
 
 
-def quantization_of(params) -> str | None:
+def quantization_of(params: PyTree) -> str | None:
     """ "int8", "int4", "mixed" (GGUF blocks of several layouts) or None: how the tree's quantized
     weights store their integers."""
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
@@ -215,7 +240,7 @@ def quantization_of(params) -> str | None:
     return None if not methods else methods.pop() if len(methods) == 1 else "mixed"
 
 
-def quantized_tensors(params) -> dict[str, dict[str, int]]:
+def quantized_tensors(params: PyTree) -> dict[str, dict[str, int]]:
     """{field: {layout: how many}} of the tree's quantized weights, e.g. {"w_qkv": {"int4 g32
     +offsets": 30}, "embed": {"int8 g32": 1}} (a field repeats once per layer)."""
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731

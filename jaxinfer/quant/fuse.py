@@ -20,14 +20,18 @@ experts, [X, ...]): a quantized weight's arrays alike, its input axes renumbered
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.quant.weights import QuantizedWeight, dequantize, integers, per_weight
 
+Weight = jax.Array | QuantizedWeight  # a float weight, or a quantized one
 
-def fuse(fn, *weights):
+
+def fuse(fn: Callable[..., jax.Array], *weights: Weight) -> Weight:
     """fn(*arrays) for each component of the weights (plain arrays: fn(*weights))."""
     quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
     if not quantized:
@@ -36,8 +40,8 @@ def fuse(fn, *weights):
         dtype = next(w.dtype for w in weights if not isinstance(w, QuantizedWeight))
         return fn(*(dequantize(w, dtype) for w in weights))
     if len({_signature(w) for w in quantized}) > 1:
-        weights = common_layout(quantized)
-    return jax.tree.map(fn, *weights)
+        quantized = common_layout(quantized)  # every weight is quantized here: the same list
+    return jax.tree.map(fn, *quantized)
 
 
 def _signature(w: QuantizedWeight) -> tuple:
@@ -88,7 +92,7 @@ def _regroup(w: QuantizedWeight, array: jax.Array, group: int) -> jax.Array:
     return jnp.broadcast_to(array, tuple(n if i in w.inputs else array.shape[i] for i, n in enumerate(shape)))
 
 
-def stack(weights, axis: int = 0):
+def stack(weights: Sequence[Weight], axis: int = 0) -> Weight:
     """jnp.stack(weights, axis) of float or quantized weights (fused as `fuse` does); a quantized
     result's input axes are renumbered past the new axis."""
     out = fuse(lambda *arrays: jnp.stack(arrays, axis), *weights)
@@ -97,14 +101,14 @@ def stack(weights, axis: int = 0):
     return _relabelled(out, tuple(i + (i >= axis) for i in out.inputs))
 
 
-def unstack(w) -> tuple:
+def unstack(w: Weight) -> tuple[Weight, ...]:
     """[X, ...] -> X weights [...]: the inverse of stack along axis 0."""
     if not isinstance(w, QuantizedWeight):
         return tuple(w[i] for i in range(w.shape[0]))
     if 0 in w.inputs:
         raise ValueError(f"cannot unstack {w!r} along its input axis 0")
     inputs = tuple(i - 1 for i in w.inputs)
-    return tuple(_relabelled(w.map(lambda a, i=i: a[i]), inputs) for i in range(w.shape[0]))
+    return tuple(_relabelled(w.map(operator.itemgetter(i)), inputs) for i in range(w.shape[0]))
 
 
 def _relabelled(w: QuantizedWeight, inputs: tuple[int, ...]) -> QuantizedWeight:

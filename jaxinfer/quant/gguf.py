@@ -15,13 +15,23 @@ loader dequantizes that tensor as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxinfer.quant import gguf_blocks
 from jaxinfer.quant.weights import QuantizedWeight, pack_int4
 
+if TYPE_CHECKING:
+    from checkpoints import GGUFCheckpoint
+    from jaxinfer.quant.config import StoredSpec
 
-def repack(blocks: gguf_blocks.Blocks, to_ours, inputs: tuple[int, ...], dtype) -> QuantizedWeight | None:
+
+def repack(
+    blocks: gguf_blocks.Blocks, to_ours: Callable[[np.ndarray], np.ndarray], inputs: tuple[int, ...], dtype: DTypeLike
+) -> QuantizedWeight | None:
     """Blocks in the checkpoint's shape -> a QuantizedWeight in our layout (None if the layout does
     not keep GGUF's groups whole along our last input axis). `dtype`: the model's float dtype."""
     shape, group = blocks.integers.shape, blocks.group
@@ -63,7 +73,9 @@ def _is_permutation(index: np.ndarray, size: int) -> bool:
     return bool(seen.all())
 
 
-def native_weight(reader, spec, inputs: tuple[int, ...], dtype) -> QuantizedWeight | None:
+def native_weight(
+    reader: GGUFCheckpoint, spec: StoredSpec, inputs: tuple[int, ...], dtype: DTypeLike
+) -> QuantizedWeight | None:
     """The GGUF tensor `spec.name` as a host QuantizedWeight in our layout, or None when it stays
     float (a float tensor, a type not decoded here, or a layout that splits its groups)."""
     kind = reader.quant_type(spec.name)

@@ -73,7 +73,7 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _legacy(kind: str, b: np.ndarray) -> tuple:
+def _legacy(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, int]:
     """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 blocks [nb, bytes] -> (q, d, zeros, m, bits)."""
     d = _f16(b[:, 0:2])
     if kind == "Q8_0":
@@ -89,12 +89,14 @@ def _legacy(kind: str, b: np.ndarray) -> tuple:
     return q.astype(np.int8), d, None, _f16(b[:, 2:4]), 8
 
 
-def _k_quant(kind: str, b: np.ndarray) -> tuple:
+def _k_quant(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
     """Q4_K, Q5_K, Q6_K super-blocks [nb, bytes] -> (q, scales, offsets, group, bits)."""
     nb = b.shape[0]
     if kind == "Q6_K":
         low = _nibbles(b[:, :128], 64).reshape(nb, 8, 32)
-        high = (b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        high: np.ndarray = (
+            b[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        ) & 3
         q = (low | (high.reshape(nb, 8, 32) << 4)).astype(np.int8) - np.int8(32)
         sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
         scales = _f16(b[:, 208:210]).astype(np.float32) * sc
@@ -116,7 +118,7 @@ def decode(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> Blocks:
     blocks = np.asarray(data, np.uint8).reshape(-1, BLOCK_BYTES[kind])
     if kind.endswith("_K"):
         q, scales, offsets, group, bits = _k_quant(kind, blocks)
-        zeros = None
+        zeros: np.ndarray | None = None
     else:
         q, scales, zeros, offsets, bits = _legacy(kind, blocks)
         group = QK
@@ -125,4 +127,4 @@ def decode(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> Blocks:
         raise ValueError(f"{kind} blocks of {q.size} weights do not fill the shape {tuple(shape)}")
     grouped = tuple(shape[:-1]) + (n // group,)
     reshape = lambda a: None if a is None else a.reshape(grouped)  # noqa: E731
-    return Blocks(q.reshape(shape), reshape(scales), reshape(zeros), reshape(offsets), group, bits)
+    return Blocks(q.reshape(shape), scales.reshape(grouped), reshape(zeros), reshape(offsets), group, bits)

@@ -23,6 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 # Names EngineConfig.kv_cache_dtype accepts for a quantized cache, and their storage dtypes.
 QUANTIZED_KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
@@ -47,7 +48,7 @@ class QuantizedKVCache:
         return self.scales.reshape(-1)[1::2]
 
 
-def resolve_kv_dtype(name: str, model_dtype) -> np.dtype:
+def resolve_kv_dtype(name: str, model_dtype: DTypeLike) -> np.dtype:
     """EngineConfig.kv_cache_dtype -> the cache's storage dtype ("auto": the model's dtype)."""
     if name == "auto":
         return jnp.dtype(model_dtype)
@@ -57,11 +58,11 @@ def resolve_kv_dtype(name: str, model_dtype) -> np.dtype:
     return jnp.dtype(table[name])
 
 
-def is_quantized_kv(dtype) -> bool:
+def is_quantized_kv(dtype: DTypeLike) -> bool:
     return jnp.dtype(dtype).itemsize == 1
 
 
-def quant_max(dtype) -> float:
+def quant_max(dtype: DTypeLike) -> float:
     """The largest magnitude the storage dtype holds: 127 for int8, 448 for fp8 e4m3."""
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.integer):
@@ -69,7 +70,7 @@ def quant_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
-def scales_from_absmax(absmax: np.ndarray, dtype, headroom: float) -> np.ndarray:
+def scales_from_absmax(absmax: np.ndarray, dtype: DTypeLike, headroom: float) -> np.ndarray:
     """Per-entry scales that map `headroom` x the observed |x| maximum to the dtype's largest
     value. A head that never saw a nonzero value gets scale 1 (anything it stores is exact zero
     or clipped the same way at either scale)."""

@@ -17,8 +17,16 @@ The worker converts a model's float32 linear weights on one CPU device without a
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # Rows (tokens) between these use the product-and-sum form on the CPU.
 CPU_REDUCE_ROWS = (2, 32)
@@ -47,10 +55,10 @@ class OutFirstWeight:
         return tuple(self.t.shape[axis] for axis in self._order())
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype:
         return self.t.dtype
 
-    def devices(self):
+    def devices(self) -> set[jax.Device]:
         return self.t.devices()
 
     def stored(self) -> jax.Array:
@@ -70,7 +78,7 @@ class OutFirstWeight:
 jax.tree_util.register_pytree_with_keys(
     OutFirstWeight,
     lambda w: ([(jax.tree_util.GetAttrKey("t"), w.t)], w.inputs),
-    lambda inputs, children: OutFirstWeight(children[0], inputs),
+    lambda inputs, children: OutFirstWeight(next(iter(children)), inputs),
     lambda w: ((w.t,), w.inputs),
 )
 
@@ -85,11 +93,11 @@ def contract_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
 
 
-def to_out_first(layer, fields: dict[str, tuple[int, ...]]):
+def to_out_first[L: DataclassInstance](layer: L, fields: Mapping[str, tuple[int, ...]]) -> L:
     """A layer (a flax struct dataclass) with each named float32 array field -> OutFirstWeight."""
     changes = {
         name: OutFirstWeight.of(getattr(layer, name), inputs)
         for name, inputs in fields.items()
         if isinstance(getattr(layer, name, None), jax.Array) and getattr(layer, name).dtype == jnp.float32
     }
-    return layer.replace(**changes) if changes else layer
+    return dataclasses.replace(layer, **changes) if changes else layer

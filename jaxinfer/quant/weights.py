@@ -34,21 +34,35 @@ dequantizes only those.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
 INT4_LEVELS = 15
+# A quantized weight's arrays: numpy as the host quantizes them, jax.Array once placed; as a pytree
+# its leaves are also whatever a tree map puts there (shardings, shape structs), so left open.
+Component = Any
 
 
 class QuantizedWeight:
     """values (int8, or uint8 holding two int4), scales, optional zeros / offsets + static layout."""
 
     def __init__(
-        self, values, scales, zeros, method: str, inputs: tuple[int, ...], group: int = 0, offsets=None, dtype=None
+        self,
+        values: Component,
+        scales: Component,
+        zeros: Component | None,
+        method: str,
+        inputs: tuple[int, ...],
+        group: int = 0,
+        offsets: Component | None = None,
+        dtype: DTypeLike | None = None,
     ):
         self.values, self.scales, self.zeros, self.offsets = values, scales, zeros, offsets
         self.method, self.inputs, self.group = method, tuple(inputs), group
@@ -84,16 +98,16 @@ class QuantizedWeight:
         named = {"values": self.values, "scales": self.scales, "zeros": self.zeros, "offsets": self.offsets}
         return {name: array for name, array in named.items() if array is not None}
 
-    def devices(self):
+    def devices(self) -> set[jax.Device]:
         return self.values.devices()
 
-    def __getitem__(self, rows) -> jax.Array:
+    def __getitem__(self, rows: jax.Array) -> jax.Array:
         """`embed[tokens]` of a quantized embedding [V, E]: the rows gathered, then dequantized."""
         if 0 in self.inputs:
             raise TypeError(f"{self!r}: rows of a weight are gathered only along a non-input first axis")
         return dequantize(self.map(lambda a: a[rows]))
 
-    def map(self, fn) -> QuantizedWeight:
+    def map(self, fn: Callable[[Component], Component]) -> QuantizedWeight:
         """fn applied to each array (e.g. placing each on its devices)."""
         maybe = lambda a: None if a is None else fn(a)  # noqa: E731
         return QuantizedWeight(
@@ -111,13 +125,15 @@ class QuantizedWeight:
         return f"QuantizedWeight({self.layout()}, shape={self.shape}, inputs={self.inputs}, dtype={self.dtype})"
 
 
-def _flatten_with_keys(w: QuantizedWeight):
+def _flatten_with_keys(
+    w: QuantizedWeight,
+) -> tuple[list[tuple[jax.tree_util.FlattenedIndexKey, Component]], tuple[Any, ...]]:
     children = (w.values, w.scales, w.zeros, w.offsets)
     keys = [jax.tree_util.FlattenedIndexKey(i) for i in range(4)]
     return list(zip(keys, children)), (w.method, w.inputs, w.group, w.dtype)
 
 
-def _unflatten(aux, children) -> QuantizedWeight:
+def _unflatten(aux: tuple[Any, ...], children: Iterable[Component]) -> QuantizedWeight:
     values, scales, zeros, offsets = children
     method, inputs, group, dtype = aux
     return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype)
@@ -132,7 +148,7 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def quantize_int8(
-    w: np.ndarray, inputs: tuple[int, ...], scale_dtype, group: int = 0, name: str = "weight"
+    w: np.ndarray, inputs: tuple[int, ...], scale_dtype: DTypeLike, group: int = 0, name: str = "weight"
 ) -> QuantizedWeight:
     """Symmetric: the largest |w| maps to 127, per output channel (group 0: over all input axes)
     or per group of `group` consecutive inputs along the last input axis."""
@@ -161,7 +177,7 @@ def _grouped(w32: np.ndarray, inputs: tuple[int, ...], group: int, name: str) ->
 
 
 def quantize_int4(
-    w: np.ndarray, inputs: tuple[int, ...], group: int, scale_dtype, name: str = "weight"
+    w: np.ndarray, inputs: tuple[int, ...], group: int, scale_dtype: DTypeLike, name: str = "weight"
 ) -> QuantizedWeight:
     """Groups of `group` inputs along the last input axis, each mapped onto 0..15 by its own min
     and max: w ~ q * s + o with o the group's minimum (a float offset, so a group of one sign
@@ -213,7 +229,7 @@ def per_weight(w: QuantizedWeight, array: jax.Array) -> jax.Array:
     return jnp.repeat(array, w.group, axis=w.axis)
 
 
-def dequantize(w: QuantizedWeight | jax.Array, dtype=None) -> jax.Array:
+def dequantize(w: QuantizedWeight | jax.Array, dtype: DTypeLike | None = None) -> jax.Array:
     """The float weight a QuantizedWeight stands for, in `dtype` (default: its own); plain arrays
     pass through. Computed in the wider of `dtype` and the scales' dtype."""
     if not isinstance(w, QuantizedWeight):

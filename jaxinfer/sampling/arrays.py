@@ -36,17 +36,19 @@ the history is None (a separate compiled variant) and the step pays nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import flax.struct
 import jax
 import numpy as np
 
-from jaxinfer.sampling.params import GREEDY_EPS, MAX_LOGIT_BIAS, SamplingParams
+from jaxinfer.sampling.params import GREEDY_EPS, MAX_LOGIT_BIAS, LogitBias, SamplingParams
 
 BIAS_DTYPE = np.float16  # SamplingArrays.bias_values (module docstring)
 UNSENT_DEFAULTS = ("allowed", "bias_ids", "bias_values")  # None when every row has the default
+HostOrDevice = np.ndarray | jax.Array  # a batch's arrays: numpy as built, jax.Array where placed
 
 
 class SequenceLike(Protocol):
@@ -63,32 +65,35 @@ class SequenceLike(Protocol):
     def output_token_ids(self) -> list[int]: ...
 
 
-@flax.struct.dataclass
-class PenaltyHistory:
-    token_ids: jax.Array  # i32[B, H] prompt ids (if the row's repetition penalty is on), then
+@flax.struct.dataclass(frozen=True)  # as flax makes it; said for the type checker: `A` is covariant
+class PenaltyHistory[A]:
+    token_ids: A  # i32[B, H] prompt ids (if the row's repetition penalty is on), then
     # output ids; -1 pads
-    num_prompt: jax.Array  # i32[B]    how many leading ids of the row are prompt ids
+    num_prompt: A  # i32[B]    how many leading ids of the row are prompt ids
 
 
-@flax.struct.dataclass
-class SamplingArrays:
-    """One row per sequence of the batch; padding rows are greedy with every filter off."""
+@flax.struct.dataclass(frozen=True)  # as flax makes it; said for the type checker: `A` is covariant
+class SamplingArrays[A]:
+    """One row per sequence of the batch; padding rows are greedy with every filter off.
 
-    temperature: jax.Array  # f32[B] 0 = greedy
-    top_k: jax.Array  # i32[B] 0 = off
-    top_p: jax.Array  # f32[B] 1 = off
-    min_p: jax.Array  # f32[B] 0 = off
-    repetition_penalty: jax.Array  # f32[B] 1 = off
-    presence_penalty: jax.Array  # f32[B] 0 = off
-    frequency_penalty: jax.Array  # f32[B] 0 = off
-    seeds: jax.Array  # u32[B, 2] the sequence's 64-bit seed as (low, high) words
-    num_generated: jax.Array  # i32[B] output tokens so far: which draw of the stream this is
-    num_top_logprobs: jax.Array  # i32[B] top-N logprobs asked for (0: none; no row >0: no top-k)
-    allowed: jax.Array | None  # i32[B, W] packed allowed-token bits, -1 = all (W = 1: no masking)
-    bias_ids: jax.Array | None  # i32[B, L] logit-bias token ids, packed at the front; -1 pads
-    bias_values: jax.Array | None  # f16[B, L] the bias added to each of those tokens' logits
+    `A`, the type of every array: np.ndarray as the host builds them, jax.Array once placed (a
+    tracer inside the step); a tree map may put other leaves in their place (their shardings)."""
+
+    temperature: A  # f32[B] 0 = greedy
+    top_k: A  # i32[B] 0 = off
+    top_p: A  # f32[B] 1 = off
+    min_p: A  # f32[B] 0 = off
+    repetition_penalty: A  # f32[B] 1 = off
+    presence_penalty: A  # f32[B] 0 = off
+    frequency_penalty: A  # f32[B] 0 = off
+    seeds: A  # u32[B, 2] the sequence's 64-bit seed as (low, high) words
+    num_generated: A  # i32[B] output tokens so far: which draw of the stream this is
+    num_top_logprobs: A  # i32[B] top-N logprobs asked for (0: none; no row >0: no top-k)
+    allowed: A | None  # i32[B, W] packed allowed-token bits, -1 = all (W = 1: no masking)
+    bias_ids: A | None  # i32[B, L] logit-bias token ids, packed at the front; -1 pads
+    bias_values: A | None  # f16[B, L] the bias added to each of those tokens' logits
     # allowed / bias pair None: every row's default, filled before the step (fill_defaults)
-    history: PenaltyHistory | None = None  # None: no row uses penalties (static structure)
+    history: PenaltyHistory[A] | None = None  # None: no row uses penalties (static structure)
     # Static: every row greedy with no top logprobs, bias, grammar or penalty (is_plain), so the
     # sampler takes the argmax with no conditional; a compiled variant of its own (sampler.py).
     plain: bool = flax.struct.field(pytree_node=False, default=False)
@@ -104,7 +109,7 @@ def make_sampling_arrays(
     output_token_ids: Sequence[Sequence[int]] | None = None,
     history_len: int | None = None,
     vocab_size: int | None = None,
-) -> SamplingArrays:
+) -> SamplingArrays[np.ndarray]:
     """Numpy SamplingArrays for `params[i]` in row i, padded to `batch_size` rows.
 
     seeds: each row's 64-bit stream seed (Sequence.seed); defaults to params.seed, which then
@@ -121,7 +126,7 @@ def make_sampling_arrays(
         raise ValueError(f"{rows} params and {len(num_generated)} counts for batch_size={batch_size}")
     pad = batch_size - rows
 
-    def col(values, fill, dtype):
+    def col(values: Iterable[float], fill: float, dtype: type[np.generic]) -> np.ndarray:
         return np.asarray(list(values) + [fill] * pad, dtype=dtype)
 
     temps = [0.0 if p.is_greedy else p.temperature for p in params]
@@ -154,16 +159,19 @@ def allowed_width(vocab_size: int | None) -> int:
     return 1 if vocab_size is None else -(-vocab_size // 32)
 
 
-def unsent_defaults(arrays: SamplingArrays, grammar: bool) -> SamplingArrays:
+def unsent_defaults(arrays: SamplingArrays[np.ndarray], grammar: bool) -> SamplingArrays[np.ndarray]:
     """The arrays less what is every row's default: `allowed` when no row has a grammar, the
     bias pair when no row has a logit bias (None; module docstring)."""
     biased = arrays.bias_ids is not None and bool((arrays.bias_ids[..., 0] >= 0).any())
-    return arrays.replace(
-        allowed=arrays.allowed if grammar else None, **({} if biased else {"bias_ids": None, "bias_values": None})
+    return dataclasses.replace(
+        arrays,
+        allowed=arrays.allowed if grammar else None,
+        bias_ids=arrays.bias_ids if biased else None,
+        bias_values=arrays.bias_values if biased else None,
     )
 
 
-def is_plain(arrays: SamplingArrays) -> bool:
+def is_plain(arrays: SamplingArrays[np.ndarray]) -> bool:
     """Whether every row (host arrays) samples greedily and asks for nothing else: no top
     logprobs, no logit bias, no grammar, no penalty (the bias pair and `allowed` unsent)."""
     return (
@@ -175,24 +183,31 @@ def is_plain(arrays: SamplingArrays) -> bool:
     )
 
 
-def fill_defaults(arrays: SamplingArrays, vocab_size: int | None, full=np.full) -> SamplingArrays:
+def fill_defaults[A: np.ndarray | jax.Array](
+    arrays: SamplingArrays[A],
+    vocab_size: int | None,
+    full: Callable[[tuple[int, ...], int, type[np.generic]], A] = np.full,  # type: ignore[assignment]  # numpy's: A is np.ndarray
+) -> SamplingArrays[A]:
     """`arrays` with each None default filled, shaped like its rows: allowed all set, no bias.
     `full(shape, value, dtype)` makes them (numpy; the compiled step passes its cached device arrays).
     Plain arrays stay as they are: their sampler reads neither."""
     if arrays.plain:
         return arrays
-    lead, out = arrays.temperature.shape, {}  # [B], or [data, B]
-    if arrays.allowed is None:
-        out["allowed"] = full((*lead, allowed_width(vocab_size)), -1, np.int32)
-    if arrays.bias_ids is None:
-        out["bias_ids"] = full((*lead, MAX_LOGIT_BIAS), -1, np.int32)
-        out["bias_values"] = full((*lead, MAX_LOGIT_BIAS), 0, BIAS_DTYPE)
-    return arrays.replace(**out) if out else arrays
+    if arrays.allowed is not None and arrays.bias_ids is not None:
+        return arrays
+    lead: tuple[int, ...] = arrays.temperature.shape  # [B], or [data, B]
+    allowed, bias_ids, bias_values = arrays.allowed, arrays.bias_ids, arrays.bias_values
+    if allowed is None:
+        allowed = full((*lead, allowed_width(vocab_size)), -1, np.int32)
+    if bias_ids is None:
+        bias_ids = full((*lead, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = full((*lead, MAX_LOGIT_BIAS), 0, BIAS_DTYPE)
+    return dataclasses.replace(arrays, allowed=allowed, bias_ids=bias_ids, bias_values=bias_values)
 
 
 def sampling_arrays_for_sequences(
     seqs: Sequence[SequenceLike], batch_size: int, *, history_len: int | None = None, vocab_size: int | None = None
-) -> SamplingArrays:
+) -> SamplingArrays[np.ndarray]:
     """make_sampling_arrays for scheduler sequences, one row each (`allowed` all set: the caller
     fills the rows of sequences with a grammar)."""
     penalties = any(s.sampling_params.uses_penalties for s in seqs)
@@ -212,7 +227,7 @@ def _logit_bias(params: Sequence[SamplingParams], batch_size: int) -> tuple[np.n
     ids = np.full((batch_size, MAX_LOGIT_BIAS), -1, np.int32)
     values = np.zeros((batch_size, MAX_LOGIT_BIAS), BIAS_DTYPE)
     for row, p in enumerate(params):
-        if p.logit_bias:
+        if isinstance(p.logit_bias, LogitBias) and p.logit_bias:  # SamplingParams made every bias one
             row_ids, row_values = p.logit_bias.columns
             ids[row, : len(row_ids)] = row_ids
             values[row, : len(row_ids)] = row_values
@@ -225,7 +240,7 @@ def _penalty_history(
     outputs: Sequence[Sequence[int]] | None,
     batch_size: int,
     history_len: int | None,
-) -> PenaltyHistory | None:
+) -> PenaltyHistory[np.ndarray] | None:
     if not any(p.uses_penalties for p in params):
         if history_len is None:
             return None
@@ -234,7 +249,7 @@ def _penalty_history(
         raise ValueError("penalties need output_token_ids (and prompt_token_ids for repetition_penalty)")
     histories = []
     for i, p in enumerate(params):
-        prompt = list(prompts[i]) if p.repetition_penalty != 1 else []
+        prompt = list(prompts[i]) if p.repetition_penalty != 1 and prompts is not None else []
         histories.append((prompt, list(outputs[i]) if p.uses_penalties else []))
     longest = max(len(a) + len(b) for a, b in histories)
     width = history_len if history_len is not None else max(16, 1 << (longest - 1).bit_length())

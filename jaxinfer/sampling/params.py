@@ -26,11 +26,11 @@ GREEDY_EPS = 1e-5  # temperatures below this sample greedily (dividing by them o
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # float options travel to the device as float32
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> bool:
     """A real number that stays finite as float32 (1e300 would overflow on the device)."""
     return (
         isinstance(x, (int, float, np.integer, np.floating))
@@ -58,7 +58,7 @@ class LogitBias(dict):
 
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # type: ignore[override]  # dict's is None: unhashable
         return hash(frozenset(self.items()))
 
     def __reduce__(self):  # copy / pickle without __setitem__

@@ -22,10 +22,12 @@ import jax.numpy as jnp
 CHUNK = 256  # rows whose logits are materialized at once
 
 
-@flax.struct.dataclass
-class PromptInputs:
-    targets: jax.Array  # i32[T] the prompt token row t predicts; -1: no logprob wanted
-    num_top: jax.Array  # i32[1] the most top logprobs a row asked for (0: none computed)
+@flax.struct.dataclass(frozen=True)  # as flax makes it; said for the type checker: `A` is covariant
+class PromptInputs[A]:
+    """`A`: the arrays' type, as in SamplingArrays (numpy on the host, jax.Array on the device)."""
+
+    targets: A  # i32[T] the prompt token row t predicts; -1: no logprob wanted
+    num_top: A  # i32[1] the most top logprobs a row asked for (0: none computed)
 
 
 @flax.struct.dataclass
@@ -37,7 +39,10 @@ class PromptLogprobs:
 
 
 def prompt_logprobs(
-    compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array, inputs: PromptInputs, num_top_logprobs: int
+    compute_logits: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,
+    inputs: PromptInputs[jax.Array],
+    num_top_logprobs: int,
 ) -> PromptLogprobs:
     """hidden [T, E] (every row of the batch) -> the logprobs of `inputs.targets`; pure,
     `num_top_logprobs` static."""

@@ -30,12 +30,13 @@ from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.sampler import SamplerOutput, sample
 
 
-@flax.struct.dataclass
-class SpecInputs:
-    """The draft tokens of a verify step, one row per sequence slot."""
+@flax.struct.dataclass(frozen=True)  # as flax makes it; said for the type checker: `A` is covariant
+class SpecInputs[A]:
+    """The draft tokens of a verify step, one row per sequence slot. `A`: the arrays' type, as in
+    SamplingArrays (numpy on the host, jax.Array on the device)."""
 
-    draft_ids: jax.Array  # i32[S, K] each row's drafts, packed at the front; -1 pads
-    num_drafts: jax.Array  # i32[S]    0: an ordinary row (a plain decode or a prefill chunk)
+    draft_ids: A  # i32[S, K] each row's drafts, packed at the front; -1 pads
+    num_drafts: A  # i32[S]    0: an ordinary row (a plain decode or a prefill chunk)
 
 
 @flax.struct.dataclass
@@ -45,7 +46,7 @@ class VerifyOutput:
     # sampled.tokens[:, :num_accepted + 1]
 
 
-def expand_rows(arrays: SamplingArrays, width: int) -> SamplingArrays:
+def expand_rows(arrays: SamplingArrays[jax.Array], width: int) -> SamplingArrays[jax.Array]:
     """Each row repeated for `width` positions; position j draws the (num_generated + j)-th
     number of the row's random stream, as the plain sampler would for that token."""
     repeated = jax.tree.map(lambda a: jnp.repeat(a, width, axis=0), arrays)
@@ -53,7 +54,9 @@ def expand_rows(arrays: SamplingArrays, width: int) -> SamplingArrays:
     return repeated.replace(num_generated=repeated.num_generated + offsets)
 
 
-def verify(logits: jax.Array, arrays: SamplingArrays, spec: SpecInputs, num_top_logprobs: int = 0) -> VerifyOutput:
+def verify(
+    logits: jax.Array, arrays: SamplingArrays[jax.Array], spec: SpecInputs[jax.Array], num_top_logprobs: int = 0
+) -> VerifyOutput:
     """logits [S*(K+1), V] (row r's positions back to back), arrays [S]: the coupled rule above."""
     rows, k = spec.draft_ids.shape
     out = sample(logits, expand_rows(arrays, k + 1), num_top_logprobs)  # [S*(K+1)]

@@ -36,6 +36,8 @@ until the device had nearly run the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -55,7 +57,7 @@ class SamplerOutput:
     prompt: PromptLogprobs | None = None
 
 
-def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0) -> SamplerOutput:
+def sample(logits: jax.Array, arrays: SamplingArrays[jax.Array], num_top_logprobs: int = 0) -> SamplerOutput:
     """Samples one token per row of `logits` [B, V]. Pure; `num_top_logprobs` must be static."""
     logits = logits.astype(jnp.float32)
     raw = logits
@@ -64,6 +66,8 @@ def sample(logits: jax.Array, arrays: SamplingArrays, num_top_logprobs: int = 0)
         return _greedy_only(raw, log_norm, num_top_logprobs)
     if arrays.history is not None:
         logits = apply_penalties(logits, arrays)
+    if arrays.bias_ids is None or arrays.bias_values is None or arrays.allowed is None:
+        raise ValueError("sample: the arrays' unsent defaults must be filled first (arrays.fill_defaults)")
     logits = apply_logit_bias(logits, arrays.bias_ids, arrays.bias_values)
     logits = apply_allowed(logits, arrays.allowed)
     greedy_tokens = jnp.argmax(logits, axis=-1)  # [B]
@@ -114,8 +118,10 @@ def _gumbel(seed: jax.Array, num_generated: jax.Array, vocab_size: int) -> jax.A
     return jax.random.gumbel(key, (vocab_size,), jnp.float32)  # [V]
 
 
-def apply_penalties(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def apply_penalties(logits: jax.Array, arrays: SamplingArrays[jax.Array]) -> jax.Array:
     """Repetition penalty over prompt + output ids, then frequency and presence over outputs."""
+    if arrays.history is None:
+        raise ValueError("apply_penalties: the arrays carry no penalty history (no row uses penalties)")
     batch, vocab = logits.shape
     ids = arrays.history.token_ids  # [B, H]
     ids = jnp.where(ids >= 0, ids, vocab)  # an out-of-range id: the scatters drop it
@@ -177,7 +183,7 @@ def _order_keys(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _search(lo: jax.Array, hi: jax.Array, holds) -> jax.Array:
+def _search(lo: jax.Array, hi: jax.Array, holds: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """The largest key t in [lo, hi] ([B, 1] each) where `holds(t)` ([B, 1] bool; true up to
     some key, false past it), or lo where it holds nowhere: a bisection, no sort."""
 

@@ -29,8 +29,9 @@ from jaxinfer.core.sequence import PLACEHOLDER, Sequence
 from jaxinfer.kv import KVCacheManager
 from jaxinfer.loader import LoadedModel
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode.proposer import Proposer
-from jaxinfer.worker.worker import Worker
+from jaxinfer.worker.worker import StepHandle, Worker
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -140,7 +141,7 @@ class DraftModelProposer(Proposer):
                 num_steps=self.worker.num_decode_steps,
             )
             handles.append(self.worker.execute([window], handles[0]))
-        outs = [h.result().tokens for h in handles]
+        outs = [_sampled(h).tokens for h in handles]
         later = np.asarray(outs[1]).reshape(-1, outs[1].shape[-1]) if len(outs) > 1 else np.zeros((0, len(rows)))
         drafts = {}
         for i, row in enumerate(rows):
@@ -152,3 +153,11 @@ class DraftModelProposer(Proposer):
             drafts[draft.seq_id] = tokens
         self.num_proposals += len(rows)
         return drafts
+
+
+def _sampled(handle: StepHandle) -> SamplerOutput:
+    """A draft step's outputs (the draft model verifies nothing: a plain step's)."""
+    out = handle.result()
+    if not isinstance(out, SamplerOutput):
+        raise RuntimeError(f"a draft step returned {type(out).__name__}, not a plain step's outputs")
+    return out

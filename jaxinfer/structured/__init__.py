@@ -12,8 +12,9 @@ own (slices.py), which spares llguidance most of its token-trie walk while the r
 xgrammar needs torch, which this project's Python 3.12 environments do not have.
 """
 
-from jaxinfer.structured.backend import Grammar, GrammarBackend, RowMatcher, fill_bitmask, grammar_for
+from jaxinfer.structured.backend import Grammar, GrammarBackend, fill_bitmask, grammar_for
 from jaxinfer.structured.grammar import grammar_text
+from jaxinfer.structured.matcher import RowMatcher
 from jaxinfer.structured.reasoning_gate import ReasoningFormat, ReasoningGate
 
 __all__ = [

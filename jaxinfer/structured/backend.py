@@ -13,13 +13,18 @@ import collections
 import re
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxinfer.sampling.params import StructuredOutput
+from jaxinfer.sampling.params import SamplingParams, StructuredOutput
 from jaxinfer.structured.grammar import grammar_text
+from jaxinfer.structured.matcher import RowMatcher, Vocabulary
 from jaxinfer.structured.reasoning_gate import ReasoningFormat, ReasoningGate, ReasoningMarkers, reasoning_markers
 from jaxinfer.structured.slices import grammar_slices
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLTokenizer
 
 _CACHE_SIZE = 128
 # llguidance tokenizers with a grammar's own slices (see slices.py), by slice set. Each holds
@@ -29,46 +34,16 @@ _CACHE_SIZE = 128
 _SLICED_CACHE_SIZE = 4
 
 
-class RowMatcher:
-    """One sequence's position in its grammar."""
-
-    def __init__(self, matcher) -> None:
-        self._m = matcher
-
-    def consume(self, token: int) -> bool:
-        """Advances past a sampled token; False if the grammar rejects it (then the matcher is
-        in an error state and allows only what llguidance allows in one: end of sequence)."""
-        return bool(self._m.consume_token(int(token)))
-
-    @property
-    def is_finished(self) -> bool:
-        """The grammar is complete: only end of sequence remains allowed."""
-        return bool(self._m.is_stopped())
-
-    @property
-    def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
-
-    def fill(self, row: np.ndarray) -> None:
-        """Writes the allowed-token bits of the next token into one row of `allowed`."""
-        import llguidance.numpy as lln
-
-        lln.fill_next_token_bitmask(self._m, row[None], 0)
-
-    @property
-    def grammar_row(self) -> RowMatcher:  # the interface fill_bitmask reads (reasoning_gate.py)
-        return self
-
-    def add_bits(self, row: np.ndarray) -> None:
-        pass
-
-
 class Grammar:
     """A compiled, validated grammar: makes one matcher per sequence (a RowMatcher, gated behind
     the reasoning where the backend has a reasoning parser)."""
 
     def __init__(
-        self, tokenizer, text: str, spec: StructuredOutput, gate: Callable[[RowMatcher], object] | None = None
+        self,
+        tokenizer: LLTokenizer,
+        text: str,
+        spec: StructuredOutput,
+        gate: Callable[[RowMatcher], ReasoningGate] | None = None,
     ) -> None:
         self._tokenizer, self.text, self.spec, self._gate = tokenizer, text, spec, gate
 
@@ -90,12 +65,12 @@ class GrammarBackend:
     """llguidance's tokenizer for one engine's vocabulary, and a cache of compiled grammars;
     with a `reasoning` format, grammars constrain what follows the reasoning (reasoning_gate.py)."""
 
-    def __init__(self, tokenizer, vocab_size: int, reasoning: ReasoningFormat | None = None) -> None:
+    def __init__(self, tokenizer: Vocabulary, vocab_size: int, reasoning: ReasoningFormat | None = None) -> None:
         self.tokenizer, self.vocab_size, self.reasoning = tokenizer, vocab_size, reasoning
         self._markers: ReasoningMarkers | None = None
-        self._ll = None
+        self._ll: LLTokenizer | None = None
         self._cache: collections.OrderedDict[StructuredOutput, Grammar] = collections.OrderedDict()
-        self._sliced: collections.OrderedDict[tuple[str, ...], object] = collections.OrderedDict()
+        self._sliced: collections.OrderedDict[tuple[str, ...], LLTokenizer] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> Grammar:
@@ -118,19 +93,21 @@ class GrammarBackend:
     def _gate(self, matcher: RowMatcher) -> ReasoningGate:
         with self._lock:  # the vocabulary's markers, read once (a pass over every token)
             if self._markers is None:
+                if self.reasoning is None:  # never: compile gates only with a reasoning format
+                    raise ValueError("a reasoning gate without a reasoning format")
                 self._markers = reasoning_markers(self.tokenizer, self.reasoning, self.vocab_size)
         return ReasoningGate(matcher, self._markers)
 
-    def _ll_tokenizer(self):
+    def _ll_tokenizer(self) -> LLTokenizer:
         with self._lock:
             if self._ll is None:
                 self._ll = _build_ll_tokenizer(self.tokenizer, self.vocab_size)
             return self._ll
 
-    def _evicted(self, tokenizer) -> bool:
+    def _evicted(self, tokenizer: LLTokenizer) -> bool:
         return tokenizer is not self._ll and all(t is not tokenizer for t in self._sliced.values())
 
-    def _sliced_tokenizer(self, slices: tuple[str, ...]):
+    def _sliced_tokenizer(self, slices: tuple[str, ...]) -> LLTokenizer:
         """The vocabulary with `slices` ahead of llguidance's defaults (the same tokenizer when
         there are none, or none that llguidance's regex syntax accepts)."""
         base = self._ll_tokenizer()
@@ -161,7 +138,7 @@ def _is_regex(text: str) -> bool:
         return False
 
 
-def grammar_for(backend: GrammarBackend | None, params) -> Grammar | None:
+def grammar_for(backend: GrammarBackend | None, params: SamplingParams) -> Grammar | None:
     """The compiled grammar of a request's SamplingParams (None when unconstrained)."""
     if params.structured_output is None:
         return None
@@ -170,7 +147,7 @@ def grammar_for(backend: GrammarBackend | None, params) -> Grammar | None:
     return backend.compile(params.structured_output)
 
 
-_EXECUTORS: dict[bool, object] = {}
+_EXECUTORS: dict[bool, LLExecutor] = {}
 
 
 def fill_bitmask(
@@ -189,11 +166,11 @@ def fill_bitmask(
         import llguidance.numpy as lln
 
         lln.fill_next_token_bitmask_par(_executor(device_busy), [(m._m, row) for m, row in grammar_rows], allowed)
-    for matcher, row in rows:  # a reasoning gate's own bits (every token in the reasoning)
-        matcher.add_bits(allowed[row])
+    for gate, row in rows:  # a reasoning gate's own bits (every token in the reasoning)
+        gate.add_bits(allowed[row])
 
 
-def _executor(device_busy: bool):
+def _executor(device_busy: bool) -> LLExecutor:
     import os
 
     import llguidance
@@ -204,7 +181,7 @@ def _executor(device_busy: bool):
     return _EXECUTORS[device_busy]
 
 
-def _build_ll_tokenizer(tokenizer, vocab_size: int):
+def _build_ll_tokenizer(tokenizer: Vocabulary, vocab_size: int) -> LLTokenizer:
     from llguidance import LLTokenizer, TokenizerWrapper
 
     eos = list(tokenizer.eos_token_ids) or None
@@ -219,7 +196,7 @@ class _PieceVocabulary:
 
     _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Vocabulary, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
         self.bos_token_id = tokenizer.bos_token_id
@@ -228,7 +205,7 @@ class _PieceVocabulary:
         self._newline = tokenizer.encode("\n", add_special_tokens=False)
 
     def _bytes(self, i: int) -> bytes:
-        piece = self._tokenizer.id_to_token(i)
+        piece = self._tokenizer.id_to_token(i) or ""  # a sentencepiece vocabulary names every id
         if self._tokenizer.is_special(i):
             return piece.encode()
         byte = self._BYTE_PIECE.fullmatch(piece)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
 from jaxinfer.sampling.params import StructuredOutput
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # llguidance loads when a grammar compiles
+
 # JSON output without free whitespace: what a strict json_schema reply looks like, and fewer
 # tokens for the model to choose among. (llguidance's JSON options; see its docs.)
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 def grammar_text(spec: StructuredOutput) -> str:
@@ -25,16 +29,15 @@ def grammar_text(spec: StructuredOutput) -> str:
 def _text(spec: StructuredOutput, kind: str) -> str:
     from llguidance import LLMatcher
 
-    if kind in ("json", "json_object"):
-        schema = spec.json if kind == "json" else {"type": "object"}
-        text = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
-    elif kind == "regex":
-        text = LLMatcher.grammar_from_regex(spec.regex)
-    elif kind == "choice":
-        text = LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in spec.choice))
-    else:
-        text = LLMatcher.grammar_from_lark(spec.grammar)
-    return text
+    # `kind` names the one field set: json (or json_object), regex, choice or grammar.
+    if spec.regex is not None:
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in spec.choice))
+    if spec.grammar is not None:
+        return LLMatcher.grammar_from_lark(spec.grammar)
+    schema = spec.json if kind == "json" else {"type": "object"}
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
 
 
 def _checked(text: str, kind: str) -> str:

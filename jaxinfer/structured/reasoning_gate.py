@@ -27,6 +27,8 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxinfer.structured.matcher import RowMatcher, Vocabulary
+
 
 class ReasoningFormat(Protocol):
     """What the gate reads of a reasoning format (tokenizer/reasoning.py's ReasoningParser)."""
@@ -48,7 +50,7 @@ class ReasoningMarkers:
     piece: Callable[[int], str]  # one token's text (for an end marker of several tokens)
 
 
-def reasoning_markers(tokenizer, form: ReasoningFormat, vocab_size: int) -> ReasoningMarkers:
+def reasoning_markers(tokenizer: Vocabulary, form: ReasoningFormat, vocab_size: int) -> ReasoningMarkers:
     """The markers of a reasoning format in `tokenizer`'s vocabulary."""
     start, end = (tokenizer.encode(m, add_special_tokens=False) for m in (form.start, form.end))
     whitespace = np.zeros(-(-vocab_size // 32), np.uint32)
@@ -74,7 +76,7 @@ class ReasoningGate:
     thinking or answer), `reasoning`, `after` (past `</think>`, before the answer's first
     non-blank token) and `answer` (the grammar's)."""
 
-    def __init__(self, inner, markers: ReasoningMarkers) -> None:
+    def __init__(self, inner: RowMatcher, markers: ReasoningMarkers) -> None:
         self._inner, self._markers = inner, markers
         self._state = "reasoning" if markers.implicit else "start"
         self._tail = ""  # the reasoning's last characters (an end marker of several tokens)
@@ -115,7 +117,7 @@ class ReasoningGate:
         return self._inner.error if self._state == "answer" else None
 
     @property
-    def grammar_row(self):
+    def grammar_row(self) -> RowMatcher | None:
         """The matcher whose bits the next token's row starts from (None: every token, in the
         reasoning); structured.fill_bitmask fills such rows together, then calls `add_bits`."""
         return None if self._state == "reasoning" else self._inner

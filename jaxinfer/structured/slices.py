@@ -16,6 +16,7 @@ never changes a mask.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from jaxinfer.sampling.params import StructuredOutput
@@ -61,17 +62,16 @@ def _run_length(quantifier: str) -> int:
 
 
 def _sources(spec: StructuredOutput) -> list[str]:
-    kind = spec.kind
-    if kind == "regex":
+    if spec.regex is not None:
         return [spec.regex]
-    if kind == "grammar":
+    if spec.grammar is not None:
         return [spec.grammar]
-    if kind == "json":
+    if spec.kind == "json":
         return list(_patterns(spec.json))
     return []
 
 
-def _patterns(schema: Any):
+def _patterns(schema: Any) -> Iterator[str]:
     """Every "pattern" string of a JSON schema, at any depth."""
     if isinstance(schema, dict):
         for key, value in schema.items():

@@ -41,7 +41,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
-    def id_to_token(self, i: int) -> str: ...
+    def id_to_token(self, i: int) -> str | None: ...  # None: no such id (HF tokenizers)
     def is_special(self, i: int) -> bool: ...
     def save_pretrained(self, directory: str | Path) -> None: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
@@ -54,7 +54,7 @@ class _Base(abc.ABC):
         self.name, self.vocab_size, self._special_ids = name, vocab_size, frozenset(special_ids)
         self.bos_token_id, self.pad_token_id = specials.bos_token_id, specials.pad_token_id
         self.eos_token_ids = specials.eos_token_ids
-        self.add_bos, self.add_eos = specials.add_bos, specials.add_eos
+        self.add_bos, self.add_eos = bool(specials.add_bos), bool(specials.add_eos)  # resolved: set
         self.chat_template = specials.chat_template
         self._template_tokens = specials.token_strings
 
@@ -144,7 +144,7 @@ class HFTokenizer(_Base):
             ids = [i for i in ids if i not in self._special_ids]
         return self._tk.decode(ids, skip_special_tokens=False)
 
-    def id_to_token(self, i: int) -> str:
+    def id_to_token(self, i: int) -> str | None:
         return self._tk.id_to_token(int(i))
 
 
@@ -195,7 +195,8 @@ class SentencePieceTokenizer(_Base):
             return self._sp.decode([i for i in ids if i not in self._special_ids])
         # The inverse of encode: each run of ordinary pieces is decoded on its own (which drops
         # the "▁" its encoding added), special pieces are written as their text.
-        out, run = [], []
+        out: list[str] = []
+        run: list[int] = []
         for i in ids:
             if i in self._special_ids:
                 out += [self._sp.decode(run), self._sp.id_to_piece(i)]

@@ -15,7 +15,7 @@ import functools
 import json
 import os
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
@@ -41,11 +41,17 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
-def _raise_exception(message: str):
+def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+def _tojson(
+    value: Any,  # a template's value: JSON-like
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

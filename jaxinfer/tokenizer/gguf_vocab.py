@@ -81,7 +81,7 @@ def byte_level_bpe(metadata: Mapping[str, Any]) -> HFTokenizer:
     types = list(field_value(metadata, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
-    vocab = {}
+    vocab: dict[str, int] = {}
     for index, (token, kind) in enumerate(zip(tokens, types)):
         # A few converters store ordinary pieces as raw text; respell those in the byte alphabet.
         # Control/user-defined pieces keep their text: they are matched whole, never byte-merged.

@@ -48,7 +48,7 @@ def partial_marker_start(text: str, marker: str) -> int:
     return len(text)
 
 
-def _call(name, arguments) -> ToolCall | None:
+def _call(name: object, arguments: object) -> ToolCall | None:
     """A ToolCall from a decoded name and arguments (an object, or an object as JSON text)."""
     if isinstance(arguments, str):
         try:
@@ -62,7 +62,7 @@ def _call(name, arguments) -> ToolCall | None:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _from_object(obj) -> ToolCall | None:
+def _from_object(obj: object) -> ToolCall | None:
     """{"name": ..., "arguments": {...}} ("parameters" in Llama 3's format) as a ToolCall."""
     if not isinstance(obj, dict):
         return None
@@ -176,9 +176,10 @@ class MistralParser(ToolCallParser):
                 _call(p.split("[ARGS]", 1)[0].strip(), p.split("[ARGS]", 1)[1]) if "[ARGS]" in p else None
                 for p in parts
             ]
-        if not calls or None in calls:
+        found = [c for c in calls if c is not None]
+        if not calls or len(found) < len(calls):
             return [], tail
-        return calls, ""
+        return found, ""
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}

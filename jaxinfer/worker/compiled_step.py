@@ -27,21 +27,25 @@ replica fills its row) and the step is vmapped over it, so all replicas run in o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.core.plan import SchedulerPlan
-from jaxinfer.sampling.arrays import fill_defaults
+from jaxinfer.sampling.arrays import HostOrDevice, SamplingArrays, fill_defaults
 from jaxinfer.sampling.device_defaults import DeviceDefaults
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.worker.device_state import DeviceState
-from jaxinfer.worker.inputs import InputBuilder, StepInputs
+from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.launcher import Launcher, dispatch_thread_enabled, landed
 from jaxinfer.worker.page_table import DevicePageTable
+from jaxinfer.worker.step import StepOutput
+from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import (
     as_greedy,
     decode_sized_buckets,
@@ -60,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 
 class CompiledStep:
-    def __init__(self, state: DeviceState):
+    def __init__(self, state: DeviceState) -> None:
         engine, self.state, self.config = state.engine, state, state.config
         self.engine, self.mesh, self.num_replicas = engine, state.mesh, state.num_replicas
         sp = axis_size(self.mesh, SEQUENCE)  # token buckets split evenly over the sequence axis
@@ -114,7 +118,7 @@ class CompiledStep:
 
     def prepare(
         self, plan: SchedulerPlan | list[SchedulerPlan], previous: list[SchedulerPlan] | None = None, masks: bool = True
-    ) -> StepInputs:
+    ) -> StepInputs[np.ndarray]:
         """Padded numpy inputs of one step (one plan per data replica); `previous`: the plans of
         the step in flight, whose sampled tokens the placeholders of this one stand for;
         `masks=False` leaves grammar rows' allowed bits for `inputs.fill_masks` (split step)."""
@@ -122,33 +126,37 @@ class CompiledStep:
 
     def padding_inputs(
         self, t_bucket: int, with_history: bool, spec: bool = False, prompt: bool = False, table_width: int = 0
-    ) -> StepInputs:
+    ) -> StepInputs[np.ndarray]:
         """All-padding inputs of one bucket: the step writes nothing and reads the null page."""
         return self.inputs.padding_inputs(t_bucket, with_history, spec, prompt, table_width)
 
-    def execute(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> SamplerOutput:
+    def execute(self, inputs: StepInputs[np.ndarray], num_steps: int = 1, greedy: bool = True) -> StepOutput:
         """Runs the step and waits for it. Returns numpy outputs (with a leading [data] axis when
         there are several replicas; a decode window's have a leading [num_steps] axis)."""
         return self.fetch(self.dispatch(inputs, num_steps, greedy))
 
     @staticmethod
-    def fetch(out: SamplerOutput | Future) -> SamplerOutput:
+    def fetch(out: StepOutput | Future[StepOutput]) -> StepOutput:
         """A dispatch's outputs as numpy, once its launch has returned and the device is done."""
         return fetch(landed(out))
 
-    def dispatch(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> SamplerOutput | Future:
+    def dispatch(
+        self, inputs: StepInputs[np.ndarray], num_steps: int = 1, greedy: bool = True
+    ) -> StepOutput | Future[StepOutput]:
         """Starts the step (num_steps > 1: the decode window of a decode-only plan); the KV cache
         is donated and replaced. Returns the outputs on the device (ready once it is done), or
         with the launcher's thread on, a Future of them (launcher.landed). Inputs that qualify
         run the greedy twin (`greedy_buckets`) unless `greedy` is False."""
         return self.launcher.submit(self._launch, *self._prepared(inputs, num_steps, greedy))
 
-    def _prepared(self, inputs: StepInputs, num_steps: int, greedy: bool) -> tuple:
+    def _prepared(
+        self, inputs: StepInputs[np.ndarray], num_steps: int, greedy: bool
+    ) -> tuple[jax.stages.Wrapped, StepInputs[HostOrDevice]]:
         """The jitted variant and its placed inputs (the greedy twin's where they qualify)."""
         buckets = self.greedy_buckets if greedy else ()
         return self._variant(num_steps), self._placed(as_greedy(inputs, num_steps, buckets, self.greedy_steps))
 
-    def _launch(self, fn, inputs: StepInputs) -> SamplerOutput:
+    def _launch(self, fn: jax.stages.Wrapped, inputs: StepInputs[HostOrDevice]) -> StepOutput:
         """On the launcher: the page-table entries set, then the step; its caches and tokens kept."""
         state = self.state
         with state.mesh_context():
@@ -158,18 +166,18 @@ class CompiledStep:
             )
         return out
 
-    def _set_table(self, inputs: StepInputs) -> StepInputs:
+    def _set_table(self, inputs: StepInputs[HostOrDevice]) -> StepInputs[HostOrDevice]:
         """Sets the page-table entries the (placed) inputs carry; the inputs without them."""
         if inputs.table is not None:
             self.page_table.apply(inputs.table)
-        return inputs.replace(table=None)
+        return dataclasses.replace(inputs, table=None)
 
-    def dispatch_forward(self, inputs: StepInputs) -> jax.Array | Future:
+    def dispatch_forward(self, inputs: StepInputs[np.ndarray]) -> jax.Array | Future[jax.Array]:
         """The first half of a split step (a bucket in `split_buckets`): the forward, K/V
         written. Returns the last tokens' hidden rows on the device, for `dispatch_sample`."""
         state = self.state
 
-        def launch(inputs):
+        def launch(inputs: StepInputs[HostOrDevice]) -> jax.Array:
             with state.mesh_context():
                 inputs = self._set_table(inputs)
                 hidden, state.kv_caches = self._forward(
@@ -177,13 +185,15 @@ class CompiledStep:
                 )
             return hidden
 
-        return self.launcher.submit(launch, self._placed(inputs.replace(sampling=None)))
+        return self.launcher.submit(launch, self._placed(dataclasses.replace(inputs, sampling=None)))
 
-    def dispatch_sample(self, hidden: jax.Array | Future, inputs: StepInputs) -> SamplerOutput | Future:
+    def dispatch_sample(
+        self, hidden: jax.Array | Future[jax.Array], inputs: StepInputs[np.ndarray]
+    ) -> StepOutput | Future[StepOutput]:
         """The second half: LM head and sampling with `inputs.sampling` as it is now (its
         allowed-token bits may have been filled after `dispatch_forward`)."""
 
-        def launch(sampling):
+        def launch(sampling: SamplingArrays[HostOrDevice]) -> SamplerOutput:
             with self.state.mesh_context():
                 out, self._prev_tokens = self._sample(self.state.params, landed(hidden), sampling)
             return out
@@ -197,41 +207,43 @@ class CompiledStep:
             ),
         )
 
-    def trace(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> jax.stages.Traced:
+    def trace(self, inputs: StepInputs[np.ndarray], num_steps: int = 1, greedy: bool = True) -> jax.stages.Traced:
         """The step traced as `dispatch` would run it (to read its jaxpr, or compile ahead; the
         step does not run, the page-table entries the inputs carry are set)."""
-        fn, inputs = self._prepared(inputs, num_steps, greedy)
+        fn, placed = self._prepared(inputs, num_steps, greedy)
         state = self.state
         with state.mesh_context():  # the table entries are set: the host's mirror has them
-            inputs = self._set_table(inputs)
-            return fn.trace(state.params, state.kv_caches, inputs, self._prev_tokens, self.page_table.array)
+            placed = self._set_table(placed)
+            return fn.trace(state.params, state.kv_caches, placed, self._prev_tokens, self.page_table.array)
 
-    def lower(self, inputs: StepInputs, num_steps: int = 1, greedy: bool = True) -> jax.stages.Lowered:
+    def lower(self, inputs: StepInputs[np.ndarray], num_steps: int = 1, greedy: bool = True) -> jax.stages.Lowered:
         """The step lowered for these inputs' shapes (to read its HLO, or compile ahead)."""
         with self.state.mesh_context():
             return self.trace(inputs, num_steps, greedy).lower()
 
-    def _variant(self, num_steps: int):
+    def _variant(self, num_steps: int) -> jax.stages.Wrapped:
         if num_steps not in (1, self.num_decode_steps):
             raise ValueError(f"num_steps={num_steps}: this step compiles windows of {self.num_decode_steps} steps")
         return self._step if num_steps == 1 else self._window
 
-    def _placed(self, inputs: StepInputs) -> StepInputs:
+    def _placed(self, inputs: StepInputs[np.ndarray]) -> StepInputs[HostOrDevice]:
         """Host inputs on the mesh (each array split or replicated as the step expects), the
         sampling defaults that were not sent filled on the device."""
+        placed: StepInputs[HostOrDevice] = inputs
         if self.mesh is not None:
-            inputs = put_inputs(inputs, input_shardings(self.mesh, inputs, self.num_replicas > 1))
-        return inputs.replace(sampling=self._defaults.fill(inputs.sampling))
+            placed = put_inputs(inputs, input_shardings(self.mesh, inputs, self.num_replicas > 1))
+        return dataclasses.replace(placed, sampling=self._defaults.fill(placed.sampling))
 
-    def for_followers(self, inputs: StepInputs) -> tuple:
+    def for_followers(self, inputs: StepInputs[np.ndarray]) -> tuple[StepInputs[np.ndarray], int, bool, bool, int]:
         """What StepChannel.send sends the other processes: the inputs with every sampling default
         filled (their template has them), then the header: token bucket, penalty history, prompt
         rows, page-table entries."""
-        inputs = inputs.replace(sampling=fill_defaults(inputs.sampling, self.config.vocab_size))
+        sampling = fill_defaults(inputs.sampled(), self.config.vocab_size)
+        inputs = dataclasses.replace(inputs, sampling=sampling)
         return (
             inputs,
             inputs.token_ids.shape[-1],
-            inputs.sampling.history is not None,
+            sampling.history is not None,
             inputs.prompt is not None,
             0 if inputs.table is None else inputs.table.slots.shape[-1],
         )
@@ -260,5 +272,6 @@ class CompiledStep:
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
         return self.page_table.num_compiled() + sum(
-            f._cache_size() for f in (self._step, self._window, self._forward, self._sample)
+            f._cache_size()  # type: ignore[attr-defined]  # jit's count; not in jax's stubs
+            for f in (self._step, self._window, self._forward, self._sample)
         )

@@ -15,6 +15,7 @@ host allocates the same pool: process 0's page count wins.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -22,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.loader import LoadedModel
-from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_kv_dtype
+from jaxinfer.models.registry import KVCaches, ModelParams
+from jaxinfer.quant.kv_cache import is_quantized_kv, resolve_kv_dtype
 from jaxinfer.worker.host_memory import reuse_freed_heap
 from jaxinfer.worker.kv_calibration import calibrated_caches
 from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages, zeroed_caches
@@ -37,7 +39,7 @@ class DeviceState:
         self.model, self.config, self.engine = model, model.config, engine
         self.family = model.family
         self.max_model_len = max_model_len
-        self.page_size: int = engine.cache.page_size  # type: ignore[assignment]  # set by with_page_size
+        self.page_size = engine.cache.chosen_page_size
         self.pages_per_seq = -(-max_model_len // self.page_size)
         self.mesh = make_mesh(engine.parallel.mesh) if engine.parallel.mesh is not None else None
         check_expert_axis(self.mesh, self.config.num_experts)
@@ -52,7 +54,7 @@ class DeviceState:
         if engine.compile.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
             reuse_freed_heap()
 
-    def _place_params(self, model: LoadedModel):
+    def _place_params(self, model: LoadedModel) -> ModelParams:
         """The parameters as the step computes with them: the family's layout, placed on the mesh,
         fused weights pinned to their matmuls' layout on a TPU. The model is left holding one copy
         of each weight."""
@@ -68,11 +70,11 @@ class DeviceState:
             model.params = params  # relaid on a TPU
         return params
 
-    def _allocate_kv_caches(self) -> tuple[jax.Array | QuantizedKVCache, ...]:
+    def _allocate_kv_caches(self) -> KVCaches:
         sharding = self.home
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
-        caches = zeroed_caches(
+        pages = zeroed_caches(
             cache_struct(
                 self.num_pages,
                 self.page_size,
@@ -85,10 +87,10 @@ class DeviceState:
             self.config.num_layers,
         )
         if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
-            caches = calibrated_caches(
-                caches, self.model, self.params, self.layout.cache_kv_heads, self.engine.compile.attn_impl, self.mesh
+            return calibrated_caches(
+                pages, self.model, self.params, self.layout.cache_kv_heads, self.engine.compile.attn_impl, self.mesh
             )
-        return caches
+        return pages
 
     @property
     def home(self) -> SingleDeviceSharding | NamedSharding:
@@ -99,11 +101,11 @@ class DeviceState:
         return SingleDeviceSharding(next(iter(self.params.embed.devices())))
 
     @property
-    def local_device(self):
+    def local_device(self) -> jax.Device:
         """A device of this process holding the model: its platform and memory plan the pool."""
         return jax.tree.leaves(self.params.embed)[0].addressable_shards[0].device
 
-    def mesh_context(self):
+    def mesh_context(self) -> contextlib.AbstractContextManager[Any]:
         """The mesh the step is traced and launched under (layers read it back)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 

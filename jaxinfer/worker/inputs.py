@@ -1,4 +1,4 @@
-"""Step inputs: a scheduler plan -> StepInputs, numpy arrays padded to a compiled bucket.
+"""Step inputs: a scheduler plan -> StepInputs (step_inputs.py), numpy arrays padded to a compiled bucket.
 
     SchedulerPlan (host, jaxinfer.core)
       --InputBuilder.prepare--> StepInputs: token ids and positions [T], attention metadata
@@ -34,7 +34,9 @@ the same way and stacked along a leading [data] axis (an idle replica is all pad
 
 from __future__ import annotations
 
-import flax.struct
+import dataclasses
+from collections.abc import Sequence
+
 import jax
 import numpy as np
 
@@ -43,7 +45,6 @@ from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.sequence import PLACEHOLDER
 from jaxinfer.models.layers import AttentionMetadata
 from jaxinfer.sampling.arrays import (
-    SamplingArrays,
     fill_defaults,
     make_sampling_arrays,
     sampling_arrays_for_sequences,
@@ -52,29 +53,15 @@ from jaxinfer.sampling.arrays import (
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.prompt_logprobs import PromptInputs
 from jaxinfer.sampling.rejection import SpecInputs
-from jaxinfer.structured import fill_bitmask
+from jaxinfer.structured import ReasoningGate, RowMatcher, fill_bitmask
 from jaxinfer.worker.page_table import (
     NULL_ROW,
     PageTableMirror,
-    PageTableUpdates,
     no_updates,
     padded_updates,
     update_widths,
 )
-
-
-@flax.struct.dataclass
-class StepInputs:
-    token_ids: jax.Array  # i32[T]
-    positions: jax.Array  # i32[T]
-    meta: AttentionMetadata  # kv_lens [S], cu_q_lens [S+1], num_seqs [1]; page_indices: None (device: read)
-    logits_indices: jax.Array  # i32[S] row of each sequence's last token in the batch ([S*(K+1)]: spec)
-    sampling: SamplingArrays  # one row per sequence slot
-    prev_rows: jax.Array  # i32[T] row of the previous step's sampled tokens that is this token; -1: none
-    page_slots: jax.Array  # i32[S] page-table row of each sequence (padding: the null row)
-    spec: SpecInputs | None = None  # draft tokens to verify (speculative decoding); None: none
-    prompt: PromptInputs | None = None  # prompt rows to score (prompt logprobs); None: none
-    table: PageTableUpdates | None = None  # page-table entries to set before the step; None: none
+from jaxinfer.worker.step_inputs import StepInputs
 
 
 class InputBuilder:
@@ -111,43 +98,46 @@ class InputBuilder:
 
     def prepare(
         self, plan: SchedulerPlan | list[SchedulerPlan], previous: list[SchedulerPlan] | None = None, masks: bool = True
-    ) -> StepInputs:
+    ) -> StepInputs[np.ndarray]:
         """Host-side arrays for one step, padded to the plan's bucket. With data replicas, one
         plan per replica (an empty plan is all padding) stacked along a leading axis.
         `previous`: the plans of the step in flight, whose sampled tokens fill placeholders."""
         plans = [plan] if isinstance(plan, SchedulerPlan) else list(plan)
-        previous = previous or [None] * len(plans)
+        previous_plans: Sequence[SchedulerPlan | None] = previous or [None] * len(plans)
         if len(plans) != self.num_replicas:
             raise ValueError(f"{len(plans)} plans for {self.num_replicas} data replicas")
         t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
         penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
-        rows = [self._prepare_one(p, t_bucket, penalties, prev) for p, prev in zip(plans, previous)]
+        rows = [self._prepare_one(p, t_bucket, penalties, prev) for p, prev in zip(plans, previous_plans)]
         changes = []
         for i, (plan_i, table) in enumerate(zip(plans, self.tables)):  # every plan checked first
             slots, changed = table.sync(plan_i.seqs, len(rows[i].page_slots))
-            rows[i] = rows[i].replace(page_slots=slots)
+            rows[i] = dataclasses.replace(rows[i], page_slots=slots)
             changes.append(changed)
         if any(r.prompt is not None for r in rows):  # one tree for every replica
-            rows = [r if r.prompt is not None else r.replace(prompt=_no_prompt_rows(t_bucket)) for r in rows]
+            rows = [dataclasses.replace(r, prompt=r.prompt or _no_prompt_rows(t_bucket)) for r in rows]
         if len({jax.tree.structure(r.sampling) for r in rows}) > 1:
-            rows = [r.replace(sampling=fill_defaults(r.sampling, self.vocab_size)) for r in rows]
+            rows = [dataclasses.replace(r, sampling=fill_defaults(r.sampled(), self.vocab_size)) for r in rows]
         if masks:
             for plan_i, row in zip(plans, rows):
                 self.fill_masks(plan_i, row)
         inputs = rows[0] if self.num_replicas == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
-        return inputs.replace(table=padded_updates(changes, self.update_widths))
+        return dataclasses.replace(inputs, table=padded_updates(changes, self.update_widths))
 
     @staticmethod
-    def fill_masks(plan: SchedulerPlan, inputs: StepInputs, device_busy: bool = False) -> None:
+    def fill_masks(plan: SchedulerPlan, inputs: StepInputs[np.ndarray], device_busy: bool = False) -> None:
         """Fills the allowed-token bits of the plan's grammar rows, whose matchers must have
         consumed every earlier token of their sequence (`device_busy`: a forward runs beside)."""
-        grammars = [(e.seq.grammar, row) for row, e in enumerate(plan.seqs) if e.seq.grammar is not None]
+        matchers = ((e.seq.grammar, row) for row, e in enumerate(plan.seqs))
+        grammars = [(m, row) for m, row in matchers if isinstance(m, RowMatcher | ReasoningGate)]  # or None
         if grammars:
-            fill_bitmask(grammars, inputs.sampling.allowed, device_busy)
+            if (allowed := inputs.sampled().allowed) is None:  # never: a grammar row's bits are sent
+                raise ValueError("the inputs of a plan with grammar rows carry no allowed-token bits")
+            fill_bitmask(grammars, allowed, device_busy)
 
     def _prepare_one(
         self, plan: SchedulerPlan, t_bucket: int, penalties: bool, previous: SchedulerPlan | None
-    ) -> StepInputs:
+    ) -> StepInputs[np.ndarray]:
         if not plan.seqs:  # an idle data replica: all padding
             return self._dummy_one(t_bucket, penalties)
         s_bucket = self.engine.seq_bucket(t_bucket)
@@ -160,7 +150,7 @@ class InputBuilder:
         sampled_row = {} if previous is None else {e.seq.seq_id: row for row, e in enumerate(previous.seqs) if e.sample}
         offset = 0
         for i, s in enumerate(plan.seqs):
-            if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.cache.page_size:
+            if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.cache.chosen_page_size:
                 raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
             ids = s.token_ids  # a slice of the sequence's tokens, built once
             tokens[offset : offset + s.num_new_tokens] = ids
@@ -201,7 +191,7 @@ class InputBuilder:
             prompt=prompt_inputs(plan, t_bucket),
         )
 
-    def _spec_rows(self, plan: SchedulerPlan, cu: np.ndarray) -> tuple[np.ndarray, SpecInputs]:
+    def _spec_rows(self, plan: SchedulerPlan, cu: np.ndarray) -> tuple[np.ndarray, SpecInputs[np.ndarray]]:
         """A verify step's logits rows [S*(K+1)] and drafts [S, K] (module docstring)."""
         k, n, s_bucket = self.num_speculative_tokens, len(plan.seqs), len(cu) - 1
         spec = _no_drafts(s_bucket, k)
@@ -217,18 +207,19 @@ class InputBuilder:
 
     def padding_inputs(
         self, t_bucket: int, with_history: bool, spec: bool = False, prompt: bool = False, table_width: int = 0
-    ) -> StepInputs:
+    ) -> StepInputs[np.ndarray]:
         """All-padding inputs of one bucket (one row per replica): writes nothing, reads only
         the null page. `spec`: of the verify variant; `prompt`: of the prompt-logprobs one;
         `table_width`: with that many page-table entries to set (all padding)."""
         one = self._dummy_one(t_bucket, with_history)
         if table_width:
-            one = one.replace(table=no_updates(table_width))
+            one = dataclasses.replace(one, table=no_updates(table_width))
         if prompt:
-            one = one.replace(prompt=_no_prompt_rows(t_bucket))
+            one = dataclasses.replace(one, prompt=_no_prompt_rows(t_bucket))
         if spec:
             s_bucket = self.engine.seq_bucket(t_bucket)
-            one = one.replace(
+            one = dataclasses.replace(
+                one,
                 logits_indices=np.zeros(s_bucket * (self.num_speculative_tokens + 1), np.int32),
                 spec=_no_drafts(s_bucket, self.num_speculative_tokens),
             )
@@ -236,7 +227,7 @@ class InputBuilder:
             return one
         return jax.tree.map(lambda x: np.stack([x] * self.num_replicas), one)
 
-    def _dummy_one(self, t_bucket: int, with_history: bool) -> StepInputs:
+    def _dummy_one(self, t_bucket: int, with_history: bool) -> StepInputs[np.ndarray]:
         s_bucket = self.engine.seq_bucket(t_bucket)
         params = [SamplingParams(repetition_penalty=1.1 if with_history else 1.0)]
         sampling = make_sampling_arrays(
@@ -266,15 +257,15 @@ class InputBuilder:
         )
 
 
-def _no_drafts(s_bucket: int, k: int) -> SpecInputs:
+def _no_drafts(s_bucket: int, k: int) -> SpecInputs[np.ndarray]:
     return SpecInputs(np.full((s_bucket, k), -1, np.int32), np.zeros(s_bucket, np.int32))
 
 
-def _no_prompt_rows(t_bucket: int) -> PromptInputs:
+def _no_prompt_rows(t_bucket: int) -> PromptInputs[np.ndarray]:
     return PromptInputs(np.full(t_bucket, -1, np.int32), np.zeros(1, np.int32))
 
 
-def prompt_inputs(plan: SchedulerPlan, t_bucket: int) -> PromptInputs | None:
+def prompt_inputs(plan: SchedulerPlan, t_bucket: int) -> PromptInputs[np.ndarray] | None:
     """The prompt rows of the plan to score (module docstring), or None when there are none."""
     targets, num_top, offset = None, 0, 0
     for e in plan.seqs:

@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.layers import AttentionMetadata
-from jaxinfer.models.registry import ModelFamily, ModelParams
+from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
 from jaxinfer.quant.kv_cache import QuantizedKVCache, scales_array, scales_from_absmax
 from jaxinfer.tokenizer import Tokenizer
 from pallas_kernels import kv_cache_shape
@@ -112,7 +113,7 @@ def _absmax(
     config: ModelConfig,
     num_tokens: int,
     cache_kv_heads: int,
-    dtype,
+    dtype: DTypeLike,
     attn_impl: str,
     params: ModelParams,
     tokens: jax.Array,
@@ -121,7 +122,7 @@ def _absmax(
     `num_tokens` real tokens (tokens i32[T], padded)."""
     pages = -(-tokens.shape[0] // CALIBRATION_PAGE_SIZE)
     shape = kv_cache_shape(pages + 1, CALIBRATION_PAGE_SIZE, cache_kv_heads, config.head_dim)
-    caches = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    caches: KVCaches = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     meta = AttentionMetadata(
         kv_lens=jnp.full((1,), num_tokens, jnp.int32),
         page_indices=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
@@ -129,9 +130,10 @@ def _absmax(
         num_seqs=jnp.ones((1,), jnp.int32),
     )
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    _, caches = family.forward(params, config, tokens, positions, caches, meta, attn_impl=attn_impl)
+    _, written = family.forward(params, config, tokens, positions, caches, meta, attn_impl=attn_impl)
+    floats = [c for c in written if isinstance(c, jax.Array)]  # float caches in, float caches out
     # Unwritten slots (page 0, the tail of the last page) hold zeros and change no maximum.
-    return jnp.stack([jnp.max(jnp.abs(c.astype(jnp.float32)), axis=(0, 1, 3)) for c in caches])
+    return jnp.stack([jnp.max(jnp.abs(c.astype(jnp.float32)), axis=(0, 1, 3)) for c in floats])
 
 
 def kv_absmax(
@@ -141,7 +143,7 @@ def kv_absmax(
     tokens: np.ndarray,
     *,
     cache_kv_heads: int,
-    dtype,
+    dtype: DTypeLike,
     attn_impl: str = "auto",
     mesh: Mesh | None = None,
 ) -> np.ndarray:
@@ -159,7 +161,7 @@ def kv_absmax(
 
 
 def quantized_caches(
-    pages: tuple[jax.Array, ...], absmax: np.ndarray, dtype, headroom: float | None = None
+    pages: tuple[jax.Array, ...], absmax: np.ndarray, dtype: DTypeLike, headroom: float | None = None
 ) -> tuple[QuantizedKVCache, ...]:
     """Each layer's zeroed int8/fp8 pages (their sharding kept) with scales from `absmax`
     [L, 2K]; a leading [data] axis of the pages is repeated on the scales."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.config.cache import DEFAULT_PAGE_SIZE
@@ -15,7 +16,13 @@ from pallas_kernels.kv_layout import kv_cache_format, layout_bytes
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int | None = None, device=None) -> int:
+def kv_page_bytes(
+    config: ModelConfig,
+    page_size: int,
+    dtype: DTypeLike,
+    num_kv_heads: int | None = None,
+    device: jax.Device | None = None,
+) -> int:
     """Bytes one page costs over all layers on `device` (default: the first local device) when
     it holds `num_kv_heads` heads."""
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
@@ -25,7 +32,11 @@ def kv_page_bytes(config: ModelConfig, page_size: int, dtype, num_kv_heads: int 
 
 
 def plan_num_pages(
-    config: ModelConfig, engine: EngineConfig, dtype, num_kv_heads: int | None = None, device=None
+    config: ModelConfig,
+    engine: EngineConfig,
+    dtype: DTypeLike,
+    num_kv_heads: int | None = None,
+    device: jax.Device | None = None,
 ) -> int:
     """Pages per replica: given, or as many as fit one device's budget."""
     if engine.cache.num_pages is not None:
@@ -48,13 +59,13 @@ def cache_struct(
     page_size: int,
     cache_kv_heads: int,
     head_dim: int,
-    dtype,
+    dtype: DTypeLike,
     sharding: jax.sharding.Sharding,
     replicas: int = 1,
 ) -> jax.ShapeDtypeStruct:
     """One layer's cache as the device state allocates it: [P, page, 2K, D] ([data, ...] with several
     replicas), placed by `sharding`, its row-major layout pinned."""
-    shape = kv_cache_shape(num_pages, page_size, cache_kv_heads, head_dim)
+    shape: tuple[int, ...] = kv_cache_shape(num_pages, page_size, cache_kv_heads, head_dim)
     if replicas > 1:
         shape = (replicas, *shape)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache_format(sharding, len(shape)))

@@ -50,7 +50,7 @@ class Launcher:
     def enabled(self) -> bool:
         return self._pool is not None
 
-    def submit(self, fn: Callable[..., Any], *args) -> Any:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args): a Future of its result on the launcher's thread, or the result itself."""
         return fn(*args) if self._pool is None else self._pool.submit(fn, *args)
 

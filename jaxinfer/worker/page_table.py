@@ -32,16 +32,19 @@ import numpy as np
 
 from jaxinfer.core.plan import ScheduledSeq
 from jaxinfer.kv import NULL_PAGE
+from jaxinfer.sampling.arrays import HostOrDevice
 
 NULL_ROW = 0
 _WIDTH_STEP = 8  # each update width 8x the one before
 
 
-@flax.struct.dataclass
-class PageTableUpdates:
-    slots: jax.Array  # i32[W] table row of each entry (padding: the null row)
-    cols: jax.Array  # i32[W] page position in the row
-    pages: jax.Array  # i32[W] the page id to store
+@flax.struct.dataclass(frozen=True)  # as flax makes it; said for the type checker: `A` is covariant
+class PageTableUpdates[A]:
+    """`A`: the arrays' type, as in SamplingArrays (numpy on the host, jax.Array on the device)."""
+
+    slots: A  # i32[W] table row of each entry (padding: the null row)
+    cols: A  # i32[W] page position in the row
+    pages: A  # i32[W] the page id to store
 
 
 def update_widths(num_rows: int, pages_per_seq: int, smallest: int = 64) -> tuple[int, ...]:
@@ -53,19 +56,19 @@ def update_widths(num_rows: int, pages_per_seq: int, smallest: int = 64) -> tupl
     return tuple(widths)
 
 
-def no_updates(width: int) -> PageTableUpdates:
+def no_updates(width: int) -> PageTableUpdates[np.ndarray]:
     zeros = np.zeros(width, np.int32)
     return PageTableUpdates(zeros, zeros.copy(), zeros.copy())
 
 
-def apply_updates(table: jax.Array, updates: PageTableUpdates) -> jax.Array:
+def apply_updates(table: jax.Array, updates: PageTableUpdates[jax.Array]) -> jax.Array:
     """The table with the entries set (jitted with the table donated: in place)."""
     return table.at[updates.slots, updates.cols].set(updates.pages)
 
 
 def padded_updates(
     changes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], widths: tuple[int, ...]
-) -> PageTableUpdates | None:
+) -> PageTableUpdates[np.ndarray] | None:
     """Each data replica's changed entries, padded to the smallest width that holds the most
     of them (stacked along a leading axis when there are several replicas); None: none changed."""
     most = max(len(c[0]) for c in changes)
@@ -144,16 +147,18 @@ class DevicePageTable:
     """The table on the device (one per data replica, stacked) and the jitted scatter that sets
     a step's entries in place (the worker's warm-up compiles it for each update width)."""
 
-    def __init__(self, num_rows: int, pages_per_seq: int, sharding, num_replicas: int, vmap_axis: str):
+    def __init__(
+        self, num_rows: int, pages_per_seq: int, sharding: jax.sharding.Sharding, num_replicas: int, vmap_axis: str
+    ):
         shape = (num_rows, pages_per_seq) if num_replicas == 1 else (num_replicas, num_rows, pages_per_seq)
         self.array = jax.device_put(jnp.zeros(shape, jnp.int32), sharding)  # as the compiled step's prev tokens
         fn = apply_updates if num_replicas == 1 else jax.vmap(apply_updates, spmd_axis_name=vmap_axis)
         self._update = jax.jit(fn, donate_argnums=(0,), out_shardings=sharding)
         self.num_replicas = num_replicas
 
-    def apply(self, updates: PageTableUpdates) -> None:
+    def apply(self, updates: PageTableUpdates[HostOrDevice]) -> None:
         """Sets the entries (placed like the table's other inputs) before the next step reads it."""
         self.array = self._update(self.array, updates)
 
     def num_compiled(self) -> int:
-        return self._update._cache_size()
+        return self._update._cache_size()  # type: ignore[attr-defined]  # jit's count; not in jax's stubs

@@ -19,6 +19,7 @@ past them and filled the allowed-token bits (EngineConfig.structured_output_over
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,7 +32,9 @@ from jaxinfer.sampling.params import MAX_LOGPROBS
 from jaxinfer.sampling.prompt_logprobs import prompt_logprobs
 from jaxinfer.sampling.rejection import SpecInputs, VerifyOutput, last_tokens, verify
 from jaxinfer.sampling.sampler import SamplerOutput, sample
-from jaxinfer.worker.inputs import StepInputs
+from jaxinfer.worker.step_inputs import StepInputs
+
+StepOutput = SamplerOutput | VerifyOutput  # a verify step's (inputs with drafts) is a VerifyOutput
 
 
 def step(
@@ -41,24 +44,26 @@ def step(
     max_seqs: int,
     params: ModelParams,
     kv_caches: KVCaches,
-    inputs: StepInputs,
+    inputs: StepInputs[jax.Array],
     prev_tokens: jax.Array,
     page_table: jax.Array,
-) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+) -> tuple[StepOutput, KVCaches, jax.Array]:
     """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here;
-    page_table i32[rows, pages_per_seq]: the sequences' block tables (page_table.py)."""
+    page_table i32[rows, pages_per_seq]: the sequences' block tables (page_table.py). A verify
+    step (inputs with drafts) returns a VerifyOutput."""
     every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens, page_table)
     hidden = every_row[inputs.logits_indices]
     if inputs.spec is not None:
-        out, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampling, inputs.spec)
-    else:
-        out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampling)
-        if inputs.prompt is not None:
-            out = out.replace(
-                prompt=prompt_logprobs(
-                    functools.partial(family.compute_logits, params), every_row, inputs.prompt, MAX_LOGPROBS
-                )
-            )
+        verified, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampled(), inputs.spec)
+        return verified, kv_caches, sampled
+    out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampled())
+    if inputs.prompt is not None:
+        out = dataclasses.replace(
+            out,
+            prompt=prompt_logprobs(
+                functools.partial(family.compute_logits, params), every_row, inputs.prompt, MAX_LOGPROBS
+            ),
+        )
     return out, kv_caches, sampled
 
 
@@ -68,7 +73,7 @@ def forward_part(
     attn_impl: str,
     params: ModelParams,
     kv_caches: KVCaches,
-    inputs: StepInputs,
+    inputs: StepInputs[jax.Array],
     prev_tokens: jax.Array,
     page_table: jax.Array,
 ) -> tuple[jax.Array, KVCaches]:
@@ -84,19 +89,19 @@ def _forward(
     attn_impl: str,
     params: ModelParams,
     kv_caches: KVCaches,
-    inputs: StepInputs,
+    inputs: StepInputs[jax.Array],
     prev_tokens: jax.Array,
     page_table: jax.Array,
 ) -> tuple[jax.Array, KVCaches]:
     """The forward's hidden state of every row of the batch [T, E] and the updated caches."""
     from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
     token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
-    meta = inputs.meta.replace(page_indices=page_table[inputs.page_slots])  # [S, pages_per_seq]
+    meta = dataclasses.replace(inputs.meta, page_indices=page_table[inputs.page_slots])  # [S, pages_per_seq]
     return family.forward(params, config, token_ids, inputs.positions, kv_caches, meta, attn_impl=attn_impl)
 
 
 def sample_part(
-    family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array, sampling: SamplingArrays
+    family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array, sampling: SamplingArrays[jax.Array]
 ) -> tuple[SamplerOutput, jax.Array]:
     """Logits of the rows [S, E] and one token each; the tokens also padded to [max_seqs] for
     the next step's placeholders."""
@@ -111,8 +116,8 @@ def verify_part(
     max_seqs: int,
     params: ModelParams,
     hidden: jax.Array,
-    sampling: SamplingArrays,
-    spec: SpecInputs,
+    sampling: SamplingArrays[jax.Array],
+    spec: SpecInputs[jax.Array],
 ) -> tuple[VerifyOutput, jax.Array]:
     """hidden [S*(K+1), E]: each sequence's last known token and drafts -> VerifyOutput [S, K+1]."""
     logits = family.compute_logits(params, hidden)  # [S*(K+1), V]
@@ -129,27 +134,28 @@ def decode_window(
     num_steps: int,
     params: ModelParams,
     kv_caches: KVCaches,
-    inputs: StepInputs,
+    inputs: StepInputs[jax.Array],
     prev_tokens: jax.Array,
     page_table: jax.Array,
-) -> tuple[SamplerOutput, KVCaches, jax.Array]:
+) -> tuple[StepOutput, KVCaches, jax.Array]:
     """`num_steps` decode steps of a decode-only batch (token t is sequence t) in one call.
 
     Step i feeds each sequence the token it sampled at step i - 1 (step 0: the inputs' own ids and
     placeholders), one position further, with one more key in the cache and one more draw of its
     random stream. Outputs are stacked: [num_steps, S, ...]; the sampled tokens handed on are
     the last step's."""
-    meta, sampling = inputs.meta, inputs.sampling
+    meta, sampling = inputs.meta, inputs.sampled()
     t = jnp.arange(inputs.token_ids.shape[0], dtype=jnp.int32)
     real = t < meta.num_seqs[0]
     own_row = jnp.where(real, t, -1)
 
-    def body(carry, i):
+    def body(carry: tuple[KVCaches, jax.Array], i: jax.Array) -> tuple[tuple[KVCaches, jax.Array], StepOutput]:
         caches, prev = carry
-        step_inputs = inputs.replace(
+        step_inputs = dataclasses.replace(
+            inputs,
             positions=jnp.where(real, inputs.positions + i, inputs.positions),
-            meta=meta.replace(kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + i, 0)),
-            sampling=sampling.replace(num_generated=sampling.num_generated + i),
+            meta=dataclasses.replace(meta, kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + i, 0)),
+            sampling=dataclasses.replace(sampling, num_generated=sampling.num_generated + i),
             prev_rows=jnp.where(i == 0, inputs.prev_rows, own_row),
         )
         out, caches, sampled = step(family, config, attn_impl, max_seqs, params, caches, step_inputs, prev, page_table)

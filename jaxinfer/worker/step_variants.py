@@ -13,17 +13,23 @@ input_shardings       where each input array goes on a mesh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.registry import ModelFamily
 from jaxinfer.sampling.arrays import is_plain, unsent_defaults
-from jaxinfer.worker.inputs import InputBuilder, StepInputs
+from jaxinfer.sampling.prompt_logprobs import PromptInputs
+from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.step import decode_window, forward_part, sample_part, step
+from jaxinfer.worker.step_inputs import StepInputs
 from sharding import DATA, is_multiprocess, replicated_spec, tokens_spec
 
 DEFAULT_DECODE_STEPS = 8
@@ -33,15 +39,15 @@ logger = logging.getLogger(__name__)
 
 
 def step_jits(
-    family,
-    config,
+    family: ModelFamily,
+    config: ModelConfig,
     attn_impl: str,
     max_seqs: int,
     num_replicas: int,
     num_decode_steps: int,
-    out_shardings,
-    window_options: dict | None = None,
-) -> tuple:
+    out_shardings: tuple[Any, Any, Any],
+    window_options: dict[str, str] | None = None,
+) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped, jax.stages.Wrapped, jax.stages.Wrapped]:
     """The compiled step's jitted functions: the step and the decode window, fn(params, caches, inputs,
     prev_tokens, page_table), vmapped over data replicas (`spmd_axis_name="data"`); the split step's forward
     and sampling halves. The caches are donated and come back as `out_shardings[1]` says. The
@@ -85,12 +91,12 @@ def decode_sized_buckets(inputs: InputBuilder, buckets: tuple[int, ...], max_num
     return tuple(b for b in buckets if b <= inputs.bucket_for(min(max_num_seqs, buckets[-1])))
 
 
-def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:
+def input_shardings(mesh: Mesh, inputs: StepInputs[np.ndarray], replicas: bool) -> StepInputs[NamedSharding]:
     """How the step takes its inputs on `mesh`: tokens split over the sequence axis, the rest
     replicated (per data replica with `replicas`); a tree like `inputs`."""
     tokens = NamedSharding(mesh, tokens_spec(mesh, replicas=replicas))
     other = NamedSharding(mesh, replicated_spec(replicas=replicas))
-    return inputs.replace(
+    return StepInputs(
         token_ids=tokens,
         positions=tokens,
         prev_rows=tokens,
@@ -100,7 +106,7 @@ def input_shardings(mesh, inputs: StepInputs, replicas: bool) -> StepInputs:
         sampling=jax.tree.map(lambda _: other, inputs.sampling),
         spec=jax.tree.map(lambda _: other, inputs.spec),
         table=jax.tree.map(lambda _: other, inputs.table),
-        prompt=None if inputs.prompt is None else inputs.prompt.replace(targets=tokens, num_top=other),
+        prompt=None if inputs.prompt is None else PromptInputs(targets=tokens, num_top=other),
     )
 
 
@@ -125,7 +131,9 @@ def greedy_variant_enabled(setting: bool | None, num_replicas: int = 1) -> bool:
     return jax.default_backend() == "gpu" if setting is None else setting
 
 
-def as_greedy(inputs: StepInputs, num_steps: int, buckets: tuple[int, ...], twin_steps: int) -> StepInputs:
+def as_greedy(
+    inputs: StepInputs[np.ndarray], num_steps: int, buckets: tuple[int, ...], twin_steps: int
+) -> StepInputs[np.ndarray]:
     """`inputs` marked plain (SamplingArrays.plain) when their bucket has the greedy twin of
     `twin_steps` steps, this call runs that many, and every row qualifies (no prompt logprobs,
     no drafts, sampling.arrays.is_plain); otherwise as they are."""
@@ -139,14 +147,14 @@ def as_greedy(inputs: StepInputs, num_steps: int, buckets: tuple[int, ...], twin
         or not is_plain(sampling)
     ):
         return inputs
-    return inputs.replace(sampling=sampling.replace(plain=True))
+    return dataclasses.replace(inputs, sampling=dataclasses.replace(sampling, plain=True))
 
 
-def plain_padding(inputs: StepInputs) -> StepInputs:
+def plain_padding(inputs: StepInputs[np.ndarray]) -> StepInputs[np.ndarray]:
     """Padding inputs (InputBuilder.padding_inputs) that qualify for the greedy twin: every row
     greedy, the allowed bits and the bias pair unsent, as a plain batch's come from `prepare`."""
-    sampling = inputs.sampling.replace(temperature=np.zeros_like(inputs.sampling.temperature))
-    return inputs.replace(sampling=unsent_defaults(sampling, grammar=False))
+    sampling = dataclasses.replace(inputs.sampled(), temperature=np.zeros_like(inputs.sampled().temperature))
+    return dataclasses.replace(inputs, sampling=unsent_defaults(sampling, grammar=False))
 
 
 def decode_steps(setting: int | None, num_replicas: int = 1) -> int:

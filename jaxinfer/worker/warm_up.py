@@ -24,12 +24,16 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import jax
+import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxinfer.config import EngineConfig
 from jaxinfer.config.compile import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
-from jaxinfer.worker.inputs import StepInputs
+from jaxinfer.worker.inputs import InputBuilder
+from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import plain_padding
 
 SERIAL_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -94,7 +98,23 @@ def compile_all(lowered: list[jax.stages.Lowered], platform: str = "cpu") -> lis
         return list(pool.map(lambda program: program.compile(), lowered))
 
 
-def step_variants(step) -> list[tuple[StepInputs, int, bool]]:
+class CompiledVariants(Protocol):
+    """What warm-up reads of a CompiledStep (compiled_step.py imports this module)."""
+
+    engine: EngineConfig
+    inputs: InputBuilder
+    buckets: tuple[int, ...]
+    window_buckets: tuple[int, ...]
+    greedy_buckets: tuple[int, ...]
+    num_decode_steps: int
+    greedy_steps: int
+
+    def padding_inputs(
+        self, t_bucket: int, with_history: bool, spec: bool = False, prompt: bool = False, table_width: int = 0
+    ) -> StepInputs[np.ndarray]: ...
+
+
+def step_variants(step: CompiledVariants) -> list[tuple[StepInputs[np.ndarray], int, bool]]:
     """(padding inputs, num_steps, greedy) of each step and window variant of `step` (a
     CompiledStep), as `step.execute` takes them."""
     engine = step.engine

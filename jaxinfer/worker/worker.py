@@ -25,13 +25,17 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import jax
+import numpy as np
+
 from jaxinfer.config import EngineConfig
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.loader import LoadedModel
-from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.worker.compiled_step import CompiledStep
 from jaxinfer.worker.device_state import DeviceState
-from jaxinfer.worker.inputs import InputBuilder, StepInputs
+from jaxinfer.worker.inputs import InputBuilder
+from jaxinfer.worker.step import StepOutput
+from jaxinfer.worker.step_inputs import StepInputs
 from sharding import StepChannel
 from sharding.multihost import SHUTDOWN
 
@@ -42,13 +46,13 @@ class StepHandle:
     def __init__(
         self,
         plans: list[SchedulerPlan],
-        out: SamplerOutput | Future | None,
+        out: StepOutput | Future[StepOutput] | None,
         step: CompiledStep,
-        late: tuple[StepInputs, object] | None = None,
+        late: tuple[StepInputs[np.ndarray], jax.Array | Future[jax.Array] | None] | None = None,
     ):
         self.plans = plans
         self._out, self._step, self._late = out, step, late
-        self._result: SamplerOutput | None = None
+        self._result: StepOutput | None = None
 
     @property
     def waits_for_masks(self) -> bool:
@@ -64,11 +68,11 @@ class StepHandle:
         InputBuilder.fill_masks(self.plans[0], inputs, device_busy=hidden is not None)
         self._out = self._step.dispatch_sample(hidden, inputs) if hidden is not None else self._step.dispatch(inputs)
 
-    def result(self) -> SamplerOutput:
+    def result(self) -> StepOutput:
         """The step's outputs as numpy (waits for them once; a replica axis leads with data > 1)."""
-        if self._late is not None:
-            raise RuntimeError("result(): sample() the step first (it was launched with masks_later)")
         if self._result is None:
+            if self._late is not None or self._out is None:
+                raise RuntimeError("result(): sample() the step first (it was launched with masks_later)")
             self._result = self._step.fetch(self._out)
             self._out = None
         return self._result
@@ -132,7 +136,7 @@ class Worker:
         inputs = self.step.prepare(plan, previous, masks=False)
         split = (
             plan.num_batched_tokens <= self.step.split_buckets[-1]  # else the fused step, later
-            and inputs.sampling.history is None
+            and inputs.sampled().history is None
             and inputs.prompt is None
         )
         hidden = self.step.dispatch_forward(inputs) if split else None

@@ -18,6 +18,7 @@ request on the server and frees its KV pages.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import Any  # the calls' **kwargs: build_request's keyword arguments, passed on
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,7 +38,7 @@ from serving.grpc.proto import jaxinfer_pb2_grpc as pb_grpc
 __all__ = ["Accumulator", "AsyncClient", "Client", "Completion", "GenerateResult", "Prompt", "build_request"]
 
 
-def _channel_args(max_message_bytes: int):
+def _channel_args(max_message_bytes: int) -> list[tuple[str, int | str]]:
     return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
 
 
@@ -74,7 +75,7 @@ class Client(_Base):
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def stream(
-        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: object
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> Iterator[pb.GenerateResponse]:
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
         try:
@@ -82,9 +83,7 @@ class Client(_Base):
         finally:
             call.cancel()  # a no-op once finished; aborts the request when the caller stops early
 
-    def generate(
-        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: object
-    ) -> GenerateResult:
+    def generate(self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any) -> GenerateResult:
         acc = Accumulator()
         for msg in self.stream(prompt, timeout=timeout, **kwargs):
             acc.add(msg)
@@ -123,7 +122,7 @@ class Client(_Base):
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -147,7 +146,7 @@ class AsyncClient(_Base):
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def stream(
-        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: object
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
         try:
@@ -157,7 +156,7 @@ class AsyncClient(_Base):
             call.cancel()
 
     async def generate(
-        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: object
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> GenerateResult:
         acc = Accumulator()
         async for msg in self.stream(prompt, timeout=timeout, **kwargs):
@@ -198,5 +197,5 @@ class AsyncClient(_Base):
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -16,6 +16,12 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when a command runs
+    from google.protobuf.message import Message
+
+    from serving.grpc.client import Client
 
 TOKEN_ENV = "JAXINFER_AUTH_TOKEN"
 
@@ -105,7 +111,7 @@ def _as_tuple(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _generate(client, args) -> int:
+def _generate(client: Client, args: argparse.Namespace) -> int:
     from jaxinfer.cli.args import sampling_kwargs, sampling_options
     from serving.grpc.convert import structured_message
 
@@ -161,7 +167,7 @@ def _generate(client, args) -> int:
     return 0
 
 
-def _print_message(msg) -> int:
+def _print_message(msg: Message) -> int:
     from google.protobuf import json_format
 
     print(

@@ -79,7 +79,8 @@ def build_request(
     request = pb.GenerateRequest(
         request_id=request_id,
         priority=priority,
-        sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}),
+        # Each option as protobuf takes it: it checks the types (a TypeError names the field).
+        sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}),  # type: ignore[arg-type]
     )
     if (tools is not None or tool_choice is not None or chat_template_kwargs is not None) and messages is None:
         raise ValueError("tools, tool_choice and chat_template_kwargs go with messages")
@@ -95,7 +96,7 @@ def build_request(
             request.chat.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
     elif isinstance(prompt, str):
         request.text = prompt
-    else:
+    elif prompt is not None:  # token ids (a prompt or messages: checked above)
         request.token_ids.ids.extend(int(t) for t in prompt)
     return request
 
@@ -116,12 +117,14 @@ def _message(m: dict) -> pb.ChatMessage:
     )
 
 
-def tokenize_request(text, messages, add_special_tokens: bool) -> pb.TokenizeRequest:
+def tokenize_request(text: str | None, messages: Iterable[dict] | None, add_special_tokens: bool) -> pb.TokenizeRequest:
     request = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
     if messages is not None:
         request.chat.CopyFrom(_chat(messages))
-    else:
+    elif text is not None:
         request.text = text
+    else:
+        raise ValueError("pass either text or messages")
     return request
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+from typing import Any
 
 from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.sampling import SamplingParams, StructuredOutput
@@ -142,7 +143,7 @@ def render_chat(tokenizer: Tokenizer, chat: pb.Chat, tools: ToolRequest | None =
 
 def chat_tools(chat: pb.Chat, parser: ToolCallParser | None) -> ToolRequest | None:
     """The chat's tools and tool_choice (a name: that function), checked; None without tools."""
-    choice = chat.tool_choice or None
+    choice: str | dict[str, Any] | None = chat.tool_choice or None
     if choice not in (None, "none", "auto", "required"):
         choice = {"type": "function", "function": {"name": choice}}
     parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None
@@ -177,7 +178,7 @@ def chat_replies(
 
 
 def _chat_message(m: pb.ChatMessage, i: int) -> dict:
-    entry = {"role": m.role, "content": m.content}
+    entry: dict[str, Any] = {"role": m.role, "content": m.content}
     calls = _json_field(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json")
     if calls is not None:
         if not isinstance(calls, list):
@@ -191,7 +192,7 @@ def _chat_message(m: pb.ChatMessage, i: int) -> dict:
     return entry
 
 
-def _json_field(text: str, field: str):
+def _json_field(text: str, field: str) -> Any:  # a JSON value
     """A JSON-text field's value; None when it is empty."""
     if not text:
         return None
@@ -218,22 +219,21 @@ def prompt_token_ids(
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestError("prompt: set one of text, token_ids or chat")
-    if kind in ("text", "chat") and tokenizer is None:
-        raise RequestError(f"{kind}: this model has no tokenizer; send prompt token_ids")
-    if kind == "text":
-        if not request.text:
-            raise RequestError("text: the prompt is empty")
-        ids = tokenizer.encode(request.text)
-    elif kind == "chat":
-        ids = render_chat(tokenizer, request.chat, tools)
-    else:
+    if kind == "token_ids":
         ids = list(request.token_ids.ids)
         if not ids:
             raise RequestError("token_ids.ids: the prompt is empty")
         bad = [t for t in ids if not 0 <= t < limits.vocab_size]
         if bad:
             raise RequestError(f"token_ids.ids: ids out of range [0, {limits.vocab_size}): {bad[:5]}")
-    return ids  # its length against the context: model_limits.check_request
+        return ids  # its length against the context: model_limits.check_request (so are the others)
+    if tokenizer is None:
+        raise RequestError(f"{kind}: this model has no tokenizer; send prompt token_ids")
+    if kind == "text":
+        if not request.text:
+            raise RequestError("text: the prompt is empty")
+        return tokenizer.encode(request.text)
+    return render_chat(tokenizer, request.chat, tools)
 
 
 def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.GenerateResponse:
@@ -266,7 +266,7 @@ def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.Gener
                 pb.ToolCall(id=serving_tools.new_call_id(), name=call.name, arguments=call.arguments)
                 for call in parsed.tool_calls
             )
-    msg.prompt_logprobs.extend(map(_token_logprob, (out.prompt_logprobs or [None])[1:]))
+    msg.prompt_logprobs.extend(_token_logprob(lp) for lp in (out.prompt_logprobs or [None])[1:] if lp is not None)
     if out.finished:
         m = out.metrics
         itl = m.inter_token_latencies

@@ -72,6 +72,8 @@ class GrpcServer:
         address = f"{opts.host}:{opts.port}"
         try:
             if opts.tls_cert_file:
+                if opts.tls_key_file is None:
+                    raise ValueError("GrpcOptions.tls_cert_file needs tls_key_file (the certificate's key)")
                 with open(opts.tls_key_file, "rb") as k, open(opts.tls_cert_file, "rb") as c:
                     creds = grpc.ssl_server_credentials([(k.read(), c.read())])
                 port = self._server.add_secure_port(address, creds)

@@ -26,13 +26,18 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import jax
 from google.protobuf import json_format
 
+from jaxinfer.core.requests import CheckedRequest
+from jaxinfer.engine import Engine
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import MAX_LOGPROBS
+from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.engine_loop import EngineLoop, ServerShuttingDown, merge_deltas
 from serving.errors import RequestError
 from serving.grpc import convert
@@ -40,9 +45,10 @@ from serving.grpc.proto import jaxinfer_pb2 as pb
 from serving.grpc.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.grpc.streaming import Refused, call_deadline, charge, next_items, rate_limited, status_of
 from serving.limits import Grant, RateLimited, RateLimiter
+from serving.metrics import ServerMetrics
 from serving.model_limits import ModelLimits, check_request
 from serving.request_log import RequestLog, RequestRecord
-from serving.tools import output_readers
+from serving.tools import ChatReplies, output_readers
 
 logger = logging.getLogger(__name__)
 GENERATE = "/jaxinfer.v1.InferenceService/Generate"
@@ -54,14 +60,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         engine_loop: EngineLoop,
         *,
         max_waiting: int,
-        metrics=None,
+        metrics: ServerMetrics | None = None,
         executor: concurrent.futures.Executor | None = None,
         limiter: RateLimiter | None = None,
         request_log: RequestLog | None = None,
         key_id: str | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str | None = None,
-    ):
+    ) -> None:
         engine = engine_loop.engine
         self.tool_parser, self.reasoning = output_readers(engine.tokenizer, tool_call_parser, reasoning_parser)
         self.reasoning_gated = engine.config.load.reasoning_parser is not None  # grammars start after </think>
@@ -155,7 +161,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         arrival_time: float,
         record: RequestRecord,
         grant: Grant,
-    ):
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The call's responses; refusals raise Refused. Ended early: the request is aborted."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
@@ -169,9 +175,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             charge(grant, len(checked.prompt_token_ids), checked.params)
             loop = asyncio.get_running_loop()
             deadline = call_deadline(context, loop)
-            self._engine_loop.submit(
-                request_id, checked, functools.partial(loop.call_soon_threadsafe, queue.put_nowait), arrival_time
-            )
+
+            def sink(item: RequestOutput | BaseException) -> None:  # on the engine thread
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+            self._engine_loop.submit(request_id, checked, sink, arrival_time)
             submitted = True
             while not finished:
                 deltas, error = await next_items(queue, deadline, loop)
@@ -188,7 +196,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             if submitted and not finished:
                 self._engine_loop.abort(request_id)
 
-    def _prepare(self, request: pb.GenerateRequest):
+    def _prepare(self, request: pb.GenerateRequest) -> tuple[CheckedRequest, ChatReplies | None]:
         """Worker thread: the request checked as the engine checks requests (once, here), and how
         a chat's output is read (tools, reasoning; None: not)."""
         params = convert.sampling_params(request.sampling)
@@ -204,15 +212,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     # --- unary RPCs -----------------------------------------------------------------------------
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        if self._tokenizer is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+        if (tokenizer := self._tokenizer) is None:
+            return await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")  # raises
         kind = request.WhichOneof("input")
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         try:
             if kind == "chat":
-                ids = await self._in_worker(convert.render_chat, self._tokenizer, request.chat)
+                ids = await self._in_worker(convert.render_chat, tokenizer, request.chat)
             elif kind == "text":
-                ids = await self._in_worker(self._tokenizer.encode, request.text, add)
+                ids = await self._in_worker(tokenizer.encode, request.text, add)
             else:
                 raise RequestError("input: set text or chat")
         except RequestError as e:
@@ -222,8 +230,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
-        if self._tokenizer is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+        if (tokenizer := self._tokenizer) is None:
+            return await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")  # raises
         vocab = self._limits.vocab_size
         bad = [t for t in request.token_ids if not 0 <= t < vocab]
         if bad:
@@ -231,7 +239,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: ids out of range [0, {vocab}): {bad[:5]}"
             )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = await self._in_worker(self._tokenizer.decode, list(request.token_ids), skip)
+        text = await self._in_worker(tokenizer.decode, list(request.token_ids), skip)
         return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(
@@ -262,13 +270,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         )
 
 
-def _prompt_of(request: pb.GenerateRequest):
+def _prompt_of(request: pb.GenerateRequest) -> str | dict[str, Any] | None:
     """The prompt as sent (for a request log with prompts): text, {"ids": [...]} or {"messages": [...]}."""
     kind = request.WhichOneof("prompt")
     return json_format.MessageToDict(request, preserving_proto_field_name=True).get(kind) if kind else None
 
 
-def _model_info(engine, tool_parser) -> pb.GetModelInfoResponse:
+def _model_info(engine: Engine, tool_parser: ToolCallParser | None) -> pb.GetModelInfoResponse:
     model, tok, cfg = engine.model, engine.tokenizer, engine.config
     eos = tok.eos_token_ids if tok is not None else model.config.eos_token_ids
     dtype = next((str(leaf.dtype) for leaf in jax.tree.leaves(model.params)), "")

@@ -16,6 +16,7 @@ import asyncio
 
 import grpc
 
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
 from serving.engine_loop import RequestRejected, ServerShuttingDown
 from serving.limits import Grant, RateLimited, token_cost
@@ -31,7 +32,7 @@ class Refused(Exception):
 
 async def next_items(
     queue: asyncio.Queue, deadline: float | None, loop: asyncio.AbstractEventLoop
-) -> tuple[list, Exception | None]:
+) -> tuple[list[RequestOutput], BaseException | None]:
     """Waits for the next item, then takes whatever else is queued: (deltas, error or None)."""
     if deadline is None:
         items = [await queue.get()]
@@ -43,7 +44,7 @@ async def next_items(
             raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request finished") from None
     while not queue.empty():
         items.append(queue.get_nowait())
-    deltas = []
+    deltas: list[RequestOutput] = []
     for item in items:
         if isinstance(item, BaseException):
             return deltas, item

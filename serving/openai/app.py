@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxinfer.tokenizer import Tokenizer
 from serving.metrics import ServerMetrics
 from serving.openai import handlers
 from serving.openai.docs import Docs
@@ -62,16 +63,18 @@ class _Endpoints:
         body, content_type = self.metrics.exposition()
         return Response(body, media_type=content_type)
 
-    async def _tokenizer_request(self, request: Request, model_cls):
-        """The parsed body of a /tokenize or /detokenize call, for a model with a tokenizer."""
+    async def _tokenizer_request[T: (TokenizeRequest, DetokenizeRequest)](
+        self, request: Request, model_cls: type[T]
+    ) -> tuple[T, ApiContext, Tokenizer]:
+        """The parsed body of a /tokenize or /detokenize call, for a model with a tokenizer (and it)."""
         req = await parse(request, model_cls)
         self.ctx.check_model(req.model)
-        if self.ctx.tokenizer is None:
+        if (tokenizer := self.ctx.tokenizer) is None:
             raise bad_request(None, "this model has no tokenizer")
-        return req, self.ctx
+        return req, self.ctx, tokenizer
 
     async def tokenize(self, request: Request) -> Response:
-        req, ctx = await self._tokenizer_request(request, TokenizeRequest)
+        req, ctx, tokenizer = await self._tokenizer_request(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt", "prompt: send exactly one of prompt and messages")
         if req.messages is not None:
@@ -79,22 +82,22 @@ class _Endpoints:
             ids = await ctx.in_worker(
                 render_messages,
                 req.messages,
-                ctx.tokenizer,
+                tokenizer,
                 req.add_generation_prompt,
                 template_tools(req.tools),
                 req.chat_template_kwargs,
             )
         else:
-            ids = await ctx.in_worker(ctx.tokenizer.encode, req.prompt, req.add_special_tokens)
+            ids = await ctx.in_worker(tokenizer.encode, req.prompt, req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
-        req, ctx = await self._tokenizer_request(request, DetokenizeRequest)
+        req, ctx, tokenizer = await self._tokenizer_request(request, DetokenizeRequest)
         vocab = ctx.limits.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request("tokens", f"tokens: ids out of range [0, {vocab}): {bad[:5]}")
-        text = await ctx.in_worker(ctx.tokenizer.decode, req.tokens, True)
+        text = await ctx.in_worker(tokenizer.decode, req.tokens, True)
         return JSONResponse({"prompt": text})
 
 
@@ -116,10 +119,11 @@ def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: b
     ]
     return Starlette(
         routes=routes,
+        # Starlette types every handler as taking an Exception; each is called with its key's class.
         exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_error,
-            ClientDisconnect: _client_gone,
+            APIError: _api_error,  # type: ignore[dict-item]
+            HTTPException: _http_error,  # type: ignore[dict-item]
+            ClientDisconnect: _client_gone,  # type: ignore[dict-item]
             Exception: _internal,
         },
     )

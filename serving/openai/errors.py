@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Iterator, Mapping
 
 import pydantic
 from starlette.responses import JSONResponse
@@ -46,8 +47,8 @@ class APIError(Exception):
         message: str,
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
@@ -119,9 +120,10 @@ def unknown_model(requested: str, served: str) -> APIError:
 
 
 @contextlib.contextmanager
-def named_400():
+def named_400() -> Iterator[None]:
     """serving.tools' RequestErrors ("tools[1].function.name=...: ...") as 400s naming the field."""
     try:
         yield
     except RequestError as e:
-        raise bad_request(re.match(r"[\w.\[\]]+", str(e)).group(0), str(e)) from None
+        field = m.group(0) if (m := re.match(r"[\w.\[\]]+", str(e))) else "request"  # they lead with it
+        raise bad_request(field, str(e)) from None

@@ -51,7 +51,7 @@ class EngineRequests:
             self._engine_loop.submit(request_id, request, sink, self._arrival)
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         for i, request_id in enumerate(self._ids):
             if i not in self._done:
                 self._engine_loop.abort(request_id)

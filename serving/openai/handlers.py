@@ -21,12 +21,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 import pydantic
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
@@ -60,7 +62,7 @@ class ApiContext:
     def __post_init__(self):
         self.texts = outputs.TokenTexts(self.tokenizer)
 
-    async def in_worker(self, fn, *args):
+    async def in_worker[R](self, fn: Callable[..., R], *args: Any) -> R:
         """CPU work (tokenizing, chat templates) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
@@ -102,7 +104,12 @@ def _noting_errors(handler):
     return noting
 
 
-async def _prepared(ctx: ApiContext, request: Request, body_cls, to_inputs):
+async def _prepared[B: (CompletionRequest, ChatCompletionRequest)](
+    ctx: ApiContext,
+    request: Request,
+    body_cls: type[B],
+    to_inputs: Callable[[B, Tokenizer | None, ModelLimits], EngineInputs],
+) -> tuple[float, B, EngineInputs]:
     """(arrival time, parsed body, EngineInputs) of a generation request; the prompt is
     tokenized and the sampling values checked on a worker thread."""
     arrival = time.monotonic()
@@ -169,10 +176,10 @@ async def _events(
     writer: outputs.ChunkWriter,
     arrival: float,
     record: RequestRecord | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The SSE events of one streamed response. Submitting happens here, on the first read, so
     a response that is never streamed (the client left at once) never reaches the engine."""
-    last: dict[int, object] = {}
+    last: dict[int, RequestOutput] = {}
     try:
         async with EngineRequests(ctx.engine_loop, writer.head.id, inputs, arrival, record) as requests:
             for chunk in writer.opening(len(inputs.prompts)):
@@ -191,15 +198,21 @@ async def _events(
     yield sse.DONE
 
 
-def _include_usage(req) -> bool:
-    return req.stream_options is not None and req.stream_options.include_usage
+def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return req.stream_options is not None and bool(req.stream_options.include_usage)
 
 
 def _record(request: Request) -> RequestRecord | None:
     return request.scope.get("state", {}).get("record")
 
 
-def _admitted(request: Request, request_id: str, req, inputs: EngineInputs, prompt) -> RequestRecord | None:
+def _admitted(
+    request: Request,
+    request_id: str,
+    req: CompletionRequest | ChatCompletionRequest,
+    inputs: EngineInputs,
+    prompt: Callable[[], object],
+) -> RequestRecord | None:
     """Logs the request, fills in its record and charges its tokens to its key (429 past the key's
     tokens per minute). `prompt()` is the prompt as sent, for a request log with prompts."""
     state = request.scope.get("state", {})

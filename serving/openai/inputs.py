@@ -21,7 +21,7 @@ from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.errors import RequestError
 from serving.model_limits import ModelLimits, check_request
-from serving.openai.errors import bad_request, named_400
+from serving.openai.errors import APIError, bad_request, named_400
 from serving.openai.messages import render_messages
 from serving.openai.prompts import as_list, completion_prompts
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -107,7 +107,11 @@ def chat_inputs(
     with named_400():
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
     ids = render_messages(
-        req.messages, tokenizer, req.add_generation_prompt, tools.tools if tools else None, req.chat_template_kwargs
+        req.messages,
+        tokenizer,
+        bool(req.add_generation_prompt),
+        tools.tools if tools else None,
+        req.chat_template_kwargs,
     )
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -229,15 +233,15 @@ def _checked(ids: list[int], params: SamplingParams, limits: ModelLimits, names:
         raise _renamed(str(e).removeprefix("sampling."), names) from None
 
 
-def _renamed(message: str, names: dict[str, str]):
+def _renamed(message: str, names: dict[str, str]) -> APIError:
     """A message that leads with a SamplingParams field (`top_p=2.0: ...`) or with the prompt
     (`prompt of 600 tokens ...`), led by the request's own field instead."""
-    field = re.match(r"\w+", message).group(0)
+    field = m.group(0) if (m := re.match(r"\w+", message)) else "request"  # check_request's lead with one
     ours = names.get(field, field)
     rest = message[len(field) :]
     return bad_request(ours, ours + rest if rest[:1] in ("=", "[", ":", "/") else f"{ours}: {message}")
 
 
-def _is_count(value) -> bool:
+def _is_count(value: object) -> bool:
     """An int that is not a bool (anything else is left for SamplingParams to name)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -6,6 +6,8 @@ a tool result's tool_call_id, the request's tools and chat_template_kwargs. Ever
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.chat_template import check_template_kwargs
 from serving.openai.errors import bad_request, named_400
@@ -40,7 +42,7 @@ def render_messages(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def template_tools(tools) -> list[dict] | None:
+def template_tools(tools: object) -> list[dict] | None:
     """A request's tools for the template alone (/tokenize), checked as a chat's are."""
     with named_400():
         return None if tools is None else checked_tools(tools)
@@ -49,7 +51,7 @@ def template_tools(tools) -> list[dict] | None:
 def _template_message(message: ChatMessage, i: int) -> dict:
     """A message as chat templates read it: text content, an assistant's tool_calls, a tool
     message's tool_call_id and name."""
-    entry = {"role": message.role}
+    entry: dict[str, Any] = {"role": message.role}
     if message.content is None and message.role == "assistant" and message.tool_calls:
         entry["content"] = ""
     else:

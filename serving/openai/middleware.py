@@ -22,6 +22,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serving.metrics import ServerMetrics
 from serving.openai import sse
 from serving.openai.admission import Admission
 from serving.openai.auth import APIKeys
@@ -44,9 +45,9 @@ class Gate:
         admission: Admission,
         max_body_bytes: int,
         keys: APIKeys | None = None,
-        metrics=None,
+        metrics: ServerMetrics | None = None,
         request_log: RequestLog | None = None,
-    ):
+    ) -> None:
         self.app, self.admission, self.keys, self.metrics = app, admission, keys, metrics
         self.max_body_bytes = max_body_bytes
         self.request_log = request_log or RequestLog()
@@ -86,7 +87,7 @@ class Gate:
         state["ended"] = True
         record, grant = state.get("record"), state.get("grant")
         if grant is not None:
-            self.admission.leave(grant, record.total_tokens)
+            self.admission.leave(grant, record.total_tokens if record is not None else None)
         if record is not None:
             self.request_log.finish(record, record.status)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from typing import Any
 
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxinfer.tokenizer import Tokenizer
@@ -44,7 +45,7 @@ class ResponseHeader:
     created: int
     model: str
 
-    def body(self, **fields) -> dict:
+    def body(self, **fields: Any) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, **fields}
 
 
@@ -85,12 +86,12 @@ class TokenTexts:
         """Completions' echo with logprobs: the legacy shape over the prompt's tokens (the first
         has none: nothing predicts it), each with its `top` most likely tokens."""
         tokens = [self.text(t) for t in out.prompt_token_ids]
-        scored = out.prompt_logprobs[1:]
+        scored = list(filter(None, (out.prompt_logprobs or [None])[1:]))  # the first is None
+        tops = [{self.text(t): max(v, MIN_LOGPROB) for t, v in _ranked(lp)[:top]} for lp in scored]
         return {
             "tokens": tokens,
-            "token_logprobs": [None] + [max(lp.logprob, MIN_LOGPROB) for lp in scored],
-            "top_logprobs": [None]
-            + [{self.text(t): max(v, MIN_LOGPROB) for t, v in _ranked(lp)[:top]} for lp in scored],
+            "token_logprobs": [None, *[max(lp.logprob, MIN_LOGPROB) for lp in scored]],
+            "top_logprobs": [None, *tops],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
         }
 
@@ -98,7 +99,7 @@ class TokenTexts:
         """vLLM's `prompt_logprobs`: per prompt token, None (the first) or {token id: {"logprob",
         "rank", "decoded_token"}} for the token itself and the most likely ones."""
         entries: list[dict | None] = [None]
-        for lp in out.prompt_logprobs[1:]:
+        for lp in filter(None, (out.prompt_logprobs or [None])[1:]):
             entry = {str(t): self._ranked_entry(t, v, rank) for rank, (t, v) in enumerate(_ranked(lp), start=1)}
             entry[str(lp.token_id)] = self._ranked_entry(lp.token_id, lp.logprob, lp.rank)
             entries.append(entry)
@@ -202,7 +203,9 @@ class ChunkWriter:
         self._offsets: dict[int, int] = {}  # choice -> characters streamed (completions' text_offset)
         self._finished: set[int] = set()
 
-    def _chunk(self, index: int, finish_reason: str | None = None, logprobs=None, **content) -> dict:
+    def _chunk(
+        self, index: int, finish_reason: str | None = None, logprobs: dict | None = None, **content: Any
+    ) -> dict:
         choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
         extra = {"usage": None} if self.include_usage else {}
         return self.head.body(choices=[choice], **extra)
@@ -234,7 +237,8 @@ class ChunkWriter:
                 chunks.append(self._content(index, c))
             if c.finish_reason is not None:
                 self._finished.add(index)
-                chunks.append(self._chunk(index, c.finish_reason, **({"delta": {}} if self.chat else {"text": ""})))
+                ending: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
+                chunks.append(self._chunk(index, c.finish_reason, **ending))
         return chunks
 
     def _prompt_chunks(self, prompt: int, out: RequestOutput) -> list[dict]:
@@ -250,7 +254,7 @@ class ChunkWriter:
             )
         chunks = []
         for index in range(prompt * self.n, (prompt + 1) * self.n):
-            if self._shown.echo_top is not None:
+            if self._shown.echo_top is not None and self._echo is not None:  # echo_top: with echo
                 self._offsets[index] = len(self._echo[prompt])
                 lps = self.texts.echo_logprobs(out, self._shown.echo_top)
                 chunks.append(self._chunk(index, logprobs=lps, text=self._echo[prompt], **field))

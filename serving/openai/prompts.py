@@ -11,19 +11,21 @@ messages become the prompt in messages.py instead.
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxinfer.tokenizer import Tokenizer
 from serving.model_limits import ModelLimits
 from serving.openai.errors import bad_request
 
 
-def as_list(prompt) -> list:
+def as_list(prompt: object) -> list[Any]:  # the request's JSON value, and its elements
     """The prompts of a completion request: one unless it is a list of strings or of id lists."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return prompt
     return [prompt]
 
 
-def _token_ids(value, field: str) -> list[int] | None:
+def _token_ids(value: object, field: str) -> list[int] | None:
     """A non-empty list of numbers as token ids, None for any other value. Integral numbers
     written as floats (272.0) are ids, as in vLLM's API (JSON Schema's integer); any other number
     is a 400 naming the element (`prompt[3]: 272.5 is not an integer token id`)."""
@@ -39,7 +41,7 @@ def _token_ids(value, field: str) -> list[int] | None:
     return [int(t) for t in value]
 
 
-def prompt_shapes(prompt) -> list[str | list[int]]:
+def prompt_shapes(prompt: object) -> list[str | list[int]]:
     """The prompts of a completion request: a string, token ids, or a non-empty list of either."""
     if isinstance(prompt, str):
         return [prompt]
@@ -50,14 +52,14 @@ def prompt_shapes(prompt) -> list[str | list[int]]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         lists = [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
         if all(ids is not None for ids in lists):
-            return lists
+            return [ids for ids in lists if ids is not None]
     raise bad_request(
         "prompt",
         "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists (none empty)",
     )
 
 
-def completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[list[int]]:
+def completion_prompts(prompt: object, tokenizer: Tokenizer | None, limits: ModelLimits) -> list[list[int]]:
     """Each prompt as token ids. Text is tokenized as /tokenize does it; an empty string is a
     prompt when the tokenizer gives it a token (BOS), and refused when it gives none, as vLLM
     refuses a prompt of no tokens: generation has nothing to start from."""

@@ -78,7 +78,9 @@ _TOOL_CHOICE = {
 }
 
 
-def _documented(low: float | None = None, high: float | None = None, exclusive_low: bool = False, **extra) -> Any:
+def _documented(
+    low: float | None = None, high: float | None = None, exclusive_low: bool = False, **extra: Any
+) -> Any:  # extra: JSON schema keywords; -> pydantic's Field (typed Any for the field's annotation)
     """Field(None) whose schema states what is accepted (SamplingParams' range, `extra` keywords);
     inputs.py and SamplingParams enforce it, naming the field, so pydantic does not."""
     bounds = {

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from jaxinfer import __version__
 from serving.openai import protocol, responses
@@ -108,11 +109,11 @@ OPERATIONS = (
 
 def openapi_schema(model_name: str, api_keys: bool = False) -> dict:
     """The schema of this API serving `model_name` (`api_keys`: the server requires them)."""
-    models = [(op.request, "validation") for op in OPERATIONS if op.request is not None]
-    models += [
-        (m, "serialization")
-        for m in (*(op.response for op in OPERATIONS if not isinstance(op.response, str)), responses.ErrorResponse)
+    models: list[tuple[type[BaseModel], JsonSchemaMode]] = [
+        (op.request, "validation") for op in OPERATIONS if op.request is not None
     ]
+    served = [op.response for op in OPERATIONS if not isinstance(op.response, str)] + [responses.ErrorResponse]
+    models += [(m, "serialization") for m in served]
     refs, defs = models_json_schema(models, ref_template=_REF)
     paths: dict[str, dict] = {}
     for op in OPERATIONS:
@@ -148,6 +149,7 @@ def _naming_the_model(schemas: dict, model_name: str) -> dict:
 
 
 def _operation(op: Operation, refs: dict, api_keys: bool, model_name: str) -> dict:
+    ok: dict[str, Any]
     if isinstance(op.response, str):
         ok = {op.response: {"schema": {"type": "string"}}}
     else:
@@ -157,7 +159,7 @@ def _operation(op: Operation, refs: dict, api_keys: bool, model_name: str) -> di
     error = {"application/json": {"schema": refs[(responses.ErrorResponse, "serialization")]}}
     answers = {"200": {"description": "OK", "content": ok}}
     answers.update({str(code): {"description": _STATUS_TEXT[code], "content": error} for code in op.statuses})
-    spec = {
+    spec: dict[str, Any] = {
         "summary": op.summary,
         "operationId": op.method + re.sub(r"\W+", "_", op.path).rstrip("_"),
         "responses": answers,

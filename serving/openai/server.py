@@ -128,6 +128,8 @@ class HttpServer:
     async def start(self) -> None:
         if self._socket is None:
             self.bind()
+        if self._socket is None:  # never: bind() listens or raises
+            raise OSError(f"the HTTP server on {self.address} has no socket")
         opts = self.options
         config = uvicorn.Config(
             self.gate,
@@ -137,7 +139,7 @@ class HttpServer:
             access_log=False,
             log_config=None,
             server_header=False,
-            timeout_graceful_shutdown=opts.shutdown_timeout_s,
+            timeout_graceful_shutdown=opts.shutdown_timeout_s,  # type: ignore[arg-type]  # a timeout: float is fine
             ssl_certfile=opts.tls_cert_file,
             ssl_keyfile=opts.tls_key_file,
         )
@@ -161,7 +163,7 @@ class HttpServer:
         self.gate.draining = True
 
     async def stop(self) -> None:
-        if self._task is None:
+        if self._task is None or self._server is None:  # both, or neither (start)
             if self._socket is not None:
                 self._socket.close()
             return

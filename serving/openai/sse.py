@@ -8,7 +8,7 @@ instead of noticing only at the next write, which may be many engine steps later
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -26,8 +26,9 @@ def event(payload: dict) -> bytes:
 class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes]):
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
         super().__init__(events, headers=HEADERS)
+        self._events = events  # the body iterator itself, which it closes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as group:
@@ -41,4 +42,4 @@ class SSEResponse(StreamingResponse):
             group.start_soon(stream)
             await self.listen_for_disconnect(receive)  # returns when the client is gone (or done)
             group.cancel_scope.cancel()
-        await self.body_iterator.aclose()  # runs the iterator's `finally` even if it never started
+        await self._events.aclose()  # runs the iterator's `finally` even if it never started

@@ -11,6 +11,9 @@ change; a named function's arguments as they are generated.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from jaxinfer.tokenizer.reasoning import ReasoningParser
 from jaxinfer.tokenizer.tool_calls import ToolCall
 from serving.tools import ToolRequest, new_call_id
@@ -21,7 +24,7 @@ def message(
 ) -> tuple[dict, str | None]:
     """A whole choice's message and finish_reason (`reasoning`: the server's reasoning parser)."""
     thought, text = reasoning.split(text) if reasoning is not None else (None, text)
-    fields = {"role": "assistant", "content": text}
+    fields: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning is not None:
         fields["reasoning_content"] = thought
     if request is None:
@@ -81,6 +84,8 @@ class ToolStream:
         if self.request.mode == "named":
             return "", self._arguments(delta)
         parser = self.request.parser
+        if parser is None:  # tool_choice "none": its choices are not read for calls
+            return self._show(self.text), []
         if final:
             parsed = parser.parse(self.text)
             return self._show(parsed.content or ""), self._calls(parsed.tool_calls)
@@ -88,7 +93,7 @@ class ToolStream:
             self._start = parser.find(self.text)
             if self._start < 0:
                 return self._show(self.text[: parser.safe_length(self.text)]), []
-        calls = ()
+        calls: Sequence[ToolCall] = ()
         end = parser.closed_end(self.text)
         if end > max(self._start, self._closed):  # a call closed since the last delta: parse up to it
             self._closed, calls = end, parser.parse(self.text[:end]).tool_calls
@@ -99,7 +104,7 @@ class ToolStream:
         self._shown = max(self._shown, len(content))
         return new
 
-    def _calls(self, calls) -> list[dict]:
+    def _calls(self, calls: Sequence[ToolCall]) -> list[dict]:
         new = [{"index": self.num_calls + k, **_openai_call(call)} for k, call in enumerate(calls[self.num_calls :])]
         self.num_calls += len(new)
         return new
@@ -108,5 +113,5 @@ class ToolStream:
         if self.num_calls:
             return [{"index": 0, "function": {"arguments": delta}}] if delta else []
         self.num_calls = 1
-        call = _openai_call(ToolCall(self.request.name, delta))
+        call = _openai_call(ToolCall(self.request.name or "", delta))  # named: the function's
         return [{"index": 0, **call}]

@@ -9,12 +9,18 @@ names.py     checkpoint tensor names (HF, GGUF with its 1 + w norms, ours) -> pa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jaxinfer.config.families import FamilySpec
 from jaxinfer.models.gemma import config
 from jaxinfer.models.gemma.defaults import GEMMA_CHAT_TEMPLATE, GEMMA_END_OF_TURN
 
+if TYPE_CHECKING:  # the model code imports JAX: only when the family is used
+    from jaxinfer.models.gemma.model import GemmaParams
+    from jaxinfer.models.registry import ModelFamily
 
-def model_code():
+
+def model_code() -> ModelFamily[GemmaParams]:
     """The model code, imported on first use (jaxinfer.models.registry.get_family)."""
     from jaxinfer.models import layers
     from jaxinfer.models.gemma import model, names

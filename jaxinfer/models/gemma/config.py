@@ -13,10 +13,13 @@ local base 10000; scale head_dim, hidden / heads for the 27B).
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.config.errors import ConfigError, require
 from jaxinfer.config.sources import FULL, SLIDING, check_layer_types, pattern_layer_types, rope_from_hf
+
+if TYPE_CHECKING:
+    from jaxinfer.config import ModelConfig  # the config module reads these at its import
 
 ACTIVATION = "gelu_pytorch_tanh"
 # llama.cpp: Gemma 3 slides all layers but every 6th, Gemma 2 every other one; local rope base 10000.
@@ -112,9 +115,9 @@ def read_gguf(
     )
 
 
-def to_hf(config) -> dict[str, Any]:
+def to_hf(config: ModelConfig) -> dict[str, Any]:
     """The Gemma keys of a config.json for `config` (a gemma-family ModelConfig)."""
-    cfg = {
+    cfg: dict[str, Any] = {
         "layer_types": list(config.layer_types),
         "query_pre_attn_scalar": config.query_pre_attn_scalar,
         "attn_logit_softcapping": config.attn_logit_softcap,
@@ -131,7 +134,7 @@ def to_hf(config) -> dict[str, Any]:
     return cfg
 
 
-def _positive_or_none(value, name: str, source: str) -> float | None:
+def _positive_or_none(value: Any, name: str, source: str) -> float | None:  # value: a JSON number
     if value is None:
         return None
     if not float(value) > 0:

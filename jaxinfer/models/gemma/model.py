@@ -27,6 +27,7 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.config.sources import is_sliding_layer
@@ -88,7 +89,7 @@ def layer_fields(config: ModelConfig) -> list[str]:
     return fields + (["q_norm", "k_norm"] if config.qk_norm else [])
 
 
-def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dict[str, jax.Array]]) -> GemmaParams:
+def assemble(config: ModelConfig, top: L.Fields, per_layer: list[L.Fields]) -> GemmaParams:
     """The parameter tree from arrays keyed by field name, q|k|v and gate|up fused (each layer's
     unfused arrays popped as it is built)."""
     return GemmaParams(
@@ -100,7 +101,9 @@ def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dic
     )
 
 
-def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> GemmaParams:
+def init_params(
+    config: ModelConfig, key: jax.Array, dtype: DTypeLike = jnp.float32, scale: float = 0.02
+) -> GemmaParams:
     """Random parameters (for tests and benchmarks): normal(0, scale); norm weights 0 (scale 1)."""
     top, per_layer = llama.random_fields(
         param_shapes(config), top_fields(config), layer_fields(config), config.num_layers, key, dtype, scale, 0.0
@@ -115,14 +118,24 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def _attention(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str, sliding: bool):
+def _attention(
+    x: jax.Array,
+    p: GemmaLayer,
+    kv_cache: L.KVCache,
+    cos: jax.Array,
+    sin: jax.Array,
+    meta: L.AttentionMetadata[jax.Array],
+    config: ModelConfig,
+    attn_impl: str,
+    sliding: bool,
+) -> tuple[jax.Array, L.KVCache]:
     """x [T, E] -> x + post_norm(attention(norm(x))), and the layer's updated cache."""
     eps = config.rms_norm_eps
     qkv = L.project_qkv(rms_norm(x, p.attn_norm, eps), p.w_qkv)  # [T, K, G+2, D]
     t, kv_heads, group, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
     q = qkv[:, :, :group].reshape(t, kv_heads * group, d)  # [T, H, D]
     k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, K, D] each
-    if p.q_norm is not None:
+    if p.q_norm is not None and p.k_norm is not None:
         q, k = rms_norm(q, p.q_norm, eps), rms_norm(k, p.k_norm, eps)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     attn, kv_cache = L.paged_attention(q, k, v, kv_cache, meta, config, attn_impl, sliding)
@@ -130,14 +143,24 @@ def _attention(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, 
     return x + rms_norm(out, p.post_attn_norm, eps), kv_cache
 
 
-def _mlp(x, p: GemmaLayer, eps: float):
+def _mlp(x: jax.Array, p: GemmaLayer, eps: float) -> jax.Array:
     """x [T, E] -> x + post_norm(down(gelu_tanh(gate(h)) * up(h))), h = norm(x)."""
     gate_up = einsum("te,ecf->tcf", rms_norm(x, p.mlp_norm, eps), p.w_gate_up)  # [T, 2, F]
     hidden = jax.nn.gelu(gate_up[:, 0], approximate=True) * gate_up[:, 1]  # [T, F]
     return x + rms_norm(einsum("tf,fe->te", hidden, p.w_down), p.post_mlp_norm, eps)
 
 
-def _layer(x, p: GemmaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str, sliding: bool):
+def _layer(
+    x: jax.Array,
+    p: GemmaLayer,
+    kv_cache: L.KVCache,
+    cos: jax.Array,
+    sin: jax.Array,
+    meta: L.AttentionMetadata[jax.Array],
+    config: ModelConfig,
+    attn_impl: str,
+    sliding: bool,
+) -> tuple[jax.Array, L.KVCache]:
     x, kv_cache = _attention(x, p, kv_cache, cos, sin, meta, config, attn_impl, sliding)
     return _mlp(x, p, config.rms_norm_eps), kv_cache
 
@@ -152,13 +175,13 @@ def _local_config(config: ModelConfig) -> ModelConfig:
 def forward(
     params: GemmaParams,
     config: ModelConfig,
-    tokens,
-    positions,
-    kv_caches,
-    meta: L.AttentionMetadata,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_caches: tuple[L.KVCache, ...],
+    meta: L.AttentionMetadata[jax.Array],
     *,
     attn_impl: str = "auto",
-):
+) -> tuple[jax.Array, tuple[L.KVCache, ...]]:
     """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple)."""
@@ -177,7 +200,7 @@ def forward(
     return rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(new_caches)
 
 
-def compute_logits(params: GemmaParams, hidden):
+def compute_logits(params: GemmaParams, hidden: jax.Array) -> jax.Array:
     """hidden [N, E] -> logits f32[N, V], soft-capped to (-cap, cap) where the model has a cap."""
     logits = llama.compute_logits(params, hidden)
     cap = params.final_logit_softcap

@@ -8,11 +8,17 @@ names.py     checkpoint tensor names (HF, GGUF, ours) -> parameter fields
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jaxinfer.config.families import FamilySpec
 from jaxinfer.models.llama import config
 
+if TYPE_CHECKING:  # the model code imports JAX: only when the family is used
+    from jaxinfer.models.llama.model import LlamaParams
+    from jaxinfer.models.registry import ModelFamily
 
-def model_code():
+
+def model_code() -> ModelFamily[LlamaParams]:
     """The model code, imported on first use (jaxinfer.models.registry.get_family)."""
     from jaxinfer.models import layers
     from jaxinfer.models.llama import model, names

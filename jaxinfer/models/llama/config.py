@@ -10,9 +10,12 @@ Every model of the family is SiLU-gated. The MoE family reads these too, for its
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jaxinfer.config import ModelConfig  # the config module reads these at its import
 
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
@@ -61,7 +64,7 @@ def read_gguf(
     return dict(qkv_bias=arch == "qwen2", qk_norm=shared["model_type"] in QK_NORM_TYPES)
 
 
-def to_hf(config) -> dict[str, Any]:
+def to_hf(config: ModelConfig) -> dict[str, Any]:
     """Qwen2's attention_bias names the output bias (its q/k/v biases go without saying)."""
     return {"attention_bias": config.o_bias} if config.model_type == "qwen2" else {}
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
@@ -138,7 +139,7 @@ def top_fields(config: ModelConfig) -> list[str]:
     return ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
 
 
-def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dict[str, jax.Array]]) -> LlamaParams:
+def assemble(config: ModelConfig, top: L.Fields, per_layer: list[L.Fields]) -> LlamaParams:
     """Builds the parameter tree from arrays keyed by field name, fusing q|k|v and gate|up. Each
     layer's dict is consumed (its unfused arrays popped) as the layer is built, so a load never
     holds the unfused and the fused copies of every layer at once."""
@@ -150,7 +151,7 @@ def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dic
     )
 
 
-def fuse_qkv(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def fuse_qkv(fields: L.Fields) -> L.Fields:
     """wq [E, H, D], wk / wv [E, K, D] -> w_qkv [E, K, H/K + 2, D] (biases alike), in place.
     Query head h belongs to KV head h // (H/K)."""
     wq, wk, wv = fields.pop("wq"), fields.pop("wk"), fields.pop("wv")
@@ -169,19 +170,26 @@ def fuse_qkv(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return fields
 
 
-def fuse_gate_up(fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def fuse_gate_up(fields: L.Fields) -> L.Fields:
     """w_gate, w_up [E, F] -> w_gate_up [E, 2, F], in place."""
     fields["w_gate_up"] = fuse(lambda g, u: jnp.stack([g, u], axis=1), fields.pop("w_gate"), fields.pop("w_up"))
     return fields
 
 
 def random_fields(
-    shapes: dict, top_names, layer_names, num_layers: int, key: jax.Array, dtype, scale: float, norm_value: float
-) -> tuple[dict, list[dict]]:
+    shapes: dict[str, tuple[int, ...]],
+    top_names: list[str],
+    layer_names: list[str],
+    num_layers: int,
+    key: jax.Array,
+    dtype: DTypeLike,
+    scale: float,
+    norm_value: float,
+) -> tuple[L.Fields, list[L.Fields]]:
     """Random arrays by field name (tests and benchmarks): normal(0, scale), norms filled with
     `norm_value`; one key per array, in field order."""
 
-    def make(name, k):
+    def make(name: str, k: jax.Array) -> jax.Array:
         if name.endswith("norm"):
             return jnp.full(shapes[name], norm_value, dtype)
         return (scale * jax.random.normal(k, shapes[name], jnp.float32)).astype(dtype)
@@ -192,7 +200,9 @@ def random_fields(
     return top, per_layer
 
 
-def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> LlamaParams:
+def init_params(
+    config: ModelConfig, key: jax.Array, dtype: DTypeLike = jnp.float32, scale: float = 0.02
+) -> LlamaParams:
     """Random parameters (for tests and benchmarks): normal(0, scale), norms at 1."""
     top, per_layer = random_fields(
         param_shapes(config), top_fields(config), layer_fields(config), config.num_layers, key, dtype, scale, 1.0
@@ -200,7 +210,16 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return assemble(config, top, per_layer)
 
 
-def attention_block(x, p, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
+def attention_block(
+    x: jax.Array,
+    p: L.AttentionLayer,
+    kv_cache: L.KVCache,
+    cos: jax.Array,
+    sin: jax.Array,
+    meta: L.AttentionMetadata[jax.Array],
+    config: ModelConfig,
+    attn_impl: str,
+) -> tuple[jax.Array, L.KVCache]:
     """x [T, E] -> x + attention(norm(x)), and the layer's updated cache. `p` is any layer with
     LlamaLayer's attention fields (attn_norm, w_qkv, wo and the optional b_qkv, bo, q/k_norm)."""
     h = L.rms_norm(x, p.attn_norm, config.rms_norm_eps)  # [T, E]
@@ -210,7 +229,7 @@ def attention_block(x, p, kv_cache, cos, sin, meta, config: ModelConfig, attn_im
     t, kv_heads, group, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
     q = qkv[:, :, :group].reshape(t, kv_heads * group, d)  # [T, H, D]
     k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, K, D] each
-    if p.q_norm is not None:  # over head_dim, one weight for all heads (as HF Qwen3)
+    if p.q_norm is not None and p.k_norm is not None:  # over head_dim, one weight for all heads (as HF Qwen3)
         q, k = L.rms_norm(q, p.q_norm, config.rms_norm_eps), L.rms_norm(k, p.k_norm, config.rms_norm_eps)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     attn, kv_cache = L.paged_attention(q, k, v, kv_cache, meta, config, attn_impl)
@@ -220,7 +239,16 @@ def attention_block(x, p, kv_cache, cos, sin, meta, config: ModelConfig, attn_im
     return x + out, kv_cache
 
 
-def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
+def _layer(
+    x: jax.Array,
+    p: LlamaLayer,
+    kv_cache: L.KVCache,
+    cos: jax.Array,
+    sin: jax.Array,
+    meta: L.AttentionMetadata[jax.Array],
+    config: ModelConfig,
+    attn_impl: str,
+) -> tuple[jax.Array, L.KVCache]:
     x, kv_cache = attention_block(x, p, kv_cache, cos, sin, meta, config, attn_impl)
     h = L.rms_norm(x, p.mlp_norm, config.rms_norm_eps)
     x = x + L.gated_mlp(h, p.w_gate_up, p.w_down)
@@ -230,13 +258,13 @@ def _layer(x, p: LlamaLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn
 def forward(
     params: LlamaParams,
     config: ModelConfig,
-    tokens,
-    positions,
-    kv_caches,
-    meta: L.AttentionMetadata,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_caches: tuple[L.KVCache, ...],
+    meta: L.AttentionMetadata[jax.Array],
     *,
     attn_impl: str = "auto",
-):
+) -> tuple[jax.Array, tuple[L.KVCache, ...]]:
     """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple).
@@ -244,7 +272,7 @@ def forward(
     return L.decoder_stack(_layer, params, config, tokens, positions, kv_caches, meta, attn_impl)
 
 
-def compute_logits(params: LlamaParams, hidden):
+def compute_logits(params: L.LMHead, hidden: jax.Array) -> jax.Array:
     """hidden [N, E] -> logits f32[N, V]."""
     if params.lm_head is None:
         logits = einsum("ne,ve->nv", hidden, params.embed)

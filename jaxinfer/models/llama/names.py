@@ -96,7 +96,9 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def ours_specs(shapes: dict, top_names, layer_names, num_layers: int) -> list[TensorSpec]:
+def ours_specs(
+    shapes: dict[str, tuple[int, ...]], top_names: list[str], layer_names: list[str], num_layers: int
+) -> list[TensorSpec]:
     """Our own checkpoint's tensors ("embed", "layers.3.wq", ...), in our layout, in load order."""
     keep = lambda w: w  # noqa: E731
     return [TensorSpec(f, f, None, shapes[f], keep) for f in top_names] + [

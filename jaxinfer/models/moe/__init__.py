@@ -9,11 +9,17 @@ names.py     checkpoint tensor names (HF per expert, GGUF stacked) -> parameter 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jaxinfer.config.families import FamilySpec
 from jaxinfer.models.moe import config
 
+if TYPE_CHECKING:  # the model code imports JAX: only when the family is used
+    from jaxinfer.models.moe.model import MoeParams
+    from jaxinfer.models.registry import ModelFamily
 
-def model_code():
+
+def model_code() -> ModelFamily[MoeParams]:
     """The model code, imported on first use (jaxinfer.models.registry.get_family)."""
     from jaxinfer.models.moe import model, names
     from jaxinfer.models.registry import ModelFamily

@@ -10,10 +10,13 @@ GGUF   {arch}.expert_count, expert_used_count, expert_feed_forward_length (Mixtr
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.config.errors import ConfigError, require
 from jaxinfer.models.llama import config as llama
+
+if TYPE_CHECKING:
+    from jaxinfer.config import ModelConfig  # the config module reads these at its import
 
 _EXPORTED = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step")
 
@@ -64,7 +67,7 @@ def read_gguf(
     )
 
 
-def to_hf(config) -> dict[str, Any]:
+def to_hf(config: ModelConfig) -> dict[str, Any]:
     if not config.num_experts:
         return llama.to_hf(config)
     return dict(

@@ -19,12 +19,15 @@ with one all-reduce after the MLP.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
@@ -89,7 +92,7 @@ class _ByKind(Mapping):
     def __getitem__(self, field: str) -> tuple:
         return self._table[_base_field(field)]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._table)
 
     def __len__(self) -> int:
@@ -139,7 +142,7 @@ def layer_fields(config: ModelConfig, i: int) -> list[str]:
 top_fields = llama.top_fields
 
 
-def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dict[str, jax.Array]]) -> MoeParams:
+def assemble(config: ModelConfig, top: L.Fields, per_layer: list[L.Fields]) -> MoeParams:
     """The parameter tree from arrays keyed by field name: q|k|v fused, dense gate|up fused, each
     sparse layer's per-expert tensors stacked (popped from the layer's dict as they are used)."""
     return MoeParams(
@@ -150,7 +153,7 @@ def assemble(config: ModelConfig, top: dict[str, jax.Array], per_layer: list[dic
     )
 
 
-def _fuse(config: ModelConfig, fields: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _fuse(config: ModelConfig, fields: L.Fields) -> L.Fields:
     llama.fuse_qkv(fields)
     if "w_gate" in fields:
         return llama.fuse_gate_up(fields)
@@ -164,11 +167,11 @@ def _fuse(config: ModelConfig, fields: dict[str, jax.Array]) -> dict[str, jax.Ar
     return fields
 
 
-def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> MoeParams:
+def init_params(config: ModelConfig, key: jax.Array, dtype: DTypeLike = jnp.float32, scale: float = 0.02) -> MoeParams:
     """Random parameters (for tests and benchmarks): normal(0, scale), norms at 1; the router
     normal(0, 1) so expert choices are decisive."""
 
-    def make(name, k):
+    def make(name: str, k: jax.Array) -> jax.Array:
         shape = field_shape(config, name)
         if name.endswith("norm"):
             return jnp.ones(shape, dtype)
@@ -182,7 +185,7 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return assemble(config, top, per_layer)
 
 
-def compute_layout(params: MoeParams, mesh) -> MoeParams:
+def compute_layout(params: MoeParams, mesh: Mesh | None) -> MoeParams:
     """The experts in the layout the step computes with (experts.py): per expert on one CPU
     device without a mesh, where only the chosen experts are read; stacked on a mesh (split over
     `expert` and `tensor`) and on accelerators (grouped matmuls). Either layout converts to the other.
@@ -190,22 +193,33 @@ def compute_layout(params: MoeParams, mesh) -> MoeParams:
     device = next(iter(jax.tree.leaves(params)[0].devices()))
     per_expert = mesh is None and device.platform == "cpu"
 
-    def relayout(layer: MoeLayer) -> MoeLayer:
-        if layer.experts_gate_up is None or isinstance(layer.experts_gate_up, tuple) == per_expert:
-            return layer
-        if per_expert:
-            return layer.replace(
-                experts_gate_up=unstack(layer.experts_gate_up), experts_down=unstack(layer.experts_down)
-            )
-        return layer.replace(experts_gate_up=stack(layer.experts_gate_up), experts_down=stack(layer.experts_down))
+    def relayout(layer: MoeLayer) -> MoeLayer:  # both expert weights are in one layout, or None
+        gate_up, down = layer.experts_gate_up, layer.experts_down
+        if per_expert and gate_up is not None and down is not None:
+            if not isinstance(gate_up, tuple) and not isinstance(down, tuple):
+                return dataclasses.replace(layer, experts_gate_up=unstack(gate_up), experts_down=unstack(down))
+        elif isinstance(gate_up, tuple) and isinstance(down, tuple):
+            return dataclasses.replace(layer, experts_gate_up=stack(gate_up), experts_down=stack(down))
+        return layer
 
-    return L.linear_layout(params.replace(layers=tuple(relayout(layer) for layer in params.layers)), mesh)
+    return L.linear_layout(dataclasses.replace(params, layers=tuple(relayout(layer) for layer in params.layers)), mesh)
 
 
-def _layer(x, p: MoeLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_impl: str):
+def _layer(
+    x: jax.Array,
+    p: MoeLayer,
+    kv_cache: L.KVCache,
+    cos: jax.Array,
+    sin: jax.Array,
+    meta: L.AttentionMetadata[jax.Array],
+    config: ModelConfig,
+    attn_impl: str,
+) -> tuple[jax.Array, L.KVCache]:
     x, kv_cache = llama.attention_block(x, p, kv_cache, cos, sin, meta, config, attn_impl)
     h = L.rms_norm(x, p.mlp_norm, config.rms_norm_eps)  # [T, E]
-    if p.router is None:
+    if p.router is None or p.experts_gate_up is None or p.experts_down is None:
+        if p.w_gate_up is None or p.w_down is None:
+            raise ValueError("a MoE layer with neither a router and experts nor a dense MLP")
         return x + L.gated_mlp(h, p.w_gate_up, p.w_down), kv_cache
     out = moe_mlp(
         h,
@@ -221,13 +235,13 @@ def _layer(x, p: MoeLayer, kv_cache, cos, sin, meta, config: ModelConfig, attn_i
 def forward(
     params: MoeParams,
     config: ModelConfig,
-    tokens,
-    positions,
-    kv_caches,
-    meta: L.AttentionMetadata,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_caches: tuple[L.KVCache, ...],
+    meta: L.AttentionMetadata[jax.Array],
     *,
     attn_impl: str = "auto",
-):
+) -> tuple[jax.Array, tuple[L.KVCache, ...]]:
     """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple)."""
