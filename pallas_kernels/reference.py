@@ -30,10 +30,9 @@ from pallas_kernels.common import SoftmaxCarry, bucket_of, is_quantized
 
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
 _BLOCK_ELEMENTS = 1 << 18
-# Tokens per block at most: the loop stops at the longest real sequence, so a small block keeps
-# short sequences in a long-context page table from paying for the table's whole width. It binds
-# at batch 1 (larger batches hit _BLOCK_ELEMENTS first): 128 against 512 made SmolLM2's batch-1
-# decode step ~11% faster at a ~100-token context on the CPU (benchmarks/RESULTS.md).
+# Tokens per block at most: the loop stops at the longest real sequence, so a small block spares short
+# sequences in a long-context page table the table's whole width. It binds at batch 1: 128 against 512
+# made SmolLM2's batch-1 decode step ~11% faster at a ~100-token context on the CPU (RESULTS.md).
 _MAX_BLOCK_TOKENS = 128
 
 
