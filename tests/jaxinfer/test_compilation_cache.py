@@ -33,7 +33,9 @@ def compile_one(directory, k: float) -> None:
 
 
 def entries(directory: Path) -> set[str]:
-    return {p.name for p in directory.iterdir()}
+    """The compiled programs a cache directory holds (with a size limit, JAX's LRU cache also
+    keeps a `.lockfile` and an access time per program beside them)."""
+    return {p.name for p in directory.iterdir() if p.name.endswith("-cache")}
 
 
 def test_auto_reads_the_environment(monkeypatch, tmp_path):
