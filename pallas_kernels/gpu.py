@@ -1,6 +1,6 @@
 """Ragged paged attention for GPUs: a Pallas kernel on the Triton lowering.
 
-One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cache and attend.
+One call, as the contract in docs/design/architecture.md: write this step's K/V into the cache and attend.
 
 1. Inputs as the step has them (`_inputs`): q viewed as [T * Hq, D] rows, and this step's K and
    V as the cache stores them ([T, Hkv, D] each: k and v themselves for a cache of their dtype,

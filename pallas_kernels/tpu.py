@@ -1,6 +1,6 @@
 """Ragged paged attention for TPUs: static decode, mixed and prefill paths of Pallas kernels.
 
-One call, as the contract in ARCHITECTURE.md: write this step's K/V into the cache and attend.
+One call, as the contract in docs/design/architecture.md: write this step's K/V into the cache and attend.
 Like RPA v3's decode / prefill / mixed split, the batch's sequences take one of three paths,
 chosen at run time from cu_q_lens (nothing recompiles when the mix changes):
 

@@ -1,5 +1,5 @@
 """The repository's layout rules, enforced: import contracts (import-linter, configured in
-pyproject.toml), host-side packages free of JAX, and the size limits of ARCHITECTURE.md."""
+pyproject.toml), host-side packages free of JAX, and the size limits of docs/design/architecture.md."""
 
 from __future__ import annotations
 
@@ -138,3 +138,24 @@ def test_functions_fit_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     too_long[f"{rel}:{node.lineno} {node.name}"] = lines
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+# What a fresh clone holds is all it may cite: the design lives in docs/design/, not beside the
+# repository. The needle is built so that this file does not match itself.
+OUTSIDE = "../" + "shared"
+CITING = (*PACKAGES, "tests", "benchmarks", "tools", "deploy", "docs", ".ci")
+
+
+def test_no_file_points_outside_the_repository():
+    files = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    files += [p for top in CITING for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    citing = []
+    for path in files:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # golden arrays, GGUF fixtures
+            continue
+        if OUTSIDE in text:
+            citing.append(str(path.relative_to(ROOT)))
+    assert (ROOT / "docs" / "design" / "architecture.md").is_file()
+    assert not citing, f"files that cite {OUTSIDE}/, outside the repository: {citing}"
