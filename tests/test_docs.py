@@ -1,0 +1,55 @@
+"""The documentation site builds with `mkdocs build --strict` (mkdocs.yml): every page in the nav
+exists, no page is left out of it, and no link or anchor is broken. A broken copy shows the build
+fails where it should."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MKDOCS = Path(sys.executable).with_name("mkdocs")
+
+
+def build(root: Path, site: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run(
+        [str(MKDOCS), "build", "--strict", "--config-file", str(root / "mkdocs.yml"), "--site-dir", str(site)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_site_builds_strictly(tmp_path):
+    done = build(ROOT, tmp_path / "site")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for page in ("index.html", "design/architecture/index.html", "guides/monitoring/index.html"):
+        assert (tmp_path / "site" / page).is_file(), page
+
+
+def copy_of_the_docs(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "docs", root / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", root)
+    return root
+
+
+def test_a_broken_link_fails_the_build(tmp_path):
+    root = copy_of_the_docs(tmp_path)
+    with (root / "docs" / "index.md").open("a") as f:
+        f.write("\nSee [the missing page](guides/missing.md).\n")
+    done = build(root, tmp_path / "site")
+    assert done.returncode != 0 and "missing.md" in done.stderr
+
+
+def test_a_page_left_out_of_the_nav_fails_the_build(tmp_path):
+    root = copy_of_the_docs(tmp_path)
+    (root / "docs" / "guides" / "orphan.md").write_text("# Orphan\n")
+    done = build(root, tmp_path / "site")
+    assert done.returncode != 0 and "orphan.md" in done.stderr
