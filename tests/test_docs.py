@@ -37,6 +37,8 @@ def copy_of_the_docs(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     shutil.copytree(ROOT / "docs", root / "docs")
     shutil.copy(ROOT / "mkdocs.yml", root)
+    (root / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "docs_hooks.py", root / "tools")
     return root
 
 
@@ -53,3 +55,34 @@ def test_a_page_left_out_of_the_nav_fails_the_build(tmp_path):
     (root / "docs" / "guides" / "orphan.md").write_text("# Orphan\n")
     done = build(root, tmp_path / "site")
     assert done.returncode != 0 and "orphan.md" in done.stderr
+
+
+def page_text(site: Path, page: str) -> str:
+    """A built page's text, tags stripped and entities decoded."""
+    import html
+    import re
+
+    return html.unescape(re.sub(r"<[^>]+>", " ", (site / page / "index.html").read_text()))
+
+
+def test_every_flag_and_option_is_in_the_reference(tmp_path):
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.options import declared
+    from jaxinfer.sampling.params import SamplingParams
+    from tests.support.cli_surface import surface
+
+    site = tmp_path / "site"
+    done = build(ROOT, site)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cli, options = page_text(site, "reference/cli"), page_text(site, "reference/options")
+    missing = [
+        f"{command} {flag}"
+        for command, spec in surface().items()
+        for key in spec["flags"]
+        for flag in key.split("/")
+        if flag.startswith("-") and flag not in cli
+    ]
+    assert not missing, f"flags missing from docs/reference/cli.md: {missing}"
+    assert "## `jaxinfer serve`" not in cli  # the headings were rendered, not left as markdown
+    names = [d.name for _, d in EngineConfig.declared()] + [d.name for d in declared(SamplingParams)]
+    assert not [n for n in names if n not in options], "options missing from docs/reference/options.md"

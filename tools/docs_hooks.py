@@ -1,0 +1,76 @@
+"""MkDocs hooks (mkdocs.yml `hooks:`): reference pages generated from the code at build time, so
+they cannot fall behind it.
+
+    <!-- generated: cli -->               every command's --help, as argparse prints it
+    <!-- generated: engine-options -->    EngineConfig's options by group: name, flag, default, help
+    <!-- generated: sampling-options -->  SamplingParams' fields: name, flag, default, help
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str) -> Iterable[tuple[str, argparse.ArgumentParser]]:
+    yield prefix, parser
+    for action in parser._actions:  # noqa: SLF001 -- argparse keeps its subcommands only there
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, f"{prefix} {name}")
+
+
+def cli_reference() -> str:
+    from jaxinfer.cli import build_parser
+
+    os.environ["COLUMNS"] = "100"  # argparse wraps help to the terminal's width
+    parts = []
+    for name, parser in _commands(build_parser(), "jaxinfer"):
+        parts.append(f"## `{name}`\n\n```text\n{parser.format_help().rstrip()}\n```\n")
+    return "\n".join(parts)
+
+
+def _cell(value: Any) -> str:
+    return html.escape(str(value), quote=False).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(rows: Iterable[Any]) -> str:
+    lines = ["| option | flag | default | what |", "|---|---|---|---|"]
+    for d in rows:
+        flag = "(Python only)" if d.option.not_on_cli else f"`{d.flag}`"
+        lines.append(f"| `{d.name}` | {flag} | `{_cell(d.default)}` | {_cell(d.option.help or d.option.not_on_cli)} |")
+    return "\n".join(lines) + "\n"
+
+
+def engine_options() -> str:
+    from jaxinfer.config import EngineConfig
+
+    by_group: dict[str, list[Any]] = {}
+    for title, d in EngineConfig.declared():
+        by_group.setdefault(title or "engine", []).append(d)
+    return "\n".join(f"### {title}\n\n{_table(rows)}" for title, rows in by_group.items())
+
+
+def sampling_options() -> str:
+    from jaxinfer.options import declared
+    from jaxinfer.sampling.params import SamplingParams
+
+    return _table(declared(SamplingParams))
+
+
+GENERATED: dict[str, Callable[[], str]] = {
+    "cli": cli_reference,
+    "engine-options": engine_options,
+    "sampling-options": sampling_options,
+}
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    for key, make in GENERATED.items():
+        marker = f"<!-- generated: {key} -->"
+        if marker in markdown:
+            markdown = markdown.replace(marker, make())
+    return markdown
