@@ -65,10 +65,11 @@ def page_text(site: Path, page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", " ", (site / page / "index.html").read_text()))
 
 
-def test_every_flag_and_option_is_in_the_reference(tmp_path):
+def test_every_flag_option_and_route_is_in_the_reference(tmp_path):
     from jaxinfer.config import EngineConfig
     from jaxinfer.options import declared
     from jaxinfer.sampling.params import SamplingParams
+    from serving.openai.schema import OPERATIONS
     from tests.support.cli_surface import surface
 
     site = tmp_path / "site"
@@ -86,3 +87,8 @@ def test_every_flag_and_option_is_in_the_reference(tmp_path):
     assert "## `jaxinfer serve`" not in cli  # the headings were rendered, not left as markdown
     names = [d.name for _, d in EngineConfig.declared()] + [d.name for d in declared(SamplingParams)]
     assert not [n for n in names if n not in options], "options missing from docs/reference/options.md"
+    http = page_text(site, "reference/http")
+    routes = [
+        f"{op.method.upper()} {op.path}" for op in OPERATIONS
+    ]  # every route (tests/serving/openai/test_schema.py)
+    assert not [r for r in routes if r not in http], "routes missing from docs/reference/http.md"

@@ -4,6 +4,7 @@ they cannot fall behind it.
     <!-- generated: cli -->               every command's --help, as argparse prints it
     <!-- generated: engine-options -->    EngineConfig's options by group: name, flag, default, help
     <!-- generated: sampling-options -->  SamplingParams' fields: name, flag, default, help
+    <!-- generated: http-routes -->       the HTTP API's routes and request fields, from its OpenAPI schema
 """
 
 from __future__ import annotations
@@ -61,10 +62,39 @@ def sampling_options() -> str:
     return _table(declared(SamplingParams))
 
 
+def _type(prop: dict) -> str:
+    """A JSON schema property's type, briefly: `integer or null`, `array`, `ChatMessage`."""
+    kinds = prop.get("anyOf") or prop.get("oneOf") or [prop]
+    names = [k.get("type") or k.get("$ref", "").rsplit("/", 1)[-1] or "object" for k in kinds]
+    return " or ".join(dict.fromkeys(str(n) for n in names))
+
+
+def _default(prop: dict) -> str:
+    return _cell(repr(prop["default"])) if "default" in prop else "required"
+
+
+def http_routes() -> str:
+    from serving.openai.schema import openapi_schema
+
+    schema = openapi_schema("MODEL")
+    models = schema["components"]["schemas"]
+    parts = []
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            parts.append(f"### `{method.upper()} {path}`\n\n{_cell(op.get('summary', ''))}\n")
+            ref = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            if "$ref" in ref:
+                props = models[ref["$ref"].rsplit("/", 1)[-1]].get("properties", {})
+                rows = [f"| `{name}` | {_cell(_type(prop))} | {_default(prop)} |" for name, prop in props.items()]
+                parts.append("| field | type | default |\n|---|---|---|\n" + "\n".join(rows) + "\n")
+    return "\n".join(parts)
+
+
 GENERATED: dict[str, Callable[[], str]] = {
     "cli": cli_reference,
     "engine-options": engine_options,
     "sampling-options": sampling_options,
+    "http-routes": http_routes,
 }
 
 
