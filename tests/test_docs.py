@@ -92,3 +92,33 @@ def test_every_flag_option_and_route_is_in_the_reference(tmp_path):
         f"{op.method.upper()} {op.path}" for op in OPERATIONS
     ]  # every route (tests/serving/openai/test_schema.py)
     assert not [r for r in routes if r not in http], "routes missing from docs/reference/http.md"
+
+
+def results_section(title: str) -> str:
+    """The text of one `## title` entry of benchmarks/RESULTS.md."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def test_the_headline_figures_are_the_logged_ones_and_plot(tmp_path):
+    import json
+    import re
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plot_headline
+
+    data = json.loads((ROOT / "benchmarks" / "headline.json").read_text())
+    for name in plot_headline.PLOTS:
+        group = data[name]
+        logged = {float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*\.?\d*", results_section(group["entry"]))}
+        for row in group["rows"]:
+            for key, value in row.items():
+                if isinstance(value, float):
+                    assert value in logged, f"{name}: {key}={value} is not in RESULTS.md's entry {group['entry']!r}"
+    written = plot_headline.main(["--out", str(tmp_path)])
+    assert sorted(p.name for p in written) == sorted(f"{name}.png" for name in plot_headline.PLOTS)
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (ROOT / "docs" / "assets" / path.name).is_file(), f"{path.name} is not committed under docs/assets"
