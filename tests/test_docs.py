@@ -65,10 +65,11 @@ def page_text(site: Path, page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", " ", (site / page / "index.html").read_text()))
 
 
-def test_every_flag_option_and_route_is_in_the_reference(tmp_path):
+def test_every_flag_option_route_and_call_is_in_the_reference(tmp_path):
     from jaxinfer.config import EngineConfig
     from jaxinfer.options import declared
     from jaxinfer.sampling.params import SamplingParams
+    from serving.grpc.proto import jaxinfer_pb2
     from serving.openai.schema import OPERATIONS
     from tests.support.cli_surface import surface
 
@@ -92,6 +93,10 @@ def test_every_flag_option_and_route_is_in_the_reference(tmp_path):
         f"{op.method.upper()} {op.path}" for op in OPERATIONS
     ]  # every route (tests/serving/openai/test_schema.py)
     assert not [r for r in routes if r not in http], "routes missing from docs/reference/http.md"
+    grpc = page_text(site, "reference/grpc")
+    service = jaxinfer_pb2.DESCRIPTOR.services_by_name["InferenceService"]
+    names = [m.name for m in service.methods] + list(jaxinfer_pb2.DESCRIPTOR.message_types_by_name)
+    assert not [n for n in names if n not in grpc], "calls or messages missing from docs/reference/grpc.md"
 
 
 def results_section(title: str) -> str:

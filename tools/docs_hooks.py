@@ -5,6 +5,8 @@ they cannot fall behind it.
     <!-- generated: engine-options -->    EngineConfig's options by group: name, flag, default, help
     <!-- generated: sampling-options -->  SamplingParams' fields: name, flag, default, help
     <!-- generated: http-routes -->       the HTTP API's routes and request fields, from its OpenAPI schema
+    <!-- generated: grpc -->              the gRPC service's calls and messages, from its descriptor, and the
+                                          .proto file itself (its comments say what each field means)
 """
 
 from __future__ import annotations
@@ -90,11 +92,44 @@ def http_routes() -> str:
     return "\n".join(parts)
 
 
+def _scalar_names() -> dict[int, str]:
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    return {getattr(F, k): k.removeprefix("TYPE_").lower() for k in dir(F) if k.startswith("TYPE_")}
+
+
+def grpc_reference() -> str:
+    from pathlib import Path
+
+    from serving.grpc.proto import jaxinfer_pb2
+
+    file, scalars = jaxinfer_pb2.DESCRIPTOR, _scalar_names()
+    parts = []
+    for service in file.services_by_name.values():
+        parts.append(f"## `{service.full_name}`\n\n| call | request | response |\n|---|---|---|")
+        for m in service.methods:
+            stream = "stream " if m.server_streaming else ""
+            parts.append(f"| `{m.name}` | `{m.input_type.name}` | `{stream}{m.output_type.name}` |")
+    parts.append("\n## Messages\n")
+    for message in file.message_types_by_name.values():
+        rows = []
+        for f in message.fields:
+            kind = f.message_type.name if f.message_type else f.enum_type.name if f.enum_type else scalars[f.type]
+            repeated = "repeated " if f.is_repeated else ""
+            rows.append(f"| `{f.name}` | `{repeated}{kind}` |")
+        table = "| field | type |\n|---|---|\n" + "\n".join(rows) if rows else "(no fields)"
+        parts.append(f"### `{message.name}`\n\n{table}\n")
+    proto = Path(jaxinfer_pb2.__file__).with_name("jaxinfer.proto").read_text()
+    parts.append(f"## `jaxinfer.proto`\n\n```protobuf\n{proto.rstrip()}\n```\n")
+    return "\n".join(parts)
+
+
 GENERATED: dict[str, Callable[[], str]] = {
     "cli": cli_reference,
     "engine-options": engine_options,
     "sampling-options": sampling_options,
     "http-routes": http_routes,
+    "grpc": grpc_reference,
 }
 
 
