@@ -82,6 +82,7 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
     )
     h.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on (default 127.0.0.1)")
     h.add_argument("--no-grpc", action="store_true", help="serve only the HTTP API (needs --http-port)")
+    h.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /ui of the HTTP API")
     h.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the model path's basename)"
     )
@@ -183,6 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         http_port=args.http_port,
         http_host=args.http_host,
+        ui=not args.no_ui,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,

@@ -57,6 +57,7 @@ class ServerOptions:
     # The OpenAI-compatible HTTP API (serving.openai): off unless http_port is set (0: any free port).
     http_port: int | None = None
     http_host: str = "127.0.0.1"
+    ui: bool = True  # the HTTP API serves the playground page at /ui
     served_model_name: str | None = None  # None: the model path's basename
     api_keys: tuple[str, ...] = ()  # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -122,6 +123,7 @@ class InferenceServer:
                 max_body_bytes=opts.max_body_bytes,
                 tls_cert_file=opts.tls_cert_file,
                 tls_key_file=opts.tls_key_file,
+                ui=opts.ui,
             ),
             admission=admission,
             metrics=self.metrics,

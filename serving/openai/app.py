@@ -5,6 +5,7 @@
     POST /tokenize, /detokenize                   vLLM's shapes
     GET  /health, /metrics                        open (no API key); /metrics is the gRPC server's registry
     GET  /openapi.json, /docs                     the schema of all this and Swagger UI (docs.py), open
+    GET  /ui                                      the playground (playground.html; off with `ui=False`), open
 
 Every error, including unknown routes (404), a known route asked with another method (405, with
 the `Allow` header naming the methods it takes) and a bug in a handler (500), answers
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,6 +34,8 @@ from serving.openai.messages import render_messages, template_tools
 from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
+
+PLAYGROUND = Path(__file__).with_name("playground.html")
 
 
 class _Endpoints:
@@ -101,8 +105,10 @@ class _Endpoints:
         return JSONResponse({"prompt": text})
 
 
-def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: bool = False) -> Starlette:
-    """`api_keys`: the Gate requires them (the schema then says so)."""
+def build_app(
+    ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: bool = False, ui: bool = True
+) -> Starlette:
+    """`api_keys`: the Gate requires them (the schema then says so). `ui`: serve the playground."""
     ep, docs = _Endpoints(ctx, metrics), Docs(ctx.model_name, api_keys)
     routes = [
         Route("/v1/completions", functools.partial(handlers.completions, ctx), methods=["POST"]),
@@ -117,6 +123,8 @@ def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: b
         Route("/docs", docs.page, methods=["GET"]),
         Route("/docs/{asset}", docs.asset, methods=["GET"]),
     ]
+    if ui:
+        routes.append(Route("/ui", _playground(), methods=["GET"]))
     return Starlette(
         routes=routes,
         # Starlette types every handler as taking an Exception; each is called with its key's class.
@@ -127,6 +135,16 @@ def build_app(ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: b
             Exception: _internal,
         },
     )
+
+
+def _playground():
+    """The playground page, read once (a static file of the package: no build step, nothing fetched)."""
+    page = PLAYGROUND.read_bytes()
+
+    async def serve(request: Request) -> Response:
+        return Response(page, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
+
+    return serve
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:

@@ -2,7 +2,7 @@
 
 draining?            -> 503 (health checks too: a load balancer stops sending traffic;
                         /metrics stays up to watch the drain)
-API key (not /health, /metrics, /openapi.json, /docs) -> 401
+API key (not /health, /metrics, /openapi.json, /docs, /ui) -> 401
 body over max_body_bytes -> 413, decided on Content-Length or while reading, before any
                         JSON parsing; the body read here is replayed to the app
 generation routes    -> Admission.enter(key id): 503 when busy, 429 past the key's requests
@@ -31,7 +31,7 @@ from serving.request_log import RequestLog
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/ui"})
 DOCS_ASSETS = "/docs/"  # Swagger UI's files: open too, as the page that loads them
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 ROUTES = OPEN_PATHS | GENERATION_PATHS | {"/v1/models", "/tokenize", "/detokenize"}

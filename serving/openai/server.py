@@ -51,6 +51,7 @@ class HttpOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     shutdown_timeout_s: float = 5.0  # what uvicorn waits for open connections once told to stop
+    ui: bool = True  # the playground page at /ui
 
 
 def served_model_name(model_path: object) -> str:
@@ -90,7 +91,7 @@ class HttpServer:
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
         self.gate = Gate(
-            build_app(ctx, metrics, api_keys=keys is not None),
+            build_app(ctx, metrics, api_keys=keys is not None, ui=options.ui),
             admission=admission,
             max_body_bytes=options.max_body_bytes,
             keys=keys,

@@ -25,7 +25,8 @@ from serving.openai.schema import OPERATIONS, openapi_schema
 
 LIMITS = ModelLimits(vocab_size=49152, max_model_len=128, penalties_enabled=False, max_n=4)
 REF = "#/components/schemas/{model}"
-NOT_DOCUMENTED = {"/openapi.json", "/docs", "/docs/{asset}"}  # the documents themselves, as FastAPI's
+# The documents themselves, as FastAPI's, and the playground page.
+NOT_DOCUMENTED = {"/openapi.json", "/docs", "/docs/{asset}", "/ui"}
 
 
 @pytest.fixture(scope="module")
