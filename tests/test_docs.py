@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MKDOCS = Path(sys.executable).with_name("mkdocs")
 
@@ -26,11 +28,18 @@ def build(root: Path, site: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_site_builds_strictly(tmp_path):
-    done = build(ROOT, tmp_path / "site")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The repository's site, built once for the tests that read it."""
+    out = tmp_path_factory.mktemp("docs") / "site"
+    done = build(ROOT, out)
     assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_the_site_builds_strictly(site):
     for page in ("index.html", "design/architecture/index.html", "guides/monitoring/index.html"):
-        assert (tmp_path / "site" / page).is_file(), page
+        assert (site / page).is_file(), page
 
 
 def copy_of_the_docs(tmp_path: Path) -> Path:
@@ -65,7 +74,7 @@ def page_text(site: Path, page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", " ", (site / page / "index.html").read_text()))
 
 
-def test_every_flag_option_route_and_call_is_in_the_reference(tmp_path):
+def test_every_flag_option_route_and_call_is_in_the_reference(site):
     from jaxinfer.config import EngineConfig
     from jaxinfer.options import declared
     from jaxinfer.sampling.params import SamplingParams
@@ -73,9 +82,6 @@ def test_every_flag_option_route_and_call_is_in_the_reference(tmp_path):
     from serving.openai.schema import OPERATIONS
     from tests.support.cli_surface import surface
 
-    site = tmp_path / "site"
-    done = build(ROOT, site)
-    assert done.returncode == 0, done.stderr[-3000:]
     cli, options = page_text(site, "reference/cli"), page_text(site, "reference/options")
     missing = [
         f"{command} {flag}"
@@ -127,3 +133,13 @@ def test_the_headline_figures_are_the_logged_ones_and_plot(tmp_path):
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (ROOT / "docs" / "assets" / path.name).is_file(), f"{path.name} is not committed under docs/assets"
+
+
+def test_a_design_page_shows_the_module_docstrings_it_names(site):
+    import ast
+
+    text = " ".join(page_text(site, "design/kv-cache-manager").split())
+    doc = ast.get_docstring(ast.parse((ROOT / "jaxinfer" / "kv" / "manager.py").read_text()))
+    assert " ".join(doc.split()[:30]) in text
+    methods = page_text(site, "design/benchmark-methods")
+    assert all(f"{p.name}" in methods for p in (ROOT / "benchmarks").glob("bench_*.py"))

@@ -5,6 +5,8 @@ they cannot fall behind it.
     <!-- generated: engine-options -->    EngineConfig's options by group: name, flag, default, help
     <!-- generated: sampling-options -->  SamplingParams' fields: name, flag, default, help
     <!-- generated: http-routes -->       the HTTP API's routes and request fields, from its OpenAPI schema
+    <!-- generated: docstring PATH -->    the module docstring of PATH (a file of the repository)
+    <!-- generated: benchmarks -->        every benchmarks/*.py script's docstring: what it measures, how
     <!-- generated: grpc -->              the gRPC service's calls and messages, from its descriptor, and the
                                           .proto file itself (its comments say what each field means)
 """
@@ -12,9 +14,12 @@ they cannot fall behind it.
 from __future__ import annotations
 
 import argparse
+import ast
 import html
 import os
+import re
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 
@@ -99,8 +104,6 @@ def _scalar_names() -> dict[int, str]:
 
 
 def grpc_reference() -> str:
-    from pathlib import Path
-
     from serving.grpc.proto import jaxinfer_pb2
 
     file, scalars = jaxinfer_pb2.DESCRIPTOR, _scalar_names()
@@ -124,12 +127,34 @@ def grpc_reference() -> str:
     return "\n".join(parts)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+DOCSTRING = re.compile(r"<!-- generated: docstring (\S+) -->")
+
+
+def docstring(path: str) -> str:
+    """A module's docstring as a block of text under its file's name (read, not imported)."""
+    text = ast.get_docstring(ast.parse((ROOT / path).read_text()))
+    if not text:
+        raise ValueError(f"{path} has no module docstring to show")
+    return f"`{path}`\n\n```text\n{text}\n```\n"
+
+
+def benchmarks() -> str:
+    parts = []
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = ast.get_docstring(ast.parse(script.read_text()))
+        if text:
+            parts.append(f"## `{script.name}`\n\n```text\n{text}\n```\n")
+    return "\n".join(parts)
+
+
 GENERATED: dict[str, Callable[[], str]] = {
     "cli": cli_reference,
     "engine-options": engine_options,
     "sampling-options": sampling_options,
     "http-routes": http_routes,
     "grpc": grpc_reference,
+    "benchmarks": benchmarks,
 }
 
 
@@ -138,4 +163,4 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         marker = f"<!-- generated: {key} -->"
         if marker in markdown:
             markdown = markdown.replace(marker, make())
-    return markdown
+    return DOCSTRING.sub(lambda m: docstring(m.group(1)), markdown)
