@@ -3,7 +3,8 @@ benchmarks/RESULTS.md it names) and writes the PNGs that docs/design/benchmarks.
 
     python benchmarks/plot_headline.py [--out docs/assets]
 
-    decode.png            decode tokens/s per step beside the floor (weights + KV over the copy rate)
+    decode.png            decode tokens/s beside the floor (weights + KV over the copy rate), H100
+    decode_h200.png       the same on an H200 (an earlier lease: before the greedy twin)
     attention_decode.png  the decode attention kernel beside jax's own paged attention
     cpu_peers.png         the engine beside HF transformers and llama.cpp on the CPU
 """
@@ -44,7 +45,7 @@ def _caption(fig, group: dict) -> None:
     fig.text(0.01, 0.01, f"{group['device']}, {group['date']} (benchmarks/RESULTS.md)", fontsize=7, color="gray")
 
 
-def decode(group: dict, out: Path) -> Path:
+def decode(group: dict, path: Path) -> Path:
     rows = group["rows"]
     labels = [f"{r['shape']}\nbatch {r['batch']}" for r in rows]
     measured = [r["batch"] * 1000 / r["ms_per_step"] for r in rows]
@@ -53,12 +54,12 @@ def decode(group: dict, out: Path) -> Path:
     _bars(ax, labels, {"measured": measured, "floor (bytes over the copy rate)": floor})
     ax.set_yscale("log")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("Decode throughput beside its floor")
+    ax.set_title(f"Decode throughput beside its floor, {group['device']}")
     _caption(fig, group)
-    return _save(fig, out / "decode.png")
+    return _save(fig, path)
 
 
-def attention_decode(group: dict, out: Path) -> Path:
+def attention_decode(group: dict, path: Path) -> Path:
     rows = group["rows"]
     labels = [f"batch {r['batch']}" for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -71,10 +72,10 @@ def attention_decode(group: dict, out: Path) -> Path:
     ax.set_ylabel("ms per call (lower is better)")
     ax.set_title(f"Decode attention at {group['context']} tokens of context")
     _caption(fig, group)
-    return _save(fig, out / "attention_decode.png")
+    return _save(fig, path)
 
 
-def cpu_peers(group: dict, out: Path) -> Path:
+def cpu_peers(group: dict, path: Path) -> Path:
     rows = group["rows"]
     fig, ax = plt.subplots(figsize=(7, 4))
     series = {"jaxinfer": [r["jaxinfer"] for r in rows], "HF transformers": [r["hf"] for r in rows]}
@@ -83,7 +84,7 @@ def cpu_peers(group: dict, out: Path) -> Path:
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"{group['model']} on the CPU")
     _caption(fig, group)
-    return _save(fig, out / "cpu_peers.png")
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
@@ -93,7 +94,8 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-PLOTS = {"decode": decode, "attention_decode": attention_decode, "cpu_peers": cpu_peers}
+# headline.json's group -> how it is drawn; the picture is docs/assets/<group>.png.
+PLOTS = {"decode": decode, "decode_h200": decode, "attention_decode": attention_decode, "cpu_peers": cpu_peers}
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args = parser.parse_args(argv)
     data = json.loads(args.data.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
-    return [plot(data[name], args.out) for name, plot in PLOTS.items()]
+    return [plot(data[name], args.out / f"{name}.png") for name, plot in PLOTS.items()]
 
 
 if __name__ == "__main__":
