@@ -34,10 +34,18 @@ def _commands(parser: argparse.ArgumentParser, prefix: str) -> Iterable[tuple[st
 def cli_reference() -> str:
     from jaxinfer.cli import build_parser
 
-    os.environ["COLUMNS"] = "100"  # argparse wraps help to the terminal's width
-    parts = []
-    for name, parser in _commands(build_parser(), "jaxinfer"):
-        parts.append(f"## `{name}`\n\n```text\n{parser.format_help().rstrip()}\n```\n")
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # argparse wraps help to the terminal's width: the same on every machine
+    try:
+        parts = [
+            f"## `{name}`\n\n```text\n{parser.format_help().rstrip()}\n```\n"
+            for name, parser in _commands(build_parser(), "jaxinfer")
+        ]
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
     return "\n".join(parts)
 
 
