@@ -34,8 +34,9 @@ from jaxinfer.core.prompts import tokenize_prompt
 from jaxinfer.core.replica import Replica, replica_stats
 from jaxinfer.core.requests import CheckedRequest, RequestLimits, check_request, context_length
 from jaxinfer.core.scheduler import Scheduler
-from jaxinfer.kv import KVCacheManager
 from jaxinfer.loader import LoadedModel
+from jaxinfer.lora import LoRARequest
+from jaxinfer.lora.manager import build_manager, lora_entry
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.sampling.params import SamplingParams
@@ -59,7 +60,15 @@ class Engine:
         enable_compilation_cache(config.compile.compilation_cache_dir)
         self.worker = Worker(model, config, self.max_model_len, StepChannel() if is_multiprocess() else None)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.replicas = [self._make_replica(r) for r in range(self.worker.num_replicas)]
+        lora = (config.lora, model.config, self.worker.load_adapter, config.speculative_config, is_multiprocess())
+        self.lora = build_manager(*lora)  # LoRA adapters (jaxinfer/lora/); None: off
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else model.config.eos_token_ids
+        slots = self.lora.slots if self.lora is not None else None
+        pool = (self.worker.num_pages, self.worker.page_size, config.cache.enable_prefix_caching)
+        self.replicas = [
+            Replica.build(r, pool, config.scheduler, self.max_model_len, eos, self.outputs.stop_checker, slots)
+            for r in range(self.worker.num_replicas)
+        ]
         # Replica 0 (the only one without data parallelism).
         self.kv_cache, self.scheduler = self.replicas[0].kv_cache, self.replicas[0].scheduler
         self.is_leader = is_leader()
@@ -94,24 +103,6 @@ class Engine:
             self.kv_cache.num_usable_pages,
         )
 
-    def _make_replica(self, index: int) -> Replica:
-        config = self.config
-        kv_cache = KVCacheManager(
-            self.worker.num_pages, self.worker.page_size, enable_prefix_caching=config.cache.enable_prefix_caching
-        )
-        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model.config.eos_token_ids
-        scheduler = Scheduler(
-            kv_cache,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
-            eos_token_ids=eos,
-            seed=config.scheduler.seed + index,
-            stop_checker=self.outputs.stop_checker,
-            max_seqs_per_request=config.scheduler.max_seqs_per_request,
-        )
-        return Replica(kv_cache, scheduler)
-
     # --- requests -------------------------------------------------------------------------------
     def add_request(
         self,
@@ -121,9 +112,11 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queues a request (text, token ids, or a CheckedRequest, which carries its own params
-        and priority and is not checked again); returns its id. ValueError on bad input."""
+        and priority and is not checked again); returns its id. ValueError on bad input, a bad
+        or unknown LoRA adapter included (`lora_request`: the adapter it runs under)."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -133,7 +126,15 @@ class Engine:
         ids, params = checked.prompt_token_ids, checked.params
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
         grammar = grammar_for(self.grammars, params)
-        seqs = self.replicas[replica].scheduler.add_request(request_id, ids, params, priority=checked.priority)
+        adapter = lora_entry(self.lora, request_id, lora_request)
+        seqs = self.replicas[replica].scheduler.add_request(
+            request_id,
+            ids,
+            params,
+            priority=checked.priority,
+            adapter=adapter.name if adapter else None,
+            hash_root=adapter.hash_root if adapter else None,
+        )
         if grammar is not None:
             for seq in seqs:
                 seq.grammar = grammar.matcher()
@@ -225,6 +226,8 @@ class Engine:
             state = self._requests[entry.seq.request_id]
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time, state.cached_prompt_tokens = start, entry.start
+        if self.lora is not None:  # adapters given new slots this step: written before it runs
+            self.lora.load_pending()
         handle = self.worker.execute(plans, previous, masks_later=masks_later)
         for replica, plan in zip(self.replicas, plans):
             replica.scheduler.advance(plan)
@@ -280,6 +283,8 @@ class Engine:
     def _delta(self, state: RequestState, now: float) -> RequestOutput:
         out = self.outputs.delta(state, now)
         if out.finished:
+            if self.lora is not None:
+                self.lora.request_finished(state.request_id)
             del self._requests[state.request_id]
             self.outputs.forget(state)
             self.replicas[state.replica].load -= state.cost

@@ -17,6 +17,7 @@ Forms (how a field appears on the command line):
     JSON      --flag JSON: the JSON text, decoded (its keys and values checked by the config)
     CSV       --flag 1,2,3: comma-separated integers
     APPEND    --flag X, repeatable: a list
+    LIST      --flag X [Y ...], repeatable: a list (vLLM's form for lists such as --lora-modules)
     NONE      no flag; `not_on_cli` says why
 """
 
@@ -28,7 +29,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
-VALUE, ENABLE, DISABLE, TRISTATE, JSON, CSV, APPEND, NONE = (
+VALUE, ENABLE, DISABLE, TRISTATE, JSON, CSV, APPEND, LIST, NONE = (
     "value",
     "enable",
     "disable",
@@ -36,9 +37,10 @@ VALUE, ENABLE, DISABLE, TRISTATE, JSON, CSV, APPEND, NONE = (
     "json",
     "csv",
     "append",
+    "list",
     "none",
 )
-FORMS = (VALUE, ENABLE, DISABLE, TRISTATE, JSON, CSV, APPEND, NONE)
+FORMS = (VALUE, ENABLE, DISABLE, TRISTATE, JSON, CSV, APPEND, LIST, NONE)
 TRISTATE_CHOICES = ("auto", "on", "off")
 
 

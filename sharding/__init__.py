@@ -32,6 +32,7 @@ from sharding.placement import (
     param_structs,
     per_device_bytes,
     put_sharded,
+    repeat_kv_heads,
     shard_params,
 )
 from sharding.rules import (
@@ -82,6 +83,7 @@ __all__ = [
     "put_sharded",
     "replicated_spec",
     "shard_paged_attention",
+    "repeat_kv_heads",
     "shard_params",
     "tokens_spec",
 ]

@@ -52,6 +52,8 @@ LOGICAL_RULES: dict[str, str | None] = {
     "qkv": None,  # a KV head's group: its query heads, then K and V (fused projections)
     "gate_up": None,  # gate | up of a fused MLP projection
     "experts": EXPERT,  # a mixture's stacked experts (sharding/experts.py computes each shard's own)
+    "lora_slots": None,  # the LoRA adapters' device slots (jaxinfer/quant/lora.py)
+    "lora_rank": None,  # ... and their rank: A splits like its weight's inputs, B like its outputs
 }
 # Axes a model may leave unsplit when its size does not divide the mesh axis (with a warning);
 # any other indivisible axis is a configuration error.

@@ -20,6 +20,7 @@ from jaxinfer.options import (
     ENABLE,
     FIELD_DEFAULT,
     JSON,
+    LIST,
     NONE,
     TRISTATE,
     TRISTATE_CHOICES,
@@ -56,6 +57,8 @@ def add_option(group: Any, d: Declared) -> argparse.Action | None:
         return group.add_argument(*flags, default=None, **common)
     if opt.form == APPEND:
         return group.add_argument(*flags, action="append", default=None, **common)
+    if opt.form == LIST:
+        return group.add_argument(*flags, action="extend", nargs="+", default=None, **common)
     return None  # NONE: not on the command line
 
 
@@ -83,7 +86,7 @@ def read_option(args: argparse.Namespace, d: Declared) -> Any:
             return [int(v) for v in value.split(",")]
         except ValueError:
             raise ValueError(f"{d.flag} {value!r}: expected comma-separated integers") from None
-    if form == APPEND:
+    if form in (APPEND, LIST):
         return value if value is not None else cli_default(d)
     return value
 

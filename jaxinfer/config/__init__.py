@@ -6,6 +6,7 @@ cache.py        CacheConfig: the paged KV cache
 scheduler.py    SchedulerConfig: step budget, context length, per-request limits, step loop
 compile.py      CompileConfig: step variants, launch, compilation cache
 parallel.py     ParallelConfig: device mesh and hosts
+lora.py         LoraConfig: LoRA adapters -- device slots, rank, host cache, adapters named at start-up
 speculative.py  SpeculativeConfig: speculative decoding's method and sizes
 checks.py       the groups' shared checks
 model.py        ModelConfig, read from an HF config.json or GGUF metadata
@@ -17,6 +18,7 @@ from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.compile import CompileConfig
 from jaxinfer.config.engine import EngineConfig
 from jaxinfer.config.load import LoadConfig
+from jaxinfer.config.lora import LoraConfig, LoraModule
 from jaxinfer.config.model import ConfigError, ModelConfig
 from jaxinfer.config.parallel import ParallelConfig
 from jaxinfer.config.scheduler import SchedulerConfig
@@ -29,6 +31,8 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "LoadConfig",
+    "LoraConfig",
+    "LoraModule",
     "ModelConfig",
     "ParallelConfig",
     "RopeScaling",

@@ -3,7 +3,7 @@
     EngineConfig(max_num_seqs=32, page_size=16, mesh="tensor=4")  # any option of any group
     config.scheduler.max_num_seqs, config.cache.page_size, config.parallel.mesh
 
-Each group (load.py, cache.py, scheduler.py, compile.py, parallel.py) declares its options once,
+Each group (load.py, cache.py, scheduler.py, compile.py, parallel.py, lora.py) declares its options once,
 as fields carrying their help text, choices and command-line form (jaxinfer/options.py); the
 option names are unique across groups, so `EngineConfig(**options)`, `LLM(**options)` and the
 command line's flags all take the same flat names and are generated from the same fields
@@ -20,17 +20,19 @@ from typing import Any
 from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.compile import CompileConfig
 from jaxinfer.config.load import LoadConfig
+from jaxinfer.config.lora import LoraConfig
 from jaxinfer.config.parallel import ParallelConfig
 from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.options import JSON, Declared, declared, option
 
-GROUPS: dict[str, type[LoadConfig | CacheConfig | SchedulerConfig | CompileConfig | ParallelConfig]] = {
+GROUPS: dict[str, type[LoadConfig | CacheConfig | SchedulerConfig | CompileConfig | ParallelConfig | LoraConfig]] = {
     "load": LoadConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "compile": CompileConfig,
     "parallel": ParallelConfig,
+    "lora": LoraConfig,
 }
 SPECULATIVE_TITLE = "speculative decoding"
 
@@ -42,6 +44,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     compile: CompileConfig
     parallel: ParallelConfig
+    lora: LoraConfig
     # Speculative decoding (config/speculative.py): a dict such as {"method": "ngram",
     # "num_speculative_tokens": 4}, its JSON text, or a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | None = option(

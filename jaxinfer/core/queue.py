@@ -22,6 +22,7 @@ from jaxinfer.core.admission import RequestEntry
 from jaxinfer.core.sequence import Sequence, SequenceStatus, sample_seed
 from jaxinfer.core.stops import StopChecker
 from jaxinfer.kv import KVCacheManager
+from jaxinfer.lora.slots import AdapterSlots
 from jaxinfer.sampling.params import SamplingParams
 
 sort_key = operator.attrgetter("sort_key")  # (priority, arrival, sample index)
@@ -39,6 +40,7 @@ class RequestQueue:
         stop_checker: StopChecker | None = None,
         seed: int = 0,
         max_seqs_per_request: int | None = None,
+        adapter_slots: AdapterSlots | None = None,
     ):
         for name, value in (
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -55,6 +57,7 @@ class RequestQueue:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_checker = stop_checker
         self.max_seqs_per_request = max_seqs_per_request  # None: no window
+        self.adapter_slots = adapter_slots  # LoRA: the device slots (shared by every replica)
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # in admission order (at most max_num_seqs)
         self.requests: dict[str, RequestEntry] = {}  # unfinished requests
@@ -65,10 +68,20 @@ class RequestQueue:
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        priority: int = 0,
+        adapter: str | None = None,
+        hash_root: bytes | None = None,
     ) -> list[Sequence]:
         """Queues one Sequence per sample (sampling_params.n) of a request that passed
-        core/requests.py's checks (the engine's, once): nothing here checks it again."""
+        core/requests.py's checks (the engine's, once): nothing here checks it again. `adapter`:
+        the LoRA adapter it runs under, whose page hashes chain from `hash_root`."""
+        if adapter is not None and self.adapter_slots is None:
+            raise ValueError(f"request {request_id!r} asks for LoRA adapter {adapter!r}, but LoRA is not enabled")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
@@ -85,6 +98,8 @@ class RequestQueue:
                 priority=priority,
                 sample_index=i,
                 parent=seqs[0] if seqs else None,
+                adapter=adapter,
+                hash_root=hash_root,
             )
             self._next_seq_id += 1
             seqs.append(seq)
@@ -119,6 +134,7 @@ class RequestQueue:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)  # at most max_num_seqs long
+            self.release_slot(seq)
         else:
             self._dequeue(seq)
         self.kv_cache.free(seq)
@@ -133,6 +149,20 @@ class RequestQueue:
             del self.requests[seq.request_id]
         else:
             self._release(entry)
+
+    def acquire_slot(self, seq: Sequence) -> bool:
+        """A device slot for the sequence's adapter (none needed without one); False: every
+        slot is in use by running sequences of other adapters, so it waits."""
+        if seq.adapter is None or self.adapter_slots is None:
+            return True
+        slot = self.adapter_slots.acquire(seq.adapter)
+        seq.lora_slot = slot or 0
+        return slot is not None
+
+    def release_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot and self.adapter_slots is not None and seq.adapter is not None:
+            self.adapter_slots.release(seq.adapter)
+        seq.lora_slot = 0
 
     def _enqueue(self, entry: RequestEntry, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=sort_key)

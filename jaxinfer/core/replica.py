@@ -7,10 +7,13 @@ own requests over its own KV pages (the engine sends a new request to the least 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.core.stops import StopChecker
 from jaxinfer.kv import KVCacheManager
+from jaxinfer.lora.slots import AdapterSlots
 
 
 @dataclasses.dataclass
@@ -18,6 +21,34 @@ class Replica:
     kv_cache: KVCacheManager
     scheduler: Scheduler
     load: int = 0  # cost of its unfinished requests
+
+    @classmethod
+    def build(
+        cls,
+        index: int,
+        pool: tuple[int, int, bool],
+        config: SchedulerConfig,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+        stop_checker: StopChecker | None,
+        adapter_slots: AdapterSlots | None,
+    ) -> Replica:
+        """Replica `index`: a KV cache manager over `pool` (pages, page size, prefix caching) and
+        its scheduler (seeded with config.seed + index); `adapter_slots` are every replica's."""
+        num_pages, page_size, prefix_caching = pool
+        kv_cache = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
+        scheduler = Scheduler(
+            kv_cache,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids,
+            seed=config.seed + index,
+            stop_checker=stop_checker,
+            max_seqs_per_request=config.max_seqs_per_request,
+            adapter_slots=adapter_slots,
+        )
+        return cls(kv_cache, scheduler)
 
 
 def replica_stats(replicas: Sequence[Replica]) -> dict:

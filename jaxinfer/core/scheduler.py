@@ -79,10 +79,21 @@ class Scheduler(RequestQueue):
             if self._reserve_pages(seq, seq.num_computed_tokens + n, step):
                 self._plan(seq, n, step)
         if not step.preempted:
-            while step.budget > 0 and len(self.running) < self.max_num_seqs:
-                if not self.waiting or not self._admit(self.waiting[0], step):
-                    break
+            self._admit_waiting(step)
         return SchedulerPlan(list(step.entries.values()), step.preempted)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admits waiting sequences in order while the budget, the batch and the pages allow. One
+        whose LoRA adapter finds no free device slot waits without holding up those behind it."""
+        i = 0
+        while step.budget > 0 and len(self.running) < self.max_num_seqs and i < len(self.waiting):
+            seq = self.waiting[i]
+            if not self.acquire_slot(seq):
+                i += 1
+                continue
+            if not self._admit(seq, i, step):
+                self.release_slot(seq)
+                break
 
     def _plan(self, seq: Sequence, n: int, step: _Step) -> None:
         start = seq.num_computed_tokens
@@ -106,6 +117,7 @@ class Scheduler(RequestQueue):
         if entry is not None:
             step.budget += entry.num_new_tokens
         self.running.remove(seq)
+        self.release_slot(seq)
         self.kv_cache.free(seq)
         seq.num_computed_tokens, seq.draft_token_ids = 0, []
         seq.status = SequenceStatus.PREEMPTED
@@ -113,13 +125,13 @@ class Scheduler(RequestQueue):
         bisect.insort(self.waiting, seq, key=sort_key)
         step.preempted.append(seq)
 
-    def _admit(self, seq: Sequence, step: _Step) -> bool:
+    def _admit(self, seq: Sequence, index: int, step: _Step) -> bool:
         prefix = self.kv_cache.computed_prefix(seq)
         n = min(seq.num_tokens - prefix.num_tokens, step.budget)
         if not self.kv_cache.allocate(seq, prefix.num_tokens + n, prefix):
             return False
         seq.num_computed_tokens = prefix.num_tokens
-        del self.waiting[0]  # the head of the queue
+        del self.waiting[index]
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         self._plan(seq, n, step)

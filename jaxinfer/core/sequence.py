@@ -83,6 +83,8 @@ class Sequence:
         priority: int = 0,
         sample_index: int = 0,
         parent: Sequence | None = None,
+        adapter: str | None = None,
+        hash_root: bytes | None = None,
     ):
         self.seq_id = seq_id
         self.request_id = request_id
@@ -105,6 +107,10 @@ class Sequence:
         self.pages: list[int] = []  # block table: page i holds tokens [i*ps, (i+1)*ps)
         self.page_hashes: list = []  # chained hashes of the full pages of token_ids
         self.num_cached_pages = 0  # leading pages registered in the prefix cache
+        # LoRA: the adapter it runs under (None: the base model), what its page hashes chain from
+        # (the adapter's own root: no page is shared across adapters), and its device slot while
+        # it runs (0: none; the scheduler acquires and releases it, jaxinfer/lora/slots.py).
+        self.adapter, self.hash_root, self.lora_slot = adapter, hash_root, 0
         # Structured output: a jaxinfer.structured.RowMatcher the engine attaches (None: free).
         self.grammar: GrammarMatcher | None = None
         # Speculative decoding: the drafts proposed for the next step (set before each schedule),

@@ -48,6 +48,7 @@ class KVSequence(Protocol):
     pages: list[int]
     page_hashes: list
     num_cached_pages: int
+    hash_root: bytes | None  # what its page hashes chain from (a LoRA adapter's; None: the base model)
 
     @property
     def num_tokens(self) -> int: ...
@@ -147,7 +148,7 @@ class KVCacheManager:
         pool = self.pool
         if not pool.enable_prefix_caching:
             return NO_PREFIX
-        pool.extend_page_hashes(seq.page_hashes, seq.token_ids)
+        pool.extend_page_hashes(seq.page_hashes, seq.token_ids, seq.hash_root)
         max_pages = (seq.num_tokens - 1) // self.page_size
         cap = seq.cacheable_pages(self.page_size)
         if cap is not None:
@@ -212,7 +213,7 @@ class KVCacheManager:
         if num_full <= seq.num_cached_pages or not self.pool.enable_prefix_caching:
             return
         known = seq.token_ids[: seq.num_known_tokens]
-        self.pool.extend_page_hashes(seq.page_hashes, known)
+        self.pool.extend_page_hashes(seq.page_hashes, known, seq.hash_root)
         self.pool.cache_pages(seq.pages, seq.page_hashes, known, seq.num_cached_pages, num_full)
         seq.num_cached_pages = num_full
 

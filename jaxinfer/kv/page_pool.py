@@ -124,9 +124,12 @@ class PagePool:
         return events
 
     # --- hashing and lookup -----------------------------------------------------------------------
-    def extend_page_hashes(self, hashes: list[PageHash], token_ids: Sequence[int]) -> None:
-        """Appends to `hashes` the chained hash of every full page of `token_ids` not hashed yet."""
-        extend_page_hashes(hashes, token_ids, self.page_size, self.hash_fn)
+    def extend_page_hashes(
+        self, hashes: list[PageHash], token_ids: Sequence[int], root: PageHash | None = None
+    ) -> None:
+        """Appends to `hashes` the chained hash of every full page of `token_ids` not hashed yet,
+        chained from `root` (prefix_cache.extend_page_hashes)."""
+        extend_page_hashes(hashes, token_ids, self.page_size, self.hash_fn, root)
 
     def cached_page(self, index: int, hashes: Sequence[PageHash], token_ids: Sequence[int]) -> int | None:
         """The cached page holding page `index` of `token_ids` (confirmed), or None."""

@@ -34,11 +34,17 @@ def hash_page(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
 
 def extend_page_hashes(
-    hashes: list[PageHash], token_ids: Sequence[int], page_size: int, hash_fn: HashFn = hash_page
+    hashes: list[PageHash],
+    token_ids: Sequence[int],
+    page_size: int,
+    hash_fn: HashFn = hash_page,
+    root: PageHash | None = None,
 ) -> None:
-    """Appends to `hashes` the chained hash of every full page of `token_ids` not hashed yet."""
+    """Appends to `hashes` the chained hash of every full page of `token_ids` not hashed yet.
+    `root` stands before the first page (e.g. a LoRA adapter's: pages computed under different
+    adapters never match); the cache still records the first page's parent as None."""
     for i in range(len(hashes), len(token_ids) // page_size):
-        parent = hashes[i - 1] if i else None
+        parent = hashes[i - 1] if i else root
         hashes.append(hash_fn(parent, tuple(token_ids[i * page_size : (i + 1) * page_size])))
 
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxinfer.quant.lora import LoraWeight, lora_delta
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
 INT4_LEVELS = 15
@@ -251,9 +252,13 @@ def embedding_rows(embed: QuantizedWeight | jax.Array, tokens: jax.Array) -> jax
     return embed[tokens]  # QuantizedWeight.__getitem__ gathers, then dequantizes
 
 
-def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | jax.Array) -> jax.Array:
+def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWeight | jax.Array) -> jax.Array:
     """jnp.einsum(spec, x, w) for a float, out-first or quantized weight `w` (the linear layers'
-    matmul); `spec` names the weight's axes as [in..., out...] in every case."""
+    matmul), or one of these with LoRA adapters (quant/lora.py); `spec` names the weight's axes
+    as [in..., out...] in every case."""
+    if isinstance(w, LoraWeight):
+        y = einsum(spec, x, w.base)
+        return y if w.mask is None else y + lora_delta(spec, x, w).astype(y.dtype)
     if isinstance(w, OutFirstWeight):
         operands, out = spec.split("->")
         x_letters, w_letters = operands.split(",")

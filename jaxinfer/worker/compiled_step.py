@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.lora.peft import Adapter
 from jaxinfer.sampling.arrays import HostOrDevice, SamplingArrays, fill_defaults
 from jaxinfer.sampling.device_defaults import DeviceDefaults
 from jaxinfer.sampling.sampler import SamplerOutput
@@ -172,6 +173,15 @@ class CompiledStep:
             self.page_table.apply(inputs.table)
         return dataclasses.replace(inputs, table=None)
 
+    def load_adapter(self, slot: int, adapter: Adapter | None) -> None:
+        """A LoRA adapter written into device slot `slot` on the launcher (after the steps
+        submitted before, before those submitted after); DeviceState.lora_writer compiled its
+        one write at start-up."""
+        writer = self.state.lora_writer
+        if writer is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        self.launcher.submit(writer.write, slot, adapter)
+
     def dispatch_forward(self, inputs: StepInputs[np.ndarray]) -> jax.Array | Future[jax.Array]:
         """The first half of a split step (a bucket in `split_buckets`): the forward, K/V
         written. Returns the last tokens' hidden rows on the device, for `dispatch_sample`."""
@@ -271,7 +281,12 @@ class CompiledStep:
 
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
-        return self.page_table.num_compiled() + sum(
-            f._cache_size()  # type: ignore[attr-defined]  # jit's count; not in jax's stubs
-            for f in (self._step, self._window, self._forward, self._sample)
+        writer = self.state.lora_writer
+        return (
+            self.page_table.num_compiled()
+            + (writer.num_compiled() if writer else 0)
+            + sum(
+                f._cache_size()  # type: ignore[attr-defined]  # jit's count; not in jax's stubs
+                for f in (self._step, self._window, self._forward, self._sample)
+            )
         )

@@ -18,6 +18,7 @@ import contextlib
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,6 +29,7 @@ from jaxinfer.quant.kv_cache import is_quantized_kv, resolve_kv_dtype
 from jaxinfer.worker.host_memory import reuse_freed_heap
 from jaxinfer.worker.kv_calibration import calibrated_caches
 from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages, zeroed_caches
+from jaxinfer.worker.lora_state import SlotWriter, attach, detach, lora_param_axes
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, pin_weight_layouts, shard_params
 from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int
@@ -51,23 +53,29 @@ class DeviceState:
             plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device, self.local_device)
         )
         self.kv_caches = self._allocate_kv_caches()
+        lora = engine.lora
+        self.lora_writer = SlotWriter(self, self.config, lora, self.layout.kv_repeat) if lora.enable_lora else None
         if engine.compile.cpu_heap_reuse and jax.default_backend() == "cpu":  # after loading's transients
             reuse_freed_heap()
 
     def _place_params(self, model: LoadedModel) -> ModelParams:
-        """The parameters as the step computes with them: the family's layout, placed on the mesh,
-        fused weights pinned to their matmuls' layout on a TPU. The model is left holding one copy
-        of each weight."""
+        """The parameters as the step computes with them: the family's layout, the LoRA slots'
+        stacks attached (worker/lora_state.py), placed on the mesh, fused weights pinned to their
+        matmuls' layout on a TPU. The model is left holding one copy of each weight."""
         if self.family.compute_layout is not None:
             model.params = self.family.compute_layout(model.params, self.mesh)
-        placed = (
-            model.params
-            if self.mesh is None
-            else shard_params(model.params, self.family.param_axes, self.mesh, self.layout)
-        )
-        params = pin_weight_layouts(placed, self.family.param_axes)
+        params, axes = model.params, dict(self.family.param_axes)
+        if self.engine.lora.enable_lora:
+            params = attach(params, self.config, self.engine.lora, model.params.embed.dtype)
+            axes = lora_param_axes(axes)
+        if self.mesh is None:
+            device = next(iter(jax.tree.leaves(model.params)[0].devices()))
+            placed = jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, np.ndarray) else x, params)
+        else:
+            placed = shard_params(params, axes, self.mesh, self.layout)
+        params = pin_weight_layouts(placed, axes)
         if any(a is not b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params), strict=True)):
-            model.params = params  # relaid on a TPU
+            model.params = detach(params)  # relaid on a TPU
         return params
 
     def _allocate_kv_caches(self) -> KVCaches:

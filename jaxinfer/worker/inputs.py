@@ -109,6 +109,8 @@ class InputBuilder:
         t_bucket = self.bucket_for(max(p.num_batched_tokens for p in plans))
         penalties = any(s.seq.sampling_params.uses_penalties for p in plans for s in p.seqs)
         rows = [self._prepare_one(p, t_bucket, penalties, prev) for p, prev in zip(plans, previous_plans)]
+        if self.engine.lora.enable_lora:
+            rows = [dataclasses.replace(r, lora_slots=lora_slots(p, t_bucket)) for p, r in zip(plans, rows)]
         changes = []
         for i, (plan_i, table) in enumerate(zip(plans, self.tables)):  # every plan checked first
             slots, changed = table.sync(plan_i.seqs, len(rows[i].page_slots))
@@ -254,7 +256,18 @@ class InputBuilder:
             sampling,
             np.full(t_bucket, -1, np.int32),
             np.full(s_bucket, NULL_ROW, np.int32),
+            lora_slots=np.zeros(t_bucket, np.int32) if self.engine.lora.enable_lora else None,
         )
+
+
+def lora_slots(plan: SchedulerPlan, t_bucket: int) -> np.ndarray:
+    """i32[T]: each token's LoRA slot (its sequence's; 0: no adapter, and every padding token)."""
+    slots = np.zeros(t_bucket, np.int32)
+    offset = 0
+    for s in plan.seqs:
+        slots[offset : offset + s.num_new_tokens] = s.seq.lora_slot
+        offset += s.num_new_tokens
+    return slots
 
 
 def _no_drafts(s_bucket: int, k: int) -> SpecInputs[np.ndarray]:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
+from jaxinfer.quant.lora import bind
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.params import MAX_LOGPROBS
 from jaxinfer.sampling.prompt_logprobs import prompt_logprobs
@@ -97,6 +98,7 @@ def _forward(
     from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
     token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
     meta = dataclasses.replace(inputs.meta, page_indices=page_table[inputs.page_slots])  # [S, pages_per_seq]
+    params = bind(params, inputs.lora_slots)  # LoRA: each token's adapter slot (quant/lora.py)
     return family.forward(params, config, token_ids, inputs.positions, kv_caches, meta, attn_impl=attn_impl)
 
 

@@ -33,6 +33,7 @@ class StepInputs[A]:
     spec: SpecInputs[A] | None = None  # draft tokens to verify (speculative decoding); None: none
     prompt: PromptInputs[A] | None = None  # prompt rows to score (prompt logprobs); None: none
     table: PageTableUpdates[A] | None = None  # page-table entries to set before the step; None: none
+    lora_slots: A | None = None  # i32[T] each token's LoRA slot (0: none); None: LoRA is off
 
     def sampled(self) -> SamplingArrays[A]:
         """The sampling arrays of inputs that sample (all but a split step's forward half)."""

@@ -107,6 +107,7 @@ def input_shardings(mesh: Mesh, inputs: StepInputs[np.ndarray], replicas: bool) 
         spec=jax.tree.map(lambda _: other, inputs.spec),
         table=jax.tree.map(lambda _: other, inputs.table),
         prompt=None if inputs.prompt is None else PromptInputs(targets=tokens, num_top=other),
+        lora_slots=None if inputs.lora_slots is None else tokens,
     )
 
 

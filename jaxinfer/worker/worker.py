@@ -31,6 +31,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.loader import LoadedModel
+from jaxinfer.lora.peft import Adapter
 from jaxinfer.worker.compiled_step import CompiledStep
 from jaxinfer.worker.device_state import DeviceState
 from jaxinfer.worker.inputs import InputBuilder
@@ -141,6 +142,10 @@ class Worker:
         )
         hidden = self.step.dispatch_forward(inputs) if split else None
         return StepHandle([plan], None, self.step, late=(inputs, hidden))
+
+    def load_adapter(self, slot: int, adapter: Adapter | None) -> None:
+        """Writes a LoRA adapter into device slot `slot`, in order with the steps launched."""
+        self.step.load_adapter(slot, adapter)
 
     def warm_up(self) -> float:
         """Compiles (and runs once) every variant of the step; returns seconds."""

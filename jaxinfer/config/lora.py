@@ -1,0 +1,89 @@
+"""LoraConfig: serving LoRA adapters over the base model -- device slots, their rank, the host cache.
+
+    EngineConfig(enable_lora=True, max_loras=4, max_lora_rank=16, lora_modules=["sql=/adapters/sql"])
+
+`max_loras` adapters sit on the device at once (each in a slot of the stacked A/B arrays every
+targeted linear carries, padded to `max_lora_rank`: quant/lora.py), so a batch mixes requests of
+up to that many adapters and of none; `max_cpu_loras` more are kept read in host memory (least
+recently used first out). `lora_modules` are adapters known from start-up, by name; the Python
+API and both servers can name others by path (jaxinfer/lora/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from jaxinfer.config.checks import bad, bools, positive_ints
+from jaxinfer.options import ENABLE, LIST, option
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraModule:
+    """An adapter named at start-up: `name=path`, or vLLM's JSON {"name": ..., "path": ...}."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: Any) -> LoraModule:
+        if isinstance(text, LoraModule):
+            return text
+        if isinstance(text, str) and text.lstrip().startswith("{"):
+            try:
+                spec = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise bad("lora_modules", text, f"not valid JSON ({e.msg})") from None
+            if (
+                not isinstance(spec, dict)
+                or not isinstance(spec.get("name"), str)
+                or not isinstance(spec.get("path"), str)
+            ):
+                raise bad("lora_modules", text, 'expected {"name": NAME, "path": PATH}')
+            name, path = spec["name"], spec["path"]
+        elif isinstance(text, str) and "=" in text:
+            name, path = text.split("=", 1)
+        else:
+            raise bad("lora_modules", text, "expected NAME=PATH or a JSON object with name and path")
+        if not name.strip() or not path.strip():
+            raise bad("lora_modules", text, "the adapter's name and path must not be empty")
+        return cls(name.strip(), path.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (PEFT format) served over the base model, many in one batch."""
+
+    TITLE = "LoRA adapters"
+
+    enable_lora: bool = option(False, "serve LoRA adapters over the base model", form=ENABLE)
+    max_loras: int = option(4, "LoRA adapters on the device at once (one batch mixes up to this many)")
+    max_lora_rank: int = option(16, "largest LoRA rank served (the device slots' rank)")
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory (default: max_loras)")
+    lora_modules: tuple[LoraModule, ...] = option(
+        (),
+        "LoRA adapters known from start-up, NAME=PATH (a PEFT directory) or JSON; several may follow",
+        form=LIST,
+        metavar="NAME=PATH",
+    )
+
+    def __post_init__(self):
+        bools(self, "enable_lora")
+        positive_ints(self, "max_loras", "max_lora_rank", "max_cpu_loras")
+        if not isinstance(self.lora_modules, (list, tuple)):
+            raise bad("lora_modules", self.lora_modules, "expected a list of NAME=PATH")
+        modules = tuple(LoraModule.parse(m) for m in self.lora_modules)
+        object.__setattr__(self, "lora_modules", modules)
+        names = [m.name for m in modules]
+        if len(set(names)) != len(names):
+            raise bad("lora_modules", names, "an adapter name is given twice")
+        if modules and not self.enable_lora:
+            raise bad("lora_modules", names, "adapters need enable_lora=True (--enable-lora)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise bad("max_cpu_loras", self.max_cpu_loras, f"must be at least max_loras={self.max_loras}")
+
+    @property
+    def host_capacity(self) -> int:
+        """Adapters kept read in host memory."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras

@@ -1,0 +1,188 @@
+"""Reading a LoRA adapter in PEFT's format, checked against the base model (numpy, no JAX).
+
+    adapter_config.json        peft_type LORA, r, lora_alpha, use_rslora, target_modules, ...
+    adapter_model.safetensors  base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight [r, in]
+                               ...                                         .lora_B.weight [out, r]
+
+`read_adapter(path, config, max_rank)` returns an Adapter: each targeted (layer, module) pair's
+A [r, in] and B [out, r] as float32, and the scale (lora_alpha / r, or lora_alpha / sqrt(r) with
+rsLoRA). Everything that would make it compute something else than PEFT does is refused with
+the file and the problem named: a rank above `max_lora_rank`, a module this engine does not
+adapt (embeddings, the LM head, experts, a bias), a shape that does not match the base model (an
+adapter made for another model), DoRA, per-module rank or alpha patterns, a file that is not a
+readable safetensors file. Dropout is ignored, as at inference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from checkpoints.errors import CheckpointError
+from checkpoints.safetensors_io import SafetensorsFile
+from jaxinfer.config.model import ModelConfig
+
+CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
+# PEFT's module names (every family here uses Llama's) -> (our fused field, its part)
+MODULES = {
+    "q_proj": ("w_qkv", 0),
+    "k_proj": ("w_qkv", 1),
+    "v_proj": ("w_qkv", 2),
+    "o_proj": ("wo", 0),
+    "gate_proj": ("w_gate_up", 0),
+    "up_proj": ("w_gate_up", 1),
+    "down_proj": ("w_down", 0),
+}
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+?)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served: the message names the adapter and the problem."""
+
+
+@dataclasses.dataclass
+class Adapter:
+    rank: int
+    scale: float
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]  # (layer, module) -> A [r, in], B [out, r]
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({module for _, module in self.weights}, key=list(MODULES).index)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(in, out) features of one of the base model's linear modules, as PEFT stores them."""
+    e, q, kv, f = (
+        config.hidden_size,
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+        config.intermediate_size,
+    )
+    return {
+        "q_proj": (e, q),
+        "k_proj": (e, kv),
+        "v_proj": (e, kv),
+        "o_proj": (q, e),
+        "gate_proj": (e, f),
+        "up_proj": (e, f),
+        "down_proj": (f, e),
+    }[module]
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    file = path / CONFIG_NAME
+    if not path.is_dir():
+        raise AdapterError(f"LoRA adapter {str(path)!r}: not a directory")
+    if not file.is_file():
+        raise AdapterError(f"LoRA adapter {str(path)!r}: no {CONFIG_NAME} (a PEFT adapter directory has one)")
+    try:
+        spec = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"LoRA adapter {str(file)!r}: not valid JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise AdapterError(f"LoRA adapter {str(file)!r}: expected a JSON object")
+    return spec
+
+
+def _check_config(path: Path, spec: dict[str, Any], max_rank: int) -> tuple[int, float]:
+    """(rank, scale) of a LoRA config PEFT would compute the same way we do; AdapterError else."""
+    where = f"LoRA adapter {str(path)!r}"
+    if spec.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{where}: peft_type {spec.get('peft_type')!r} is not LORA")
+    r, alpha = spec.get("r"), spec.get("lora_alpha", spec.get("r"))
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise AdapterError(f"{where}: r={r!r} must be a positive integer")
+    if r > max_rank:
+        raise AdapterError(f"{where}: rank {r} is above max_lora_rank={max_rank} (--max-lora-rank)")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise AdapterError(f"{where}: lora_alpha={alpha!r} must be a number")
+    unsupported = {
+        "use_dora": "DoRA",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "modules_to_save": "whole modules saved beside the adapter (modules_to_save)",
+        "layers_to_transform": "layers_to_transform",
+    }
+    for key, what in unsupported.items():
+        if spec.get(key):
+            raise AdapterError(f"{where}: {what} is not supported ({key}={spec[key]!r})")
+    if spec.get("bias", "none") != "none":
+        raise AdapterError(f"{where}: bias={spec['bias']!r} is not supported (only 'none')")
+    scale = alpha / math.sqrt(r) if spec.get("use_rslora") else alpha / r
+    return r, float(scale)
+
+
+def _tensors(path: Path) -> SafetensorsFile:
+    file = path / WEIGHTS_NAME
+    if not file.is_file():
+        found = sorted(p.name for p in path.iterdir())
+        raise AdapterError(f"LoRA adapter {str(path)!r}: no {WEIGHTS_NAME} (found {found})")
+    try:
+        return SafetensorsFile(file)
+    except CheckpointError as e:
+        raise AdapterError(f"LoRA adapter: {e}") from None
+
+
+def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> Adapter:
+    """The adapter at `path` (a PEFT directory), checked against the base model `config`."""
+    path = Path(path).expanduser()
+    rank, scale = _check_config(path, read_config(path), max_rank)
+    tensors = _tensors(path)
+    parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for key in tensors.keys():
+        match = _KEY.search(key)
+        if match is None:
+            raise AdapterError(
+                f"LoRA adapter {str(path)!r}: tensor {key!r} is not a LoRA A/B weight of a decoder "
+                f"layer's {', '.join(MODULES)} (embeddings, the LM head and biases are not supported)"
+            )
+        layer, module, part = int(match[1]), match[2], match[3]
+        if module not in MODULES:
+            raise AdapterError(
+                f"LoRA adapter {str(path)!r}: module {module!r} ({key}) is not one of {', '.join(MODULES)}"
+            )
+        if config.num_experts and module in ("gate_proj", "up_proj", "down_proj"):
+            raise AdapterError(
+                f"LoRA adapter {str(path)!r}: {key}: adapters of a mixture of experts' MLP are not supported "
+                "(attention modules only)"
+            )
+        if layer >= config.num_layers:
+            raise AdapterError(
+                f"LoRA adapter {str(path)!r}: {key} is for layer {layer}, but the model has {config.num_layers} layers"
+            )
+        parts.setdefault((layer, module), {})[part] = np.asarray(tensors.get(key), np.float32)
+    if not parts:
+        raise AdapterError(f"LoRA adapter {str(path)!r}: {WEIGHTS_NAME} holds no LoRA weights")
+    weights = {}
+    for (layer, module), ab in sorted(parts.items()):
+        weights[(layer, module)] = _checked_pair(path, config, layer, module, ab, rank)
+    return Adapter(rank, scale, weights)
+
+
+def _checked_pair(
+    path: Path, config: ModelConfig, layer: int, module: str, ab: dict[str, np.ndarray], rank: int
+) -> tuple[np.ndarray, np.ndarray]:
+    where = f"LoRA adapter {str(path)!r}: layer {layer} {module}"
+    if set(ab) != {"A", "B"}:
+        raise AdapterError(f"{where}: has lora_{''.join(ab)} but not both lora_A and lora_B")
+    a, b = ab["A"], ab["B"]
+    d_in, d_out = module_shape(config, module)
+    if a.shape != (rank, d_in) or b.shape != (d_out, rank):
+        raise AdapterError(
+            f"{where}: lora_A {a.shape} / lora_B {b.shape} do not match the base model "
+            f"(expected {(rank, d_in)} / {(d_out, rank)}): an adapter for another model?"
+        )
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise AdapterError(f"{where}: holds NaN or infinite values")
+    return a, b

@@ -1,0 +1,86 @@
+"""An adapter's weights in the layout of the device slots (numpy, no JAX).
+
+For each decoder layer and each linear field the slot holds A [in..., R] and B [R, out...]
+(R = max_lora_rank, the scale folded into B; quant/lora.py). A fused field's modules sit side by
+side along R, each B block writing only its own output columns:
+
+    w_qkv      [E, K, G+2, D]  A [E, 3R]     B [3R, K, G+2, D]   q -> columns [:, :G], k -> G, v -> G+1
+    wo         [H, D, E]       A [H, D, R]   B [R, E]
+    w_gate_up  [E, 2, F]       A [E, 2R]     B [2R, 2, F]        gate -> [:, 0], up -> [:, 1]
+    w_down     [F, E]          A [F, R]      B [R, E]
+
+Every field of every layer is written (zeros where the adapter has no module), so a slot that
+held another adapter keeps nothing of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxinfer.config.model import ModelConfig
+from jaxinfer.lora.peft import MODULES, Adapter
+
+# Our linear fields and how many modules share each one's rank axis.
+FIELD_PARTS = {"w_qkv": 3, "wo": 1, "w_gate_up": 2, "w_down": 1}
+
+
+def slot_shapes(config: ModelConfig, max_rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """field -> (A's shape, B's shape) of one slot of one layer, with the checkpoint's KV heads."""
+    e, h, k, d, f, r = (
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        max_rank,
+    )
+    return {
+        "w_qkv": ((e, 3 * r), (3 * r, k, h // k + 2, d)),
+        "wo": ((h, d, r), (r, e)),
+        "w_gate_up": ((e, 2 * r), (2 * r, 2, f)),
+        "w_down": ((f, r), (r, e)),
+    }
+
+
+def layer_slot(
+    adapter: Adapter | None, config: ModelConfig, max_rank: int, layer: int, dtype: np.dtype
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """One layer's A and B of every field for a slot holding `adapter` (None: an empty slot)."""
+    shapes = slot_shapes(config, max_rank)
+    out = {field: (np.zeros(a, np.float32), np.zeros(b, np.float32)) for field, (a, b) in shapes.items()}
+    if adapter is not None:
+        for module, (field, part) in MODULES.items():
+            pair = adapter.weights.get((layer, module))
+            if pair is not None:
+                _place(out[field], field, part, pair[0], pair[1] * adapter.scale, config, max_rank)
+    return {field: (a.astype(dtype), b.astype(dtype)) for field, (a, b) in out.items()}
+
+
+def _place(
+    slot: tuple[np.ndarray, np.ndarray],
+    field: str,
+    part: int,
+    lora_a: np.ndarray,
+    lora_b: np.ndarray,
+    config: ModelConfig,
+    max_rank: int,
+) -> None:
+    """Writes one module's A [r, in] and scaled B [out, r] into its field's slot arrays."""
+    a, b = slot
+    r = lora_a.shape[0]
+    rows = slice(part * max_rank, part * max_rank + r)
+    if field == "wo":  # A over the attention's [H, D] inputs
+        a[..., :r] = lora_a.T.reshape(config.num_heads, config.head_dim, r)
+        b[:r] = lora_b.T
+        return
+    a[:, rows] = lora_a.T
+    if field == "w_down":
+        b[:r] = lora_b.T
+    elif field == "w_gate_up":
+        b[rows, part] = lora_b.T
+    else:  # w_qkv: q heads grouped under their KV head, then K, then V
+        kv, d = config.num_kv_heads, config.head_dim
+        block = lora_b.T.reshape(r, kv, -1, d)  # [r, K, G or 1, D]
+        group = config.num_heads // kv
+        cols = slice(0, group) if part == 0 else slice(group + part - 1, group + part)
+        b[rows, :, cols] = block

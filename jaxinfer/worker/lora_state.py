@@ -1,0 +1,133 @@
+"""LoRA adapters on the device: the slot stacks each targeted linear carries, and writing a slot.
+
+    params = attach(params, config, lora, dtype)   # every layer's w_qkv, wo, w_gate_up, w_down
+                                                   # -> LoraWeight(base, a, b): empty slots
+    writer = SlotWriter(state)                     # after placement (shardings known)
+    writer.write(slot, adapter)                    # host arrays (lora/stacking.py) -> slot `slot`
+
+The stacks are part of the parameter tree, so they are placed like it: `lora_axes` gives A the
+logical axes of the weight's inputs and B those of its outputs (a fused q|k|v's B splits by KV
+head, with KV heads repeated as the layout asks, like the weight). A write replaces one slot of
+every stack in one jitted call that donates the old stacks: its shapes never change, so it
+compiles once, at start-up, and never after (the step's variants do not depend on what the
+slots hold). The compiled step submits writes on its launcher, in order with the steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.config import LoraConfig, ModelConfig
+from jaxinfer.lora.peft import Adapter
+from jaxinfer.lora.stacking import FIELD_PARTS, layer_slot, slot_shapes
+from jaxinfer.models.layers import LAYER_LINEARS
+from jaxinfer.quant.lora import LoraWeight, is_lora, lora_axes, lora_name
+from sharding import repeat_kv_heads
+
+Params = Any  # a family's parameter tree
+
+
+def lora_param_axes(param_axes: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """The family's logical axes with those of the LoRA stacks added."""
+    return {**param_axes, **lora_axes(param_axes, {f: LAYER_LINEARS[f] for f in FIELD_PARTS})}
+
+
+def attach(params: Params, config: ModelConfig, lora: LoraConfig, dtype: Any) -> Params:
+    """Every adaptable linear of every layer wrapped in a LoraWeight with empty (zero) slots,
+    as host arrays: the caller places the tree."""
+    shapes = slot_shapes(config, lora.max_lora_rank)
+    s = lora.max_loras
+
+    def wrap(layer: Any) -> Any:
+        changes = {
+            field: LoraWeight(getattr(layer, field), np.zeros((s, *a), dtype), np.zeros((s, *b), dtype), field)
+            for field, (a, b) in shapes.items()
+            if getattr(layer, field, None) is not None
+        }
+        return dataclasses.replace(layer, **changes)
+
+    return dataclasses.replace(params, layers=tuple(wrap(layer) for layer in params.layers))
+
+
+def detach(params: Params) -> Params:
+    """The tree without its LoRA stacks: each LoraWeight's base weight in its place."""
+    return jax.tree.map(lambda w: w.base if isinstance(w, LoraWeight) else w, params, is_leaf=is_lora)
+
+
+def _stacks(params: Params) -> list[LoraWeight]:
+    return [w for layer in params.layers for w in vars(layer).values() if isinstance(w, LoraWeight)]
+
+
+class SlotWriter:
+    """Writes adapters into the device slots of a DeviceState's parameter tree."""
+
+    def __init__(self, state: Any, config: ModelConfig, lora: LoraConfig, kv_repeat: int) -> None:
+        self.state, self.config, self.lora, self.kv_repeat = state, config, lora, kv_repeat
+        weights = _stacks(state.params)
+        self._where = [
+            (i, w.field)
+            for i, layer in enumerate(state.params.layers)
+            for w in vars(layer).values()
+            if isinstance(w, LoraWeight)
+        ]
+        self._axes = lora_param_axes(dict(state.family.param_axes))
+        self._dtype = weights[0].a.dtype
+        shardings = [(w.a.sharding, w.b.sharding) for w in weights]
+        self._write = jax.jit(_write_slot, donate_argnums=0, out_shardings=shardings)
+        self._slice = [(_one_slot(a), _one_slot(b)) for a, b in shardings]
+        self.write(1, None)  # compiled now, never after
+
+    def num_compiled(self) -> int:
+        return self._write._cache_size()  # type: ignore[attr-defined]  # jit's count; not in jax's stubs
+
+    def write(self, slot: int, adapter: Adapter | None) -> None:
+        """Slot `slot` (1..max_loras) holds `adapter` (None: empty) from the next step on."""
+        if not 1 <= slot <= self.lora.max_loras:
+            raise ValueError(f"LoRA slot {slot} is not in 1..{self.lora.max_loras}")
+        layers = [
+            layer_slot(adapter, self.config, self.lora.max_lora_rank, i, self._dtype)
+            for i in range(self.config.num_layers)
+        ]
+        new = []
+        for (i, field), (a_at, b_at) in zip(self._where, self._slice):
+            a, b = layers[i][field]
+            b = repeat_kv_heads(b, self._axes[lora_name(field, "b")][1:], self.kv_repeat)
+            new.append((jax.device_put(a, a_at), jax.device_put(b, b_at)))
+        params = self.state.params
+        stacks = [(w.a, w.b) for w in _stacks(params)]
+        written = self._write(stacks, jnp.int32(slot - 1), new)
+        self.state.params = _replaced(params, written)
+
+
+def _write_slot(stacks: list[tuple[jax.Array, jax.Array]], index: jax.Array, new: list) -> list:
+    return [(a.at[index].set(na), b.at[index].set(nb)) for (a, b), (na, nb) in zip(stacks, new)]
+
+
+def _one_slot(sharding: Any) -> Any:
+    """The sharding of one slot of a stack placed with `sharding` (the slot axis dropped)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+    if isinstance(sharding, SingleDeviceSharding):
+        return sharding
+    raise ValueError(f"LoRA stacks placed with an unexpected sharding {sharding}")
+
+
+def _replaced(params: Params, written: list[tuple[jax.Array, jax.Array]]) -> Params:
+    pairs = iter(written)
+
+    def layer_with(layer: Any) -> Any:
+        changes = {}
+        for name, w in vars(layer).items():
+            if isinstance(w, LoraWeight):
+                a, b = next(pairs)
+                changes[name] = dataclasses.replace(w, a=a, b=b)
+        return dataclasses.replace(layer, **changes) if changes else layer
+
+    return dataclasses.replace(params, layers=tuple(layer_with(layer) for layer in params.layers))
