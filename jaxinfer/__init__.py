@@ -16,6 +16,7 @@ _EXPORTS = {
     "RequestOutput": "jaxinfer.outputs",
     "CompletionOutput": "jaxinfer.outputs",
     "load_model": "jaxinfer.loader",
+    "LoRARequest": "jaxinfer.lora",
 }
 __all__ = list(_EXPORTS)
 

@@ -126,7 +126,7 @@ class Engine:
         ids, params = checked.prompt_token_ids, checked.params
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
         grammar = grammar_for(self.grammars, params)
-        adapter = lora_entry(self.lora, request_id, lora_request)
+        adapter = lora_entry(self.lora, request_id, lora_request or checked.lora)
         seqs = self.replicas[replica].scheduler.add_request(
             request_id,
             ids,
@@ -292,7 +292,7 @@ class Engine:
 
     def stats(self) -> dict:
         return {
-            **replica_stats(self.replicas),
+            **replica_stats(self.replicas, self.lora),
             "preemptions": self.num_preemptions,
             "compiled_variants": self.worker.num_compiled(),
             **(self.speculator.stats() if self.speculator is not None else {}),

@@ -32,6 +32,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.engine import Engine
 from jaxinfer.loader import LoadedModel, load_model
+from jaxinfer.lora import LoRARequest
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quant import QuantConfig
 from jaxinfer.sampling import SamplingParams
@@ -98,9 +99,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given ([] on processes other
-        than 0 of a multi-host engine, which run process 0's steps instead)."""
+        than 0 of a multi-host engine, which run process 0's steps instead). `lora_request`: the
+        LoRA adapter of every prompt, or a list with one per prompt (None: the base model)."""
         if not self.engine.is_leader:
             self.engine.follow()
             return []
@@ -110,10 +113,11 @@ class LLM:
         if len(sampling_params) != len(batch):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(batch)} prompts")
         priority = priority or [0] * len(batch)
+        loras = _per_prompt(lora_request, len(batch))
         ids = []
         try:
-            for prompt, params, prio in zip(batch, sampling_params, priority):
-                ids.append(self._add(prompt, params, prio))
+            for prompt, params, prio, lora in zip(batch, sampling_params, priority, loras):
+                ids.append(self._add(prompt, params, prio, lora))
         except Exception:
             for rid in ids:  # a bad prompt rejects the call; nothing of it stays queued
                 self.engine.abort(rid)
@@ -132,14 +136,16 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the chat template, then generates. `tools` (OpenAI's
+        """Renders each conversation with the chat template, then generates (`lora_request` as
+        in `generate`). `tools` (OpenAI's
         [{"type": "function", "function": {...}}]) go to the template; read the calls out of the
         text with `jaxinfer.tokenizer.tool_calls` (`parser_for_template(llm.tokenizer.chat_template)`).
         `chat_template_kwargs`: more template variables, e.g. {"enable_thinking": False} (Qwen3)."""
         conversations = [messages] if _is_conversation(messages) else list(messages)
         prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def render_chat(
         self,
@@ -160,12 +166,14 @@ class LLM:
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, lora_request: LoRARequest | None = None
+    ) -> Iterator[RequestOutput]:
         """Yields the deltas of one request as the engine produces them."""
         if not self.engine.is_leader:
             self.engine.follow()
             return
-        rid = self._add(prompt, sampling_params)
+        rid = self._add(prompt, sampling_params, lora=lora_request)
         try:
             finished = False
             while not finished:
@@ -177,8 +185,10 @@ class LLM:
             self._inboxes.pop(rid, None)
             self.engine.release_followers()
 
-    def _add(self, prompt: Prompt, params: SamplingParams | None, priority: int = 0) -> str:
-        rid = self.engine.add_request(prompt, params, priority=priority)
+    def _add(
+        self, prompt: Prompt, params: SamplingParams | None, priority: int = 0, lora: LoRARequest | None = None
+    ) -> str:
+        rid = self.engine.add_request(prompt, params, priority=priority, lora_request=lora)
         self._inboxes[rid] = collections.deque()
         return rid
 
@@ -218,6 +228,16 @@ class LLM:
             for rid in ids:
                 self._inboxes.pop(rid, None)
         return results
+
+
+def _per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> Sequence[LoRARequest | None]:
+    """One LoRA request (or None) per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"{len(loras)} lora requests for {n} prompts")
+    return loras
 
 
 def _with_template(tokenizer: Tokenizer | None, template: str | None) -> Tokenizer | None:

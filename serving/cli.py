@@ -84,6 +84,12 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
     h.add_argument("--no-grpc", action="store_true", help="serve only the HTTP API (needs --http-port)")
     h.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /ui of the HTTP API")
     h.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="load and unload LoRA adapters while serving (HTTP /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter; gRPC LoadLoraAdapter, UnloadLoraAdapter; needs --enable-lora)",
+    )
+    h.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the model path's basename)"
     )
     h.add_argument(
@@ -185,6 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         http_host=args.http_host,
         ui=not args.no_ui,
+        lora_updates=args.allow_runtime_lora_updating,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,

@@ -29,9 +29,48 @@ class ServerMetrics:
         self._define_requests(self.registry)
         self._define_engine_state(self.registry)
         self._define_spec_decode(self.registry)
+        self._define_lora(self.registry)
         self._window: collections.deque[tuple[float, int]] = collections.deque()
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, **dict.fromkeys(self.spec_counters, 0)}
+        self._seen = {
+            "preemptions": 0,
+            "queries": 0,
+            "hits": 0,
+            "lora_loads": 0,
+            **dict.fromkeys(self.spec_counters, 0),
+        }
         self._http = None
+
+    def _define_lora(self, r: prom.CollectorRegistry) -> None:
+        """LoRA adapters (when the engine serves them): sequences per adapter, adapters known and
+        on the device, adapters written into a device slot since start-up."""
+        self.lora_running = prom.Gauge(
+            "jaxinfer_lora_requests_running", "sequences running under each LoRA adapter", ["adapter"], registry=r
+        )
+        self.lora_waiting = prom.Gauge(
+            "jaxinfer_lora_requests_waiting", "sequences waiting under each LoRA adapter", ["adapter"], registry=r
+        )
+        self.lora_adapters = prom.Gauge("jaxinfer_lora_adapters", "LoRA adapters the server knows", registry=r)
+        self.lora_on_device = prom.Gauge(
+            "jaxinfer_lora_adapters_on_device", "LoRA adapters in a device slot", registry=r
+        )
+        self.lora_loads = prom.Counter(
+            "jaxinfer_lora_adapter_loads", "LoRA adapters written into a device slot", registry=r
+        )
+        self._lora_labels: set[str] = set()
+
+    def _on_lora(self, stats: dict) -> None:
+        names = set(stats["lora_running"]) | set(stats["lora_waiting"])
+        for gone in self._lora_labels - names:  # unloaded: its series end
+            self.lora_running.remove(gone)
+            self.lora_waiting.remove(gone)
+        self._lora_labels = names
+        for name in names:
+            self.lora_running.labels(adapter=name).set(stats["lora_running"].get(name, 0))
+            self.lora_waiting.labels(adapter=name).set(stats["lora_waiting"].get(name, 0))
+        self.lora_adapters.set(stats["lora_adapters"])
+        self.lora_on_device.set(stats["lora_adapters_on_device"])
+        self.lora_loads.inc(max(0, stats["lora_loads"] - self._seen["lora_loads"]))
+        self._seen["lora_loads"] = stats["lora_loads"]
 
     def _define_latencies(self, r: prom.CollectorRegistry) -> None:
         """Per-request histograms, observed when a request finishes (on_finished)."""
@@ -146,6 +185,8 @@ class ServerMetrics:
                 self._seen[key] = stats[key]
             self.spec_acceptance.set(stats["spec_acceptance_rate"])
             self.spec_mean_length.set(stats["spec_mean_accepted_length"])
+        if "lora_running" in stats:
+            self._on_lora(stats)
 
     # --- HTTP -----------------------------------------------------------------------------------
     def exposition(self) -> tuple[bytes, str]:

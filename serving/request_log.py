@@ -10,9 +10,10 @@
 handler sees. Fields: time (arrival, UTC ISO 8601), request_id, transport (http / grpc), route
 (HTTP path or gRPC method), key_id (the sha256 prefix; never a key or token), model, status (HTTP
 status or gRPC code name), prompt_tokens, completion_tokens, ttft_s, e2e_s, finish_reasons, user
-(when given), error (when refused or failed). With log_prompts: prompt and outputs too, and the
-whole error message; without, an INVALID_ARGUMENT's message is cut to the field it names, since
-messages may quote the request's content.
+(when given), lora_adapter (the LoRA adapter it ran under, when one), error (when refused or
+failed). With log_prompts: prompt and outputs too, and the whole error message; without, an
+INVALID_ARGUMENT's message is cut to the field it names, since messages may quote the request's
+content.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class RequestRecord:
     clock: Callable[[], float] = time.monotonic
     request_id: str | None = None
     user: str | None = None
+    lora_adapter: str | None = None  # the LoRA adapter it runs under
     prompt: object = None  # the prompt as sent; set only when keep_text
     prompt_tokens: int = 0
     error: str | None = None
@@ -95,6 +97,8 @@ class RequestRecord:
         }
         if self.user is not None:
             out["user"] = self.user
+        if self.lora_adapter is not None:
+            out["lora_adapter"] = self.lora_adapter
         if self.error is not None:
             out["error"] = self.error if log_prompts or status not in _INPUT_ERRORS else _field_of(self.error)
         if log_prompts:

@@ -58,6 +58,7 @@ class ServerOptions:
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     ui: bool = True  # the HTTP API serves the playground page at /ui
+    lora_updates: bool = False  # LoRA adapters loaded and unloaded while serving (HTTP routes, gRPC calls)
     served_model_name: str | None = None  # None: the model path's basename
     api_keys: tuple[str, ...] = ()  # HTTP `Authorization: Bearer` keys; none: auth_token if set, else open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -102,6 +103,7 @@ class InferenceServer:
             tool_call_parser=opts.tool_call_parser,
             reasoning_parser=opts.reasoning_parser,
         )
+        self.servicer.lora_updates = opts.lora_updates
         self.http = self._http_server(self.options.http_port) if self.options.http_port is not None else None
         self.grpc: GrpcServer | None = None  # made in start(): a grpc.aio server belongs to its event loop
         self.metrics_port: int | None = None
@@ -124,6 +126,7 @@ class InferenceServer:
                 tls_cert_file=opts.tls_cert_file,
                 tls_key_file=opts.tls_key_file,
                 ui=opts.ui,
+                lora_updates=opts.lora_updates,
             ),
             admission=admission,
             metrics=self.metrics,

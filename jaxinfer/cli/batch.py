@@ -4,6 +4,8 @@ Each input line is one request:
     {"id": "a1", "prompt": "text"}                       or "prompt_token_ids": [...]
     {"id": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "temperature": 0.7}
     {"id": "a3", "messages": [...], "tools": [...], "chat_template_kwargs": {"enable_thinking": false}}
+    {"id": "a4", "prompt": "text", "lora": "sql"}         a LoRA adapter by name (--lora-modules), or
+    {"id": "a5", "prompt": "text", "lora": {"name": "sql", "path": "/adapters/sql"}}   by path
 Any SamplingParams field may be set per line; unset fields take the command line's values. Each
 output line has the request's id, its outputs (text, token ids, finish reason, and logprobs when
 asked for), usage, and "prompt_logprobs" when asked for (the engine needs
@@ -38,6 +40,7 @@ from tqdm import tqdm
 
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 from jaxinfer.cli.batch_journal import Journal, line_key
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.outputs import logprobs_json
 from jaxinfer.sampling.params import SamplingParams, StructuredOutput, check_logit_bias_vocab, logit_bias_from_json
 
@@ -46,12 +49,13 @@ if TYPE_CHECKING:
     from jaxinfer.outputs import RequestOutput
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_LINE_FIELDS = {"id", "prompt", "prompt_token_ids", "messages", "tools", "chat_template_kwargs", "lora"}
 
 
 def parse_line(
     line: str, lineno: int, defaults: SamplingParams, llm: LLM
-) -> tuple[str, str | list[int], SamplingParams]:
-    """-> (id, prompt or token ids, params); ValueError naming the problem."""
+) -> tuple[str, str | list[int], SamplingParams, LoRARequest | None]:
+    """-> (id, prompt or token ids, params, LoRA adapter); ValueError naming the problem."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -61,7 +65,7 @@ def parse_line(
     if not isinstance(obj, dict):
         raise ValueError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
     rid = str(obj.get("id", lineno))
-    unknown = set(obj) - _FIELDS - {"id", "prompt", "prompt_token_ids", "messages", "tools", "chat_template_kwargs"}
+    unknown = set(obj) - _FIELDS - _LINE_FIELDS
     if unknown:
         raise ValueError(f"line {lineno}: unknown fields {sorted(unknown)}")
     sources = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
@@ -94,7 +98,21 @@ def parse_line(
             check_logit_bias_vocab(params, llm.engine.model.config.vocab_size)
     except (ValueError, TypeError) as e:
         raise ValueError(f"line {lineno}: {e}") from None
-    return rid, prompt, params
+    return rid, prompt, params, _lora(obj.get("lora"), lineno)
+
+
+def _lora(spec: Any, lineno: int) -> LoRARequest | None:
+    """A line's "lora": an adapter's name, or {"name": ..., "path": ...}; None: the base model."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, dict) or set(spec) - {"name", "path"} or not isinstance(spec.get("name"), str):
+        raise ValueError(f'line {lineno}: lora must be an adapter name or {{"name": ..., "path": ...}}, got {spec!r}')
+    path = spec.get("path", "")
+    if not isinstance(path, str):
+        raise ValueError(f"line {lineno}: lora path must be a string, got {path!r}")
+    return LoRARequest(spec["name"], 1, path)
 
 
 @dataclasses.dataclass
@@ -188,8 +206,8 @@ def run_batch(
                     job.finish(lineno, key, journal.record(lineno), resumed=True)
                     continue
                 try:
-                    rid, prompt, params = parse_line(line, lineno, defaults, llm)
-                    job.in_flight[llm.engine.add_request(prompt, params)] = (lineno, key, rid)
+                    rid, prompt, params, lora = parse_line(line, lineno, defaults, llm)
+                    job.in_flight[llm.engine.add_request(prompt, params, lora_request=lora)] = (lineno, key, rid)
                 except Exception as e:  # noqa: BLE001 - any failure of one line is that line's error
                     job.finish(lineno, key, {"id": None, "line": lineno, "error": _line_error(e, lineno)})
                 while len(job.in_flight) >= max_in_flight:

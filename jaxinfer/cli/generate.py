@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.outputs import CompletionOutput, RequestOutput, logprobs_json
 
 
@@ -53,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     llm.engine.warm_up()
-    outputs = llm.generate(checked, use_tqdm=sys.stderr.isatty())
+    outputs = llm.generate(checked, use_tqdm=sys.stderr.isatty(), lora_request=lora_request(args))
     for out in outputs:
         for completion in out.outputs:
             if args.output_format == "jsonl":
@@ -102,12 +103,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         reply = ""
-        for delta in llm.stream(llm.render_chat(messages), params):
+        for delta in llm.stream(llm.render_chat(messages), params, lora_request=lora_request(args)):
             piece = delta.outputs[0].text
             reply += piece
             print(piece, end="", flush=True)
         print(flush=True)
         messages.append({"role": "assistant", "content": reply})
+
+
+def lora_request(args: argparse.Namespace) -> LoRARequest | None:
+    """--lora NAME: one of --lora-modules (its path given there), or NAME=PATH."""
+    if args.lora is None:
+        return None
+    name, _, path = args.lora.partition("=")
+    return LoRARequest(name, 1, path)
+
+
+LORA_HELP = "run under this LoRA adapter: a name from --lora-modules, or NAME=PATH (needs --enable-lora)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -116,11 +128,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--prompts-file", help="file with one prompt per line ('-' = stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--output-format", choices=["text", "jsonl"], default="text")
+    gen.add_argument("--lora", metavar="NAME", help=LORA_HELP)
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat, streaming replies (one message per line on stdin)")
     chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--lora", metavar="NAME", help=LORA_HELP)
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)

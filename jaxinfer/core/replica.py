@@ -13,6 +13,7 @@ from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.stops import StopChecker
 from jaxinfer.kv import KVCacheManager
+from jaxinfer.lora.manager import LoraManager
 from jaxinfer.lora.slots import AdapterSlots
 
 
@@ -51,8 +52,9 @@ class Replica:
         return cls(kv_cache, scheduler)
 
 
-def replica_stats(replicas: Sequence[Replica]) -> dict:
-    """Sequences and KV pages summed over the replicas (Engine.stats)."""
+def replica_stats(replicas: Sequence[Replica], lora: LoraManager | None = None) -> dict:
+    """Sequences and KV pages summed over the replicas (Engine.stats); with LoRA, the sequences
+    running and waiting under each adapter, and the adapters known, on the device, loaded so far."""
     caches = [r.kv_cache for r in replicas]
     total, free = sum(c.num_usable_pages for c in caches), sum(c.num_free_pages for c in caches)
     queries = sum(c.prefix_cache_queries for c in caches)
@@ -63,4 +65,22 @@ def replica_stats(replicas: Sequence[Replica]) -> dict:
         "kv_pages_free": free,
         "kv_cache_usage": 1.0 - free / total,
         "prefix_cache_hit_rate": sum(c.prefix_cache_hits for c in caches) / queries if queries else 0.0,
+        **(_lora_stats(replicas, lora) if lora is not None else {}),
+    }
+
+
+def _lora_stats(replicas: Sequence[Replica], lora: LoraManager) -> dict:
+    names = [e.name for e in lora.adapters]
+    running, waiting = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    for r in replicas:
+        for counts, seqs in ((running, r.scheduler.running), (waiting, r.scheduler.waiting)):
+            for seq in seqs:
+                if seq.adapter is not None:
+                    counts[seq.adapter] = counts.get(seq.adapter, 0) + 1
+    return {
+        "lora_running": running,
+        "lora_waiting": waiting,
+        "lora_adapters": len(names),
+        "lora_adapters_on_device": len(lora.slots.loaded),
+        "lora_loads": lora.num_loads,
     }

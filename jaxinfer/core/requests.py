@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 
 
@@ -74,6 +75,7 @@ class CheckedRequest:
     params: SamplingParams
     prompt: str | None = None  # the prompt's text, where it came as text
     priority: int = 0
+    lora: LoRARequest | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 def check_request(

@@ -61,9 +61,10 @@ class LoraManager:
             self._write(slot, self.registry.adapter(name))
             self.num_loads += 1
 
-    def load(self, name: str, path: str) -> AdapterEntry:
-        """Reads and checks an adapter now (it reaches a device slot with its first request)."""
-        return self.registry.add(name, path)
+    def load(self, name: str, path: str, adapter: Adapter | None = None) -> AdapterEntry:
+        """Reads and checks an adapter now, unless `adapter` is what reading `path` gave (read off
+        the engine's thread); it reaches a device slot with its first request."""
+        return self.registry.add(name, path, adapter=adapter)
 
     def unload(self, name: str) -> AdapterEntry:
         """Forgets an adapter no request uses; AdapterError naming it otherwise."""

@@ -40,9 +40,10 @@ class AdapterRegistry:
         self._host: collections.OrderedDict[str, Adapter] = collections.OrderedDict()
         self._loads = itertools.count(1)
 
-    def add(self, name: str, path: str, int_id: int | None = None) -> AdapterEntry:
-        """Reads and checks the adapter at `path` under `name`; the entry already there when
-        the same name and path are known; AdapterError for another path under a known name."""
+    def add(self, name: str, path: str, int_id: int | None = None, adapter: Adapter | None = None) -> AdapterEntry:
+        """Reads and checks the adapter at `path` under `name` (`adapter`: what reading it gave
+        already); the entry already there when the same name and path are known; AdapterError
+        for another path under a known name."""
         known = self._entries.get(name)
         resolved = str(Path(path).expanduser().resolve()) if path else ""
         if known is not None:
@@ -54,7 +55,8 @@ class AdapterRegistry:
             return known
         if not path:
             raise AdapterError(f"LoRA adapter {name!r} is not loaded and no path was given for it")
-        adapter = read_adapter(resolved, self.config, self.max_rank)
+        if adapter is None:
+            adapter = read_adapter(resolved, self.config, self.max_rank)
         load = next(self._loads)
         root = hashlib.sha256(f"lora\0{name}\0{resolved}\0{load}".encode()).digest()[:16]
         entry = AdapterEntry(name, resolved, int_id if int_id is not None else load, root)

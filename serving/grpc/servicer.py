@@ -41,6 +41,7 @@ from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.engine_loop import EngineLoop, ServerShuttingDown, merge_deltas
 from serving.errors import RequestError
 from serving.grpc import convert
+from serving.grpc.lora import LoraCalls
 from serving.grpc.proto import jaxinfer_pb2 as pb
 from serving.grpc.proto import jaxinfer_pb2_grpc as pb_grpc
 from serving.grpc.streaming import Refused, call_deadline, charge, next_items, rate_limited, status_of
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 GENERATE = "/jaxinfer.v1.InferenceService/Generate"
 
 
-class InferenceServicer(pb_grpc.InferenceServiceServicer):
+class InferenceServicer(LoraCalls, pb_grpc.InferenceServiceServicer):
     def __init__(
         self,
         engine_loop: EngineLoop,
@@ -171,7 +172,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 checked, replies = await self._in_worker(self._prepare, request)
             except RequestError as e:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            record.prompt_tokens = len(checked.prompt_token_ids)
+            record.prompt_tokens, record.lora_adapter = len(checked.prompt_token_ids), request.lora_adapter or None
             charge(grant, len(checked.prompt_token_ids), checked.params)
             loop = asyncio.get_running_loop()
             deadline = call_deadline(context, loop)
@@ -203,12 +204,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         tools = convert.chat_tools(request.chat, self.tool_parser) if request.HasField("chat") else None
         ids = convert.prompt_token_ids(request, self._tokenizer, self._limits, tools)
         params = convert.with_tools(params, tools, request.sampling)
-        checked = check_request(
-            ids, params, self._limits, request.priority, prompt_field=request.WhichOneof("prompt") or "prompt"
-        )
-        return checked, convert.chat_replies(
-            request, tools, self.reasoning, params.structured_output, self.reasoning_gated
-        )
+        field = request.WhichOneof("prompt") or "prompt"
+        checked = check_request(ids, params, self._limits, request.priority, prompt_field=field)
+        replies = convert.chat_replies(request, tools, self.reasoning, params.structured_output, self.reasoning_gated)
+        return self.with_lora(request.lora_adapter, checked), replies
 
     # --- unary RPCs -----------------------------------------------------------------------------
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

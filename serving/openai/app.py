@@ -1,7 +1,8 @@
 """The ASGI app of the OpenAI-compatible API: its routes and how errors become OpenAI's JSON.
 
     POST /v1/completions, /v1/chat/completions   handlers.py (streamed or not)
-    GET  /v1/models, /v1/models/{model}          the one served model
+    GET  /v1/models, /v1/models/{model}          the served model and its LoRA adapters (lora.py)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   live LoRA updates, where the server allows them
     POST /tokenize, /detokenize                   vLLM's shapes
     GET  /health, /metrics                        open (no API key); /metrics is the gRPC server's registry
     GET  /openapi.json, /docs                     the schema of all this and Swagger UI (docs.py), open
@@ -30,6 +31,7 @@ from serving.openai import handlers
 from serving.openai.docs import Docs
 from serving.openai.errors import APIError, bad_request, not_found_route
 from serving.openai.handlers import ApiContext, parse
+from serving.openai.lora import LoraEndpoints, adapter_cards
 from serving.openai.messages import render_messages, template_tools
 from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
 
@@ -52,10 +54,12 @@ class _Endpoints:
         }
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [self._model_card(), *adapter_cards(self.ctx)]})
 
     async def model(self, request: Request) -> Response:
-        self.ctx.check_model(request.path_params["model"])
+        name = request.path_params["model"]
+        if self.ctx.check_model(name) is not None:
+            return JSONResponse(next(c for c in adapter_cards(self.ctx) if c["id"] == name))
         return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
@@ -125,6 +129,10 @@ def build_app(
     ]
     if ui:
         routes.append(Route("/ui", _playground(), methods=["GET"]))
+    if ctx.lora_updates:
+        lora = LoraEndpoints(ctx)
+        routes.append(Route("/v1/load_lora_adapter", lora.load, methods=["POST"]))
+        routes.append(Route("/v1/unload_lora_adapter", lora.unload, methods=["POST"]))
     return Starlette(
         routes=routes,
         # Starlette types every handler as taking an Exception; each is called with its key's class.

@@ -110,10 +110,11 @@ def not_found_route(path: str) -> APIError:
     return APIError(404, f"no route {path}", code="not_found")
 
 
-def unknown_model(requested: str, served: str) -> APIError:
+def unknown_model(requested: str, served: str, adapters: list[str] | None = None) -> APIError:
+    also = f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}" if adapters else ""
     return APIError(
         404,
-        f"model: the model `{requested}` does not exist; this server serves `{served}`",
+        f"model: the model `{requested}` does not exist; this server serves `{served}`{also}",
         param="model",
         code="model_not_found",
     )

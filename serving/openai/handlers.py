@@ -28,6 +28,7 @@ import pydantic
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.reasoning import ReasoningParser
@@ -58,6 +59,9 @@ class ApiContext:
     tool_parser: ToolCallParser | None = None  # how tool_choice "auto" outputs are read (None: refused)
     reasoning: ReasoningParser | None = None  # splits chat outputs' reasoning_content off (None: not)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # LoRA adapters a request may name as its model: name -> (int id, path); kept by lora.py
+    adapters: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    lora_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter are served
 
     def __post_init__(self):
         self.texts = outputs.TokenTexts(self.tokenizer)
@@ -66,9 +70,14 @@ class ApiContext:
         """CPU work (tokenizing, chat templates) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise unknown_model(model, self.model_name)
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a name
+        that is neither."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.adapters:
+            return LoRARequest(model, self.adapters[model][0])
+        raise unknown_model(model, self.model_name, sorted(self.adapters))
 
 
 async def parse[Body: pydantic.BaseModel](request: Request, model: type[Body]) -> Body:
@@ -114,14 +123,22 @@ async def _prepared[B: (CompletionRequest, ChatCompletionRequest)](
     tokenized and the sampling values checked on a worker thread."""
     arrival = time.monotonic()
     req = await parse(request, body_cls)
-    ctx.check_model(req.model)
-    return arrival, req, await ctx.in_worker(to_inputs, req, ctx.tokenizer, ctx.limits)
+    lora = ctx.check_model(req.model)
+    inputs = await ctx.in_worker(to_inputs, req, ctx.tokenizer, ctx.limits)
+    if lora is not None:
+        inputs = dataclasses.replace(inputs, requests=[dataclasses.replace(r, lora=lora) for r in inputs.requests])
+    return arrival, req, inputs
+
+
+def _served(ctx: ApiContext, req: CompletionRequest | ChatCompletionRequest) -> str:
+    """The model a response names: the adapter asked for, else the base model."""
+    return req.model if req.model in ctx.adapters else ctx.model_name
 
 
 @_noting_errors
 async def completions(ctx: ApiContext, request: Request) -> Response:
     arrival, req, inputs = await _prepared(ctx, request, CompletionRequest, completion_inputs)
-    head = outputs.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), ctx.model_name)
+    head = outputs.ResponseHeader(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), _served(ctx, req))
     record = _admitted(request, head.id, req, inputs, lambda: req.prompt)
     if req.stream:
         writer = outputs.ChunkWriter(
@@ -139,7 +156,9 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
 async def chat_completions(ctx: ApiContext, request: Request) -> Response:
     to_inputs = functools.partial(chat_inputs, tool_parser=ctx.tool_parser)
     arrival, req, inputs = await _prepared(ctx, request, ChatCompletionRequest, to_inputs)
-    head = outputs.ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), ctx.model_name)
+    head = outputs.ResponseHeader(
+        f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), _served(ctx, req)
+    )
     record = _admitted(request, head.id, req, inputs, lambda: [m.model_dump(exclude_none=True) for m in req.messages])
     reasoning = reasoning_for(
         ctx.reasoning, inputs.params.structured_output, ctx.engine_loop.engine.config.load.reasoning_parser is not None
@@ -227,6 +246,7 @@ def _admitted(
     record = state.get("record")
     if record is not None:
         record.request_id, record.user = request_id, req.user
+        record.lora_adapter = inputs.requests[0].lora.lora_name if inputs.requests and inputs.requests[0].lora else None
         record.prompt_tokens = sum(len(p) for p in inputs.prompts)
         if record.keep_text:
             record.prompt = prompt()

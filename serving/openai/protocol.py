@@ -215,3 +215,15 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
+
+
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter: an adapter's name and its PEFT directory on the server."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's, accepted and unused: the name is the adapter

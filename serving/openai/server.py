@@ -52,6 +52,7 @@ class HttpOptions:
     tls_key_file: str | None = None
     shutdown_timeout_s: float = 5.0  # what uvicorn waits for open connections once told to stop
     ui: bool = True  # the playground page at /ui
+    lora_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter (live LoRA updates)
 
 
 def served_model_name(model_path: object) -> str:
@@ -88,6 +89,9 @@ class HttpServer:
         self.model_name = options.served_model_name or served_model_name(engine.model.path)
         executor = executor or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-http")
         ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser, reasoning)
+        ctx.lora_updates = options.lora_updates
+        if engine.lora is not None:  # the adapters known at start-up (--lora-modules)
+            ctx.adapters.update({e.name: (e.int_id, e.path) for e in engine.lora.adapters})
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
         self.gate = Gate(

@@ -231,7 +231,7 @@ def test_command_line_flags_and_batch_lines(tmp_path):
         spec("--json-schema", str(tmp_path / "missing.json"))
     with pytest.raises(SystemExit):  # one kind at a time
         spec("--regex", "a", "--json-object")
-    _, _, params = parse_line(
+    _, _, params, _ = parse_line(
         '{"prompt": "hi", "structured_output": {"choice": ["x", "y"]}}', 1, SamplingParams(), llm=None
     )
     assert params.structured_output == StructuredOutput(choice=("x", "y"))

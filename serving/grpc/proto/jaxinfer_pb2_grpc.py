@@ -59,6 +59,21 @@ class InferenceServiceStub:
                 request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.SerializeToString,
                 response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.FromString,
                 _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/jaxinfer.v1.InferenceService/ListLoraAdapters',
+                request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/jaxinfer.v1.InferenceService/LoadLoraAdapter',
+                request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/jaxinfer.v1.InferenceService/UnloadLoraAdapter',
+                request_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -97,6 +112,26 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLoraAdapters(self, request, context):
+        """LoRA adapters: those the server knows; loading and unloading them while it serves (only on a
+        server started with --allow-runtime-lora-updating; else FAILED_PRECONDITION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +159,21 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.GetServerStats,
                     request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.FromString,
                     response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.ListLoraAdaptersResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +311,87 @@ class InferenceService:
             '/jaxinfer.v1.InferenceService/GetServerStats',
             serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsRequest.SerializeToString,
             serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.GetServerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.InferenceService/ListLoraAdapters',
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.ListLoraAdaptersRequest.SerializeToString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.ListLoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.InferenceService/LoadLoraAdapter',
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.LoadLoraAdapterRequest.SerializeToString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.InferenceService/UnloadLoraAdapter',
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            serving_dot_grpc_dot_proto_dot_jaxinfer__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
