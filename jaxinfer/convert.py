@@ -31,6 +31,8 @@ from checkpoints import CheckpointError, CheckpointReader, GGUFCheckpoint, save_
 from checkpoints.orbax_io import epath
 from jaxinfer.config import ModelConfig
 from jaxinfer.loader import gguf_tokenizer, open_checkpoint
+from jaxinfer.lora.merge import MergedReader
+from jaxinfer.lora.peft import read_adapter
 from jaxinfer.models.reading import ORBAX_FORMAT, checkpoint_quantization, read_fields, resolve_dtype
 from jaxinfer.models.registry import ModelFamily, get_family
 from jaxinfer.quant import QuantConfig, flat_arrays
@@ -75,19 +77,19 @@ def convert(
     mesh: str | None = None,
     progress: bool = True,
     quantization: QuantConfig | None = None,
+    lora: str | Path | None = None,
 ) -> ConvertStats:
     """Converts `src` into a new orbax checkpoint directory `dst` (which must not exist, or be
     empty). dtype "auto" keeps an HF checkpoint's floating dtype and gives a GGUF bfloat16.
     `quantization`: linear weights are saved quantized (NAME.values, NAME.scales, NAME.offsets;
     "gguf": a GGUF file's own blocks repacked, with NAME.offsets where they have them) and load
-    as saved."""
+    as saved. `lora`: a PEFT adapter directory merged into the weights (HF sources)."""
     start = time.perf_counter()
     dst_path = epath(dst)
     if dst_path.exists() and (not dst_path.is_dir() or any(dst_path.iterdir())):
         raise FileExistsError(f"destination {dst} exists and is not an empty directory")
-    config, reader, fmt = open_checkpoint(src)
-    if fmt == ORBAX_FORMAT:
-        raise CheckpointError(f"{src} is a jaxinfer orbax checkpoint already")
+    config, opened, fmt = open_checkpoint(src)
+    reader = _with_lora(opened, fmt, config, lora, str(src))
     resolved = _convert_dtype(dtype, reader, fmt)
     family = get_family(config.family)
     quantization = checkpoint_quantization(reader, fmt, quantization, str(src), family)  # "auto" resolved
@@ -116,6 +118,7 @@ def convert(
             "quantization": quantization and quantization.to_metadata(),
             "source": str(src),
             "source_format": fmt,
+            "lora": None if lora is None else str(lora),
             "tensors": len(arrays),
             **files,
         },
@@ -127,6 +130,20 @@ def convert(
         dtype=resolved.name,
         seconds=time.perf_counter() - start,
     )
+
+
+def _with_lora(
+    reader: CheckpointReader, fmt: str, config: ModelConfig, lora: str | Path | None, src: str
+) -> CheckpointReader:
+    """The checkpoint to convert, with the adapter at `lora` merged into its weights (HF sources
+    only); an orbax checkpoint is refused (it is converted already)."""
+    if fmt == ORBAX_FORMAT:
+        raise CheckpointError(f"{src} is a jaxinfer orbax checkpoint already")
+    if lora is None:
+        return reader
+    if fmt != "hf":
+        raise CheckpointError(f"--lora {lora}: adapters are merged into HF safetensors checkpoints, not {fmt}")
+    return MergedReader(reader, read_adapter(lora, config, max_rank=1 << 16), str(lora))
 
 
 def _placer(mesh: str | None, config: ModelConfig, family: ModelFamily) -> DevicePlacer | MeshPlacer:

@@ -104,6 +104,7 @@ class InferenceServer:
             reasoning_parser=opts.reasoning_parser,
         )
         self.servicer.lora_updates = opts.lora_updates
+        self.servicer.served_model_name = opts.served_model_name or served_model_name(engine.model.path)
         self.http = self._http_server(self.options.http_port) if self.options.http_port is not None else None
         self.grpc: GrpcServer | None = None  # made in start(): a grpc.aio server belongs to its event loop
         self.metrics_port: int | None = None

@@ -79,7 +79,7 @@ def test_every_flag_option_route_and_call_is_in_the_reference(site):
     from jaxinfer.options import declared
     from jaxinfer.sampling.params import SamplingParams
     from serving.grpc.proto import jaxinfer_pb2
-    from serving.openai.schema import OPERATIONS
+    from serving.openai.schema import LORA_OPERATIONS, OPERATIONS
     from tests.support.cli_surface import surface
 
     cli, options = page_text(site, "reference/cli"), page_text(site, "reference/options")
@@ -96,7 +96,7 @@ def test_every_flag_option_route_and_call_is_in_the_reference(site):
     assert not [n for n in names if n not in options], "options missing from docs/reference/options.md"
     http = page_text(site, "reference/http")
     routes = [
-        f"{op.method.upper()} {op.path}" for op in OPERATIONS
+        f"{op.method.upper()} {op.path}" for op in OPERATIONS + LORA_OPERATIONS
     ]  # every route (tests/serving/openai/test_schema.py)
     assert not [r for r in routes if r not in http], "routes missing from docs/reference/http.md"
     grpc = page_text(site, "reference/grpc")

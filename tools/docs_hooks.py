@@ -91,7 +91,7 @@ def _default(prop: dict) -> str:
 def http_routes() -> str:
     from serving.openai.schema import openapi_schema
 
-    schema = openapi_schema("MODEL")
+    schema = openapi_schema("MODEL", lora_updates=True)  # the LoRA routes too (the page says when served)
     models = schema["components"]["schemas"]
     parts = []
     for path, ops in schema["paths"].items():

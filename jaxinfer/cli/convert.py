@@ -11,7 +11,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.quant import QuantConfig
 
     quant = QuantConfig.parse(args.quantization, args.quantization_group_size, args.quantize_embedding)
-    stats = convert(args.src, args.dst, dtype=args.dtype, mesh=args.mesh, progress=not args.quiet, quantization=quant)
+    stats = convert(
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        mesh=args.mesh,
+        progress=not args.quiet,
+        quantization=quant,
+        lora=args.lora,
+    )
     print(
         f"converted {args.src} -> {args.dst}: {stats.tensors} tensors, "
         f"{stats.parameters / 1e6:.1f}M parameters, {stats.bytes / 2**30:.2f} GiB {stats.dtype}, "
@@ -59,6 +67,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="int4: inputs sharing one scale and zero point (default 64)",
+    )
+    p.add_argument(
+        "--lora",
+        default=None,
+        metavar="DIR",
+        help="a LoRA adapter (PEFT directory) merged into the weights (HF sources)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)

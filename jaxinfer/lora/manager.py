@@ -62,8 +62,12 @@ class LoraManager:
             self.num_loads += 1
 
     def load(self, name: str, path: str, adapter: Adapter | None = None) -> AdapterEntry:
-        """Reads and checks an adapter now, unless `adapter` is what reading `path` gave (read off
-        the engine's thread); it reaches a device slot with its first request."""
+        """Reads and checks a new adapter now, unless `adapter` is what reading `path` gave (read
+        off the engine's thread); it reaches a device slot with its first request. AdapterError
+        for a name already loaded (unload it first), as vLLM answers."""
+        if name in self.registry:
+            path = self.registry.entry(name).path
+            raise AdapterError(f"LoRA adapter {name!r} is already loaded (from {path!r}); unload it first")
         return self.registry.add(name, path, adapter=adapter)
 
     def unload(self, name: str) -> AdapterEntry:

@@ -113,6 +113,14 @@ def _check_config(path: Path, spec: dict[str, Any], max_rank: int) -> tuple[int,
         "alpha_pattern": "per-module alphas (alpha_pattern)",
         "modules_to_save": "whole modules saved beside the adapter (modules_to_save)",
         "layers_to_transform": "layers_to_transform",
+        "fan_in_fan_out": "transposed (Conv1D-style) weights (fan_in_fan_out)",
+        "lora_bias": "LoRA biases (lora_bias)",
+        "layer_replication": "layer_replication",
+        "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
+        "target_parameters": "adapters of parameters (target_parameters)",
+        "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+        "use_qalora": "QA-LoRA (use_qalora)",
+        "use_bdlora": "block-diagonal LoRA (use_bdlora)",
     }
     for key, what in unsupported.items():
         if spec.get(key):

@@ -31,6 +31,8 @@ class AdapterEntry:
     path: str
     int_id: int
     hash_root: bytes  # 16 bytes, unique per load
+    rank: int
+    target_modules: tuple[str, ...]
 
 
 class AdapterRegistry:
@@ -59,7 +61,9 @@ class AdapterRegistry:
             adapter = read_adapter(resolved, self.config, self.max_rank)
         load = next(self._loads)
         root = hashlib.sha256(f"lora\0{name}\0{resolved}\0{load}".encode()).digest()[:16]
-        entry = AdapterEntry(name, resolved, int_id if int_id is not None else load, root)
+        entry = AdapterEntry(
+            name, resolved, int_id if int_id is not None else load, root, adapter.rank, tuple(adapter.target_modules)
+        )
         self._entries[name] = entry
         self._keep(name, adapter)
         return entry

@@ -1,12 +1,12 @@
 """An adapter's weights in the layout of the device slots (numpy, no JAX).
 
-For each decoder layer and each linear field the slot holds A [in..., R] and B [R, out...]
-(R = max_lora_rank, the scale folded into B; quant/lora.py). A fused field's modules sit side by
-side along R, each B block writing only its own output columns:
+For each decoder layer and each linear field the slot holds A [in..., P*R] and B [R, out...]
+(R = max_lora_rank, the scale folded into B; quant/lora.py). A fused field's P modules sit side
+by side along A's last axis and share B's rows, each module's B in its own output columns:
 
-    w_qkv      [E, K, G+2, D]  A [E, 3R]     B [3R, K, G+2, D]   q -> columns [:, :G], k -> G, v -> G+1
+    w_qkv      [E, K, G+2, D]  A [E, 3R]     B [R, K, G+2, D]   q -> columns [:, :G], k -> G, v -> G+1
     wo         [H, D, E]       A [H, D, R]   B [R, E]
-    w_gate_up  [E, 2, F]       A [E, 2R]     B [2R, 2, F]        gate -> [:, 0], up -> [:, 1]
+    w_gate_up  [E, 2, F]       A [E, 2R]     B [R, 2, F]        gate -> [:, 0], up -> [:, 1]
     w_down     [F, E]          A [F, R]      B [R, E]
 
 Every field of every layer is written (zeros where the adapter has no module), so a slot that
@@ -20,8 +20,8 @@ import numpy as np
 from jaxinfer.config.model import ModelConfig
 from jaxinfer.lora.peft import MODULES, Adapter
 
-# Our linear fields and how many modules share each one's rank axis.
-FIELD_PARTS = {"w_qkv": 3, "wo": 1, "w_gate_up": 2, "w_down": 1}
+# Our linear fields: how many modules each fuses, and the output axis their columns split along.
+FIELD_PARTS = {"w_qkv": (3, 1), "wo": (1, 0), "w_gate_up": (2, 0), "w_down": (1, 0)}
 
 
 def slot_shapes(config: ModelConfig, max_rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -35,9 +35,9 @@ def slot_shapes(config: ModelConfig, max_rank: int) -> dict[str, tuple[tuple[int
         max_rank,
     )
     return {
-        "w_qkv": ((e, 3 * r), (3 * r, k, h // k + 2, d)),
+        "w_qkv": ((e, 3 * r), (r, k, h // k + 2, d)),
         "wo": ((h, d, r), (r, e)),
-        "w_gate_up": ((e, 2 * r), (2 * r, 2, f)),
+        "w_gate_up": ((e, 2 * r), (r, 2, f)),
         "w_down": ((f, r), (r, e)),
     }
 
@@ -77,10 +77,10 @@ def _place(
     if field == "w_down":
         b[:r] = lora_b.T
     elif field == "w_gate_up":
-        b[rows, part] = lora_b.T
+        b[:r, part] = lora_b.T
     else:  # w_qkv: q heads grouped under their KV head, then K, then V
         kv, d = config.num_kv_heads, config.head_dim
         block = lora_b.T.reshape(r, kv, -1, d)  # [r, K, G or 1, D]
         group = config.num_heads // kv
         cols = slice(0, group) if part == 0 else slice(group + part - 1, group + part)
-        b[rows, :, cols] = block
+        b[:r, :, cols] = block

@@ -2,17 +2,22 @@
 
     y = x @ W + scale_i * (x @ A_i) @ B_i      for a token of adapter slot i (slot 0: none)
 
-The adapters of the `max_loras` device slots are stacked: `a` [S, in..., R] and `b` [S, R, out...]
-(S slots, R = max_lora_rank; a smaller rank is zero-padded, the scale is folded into `b`, and a
-fused q|k|v or gate|up weight's adapters sit side by side along R, their B blocks in their own
-output columns). The step binds the one-hot `mask` [T, S] of each token's slot (`bind`); an
-unbound weight (mask None) is its base alone. `quant.einsum` then computes, for every token,
+The adapters of the `max_loras` device slots are stacked: `a` [S, in..., P*R] and `b`
+[S, R, out...] (S slots, R = max_lora_rank: a smaller rank is zero-padded, the scale is folded
+into `b`). A fused weight's P modules (q|k|v: 3, gate|up: 2) keep their A's side by side along
+a's last axis and share b's R rows, each module's B written in its own output columns (q's in
+the query-head columns of each KV head, k's and v's in the two after them; gate's and up's in
+their halves), so no zero blocks are stored or read. The step binds the one-hot `mask` [T, S]
+of each token's slot (`bind`); an unbound weight (mask None) is its base alone. `quant.einsum`
+then computes, for every token,
 
-    base product + ((x @ a[s]) masked to the token's slot s) @ b[s]      (grouped einsums)
+    base product + select_p(((x @ a[s])_p masked to the token's slot s) @ b[s])   (grouped einsums)
 
-over every slot at once: no gather of weights per token, the same shapes whichever adapters
-a batch mixes, so changing adapters never recompiles. Its cost grows with S x R (small against
-the base weight for R << in); a segmented kernel is for where a device measures it faster.
+over every slot at once: one product per part p (rows T x P, b read once), each output column
+taken from its own module's part. No gather of weights per token, the same shapes whichever
+adapters a batch mixes, so changing adapters never recompiles. Its cost grows with S x R x (in +
+out) (small against the base weight for R << in); a segmented kernel is for where a device
+measures it faster.
 
 Leaves: the base keeps its field's name (its arrays shard like the field); `a` and `b` sit under
 "<field>.lora_a" / "<field>.lora_b", whose logical axes `lora_axes` derives from the field's.
@@ -27,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # A linear weight of any form the layers' einsum takes (array, QuantizedWeight, OutFirstWeight).
 Weight = Any
@@ -39,6 +45,8 @@ class LoraWeight:
     b: Any  # [S, R, out...]
     field: str  # the layer field it fills (static): names its leaves
     mask: jax.Array | None = None  # [T, S] one-hot slot of each token (bound in the step)
+    parts: int = 1  # modules fused in the weight (static): 3 for q|k|v, 2 for gate|up
+    part_axis: int = 0  # the output axis their columns split along (static), counted in out...
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -66,16 +74,17 @@ jax.tree_util.register_pytree_with_keys(
             (jax.tree_util.GetAttrKey(lora_name(w.field, "b")), w.b),
             (jax.tree_util.GetAttrKey("lora_mask"), w.mask),
         ],
-        w.field,
+        (w.field, w.parts, w.part_axis),
     ),
-    lambda field, children: _unflatten(field, children),
-    lambda w: ((w.base, w.a, w.b, w.mask), w.field),
+    lambda static, children: _unflatten(static, children),
+    lambda w: ((w.base, w.a, w.b, w.mask), (w.field, w.parts, w.part_axis)),
 )
 
 
-def _unflatten(field: str, children: Any) -> LoraWeight:
+def _unflatten(static: tuple[str, int, int], children: Any) -> LoraWeight:
     base, a, b, mask = children
-    return LoraWeight(base, a, b, field, mask)
+    field, parts, part_axis = static
+    return LoraWeight(base, a, b, field, mask, parts, part_axis)
 
 
 def is_lora(w: Any) -> bool:
@@ -107,10 +116,27 @@ def lora_delta(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:
     inputs = "".join(c for c in w_letters if c in x_letters and c not in out)
     outputs = w_letters[len(inputs) :]
     free = "".join(c for c in x_letters if c not in inputs)
-    s, r = [c for c in string.ascii_letters if c not in spec][:2]
-    xa = jnp.einsum(f"{x_letters},{s}{inputs}{r}->{free}{s}{r}", x, w.a.astype(x.dtype))  # [T, S, R]
+    s, r, p = [c for c in string.ascii_letters if c not in spec][:3]
+    xa = jnp.einsum(f"{x_letters},{s}{inputs}{r}->{free}{s}{r}", x, w.a.astype(x.dtype))  # [T, S, P*R]
     xa = xa * w.mask.astype(x.dtype)[..., None]  # only each token's own slot
-    return jnp.einsum(f"{free}{s}{r},{s}{r}{outputs}->{out}", xa, w.b.astype(x.dtype))
+    b = w.b.astype(x.dtype)
+    if w.parts == 1:
+        return jnp.einsum(f"{free}{s}{r},{s}{r}{outputs}->{out}", xa, b)
+    xa = xa.reshape(*xa.shape[:-1], w.parts, -1)  # [T, S, P, R]
+    y = jnp.einsum(f"{free}{s}{p}{r},{s}{r}{outputs}->{free}{p}{outputs}", xa, b)  # [T, P, out...]
+    axis = outputs[w.part_axis]
+    select = jnp.asarray(part_columns(w.parts, b.shape[2 + w.part_axis]), x.dtype)  # [P, n]
+    return jnp.einsum(f"{free}{p}{outputs},{p}{axis}->{out}", y, select)
+
+
+def part_columns(parts: int, n: int) -> np.ndarray:
+    """One-hot [parts, n]: which fused module each of the n entries along the part axis belongs
+    to -- q|k|v (3 parts): every query head of a KV head's group, then its K, then its V (n =
+    G + 2); gate|up (2 parts): gate, then up."""
+    owner = [0] * (n - 2) + [1, 2] if parts == 3 else list(range(n))
+    if parts not in (2, 3) or len(owner) != n or (parts == 2 and n != 2):
+        raise ValueError(f"no column layout for {parts} fused modules over {n} columns")
+    return np.eye(parts, dtype=np.float32)[:, owner]
 
 
 def lora_axes(

@@ -47,7 +47,14 @@ def attach(params: Params, config: ModelConfig, lora: LoraConfig, dtype: Any) ->
 
     def wrap(layer: Any) -> Any:
         changes = {
-            field: LoraWeight(getattr(layer, field), np.zeros((s, *a), dtype), np.zeros((s, *b), dtype), field)
+            field: LoraWeight(
+                getattr(layer, field),
+                np.zeros((s, *a), dtype),
+                np.zeros((s, *b), dtype),
+                field,
+                parts=FIELD_PARTS[field][0],
+                part_axis=FIELD_PARTS[field][1],
+            )
             for field, (a, b) in shapes.items()
             if getattr(layer, field, None) is not None
         }

@@ -5,9 +5,14 @@
         for msg in client.stream([1, 2, 3], max_tokens=8): ...              # GenerateResponse deltas
         client.generate(messages=[{"role": "user", "content": "Hi"}])       # chat template
         client.generate(messages=..., tools=[...], tool_choice="required").outputs[0].tool_calls
+        client.generate([1, 2, 3], lora_adapter="sql")                      # under a LoRA adapter
+        client.load_lora_adapter("sql", "/adapters/sql"); client.list_lora_adapters().adapters
+        client.unload_lora_adapter("sql")
 
 Sampling options are keyword arguments named as in SamplingParams (and the proto's
-SamplingOptions); leaving one out takes the server's default. Failures raise grpc.RpcError with
+SamplingOptions); leaving one out takes the server's default. `lora_adapter` names the LoRA
+adapter a generate call runs under (the server's --lora-modules or one loaded since); loading and
+unloading need a server started with --allow-runtime-lora-updating. Failures raise grpc.RpcError with
 the server's status code and message. Leaving a stream early cancels the call, which aborts the
 request on the server and frees its KV pages.
 
@@ -112,6 +117,18 @@ class Client(_Base):
     def server_stats(self, timeout: float | None = None) -> pb.GetServerStatsResponse:
         return self.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=timeout, metadata=self._metadata)
 
+    def list_lora_adapters(self, timeout: float | None = None) -> pb.ListLoraAdaptersResponse:
+        return self.stub.ListLoraAdapters(pb.ListLoraAdaptersRequest(), timeout=timeout, metadata=self._metadata)
+
+    def load_lora_adapter(self, name: str, path: str, timeout: float | None = None) -> pb.LoraAdapter:
+        """Loads the PEFT adapter directory `path` (on the server) as `name`; its description."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return self.stub.LoadLoraAdapter(request, timeout=timeout, metadata=self._metadata)
+
+    def unload_lora_adapter(self, name: str, timeout: float | None = None) -> None:
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        self.stub.UnloadLoraAdapter(request, timeout=timeout, metadata=self._metadata)
+
     def health(self, service: str = "", timeout: float | None = None) -> str:
         reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -186,6 +203,18 @@ class AsyncClient(_Base):
 
     async def server_stats(self, timeout: float | None = None) -> pb.GetServerStatsResponse:
         return await self.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=timeout, metadata=self._metadata)
+
+    async def list_lora_adapters(self, timeout: float | None = None) -> pb.ListLoraAdaptersResponse:
+        request = pb.ListLoraAdaptersRequest()
+        return await self.stub.ListLoraAdapters(request, timeout=timeout, metadata=self._metadata)
+
+    async def load_lora_adapter(self, name: str, path: str, timeout: float | None = None) -> pb.LoraAdapter:
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return await self.stub.LoadLoraAdapter(request, timeout=timeout, metadata=self._metadata)
+
+    async def unload_lora_adapter(self, name: str, timeout: float | None = None) -> None:
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        await self.stub.UnloadLoraAdapter(request, timeout=timeout, metadata=self._metadata)
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

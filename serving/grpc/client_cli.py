@@ -4,6 +4,7 @@
     jaxinfer client generate --chat "Hi there"         # through the chat template
     jaxinfer client generate --chat "Weather?" --tools tools.json --tool-choice required --output-format jsonl
     jaxinfer client generate --token-ids 1,2,3         # token ids in, token ids printed
+    jaxinfer client generate "Hello" --lora sql        # under the server's LoRA adapter `sql`
     jaxinfer client tokenize "Hello" | detokenize 1 2 3 | info | stats | health
 
 A call that fails prints "error: CODE: message" on stderr and exits 1.
@@ -50,6 +51,12 @@ def add_client_parser(
         "finishing jsonl message carries the calls read back",
     )
     gen.add_argument("--tool-choice", default=None, help="with --tools: auto, none, required, or a tool's name")
+    gen.add_argument(
+        "--lora",
+        default=None,
+        metavar="NAME",
+        help="the LoRA adapter to run under, by its name on the server (default: the base model)",
+    )
     gen.add_argument(
         "--output-format",
         choices=["text", "jsonl"],
@@ -146,10 +153,11 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
             timeout=args.timeout,
             tools=_tools_arg(args.tools),
             tool_choice=args.tool_choice,
+            lora_adapter=args.lora,
             **kwargs,
         )
     else:
-        stream = client.stream(prompt, timeout=args.timeout, **kwargs)
+        stream = client.stream(prompt, timeout=args.timeout, lora_adapter=args.lora, **kwargs)
     for msg in stream:
         if args.output_format == "jsonl":
             from google.protobuf import json_format

@@ -1,8 +1,9 @@
 """What the Python clients send and read back: keyword arguments -> jaxinfer.v1 requests, and a
 Generate call's streamed responses -> one result.
 
-    Client.generate(prompt | messages, **sampling)
+    Client.generate(prompt | messages, lora_adapter=NAME, **sampling)
         -> build_request: prompt (text | token ids) or chat (messages, tools, template kwargs),
+           the LoRA adapter to run under (by name; "": the base model),
            SamplingOptions from the keyword arguments named as its fields (unknown: TypeError)
         -> GenerateResponse deltas -> Accumulator.add per message -> GenerateResult (one
            Completion per sample: text, token ids, logprobs, tool calls, finish and stop reason)
@@ -64,11 +65,13 @@ def build_request(
     tool_choice: str | None = None,
     parallel_tool_calls: bool | None = None,
     chat_template_kwargs: dict | None = None,
+    lora_adapter: str | None = None,
     **sampling: object,
 ) -> pb.GenerateRequest:
     """`tools` (OpenAI's list), `tool_choice` ("auto", "none", "required" or a tool's name) and
     `chat_template_kwargs` go with `messages`; with tools the result's completions carry
-    `tool_calls` and `content`."""
+    `tool_calls` and `content`. `lora_adapter`: the LoRA adapter to run under, by name (None or
+    "": the base model; an unknown one is INVALID_ARGUMENT)."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling options {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
@@ -79,6 +82,7 @@ def build_request(
     request = pb.GenerateRequest(
         request_id=request_id,
         priority=priority,
+        lora_adapter=lora_adapter or "",
         # Each option as protobuf takes it: it checks the types (a TypeError names the field).
         sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}),  # type: ignore[arg-type]
     )

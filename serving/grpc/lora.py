@@ -34,6 +34,7 @@ class LoraCalls:
     _engine_loop: EngineLoop
     _in_worker: Callable[..., Awaitable[Any]]  # the servicer's: fn(*args) on its worker pool
     lora_updates: bool = False
+    served_model_name: str | None = None  # the base model's name on the HTTP API: no adapter takes it
 
     def _lora_manager(self) -> LoraManager | None:
         return self._engine_loop.engine.lora
@@ -57,9 +58,7 @@ class LoraCalls:
         manager = self._lora_manager()
         if manager is None:
             return pb.ListLoraAdaptersResponse()
-        entries = await asyncio.wrap_future(
-            self._engine_loop.call(lambda e: [_card(manager, a) for a in manager.adapters])
-        )
+        entries = await asyncio.wrap_future(self._engine_loop.call(lambda e: [_card(a) for a in manager.adapters]))
         return pb.ListLoraAdaptersResponse(
             adapters=entries, max_loras=manager.config.max_loras, max_lora_rank=manager.config.max_lora_rank
         )
@@ -70,15 +69,17 @@ class LoraCalls:
         manager = await self._check_updates(context)
         if not request.lora_name or not request.lora_path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path must both be set")
+        if request.lora_name == self.served_model_name:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"lora_name {request.lora_name!r} is the base model's name"
+            )
         engine = self._engine_loop.engine
         try:
             adapter = await self._in_worker(
                 read_adapter, request.lora_path, engine.model.config, engine.config.lora.max_lora_rank
             )
             return await asyncio.wrap_future(
-                self._engine_loop.call(
-                    lambda e: _card(manager, manager.load(request.lora_name, request.lora_path, adapter))
-                )
+                self._engine_loop.call(lambda e: _card(manager.load(request.lora_name, request.lora_path, adapter)))
             )
         except AdapterError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -112,13 +113,8 @@ class LoraCalls:
         return manager
 
 
-def _card(manager: LoraManager, entry: AdapterEntry) -> pb.LoraAdapter:
-    """On the engine thread: an adapter as ListLoraAdapters describes it."""
-    adapter = manager.registry.adapter(entry.name)
+def _card(entry: AdapterEntry) -> pb.LoraAdapter:
+    """An adapter as ListLoraAdapters describes it."""
     return pb.LoraAdapter(
-        name=entry.name,
-        int_id=entry.int_id,
-        path=entry.path,
-        rank=adapter.rank,
-        target_modules=adapter.target_modules,
+        name=entry.name, int_id=entry.int_id, path=entry.path, rank=entry.rank, target_modules=entry.target_modules
     )

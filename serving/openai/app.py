@@ -113,7 +113,7 @@ def build_app(
     ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: bool = False, ui: bool = True
 ) -> Starlette:
     """`api_keys`: the Gate requires them (the schema then says so). `ui`: serve the playground."""
-    ep, docs = _Endpoints(ctx, metrics), Docs(ctx.model_name, api_keys)
+    ep, docs = _Endpoints(ctx, metrics), Docs(ctx.model_name, api_keys, ctx.lora_updates)
     routes = [
         Route("/v1/completions", functools.partial(handlers.completions, ctx), methods=["POST"]),
         Route("/v1/chat/completions", functools.partial(handlers.chat_completions, ctx), methods=["POST"]),

@@ -47,8 +47,8 @@ def _assets_dir() -> Path:
 
 
 class Docs:
-    def __init__(self, model_name: str, api_keys: bool):
-        self._schema = JSONResponse(openapi_schema(model_name, api_keys)).body  # written once
+    def __init__(self, model_name: str, api_keys: bool, lora_updates: bool = False):
+        self._schema = JSONResponse(openapi_schema(model_name, api_keys, lora_updates)).body  # written once
 
     async def schema(self, request: Request) -> Response:
         return Response(self._schema, media_type="application/json")

@@ -28,6 +28,7 @@ import pydantic
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxinfer.lora.registry import AdapterEntry
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.tokenizer import Tokenizer
@@ -59,8 +60,6 @@ class ApiContext:
     tool_parser: ToolCallParser | None = None  # how tool_choice "auto" outputs are read (None: refused)
     reasoning: ReasoningParser | None = None  # splits chat outputs' reasoning_content off (None: not)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    # LoRA adapters a request may name as its model: name -> (int id, path); kept by lora.py
-    adapters: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
     lora_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter are served
 
     def __post_init__(self):
@@ -70,14 +69,22 @@ class ApiContext:
         """CPU work (tokenizing, chat templates) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
+    def adapters(self) -> dict[str, AdapterEntry]:
+        """The LoRA adapters a request may name as its model, by name: the engine's own list, so
+        an adapter loaded or unloaded over gRPC is known here at once (a snapshot of a dict the
+        engine thread changes, taken whole under the GIL, as the gRPC servicer reads it)."""
+        manager = self.engine_loop.engine.lora if self.engine_loop is not None else None
+        return {e.name: e for e in manager.adapters} if manager is not None else {}
+
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for a name
         that is neither."""
         if model is None or model == self.model_name:
             return None
-        if model in self.adapters:
-            return LoRARequest(model, self.adapters[model][0])
-        raise unknown_model(model, self.model_name, sorted(self.adapters))
+        adapters = self.adapters()
+        if model in adapters:
+            return LoRARequest(model, adapters[model].int_id)
+        raise unknown_model(model, self.model_name, sorted(adapters))
 
 
 async def parse[Body: pydantic.BaseModel](request: Request, model: type[Body]) -> Body:
@@ -131,8 +138,9 @@ async def _prepared[B: (CompletionRequest, ChatCompletionRequest)](
 
 
 def _served(ctx: ApiContext, req: CompletionRequest | ChatCompletionRequest) -> str:
-    """The model a response names: the adapter asked for, else the base model."""
-    return req.model if req.model in ctx.adapters else ctx.model_name
+    """The model a response names: the adapter asked for, else the base model (check_model let
+    the request through: its `model` is one or the other)."""
+    return req.model or ctx.model_name
 
 
 @_noting_errors

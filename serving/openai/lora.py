@@ -8,8 +8,8 @@
 A load reads and checks the adapter on a worker thread (jaxinfer.lora.peft: a bad one is a 400
 naming the problem, and nothing else changes), then registers it on the engine thread between
 two steps; it reaches a device slot with its first request. Unloading an adapter that requests
-still use is refused (400); an unknown one is a 404. The names the API knows are mirrored in
-ApiContext.adapters, updated as each call returns.
+still use is refused (400); an unknown one is a 404. The adapters are the engine's own list
+(ApiContext.adapters), so those loaded or unloaded over gRPC are served here too, and back.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def adapter_cards(ctx: ApiContext) -> list[dict]:
             "object": "model",
             "created": ctx.created,
             "owned_by": "jaxinfer",
-            "root": path,
+            "root": entry.path,
             "parent": ctx.model_name,
             "max_model_len": ctx.limits.max_model_len,
         }
-        for name, (_, path) in sorted(ctx.adapters.items())
+        for name, entry in sorted(ctx.adapters().items())
     ]
 
 
@@ -60,18 +60,16 @@ class LoraEndpoints:
             )
         except AdapterError as e:
             raise bad_request("lora_path", str(e)) from None
-        self.ctx.adapters[entry.name] = (entry.int_id, entry.path)
         return PlainTextResponse(f"Success: LoRA adapter '{entry.name}' added successfully.")
 
     async def unload(self, request: Request) -> Response:
         req = await parse(request, UnloadLoraAdapterRequest)
         if (manager := self.ctx.engine_loop.engine.lora) is None:
             raise bad_request(None, "LoRA adapters are not enabled on this server (--enable-lora)")
-        if req.lora_name not in self.ctx.adapters:
+        if req.lora_name not in self.ctx.adapters():
             raise APIError(404, f"The LoRA adapter {req.lora_name!r} cannot be found.", param="lora_name")
         try:
             await asyncio.wrap_future(self.ctx.engine_loop.call(lambda e: manager.unload(req.lora_name)))
         except AdapterError as e:
             raise bad_request("lora_name", str(e)) from None
-        self.ctx.adapters.pop(req.lora_name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -82,6 +82,8 @@ class ModelCard(_Object):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's: its directory on the server
+    parent: str | None = None  # a LoRA adapter's: the base model it adapts
 
 
 class ModelList(_Object):

@@ -3,6 +3,8 @@
     OPERATIONS: route -> request model (protocol.py), response model (responses.py), the error
                 statuses it can answer -> openapi_schema(): paths + components/schemas, the JSON
                 schemas pydantic writes for those same models
+    LORA_OPERATIONS: the routes of live LoRA updates, in the schema of a server that serves
+                them (--allow-runtime-lora-updating)
 
 The request bodies are the models handlers.parse validates, so the schema cannot drift from
 what the server reads; the one fact a model cannot know, the served model's name, is written in
@@ -28,7 +30,7 @@ _REF = "#/components/schemas/{model}"
 _STATUS_TEXT = {
     400: "a bad request: the message and `param` name the field",
     401: "a missing or unknown API key",
-    404: "an unknown model or route",
+    404: "an unknown model, LoRA adapter or route",
     413: "a body over --max-body-bytes",
     429: "past a per-key rate limit (Retry-After when waiting helps)",
     500: "a server error",
@@ -87,8 +89,8 @@ OPERATIONS = (
         (404, 429),
         streams=True,
     ),
-    Operation("get", "/v1/models", "The served model", responses.ModelList),
-    Operation("get", "/v1/models/{model}", "One model by name", responses.ModelCard, errors=(404,)),
+    Operation("get", "/v1/models", "The served model, then its LoRA adapters", responses.ModelList),
+    Operation("get", "/v1/models/{model}", "One model or LoRA adapter by name", responses.ModelCard, errors=(404,)),
     Operation(
         "post",
         "/tokenize",
@@ -105,18 +107,37 @@ OPERATIONS = (
         "get", "/metrics", "Prometheus metrics (404 when the server keeps none)", "text/plain", errors=(404,), open=True
     ),
 )
+LORA_OPERATIONS = (
+    Operation(
+        "post",
+        "/v1/load_lora_adapter",
+        "Load a LoRA adapter (a PEFT directory on the server) under a name requests give as their model",
+        "text/plain",
+        protocol.LoadLoraAdapterRequest,
+    ),
+    Operation(
+        "post",
+        "/v1/unload_lora_adapter",
+        "Unload a LoRA adapter no request uses (400 while one does)",
+        "text/plain",
+        protocol.UnloadLoraAdapterRequest,
+        (404,),
+    ),
+)
 
 
-def openapi_schema(model_name: str, api_keys: bool = False) -> dict:
-    """The schema of this API serving `model_name` (`api_keys`: the server requires them)."""
+def openapi_schema(model_name: str, api_keys: bool = False, lora_updates: bool = False) -> dict:
+    """The schema of this API serving `model_name` (`api_keys`: the server requires them;
+    `lora_updates`: it serves LORA_OPERATIONS)."""
+    operations = OPERATIONS + (LORA_OPERATIONS if lora_updates else ())
     models: list[tuple[type[BaseModel], JsonSchemaMode]] = [
-        (op.request, "validation") for op in OPERATIONS if op.request is not None
+        (op.request, "validation") for op in operations if op.request is not None
     ]
-    served = [op.response for op in OPERATIONS if not isinstance(op.response, str)] + [responses.ErrorResponse]
+    served = [op.response for op in operations if not isinstance(op.response, str)] + [responses.ErrorResponse]
     models += [(m, "serialization") for m in served]
     refs, defs = models_json_schema(models, ref_template=_REF)
     paths: dict[str, dict] = {}
-    for op in OPERATIONS:
+    for op in operations:
         paths.setdefault(op.path, {})[op.method] = _operation(op, refs, api_keys, model_name)
     components: dict = {"schemas": _naming_the_model(defs.get("$defs", {}), model_name)}
     if api_keys:

@@ -90,8 +90,6 @@ class HttpServer:
         executor = executor or concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-http")
         ctx = ApiContext(engine_loop, engine.tokenizer, limits, self.model_name, executor, tool_parser, reasoning)
         ctx.lora_updates = options.lora_updates
-        if engine.lora is not None:  # the adapters known at start-up (--lora-modules)
-            ctx.adapters.update({e.name: (e.int_id, e.path) for e in engine.lora.adapters})
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
         self.gate = Gate(

@@ -331,6 +331,36 @@ def scenario_experts(meshes: str, quant: str = "") -> dict:
     return out
 
 
+def scenario_lora(*meshes: str) -> dict:
+    """Requests under three adapters and none, mixed in one batch on each mesh, against each
+    request run alone on one device (tests/support/lora_runs.py's model, heads split 3 ways)."""
+    import tempfile
+
+    from lora_runs import greedy_runs, write_triple_adapters, write_triple_checkpoint
+
+    root = Path(tempfile.mkdtemp())
+    model_dir, adapters = write_triple_checkpoint(root / "model"), write_triple_adapters(root / "adapters")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, 512, n).tolist() for n in (3, 19, 41)]
+    requests = [(p, name, path) for p in prompts for name, path in [*adapters.items(), (None, None)]]
+    options = dict(ENGINE, num_pages=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    single = Engine(load_model(model_dir, dtype="float32", with_tokenizer=False), EngineConfig(**options))
+    alone = [greedy_runs(single, [r], 8)[0] for r in requests]
+    out = {"distinct": len({tuple(a) for a in alone}), "num_requests": len(requests)}
+    for mesh in meshes:
+        model = load_model(model_dir, dtype="float32", with_tokenizer=False)
+        engine = Engine(model, EngineConfig(**options, mesh=mesh))
+        compiled = engine.worker.num_compiled()
+        mixed = greedy_runs(engine, requests, 8)
+        out[mesh] = {
+            "mismatched": [i for i, (a, m) in enumerate(zip(alone, mixed)) if a != m],
+            "recompiled": engine.worker.num_compiled() - compiled,
+            "loads": engine.lora.num_loads,
+            "b_shard": list(engine.worker.state.params.layers[0].w_qkv.b.addressable_shards[0].data.shape),
+        }
+    return out
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     result = globals()[f"scenario_{name}"](*args)

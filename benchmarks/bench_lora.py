@@ -1,0 +1,132 @@
+"""What serving LoRA adapters costs: decode tokens/s of a batch under many adapters against the
+same batch on the base model, one engine, one run.
+
+    python benchmarks/bench_lora.py                         # SmolLM2 (embedded), 8 requests, rank 16
+    python benchmarks/bench_lora.py --batch 8 --adapters 8 --rank 16 --max-tokens 128 --rounds 3
+    python benchmarks/bench_lora.py --model PATH --dtype bfloat16 --batch 64 --adapters 16
+
+One LLM with LoRA on (`max_loras` = the adapter count, `max_lora_rank` = the rank) serves, round
+after round, the same `--batch` requests (greedy, `ignore_eos`, the same prompts) three ways:
+  base       every request on the base model (the engine's LoRA slots bound to none)
+  one        every request under one adapter
+  many       request i under adapter i mod --adapters (every slot in use)
+Per way: decode tokens/s over the batch (tokens after each request's first, over the time from the
+batch's last first token to its last token; medians over --rounds), and its ratio to `base`.
+Adapters are random PEFT adapters on all seven modules (tests/support/lora_adapters.py), written
+to a temporary directory; the first round loads them into the slots and is not counted. The
+engine without LoRA is timed too (`off`), to show what the slots cost when no request uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+
+from lora_adapters import write_random_adapter  # noqa: E402
+
+from jaxinfer.llm import LLM  # noqa: E402
+from jaxinfer.lora import LoRARequest  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
+
+QUESTIONS = [
+    "Give me three tips for sleeping better.",
+    "Explain photosynthesis to a ten-year-old.",
+    "Write a short email asking my manager for a day off next Friday.",
+    "What is the capital of France? Answer in one sentence.",
+]
+
+
+def adapter_dims(config) -> dict[str, tuple[int, int]]:
+    e, q, kv, f = (
+        config.hidden_size,
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+        config.intermediate_size,
+    )
+    return {
+        "q_proj": (e, q),
+        "k_proj": (e, kv),
+        "v_proj": (e, kv),
+        "o_proj": (q, e),
+        "gate_proj": (e, f),
+        "up_proj": (e, f),
+        "down_proj": (f, e),
+    }
+
+
+def decode_rate(outs) -> float:
+    """Tokens after each request's first, over the stretch where the whole batch decodes."""
+    start = max(o.metrics.first_token_time for o in outs)
+    end = max(o.metrics.last_token_time for o in outs)
+    tokens = sum(sum(1 for _ in o.outputs[0].token_ids) - 1 for o in outs)
+    return tokens / (end - start)
+
+
+def run(llm, prompts, params, loras) -> float:
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    return decode_rate(outs)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    options = dict(max_num_seqs=max(8, args.batch), max_model_len=512)
+    off = LLM(args.model, args.dtype, **options)
+    llm = LLM(args.model, args.dtype, **options, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    config = llm.engine.model.config
+    root = Path(tempfile.mkdtemp(prefix="bench_lora_"))
+    names = []
+    for i in range(args.adapters):
+        write_random_adapter(
+            root / f"a{i}",
+            num_layers=config.num_layers,
+            dims=adapter_dims(config),
+            target_modules=list(adapter_dims(config)),
+            r=args.rank,
+            lora_alpha=2 * args.rank,
+            use_rslora=False,
+            seed=i,
+        )
+        names.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
+    prompts = [llm.render_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(args.batch)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    ways = {
+        "off": (off, None),
+        "base": (llm, None),
+        "one": (llm, [names[0]] * args.batch),
+        "many": (llm, [names[i % args.adapters] for i in range(args.batch)]),
+    }
+    for engine, loras in ways.values():  # warm: every adapter in its slot, every variant run
+        run(engine, prompts, params, loras)
+    rates: dict[str, list[float]] = {w: [] for w in ways}
+    for _ in range(args.rounds):
+        for way, (engine, loras) in ways.items():
+            rates[way].append(run(engine, prompts, params, loras))
+    base = statistics.median(rates["base"])
+    print(
+        f"{args.batch} requests x {args.max_tokens} tokens, {args.adapters} adapters of rank {args.rank}, "
+        f"{time.strftime('%Y-%m-%d')}, rounds {args.rounds}"
+    )
+    print("| way | decode tok/s (median) | runs | / base |\n|---|---|---|---|")
+    for way, values in rates.items():
+        med = statistics.median(values)
+        print(f"| {way} | {med:.1f} | {', '.join(f'{v:.1f}' for v in values)} | {med / base:.2f} |")
+    print(f"loads into slots: {llm.engine.lora.num_loads}; compiled variants {llm.engine.worker.num_compiled()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

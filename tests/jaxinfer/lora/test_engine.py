@@ -1,0 +1,143 @@
+"""LoRA through the engine on one device: a mixed batch (three adapters and the base model, prompts
+of 5 to 63 tokens, chunked prefill, decode windows, two device slots for three adapters) gives
+every request the tokens HF transformers + PEFT give it alone; the same prompts under different
+adapters share no prefix page; nothing compiles after warm-up as adapters come and go; n-gram
+speculation, the Python API and the batch job take adapters too."""
+
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lora_runs import greedy_runs
+from testpaths import FIXTURES
+
+from jaxinfer.cli.batch import run_batch
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.llm import LLM
+from jaxinfer.loader import load_model
+from jaxinfer.lora import LoRARequest
+from jaxinfer.lora.manager import lora_entry
+from jaxinfer.quant import QuantConfig, einsum, quantize_field
+from jaxinfer.quant.lora import LoraWeight, bind
+from jaxinfer.sampling import SamplingParams
+
+LORA = FIXTURES / "lora"
+MIXED = json.loads((LORA / "mixed.json").read_text())
+SMALL = dict(
+    max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32), num_pages=64, penalties=False
+)
+
+
+def _requests():
+    out, want = [], []
+    for name, path in MIXED["adapters"].items():
+        for prompt, tokens in zip(MIXED["prompts"], MIXED["outputs"][name]):
+            out.append(
+                (prompt, None if path is None else name, None if path is None else str(FIXTURES.parent.parent / path))
+            )
+            want.append(tokens)
+    return out, want
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(FIXTURES / "hf" / "llama3", dtype="float32", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, EngineConfig(**SMALL, enable_lora=True, max_loras=2, max_lora_rank=8))
+
+
+def test_mixed_batch_matches_peft_per_request(engine):
+    requests, want = _requests()
+    compiled = engine.worker.num_compiled()
+    got = greedy_runs(engine, requests, MIXED["max_new_tokens"])
+    assert got == want
+    assert engine.worker.num_compiled() == compiled  # adapters loaded into slots: no compile
+    assert engine.lora.num_loads >= 3  # three adapters through two slots
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
+    stats = engine.stats()
+    assert stats["lora_adapters"] == 3 and stats["lora_running"] == dict.fromkeys(
+        MIXED["adapters"].keys() - {"none"}, 0
+    )
+
+
+def test_prefix_pages_are_kept_apart_per_adapter(engine):
+    """The same long prompt under two adapters, one after the other: the second request must not
+    take the first one's cached pages (its K/V were computed under another adapter)."""
+    requests, want = _requests()
+    hits = engine.kv_cache.prefix_cache_hits
+    for k in (3, 7):  # the 63-token prompt under llama3_all_r8, then under llama3_all_r8_rslora
+        assert greedy_runs(engine, [requests[k]], MIXED["max_new_tokens"]) == [want[k]]
+    again = greedy_runs(engine, [requests[3]], MIXED["max_new_tokens"])  # the first adapter again
+    assert again == [want[3]] and engine.kv_cache.prefix_cache_hits > hits
+
+
+def test_unload_and_errors(engine, tmp_path):
+    requests, _ = _requests()
+    with pytest.raises(ValueError, match="rank 8 is above max_lora_rank=4|not a directory"):
+        engine.add_request(
+            [1, 2, 3], SamplingParams(max_tokens=1), lora_request=LoRARequest("x", 9, str(tmp_path / "none"))
+        )
+    engine.add_request(
+        requests[0][0], SamplingParams(max_tokens=2), request_id="busy", lora_request=LoRARequest("llama3_qv_r4", 1)
+    )
+    with pytest.raises(ValueError, match="in use by 1 unfinished requests"):
+        engine.lora.unload("llama3_qv_r4")
+    while engine.has_unfinished():
+        engine.step()
+    engine.lora.unload("llama3_qv_r4")
+    with pytest.raises(ValueError, match="not loaded and no path"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=1), lora_request=LoRARequest("llama3_qv_r4", 1))
+    with pytest.raises(ValueError, match="'x' asked for, but LoRA is off"):
+        lora_entry(None, "r", LoRARequest("x", 1, "/p"))
+
+
+def test_ngram_speculation_and_the_python_api(model):
+    requests, want = _requests()
+    llm = LLM(
+        model,
+        **SMALL,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        lora_modules=[f"{n}={p}" for _, n, p in requests if n is not None][::4],
+    )
+    prompts = [p for p, _, _ in requests]
+    loras = [None if n is None else LoRARequest(n, 1) for _, n, _ in requests]
+    params = SamplingParams(temperature=0, max_tokens=MIXED["max_new_tokens"], ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    streamed = [t for d in llm.stream(prompts[5], params, lora_request=loras[5]) for t in d.outputs[0].token_ids]
+    assert streamed == want[5]
+    lines = [json.dumps({"id": str(i), "prompt_token_ids": p, "lora": n}) for i, (p, n, _) in enumerate(requests[:8])]
+    lines.append(json.dumps({"id": "bad", "prompt_token_ids": [1], "lora": "nope"}))
+    out = io.StringIO()
+    run_batch(llm, lines, out, params)
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["outputs"][0]["token_ids"] for r in records[:8]] == want[:8]
+    assert "'nope' is not loaded" in records[8]["error"]
+
+
+def test_quantized_base_weight_with_float_adapters():
+    """einsum of a LoraWeight over an int8 weight = the int8 product + the slot's adapter share."""
+    key = jax.random.split(jax.random.PRNGKey(0), 4)
+    w = jax.random.normal(key[0], (64, 2, 96), jnp.float32)
+    host = quantize_field(np.asarray(w), "w_gate_up", (0,), QuantConfig.parse("int8"), np.float32)
+    q = jax.tree.map(jnp.asarray, host)
+    a = jax.random.normal(key[1], (3, 64, 8), jnp.float32)
+    b = jax.random.normal(key[2], (3, 8, 2, 96), jnp.float32)
+    x = jax.random.normal(key[3], (5, 64), jnp.float32)
+    slots = jnp.array([0, 1, 2, 3, 1], jnp.int32)
+    bound = bind(LoraWeight(q, a, b, "w_gate_up"), slots)
+    got = einsum("te,ecf->tcf", x, bound)
+    base = einsum("te,ecf->tcf", x, q)
+    for t, s in enumerate(slots.tolist()):
+        delta = 0 if s == 0 else jnp.einsum("e,er,rcf->cf", x[t], a[s - 1], b[s - 1])
+        np.testing.assert_allclose(got[t], base[t] + delta, rtol=1e-4, atol=1e-4)
