@@ -15,6 +15,14 @@ batch's last first token to its last token; medians over --rounds), and its rati
 Adapters are random PEFT adapters on all seven modules (tests/support/lora_adapters.py), written
 to a temporary directory; the first round loads them into the slots and is not counted. The
 engine without LoRA is timed too (`off`), to show what the slots cost when no request uses them.
+
+    python benchmarks/bench_lora.py --load-shape llama-3.1-8b --rank 16
+
+times instead what loading one adapter of that model's shape (all seven modules) costs, disk to
+device slot, as the engine does it: read and checked (jaxinfer.lora.peft), each layer's slot
+arrays built (jaxinfer.lora.stacking), copied to the device and written into one slot of
+`max_loras` stacked slots by one jitted, donating update (worker/lora_state.py's write). Medians
+of --rounds, on whatever device JAX has.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lora_adapters import write_random_adapter  # noqa: E402
 
@@ -73,6 +82,67 @@ def run(llm, prompts, params, loras) -> float:
     return decode_rate(outs)
 
 
+def load_time(shape: str, rank: int, rounds: int, slots: int = 4) -> int:
+    """Disk -> host -> device slot times of one rank-`rank` adapter of `shape` (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from shapes import shape_config
+
+    from jaxinfer.lora import read_adapter
+    from jaxinfer.lora.stacking import layer_slot, slot_shapes
+
+    config = shape_config(shape)
+    path = Path(tempfile.mkdtemp(prefix="bench_lora_")) / "adapter"
+    dims = adapter_dims(config)
+    write_random_adapter(
+        path,
+        num_layers=config.num_layers,
+        dims=dims,
+        target_modules=list(dims),
+        r=rank,
+        lora_alpha=2 * rank,
+        use_rslora=False,
+        seed=0,
+    )
+    shapes = slot_shapes(config, rank)
+    stacks = [
+        (jnp.zeros((slots, *a), jnp.bfloat16), jnp.zeros((slots, *b), jnp.bfloat16))
+        for _ in range(config.num_layers)
+        for a, b in shapes.values()
+    ]
+    write = jax.jit(
+        lambda stacks, i, new: [(a.at[i].set(na), b.at[i].set(nb)) for (a, b), (na, nb) in zip(stacks, new)],
+        donate_argnums=0,
+    )
+    times: dict[str, list[float]] = {"read + check": [], "to the slot": []}
+    for r in range(rounds + 1):
+        start = time.perf_counter()
+        adapter = read_adapter(path, config, rank)
+        read = time.perf_counter()
+        new = [
+            (jax.device_put(a), jax.device_put(b))
+            for i in range(config.num_layers)
+            for a, b in layer_slot(adapter, config, rank, i, np.dtype(jnp.bfloat16)).values()
+        ]
+        stacks = write(stacks, jnp.int32(r % slots), new)
+        jax.block_until_ready(stacks)
+        if r:  # the first round compiles the write
+            times["read + check"].append(read - start)
+            times["to the slot"].append(time.perf_counter() - read)
+    size = sum(a.nbytes + b.nbytes for a, b in adapter.weights.values())
+    print(
+        f"{shape} adapter, rank {rank}, all modules: {size / 2**20:.0f} MiB float32 on disk; "
+        f"{slots} bfloat16 slots on {jax.devices()[0].device_kind}; {time.strftime('%Y-%m-%d')}"
+    )
+    for name, values in times.items():
+        print(f"| {name} | {statistics.median(values):.3f} s | {', '.join(f'{v:.3f}' for v in values)} |")
+    print(
+        f"| disk to slot | {statistics.median(times['read + check']) + statistics.median(times['to the slot']):.3f} s |"
+    )
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -82,7 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--load-shape", default=None, help="time loading one adapter of this shape instead")
     args = p.parse_args(argv)
+    if args.load_shape is not None:
+        return load_time(args.load_shape, args.rank, args.rounds)
     options = dict(max_num_seqs=max(8, args.batch), max_model_len=512)
     off = LLM(args.model, args.dtype, **options)
     llm = LLM(args.model, args.dtype, **options, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)

@@ -106,6 +106,19 @@ def bind(params: Any, slots: jax.Array | None) -> Any:
     return jax.tree.map(bound, params, is_leaf=is_lora)
 
 
+def with_lora(spec: str, x: jax.Array, w: LoraWeight, y: jax.Array) -> jax.Array:
+    """y (the base product) plus the adapters' share. Where no token of the batch has an adapter
+    the share is skipped by a conditional (a batch of base-model requests pays nothing for
+    LoRA), except on GPUs, where each conditional would hold the launching thread until the
+    device reaches it (worker/step_variants.py's greedy twin): there the share is always added."""
+    if jax.default_backend() == "gpu":
+        return y + lora_delta(spec, x, w).astype(y.dtype)
+    mask = w.mask
+    if mask is None:
+        return y
+    return jax.lax.cond(mask.any(), lambda: y + lora_delta(spec, x, w).astype(y.dtype), lambda: y)
+
+
 def lora_delta(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:
     """The adapters' share of einsum(spec, x, w): `spec` names the base weight's axes as
     [in..., out...] (as quant.einsum's); x's free axes are the tokens [T] the mask rows follow."""

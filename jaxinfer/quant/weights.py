@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxinfer.quant.lora import LoraWeight, lora_delta
+from jaxinfer.quant.lora import LoraWeight, with_lora
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
 INT4_LEVELS = 15
@@ -258,7 +258,7 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWe
     as [in..., out...] in every case."""
     if isinstance(w, LoraWeight):
         y = einsum(spec, x, w.base)
-        return y if w.mask is None else y + lora_delta(spec, x, w).astype(y.dtype)
+        return y if w.mask is None else with_lora(spec, x, w, y)
     if isinstance(w, OutFirstWeight):
         operands, out = spec.split("->")
         x_letters, w_letters = operands.split(",")
