@@ -41,6 +41,7 @@ from lora_adapters import write_random_adapter  # noqa: E402
 
 from jaxinfer.llm import LLM  # noqa: E402
 from jaxinfer.lora import LoRARequest  # noqa: E402
+from jaxinfer.lora.peft import module_shapes  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 
 QUESTIONS = [
@@ -49,24 +50,6 @@ QUESTIONS = [
     "Write a short email asking my manager for a day off next Friday.",
     "What is the capital of France? Answer in one sentence.",
 ]
-
-
-def adapter_dims(config) -> dict[str, tuple[int, int]]:
-    e, q, kv, f = (
-        config.hidden_size,
-        config.num_heads * config.head_dim,
-        config.num_kv_heads * config.head_dim,
-        config.intermediate_size,
-    )
-    return {
-        "q_proj": (e, q),
-        "k_proj": (e, kv),
-        "v_proj": (e, kv),
-        "o_proj": (q, e),
-        "gate_proj": (e, f),
-        "up_proj": (e, f),
-        "down_proj": (f, e),
-    }
 
 
 def decode_rate(outs) -> float:
@@ -94,7 +77,7 @@ def load_time(shape: str, rank: int, rounds: int, slots: int = 4) -> int:
 
     config = shape_config(shape)
     path = Path(tempfile.mkdtemp(prefix="bench_lora_")) / "adapter"
-    dims = adapter_dims(config)
+    dims = module_shapes(config)
     write_random_adapter(
         path,
         num_layers=config.num_layers,
@@ -166,8 +149,8 @@ def main(argv=None) -> int:
         write_random_adapter(
             root / f"a{i}",
             num_layers=config.num_layers,
-            dims=adapter_dims(config),
-            target_modules=list(adapter_dims(config)),
+            dims=module_shapes(config),
+            target_modules=list(module_shapes(config)),
             r=args.rank,
             lora_alpha=2 * args.rank,
             use_rslora=False,

@@ -5,8 +5,8 @@
 `max_loras` adapters sit on the device at once (each in a slot of the stacked A/B arrays every
 targeted linear carries, padded to `max_lora_rank`: quant/lora.py), so a batch mixes requests of
 up to that many adapters and of none; `max_cpu_loras` more are kept read in host memory (least
-recently used first out). `lora_modules` are adapters known from start-up, by name; the Python
-API and both servers can name others by path (jaxinfer/lora/).
+recently used first out). `lora_modules` are adapters known from start-up, by name (naming any turns
+`enable_lora` on); the Python API and both servers can name others by path (jaxinfer/lora/).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ class LoraConfig:
         names = [m.name for m in modules]
         if len(set(names)) != len(names):
             raise bad("lora_modules", names, "an adapter name is given twice")
-        if modules and not self.enable_lora:
-            raise bad("lora_modules", names, "adapters need enable_lora=True (--enable-lora)")
+        if modules and not self.enable_lora:  # naming adapters turns LoRA on
+            object.__setattr__(self, "enable_lora", True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise bad("max_cpu_loras", self.max_cpu_loras, f"must be at least max_loras={self.max_loras}")
 

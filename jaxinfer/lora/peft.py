@@ -61,14 +61,10 @@ class Adapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
-    """(in, out) features of one of the base model's linear modules, as PEFT stores them."""
-    e, q, kv, f = (
-        config.hidden_size,
-        config.num_heads * config.head_dim,
-        config.num_kv_heads * config.head_dim,
-        config.intermediate_size,
-    )
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each of the base model's adaptable linear modules, as PEFT stores them."""
+    e, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return {
         "q_proj": (e, q),
         "k_proj": (e, kv),
@@ -77,7 +73,7 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
         "gate_proj": (e, f),
         "up_proj": (e, f),
         "down_proj": (f, e),
-    }[module]
+    }
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -185,7 +181,7 @@ def _checked_pair(
     if set(ab) != {"A", "B"}:
         raise AdapterError(f"{where}: has lora_{''.join(ab)} but not both lora_A and lora_B")
     a, b = ab["A"], ab["B"]
-    d_in, d_out = module_shape(config, module)
+    d_in, d_out = module_shapes(config)[module]
     if a.shape != (rank, d_in) or b.shape != (d_out, rank):
         raise AdapterError(
             f"{where}: lora_A {a.shape} / lora_B {b.shape} do not match the base model "

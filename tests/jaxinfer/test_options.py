@@ -18,12 +18,14 @@ from jaxinfer.cli.options import read_option, read_options
 from jaxinfer.config import EngineConfig, SpeculativeConfig
 from jaxinfer.config.compile import ATTN_IMPLS
 from jaxinfer.config.engine import GROUPS, OPTION_GROUPS
+from jaxinfer.config.lora import LoraModule
 from jaxinfer.options import (
     APPEND,
     CSV,
     DISABLE,
     ENABLE,
     JSON,
+    LIST,
     NONE,
     TRISTATE,
     VALUE,
@@ -68,6 +70,8 @@ def sample(d: Declared) -> tuple[list[str], object]:
         return [flag, text], value
     if form == CSV:
         return [flag, "1,512"], (1, 512)
+    if form == LIST:  # --lora-modules A=/x B=/y
+        return [flag, "a=/x", '{"name": "b", "path": "/y"}'], (LoraModule("a", "/x"), LoraModule("b", "/y"))
     if d.option.choices:
         choice = next(c for c in reversed(d.option.choices) if c != d.default)
         return [flag, choice], choice

@@ -339,7 +339,8 @@ def scenario_lora(*meshes: str) -> dict:
     from lora_runs import greedy_runs, write_triple_adapters, write_triple_checkpoint
 
     root = Path(tempfile.mkdtemp())
-    model_dir, adapters = write_triple_checkpoint(root / "model"), write_triple_adapters(root / "adapters")
+    model_dir = write_triple_checkpoint(root / "model")
+    adapters = write_triple_adapters(root / "adapters", model_dir)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, 512, n).tolist() for n in (3, 19, 41)]
     requests = [(p, name, path) for p in prompts for name, path in [*adapters.items(), (None, None)]]

@@ -15,8 +15,9 @@ import numpy as np
 from lora_adapters import write_random_adapter
 from safetensors.numpy import save_file
 
-from jaxinfer.config import LoraConfig
+from jaxinfer.config import LoraConfig, ModelConfig
 from jaxinfer.lora import LoRARequest
+from jaxinfer.lora.peft import module_shapes
 from jaxinfer.lora.stacking import layer_slot
 from jaxinfer.quant.lora import LoraWeight, bind
 from jaxinfer.sampling import SamplingParams
@@ -71,19 +72,12 @@ def write_triple_checkpoint(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def write_triple_adapters(root: Path, n: int = 3) -> dict[str, str]:
-    """`n` random adapters (ranks 8, 4, 2, ...; all seven modules) over TRIPLE: {name: path}."""
+def write_triple_adapters(root: Path, model_dir: Path, n: int = 3) -> dict[str, str]:
+    """`n` random adapters (ranks 8, 4, 2, ...; all seven modules) over the checkpoint in
+    `model_dir` (write_triple_checkpoint's): {name: path}."""
     c = TRIPLE
-    q, kv, e, f = c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"], c["hidden"], c["mlp"]
-    dims = {
-        "q_proj": (e, q),
-        "k_proj": (e, kv),
-        "v_proj": (e, kv),
-        "o_proj": (q, e),
-        "gate_proj": (e, f),
-        "up_proj": (e, f),
-        "down_proj": (f, e),
-    }
+    config = ModelConfig.from_hf_file(model_dir / "config.json")
+    dims = module_shapes(config)
     out = {}
     for i in range(n):
         r = 8 >> i or 1

@@ -181,8 +181,8 @@ def test_lora_options():
     cfg = EngineConfig(enable_lora=True, lora_modules=["x=/a", '{"name": "y", "path": "/b"}'], max_cpu_loras=8)
     assert cfg.lora.lora_modules == (LoraModule("x", "/a"), LoraModule("y", "/b"))
     assert cfg.lora.host_capacity == 8 and EngineConfig(enable_lora=True).lora.host_capacity == 4
+    assert EngineConfig(lora_modules=["x=/a"]).lora.enable_lora  # naming adapters turns LoRA on
     for options, match in (
-        ({"lora_modules": ["x=/a"]}, "need enable_lora"),
         ({"enable_lora": True, "lora_modules": ["x"]}, "NAME=PATH"),
         ({"enable_lora": True, "lora_modules": ["x=/a", "x=/b"]}, "given twice"),
         ({"enable_lora": True, "max_cpu_loras": 2}, "at least max_loras=4"),

@@ -51,17 +51,15 @@ def test_slots_equal_the_merged_weights_in_every_family(tmp_path, name):
     from lora_runs import InSlot, with_adapters
 
     from jaxinfer.lora import read_adapter
+    from jaxinfer.lora.peft import module_shapes
 
     base = FIXTURES / "hf" / name
     model = load_model(base, dtype="float32", with_tokenizer=False)
     c = model.config
-    e, q, kv, f = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    dims = {"q_proj": (e, q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e)}
-    dims |= {"gate_proj": (e, f), "up_proj": (e, f), "down_proj": (f, e)}
     path = write_random_adapter(
         tmp_path / "a",
         num_layers=c.num_layers,
-        dims=dims,
+        dims=module_shapes(c),
         target_modules=FAMILIES[name],
         r=4,
         lora_alpha=8,

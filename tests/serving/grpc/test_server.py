@@ -351,6 +351,9 @@ def test_reflection_lists_the_services(serve):
             "Detokenize",
             "GetModelInfo",
             "GetServerStats",
+            "ListLoraAdapters",
+            "LoadLoraAdapter",
+            "UnloadLoraAdapter",
         }
         assert service.methods_by_name["Generate"].server_streaming
 
