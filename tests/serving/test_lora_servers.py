@@ -25,7 +25,7 @@ from serving_support import assert_pages_free, client_of, slow_steps, wait_for
 from testpaths import FIXTURES
 
 from jaxinfer.llm import LLM
-from jaxinfer.lora.peft import MODULES, module_shape
+from jaxinfer.lora.peft import MODULES, module_shapes
 from serving.server import BackgroundServer, ServerOptions
 
 ADAPTERS = FIXTURES / "lora"
@@ -235,7 +235,7 @@ def test_the_schema_documents_the_lora_routes_where_served():
 # --- bad adapters -------------------------------------------------------------------------------
 def _dims(hidden: int = 64) -> dict[str, tuple[int, int]]:
     config = types.SimpleNamespace(hidden_size=hidden, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128)
-    return {m: module_shape(config, m) for m in MODULES}
+    return module_shapes(config)
 
 
 def _missing(tmp: Path) -> Path:
