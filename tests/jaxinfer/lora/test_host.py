@@ -227,3 +227,19 @@ def test_the_same_prompt_under_two_adapters_shares_no_page():
             plan = sched.schedule()
             sched.update(plan, [7] * len(plan.seqs))
     assert sched.kv_cache.prefix_cache_hits == 16  # a2 reused a1's four pages; b1 none of them
+
+
+def test_combinations_not_served_are_refused_at_start_up(config):
+    from jaxinfer.config import LoraConfig, SpeculativeConfig
+    from jaxinfer.lora.manager import build_manager
+
+    lora = LoraConfig(enable_lora=True)
+    write = lambda slot, adapter: None  # noqa: E731
+    assert build_manager(LoraConfig(), config, write, None, False) is None  # LoRA off
+    draft = SpeculativeConfig.parse({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="draft model .* with adapters is not supported"):
+        build_manager(lora, config, write, draft, False)
+    with pytest.raises(ValueError, match="several hosts"):
+        build_manager(lora, config, write, None, True)
+    manager = build_manager(LoraConfig(lora_modules=[f"a={ADAPTER}"]), config, write, None, False)
+    assert [e.name for e in manager.adapters] == ["a"] and manager.requests_per_adapter() == {"a": 0}
