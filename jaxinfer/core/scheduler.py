@@ -8,8 +8,11 @@ need; (3) waiting sequences, by (priority, arrival), each taking its cached pref
 KV cache manager (never the last token; a prompt whose logprobs are being scored takes only pages
 it scored itself, Sequence.cacheable_pages) and a chunk of the rest; the head of the queue blocks
 those behind it when its pages do not fit, and nothing is admitted in a step that had to
-preempt. Siblings of an n > 1 request queue as admission.py lets them. Requests that can never
-run never get here: the engine checks each one once (core/requests.py) before queueing it.
+preempt. A sequence under a LoRA adapter also takes a device slot for it (RequestQueue
+.acquire_slot, given back when it finishes or is preempted); one whose adapter finds every slot
+in use waits without holding up those behind it. Siblings of an n > 1 request queue as
+admission.py lets them. Requests that can never run never get here: the engine checks each one
+once (core/requests.py) before queueing it.
 
 Pages come from the KV cache manager (jaxinfer.kv), the scheduler's only view of them: reserved
 for exactly the tokens a step computes, cached once computed, freed at the end. When none is

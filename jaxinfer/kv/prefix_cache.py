@@ -8,6 +8,11 @@ token ids, so a page's hash stands for the whole prefix up to its end:
     h_i of a new prompt --PrefixCache.lookup(...)--> the page, only if the entry's tokens and
                                                      parent are the prompt's (collisions miss)
 
+A sequence's chain may start from a root of its own (`KVSequence.hash_root`: its LoRA adapter's,
+fresh for each load of it) instead of nothing, so the same tokens computed under different
+adapters hash apart and never share a page; the cache records the first page's parent as None
+either way, and the root only changes what the hashes are.
+
 `hash_page` is sha256 truncated to 16 bytes: the same in every process and on every host, so
 page hashes can be compared across replicas (and published to routers as KV events).
 The PagePool owns a PrefixCache and decides when pages enter and leave it.
