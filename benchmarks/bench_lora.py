@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lora_adapters import write_random_adapter  # noqa: E402
 
+from jaxinfer.config.lora import LINEAR_MODULES  # noqa: E402
 from jaxinfer.llm import LLM  # noqa: E402
 from jaxinfer.lora import LoRARequest  # noqa: E402
 from jaxinfer.lora.peft import module_shapes  # noqa: E402
@@ -82,7 +83,7 @@ def load_time(shape: str, rank: int, rounds: int, slots: int = 4) -> int:
         path,
         num_layers=config.num_layers,
         dims=dims,
-        target_modules=list(dims),
+        target_modules=list(LINEAR_MODULES),
         r=rank,
         lora_alpha=2 * rank,
         use_rslora=False,
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
             root / f"a{i}",
             num_layers=config.num_layers,
             dims=module_shapes(config),
-            target_modules=list(module_shapes(config)),
+            target_modules=list(LINEAR_MODULES),
             r=args.rank,
             lora_alpha=2 * args.rank,
             use_rslora=False,

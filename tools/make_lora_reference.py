@@ -9,8 +9,10 @@ What it writes, all deterministic (fixed torch and numpy seeds, 2 torch threads)
   tests/fixtures/lora/<name>/{adapter_config.json, adapter_model.safetensors, golden.npz}
       adapters made by PEFT itself (get_peft_model with init_lora_weights=False, so A and B are
       both random, B then scaled by a fixed factor) over the tiny checkpoints tests/fixtures/hf/
-      llama3 and qwen2, saved with save_pretrained (target_modules sorted, PEFT's README.md
-      dropped): llama3_all_r8, llama3_all_r8_rslora, llama3_qv_r4, qwen2_attn_r8. golden.npz:
+      llama3, qwen2 and gemma3, saved with save_pretrained (target_modules sorted, PEFT's README.md
+      dropped): llama3_all_r8, llama3_all_r8_rslora, llama3_qv_r4, qwen2_attn_r8, and with the
+      embedding and the LM head adapted too llama3_vocab_r8 (LM head untied) and gemma3_vocab_r4
+      (LM head tied to the embedding, the embedding scaled by sqrt(hidden)). golden.npz:
       `prompt` i32[64], `logits` f32[64, vocab] (one forward pass of the PEFT model), `greedy`
       i32[32] (pure argmax continuation under the adapter), `base_greedy` i32[32] (the base's).
   tests/fixtures/lora/mixed.json
@@ -39,6 +41,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,12 +55,13 @@ from make_reference import MIN_MARGIN, forward_logits, greedy_generate, write_js
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from safetensors.numpy import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA_DIR = ref.FIXTURES / "lora"
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-BASES = {"llama3": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
+BASES = {"llama3": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma3": Gemma3ForCausalLM}
+VOCAB_MODULES = ["embed_tokens", "lm_head"]
 
 # b_scale multiplies PEFT's random B (kaiming-uniform like A with init_lora_weights=False: at 1.0
 # the update is about as large as the tiny models' weights and turns the whole output over).
@@ -66,6 +70,19 @@ ADAPTERS = {
     "llama3_all_r8_rslora": dict(base="llama3", modules=ALL_MODULES, r=8, alpha=16, rslora=True, seed=32, b_scale=0.25),
     "llama3_qv_r4": dict(base="llama3", modules=["q_proj", "v_proj"], r=4, alpha=8, rslora=False, seed=33, b_scale=0.5),
     "qwen2_attn_r8": dict(base="qwen2", modules=ALL_MODULES[:4], r=8, alpha=16, rslora=False, seed=34, b_scale=0.5),
+    "llama3_vocab_r8": dict(
+        base="llama3", modules=ALL_MODULES + VOCAB_MODULES, r=8, alpha=16, rslora=False, seed=35, b_scale=0.5
+    ),
+    "gemma3_vocab_r4": dict(
+        base="gemma3",
+        modules=["q_proj", "v_proj"] + VOCAB_MODULES,
+        r=4,
+        alpha=8,
+        rslora=False,
+        seed=36,
+        b_scale=0.5,
+        save_embedding_layers=False,
+    ),
 }
 PROMPT_LEN, GREEDY_LEN = ref.PROMPT_LEN, ref.GREEDY_LEN  # 64, 32
 
@@ -89,12 +106,17 @@ def main() -> None:
         f"numpy {np.__version__}, safetensors {safetensors.__version__}"
     )
     LORA_DIR.mkdir(parents=True, exist_ok=True)
+    only = sys.argv[1:]  # adapter names: only those (no mixed.json, no SmolLM2)
+    if set(only) - set(ADAPTERS):
+        raise SystemExit(f"unknown adapters {sorted(set(only) - set(ADAPTERS))}; known: {sorted(ADAPTERS)}")
     written: list[Path] = []
     for name, spec in ADAPTERS.items():
-        written += make_tiny_adapter(name, spec)
-    check_rslora_matters()
-    written.append(write_mixed())
-    written.append(make_smollm2())
+        if not only or name in only:
+            written += make_tiny_adapter(name, spec)
+    if not only:
+        check_rslora_matters()
+        written.append(write_mixed())
+        written.append(make_smollm2())
     ref.report(written)
     total = sum(p.stat().st_size for p in LORA_DIR.rglob("*") if p.is_file())
     print(f"tests/fixtures/lora in all: {total / 2**10:.0f} KiB")
@@ -123,11 +145,20 @@ def load_adapted(base: str, adapter_dir: Path):
 
 
 def check_loaded(model, adapter_dir: Path) -> None:
-    """Every tensor of the file sits, unchanged, in the PEFT model, and the model has no others."""
+    """Every tensor of the file sits, unchanged, in the PEFT model, and the model has no others; the
+    copies of the embedding's and LM head's base weights PEFT saves beside their adapters
+    (save_embedding_layers) equal the base model's."""
     tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    state = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    full = model.state_dict()
+    for key in [k for k in tensors if ".base_layer." in k]:
+        if not np.array_equal(full[key.replace(".weight", ".weight")].numpy(), tensors.pop(key)):
+            raise RuntimeError(f"{adapter_dir}: {key} is not the base model's weight")
+    state = {k: v for k, v in full.items() if ".lora_" in k}
     expected = {
-        k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): v
+        k.replace(".lora_A.weight", ".lora_A.default.weight")
+        .replace(".lora_B.weight", ".lora_B.default.weight")
+        .replace(".lora_embedding_A", ".lora_embedding_A.default")
+        .replace(".lora_embedding_B", ".lora_embedding_B.default"): v
         for k, v in tensors.items()
     }
     if sorted(state) != sorted(expected):
@@ -178,7 +209,9 @@ def make_tiny_adapter(name: str, spec: dict) -> list[Path]:
     out_dir = LORA_DIR / name
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    model.save_pretrained(str(out_dir))
+    # PEFT saves the embedding's and LM head's base weights beside their adapters by default: kept
+    # for llama3_vocab_r8 (the format most such adapters have), left out for gemma3_vocab_r4
+    model.save_pretrained(str(out_dir), save_embedding_layers=spec.get("save_embedding_layers", "auto"))
     tidy_peft_output(out_dir)
 
     base_model = load_base(base)

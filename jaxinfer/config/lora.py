@@ -7,6 +7,9 @@ targeted linear carries, padded to `max_lora_rank`: quant/lora.py), so a batch m
 up to that many adapters and of none; `max_cpu_loras` more are kept read in host memory (least
 recently used first out). `lora_modules` are adapters known from start-up, by name (naming any turns
 `enable_lora` on); the Python API and both servers can name others by path (jaxinfer/lora/).
+`lora_target_modules` are the modules the slots hold (each costs memory and every step's reading
+of it): by default the seven linear modules of every decoder layer, and the embedding and the LM
+head where an adapter named at start-up adapts them; an adapter of a module not held is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ from typing import Any
 
 from jaxinfer.config.checks import bad, bools, positive_ints
 from jaxinfer.options import ENABLE, LIST, option
+
+# PEFT's names of the modules an adapter may adapt (jaxinfer/lora/peft.py)
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+TARGET_MODULES = (*LINEAR_MODULES, *VOCAB_MODULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +75,13 @@ class LoraConfig:
         form=LIST,
         metavar="NAME=PATH",
     )
+    lora_target_modules: tuple[str, ...] | None = option(
+        None,
+        "modules the LoRA slots hold, 'all' or of " + " ".join(TARGET_MODULES) + " (default: the seven linear "
+        "modules, and embed_tokens / lm_head where an adapter of lora_modules adapts them)",
+        form=LIST,
+        metavar="MODULE",
+    )
 
     def __post_init__(self):
         bools(self, "enable_lora")
@@ -80,6 +95,17 @@ class LoraConfig:
             raise bad("lora_modules", names, "an adapter name is given twice")
         if modules and not self.enable_lora:  # naming adapters turns LoRA on
             object.__setattr__(self, "enable_lora", True)
+        if self.lora_target_modules is not None:
+            targets = self.lora_target_modules
+            if isinstance(targets, str) or not all(isinstance(m, str) for m in targets):
+                raise bad("lora_target_modules", targets, "expected a list of module names")
+            unknown = [m for m in targets if m not in (*TARGET_MODULES, "all")]
+            if unknown or not targets:
+                raise bad(
+                    "lora_target_modules", list(targets), f"expected 'all' or names among {', '.join(TARGET_MODULES)}"
+                )
+            held = TARGET_MODULES if "all" in targets else tuple(m for m in TARGET_MODULES if m in targets)
+            object.__setattr__(self, "lora_target_modules", held)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise bad("max_cpu_loras", self.max_cpu_loras, f"must be at least max_loras={self.max_loras}")
 

@@ -25,6 +25,7 @@ from jaxinfer.lora.peft import Adapter, AdapterError
 from jaxinfer.lora.registry import AdapterEntry, AdapterRegistry
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.lora.slots import AdapterSlots
+from jaxinfer.lora.stacking import served_modules
 
 SlotWrite = Callable[[int, Adapter | None], None]
 
@@ -32,7 +33,7 @@ SlotWrite = Callable[[int, Adapter | None], None]
 class LoraManager:
     def __init__(self, model: ModelConfig, config: LoraConfig, write: SlotWrite) -> None:
         self.config = config
-        self.registry = AdapterRegistry(model, config.max_lora_rank, config.host_capacity)
+        self.registry = AdapterRegistry(model, config.max_lora_rank, config.host_capacity, served_modules(config))
         self.slots = AdapterSlots(config.max_loras)
         self._write = write
         self._requests: dict[str, str] = {}  # request id -> adapter name

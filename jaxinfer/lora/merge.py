@@ -4,7 +4,9 @@
 
 Each targeted module's weight (HF layout [out, in]) is read, the adapter's product added in
 float32 and cast back to the checkpoint's dtype, one tensor at a time as the converter reads
-them; every other tensor passes through. The merged checkpoint then computes exactly what the
+them; every other tensor passes through. The embedding [vocab, hidden] gains (B @ A)^T, the LM
+head B @ A; with the LM head tied to the embedding (no lm_head.weight) either would change the
+other too, so such an adapter is refused by name. The merged checkpoint then computes exactly what the
 base model with the adapter computes (up to that cast), with no adapter at run time.
 """
 
@@ -29,10 +31,20 @@ class MergedReader:
             if match and match[2] in MODULES and (int(match[1]), match[2]) in adapter.weights:
                 a, b = adapter.weights[(int(match[1]), match[2])]
                 self._deltas[name] = (a, b * adapter.scale)
-        if len(self._deltas) != len(adapter.weights):
+        names = set(reader.keys())
+        for module, (a, b) in adapter.vocab.items():
+            if "lm_head.weight" not in names:
+                raise AdapterError(
+                    f"{where}: ties its LM head to the embedding, so the adapter's {module} cannot be merged "
+                    "(it would change both); serve it as an adapter instead (--lora-modules)"
+                )
+            name = "model.embed_tokens.weight" if module == "embed_tokens" else "lm_head.weight"
+            self._deltas[name] = (b.T * adapter.scale, a.T) if module == "embed_tokens" else (a, b * adapter.scale)
+        if len(self._deltas) != len(adapter.weights) + len(adapter.vocab):
             raise AdapterError(
-                f"{where}: found the weights of {len(self._deltas)} of the adapter's {len(adapter.weights)} "
-                "modules (an HF Llama-style checkpoint names them model.layers.N.self_attn.q_proj.weight, ...)"
+                f"{where}: found the weights of {len(self._deltas)} of the adapter's "
+                f"{len(adapter.weights) + len(adapter.vocab)} modules (an HF Llama-style checkpoint names them "
+                "model.layers.N.self_attn.q_proj.weight, ...)"
             )
 
     def keys(self) -> list[str]:

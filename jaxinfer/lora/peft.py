@@ -4,13 +4,19 @@
     adapter_model.safetensors  base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight [r, in]
                                ...                                         .lora_B.weight [out, r]
 
-`read_adapter(path, config, max_rank)` returns an Adapter: each targeted (layer, module) pair's
-A [r, in] and B [out, r] as float32, and the scale (lora_alpha / r, or lora_alpha / sqrt(r) with
-rsLoRA). Everything that would make it compute something else than PEFT does is refused with
-the file and the problem named: a rank above `max_lora_rank`, a module this engine does not
-adapt (embeddings, the LM head, experts, a bias), a shape that does not match the base model (an
-adapter made for another model), DoRA, per-module rank or alpha patterns, a file that is not a
-readable safetensors file. Dropout is ignored, as at inference.
+                           base_model.model.model.embed_tokens.lora_embedding_A [r, vocab]
+                                               .lora_embedding_B [hidden, r]
+                           base_model.model.lm_head.lora_A.weight [r, hidden], .lora_B.weight [vocab, r]
+
+`read_adapter(path, config, max_rank, modules)` returns an Adapter: each targeted (layer, module)
+pair's A [r, in] and B [out, r] as float32 (the embedding's A [r, vocab] and B [hidden, r], the
+LM head's A [r, hidden] and B [vocab, r] under `vocab`), and the scale (lora_alpha / r, or
+lora_alpha / sqrt(r) with rsLoRA). Everything that would make it compute something else than
+PEFT does is refused with the file and the problem named: a rank above `max_lora_rank`, a module
+this engine does not adapt (experts, a bias) or that the engine's slots do not hold (`modules`:
+LoraConfig.lora_target_modules), a shape that does not match the base model (an adapter made for
+another model), DoRA, per-module rank or alpha patterns, a file that is not a readable
+safetensors file. Dropout is ignored, as at inference.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 
 from checkpoints.errors import CheckpointError
 from checkpoints.safetensors_io import SafetensorsFile
+from jaxinfer.config.lora import LINEAR_MODULES, TARGET_MODULES
 from jaxinfer.config.model import ModelConfig
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
@@ -39,7 +46,16 @@ MODULES = {
     "up_proj": ("w_gate_up", 1),
     "down_proj": ("w_down", 0),
 }
+assert tuple(MODULES) == LINEAR_MODULES
+# The embedding and the LM head (VOCAB_MODULES) are adapted outside the decoder layers (quant/lora_vocab.py)
+ALL_MODULES = TARGET_MODULES
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+?)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# PEFT saves the embedding's and LM head's (frozen) base weights beside their adapters by default
+# (save_embedding_layers): copies of the base model's, of its shape, not read
+_BASE_COPY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.base_layer\.weight$")
+_VOCAB_KEY = re.compile(
+    r"(?:^|\.)(?:embed_tokens\.lora_embedding_([AB])(?:\.[\w-]+)?|lm_head\.lora_([AB])(?:\.[\w-]+)?\.weight)$"
+)
 
 
 class AdapterError(ValueError):
@@ -51,21 +67,26 @@ class Adapter:
     rank: int
     scale: float
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]  # (layer, module) -> A [r, in], B [out, r]
+    # embed_tokens / lm_head -> A [r, in], B [out, r] (the embedding's "in" is the vocabulary)
+    vocab: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
     @property
     def target_modules(self) -> list[str]:
-        return sorted({module for _, module in self.weights}, key=list(MODULES).index)
+        return sorted({module for _, module in self.weights} | set(self.vocab), key=ALL_MODULES.index)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(a.nbytes + b.nbytes for a, b in [*self.weights.values(), *self.vocab.values()])
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each of the base model's adaptable linear modules, as PEFT stores them."""
-    e, f = config.hidden_size, config.intermediate_size
+    """(in, out) features of each of the base model's adaptable modules, as PEFT stores them (the
+    embedding's "in" is the vocabulary: a token picks a column of its A)."""
+    e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return {
+        "embed_tokens": (v, e),
+        "lm_head": (e, v),
         "q_proj": (e, q),
         "k_proj": (e, kv),
         "v_proj": (e, kv),
@@ -138,21 +159,30 @@ def _tensors(path: Path) -> SafetensorsFile:
         raise AdapterError(f"LoRA adapter: {e}") from None
 
 
-def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> Adapter:
-    """The adapter at `path` (a PEFT directory), checked against the base model `config`."""
+def read_adapter(
+    path: str | Path, config: ModelConfig, max_rank: int, modules: tuple[str, ...] = ALL_MODULES
+) -> Adapter:
+    """The adapter at `path` (a PEFT directory), checked against the base model `config`; a
+    module outside `modules` (those the engine's slots hold) is refused by name."""
     path = Path(path).expanduser()
     rank, scale = _check_config(path, read_config(path), max_rank)
     tensors = _tensors(path)
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key in tensors.keys():
-        match = _KEY.search(key)
-        if match is None:
+        vocab, match, copy = _VOCAB_KEY.search(key), _KEY.search(key), _BASE_COPY.search(key)
+        if copy is not None:
+            _check_base_copy(path, config, key, copy[1], tensors.shape(key))
+            continue
+        if vocab is not None:
+            layer, module, part = -1, "embed_tokens" if vocab[1] else "lm_head", vocab[1] or vocab[2]
+        elif match is None:
             raise AdapterError(
                 f"LoRA adapter {str(path)!r}: tensor {key!r} is not a LoRA A/B weight of a decoder "
-                f"layer's {', '.join(MODULES)} (embeddings, the LM head and biases are not supported)"
+                f"layer's {', '.join(MODULES)}, the embedding or the LM head (biases are not supported)"
             )
-        layer, module, part = int(match[1]), match[2], match[3]
-        if module not in MODULES:
+        else:
+            layer, module, part = int(match[1]), match[2], match[3]
+        if layer >= 0 and module not in MODULES:
             raise AdapterError(
                 f"LoRA adapter {str(path)!r}: module {module!r} ({key}) is not one of {', '.join(MODULES)}"
             )
@@ -165,19 +195,56 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> Adapte
             raise AdapterError(
                 f"LoRA adapter {str(path)!r}: {key} is for layer {layer}, but the model has {config.num_layers} layers"
             )
+        if module not in modules:
+            raise AdapterError(
+                f"LoRA adapter {str(path)!r}: adapts {module} ({key}), which the engine's LoRA slots do not "
+                f"hold (they hold {', '.join(modules)}; --lora-target-modules names them)"
+            )
         parts.setdefault((layer, module), {})[part] = np.asarray(tensors.get(key), np.float32)
     if not parts:
         raise AdapterError(f"LoRA adapter {str(path)!r}: {WEIGHTS_NAME} holds no LoRA weights")
-    weights = {}
+    adapter = Adapter(rank, scale, {})
     for (layer, module), ab in sorted(parts.items()):
-        weights[(layer, module)] = _checked_pair(path, config, layer, module, ab, rank)
-    return Adapter(rank, scale, weights)
+        pair = _checked_pair(path, config, layer, module, ab, rank)
+        if layer < 0:
+            adapter.vocab[module] = pair
+        else:
+            adapter.weights[(layer, module)] = pair
+    return adapter
+
+
+def _check_base_copy(path: Path, config: ModelConfig, key: str, module: str, shape: tuple[int, ...]) -> None:
+    """A base weight PEFT saved beside an adapter must have the base model's shape (another shape:
+    a resized vocabulary, which the engine does not serve)."""
+    expected = (config.vocab_size, config.hidden_size)
+    if tuple(shape) != expected:
+        raise AdapterError(
+            f"LoRA adapter {str(path)!r}: {key} has shape {tuple(shape)}, not the base model's {module} "
+            f"{expected} (an adapter for a resized vocabulary or another model?)"
+        )
+
+
+def adapted_modules(path: str | Path) -> set[str]:
+    """The modules an adapter directory's tensors adapt, from the safetensors header alone (what
+    the engine sizes its slots for); an unreadable adapter gives none (reading it refuses it)."""
+    try:
+        keys = _tensors(Path(path).expanduser()).keys()
+    except (AdapterError, OSError):
+        return set()
+    found = set()
+    for key in keys:
+        vocab, match = _VOCAB_KEY.search(key), _KEY.search(key)
+        if vocab is not None:
+            found.add("embed_tokens" if vocab[1] else "lm_head")
+        elif match is not None and match[2] in MODULES:
+            found.add(match[2])
+    return found
 
 
 def _checked_pair(
     path: Path, config: ModelConfig, layer: int, module: str, ab: dict[str, np.ndarray], rank: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    where = f"LoRA adapter {str(path)!r}: layer {layer} {module}"
+    where = f"LoRA adapter {str(path)!r}: " + (module if layer < 0 else f"layer {layer} {module}")
     if set(ab) != {"A", "B"}:
         raise AdapterError(f"{where}: has lora_{''.join(ab)} but not both lora_A and lora_B")
     a, b = ab["A"], ab["B"]

@@ -21,7 +21,7 @@ import itertools
 from pathlib import Path
 
 from jaxinfer.config.model import ModelConfig
-from jaxinfer.lora.peft import Adapter, AdapterError, read_adapter
+from jaxinfer.lora.peft import ALL_MODULES, Adapter, AdapterError, read_adapter
 from jaxinfer.lora.request import LoRARequest
 
 
@@ -36,8 +36,11 @@ class AdapterEntry:
 
 
 class AdapterRegistry:
-    def __init__(self, config: ModelConfig, max_rank: int, capacity: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_rank: int, capacity: int, modules: tuple[str, ...] = ALL_MODULES
+    ) -> None:
         self.config, self.max_rank, self.capacity = config, max_rank, capacity
+        self.modules = modules  # those the device slots hold (lora/stacking.py's served_modules)
         self._entries: dict[str, AdapterEntry] = {}
         self._host: collections.OrderedDict[str, Adapter] = collections.OrderedDict()
         self._loads = itertools.count(1)
@@ -58,7 +61,7 @@ class AdapterRegistry:
         if not path:
             raise AdapterError(f"LoRA adapter {name!r} is not loaded and no path was given for it")
         if adapter is None:
-            adapter = read_adapter(resolved, self.config, self.max_rank)
+            adapter = self.read(resolved)
         load = next(self._loads)
         root = hashlib.sha256(f"lora\0{name}\0{resolved}\0{load}".encode()).digest()[:16]
         entry = AdapterEntry(
@@ -68,6 +71,11 @@ class AdapterRegistry:
         self._keep(name, adapter)
         return entry
 
+    def read(self, path: str) -> Adapter:
+        """The adapter at `path`, read and checked as this engine serves adapters (no state changes:
+        the servers read off the engine's thread)."""
+        return read_adapter(path, self.config, self.max_rank, self.modules)
+
     def resolve(self, request: LoRARequest) -> AdapterEntry:
         return self.add(request.lora_name, request.lora_path, request.lora_int_id)
 
@@ -76,7 +84,7 @@ class AdapterRegistry:
         adapter = self._host.get(name)
         if adapter is None:
             entry = self.entry(name)
-            adapter = read_adapter(entry.path, self.config, self.max_rank)
+            adapter = self.read(entry.path)
         self._keep(name, adapter)
         return adapter
 

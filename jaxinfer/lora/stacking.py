@@ -9,7 +9,12 @@ by side along A's last axis and share B's rows, each module's B in its own outpu
     w_gate_up  [E, 2, F]       A [E, 2R]     B [R, 2, F]        gate -> [:, 0], up -> [:, 1]
     w_down     [F, E]          A [F, R]      B [R, E]
 
-Every field of every layer is written (zeros where the adapter has no module), so a slot that
+The embedding and the LM head (quant/lora_vocab.py), V the embedding's rows:
+
+    embed_tokens   A [V, R] (a token's row: PEFT's lora_embedding_A transposed)   B [R, E]
+    lm_head        A [E, R]                                                        B [R, V]
+
+Every stack the slots hold is written (zeros where the adapter has no module), so a slot that
 held another adapter keeps nothing of it.
 """
 
@@ -17,11 +22,42 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxinfer.config.lora import LINEAR_MODULES, VOCAB_MODULES, LoraConfig
 from jaxinfer.config.model import ModelConfig
-from jaxinfer.lora.peft import MODULES, Adapter
+from jaxinfer.lora.peft import MODULES, Adapter, adapted_modules
 
 # Our linear fields: how many modules each fuses, and the output axis their columns split along.
 FIELD_PARTS = {"w_qkv": (3, 1), "wo": (1, 0), "w_gate_up": (2, 0), "w_down": (1, 0)}
+
+
+def served_modules(lora: LoraConfig) -> tuple[str, ...]:
+    """The modules the device slots hold: LoraConfig.lora_target_modules, by default the seven
+    linear modules and embed_tokens / lm_head where an adapter named at start-up adapts them."""
+    if lora.lora_target_modules is not None:
+        return lora.lora_target_modules
+    vocab = set().union(*(adapted_modules(m.path) for m in lora.lora_modules))
+    return (*LINEAR_MODULES, *(m for m in VOCAB_MODULES if m in vocab))
+
+
+def served_fields(modules: tuple[str, ...]) -> list[str]:
+    """The linear fields whose stacks hold one of `modules` (a fused field: any of its parts)."""
+    return [f for f in FIELD_PARTS if any(MODULES[m][0] == f for m in modules if m in MODULES)]
+
+
+def vocab_slot(
+    adapter: Adapter | None, module: str, rows: int, hidden: int, max_rank: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """A and B of the embedding's or the LM head's stacks for a slot holding `adapter` (rows: the
+    embedding's, V)."""
+    a = np.zeros((rows, max_rank) if module == "embed_tokens" else (hidden, max_rank), np.float32)
+    b = np.zeros((max_rank, hidden) if module == "embed_tokens" else (max_rank, rows), np.float32)
+    pair = None if adapter is None else adapter.vocab.get(module)
+    if adapter is not None and pair is not None:
+        lora_a, lora_b = pair  # A [r, in], B [out, r]
+        r = lora_a.shape[0]
+        a[: lora_a.shape[1], :r] = lora_a.T
+        b[:r, : lora_b.shape[0]] = lora_b.T * adapter.scale
+    return a.astype(dtype), b.astype(dtype)
 
 
 def slot_shapes(config: ModelConfig, max_rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -23,8 +23,9 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.quant import einsum, embedding_rows
+from jaxinfer.quant import einsum
 from jaxinfer.quant.kv_cache import QuantizedKVCache
+from jaxinfer.quant.lora_vocab import vocab_rows
 from jaxinfer.quant.out_first import OutFirstWeight, to_out_first
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.reference import write_kv
@@ -160,7 +161,7 @@ def decoder_stack(
 ) -> tuple[jax.Array, tuple[KVCache, ...]]:
     """Embedding, then `layer_fn(x, layer, kv_cache, cos, sin, meta, config, attn_impl)` for each
     layer in order (each writes its K/V pages), then the final norm: (hidden [T, E], caches)."""
-    x = embedding_rows(params.embed, tokens)  # [T, E]; a quantized embedding dequantizes these rows
+    x = vocab_rows(params.embed, tokens)  # [T, E]; a quantized embedding dequantizes these rows
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
     new_caches = []
     layer_call = traced_once(layer_fn)

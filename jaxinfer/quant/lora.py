@@ -8,7 +8,7 @@ into `b`). A fused weight's P modules (q|k|v: 3, gate|up: 2) keep their A's side
 a's last axis and share b's R rows, each module's B written in its own output columns (q's in
 the query-head columns of each KV head, k's and v's in the two after them; gate's and up's in
 their halves), so no zero blocks are stored or read. The step binds the one-hot `mask` [T, S]
-of each token's slot (`bind`); an unbound weight (mask None) is its base alone. `quant.einsum`
+of each token's slot (quant/lora_bind.py); an unbound weight (mask None) is its base alone. `quant.einsum`
 then computes, for every token,
 
     base product + select_p(((x @ a[s])_p masked to the token's slot s) @ b[s])   (grouped einsums)
@@ -87,36 +87,26 @@ def _unflatten(static: tuple[str, int, int], children: Any) -> LoraWeight:
     return LoraWeight(base, a, b, field, mask, parts, part_axis)
 
 
-def is_lora(w: Any) -> bool:
-    return isinstance(w, LoraWeight)
-
-
-def bind(params: Any, slots: jax.Array | None) -> Any:
-    """The parameter tree with every LoraWeight bound to the tokens' adapter slots: `slots`
-    i32[T] (0: no adapter, i >= 1: device slot i). None: the tree as it is."""
-    if slots is None:
-        return params
-
-    def bound(w: Any) -> Any:
-        if not isinstance(w, LoraWeight):
-            return w
-        one_hot = slots[:, None] == jnp.arange(1, w.a.shape[0] + 1, dtype=slots.dtype)[None, :]  # [T, S]
-        return w.bound(one_hot.astype(w.a.dtype))
-
-    return jax.tree.map(bound, params, is_leaf=is_lora)
+def one_hot_slots(slots: jax.Array, num_slots: int, dtype: Any) -> jax.Array:
+    """[T, S] one-hot of each row's device slot (slot 0, no adapter: all zeros)."""
+    return (slots[:, None] == jnp.arange(1, num_slots + 1, dtype=slots.dtype)[None, :]).astype(dtype)
 
 
 def with_lora(spec: str, x: jax.Array, w: LoraWeight, y: jax.Array) -> jax.Array:
-    """y (the base product) plus the adapters' share. Where no token of the batch has an adapter
-    the share is skipped by a conditional (a batch of base-model requests pays nothing for
-    LoRA), except on GPUs, where each conditional would hold the launching thread until the
-    device reaches it (worker/step_variants.py's greedy twin): there the share is always added."""
-    if jax.default_backend() == "gpu":
-        return y + lora_delta(spec, x, w).astype(y.dtype)
-    mask = w.mask
-    if mask is None:
+    """y (the base product) plus the adapters' share (einsum(spec, x, w)'s)."""
+    if w.mask is None:
         return y
-    return jax.lax.cond(mask.any(), lambda: y + lora_delta(spec, x, w).astype(y.dtype), lambda: y)
+    return skipped_unless_adapted(w.mask, y, lambda: lora_delta(spec, x, w))
+
+
+def skipped_unless_adapted(mask: jax.Array, y: jax.Array, share: Any) -> jax.Array:
+    """y + share() (an adapters' share, computed for the rows of `mask` [N, S]). Where no row of
+    the batch has an adapter the share is skipped by a conditional (a batch of base-model requests
+    pays nothing for LoRA), except on GPUs, where each conditional would hold the launching thread
+    until the device reaches it (worker/step_variants.py's greedy twin): there it is always added."""
+    if jax.default_backend() == "gpu":
+        return y + share().astype(y.dtype)
+    return jax.lax.cond(mask.any(), lambda: y + share().astype(y.dtype), lambda: y)
 
 
 def lora_delta(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:

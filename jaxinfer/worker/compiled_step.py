@@ -202,10 +202,11 @@ class CompiledStep:
     ) -> StepOutput | Future[StepOutput]:
         """The second half: LM head and sampling with `inputs.sampling` as it is now (its
         allowed-token bits may have been filled after `dispatch_forward`)."""
+        rows = None if inputs.lora_slots is None else inputs.lora_slots[inputs.logits_indices]  # LM head LoRA
 
         def launch(sampling: SamplingArrays[HostOrDevice]) -> SamplerOutput:
             with self.state.mesh_context():
-                out, self._prev_tokens = self._sample(self.state.params, landed(hidden), sampling)
+                out, self._prev_tokens = self._sample(self.state.params, landed(hidden), sampling, rows)
             return out
 
         return self.launcher.submit(

@@ -106,7 +106,7 @@ class DeviceState:
         embedding table's), else replicated over the mesh."""
         if self.mesh is not None:
             return NamedSharding(self.mesh, P())
-        return SingleDeviceSharding(next(iter(self.params.embed.devices())))
+        return SingleDeviceSharding(next(iter(jax.tree.leaves(self.params.embed)[0].devices())))
 
     @property
     def local_device(self) -> jax.Device:

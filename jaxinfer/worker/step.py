@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.registry import KVCaches, ModelFamily, ModelParams
-from jaxinfer.quant.lora import bind
+from jaxinfer.quant.lora_bind import bind, bind_head
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.params import MAX_LOGPROBS
 from jaxinfer.sampling.prompt_logprobs import prompt_logprobs
@@ -54,15 +54,17 @@ def step(
     step (inputs with drafts) returns a VerifyOutput."""
     every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens, page_table)
     hidden = every_row[inputs.logits_indices]
+    row_slots = None if inputs.lora_slots is None else inputs.lora_slots[inputs.logits_indices]
     if inputs.spec is not None:
-        verified, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampled(), inputs.spec)
+        verified, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampled(), inputs.spec, row_slots)
         return verified, kv_caches, sampled
-    out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampled())
+    out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampled(), row_slots)
     if inputs.prompt is not None:
+        every_head = bind_head(params, inputs.lora_slots)  # every row is scored
         out = dataclasses.replace(
             out,
             prompt=prompt_logprobs(
-                functools.partial(family.compute_logits, params), every_row, inputs.prompt, MAX_LOGPROBS
+                functools.partial(family.compute_logits, every_head), every_row, inputs.prompt, MAX_LOGPROBS
             ),
         )
     return out, kv_caches, sampled
@@ -103,11 +105,16 @@ def _forward(
 
 
 def sample_part(
-    family: ModelFamily, max_seqs: int, params: ModelParams, hidden: jax.Array, sampling: SamplingArrays[jax.Array]
+    family: ModelFamily,
+    max_seqs: int,
+    params: ModelParams,
+    hidden: jax.Array,
+    sampling: SamplingArrays[jax.Array],
+    row_slots: jax.Array | None = None,
 ) -> tuple[SamplerOutput, jax.Array]:
     """Logits of the rows [S, E] and one token each; the tokens also padded to [max_seqs] for
-    the next step's placeholders."""
-    logits = family.compute_logits(params, hidden)  # [S, V]
+    the next step's placeholders. row_slots i32[S]: the rows' LoRA slots (None: LoRA off)."""
+    logits = family.compute_logits(bind_head(params, row_slots), hidden)  # [S, V]
     out = sample(logits, sampling, num_top_logprobs=MAX_LOGPROBS)
     sampled = jnp.zeros((max_seqs,), jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
     return out, sampled
@@ -120,9 +127,10 @@ def verify_part(
     hidden: jax.Array,
     sampling: SamplingArrays[jax.Array],
     spec: SpecInputs[jax.Array],
+    row_slots: jax.Array | None = None,
 ) -> tuple[VerifyOutput, jax.Array]:
     """hidden [S*(K+1), E]: each sequence's last known token and drafts -> VerifyOutput [S, K+1]."""
-    logits = family.compute_logits(params, hidden)  # [S*(K+1), V]
+    logits = family.compute_logits(bind_head(params, row_slots), hidden)  # [S*(K+1), V]
     out = verify(logits, sampling, spec, num_top_logprobs=MAX_LOGPROBS)
     last = last_tokens(out)  # [S]
     return out, jnp.zeros((max_seqs,), jnp.int32).at[: last.shape[0]].set(last)

@@ -20,7 +20,7 @@ import grpc
 
 from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.lora.manager import LoraManager
-from jaxinfer.lora.peft import AdapterError, read_adapter
+from jaxinfer.lora.peft import AdapterError
 from jaxinfer.lora.registry import AdapterEntry
 from jaxinfer.lora.request import LoRARequest
 from serving.engine_loop import EngineLoop
@@ -73,11 +73,8 @@ class LoraCalls:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"lora_name {request.lora_name!r} is the base model's name"
             )
-        engine = self._engine_loop.engine
         try:
-            adapter = await self._in_worker(
-                read_adapter, request.lora_path, engine.model.config, engine.config.lora.max_lora_rank
-            )
+            adapter = await self._in_worker(manager.registry.read, request.lora_path)
             return await asyncio.wrap_future(
                 self._engine_loop.call(lambda e: _card(manager.load(request.lora_name, request.lora_path, adapter)))
             )

@@ -19,7 +19,7 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from jaxinfer.lora.peft import AdapterError, read_adapter
+from jaxinfer.lora.peft import AdapterError
 from serving.openai.errors import APIError, bad_request
 from serving.openai.handlers import ApiContext, parse
 from serving.openai.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
@@ -52,9 +52,8 @@ class LoraEndpoints:
             raise bad_request(None, "LoRA adapters are not enabled on this server (--enable-lora)")
         if req.lora_name == self.ctx.model_name:
             raise bad_request("lora_name", f"lora_name {req.lora_name!r} is the base model's name")
-        lora = engine.config.lora
         try:
-            adapter = await self.ctx.in_worker(read_adapter, req.lora_path, engine.model.config, lora.max_lora_rank)
+            adapter = await self.ctx.in_worker(manager.registry.read, req.lora_path)
             entry = await asyncio.wrap_future(
                 self.ctx.engine_loop.call(lambda e: manager.load(req.lora_name, req.lora_path, adapter))
             )

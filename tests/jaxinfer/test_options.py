@@ -70,6 +70,8 @@ def sample(d: Declared) -> tuple[list[str], object]:
         return [flag, text], value
     if form == CSV:
         return [flag, "1,512"], (1, 512)
+    if form == LIST and d.name == "lora_target_modules":  # --lora-target-modules lm_head q_proj
+        return [flag, "lm_head", "q_proj"], ("q_proj", "lm_head")
     if form == LIST:  # --lora-modules A=/x B=/y
         return [flag, "a=/x", '{"name": "b", "path": "/y"}'], (LoraModule("a", "/x"), LoraModule("b", "/y"))
     if d.option.choices:

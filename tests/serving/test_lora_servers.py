@@ -234,7 +234,9 @@ def test_the_schema_documents_the_lora_routes_where_served():
 
 # --- bad adapters -------------------------------------------------------------------------------
 def _dims(hidden: int = 64) -> dict[str, tuple[int, int]]:
-    config = types.SimpleNamespace(hidden_size=hidden, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128)
+    config = types.SimpleNamespace(
+        hidden_size=hidden, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=512
+    )
     return module_shapes(config)
 
 
@@ -287,7 +289,7 @@ BAD = {  # how to make it -> what the message says
     "truncated safetensors": (_truncated, "truncated"),
     "rank above max_lora_rank": (_random(r=16), "rank 16 is above max_lora_rank=8"),
     "another model's shapes": (_random(hidden=96), "do not match the base model"),
-    "lm_head tensors": (_lm_head, "'base_model.model.lm_head.lora_A.weight' is not a LoRA A/B weight"),
+    "lm_head without its slots": (_lm_head, "adapts lm_head (base_model.model.lm_head.lora_A.weight), which the"),
 }
 
 

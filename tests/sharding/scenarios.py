@@ -344,7 +344,7 @@ def scenario_lora(*meshes: str) -> dict:
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, 512, n).tolist() for n in (3, 19, 41)]
     requests = [(p, name, path) for p in prompts for name, path in [*adapters.items(), (None, None)]]
-    options = dict(ENGINE, num_pages=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    options = dict(ENGINE, num_pages=64, enable_lora=True, max_loras=2, max_lora_rank=8, lora_target_modules=["all"])
     single = Engine(load_model(model_dir, dtype="float32", with_tokenizer=False), EngineConfig(**options))
     alone = [greedy_runs(single, [r], 8)[0] for r in requests]
     out = {"distinct": len({tuple(a) for a in alone}), "num_requests": len(requests)}
@@ -358,6 +358,8 @@ def scenario_lora(*meshes: str) -> dict:
             "recompiled": engine.worker.num_compiled() - compiled,
             "loads": engine.lora.num_loads,
             "b_shard": list(engine.worker.state.params.layers[0].w_qkv.b.addressable_shards[0].data.shape),
+            "head_b_shard": list(engine.worker.state.params.embed.head_b.addressable_shards[0].data.shape),
+            "embed_a_shard": list(engine.worker.state.params.embed.embed_a.addressable_shards[0].data.shape),
         }
     return out
 

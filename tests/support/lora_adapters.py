@@ -8,7 +8,15 @@ for each layer i and target module m, float32
     base_model.model.model.layers.{i}.{self_attn|mlp}.{m}.lora_A.weight   [r, in_features]
     base_model.model.model.layers.{i}.{self_attn|mlp}.{m}.lora_B.weight   [out_features, r]
 
-with metadata {"format": "pt"}. PEFT adds `scaling * B @ A` to the module's weight, where scaling is
+and for the embedding and the LM head, when targeted,
+
+    base_model.model.model.embed_tokens.lora_embedding_A   [r, vocab]
+    base_model.model.model.embed_tokens.lora_embedding_B   [hidden, r]
+    base_model.model.lm_head.lora_A.weight                 [r, hidden]
+    base_model.model.lm_head.lora_B.weight                 [vocab, r]
+
+with metadata {"format": "pt"} (without the copies of their base weights PEFT adds by default:
+save_embedding_layers=False). PEFT adds `scaling * B @ A` to the module's weight, where scaling is
 lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
 
 tools/make_lora_reference.py (Python 3.11, torch + PEFT) loads such an adapter with
@@ -18,9 +26,10 @@ torch) call this module with those arguments to regenerate the identical adapter
 committing it. Depends on numpy, safetensors and json only.
 
 The weights are deterministic given the seed: `numpy.random.default_rng(seed)` draws, for layer 0,
-1, ... and within a layer for each module in `target_modules` order, A then B (float64 standard
-normals, cast to float32): A with std 1/sqrt(in_features), so A @ x keeps the size of x, and B with
-std scale/sqrt(r), so the branch B @ A @ x is about `scale` times x (before PEFT's scaling).
+1, ... and within a layer for each module in `target_modules` order, A then B, then the embedding's
+and the LM head's (float64 standard normals, cast to float32): A with std 1/sqrt(in_features), so
+A @ x keeps the size of x, and B with std scale/sqrt(r), so the branch B @ A @ x is about `scale`
+times x (before PEFT's scaling; the embedding's A is a lookup, std 1, its B a tenth of that).
 """
 
 from __future__ import annotations
@@ -44,6 +53,13 @@ LLAMA_MODULE_PARENTS = {
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
+}
+VOCAB_NAMES = {  # the embedding's and the LM head's A and B, as PEFT names them
+    "embed_tokens": (
+        "base_model.model.model.embed_tokens.lora_embedding_A",
+        "base_model.model.model.embed_tokens.lora_embedding_B",
+    ),
+    "lm_head": ("base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"),
 }
 PEFT_VERSION = "0.21.2"  # the PEFT whose save_pretrained output this matches key for key
 DEFAULT_SCALE = 0.3  # SmolLM2-135M: 0.3 changes its answer, 0.5 turns it into noise
@@ -122,13 +138,26 @@ def random_lora_weights(
     """The adapter's tensors by PEFT name (see the module docstring for the draw order)."""
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
-    for layer in range(num_layers):
-        for module in target_modules:
-            in_features, out_features = (int(d) for d in dims[module])
+
+    def draw(module: str) -> tuple[np.ndarray, np.ndarray]:
+        in_features, out_features = (int(d) for d in dims[module])
+        if module == "embed_tokens":  # a token picks one column of A: keep B @ A[:, t] about `scale`
+            a = rng.standard_normal((r, in_features))
+            b = rng.standard_normal((out_features, r)) * (scale / math.sqrt(r) / 10)
+        else:
             a = rng.standard_normal((r, in_features)) / math.sqrt(in_features)
             b = rng.standard_normal((out_features, r)) * (scale / math.sqrt(r))
-            tensors[lora_tensor_name(layer, module, "lora_A")] = a.astype(np.float32)
-            tensors[lora_tensor_name(layer, module, "lora_B")] = b.astype(np.float32)
+        return a.astype(np.float32), b.astype(np.float32)
+
+    for layer in range(num_layers):
+        for module in target_modules:
+            if module in LLAMA_MODULE_PARENTS:
+                a, b = draw(module)
+                tensors[lora_tensor_name(layer, module, "lora_A")] = a
+                tensors[lora_tensor_name(layer, module, "lora_B")] = b
+    for module, names in VOCAB_NAMES.items():
+        if module in target_modules:
+            tensors[names[0]], tensors[names[1]] = draw(module)
     return tensors
 
 
@@ -148,9 +177,9 @@ def write_random_adapter(
     """Writes a random PEFT LoRA adapter for a LlamaForCausalLM into the directory `path` (created
     if missing) and returns it. dims: module name -> (in_features, out_features), for at least the
     target modules (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
-    unknown = sorted(set(target_modules) - set(LLAMA_MODULE_PARENTS))
+    unknown = sorted(set(target_modules) - set(LLAMA_MODULE_PARENTS) - set(VOCAB_NAMES))
     if unknown:
-        raise ValueError(f"unknown target modules {unknown}; known: {sorted(LLAMA_MODULE_PARENTS)}")
+        raise ValueError(f"unknown target modules {unknown}; known: {sorted([*LLAMA_MODULE_PARENTS, *VOCAB_NAMES])}")
     if len(set(target_modules)) != len(target_modules):
         raise ValueError(f"repeated target modules: {list(target_modules)}")
     out = Path(path)

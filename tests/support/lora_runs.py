@@ -16,15 +16,19 @@ from lora_adapters import write_random_adapter
 from safetensors.numpy import save_file
 
 from jaxinfer.config import LoraConfig, ModelConfig
+from jaxinfer.config.lora import LINEAR_MODULES
 from jaxinfer.lora import LoRARequest
 from jaxinfer.lora.peft import module_shapes
-from jaxinfer.lora.stacking import layer_slot
-from jaxinfer.quant.lora import LoraWeight, bind
+from jaxinfer.lora.stacking import layer_slot, vocab_slot
+from jaxinfer.quant.lora import LoraWeight
+from jaxinfer.quant.lora_bind import bind, bind_head
+from jaxinfer.quant.lora_vocab import VocabLora
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.worker.lora_state import attach
 
-# 6 query heads over 3 KV heads: tensor=3 gives each shard one KV head and two query heads.
-TRIPLE = dict(hidden=48, heads=6, kv_heads=3, head_dim=16, mlp=96, vocab=512, layers=2)
+# 6 query heads over 3 KV heads: tensor=3 gives each shard one KV head and two query heads; the
+# vocabulary splits over tensor=3 and 6 too.
+TRIPLE = dict(hidden=48, heads=6, kv_heads=3, head_dim=16, mlp=96, vocab=768, layers=2)
 
 
 def write_triple_checkpoint(path: Path, seed: int = 0) -> Path:
@@ -73,8 +77,8 @@ def write_triple_checkpoint(path: Path, seed: int = 0) -> Path:
 
 
 def write_triple_adapters(root: Path, model_dir: Path, n: int = 3) -> dict[str, str]:
-    """`n` random adapters (ranks 8, 4, 2, ...; all seven modules) over the checkpoint in
-    `model_dir` (write_triple_checkpoint's): {name: path}."""
+    """`n` random adapters (ranks 8, 4, 2, ...; all seven modules, and the first the embedding and
+    the LM head too) over the checkpoint in `model_dir` (write_triple_checkpoint's): {name: path}."""
     c = TRIPLE
     config = ModelConfig.from_hf_file(model_dir / "config.json")
     dims = module_shapes(config)
@@ -85,7 +89,7 @@ def write_triple_adapters(root: Path, model_dir: Path, n: int = 3) -> dict[str, 
             root / f"a{i}",
             num_layers=c["layers"],
             dims=dims,
-            target_modules=list(dims),
+            target_modules=list(dims) if i == 0 else list(LINEAR_MODULES),
             r=r,
             lora_alpha=2 * r,
             use_rslora=bool(i % 2),
@@ -109,12 +113,12 @@ def greedy_runs(engine, requests: list[tuple[list[int], str | None, str | None]]
     return [results[str(i)] for i in range(len(requests))]
 
 
-def with_adapters(model, adapters: dict, max_loras: int = 3, max_rank: int = 16):
-    """The model's params with `adapters` ({slot: Adapter}) written into their slots."""
+def with_adapters(model, adapters: dict, max_loras: int = 3, max_rank: int = 16, targets=None):
+    """The model's params with `adapters` ({slot: Adapter}) written into their slots (`targets`:
+    LoraConfig.lora_target_modules; the embedding's and LM head's stacks where it names them)."""
     dtype = np.dtype(model.params.embed.dtype)
-    params = attach(
-        model.params, model.config, LoraConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_rank), dtype
-    )
+    lora = LoraConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_rank, lora_target_modules=targets)
+    params = attach(model.params, model.config, lora, dtype)
     layers = []
     for i, layer in enumerate(params.layers):
         changes = {}
@@ -125,7 +129,18 @@ def with_adapters(model, adapters: dict, max_loras: int = 3, max_rank: int = 16)
                     a[slot - 1], b[slot - 1] = layer_slot(adapter, model.config, max_rank, i, dtype)[name]
                 changes[name] = dataclasses.replace(w, a=jnp.asarray(a), b=jnp.asarray(b))
         layers.append(dataclasses.replace(layer, **changes))
-    return dataclasses.replace(params, layers=tuple(layers))
+    params = dataclasses.replace(params, layers=tuple(layers))
+    if isinstance(params.embed, VocabLora):
+        stacks = {}
+        for module, a, b in params.embed.stacks():
+            a, b = a.copy(), b.copy()
+            for slot, adapter in adapters.items():
+                rows = params.embed.shape[0]
+                a[slot - 1], b[slot - 1] = vocab_slot(adapter, module, rows, model.config.hidden_size, max_rank, dtype)
+            names = ("embed_a", "embed_b") if module == "embed_tokens" else ("head_a", "head_b")
+            stacks.update({names[0]: jnp.asarray(a), names[1]: jnp.asarray(b)})
+        params = dataclasses.replace(params, embed=dataclasses.replace(params.embed, **stacks))
+    return params
 
 
 @dataclasses.dataclass
@@ -140,4 +155,4 @@ class InSlot:
         return self.family.forward(bind(params, slots), config, tokens, positions, kv, meta, **kw)
 
     def compute_logits(self, params, hidden):
-        return self.family.compute_logits(params, hidden)
+        return self.family.compute_logits(bind_head(params, jnp.full(hidden.shape[:1], self.slot, jnp.int32)), hidden)

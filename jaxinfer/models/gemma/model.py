@@ -34,6 +34,7 @@ from jaxinfer.config.sources import is_sliding_layer
 from jaxinfer.models import layers as L
 from jaxinfer.models.llama import model as llama
 from jaxinfer.quant import einsum
+from jaxinfer.quant.lora_vocab import vocab_rows
 
 
 @flax.struct.dataclass
@@ -185,8 +186,8 @@ def forward(
     """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple)."""
-    embed = params.embed
-    x = embed[tokens] * jnp.asarray(math.sqrt(config.hidden_size), jnp.float32).astype(embed.dtype)  # [T, E]
+    embed = params.embed  # the normalizer also scales an embedding adapter's share, as PEFT's Gemma embedding does
+    x = vocab_rows(embed, tokens) * jnp.asarray(math.sqrt(config.hidden_size), jnp.float32).astype(embed.dtype)
     rope_global = L.rope_cos_sin(positions, L.rope_inv_freq(config))
     local = _local_config(config)
     rope_local = rope_global if local is config else L.rope_cos_sin(positions, L.rope_inv_freq(local))

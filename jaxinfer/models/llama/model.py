@@ -29,6 +29,7 @@ from jax.typing import DTypeLike
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
 from jaxinfer.quant import einsum, fuse
+from jaxinfer.quant.lora_vocab import head_logits, unwrapped
 
 
 @flax.struct.dataclass
@@ -273,9 +274,10 @@ def forward(
 
 
 def compute_logits(params: L.LMHead, hidden: jax.Array) -> jax.Array:
-    """hidden [N, E] -> logits f32[N, V]."""
+    """hidden [N, E] -> logits f32[N, V]; with LoRA adapters of the LM head (the embedding leaf a
+    VocabLora, quant/lora_vocab.py), each row's adapter share added."""
     if params.lm_head is None:
-        logits = einsum("ne,ve->nv", hidden, params.embed)
+        logits = einsum("ne,ve->nv", hidden, unwrapped(params.embed))
     else:
         logits = einsum("ne,ev->nv", hidden, params.lm_head)
-    return logits.astype(jnp.float32)
+    return head_logits(params.embed, hidden, logits).astype(jnp.float32)

@@ -22,7 +22,8 @@ from jaxinfer.loader import load_model
 from jaxinfer.lora import LoRARequest
 from jaxinfer.lora.manager import lora_entry
 from jaxinfer.quant import QuantConfig, einsum, quantize_field
-from jaxinfer.quant.lora import LoraWeight, bind
+from jaxinfer.quant.lora import LoraWeight
+from jaxinfer.quant.lora_bind import bind
 from jaxinfer.sampling import SamplingParams
 
 LORA = FIXTURES / "lora"

@@ -11,10 +11,11 @@ from lora_adapters import write_random_adapter
 from testpaths import FIXTURES
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.config.lora import LoraModule
+from jaxinfer.config.lora import LINEAR_MODULES, LoraModule
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.kv import KVCacheManager
 from jaxinfer.lora import AdapterError, AdapterRegistry, AdapterSlots, LoRARequest, read_adapter
+from jaxinfer.lora.peft import adapted_modules
 from jaxinfer.lora.stacking import layer_slot, slot_shapes
 from jaxinfer.sampling.params import SamplingParams
 
@@ -107,10 +108,20 @@ def test_rank_shape_and_module_mismatches_are_refused(config, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(head / "adapter_model.safetensors")
-    tensors["base_model.model.lm_head.lora_A.weight"] = np.zeros((4, 64), np.float32)
+    tensors["base_model.model.lm_head.lora_A.weight"] = np.ones((4, 64), np.float32)
     save_file(tensors, head / "adapter_model.safetensors")
-    with pytest.raises(AdapterError, match="lm_head.*not supported"):
+    with pytest.raises(AdapterError, match="lm_head: has lora_A but not both"):
         read_adapter(head, config, max_rank=16)
+    tensors["base_model.model.lm_head.lora_B.weight"] = np.ones((config.vocab_size + 1, 4), np.float32)
+    save_file(tensors, head / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"lm_head: lora_A \(4, 64\) / lora_B .*another model"):
+        read_adapter(head, config, max_rank=16)
+    tensors["base_model.model.lm_head.lora_B.weight"] = np.ones((config.vocab_size, 4), np.float32)
+    save_file(tensors, head / "adapter_model.safetensors")
+    assert read_adapter(head, config, max_rank=16).target_modules[-1] == "lm_head"
+    assert adapted_modules(head) == {*LINEAR_MODULES, "lm_head"}
+    with pytest.raises(AdapterError, match="adapts lm_head .*slots do not hold.*--lora-target-modules"):
+        read_adapter(head, config, max_rank=16, modules=LINEAR_MODULES)
     moe = ModelConfig.from_hf_file(FIXTURES / "hf" / "mixtral" / "config.json")
     with pytest.raises(AdapterError):  # experts are not adapted (here the shapes differ too)
         read_adapter(ADAPTER, moe, max_rank=16)
@@ -243,3 +254,21 @@ def test_combinations_not_served_are_refused_at_start_up(config):
         build_manager(lora, config, write, None, True)
     manager = build_manager(LoraConfig(lora_modules=[f"a={ADAPTER}"]), config, write, None, False)
     assert [e.name for e in manager.adapters] == ["a"] and manager.requests_per_adapter() == {"a": 0}
+
+
+def test_target_modules_the_slots_hold():
+    """lora_target_modules names them ('all': the nine); by default the seven linear modules, and
+    the embedding and the LM head where an adapter named at start-up adapts them."""
+    from jaxinfer.config import LoraConfig
+    from jaxinfer.config.lora import TARGET_MODULES
+    from jaxinfer.lora.stacking import served_fields, served_modules
+
+    vocab = FIXTURES / "lora" / "llama3_vocab_r8"
+    assert served_modules(LoraConfig(enable_lora=True)) == LINEAR_MODULES
+    assert served_modules(LoraConfig(lora_modules=[f"v={vocab}"])) == TARGET_MODULES
+    assert served_modules(LoraConfig(lora_modules=[f"v={vocab / 'missing'}"])) == LINEAR_MODULES
+    assert served_modules(LoraConfig(lora_target_modules=["all"])) == TARGET_MODULES
+    held = LoraConfig(lora_target_modules=["lm_head", "v_proj", "down_proj"]).lora_target_modules
+    assert held == ("v_proj", "down_proj", "lm_head") and served_fields(held) == ["w_qkv", "w_down"]
+    with pytest.raises(ValueError, match=r"lora_target_modules=\['lm_head', 'wq'\]: expected 'all' or names among"):
+        EngineConfig(lora_target_modules=["lm_head", "wq"])

@@ -15,12 +15,12 @@ from jaxinfer.lora import AdapterError
 LORA = FIXTURES / "lora"
 
 
-def test_merged_checkpoint_matches_peft(tmp_path):
+@pytest.mark.parametrize("name", ["llama3_all_r8", "llama3_vocab_r8"])
+def test_merged_checkpoint_matches_peft(tmp_path, name):
+    """llama3_vocab_r8 adapts the embedding and the (untied) LM head too."""
     dst = tmp_path / "merged"
-    assert (
-        main(["convert", str(FIXTURES / "hf" / "llama3"), str(dst), "--lora", str(LORA / "llama3_all_r8"), "-q"]) == 0
-    )
-    golden = np.load(LORA / "llama3_all_r8" / "golden.npz")
+    assert main(["convert", str(FIXTURES / "hf" / "llama3"), str(dst), "--lora", str(LORA / name), "-q"]) == 0
+    golden = np.load(LORA / name / "golden.npz")
     model = load_model(dst, dtype="float32", with_tokenizer=False)
     seq = SingleSequence(model.family, model.config, model.params, max_len=len(golden["prompt"]) + 40)
     logits, greedy = seq.greedy(golden["prompt"], len(golden["greedy"]))
@@ -33,6 +33,8 @@ def test_merge_refusals(tmp_path):
         convert(smollm2_gguf_path(), tmp_path / "a", lora=LORA / "llama3_all_r8", progress=False)
     with pytest.raises(AdapterError, match="another model"):
         convert(FIXTURES / "hf" / "qwen2", tmp_path / "b", lora=LORA / "llama3_all_r8", progress=False)
+    with pytest.raises(AdapterError, match="ties its LM head to the embedding, so the adapter's embed_tokens cannot"):
+        convert(FIXTURES / "hf" / "gemma3", tmp_path / "c", lora=LORA / "gemma3_vocab_r4", progress=False)
 
 
 FAMILIES = {  # fixture: modules adapted (a mixture's experts are not)

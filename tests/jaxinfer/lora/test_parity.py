@@ -1,7 +1,9 @@
 """LoRA forward passes against HF transformers + PEFT (golden files of tools/make_lora_reference.py):
 random adapters over the tiny Llama and Qwen2 checkpoints (all seven modules at rank 8 with and
-without rsLoRA, q|v only at rank 4, attention only over Qwen2's biases) and a random rank-16
-adapter over SmolLM2-135M; logits within float32 tolerance, greedy tokens equal.
+without rsLoRA, q|v only at rank 4, attention only over Qwen2's biases), the embedding and the
+LM head adapted too (over Llama, its LM head untied and PEFT's copies of the base weights in
+the file; over Gemma 3, its LM head tied and its embedding scaled) and a random rank-16 adapter
+over SmolLM2-135M; logits within float32 tolerance, greedy tokens equal.
 
 The model runs with the adapter in one slot of the stacked device slots (other slots empty, or
 holding another adapter) and every token bound to that slot, as the engine's step binds them."""
@@ -16,6 +18,7 @@ from lora_runs import InSlot, with_adapters
 from model_harness import SingleSequence
 from testpaths import FIXTURES, smollm2_gguf_path
 
+from jaxinfer.config.lora import TARGET_MODULES
 from jaxinfer.loader import load_model
 from jaxinfer.lora import read_adapter
 
@@ -25,7 +28,10 @@ CASES = [
     ("llama3", "llama3_all_r8_rslora"),
     ("llama3", "llama3_qv_r4"),
     ("qwen2", "qwen2_attn_r8"),
+    ("llama3", "llama3_vocab_r8"),
+    ("gemma3", "gemma3_vocab_r4"),
 ]
+VOCAB = {"llama3_vocab_r8", "gemma3_vocab_r4"}
 
 
 @functools.cache
@@ -42,7 +48,7 @@ def test_logits_and_greedy_match_peft(base, name):
         LORA / "llama3_qv_r4" if name != "llama3_qv_r4" else LORA / "llama3_all_r8", _model("llama3").config, 16
     )
     slots = {2: adapter} if base != "llama3" else {1: other, 2: adapter}  # a neighbour in another slot
-    params = with_adapters(model, slots)
+    params = with_adapters(model, slots, targets=TARGET_MODULES if name in VOCAB else None)
     prompt = golden["prompt"]
     seq = SingleSequence(InSlot(model.family, 2), model.config, params, max_len=len(prompt) + 40)
     logits, greedy = seq.greedy(prompt, len(golden["greedy"]))
