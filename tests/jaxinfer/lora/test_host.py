@@ -4,6 +4,7 @@ admission when every slot is in use."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -272,3 +273,20 @@ def test_target_modules_the_slots_hold():
     assert held == ("v_proj", "down_proj", "lm_head") and served_fields(held) == ["w_qkv", "w_down"]
     with pytest.raises(ValueError, match=r"lora_target_modules=\['lm_head', 'wq'\]: expected 'all' or names among"):
         EngineConfig(lora_target_modules=["lm_head", "wq"])
+
+
+def test_embedding_and_lm_head_adapters_are_read(config, tmp_path):
+    """PEFT's names and shapes for the embedding (lora_embedding_A [r, vocab], lora_embedding_B
+    [hidden, r]) and the LM head; the base weights PEFT saves beside them are checked, not read."""
+    from safetensors.numpy import load_file, save_file
+
+    vocab = FIXTURES / "lora" / "llama3_vocab_r8"
+    adapter = read_adapter(vocab, config, max_rank=8)
+    assert adapter.target_modules[-2:] == ["embed_tokens", "lm_head"] and len(adapter.weights) == 2 * 7
+    assert [adapter.vocab[m][0].shape for m in ("embed_tokens", "lm_head")] == [(8, 512), (8, 64)]
+    copy = Path(shutil.copytree(vocab, tmp_path / "resized"))
+    tensors = load_file(copy / "adapter_model.safetensors")
+    tensors["base_model.model.model.embed_tokens.base_layer.weight"] = np.zeros((520, 64), np.float32)
+    save_file(tensors, copy / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"embed_tokens.base_layer.weight has shape \(520, 64\), not the base"):
+        read_adapter(copy, config, max_rank=8)
