@@ -38,15 +38,10 @@ import numpy as np
 Weight = Any
 
 
-@dataclasses.dataclass(frozen=True)
-class LoraWeight:
+class WrapsWeight:
+    """A weight with adapters beside it: it has its base weight's shape and dtype."""
+
     base: Weight
-    a: Any  # [S, in..., R] (jax.Array; numpy before placement)
-    b: Any  # [S, R, out...]
-    field: str  # the layer field it fills (static): names its leaves
-    mask: jax.Array | None = None  # [T, S] one-hot slot of each token (bound in the step)
-    parts: int = 1  # modules fused in the weight (static): 3 for q|k|v, 2 for gate|up
-    part_axis: int = 0  # the output axis their columns split along (static), counted in out...
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -55,6 +50,17 @@ class LoraWeight:
     @property
     def dtype(self) -> Any:
         return self.base.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraWeight(WrapsWeight):
+    base: Weight
+    a: Any  # [S, in..., R] (jax.Array; numpy before placement)
+    b: Any  # [S, R, out...]
+    field: str  # the layer field it fills (static): names its leaves
+    mask: jax.Array | None = None  # [T, S] one-hot slot of each token (bound in the step)
+    parts: int = 1  # modules fused in the weight (static): 3 for q|k|v, 2 for gate|up
+    part_axis: int = 0  # the output axis their columns split along (static), counted in out...
 
     def bound(self, mask: jax.Array | None) -> LoraWeight:
         return dataclasses.replace(self, mask=mask)

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant.lora import skipped_unless_adapted
+from jaxinfer.quant.lora import WrapsWeight, skipped_unless_adapted
 from jaxinfer.quant.weights import embedding_rows
 
 Weight = Any  # the embedding as the family holds it: an array or a QuantizedWeight
@@ -39,7 +39,7 @@ STACKS = ("embed_a", "embed_b", "head_a", "head_b")
 
 
 @dataclasses.dataclass(frozen=True)
-class VocabLora:
+class VocabLora(WrapsWeight):
     base: Weight  # [V, E]
     embed_a: Any = None  # [S, V, R]
     embed_b: Any = None  # [S, R, E]
@@ -47,14 +47,6 @@ class VocabLora:
     head_b: Any = None  # [S, R, V]
     mask: jax.Array | None = None  # [T, S] the tokens' slots, one-hot
     head_mask: jax.Array | None = None  # [N, S] the LM head rows' slots, one-hot
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.base.shape)
-
-    @property
-    def dtype(self) -> Any:
-        return self.base.dtype
 
     @property
     def num_slots(self) -> int:
