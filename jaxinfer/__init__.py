@@ -17,6 +17,8 @@ _EXPORTS = {
     "CompletionOutput": "jaxinfer.outputs",
     "load_model": "jaxinfer.loader",
     "LoRARequest": "jaxinfer.lora",
+    "BeamSearchParams": "jaxinfer.sampling.beam",
+    "BeamSearchOutput": "jaxinfer.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -7,10 +7,9 @@
         scheduler.advance(plan)                   # the step's tokens count as computed
         out    = previous.result()                # the step before lands meanwhile (async scheduling)
         scheduler.resolve(plan, out.tokens)       # append tokens, stop on eos / stop ids / strings / length
-        outputs.on_token / outputs.delta          # logprobs, text -> RequestOutput deltas
+        outputs.on_token / outputs.delta          # the OutputProcessor's: logprobs, text -> RequestOutput deltas
 
-Output building is the OutputProcessor's. Bad requests raise ValueError at add_request and
-leave every other request untouched.
+Bad requests raise ValueError at add_request; every other request is left untouched.
 
 Data parallelism (a mesh with data=N): N replicas, each with its own KVCacheManager and
 Scheduler. A new request goes to the replica with the least outstanding work (prompt + max_tokens
@@ -39,6 +38,7 @@ from jaxinfer.lora import LoRARequest
 from jaxinfer.lora.manager import build_manager, lora_entry
 from jaxinfer.output_processor import OutputProcessor, RequestState
 from jaxinfer.outputs import RequestMetrics, RequestOutput
+from jaxinfer.sampling.beam import BeamSearchParams
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.rejection import VerifyOutput
 from jaxinfer.sampling.sampler import SamplerOutput
@@ -91,7 +91,8 @@ class Engine:
         self.warm_up_seconds += self.worker.warm_up() + (self.speculator.warm_up() if self.speculator else 0.0)
 
     def _request_limits(self) -> RequestLimits:
-        sched, compiled = self.config.scheduler, self.config.compile
+        sched, compiled, eos = self.config.scheduler, self.config.compile, self.scheduler.eos_token_ids
+        no_beam = "speculative decoding is on" if self.config.speculative_config else None  # core/beam.py
         return RequestLimits(
             self.model.config.vocab_size,
             self.max_model_len,
@@ -101,13 +102,16 @@ class Engine:
             compiled.enable_prompt_logprobs,
             self.worker.page_size,
             self.kv_cache.num_usable_pages,
+            max_num_seqs=sched.max_num_seqs,
+            num_eos=len(eos),
+            no_beam_search="it runs on several hosts" if is_multiprocess() else no_beam,
         )
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(
         self,
         prompt: str | list[int] | CheckedRequest,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         *,
         request_id: str | None = None,
         priority: int = 0,
@@ -134,6 +138,7 @@ class Engine:
             priority=checked.priority,
             adapter=adapter.name if adapter else None,
             hash_root=adapter.hash_root if adapter else None,
+            beam=checked.beam,
         )
         if grammar is not None:
             for seq in seqs:
@@ -153,14 +158,14 @@ class Engine:
         return request_id
 
     def check_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, *, priority: int = 0
+        self, prompt: str | list[int], params: SamplingParams | BeamSearchParams | None = None, *, priority: int = 0
     ) -> CheckedRequest:
         """The request tokenized and checked once (core/requests.py), its grammar compiled,
         without queueing anything: RequestError (a ValueError) naming the problem."""
         params = SamplingParams() if params is None else params
         text, ids = tokenize_prompt(prompt, self.tokenizer)
         checked = check_request(ids, params, self.limits, prompt=text, priority=priority)
-        grammar_for(self.grammars, params)
+        grammar_for(self.grammars, checked.params)
         return checked
 
     def abort(self, request_id: str) -> bool:
@@ -207,10 +212,9 @@ class Engine:
         return outputs
 
     def _landing(self, previous: StepHandle) -> str | None:
-        """ "first": rows with penalties need every earlier token on the host (and grammar rows their
-        matcher advanced past it), so the step in flight lands before the plan (so do speculating
-        rows: Speculator.must_land_first); "late": grammar rows' masks are filled after it lands,
-        while the next forward runs (the worker's split step); None: plain async scheduling."""
+        """ "first": rows with penalties need every earlier token on the host (grammar rows their matcher
+        past it; speculating rows: Speculator.must_land_first), so the step in flight lands before the plan;
+        "late": grammar masks are filled after it lands, while the next forward runs (the split step)."""
         if self.speculator is not None and self.speculator.must_land_first(self.scheduler, previous.plans):
             return "first"
         running = [s for r in self.replicas for s in r.scheduler.running]
@@ -243,9 +247,7 @@ class Engine:
             scheduler = self.replicas[r].scheduler
             if isinstance(out_r, SamplerOutput) and out_r.prompt is not None:  # prompt logprobs, first
                 self.outputs.on_prompt_rows(plan, out_r.prompt, self._requests)
-            for out_i, updated in self._resolved(
-                plan, out_r, scheduler
-            ):  # each emitted (stop strings found) before the next resolves
+            for out_i, updated in self._resolved(plan, out_r, scheduler):  # each emitted before the next
                 self.outputs.on_tokens(plan, out_i, updated, self._requests, touched)
         return [self._delta(state, now) for state in touched.values()]
 
@@ -260,13 +262,12 @@ class Engine:
         raise RuntimeError("a verify step's outputs, but the engine has no speculator")
 
     @staticmethod
-    def _steps(
-        plan: SchedulerPlan, out: SamplerOutput, scheduler: Scheduler
-    ) -> Iterator[tuple[SamplerOutput, set[int]]]:
+    def _steps(plan: SchedulerPlan, out: SamplerOutput, scheduler: Scheduler) -> Iterator[tuple[SamplerOutput, set]]:
         """(outputs, ids of the sequences that got a token) of a step, or of a window's steps in order."""
         for i in range(plan.num_steps):
             out_i = out if plan.num_steps == 1 else jax.tree.map(lambda a: a[i], out)  # noqa: B023
-            yield out_i, {s.seq_id for s in scheduler.resolve(plan, out_i.tokens, i)}
+            top = (out_i.top_ids, out_i.top_logprobs)  # beams' candidates (core/beam.py)
+            yield out_i, {s.seq_id for s in scheduler.resolve(plan, out_i.tokens, i, top)}
 
     def follow(self) -> bool:
         """On processes other than 0: runs process 0's steps until it releases this process.

@@ -33,11 +33,12 @@ from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.engine import Engine
 from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.lora import LoRARequest
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import BeamSearchOutput, RequestOutput
 from jaxinfer.quant import QuantConfig
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.beam import BeamSearchParams
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.tokenizer.chat_template import check_template_kwargs, load_chat_template
+from jaxinfer.tokenizer.chat_template import check_messages, check_template_kwargs, load_chat_template
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
 if TYPE_CHECKING:
@@ -127,6 +128,22 @@ class LLM:
         results = self.collect(ids, use_tqdm)
         return [results[rid] for rid in ids]
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt its `params.beam_width` finished beams, best first
+        (HF transformers' search, jaxinfer/core/beam.py). ValueError for bad params."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        batch = [prompts] if isinstance(prompts, (str, CheckedRequest)) or _is_token_ids(prompts) else list(prompts)
+        outs = self.generate(batch, [params] * len(batch), use_tqdm=use_tqdm, lora_request=lora_request)  # type: ignore[list-item]
+        return [BeamSearchOutput.of(out, params.length_penalty) for out in outs]
+
     def chat(
         self,
         messages: list[Message] | Sequence[list[Message]],
@@ -155,7 +172,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[int]:
         """Chat template -> token ids (the template itself writes BOS and role markers)."""
-        _check_messages(messages)
+        check_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f"tools={tools!r:.80}: must be a list of tool objects")
         extra = check_template_kwargs(chat_template_kwargs)
@@ -256,24 +273,6 @@ def _is_token_ids(prompts: object) -> TypeIs[list[int]]:
 def _is_conversation(messages: object) -> TypeIs[list[Message]]:
     """One conversation (its first message a dict), not a sequence of them."""
     return isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
-
-
-def _check_messages(messages: object) -> None:
-    """ValueError naming the first malformed part of a conversation."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages={messages!r:.80}: must be a non-empty list of {{role, content}} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}]={m!r:.80}: must be an object with role and content")
-        if not isinstance(m.get("role"), str):
-            raise ValueError(f"messages[{i}].role={m.get('role')!r:.80}: must be a string")
-        calls = m.get("tool_calls")
-        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
-            raise ValueError(f"messages[{i}].tool_calls={calls!r:.80}: must be a list of tool call objects")
-        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
-            raise ValueError(
-                f"messages[{i}].content={m.get('content')!r:.80}: must be a string (or None beside tool_calls)"
-            )
 
 
 def _signature() -> inspect.Signature:

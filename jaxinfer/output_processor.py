@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from jaxinfer.core.beam import Hypothesis
 from jaxinfer.core.plan import SchedulerPlan
-from jaxinfer.core.sequence import Sequence
+from jaxinfer.core.sequence import Sequence, SequenceStatus
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, Usage
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.prompt_logprobs import PromptLogprobs
@@ -44,6 +45,7 @@ class SampleState:
     emitted_logprobs: int = 0
     num_detokenized: int = 0  # output tokens whose text is in `text`
     stopped: bool = False  # a stop string cut the text: nothing more is added
+    cumulative_logprob: float | None = None  # a beam search's hypothesis (core/beam.py)
 
 
 @dataclasses.dataclass
@@ -151,6 +153,11 @@ class OutputProcessor:
             state = requests.get(seq.request_id)
             if seq.seq_id not in updated or state is None:
                 continue
+            if seq.beam is not None:  # a beam search's outputs are its hypotheses, once it is done
+                if seq.beam.done and state.samples[0].cumulative_logprob is None:  # not yet made
+                    self._beam_results(state, seq.beam.results())
+                    touched[seq.request_id] = state
+                continue
             token = int(out.tokens[row])
             if seq.grammar is not None and not seq.grammar.consume(token):
                 logger.warning(
@@ -172,6 +179,23 @@ class OutputProcessor:
         _detokenize(sample)
         if seq.is_finished:
             sample.text += sample.detok.flush()
+
+    def _beam_results(self, state: RequestState, hypotheses: list[Hypothesis]) -> None:
+        """The request's samples become its finished hypotheses, best first, with their text."""
+        state.params = dataclasses.replace(state.params, logprobs=None)  # the candidates were the search's
+        samples = []
+        for i, h in enumerate(hypotheses):
+            seq = Sequence(-1 - i, state.request_id, state.prompt_token_ids, state.params, seed=0, arrival=0)
+            seq.token_ids += h.token_ids
+            stopped = h.finish_reason == "stop"
+            seq.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
+            sample = SampleState(seq, self._detokenizer(state.prompt_token_ids, state.params))
+            sample.cumulative_logprob = h.cum_logprob
+            _detokenize(sample)
+            if sample.detok is not None:
+                sample.text += sample.detok.flush()
+            samples.append(sample)
+        state.samples = samples
 
     def forget(self, state: RequestState) -> None:
         """A finished request's samples leave the stop check."""
@@ -252,6 +276,7 @@ def _completion_delta(index: int, s: SampleState, params: SamplingParams) -> Com
         logprobs=s.logprobs[s.emitted_logprobs :] if params.logprobs is not None else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
+        cumulative_logprob=s.cumulative_logprob,
     )
     s.emitted_chars, s.emitted_tokens, s.emitted_logprobs = upto, len(seq.known_output_ids), len(s.logprobs)
     return out

@@ -43,6 +43,7 @@ class CompletionOutput:
     logprobs: list[Logprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cumulative_logprob: float | None = None  # a beam search's hypotheses: the summed logprob of token_ids
 
     @property
     def finished(self) -> bool:
@@ -119,3 +120,39 @@ class RequestOutput:
         self.finished, self.usage, self.metrics = delta.finished, delta.usage, delta.metrics
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One finished beam of LLM.beam_search: its generated tokens and text, summed logprob and
+    length-penalised score (what ranks the beams), and why it ended ("stop": an EOS; "length")."""
+
+    token_ids: list[int]
+    text: str
+    cum_logprob: float
+    score: float
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """LLM.beam_search's result for one prompt: its beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+    prompt: str | None = None
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, out: RequestOutput, length_penalty: float) -> BeamSearchOutput:
+        """From the finished RequestOutput of a beam search (one CompletionOutput per beam)."""
+        beams = [
+            BeamSearchSequence(
+                o.token_ids,
+                o.text,
+                o.cumulative_logprob or 0.0,
+                (o.cumulative_logprob or 0.0) / max(1, len(o.token_ids)) ** length_penalty,
+                o.finish_reason,
+            )
+            for o in out.outputs
+        ]
+        return cls(beams, out.prompt, out.prompt_token_ids)

@@ -43,6 +43,9 @@ class ModelLimits:
     grammars: GrammarBackend | None = None
     page_size: int | None = None  # the KV pool of one replica (None: not checked)
     num_usable_pages: int | None = None
+    max_num_seqs: int | None = None
+    num_eos: int = 0
+    no_beam_search: str | None = None
 
     @classmethod
     def of(cls, engine: Engine) -> ModelLimits:
@@ -58,6 +61,9 @@ class ModelLimits:
             grammars=engine.grammars,
             page_size=r.page_size,
             num_usable_pages=r.num_usable_pages,
+            max_num_seqs=r.max_num_seqs,
+            num_eos=r.num_eos,
+            no_beam_search=r.no_beam_search,
         )
 
     @property
@@ -72,6 +78,9 @@ class ModelLimits:
             self.page_size,
             self.num_usable_pages,
             owner="server",
+            max_num_seqs=self.max_num_seqs,
+            num_eos=self.num_eos,
+            no_beam_search=self.no_beam_search,
         )
 
 

@@ -52,6 +52,7 @@ def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan |
             or seq.sampling_params.uses_penalties
             or seq.grammar is not None
             or seq.draft_token_ids
+            or seq.beam is not None  # its next token is the host's choice, step by step
             or seq.num_tokens + num_steps - 1 > scheduler.max_model_len
         ):
             return None

@@ -48,6 +48,9 @@ class SchedulerPlan:
     # > 1: a decode window (core/multistep.py): every entry decodes this many tokens, one per
     # step, in one jitted call; pages for all of them are in `pages`.
     num_steps: int = 1
+    # (source, copy) pages the step's worker copies first: a fork's shared, partly filled page
+    # that it is about to write into (KVCacheManager's copy-on-write; beam search forks)
+    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def verifies(self) -> bool:

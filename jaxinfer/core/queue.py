@@ -19,10 +19,12 @@ import random
 from collections.abc import Iterable
 
 from jaxinfer.core.admission import RequestEntry
+from jaxinfer.core.beam import BeamGroup
 from jaxinfer.core.sequence import Sequence, SequenceStatus, sample_seed
 from jaxinfer.core.stops import StopChecker
 from jaxinfer.kv import KVCacheManager
 from jaxinfer.lora.slots import AdapterSlots
+from jaxinfer.sampling.beam import BeamSearchParams
 from jaxinfer.sampling.params import SamplingParams
 
 sort_key = operator.attrgetter("sort_key")  # (priority, arrival, sample index)
@@ -76,10 +78,12 @@ class RequestQueue:
         priority: int = 0,
         adapter: str | None = None,
         hash_root: bytes | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> list[Sequence]:
         """Queues one Sequence per sample (sampling_params.n) of a request that passed
         core/requests.py's checks (the engine's, once): nothing here checks it again. `adapter`:
-        the LoRA adapter it runs under, whose page hashes chain from `hash_root`."""
+        the LoRA adapter it runs under, whose page hashes chain from `hash_root`; `beam`: a beam
+        search (one sequence to start with; core/beam.py)."""
         if adapter is not None and self.adapter_slots is None:
             raise ValueError(f"request {request_id!r} asks for LoRA adapter {adapter!r}, but LoRA is not enabled")
         if request_id in self.requests:
@@ -103,6 +107,8 @@ class RequestQueue:
             )
             self._next_seq_id += 1
             seqs.append(seq)
+        if beam is not None:
+            BeamGroup(beam, self.eos_token_ids, seqs[0])
         self.requests[request_id] = entry = RequestEntry.new(seqs)
         self._num_held += len(entry.held)
         self._enqueue(entry, seqs[0])
@@ -163,6 +169,15 @@ class RequestQueue:
         if seq.lora_slot and self.adapter_slots is not None and seq.adapter is not None:
             self.adapter_slots.release(seq.adapter)
         seq.lora_slot = 0
+
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def enqueue_waiting(self, seq: Sequence) -> None:
+        """A sequence made while its request runs (a beam's fork) joins the waiting queue."""
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=sort_key)
 
     def _enqueue(self, entry: RequestEntry, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=sort_key)

@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxinfer.lora.request import LoRARequest
+from jaxinfer.sampling.beam import BeamSearchParams
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
 
 
@@ -53,6 +54,9 @@ class RequestLimits:
     page_size: int | None = None
     num_usable_pages: int | None = None
     owner: str = "engine"
+    max_num_seqs: int | None = None  # a beam search's width must fit the running batch
+    num_eos: int = 0  # end-of-sequence ids (a beam search keeps more candidates per eos)
+    no_beam_search: str | None = None  # why this engine runs no beam search (None: it does)
 
     def option(self, flag: str, kwarg: str) -> str:
         """How the owner's user turns a feature on: a server's flag; an engine's option or flag."""
@@ -76,25 +80,46 @@ class CheckedRequest:
     prompt: str | None = None  # the prompt's text, where it came as text
     priority: int = 0
     lora: LoRARequest | None = None  # the LoRA adapter it runs under (None: the base model)
+    beam: BeamSearchParams | None = None  # a beam search (params: how each beam's step samples)
 
 
 def check_request(
     prompt_token_ids: Sequence[int],
-    params: SamplingParams,
+    params: SamplingParams | BeamSearchParams,
     limits: RequestLimits,
     *,
     prompt: str | None = None,
     priority: int = 0,
 ) -> CheckedRequest:
-    """Every check a request must pass before it is queued (RequestError naming the field)."""
+    """Every check a request must pass before it is queued (RequestError naming the field); a
+    beam search (BeamSearchParams) is checked as the SamplingParams each beam's step samples with."""
+    beam = params if isinstance(params, BeamSearchParams) else None
+    if beam is not None:
+        params = check_beam(beam, limits)
     if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise RequestError("priority", f"priority={priority!r} must be an int")
     check_params(params, limits)
     ids = check_prompt_ids(prompt_token_ids, limits.vocab_size)
     check_lengths(len(ids), params, limits)
-    return CheckedRequest(ids, params, prompt, priority)
+    return CheckedRequest(ids, params, prompt, priority, beam=beam)
+
+
+def check_beam(beam: BeamSearchParams, limits: RequestLimits) -> SamplingParams:
+    """A beam search this engine can run: the SamplingParams of its beams' steps."""
+    if limits.no_beam_search is not None:
+        why = limits.no_beam_search
+        raise RequestError("beam_width", f"beam search is not available on this {limits.owner}: {why}")
+    width = beam.beam_width
+    for most, what in ((limits.max_n, "max_n"), (limits.max_num_seqs, "max_num_seqs")):
+        if most is not None and width > most:
+            why = f"exceeds this {limits.owner}'s {what}={most}"
+            raise RequestError("beam_width", f"BeamSearchParams.beam_width={width}: {why}")
+    try:
+        return beam.step_params(limits.num_eos)
+    except ValueError as e:
+        raise RequestError("beam_width", str(e)) from None
 
 
 def check_params(params: SamplingParams, limits: RequestLimits) -> None:

@@ -37,14 +37,17 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Iterator
-from typing import Protocol, SupportsInt
+from typing import Any, Protocol, SupportsInt
 
+from jaxinfer.core.beam import advance_group
 from jaxinfer.core.multistep import decode_window
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
 from jaxinfer.core.queue import RequestQueue, sort_key
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.core.spec import fit_drafts
 from jaxinfer.core.stops import is_awaiting_results, stop_decision
+
+TopRows = tuple[Any, Any]  # a step's top logprobs: ids [rows, N] and values [rows, N] (arrays or lists)
 
 
 class TokenRows(Protocol):
@@ -67,6 +70,7 @@ class Scheduler(RequestQueue):
     # --- schedule ---------------------------------------------------------------------------------
     def schedule(self, num_steps: int = 1) -> SchedulerPlan:
         if num_steps > 1 and (window := decode_window(self, num_steps)) is not None:
+            window.page_copies = self.kv_cache.take_page_copies()
             return window
         step = _Step({}, self.max_num_batched_tokens, [])
         by_priority = sorted((s for s in self.running if not is_awaiting_results(s, self.max_model_len)), key=sort_key)
@@ -83,7 +87,7 @@ class Scheduler(RequestQueue):
                 self._plan(seq, n, step)
         if not step.preempted:
             self._admit_waiting(step)
-        return SchedulerPlan(list(step.entries.values()), step.preempted)
+        return SchedulerPlan(list(step.entries.values()), step.preempted, page_copies=self.kv_cache.take_page_copies())
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admits waiting sequences in order while the budget, the batch and the pages allow. One
@@ -91,12 +95,19 @@ class Scheduler(RequestQueue):
         i = 0
         while step.budget > 0 and len(self.running) < self.max_num_seqs and i < len(self.waiting):
             seq = self.waiting[i]
-            if not self.acquire_slot(seq):
+            if not self._has_seats(seq) or not self.acquire_slot(seq):
                 i += 1
                 continue
             if not self._admit(seq, i, step):
                 self.release_slot(seq)
                 break
+
+    def _has_seats(self, seq: Sequence) -> bool:
+        """A beam search starts only with room for all its beams in the running batch."""
+        group = seq.beam
+        if group is None or seq.num_output_tokens or len(group.live) > 1:
+            return True
+        return len(self.running) + group.params.beam_width <= self.max_num_seqs
 
     def _plan(self, seq: Sequence, n: int, step: _Step) -> None:
         start = seq.num_computed_tokens
@@ -158,16 +169,25 @@ class Scheduler(RequestQueue):
                 seq.token_ids += [PLACEHOLDER] * plan.num_steps
                 seq.num_pending += plan.num_steps
 
-    def resolve(self, plan: SchedulerPlan, sampled_token_ids: TokenRows, step: int = 0) -> list[Sequence]:
+    def resolve(
+        self, plan: SchedulerPlan, sampled_token_ids: TokenRows, step: int = 0, top: TopRows | None = None
+    ) -> list[Sequence]:
         """The step's tokens are known (row i for plan.seqs[i]; rows past the plan are padding);
-        `step`: which step of a decode window they come from (windows resolve step by step).
-        Returns the sequences that got a token, in plan order (finished ones have no pages)."""
+        `step`: which step of a decode window they come from (windows resolve step by step);
+        `top`: the rows' top logprobs (ids, values), a beam's candidates (core/beam.py).
+        Returns the sequences that got a token, in plan order (finished ones have no pages), and
+        the beams whose candidates landed."""
         if len(sampled_token_ids) < len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a plan of {len(plan.seqs)} sequences")
-        updated = []
-        for entry, token in zip(plan.seqs, sampled_token_ids):
+        updated, groups = [], {}
+        for row, (entry, token) in enumerate(zip(plan.seqs, sampled_token_ids)):
             seq = entry.seq
             if not entry.sample or seq.is_finished or not seq.num_pending:  # aborted or overrun
+                continue
+            if seq.beam is not None:  # the search picks its token, once its group has landed
+                self._land_beam(seq, entry.known_len, top, row)
+                groups[id(seq.beam)] = seq.beam
+                updated.append(seq)
                 continue
             if seq.sampling_params.max_tokens == 0:  # the prompt scored: its sampled token is no output
                 self.kv_cache.cache_computed(seq)
@@ -183,4 +203,17 @@ class Scheduler(RequestQueue):
             updated.append(seq)
             if seq.sample_index == 0 and seq.num_known_tokens - seq.num_prompt_tokens == 1 and not seq.is_finished:
                 self._release(self.requests[seq.request_id])  # the prompt is computed
+        for group in groups.values():
+            if group.ready():
+                advance_group(self, group)
         return updated
+
+    def _land_beam(self, seq: Sequence, index: int, top: TopRows | None, row: int) -> None:
+        if top is None:
+            raise ValueError(f"beam {seq!r}: its step's top logprobs are needed to choose its token")
+        del seq.token_ids[index]  # its placeholder (the only one: beams step one at a time)
+        seq.num_pending -= 1
+        k = seq.beam.num_candidates if seq.beam is not None else 0
+        seq.beam_candidates = [(int(t), float(v)) for t, v in zip(top[0][row][:k], top[1][row][:k])]
+        if seq.status is SequenceStatus.RUNNING:
+            self.kv_cache.cache_computed(seq)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from typing import Protocol
+from typing import Any, Protocol
 
 from jaxinfer.sampling.params import SamplingParams
 
@@ -117,6 +117,11 @@ class Sequence:
         # and how many were drafted / accepted over how many verify steps (metrics).
         self.draft_token_ids: list[int] = []
         self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_steps = 0
+        # Beam search (core/beam.py): its group, its summed logprob, and the candidates of its
+        # last step while it waits for the group's decision (None: none landed).
+        self.beam: Any = None  # a core.beam.BeamGroup (which imports this module)
+        self.beam_score = 0.0
+        self.beam_candidates: list[tuple[int, float]] | None = None
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

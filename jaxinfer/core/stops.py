@@ -35,7 +35,10 @@ def stop_decision(
 
 
 def is_awaiting_results(seq: Sequence, max_model_len: int) -> bool:
-    """Its steps in flight already sample its last allowed token: nothing more to compute."""
+    """Its steps in flight already sample its last allowed token: nothing more to compute; or a
+    beam whose next token its group has not chosen yet (core/beam.py)."""
+    if seq.beam is not None:
+        return seq.num_pending > 0 or seq.beam_candidates is not None
     return seq.num_pending > 0 and (
         seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= max_model_len
     )

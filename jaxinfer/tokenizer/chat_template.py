@@ -118,3 +118,21 @@ def render_chat_template(
         )
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+def check_messages(messages: object) -> None:
+    """ValueError naming the first malformed part of a conversation."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages={messages!r:.80}: must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}]={m!r:.80}: must be an object with role and content")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}].role={m.get('role')!r:.80}: must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise ValueError(f"messages[{i}].tool_calls={calls!r:.80}: must be a list of tool call objects")
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            raise ValueError(
+                f"messages[{i}].content={m.get('content')!r:.80}: must be a string (or None beside tool_calls)"
+            )

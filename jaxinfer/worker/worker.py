@@ -23,6 +23,7 @@ StepChannel before launching; their workers run the same steps in `follow()`.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import jax
@@ -35,6 +36,7 @@ from jaxinfer.lora.peft import Adapter
 from jaxinfer.worker.compiled_step import CompiledStep
 from jaxinfer.worker.device_state import DeviceState
 from jaxinfer.worker.inputs import InputBuilder
+from jaxinfer.worker.page_copy import PageCopier
 from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.step_inputs import StepInputs
 from sharding import StepChannel
@@ -86,6 +88,7 @@ class Worker:
         self.state = DeviceState(model, config, max_model_len)
         self.step = CompiledStep(self.state)
         self._channel = channel
+        self._copier: PageCopier | None = None  # compiled at warm-up (worker/page_copy.py)
 
     # --- what the engine plans with -------------------------------------------------------------
     @property
@@ -125,6 +128,8 @@ class Worker:
         several steps runs as a decode window. With `masks_later` (one plan, `overlaps_masks`)
         the handle waits for `sample()` (module docstring)."""
         prev = previous.plans if previous is not None else None
+        if any(p.page_copies for p in plans):  # forks' shared pages copied before the step writes
+            self.step.launcher.submit(self.copier.copy, [p.page_copies for p in plans])
         plan = plans if len(plans) > 1 else plans[0]
         if masks_later and len(plans) == 1 and plans[0].num_steps == 1:
             return self._execute_late(plans[0], prev)
@@ -148,10 +153,19 @@ class Worker:
         self.step.load_adapter(slot, adapter)
 
     def warm_up(self) -> float:
-        """Compiles (and runs once) every variant of the step; returns seconds."""
-        return self.step.warm_up()
+        """Compiles (and runs once) every variant of the step and the page copy; returns seconds."""
+        start = time.perf_counter()
+        self.copier.num_compiled()
+        return self.step.warm_up() + time.perf_counter() - start
+
+    @property
+    def copier(self) -> PageCopier:
+        if self._copier is None:
+            self._copier = PageCopier(self.state, self.state.engine.scheduler.max_num_seqs)
+        return self._copier
 
     def num_compiled(self) -> int:
+        """Variants of the step compiled so far (the page copy's count is its own: PageCopier)."""
         return self.step.num_compiled()
 
     # --- several hosts ------------------------------------------------------------------------------

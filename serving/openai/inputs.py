@@ -21,6 +21,7 @@ from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.errors import RequestError
 from serving.model_limits import ModelLimits, check_request
+from serving.openai.beam import beam_params, beam_request
 from serving.openai.errors import APIError, bad_request, named_400
 from serving.openai.messages import render_messages
 from serving.openai.prompts import as_list, completion_prompts
@@ -59,6 +60,10 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
     if req.best_of is not None and req.best_of not in (1, req.n or 1):
         raise bad_request("best_of", f"best_of={req.best_of}: only best_of == n is supported")
     prompts = completion_prompts(req.prompt, tokenizer, limits)
+    fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+    if req.use_beam_search:  # serving/openai/beam.py
+        beam, shown = beam_params(req)
+        return EngineInputs([beam_request(ids, beam, limits, f) for ids, f in zip(prompts, fields)], shown)
     names = {"logprobs": "logprobs", "max_tokens": "max_tokens", "structured_output": _structured_field(req)}
     kwargs = _sampling_kwargs(req, limits, logprobs=req.logprobs)
     echo_top = req.logprobs if req.echo and _is_count(req.logprobs) else None
@@ -76,7 +81,6 @@ def completion_inputs(req: CompletionRequest, tokenizer: Tokenizer | None, limit
         raise bad_request("max_tokens", "max_tokens=0: must be >= 1 (0 only with echo, which scores the prompt)")
     kwargs["max_tokens"] = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _params(kwargs, names)
-    fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
     requests = [_checked(ids, params, limits, {**names, "prompt": field}) for ids, field in zip(prompts, fields)]
     echo = None
     if req.echo:

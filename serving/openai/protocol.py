@@ -170,6 +170,8 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     suffix: str | None = None  # refused when not empty
     best_of: int | None = None  # only best_of == n
+    use_beam_search: bool | None = False  # vLLM's extra: n beams of one beam search (serving/openai/beam.py)
+    length_penalty: float | None = None  # with use_beam_search: scores divide by length ** length_penalty
 
 
 class ContentPart(_Body):
