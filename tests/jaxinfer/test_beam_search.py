@@ -66,7 +66,8 @@ def test_beams_match_hf_generate(engines, name, monkeypatch):
     scores = [o.cumulative_logprob / len(o.token_ids) ** lp for o in out.outputs]
     assert scores == pytest.approx([b["score"] for b in case["beams"]], abs=2e-4)
     eos = set(case["eos"])
-    assert [o.finish_reason for o in out.outputs] == ["stop" if b["tokens"][-1] in eos else "length" for b in case["beams"]]
+    reasons = ["stop" if b["tokens"][-1] in eos else "length" for b in case["beams"]]
+    assert [o.finish_reason for o in out.outputs] == reasons
     assert beside.outputs[0].token_ids == alone  # an ordinary request in the same batches
     assert copies and all(len(set(dst for _, dst in p[0])) == len(p[0]) for p in copies)  # partial pages, copied
     assert engine.worker.num_compiled() == compiled and engine.worker.copier.num_compiled() == 1
