@@ -201,3 +201,30 @@ def test_a_taken_http_port_fails_at_start(serve):
         with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port} \(http\)"):
             serve(http_port=port)
     assert openai_client(serve(http_port=0)).models.list().data[0].id == "llama3"  # the engine is still free
+
+
+def test_beam_search_on_the_completions_route(serve, tiny_llm):
+    """use_beam_search with n beams (vLLM's extra): the n choices are LLM.beam_search's beams, best
+    first; what beam search cannot honour is refused by name."""
+    from jaxinfer.sampling.beam import BeamSearchParams
+
+    prompt = list(range(20, 37))
+    (want,) = tiny_llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=7, length_penalty=0.5))
+    server = serve(http_port=0)
+    client = openai_client(server)
+    extra = {"use_beam_search": True, "length_penalty": 0.5}
+    done = client.completions.create(model="llama3", prompt=prompt, n=3, max_tokens=7, extra_body=extra)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.finish_reason for c in done.choices] == [s.finish_reason for s in want.sequences]
+    assert done.usage.completion_tokens == sum(len(s.token_ids) for s in want.sequences)
+    for fields, param in [
+        (dict(stream=True), "stream"),
+        (dict(temperature=0.8), "temperature"),
+        (dict(n=9), "n"),
+        (dict(logprobs=2), "logprobs"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(
+                model="llama3", prompt=prompt, max_tokens=4, extra_body=extra, **{"n": 2, **fields}
+            )
+        assert info.value.body["param"] == param, info.value.body
