@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.outputs import CompletionOutput, RequestOutput, logprobs_json
+from jaxinfer.sampling.beam import BeamSearchParams
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -38,6 +39,7 @@ def check_logprob_flags(args: argparse.Namespace, where: str) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     texts = read_prompts(args)
     params = sampling_params(args)
+    beam = beam_params(args)  # --beam-width: a beam search per prompt, its beams best first
     if args.output_format == "text":
         check_logprob_flags(args, "--output-format text")
     # Compile only the variants this job uses, and only once every prompt is known to fit.
@@ -50,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     checked = []  # each prompt tokenized and checked once, here, before anything compiles
     for i, prompt in enumerate(prompts, start=1):
         try:
-            checked.append(llm.engine.check_request(prompt, params))
+            checked.append(llm.engine.check_request(prompt, beam or params))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     llm.engine.warm_up()
@@ -68,6 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             "prompt_tokens": out.usage.prompt_tokens,
                             "completion_tokens": len(completion.token_ids),
                             **_logprobs(out, completion),
+                            **({"cumulative_logprob": completion.cumulative_logprob} if beam else {}),
                         },
                         ensure_ascii=False,
                     )
@@ -75,6 +78,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
             else:
                 print(completion.text)
     return 0
+
+
+def beam_params(args: argparse.Namespace) -> BeamSearchParams | None:
+    """--beam-width W (with --max-tokens, --ignore-eos, --length-penalty): a beam search."""
+    if args.beam_width is None:
+        if args.length_penalty is not None:
+            raise ValueError("--length-penalty: only with --beam-width")
+        return None
+    return BeamSearchParams(
+        beam_width=args.beam_width,
+        max_tokens=args.max_tokens,
+        ignore_eos=bool(args.ignore_eos),
+        temperature=args.temperature,
+        length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
+    )
 
 
 def _logprobs(out: RequestOutput, completion: CompletionOutput) -> dict:
@@ -129,6 +147,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--output-format", choices=["text", "jsonl"], default="text")
     gen.add_argument("--lora", metavar="NAME", help=LORA_HELP)
+    gen.add_argument(
+        "--beam-width", type=int, default=None, metavar="W", help="beam search: W beams per prompt, best first"
+    )
+    gen.add_argument("--length-penalty", type=float, default=None, help="beam search: score / length ** this (1.0)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

@@ -9,12 +9,10 @@ Generate, for one call:
        loop.call_soon_threadsafe (the engine thread never touches asyncio objects directly)
     -> await deltas until finished, merging whatever queued up while the client was slow,
        each wait bounded by the call's deadline (DEADLINE_EXCEEDED)
-    -> finally, when the call ended early (cancel, disconnect, deadline, error): EngineLoop.abort,
-       which frees the request's pages before the next step; always: the key's slot back, unused
-       tokens refunded, one request-log line.
-An exception while serving one call ends that call with INTERNAL; nothing else is affected.
-The key of every call is the bearer token's id (one shared token); without a token, anonymous.
-Waiting on the call's queue, its deadline and the statuses it ends with are streaming.py's.
+    -> finally, when the call ended early (cancel, disconnect, deadline, error): EngineLoop.abort (the pages
+       freed before the next step); always: the key's slot back, unused tokens refunded, a request-log line.
+An exception while serving one call ends that call with INTERNAL; nothing else is affected. A call's key is
+the bearer token's id (else anonymous); its queue, deadline, end statuses: streaming.py; beam search: beam.py.
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.engine_loop import EngineLoop, ServerShuttingDown, merge_deltas
 from serving.errors import RequestError
 from serving.grpc import convert
+from serving.grpc.beam import beam_request
 from serving.grpc.lora import LoraCalls
 from serving.grpc.proto import jaxinfer_pb2 as pb
 from serving.grpc.proto import jaxinfer_pb2_grpc as pb_grpc
@@ -205,6 +204,8 @@ class InferenceServicer(LoraCalls, pb_grpc.InferenceServiceServicer):
         ids = convert.prompt_token_ids(request, self._tokenizer, self._limits, tools)
         params = convert.with_tools(params, tools, request.sampling)
         field = request.WhichOneof("prompt") or "prompt"
+        if request.HasField("beam_search"):  # serving/grpc/beam.py
+            return self.with_lora(request.lora_adapter, beam_request(request, ids, self._limits)), None
         checked = check_request(ids, params, self._limits, request.priority, prompt_field=field)
         replies = convert.chat_replies(request, tools, self.reasoning, params.structured_output, self.reasoning_gated)
         return self.with_lora(request.lora_adapter, checked), replies

@@ -106,3 +106,17 @@ def test_bad_beam_search_values_are_refused_by_name():
         with pytest.raises(RequestError, match=message) as e:
             check_request([1, 2], BeamSearchParams(width, 4), limit)
         assert e.value.field == "beam_width"
+
+
+def test_generate_command_runs_a_beam_search(capsys):
+    """`jaxinfer generate --chat ... --beam-width 4`: the beams as JSON lines, best first."""
+    from jaxinfer.cli import main
+
+    case = CASES["smollm2_w4"]
+    argv = ["generate", "--chat", "What is the capital of France? Answer in one sentence.", "--output-format", "jsonl"]
+    argv += ["--beam-width", "4", "--max-tokens", str(case["max_tokens"]), "--max-model-len", "256"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["text"] for line in lines] == [b["text"].removesuffix("<|im_end|>") for b in case["beams"]]
+    assert [line["index"] for line in lines] == [0, 1, 2, 3] and all("cumulative_logprob" in line for line in lines)
+    assert main(["generate", "hi", "--length-penalty", "2"]) == 2  # only with --beam-width

@@ -401,3 +401,32 @@ def test_async_client_unary_calls(serve):
 
     info, result, stats = asyncio.run(calls())
     assert info.vocab_size == 512 and len(result.token_ids) == 3 and stats.kv_pages_free == stats.kv_pages_total
+
+
+def test_beam_search_over_grpc(serve, tiny_llm):
+    """GenerateRequest.beam_search: the final response holds LLM.beam_search's beams, best first;
+    a sampling option beam search cannot honour is INVALID_ARGUMENT naming it."""
+    from jaxinfer.sampling.beam import BeamSearchParams
+
+    prompt = list(range(40, 61))
+    (want,) = tiny_llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=2.0))
+    server = serve()
+    pb = convert.pb
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingOptions(max_tokens=6),
+        beam_search=pb.BeamSearch(beam_width=3, length_penalty=2.0),
+    )
+    with client_of(server) as client:
+        responses = list(client.stub.Generate(request, timeout=60))
+        final = responses[-1]
+        assert final.finished and [o.index for o in final.outputs] == [0, 1, 2]
+        assert [list(o.token_ids) for o in final.outputs] == [s.token_ids for s in want.sequences]
+        request.sampling.top_p = 0.5
+        err = rpc_error(lambda: list(client.stub.Generate(request, timeout=30)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("sampling.top_p")
+        request.sampling.ClearField("top_p")
+        request.beam_search.beam_width = 0
+        err = rpc_error(lambda: list(client.stub.Generate(request, timeout=30)))
+        assert err.details().startswith("beam_search.beam_width=0"), err.details()
+    normal_request_works(server)
