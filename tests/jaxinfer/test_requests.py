@@ -90,5 +90,5 @@ def test_without_a_pool_the_kv_check_is_left_out():
 
 
 def test_params_must_be_sampling_params():
-    with pytest.raises(TypeError, match="params must be SamplingParams, got dict"):
+    with pytest.raises(TypeError, match="params must be SamplingParams or BeamSearchParams, got dict"):
         check_request([1], {"n": 1}, LIMITS)
