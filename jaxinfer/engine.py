@@ -213,16 +213,16 @@ class Engine:
 
     def _landing(self, previous: StepHandle) -> str | None:
         """ "first": rows with penalties need every earlier token on the host (grammar rows their matcher
-        past it; speculating rows: Speculator.must_land_first), so the step in flight lands before the plan;
-        "late": grammar masks are filled after it lands, while the next forward runs (the split step)."""
+        past it; speculating rows: Speculator.must_land_first; beams: their group's choice), so the step in
+        flight lands before the plan; "late": grammar masks filled after it lands, while the next forward runs."""
         if self.speculator is not None and self.speculator.must_land_first(self.scheduler, previous.plans):
             return "first"
         running = [s for r in self.replicas for s in r.scheduler.running]
-        penalties = any(s.sampling_params.uses_penalties for s in running)
+        first = any(s.sampling_params.uses_penalties or s.beam is not None for s in running)
         grammar = any(s.grammar is not None for s in running)
-        if grammar and not penalties and self.worker.overlaps_masks and self.config.scheduler.async_scheduling:
+        if grammar and not first and self.worker.overlaps_masks and self.config.scheduler.async_scheduling:
             return "late"
-        return "first" if penalties or grammar else None
+        return "first" if first or grammar else None
 
     def _launch(self, plans: list[SchedulerPlan], previous: StepHandle | None, masks_later: bool) -> StepHandle:
         start = time.monotonic()
