@@ -77,7 +77,7 @@ def test_beams_match_hf_generate(engines, name, monkeypatch):
 
 def test_smollm2_beams_through_llm_beam_search():
     case = CASES["smollm2_w4"]
-    llm = LLM(max_model_len=256, max_num_seqs=8, num_pages=64)
+    llm = LLM(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(4, 64), num_pages=48)
     (out,) = llm.beam_search(
         [case["prompt"]], BeamSearchParams(case["width"], case["max_tokens"], length_penalty=case["length_penalty"])
     )
@@ -114,7 +114,8 @@ def test_generate_command_runs_a_beam_search(capsys):
 
     case = CASES["smollm2_w4"]
     argv = ["generate", "--chat", "What is the capital of France? Answer in one sentence.", "--output-format", "jsonl"]
-    argv += ["--beam-width", "4", "--max-tokens", str(case["max_tokens"]), "--max-model-len", "256"]
+    argv += ["--beam-width", "4", "--max-tokens", str(case["max_tokens"]), "--max-model-len", "128"]
+    argv += ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "4,64"]
     assert main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["text"] for line in lines] == [b["text"].removesuffix("<|im_end|>") for b in case["beams"]]
