@@ -1,0 +1,49 @@
+"""Sliding-window layers keep only their window (golden file of tools/make_window_reference.py):
+on the tiny random Gemma 3 (sliding and full layers mixed), Gemma 2 (alternating) and Mistral
+(every layer slides) checkpoints, prompts and continuations many windows long give HF's greedy
+tokens, twice (the second pass served from the prefix cache), while each sliding-window group
+holds at most the pages its window and the step's chunk reach; every page free at the end."""
+
+import json
+
+import pytest
+from testpaths import FIXTURES
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.loader import load_model
+from jaxinfer.sampling import SamplingParams
+
+GOLDEN = json.loads((FIXTURES / "sliding_window.json").read_text())
+PAGE, CHUNK = 4, 16
+SMALL = dict(
+    max_model_len=256, max_num_seqs=4, max_num_batched_tokens=CHUNK, token_buckets=(8, CHUNK), page_size=PAGE
+)
+
+
+def _run(engine, prompts, max_tokens, watch=None):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in final:
+                final[out.request_id].merge(out)
+            else:
+                final[out.request_id] = out
+        if watch is not None:
+            watch(engine)
+    return [final[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN["models"]))
+def test_window_many_times_over_gives_hf_tokens(name):
+    case = GOLDEN["models"][name]
+    model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
+    engine = Engine(model, EngineConfig(**SMALL, num_pages=160, penalties=False))
+    for _ in range(2):
+        got = _run(engine, case["prompts"], GOLDEN["new_tokens"])
+        assert got == case["outputs"]
+    kv = engine.kv_cache
+    assert kv.num_free_pages == kv.num_usable_pages
