@@ -12,12 +12,10 @@
 Bad requests raise ValueError at add_request; every other request is left untouched.
 
 Data parallelism (a mesh with data=N): N replicas, each with its own KVCacheManager and
-Scheduler. A new request goes to the replica with the least outstanding work (prompt + max_tokens
+Scheduler; a new request goes to the replica with the least outstanding work (prompt + max_tokens
 of its unfinished requests); each step schedules every replica, all N plans in one jitted call.
-
 Several hosts: only process 0 schedules; its worker broadcasts each step's padded inputs
-(sharding.StepChannel) to the other processes, whose workers run the same steps in `follow()`.
-"""
+(sharding.StepChannel) to the other processes, whose workers run the same steps in `follow()`."""
 
 from __future__ import annotations
 
@@ -64,7 +62,7 @@ class Engine:
         self.lora = build_manager(*lora)  # LoRA adapters (jaxinfer/lora/); None: off
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else model.config.eos_token_ids
         slots = self.lora.slots if self.lora is not None else None
-        pool = (self.worker.num_pages, self.worker.page_size, config.cache.enable_prefix_caching)
+        pool = (self.worker.num_pages, self.worker.page_size, config.cache.enable_prefix_caching, self.worker.kv_layout)
         self.replicas = [
             Replica.build(r, pool, config.scheduler, self.max_model_len, eos, self.outputs.stop_checker, slots)
             for r in range(self.worker.num_replicas)
@@ -105,6 +103,8 @@ class Engine:
             max_num_seqs=sched.max_num_seqs,
             num_eos=len(eos),
             no_beam_search="it runs on several hosts" if is_multiprocess() else no_beam,
+            kv_windows=self.worker.kv_layout.windows,
+            max_chunk=self.worker.max_batched_tokens,
         )
 
     # --- requests -------------------------------------------------------------------------------

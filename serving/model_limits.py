@@ -46,6 +46,8 @@ class ModelLimits:
     max_num_seqs: int | None = None
     num_eos: int = 0
     no_beam_search: str | None = None
+    kv_windows: tuple[int | None, ...] = (None,)  # the KV pool's layer groups (RequestLimits)
+    max_chunk: int = 1
 
     @classmethod
     def of(cls, engine: Engine) -> ModelLimits:
@@ -64,6 +66,8 @@ class ModelLimits:
             max_num_seqs=r.max_num_seqs,
             num_eos=r.num_eos,
             no_beam_search=r.no_beam_search,
+            kv_windows=r.kv_windows,
+            max_chunk=r.max_chunk,
         )
 
     @property
@@ -81,6 +85,8 @@ class ModelLimits:
             max_num_seqs=self.max_num_seqs,
             num_eos=self.num_eos,
             no_beam_search=self.no_beam_search,
+            kv_windows=self.kv_windows,
+            max_chunk=self.max_chunk,
         )
 
 

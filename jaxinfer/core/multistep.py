@@ -58,5 +58,5 @@ def decode_window(scheduler: _SchedulerState, num_steps: int) -> SchedulerPlan |
             return None
     if not scheduler.kv_cache.allocate_all([(s, s.num_computed_tokens + num_steps) for s in seqs]):
         return None
-    entries = [ScheduledSeq(s, s.num_computed_tokens, 1, tuple(s.pages), sample=True) for s in seqs]
+    entries = [ScheduledSeq.of(s, s.num_computed_tokens, 1, sample=True) for s in seqs]
     return SchedulerPlan(entries, num_steps=num_steps)

@@ -22,9 +22,24 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # num_computed_tokens before the step = position of the first token
     num_new_tokens: int
-    pages: tuple[int, ...]  # block table; covers at least start + num_new_tokens tokens
+    pages: tuple[int, ...]  # block table (layer group 0's); covers at least start + num_new_tokens tokens
     sample: bool  # the chunk reaches the end of the known tokens: sample one
     drafts: tuple[int, ...] = ()  # draft tokens after the last known one, to verify
+    group_pages: tuple[tuple[int, ...], ...] = ()  # the block tables of layer groups 1 .. G-1
+
+    @classmethod
+    def of(
+        cls, seq: Sequence, start: int, num_new_tokens: int, sample: bool, drafts: tuple[int, ...] = ()
+    ) -> ScheduledSeq:
+        """The share of `seq` with a copy of its block tables as they stand (its pages may change
+        while the step runs: the plan keeps what the step reads)."""
+        pages, *more = seq.page_tables()
+        return cls(seq, start, num_new_tokens, pages, sample, drafts, tuple(more))
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        """The block table of each layer group."""
+        return (self.pages, *self.group_pages)
 
     @property
     def token_ids(self) -> list[int]:

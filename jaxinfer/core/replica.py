@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+from jaxinfer.config.kv_layout import KVLayout
 from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.stops import StopChecker
-from jaxinfer.kv import KVCacheManager
+from jaxinfer.kv import FullAttention, KVCacheGroup, KVCacheManager, SlidingWindow
 from jaxinfer.lora.manager import LoraManager
 from jaxinfer.lora.slots import AdapterSlots
 
@@ -27,17 +28,18 @@ class Replica:
     def build(
         cls,
         index: int,
-        pool: tuple[int, int, bool],
+        pool: tuple[int, int, bool, KVLayout],
         config: SchedulerConfig,
         max_model_len: int,
         eos_token_ids: Iterable[int],
         stop_checker: StopChecker | None,
         adapter_slots: AdapterSlots | None,
     ) -> Replica:
-        """Replica `index`: a KV cache manager over `pool` (pages, page size, prefix caching) and
-        its scheduler (seeded with config.seed + index); `adapter_slots` are every replica's."""
-        num_pages, page_size, prefix_caching = pool
-        kv_cache = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
+        """Replica `index`: a KV cache manager over `pool` (pages, page size, prefix caching, the
+        model's KV layout) and its scheduler (seeded with config.seed + index); `adapter_slots`
+        are every replica's."""
+        num_pages, page_size, prefix_caching, layout = pool
+        kv_cache = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching, groups=kv_groups(layout))
         scheduler = Scheduler(
             kv_cache,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -50,6 +52,12 @@ class Replica:
             adapter_slots=adapter_slots,
         )
         return cls(kv_cache, scheduler)
+
+
+def kv_groups(layout: KVLayout, margin: int = 0) -> list[KVCacheGroup]:
+    """The KV cache manager's group for each group of the model's KV layout; `margin` widens
+    each window (a drafter recomputes up to that many tokens it had computed)."""
+    return [FullAttention() if w is None else SlidingWindow(w + margin) for w in layout.windows]
 
 
 def replica_stats(replicas: Sequence[Replica], lora: LoraManager | None = None) -> dict:

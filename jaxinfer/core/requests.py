@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jaxinfer.kv import FullAttention, SlidingWindow
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling.beam import BeamSearchParams
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
@@ -57,6 +58,16 @@ class RequestLimits:
     max_num_seqs: int | None = None  # a beam search's width must fit the running batch
     num_eos: int = 0  # end-of-sequence ids (a beam search keeps more candidates per eos)
     no_beam_search: str | None = None  # why this engine runs no beam search (None: it does)
+    # the KV pool's layer groups (their sliding windows; None: full attention) and the most
+    # tokens one step computes of a sequence: the pages a request holds at most
+    kv_windows: tuple[int | None, ...] = (None,)
+    max_chunk: int = 1
+
+    def pages_held(self, num_tokens: int) -> int:
+        """The most KV pages a sequence of `num_tokens` tokens holds over the layer groups."""
+        assert self.page_size is not None
+        groups = (FullAttention() if w is None else SlidingWindow(w) for w in self.kv_windows)
+        return sum(g.max_pages_held(num_tokens, self.max_chunk, self.page_size) for g in groups)
 
     def option(self, flag: str, kwarg: str) -> str:
         """How the owner's user turns a feature on: a server's flag; an engine's option or flag."""
@@ -182,7 +193,7 @@ def check_lengths(num_prompt_tokens: int, params: SamplingParams, limits: Reques
             "max_tokens", f"prompt of {p} tokens + max_tokens={m} = {total} tokens exceeds max_model_len={context}"
         )
     if limits.num_usable_pages is not None and limits.page_size is not None:
-        pages = -(-max(p, total - 1) // limits.page_size)
+        pages = limits.pages_held(max(p, total - 1))
         if pages > limits.num_usable_pages:
             raise RequestError(
                 "max_tokens",

@@ -112,8 +112,8 @@ class Scheduler(RequestQueue):
     def _plan(self, seq: Sequence, n: int, step: _Step) -> None:
         start = seq.num_computed_tokens
         drafts = tuple(seq.draft_token_ids[: max(0, start + n - seq.num_tokens)])
-        step.entries[seq.seq_id] = ScheduledSeq(
-            seq, start, n, tuple(seq.pages), drafts=drafts, sample=start + n - len(drafts) == seq.num_tokens
+        step.entries[seq.seq_id] = ScheduledSeq.of(
+            seq, start, n, drafts=drafts, sample=start + n - len(drafts) == seq.num_tokens
         )
         step.budget -= n
 

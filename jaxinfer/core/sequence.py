@@ -105,6 +105,7 @@ class Sequence:
         self.num_scored_prompt = 0  # prompt positions whose logprobs landed (prompt_logprobs)
         # KV pages: written by the KV cache manager (jaxinfer.kv) alone, read by plans.
         self.pages: list[int] = []  # block table: page i holds tokens [i*ps, (i+1)*ps)
+        self.group_pages: list[list[int]] = []  # the block tables of layer groups 1 .. G-1, if any
         self.page_hashes: list = []  # chained hashes of the full pages of token_ids
         self.num_cached_pages = 0  # leading pages registered in the prefix cache
         # LoRA: the adapter it runs under (None: the base model), what its page hashes chain from
@@ -176,6 +177,10 @@ class Sequence:
         ):
             return None
         return self.num_scored_prompt // page_size
+
+    def page_tables(self) -> tuple[tuple[int, ...], ...]:
+        """A copy of its block table of each layer group (group 0's first)."""
+        return (tuple(self.pages), *map(tuple, self.group_pages))
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -1,10 +1,11 @@
 """KVCacheManager: the scheduler's one door to the KV cache's pages (plain Python, no JAX).
 
 The scheduler decides which sequences run and how many tokens each computes; the manager decides
-which pages hold them. It owns a PagePool (free list, reference counts, prefix cache) and a
-KVCacheGroup (how the layers read their pages), and writes a sequence's KV fields:
-`pages` (its page table), `page_hashes` (chained hashes of its full pages) and
-`num_cached_pages` (leading pages registered in the prefix cache). Nobody else writes them.
+which pages hold them. It owns a PagePool (free list, reference counts, prefix caches) and the
+KVCacheGroups of the model's layers (how each group reads its pages), and writes a sequence's KV
+fields: `pages` (group 0's page table), `group_pages` (the tables of groups 1 .. G-1),
+`page_hashes` (chained hashes of its full pages, the same for every group) and
+`num_cached_pages` (leading pages registered in the prefix caches). Nobody else writes them.
 
     admission   prefix = computed_prefix(seq)     cached pages of its prefix, never its last
                                                   token (no side effects)
@@ -15,6 +16,13 @@ KVCacheGroup (how the layers read their pages), and writes a sequence's KV field
     after it    cache_computed(seq)                pages full of computed, known tokens -> cache
     drafts      truncate(seq, n)                   gives back pages past n tokens (rejected drafts)
     the end     free(seq)                          every page back, tail first (finish, preemption)
+
+Several groups (a model mixing full and sliding-window layers, config/kv_layout.py): every call
+acts on each group's table, a step's pages fit only if every group's do, and a prefix hit is the
+longest prefix every group can use (a sliding-window group needs only its window's pages of it).
+A sliding-window group gives back the pages no token from `num_computed_tokens` on reads again
+(NULL_PAGE in its table) when it next allocates, so it holds at most the pages of its window and
+the step's chunk.
 
 Copy-on-write: fork(parent, child) lets a child share the pages that hold its parent's computed
 tokens by reference count. Full pages are never written again, so sharing them is free; the
@@ -38,6 +46,7 @@ from jaxinfer.kv.events import KVEvent
 from jaxinfer.kv.groups import FullAttention, KVCacheGroup
 from jaxinfer.kv.page_pool import NULL_PAGE, EvictListener, PagePool
 from jaxinfer.kv.prefix_cache import HashFn, hash_page
+from jaxinfer.kv.tables import num_freed_by, release, shared_write_page, skipped_range, starts
 
 
 class KVSequence(Protocol):
@@ -45,7 +54,8 @@ class KVSequence(Protocol):
 
     token_ids: list[int]
     num_computed_tokens: int  # read only: tokens whose KV is in the cache (or being written)
-    pages: list[int]
+    pages: list[int]  # group 0's page table
+    group_pages: list[list[int]]  # the page tables of groups 1 .. G-1 ([] before its first pages)
     page_hashes: list
     num_cached_pages: int
     hash_root: bytes | None  # what its page hashes chain from (a LoRA adapter's; None: the base model)
@@ -63,8 +73,13 @@ class KVSequence(Protocol):
 class ComputedPrefix:
     """Cached pages that hold a sequence's first `num_tokens` tokens (a prefix-cache hit)."""
 
-    pages: tuple[int, ...]  # its page table; NULL_PAGE where the group reads no page
+    pages: tuple[int, ...]  # group 0's page table of it; NULL_PAGE where the group reads no page
     num_tokens: int
+    group_pages: tuple[tuple[int, ...], ...] = ()  # groups 1 .. G-1's
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        return (self.pages, *self.group_pages)
 
 
 NO_PREFIX = ComputedPrefix((), 0)
@@ -77,11 +92,13 @@ class KVCacheManager:
         page_size: int,
         *,
         enable_prefix_caching: bool = True,
-        group: KVCacheGroup | None = None,
+        groups: Sequence[KVCacheGroup] = (FullAttention(),),
         hash_fn: HashFn = hash_page,
         enable_events: bool = False,
         on_evict: EvictListener | None = None,
     ):
+        if not groups:
+            raise ValueError("a KV cache manager needs at least one layer group")
         self.pool = PagePool(
             num_pages,
             page_size,
@@ -89,41 +106,22 @@ class KVCacheManager:
             hash_fn=hash_fn,
             enable_events=enable_events,
             on_evict=on_evict,
+            num_caches=len(groups),
         )
         self.page_size = page_size
-        self.group = group if group is not None else FullAttention()
-        self._releases = self.group.releases_pages
+        self.groups = tuple(groups)
+        self._releases = [g.releases_pages for g in self.groups]
         self._forked = False  # no partial page is shared before a fork: writes need no check
         self._copies: list[tuple[int, int]] = []
 
-    # --- metrics --------------------------------------------------------------------------------
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.pool.enable_prefix_caching
-
-    @property
-    def num_usable_pages(self) -> int:
-        return self.pool.num_usable_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        return self.pool.num_free_pages
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self.pool.prefix_cache_queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.pool.prefix_cache_hits
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.pool.prefix_cache_hit_rate
+    # --- metrics: the pool's ------------------------------------------------------------------
+    enable_prefix_caching = property(lambda self: self.pool.enable_prefix_caching)
+    num_usable_pages = property(lambda self: self.pool.num_usable_pages)
+    num_free_pages = property(lambda self: self.pool.num_free_pages)
+    usage = property(lambda self: self.pool.usage)
+    prefix_cache_queries = property(lambda self: self.pool.prefix_cache_queries)
+    prefix_cache_hits = property(lambda self: self.pool.prefix_cache_hits)
+    prefix_cache_hit_rate = property(lambda self: self.pool.prefix_cache_hit_rate)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
@@ -141,30 +139,50 @@ class KVCacheManager:
         """Pages that hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
+    def tables(self, seq: KVSequence) -> list[list[int]]:
+        """The sequence's page table of each group (the lists themselves: edits land in it)."""
+        if len(seq.group_pages) != len(self.groups) - 1:
+            if seq.pages or any(seq.group_pages):
+                raise ValueError(f"{1 + len(seq.group_pages)} page tables for {len(self.groups)} layer groups")
+            seq.group_pages = [[] for _ in self.groups[1:]]
+        return [seq.pages, *seq.group_pages]
+
     # --- admission ------------------------------------------------------------------------------
     def computed_prefix(self, seq: KVSequence) -> ComputedPrefix:
-        """Cached pages of the longest prefix of `seq` the group can use, never covering its last
-        token (the step must compute it for logits) nor pages past `seq.cacheable_pages`."""
+        """Cached pages of the longest prefix of `seq` every group can use, never covering its
+        last token (the step must compute it for logits) nor pages past `seq.cacheable_pages`."""
         pool = self.pool
         if not pool.enable_prefix_caching:
             return NO_PREFIX
         pool.extend_page_hashes(seq.page_hashes, seq.token_ids, seq.hash_root)
-        max_pages = (seq.num_tokens - 1) // self.page_size
+        limit = (seq.num_tokens - 1) // self.page_size
         cap = seq.cacheable_pages(self.page_size)
         if cap is not None:
-            max_pages = min(max_pages, cap)
-        pages = self.group.match_prefix(pool, seq.page_hashes, seq.token_ids, max_pages)
-        return ComputedPrefix(tuple(pages), len(pages) * self.page_size) if pages else NO_PREFIX
+            limit = min(limit, cap)
+        while limit > 0:  # the longest prefix all groups hold: a shorter one for one, all again
+            tables = []
+            for i, group in enumerate(self.groups):
+                table = group.match_prefix(pool, seq.page_hashes, seq.token_ids, limit, i)
+                if len(table) < limit:
+                    limit = len(table)
+                    break
+                tables.append(tuple(table))
+            else:
+                return ComputedPrefix(tables[0], limit * self.page_size, tuple(tables[1:]))
+        return NO_PREFIX
 
     def _allocate_with_prefix(self, seq: KVSequence, num_tokens: int, prefix: ComputedPrefix) -> bool:
-        if seq.pages:
+        if seq.pages or any(seq.group_pages):
             raise ValueError(f"allocate with a prefix is for admission, but the sequence holds pages {seq.pages}")
-        held = [p for p in prefix.pages if p != NULL_PAGE]
-        need = max(0, self.pages_for(num_tokens) - len(prefix.pages))
-        if not self.pool.can_allocate(need, held):
+        tables = prefix.tables if prefix.pages else ((),) * len(self.groups)
+        held = [p for table in tables for p in table if p != NULL_PAGE]
+        need = [max(0, self.pages_for(num_tokens) - len(table)) for table in tables]
+        if not self.pool.can_allocate(sum(need), held):
             return False
-        fresh = self.pool.allocate(need, held)[len(held) :]
-        seq.pages = [*prefix.pages, *fresh]
+        fresh = self.pool.allocate(sum(need), held)[len(held) :]
+        seq.pages, *seq.group_pages = (
+            [*table, *fresh[start : start + n]] for table, start, n in zip(tables, starts(need), need)
+        )
         seq.num_cached_pages = len(prefix.pages)
         self.pool.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
         return True
@@ -177,29 +195,42 @@ class KVCacheManager:
         the lookup in the hit rate."""
         if prefix is not None:
             return self._allocate_with_prefix(seq, num_tokens, prefix)
-        need = -(-num_tokens // self.page_size) - len(seq.pages)
-        shared = self._shared_write_page(seq, num_tokens) if self._forked else -1
-        skipped = self._skipped_range(seq) if self._releases else None
-        if need <= 0 and shared < 0 and not skipped:
-            return True  # the common decode step: its page is there already
-        need = max(need, 0) + (shared >= 0)
-        if need > self.pool.num_free_pages + self._num_freed_by(seq, skipped):
+        tables = self.tables(seq)
+        edits: list[tuple[list[int], int, int, range | None]] = []
+        need = freed = 0
+        for table, releases in zip(tables, self._releases):
+            new = -(-num_tokens // self.page_size) - len(table)
+            shared = shared_write_page(self.pool, seq.num_computed_tokens, table, num_tokens) if self._forked else -1
+            skipped = (
+                skipped_range(self.groups[len(edits)], seq.num_computed_tokens, table, self.page_size)
+                if releases
+                else None
+            )
+            edits.append((table, max(new, 0) + (shared >= 0), shared, skipped))
+            need += max(new, 0) + (shared >= 0)
+            freed += num_freed_by(self.pool, table, skipped)
+        if need == 0 and not any(e[3] for e in edits):
+            return True  # the common decode step: its pages are there already
+        if need > self.pool.num_free_pages + freed:
             return False
-        if skipped:
-            self._release(seq, skipped)
-        if shared >= 0:
-            self._copy_on_write(seq, shared)
-            need -= 1
-        if need:
-            seq.pages += self.pool.allocate(need)
+        for i, (table, new, shared, skipped) in enumerate(edits):
+            if skipped:
+                self._cache_released(seq, table, skipped, i)
+                release(self.pool, table, skipped)
+            if shared >= 0:
+                self._copy_on_write(table, shared)
+                new -= 1
+            if new:
+                table += self.pool.allocate(new)
         return True
 
     def allocate_all(self, requests: Sequence[tuple[KVSequence, int]]) -> bool:
         """allocate(seq, num_tokens) for every pair, or for none if they do not all fit."""
         total = 0
         for seq, num_tokens in requests:
-            total += max(0, self.pages_for(num_tokens) - len(seq.pages))
-            total += self._forked and self._shared_write_page(seq, num_tokens) >= 0
+            for table in self.tables(seq):
+                total += max(0, self.pages_for(num_tokens) - len(table))
+                total += self._forked and shared_write_page(self.pool, seq.num_computed_tokens, table, num_tokens) >= 0
         if total > self.pool.num_free_pages:  # pages out of a sliding window only add to these
             return False
         for seq, num_tokens in requests:
@@ -208,85 +239,61 @@ class KVCacheManager:
 
     def cache_computed(self, seq: KVSequence) -> None:
         """Registers the pages of `seq` full of computed tokens whose ids are all known
-        (placeholders of steps in flight are not) in the prefix cache."""
+        (placeholders of steps in flight are not) in the prefix caches."""
         num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.page_size
         if num_full <= seq.num_cached_pages or not self.pool.enable_prefix_caching:
             return
         known = seq.token_ids[: seq.num_known_tokens]
         self.pool.extend_page_hashes(seq.page_hashes, known, seq.hash_root)
-        self.pool.cache_pages(seq.pages, seq.page_hashes, known, seq.num_cached_pages, num_full)
+        for i, table in enumerate(self.tables(seq)):
+            self.pool.cache_pages(table, seq.page_hashes, known, seq.num_cached_pages, num_full, i)
         seq.num_cached_pages = num_full
+
+    def _cache_released(self, seq: KVSequence, table: list[int], skipped: range, group: int) -> None:
+        """Caches the pages a sliding window gives back before the step writing them landed
+        (cache_computed would miss them): a step reading them through a prefix hit runs later."""
+        known = seq.num_known_tokens
+        stop = min(skipped.stop, known // self.page_size)
+        if self.pool.enable_prefix_caching and stop > skipped.start:
+            self.pool.extend_page_hashes(seq.page_hashes, seq.token_ids[:known], seq.hash_root)
+            self.pool.cache_pages(table, seq.page_hashes, seq.token_ids[:known], skipped.start, stop, group)
 
     def truncate(self, seq: KVSequence, num_tokens: int) -> None:
         """Gives back the pages past those that hold `num_tokens` tokens (rejected drafts)."""
         keep = self.pages_for(num_tokens)
-        if len(seq.pages) > keep:
-            self.pool.free(seq.pages[keep:])
-            del seq.pages[keep:]
+        for table in self.tables(seq):
+            if len(table) > keep:
+                self.pool.free(table[keep:])
+                del table[keep:]
 
     def free(self, seq: KVSequence) -> None:
         """Gives back every page of `seq`, tail first (its deep pages are evicted first)."""
-        pages = [p for p in seq.pages if p != NULL_PAGE] if self._releases else seq.pages
-        self.pool.free(pages)
-        seq.pages, seq.num_cached_pages = [], 0
+        for table in self.tables(seq):
+            self.pool.free([p for p in table if p != NULL_PAGE])
+        seq.pages, seq.group_pages, seq.num_cached_pages = [], [], 0
 
     # --- copy-on-write --------------------------------------------------------------------------
     def fork(self, parent: KVSequence, child: KVSequence) -> None:
         """`child` shares the pages holding `parent`'s computed tokens. The caller gives the child
         the parent's tokens and num_computed_tokens first; the child holds no pages yet."""
         computed = parent.num_computed_tokens
-        if child.pages:
+        if child.pages or any(child.group_pages):
             raise ValueError(f"fork: the child holds pages {child.pages} already")
         if child.num_computed_tokens != computed or child.token_ids[:computed] != parent.token_ids[:computed]:
             raise ValueError(
                 f"fork: the child's first {child.num_computed_tokens} computed tokens are not the parent's {computed}"
             )
-        shared = parent.pages[: self.pages_for(computed)]
-        self.pool.allocate(0, [p for p in shared if p != NULL_PAGE])  # one more reference each
+        shared = [table[: self.pages_for(computed)] for table in self.tables(parent)]
+        self.pool.allocate(0, [p for table in shared for p in table if p != NULL_PAGE])  # one more reference each
         num_full = computed // self.page_size
-        child.pages = list(shared)
+        child.pages, *child.group_pages = (list(table) for table in shared)
         child.page_hashes = parent.page_hashes[:num_full]
         child.num_cached_pages = min(parent.num_cached_pages, num_full)
         self._forked = True
 
-    def _shared_write_page(self, seq: KVSequence, num_tokens: int) -> int:
-        """Index of the page the step writes into that another sequence shares, or -1. Only a
-        partial page can be: full pages are never written again."""
-        computed = seq.num_computed_tokens
-        index = computed // self.page_size
-        if (
-            computed % self.page_size
-            and num_tokens > computed
-            and index < len(seq.pages)
-            and self.pool.ref_count(seq.pages[index]) > 1
-        ):
-            return index
-        return -1
-
-    def _copy_on_write(self, seq: KVSequence, index: int) -> None:
-        source = seq.pages[index]
+    def _copy_on_write(self, table: list[int], index: int) -> None:
+        source = table[index]
         (copy,) = self.pool.allocate(1)
         self.pool.free([source])  # still referenced by the sequence it is shared with
-        seq.pages[index] = copy
+        table[index] = copy
         self._copies.append((source, copy))
-
-    # --- pages out of a sliding window ----------------------------------------------------------
-    def _skipped_range(self, seq: KVSequence) -> range:
-        """Table entries no token of the next step reads that still hold a page."""
-        pages = seq.pages
-        stop = min(self.group.num_skipped_pages(seq.num_computed_tokens, self.page_size), len(pages))
-        start = stop
-        while start and pages[start - 1] != NULL_PAGE:  # entries before are given back already
-            start -= 1
-        return range(start, stop)
-
-    def _num_freed_by(self, seq: KVSequence, skipped: range | None) -> int:
-        """Pages that giving back `skipped` entries would put in the free list."""
-        if not skipped:
-            return 0
-        return sum(1 for i in skipped if self.pool.ref_count(seq.pages[i]) == 1)
-
-    def _release(self, seq: KVSequence, skipped: range) -> None:
-        self.pool.free([seq.pages[i] for i in skipped])
-        for i in skipped:
-            seq.pages[i] = NULL_PAGE

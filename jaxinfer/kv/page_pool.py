@@ -22,6 +22,10 @@ Rules that must hold:
   prompt's deep pages are evicted before the shared head of the prompt.
 - Evicting a cached page (to reuse it) deletes its hash entry. `on_evict` hears of it first: a
   second tier (host memory) can copy the page out before the step that overwrites it runs.
+- Layer groups (groups.py) share the pool, each with a prefix cache of its own (`cache`: the
+  group's index): the same tokens computed for two groups are two pages, found each in its own
+  group's cache. Events and `on_evict` speak of group 0's pages only (the first group: a
+  full-attention one where the model has any), so a router sees one page per prefix page.
 - A page's hash chains over the previous page's hash and its own token ids (sha256, truncated to
   16 bytes, same in every process). A lookup is confirmed against the tokens and parent hash stored
   with the entry, so even a colliding `hash_fn` cannot return a page holding other tokens.
@@ -60,6 +64,7 @@ class PagePool:
         hash_fn: HashFn = hash_page,
         enable_events: bool = False,
         on_evict: EvictListener | None = None,
+        num_caches: int = 1,
     ):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the null page)")
@@ -72,7 +77,7 @@ class PagePool:
         self.on_evict = on_evict
         self._ref_counts = [0] * num_pages
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict((p, None) for p in range(1, num_pages))
-        self._cache = PrefixCache()
+        self._caches = [PrefixCache() for _ in range(num_caches)]  # one per layer group
         self._events: list[KVEvent] | None = [] if enable_events else None
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
@@ -89,7 +94,7 @@ class PagePool:
 
     @property
     def num_cached_pages(self) -> int:
-        return len(self._cache)
+        return sum(len(c) for c in self._caches)
 
     @property
     def usage(self) -> float:
@@ -114,7 +119,7 @@ class PagePool:
         return list(self._free)
 
     def is_cached(self, page_id: int) -> bool:
-        return page_id in self._cache
+        return any(page_id in c for c in self._caches)
 
     def take_events(self) -> list[KVEvent]:
         """The KV events recorded since the last call, oldest first (events.py)."""
@@ -131,15 +136,18 @@ class PagePool:
         chained from `root` (prefix_cache.extend_page_hashes)."""
         extend_page_hashes(hashes, token_ids, self.page_size, self.hash_fn, root)
 
-    def cached_page(self, index: int, hashes: Sequence[PageHash], token_ids: Sequence[int]) -> int | None:
-        """The cached page holding page `index` of `token_ids` (confirmed), or None."""
+    def cached_page(
+        self, index: int, hashes: Sequence[PageHash], token_ids: Sequence[int], cache: int = 0
+    ) -> int | None:
+        """The page in group `cache`'s prefix cache holding page `index` of `token_ids`
+        (confirmed), or None."""
         ps = self.page_size
-        return self._cache.lookup(
+        return self._caches[cache].lookup(
             hashes[index], hashes[index - 1] if index else None, token_ids[index * ps : (index + 1) * ps]
         )
 
     def match_prefix(
-        self, hashes: Sequence[PageHash], token_ids: Sequence[int], max_pages: int | None = None
+        self, hashes: Sequence[PageHash], token_ids: Sequence[int], max_pages: int | None = None, cache: int = 0
     ) -> list[int]:
         """Cached pages holding the longest full-page prefix of `token_ids[:-1]` (no side effects),
         at most `max_pages` of them.
@@ -152,7 +160,7 @@ class PagePool:
         limit = min(len(hashes), (len(token_ids) - 1) // self.page_size)
         pages: list[int] = []
         for i in range(limit if max_pages is None else min(limit, max_pages)):
-            page = self.cached_page(i, hashes, token_ids)
+            page = self.cached_page(i, hashes, token_ids, cache)
             if page is None:
                 break
             pages.append(page)
@@ -163,26 +171,33 @@ class PagePool:
         return -(-num_tokens // self.page_size)
 
     def cache_pages(
-        self, page_ids: Sequence[int], hashes: Sequence[PageHash], token_ids: Sequence[int], start: int, stop: int
+        self,
+        page_ids: Sequence[int],
+        hashes: Sequence[PageHash],
+        token_ids: Sequence[int],
+        start: int,
+        stop: int,
+        cache: int = 0,
     ) -> None:
-        """Caches full pages `page_ids[start:stop]` of `token_ids` once their KV has been written.
+        """Caches full pages `page_ids[start:stop]` of `token_ids` (a page table of group
+        `cache`) once their KV has been written.
 
         `hashes` are the page hashes of `token_ids` (at least `stop` of them). Null entries (pages
         a sliding window gave back) are skipped.
         """
         if not self.enable_prefix_caching:
             return
-        ps = self.page_size
+        ps, prefix_cache = self.page_size, self._caches[cache]
         stored = []
         for i in range(start, stop):
             page_id, page_hash = page_ids[i], hashes[i]
-            if page_id == NULL_PAGE or page_id in self._cache or self._cache.holds_hash(page_hash):
+            if page_id == NULL_PAGE or page_id in prefix_cache or prefix_cache.holds_hash(page_hash):
                 continue  # given back, already cached (a prefix hit), or the same content elsewhere
-            self._cache.insert(
+            prefix_cache.insert(
                 page_hash, CacheEntry(page_id, hashes[i - 1] if i else None, tuple(token_ids[i * ps : (i + 1) * ps]))
             )
             stored.append(i)
-        if stored and self._events is not None:
+        if stored and self._events is not None and cache == 0:
             self._record_stored(stored, hashes, token_ids)
 
     def _record_stored(self, indices: list[int], hashes: Sequence[PageHash], token_ids: Sequence[int]) -> None:
@@ -228,11 +243,14 @@ class PagePool:
         fresh, evicted = [], []
         for _ in range(num_new):
             p, _ = self._free.popitem(last=False)
-            page_hash = self._cache.remove(p)
-            if page_hash is not None:
-                if self.on_evict is not None:
-                    self.on_evict(p, page_hash)
-                evicted.append(page_hash)
+            for group, prefix_cache in enumerate(self._caches):
+                page_hash = prefix_cache.remove(p)
+                if page_hash is not None:
+                    if group == 0:
+                        if self.on_evict is not None:
+                            self.on_evict(p, page_hash)
+                        evicted.append(page_hash)
+                    break
             self._ref_counts[p] = 1
             fresh.append(p)
         if evicted and self._events is not None:
@@ -247,11 +265,12 @@ class PagePool:
             self._ref_counts[p] -= 1
             if self._ref_counts[p] == 0:
                 self._free[p] = None
-                if p not in self._cache:  # nothing worth keeping: reuse it first
+                if not self.is_cached(p):  # nothing worth keeping: reuse it first
                     self._free.move_to_end(p, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (e.g. after new weights are loaded); pages stay put."""
-        self._cache.clear()
+        for prefix_cache in self._caches:
+            prefix_cache.clear()
         if self._events is not None:
             self._events.append(AllBlocksCleared())

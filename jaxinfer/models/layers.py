@@ -23,6 +23,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.config.kv_layout import kv_layout
 from jaxinfer.quant import einsum
 from jaxinfer.quant.kv_cache import QuantizedKVCache
 from jaxinfer.quant.lora_vocab import vocab_rows
@@ -59,7 +60,10 @@ class AttentionMetadata[A]:
     `A`: the arrays' type: numpy as the host builds them, jax.Array on the device."""
 
     kv_lens: A  # i32[S] tokens in the cache per sequence after this step
-    page_indices: A | None  # i32[S, pages_per_seq]; None from the host (the step reads its page table)
+    # i32[G, S, pages_per_seq]: each layer group's page tables (config/kv_layout.py), or
+    # i32[S, pages_per_seq] when every layer has a cache of its own; None from the host (the
+    # step reads its page table)
+    page_indices: A | None
     cu_q_lens: A  # i32[S+1] query token offsets
     num_seqs: A  # i32[1] real sequences; the rest is padding
 
@@ -163,12 +167,29 @@ def decoder_stack(
     layer in order (each writes its K/V pages), then the final norm: (hidden [T, E], caches)."""
     x = vocab_rows(params.embed, tokens)  # [T, E]; a quantized embedding dequantizes these rows
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
-    new_caches = []
+    caches = list(kv_caches)
     layer_call = traced_once(layer_fn)
-    for layer, kv_cache in zip(params.layers, kv_caches):
-        x, kv_cache = layer_call(x, layer, kv_cache, cos, sin, meta, config, attn_impl)
-        new_caches.append(kv_cache)
-    return rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(new_caches)
+    for i, layer in enumerate(params.layers):
+        c, layer_meta = layer_kv(config, caches, meta, i)
+        x, caches[c] = layer_call(x, layer, caches[c], cos, sin, layer_meta, config, attn_impl)
+    return rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(caches)
+
+
+def layer_kv(
+    config: ModelConfig, kv_caches: list[KVCache], meta: AttentionMetadata[jax.Array], layer: int
+) -> tuple[int, AttentionMetadata[jax.Array]]:
+    """Which of `kv_caches` layer `layer` reads and writes, and the metadata with its group's page
+    table. One cache per layer: the layer's own, and the one table (the plain layout, and how
+    tests and KV calibration call a forward); fewer caches: the model's KV layout
+    (config/kv_layout.py), page_indices [G, S, P] holding each group's tables."""
+    pages = meta.page_indices
+    if len(kv_caches) == config.num_layers:
+        group, cache = 0, layer
+    else:
+        group, cache = kv_layout(config).slot(layer)
+    if pages is not None and pages.ndim == 3:
+        meta = dataclasses.replace(meta, page_indices=pages[group])
+    return cache, meta
 
 
 def project_qkv(x: jax.Array, w_qkv: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.core.plan import ScheduledSeq, SchedulerPlan
+from jaxinfer.core.replica import kv_groups
 from jaxinfer.core.sequence import PLACEHOLDER, Sequence
 from jaxinfer.kv import KVCacheManager
 from jaxinfer.loader import LoadedModel
@@ -69,7 +70,10 @@ class DraftModelProposer(Proposer):
             mesh=None,
         )
         self.worker = Worker(model, config, max_model_len)
-        self.kv_cache = KVCacheManager(self.worker.num_pages, self.worker.page_size, enable_prefix_caching=False)
+        groups = kv_groups(self.worker.kv_layout, margin=k)  # a rejected draft's tokens are computed again
+        self.kv_cache = KVCacheManager(
+            self.worker.num_pages, self.worker.page_size, enable_prefix_caching=False, groups=groups
+        )
         self.budget = self.worker.max_batched_tokens
         self._seqs: dict[int, _DraftSeq] = {}
         self.num_proposals = 0
@@ -121,7 +125,7 @@ class DraftModelProposer(Proposer):
         end = draft.num_computed_tokens + n + (self.k - 1 if n == todo else 0)
         if not self.kv_cache.allocate(draft, end):
             return None
-        return ScheduledSeq(draft, draft.num_computed_tokens, n, tuple(draft.pages), sample=n == todo)
+        return ScheduledSeq.of(draft, draft.num_computed_tokens, n, sample=n == todo)
 
     def _run(self, entries: list[ScheduledSeq]) -> dict[int, list[int]]:
         """The catch-up step, then the window; the drafts of each sequence that sampled."""
@@ -134,10 +138,7 @@ class DraftModelProposer(Proposer):
         rows = [row for row, e in enumerate(entries) if e.sample]
         if rows and self.k > 1:
             window = SchedulerPlan(
-                [
-                    ScheduledSeq(entries[r].seq, entries[r].kv_len, 1, tuple(entries[r].seq.pages), sample=True)
-                    for r in rows
-                ],
+                [ScheduledSeq.of(entries[r].seq, entries[r].kv_len, 1, sample=True) for r in rows],
                 num_steps=self.worker.num_decode_steps,
             )
             handles.append(self.worker.execute([window], handles[0]))

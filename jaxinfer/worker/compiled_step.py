@@ -79,6 +79,7 @@ class CompiledStep:
             vocab_size=self.config.vocab_size,
             num_replicas=self.num_replicas,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            num_groups=state.kv_layout.num_groups,
         )
         max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
         prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)

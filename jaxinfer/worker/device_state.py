@@ -7,7 +7,9 @@ memory is left (kv_pool.py), zeroed in the pinned row-major layout the attention
 for int8 / fp8 caches, calibrated (kv_calibration.py). The compiled step (compiled_step.py)
 donates `kv_caches` to every launch and puts the returned caches back here.
 
-On a mesh the parameters are split by the family's rules, each layer's cache by KV heads over
+The caches follow the model's KV layout (config/kv_layout.py): one per layer, or, where full and
+sliding-window layers mix, one per slot of a layer group, shared by the groups through their page
+tables. On a mesh the parameters are split by the family's rules, each cache by KV heads over
 `tensor`; with `data` > 1 every cache gets a leading [data] axis (one pool per replica). Every
 host allocates the same pool: process 0's page count wins.
 """
@@ -23,6 +25,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.config.kv_layout import kv_layout
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import KVCaches, ModelParams
 from jaxinfer.quant.kv_cache import is_quantized_kv, resolve_kv_dtype
@@ -48,6 +51,7 @@ class DeviceState:
         self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         self.num_replicas = axis_size(self.mesh, DATA)
         self.params = self._place_params(model)
+        self.kv_layout = kv_layout(self.config)  # which layers share a cache and a page table
         self.kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, model.params.embed.dtype)
         self.num_pages = broadcast_int(
             plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device, self.local_device)
@@ -92,11 +96,17 @@ class DeviceState:
                 sharding,
                 self.num_replicas,
             ),
-            self.config.num_layers,
+            self.kv_layout.num_caches,
         )
         if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
             return calibrated_caches(
-                pages, self.model, self.params, self.layout.cache_kv_heads, self.engine.compile.attn_impl, self.mesh
+                pages,
+                self.model,
+                self.params,
+                self.layout.cache_kv_heads,
+                self.engine.compile.attn_impl,
+                self.mesh,
+                self.kv_layout.caches_of_layers(self.config.num_layers),
             )
         return pages
 

@@ -77,6 +77,7 @@ class InputBuilder:
         vocab_size: int,
         num_replicas: int = 1,
         num_speculative_tokens: int = 0,
+        num_groups: int = 1,
     ):
         self.engine = engine
         self.num_speculative_tokens = num_speculative_tokens  # K: the width of verify steps' drafts
@@ -87,8 +88,8 @@ class InputBuilder:
         self.num_replicas = num_replicas
         # The device page table's host mirror per replica: a slot per sequence of the largest plan.
         num_rows = engine.seq_bucket(buckets[-1]) + 1
-        self.update_widths = update_widths(num_rows, pages_per_seq)
-        self.tables = [PageTableMirror(num_rows, pages_per_seq) for _ in range(num_replicas)]
+        self.update_widths = update_widths(num_rows, pages_per_seq, num_groups=num_groups)
+        self.tables = [PageTableMirror(num_rows, pages_per_seq, num_groups) for _ in range(num_replicas)]
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -152,8 +153,9 @@ class InputBuilder:
         sampled_row = {} if previous is None else {e.seq.seq_id: row for row, e in enumerate(previous.seqs) if e.sample}
         offset = 0
         for i, s in enumerate(plan.seqs):
-            if len(s.pages) > self.pages_per_seq or s.kv_len > len(s.pages) * self.engine.cache.chosen_page_size:
-                raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(s.pages)} pages")
+            for table in s.tables:
+                if len(table) > self.pages_per_seq or s.kv_len > len(table) * self.engine.cache.chosen_page_size:
+                    raise RuntimeError(f"sequence {s.seq.request_id}: {s.kv_len} tokens on {len(table)} pages")
             ids = s.token_ids  # a slice of the sequence's tokens, built once
             tokens[offset : offset + s.num_new_tokens] = ids
             if ids[-1] == PLACEHOLDER:  # a decode of a token still in flight

@@ -182,9 +182,11 @@ def calibrated_caches(
     cache_kv_heads: int,
     attn_impl: str,
     mesh: Mesh | None,
+    layer_caches: tuple[int, ...] | None = None,
 ) -> tuple[QuantizedKVCache, ...]:
     """The device state's zeroed int8/fp8 pages with scales calibrated on `model` (its placed `params`,
-    the float forward in the model's dtype)."""
+    the float forward in the model's dtype). `layer_caches`: the cache of each layer where layers
+    share caches (config/kv_layout.py): a cache's scales cover the largest |K| and |V| of its layers."""
     tokens = calibration_tokens(model.tokenizer, model.config.vocab_size)
     absmax = kv_absmax(
         model.family,
@@ -196,4 +198,7 @@ def calibrated_caches(
         attn_impl=attn_impl,
         mesh=mesh,
     )
+    if layer_caches is not None:
+        owner = np.asarray(layer_caches)
+        absmax = np.stack([absmax[owner == c].max(axis=0) for c in range(len(pages))])
     return quantized_caches(pages, absmax, pages[0].dtype)

@@ -10,6 +10,7 @@ from jax.typing import DTypeLike
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.config.cache import DEFAULT_PAGE_SIZE
+from jaxinfer.config.kv_layout import kv_layout
 from pallas_kernels import kv_cache_shape
 from pallas_kernels.kv_layout import kv_cache_format, layout_bytes
 
@@ -23,12 +24,13 @@ def kv_page_bytes(
     num_kv_heads: int | None = None,
     device: jax.Device | None = None,
 ) -> int:
-    """Bytes one page costs over all layers on `device` (default: the first local device) when
-    it holds `num_kv_heads` heads."""
+    """Bytes one page costs on `device` (default: the first local device) when it holds
+    `num_kv_heads` heads: one layer's page in each cache of the model's KV layout (every layer's
+    where the layers attend alike; config/kv_layout.py)."""
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
     device = jax.local_devices()[0] if device is None else device
     per_layer = layout_bytes(kv_cache_shape(1, page_size, heads, config.head_dim), dtype, device)
-    return per_layer * config.num_layers
+    return per_layer * kv_layout(config).num_caches
 
 
 def plan_num_pages(
@@ -71,7 +73,7 @@ def cache_struct(
     return jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache_format(sharding, len(shape)))
 
 
-def zeroed_caches(struct: jax.ShapeDtypeStruct, num_layers: int) -> tuple[jax.Array, ...]:
-    """One zeroed cache of `struct` (its placement and layout) per layer."""
+def zeroed_caches(struct: jax.ShapeDtypeStruct, num_caches: int) -> tuple[jax.Array, ...]:
+    """`num_caches` zeroed caches of `struct` (its placement and layout)."""
     zeros = jax.jit(lambda: jnp.zeros(struct.shape, struct.dtype), out_shardings=struct.format)
-    return tuple(zeros() for _ in range(num_layers))
+    return tuple(zeros() for _ in range(num_caches))

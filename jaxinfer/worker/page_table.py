@@ -1,10 +1,13 @@
-"""The page table on the device: one row per sequence slot, and only its changed entries sent.
+"""The page table on the device: one row per sequence slot and layer group, and only its
+changed entries sent.
 
-    device   table i32[num_rows, pages_per_seq]   row 0 is the null row (all page 0, never
-             assigned): padding sequences read it; row r > 0 is one sequence's block table
+    device   table i32[G, num_rows, pages_per_seq]   a table per layer group of the model's KV
+             layout (config/kv_layout.py; G = 1 where its layers attend alike). Row 0 is the null
+             row (all page 0, never assigned): padding sequences read it; row r > 0 is one
+             sequence's block table of that group
     host     PageTableMirror: what the device's table holds, the slot of each sequence, and
-             for a plan the entries that differ from it -> PageTableUpdates (slot, col, page)
-    step     page_indices [S, pages_per_seq] = table[page_slots] inside the jit
+             for a plan the entries that differ from it -> PageTableUpdates (group, slot, col, page)
+    step     page_indices [G, S, pages_per_seq] = table[:, page_slots] inside the jit
 
 A step's inputs carry the slot of each of its sequences (`StepInputs.page_slots`) and the
 entries of the table to set first (`StepInputs.table`): a decode that fills no new page sends
@@ -13,11 +16,11 @@ padded to the smallest of a few fixed widths (`update_widths`, each compiled at 
 applied by one small jitted scatter that updates the table in place, before the step that reads
 it. Padding entries write page 0 into the null row's first column, which it already holds.
 
-Slots: a sequence keeps its slot while it runs; a new one takes a free slot, else the slot used
-least recently by a sequence outside the plan (there are as many slots as the largest plan has
-sequences, so one is always found). A row is exact: entries past a sequence's pages hold the
-null page (a slot taken over, or a sequence that gave pages back, has the rest cleared), so no
-sequence's row ever names a page it does not own.
+Slots: a sequence keeps its slot (the same row in every group) while it runs; a new one takes
+a free slot, else the slot used least recently by a sequence outside the plan (there are as many
+slots as the largest plan has sequences, so one is always found). A row is exact: entries past a
+sequence's pages hold the null page (a slot taken over, or a sequence that gave pages back, has
+the rest cleared), so no sequence's row ever names a page it does not own.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ class PageTableUpdates[A]:
     slots: A  # i32[W] table row of each entry (padding: the null row)
     cols: A  # i32[W] page position in the row
     pages: A  # i32[W] the page id to store
+    groups: A  # i32[W] the layer group's table
 
 
-def update_widths(num_rows: int, pages_per_seq: int, smallest: int = 64) -> tuple[int, ...]:
+def update_widths(num_rows: int, pages_per_seq: int, smallest: int = 64, num_groups: int = 1) -> tuple[int, ...]:
     """The compiled update widths: `smallest`, 8x that, ... up to one that holds every entry of
-    every sequence row (the most one step can change)."""
-    widths, most = [smallest], (num_rows - 1) * pages_per_seq
+    every sequence row of every group (the most one step can change)."""
+    widths, most = [smallest], num_groups * (num_rows - 1) * pages_per_seq
     while widths[-1] < most:
         widths.append(widths[-1] * _WIDTH_STEP)
     return tuple(widths)
@@ -58,16 +62,16 @@ def update_widths(num_rows: int, pages_per_seq: int, smallest: int = 64) -> tupl
 
 def no_updates(width: int) -> PageTableUpdates[np.ndarray]:
     zeros = np.zeros(width, np.int32)
-    return PageTableUpdates(zeros, zeros.copy(), zeros.copy())
+    return PageTableUpdates(zeros, zeros.copy(), zeros.copy(), zeros.copy())
 
 
 def apply_updates(table: jax.Array, updates: PageTableUpdates[jax.Array]) -> jax.Array:
     """The table with the entries set (jitted with the table donated: in place)."""
-    return table.at[updates.slots, updates.cols].set(updates.pages)
+    return table.at[updates.groups, updates.slots, updates.cols].set(updates.pages)
 
 
 def padded_updates(
-    changes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], widths: tuple[int, ...]
+    changes: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], widths: tuple[int, ...]
 ) -> PageTableUpdates[np.ndarray] | None:
     """Each data replica's changed entries, padded to the smallest width that holds the most
     of them (stacked along a leading axis when there are several replicas); None: none changed."""
@@ -76,9 +80,10 @@ def padded_updates(
         return None
     width = next(w for w in widths if w >= most)
     rows = []
-    for slots, cols, pages in changes:
+    for slots, cols, pages, groups in changes:
         out = no_updates(width)
-        out.slots[: len(slots)], out.cols[: len(cols)], out.pages[: len(pages)] = slots, cols, pages
+        n = len(slots)
+        out.slots[:n], out.cols[:n], out.pages[:n], out.groups[:n] = slots, cols, pages, groups
         rows.append(out)
     return rows[0] if len(rows) == 1 else jax.tree.map(lambda *r: np.stack(r), *rows)
 
@@ -86,9 +91,9 @@ def padded_updates(
 class PageTableMirror:
     """The host's copy of one replica's device table and the slot of each sequence."""
 
-    def __init__(self, num_rows: int, pages_per_seq: int):
-        self.rows = np.full((num_rows, pages_per_seq), NULL_PAGE, np.int32)
-        self.lens = np.zeros(num_rows, np.int32)  # entries of each row past which all are null
+    def __init__(self, num_rows: int, pages_per_seq: int, num_groups: int = 1):
+        self.rows = np.full((num_groups, num_rows, pages_per_seq), NULL_PAGE, np.int32)
+        self.lens = np.zeros((num_groups, num_rows), np.int32)  # entries of each row past which all are null
         self.owner = np.full(num_rows, -1, np.int64)  # seq_id of the slot's sequence; -1: free
         self.used = np.zeros(num_rows, np.int64)  # the sync that last named the slot
         self.owner[NULL_ROW] = -2  # never assigned
@@ -97,9 +102,9 @@ class PageTableMirror:
 
     def sync(
         self, entries: Seq[ScheduledSeq], s_bucket: int
-    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """(page slot of each sequence [s_bucket], padding: the null row; the entries to set:
-        slots, cols, pages) for a plan's sequences, whose rows become their pages."""
+        slots, cols, pages, groups) for a plan's sequences, whose rows become their pages."""
         self._clock += 1
         n = len(entries)
         slots = np.full(s_bucket, NULL_ROW, np.int32)
@@ -109,18 +114,26 @@ class PageTableMirror:
             slots[i] = self._assign(seq_id, plan_ids) if slot is None else slot
         mine = slots[:n]
         if n == 0:
-            return slots, (mine, mine, mine)
+            return slots, (mine, mine, mine, mine)
         self.used[mine] = self._clock
-        lens = np.fromiter((len(e.pages) for e in entries), np.int32, n)
-        width = int(max(lens.max(), self.lens[mine].max()))
+        changed = [self._sync_group(g, [e.tables[g] for e in entries], mine) for g in range(len(self.rows))]
+        return slots, tuple(np.concatenate(parts) for parts in zip(*changed))  # type: ignore[return-value]
+
+    def _sync_group(
+        self, group: int, tables: list[tuple[int, ...]], mine: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Group `group`'s rows of slots `mine` set to `tables`: the entries that changed."""
+        rows, n = self.rows[group], len(tables)
+        lens = np.fromiter((len(t) for t in tables), np.int32, n)
+        width = int(max(lens.max(), self.lens[group, mine].max()))
         target = np.full((n, width), NULL_PAGE, np.int32)
         target[np.arange(width) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(e.pages for e in entries), np.int32, int(lens.sum())
+            itertools.chain.from_iterable(tables), np.int32, int(lens.sum())
         )
-        r, c = np.nonzero(self.rows[mine, :width] != target)
-        self.rows[mine, :width] = target
-        self.lens[mine] = lens
-        return slots, (mine[r], c.astype(np.int32), target[r, c])
+        r, c = np.nonzero(rows[mine, :width] != target)
+        rows[mine, :width] = target
+        self.lens[group, mine] = lens
+        return mine[r], c.astype(np.int32), target[r, c], np.full(len(r), group, np.int32)
 
     def _assign(self, seq_id: int, plan_ids: list[int]) -> int:
         """A slot for a sequence that has none: a free one, else the least recently used one
@@ -139,8 +152,8 @@ class PageTableMirror:
         return slot
 
     def page_rows(self, slots: np.ndarray) -> np.ndarray:
-        """The rows the step reads for these slots (what `page_indices` holds on the device)."""
-        return self.rows[slots]
+        """The rows the step reads for these slots, [G, S, P] (what `page_indices` holds on the device)."""
+        return self.rows[:, slots]
 
 
 class DevicePageTable:
@@ -148,9 +161,17 @@ class DevicePageTable:
     a step's entries in place (the worker's warm-up compiles it for each update width)."""
 
     def __init__(
-        self, num_rows: int, pages_per_seq: int, sharding: jax.sharding.Sharding, num_replicas: int, vmap_axis: str
+        self,
+        num_groups: int,
+        num_rows: int,
+        pages_per_seq: int,
+        sharding: jax.sharding.Sharding,
+        num_replicas: int,
+        vmap_axis: str,
     ):
-        shape = (num_rows, pages_per_seq) if num_replicas == 1 else (num_replicas, num_rows, pages_per_seq)
+        shape: tuple[int, ...] = (num_groups, num_rows, pages_per_seq)
+        if num_replicas > 1:
+            shape = (num_replicas, *shape)
         self.array = jax.device_put(jnp.zeros(shape, jnp.int32), sharding)  # as the compiled step's prev tokens
         fn = apply_updates if num_replicas == 1 else jax.vmap(apply_updates, spmd_axis_name=vmap_axis)
         self._update = jax.jit(fn, donate_argnums=(0,), out_shardings=sharding)

@@ -50,8 +50,8 @@ def step(
     page_table: jax.Array,
 ) -> tuple[StepOutput, KVCaches, jax.Array]:
     """prev_tokens i32[max_seqs]: what the previous step sampled, for its placeholders here;
-    page_table i32[rows, pages_per_seq]: the sequences' block tables (page_table.py). A verify
-    step (inputs with drafts) returns a VerifyOutput."""
+    page_table i32[G, rows, pages_per_seq]: the sequences' block tables of each layer group
+    (page_table.py). A verify step (inputs with drafts) returns a VerifyOutput."""
     every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens, page_table)
     hidden = every_row[inputs.logits_indices]
     row_slots = None if inputs.lora_slots is None else inputs.lora_slots[inputs.logits_indices]
@@ -99,7 +99,7 @@ def _forward(
     """The forward's hidden state of every row of the batch [T, E] and the updated caches."""
     from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]  # [T]
     token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
-    meta = dataclasses.replace(inputs.meta, page_indices=page_table[inputs.page_slots])  # [S, pages_per_seq]
+    meta = dataclasses.replace(inputs.meta, page_indices=page_table[:, inputs.page_slots])  # [G, S, pages_per_seq]
     params = bind(params, inputs.lora_slots)  # LoRA: each token's adapter slot (quant/lora.py)
     return family.forward(params, config, token_ids, inputs.positions, kv_caches, meta, attn_impl=attn_impl)
 

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.config.kv_layout import KVLayout
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.loader import LoadedModel
 from jaxinfer.lora.peft import Adapter
@@ -103,6 +104,11 @@ class Worker:
     @property
     def page_size(self) -> int:
         return self.state.page_size
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Which layers share which page table and cache (config/kv_layout.py)."""
+        return self.state.kv_layout
 
     @property
     def num_decode_steps(self) -> int:

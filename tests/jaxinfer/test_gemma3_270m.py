@@ -153,3 +153,47 @@ def test_generate_command(model, sequence, gguf_path, capsys):
         == 0
     )
     assert capsys.readouterr().out == tok.decode(out) + "\n"
+
+
+def test_engine_past_the_window_keeps_only_the_window(model):
+    """The engine over the long prompt (836 tokens, the 512-token window passed in 128-token
+    chunks) and 32 greedy tokens: transformers' greedy tokens, while the five sliding-window
+    groups (of 3 layers each; one full-attention group) each hold at most the pages of a window
+    and a chunk, and the full-attention group every page of the context."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine import Engine
+    from jaxinfer.sampling import SamplingParams
+
+    page, chunk = 16, 128
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_model_len=896,
+            max_num_seqs=2,
+            max_num_batched_tokens=chunk,
+            token_buckets=(8, chunk),
+            page_size=page,
+            num_pages=264,  # the most one sequence holds: 55 pages of the full group, 41 of each sliding one
+            penalties=False,
+        ),
+    )
+    layout = engine.worker.kv_layout
+    assert (layout.windows, layout.num_caches) == ((None, 512, 512, 512, 512, 512), 3)
+    want = GOLDEN["long_greedy"].tolist()
+    engine.add_request(
+        GOLDEN["long_input_ids"].tolist(),
+        SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True),
+        request_id="long",
+    )
+    out, most = [], [0] * layout.num_groups
+    while engine.has_unfinished():
+        for o in engine.step():
+            out += o.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            for g, table in enumerate(seq.page_tables()):
+                most[g] = max(most[g], sum(p != 0 for p in table))
+    assert out == want
+    bound = -(-(512 - 1 + chunk) // page) + 1  # 41 pages of 16 tokens, against 55 for the context
+    assert most[0] == -(-(len(GOLDEN["long_input_ids"]) + len(want) - 1) // page)
+    assert all(m <= bound for m in most[1:]), most
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages

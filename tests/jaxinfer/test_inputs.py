@@ -57,7 +57,7 @@ def test_a_mixed_plan_fills_every_array():
     pages[0, :2], pages[1, :1], pages[2, :3] = [1, 2], [7], [9, 5, 3]
     assert meta.page_indices is None  # read on the device from the page table
     assert inputs.page_slots.tolist() == [1, 2, 3, 0, 0, 0, 0, 0]  # padding: the null row 0
-    np.testing.assert_array_equal(builder.tables[0].page_rows(inputs.page_slots), pages)
+    np.testing.assert_array_equal(builder.tables[0].page_rows(inputs.page_slots), pages[None])
     table = inputs.table  # every entry is new: sent, padded to the smallest width
     assert table.slots.shape == (64,)
     assert list(zip(table.slots[:6].tolist(), table.cols[:6].tolist(), table.pages[:6].tolist())) == [

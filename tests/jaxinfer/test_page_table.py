@@ -39,7 +39,9 @@ def _entries(*table):
 
 
 def _sent(changes):
-    return sorted(zip(*(c.tolist() for c in changes)))
+    """(slot, col, page) of each entry set, of group 0 (the only one)."""
+    assert not changes[3].any()
+    return sorted(zip(*(c.tolist() for c in changes[:3])))
 
 
 def test_only_changed_entries_are_sent_and_slots_are_kept():
@@ -55,7 +57,23 @@ def test_only_changed_entries_are_sent_and_slots_are_kept():
     assert _sent(changes) == [(1, 1, NULL_PAGE), (1, 2, NULL_PAGE)]
     _, changes = mirror.sync(_entries((a, [8, 6, 4])), s_bucket=2)  # recomputed on other pages
     assert _sent(changes) == [(1, 0, 8), (1, 1, 6), (1, 2, 4)]
-    assert mirror.page_rows(np.array([1, 2, 0])).tolist() == [[8, 6, 4, 0, 0, 0], [7, 0, 0, 0, 0, 0], [0] * PPS]
+    assert mirror.page_rows(np.array([1, 2, 0])).tolist() == [[[8, 6, 4, 0, 0, 0], [7, 0, 0, 0, 0, 0], [0] * PPS]]
+
+
+def test_each_layer_group_has_its_table_and_a_sequence_one_slot_in_all():
+    mirror, a, b = PageTableMirror(3, PPS, num_groups=2), _seq(1), _seq(2)
+    entries = [
+        ScheduledSeq(a, 0, 9, (5, 6, 7), sample=True, group_pages=((0, 8, 9),)),
+        ScheduledSeq(b, 0, 2, (3,), sample=True, group_pages=((4,),)),
+    ]
+    slots, changes = mirror.sync(entries, s_bucket=2)
+    assert slots.tolist() == [1, 2]
+    sent = sorted(zip(*(c.tolist() for c in changes)))  # (slot, col, page, group)
+    assert sent == [(1, 0, 5, 0), (1, 1, 6, 0), (1, 1, 8, 1), (1, 2, 7, 0), (1, 2, 9, 1), (2, 0, 3, 0), (2, 0, 4, 1)]
+    assert mirror.page_rows(slots)[:, :, :3].tolist() == [[[5, 6, 7], [3, 0, 0]], [[0, 8, 9], [4, 0, 0]]]
+    updates = padded_updates([changes], update_widths(3, PPS, smallest=8, num_groups=2))
+    table = apply_updates(jax.numpy.zeros((2, 3, PPS), jax.numpy.int32), updates)
+    np.testing.assert_array_equal(np.asarray(table), mirror.rows)
 
 
 def test_a_new_sequence_takes_the_least_recently_used_slot_outside_the_plan():
@@ -78,9 +96,10 @@ def test_a_new_sequence_takes_the_least_recently_used_slot_outside_the_plan():
 def test_update_widths_and_padding():
     assert update_widths(9, 100) == (64, 512, 4096)  # the last holds all 8 rows' 800 entries
     assert update_widths(2, 8) == (64,)
-    assert padded_updates([(np.zeros(0, np.int32),) * 3], (64, 512)) is None
-    one = (np.array([1, 2]), np.array([0, 3]), np.array([7, 8]))
-    many = (np.arange(100), np.zeros(100, int), np.ones(100, int))
+    assert update_widths(2, 8, num_groups=9) == (64, 512)
+    assert padded_updates([(np.zeros(0, np.int32),) * 4], (64, 512)) is None
+    one = (np.array([1, 2]), np.array([0, 3]), np.array([7, 8]), np.zeros(2, int))
+    many = (np.arange(100), np.zeros(100, int), np.ones(100, int), np.zeros(100, int))
     stacked = padded_updates([one, many], (64, 512))  # two replicas: the larger count's width
     assert stacked.slots.shape == (2, 512)
     assert stacked.slots[0, :3].tolist() == [1, 2, 0] and stacked.pages[0, :3].tolist() == [7, 8, 0]
@@ -95,7 +114,7 @@ def test_the_device_table_follows_the_mirror_through_random_plans():
     mirror = PageTableMirror(rows, PPS)
     widths = update_widths(rows, PPS, smallest=4)
     scatter = jax.jit(apply_updates, donate_argnums=(0,))
-    table = jax.numpy.zeros((rows, PPS), jax.numpy.int32)
+    table = jax.numpy.zeros((1, rows, PPS), jax.numpy.int32)
     seqs = {i: _seq(i) for i in range(9)}
     pages = {i: [] for i in seqs}
     for _ in range(60):
@@ -114,8 +133,8 @@ def test_the_device_table_follows_the_mirror_through_random_plans():
             table = scatter(table, updates)
         np.testing.assert_array_equal(np.asarray(table), mirror.rows)
         for i, slot in zip(chosen, slots):
-            assert np.asarray(table)[slot].tolist() == pages[i] + [NULL_PAGE] * (PPS - len(pages[i]))
-        assert not np.asarray(table)[NULL_ROW].any()
+            assert np.asarray(table)[0, slot].tolist() == pages[i] + [NULL_PAGE] * (PPS - len(pages[i]))
+        assert not np.asarray(table)[0, NULL_ROW].any()
     np.testing.assert_array_equal(np.asarray(scatter(table, no_updates(4))), mirror.rows)
 
 

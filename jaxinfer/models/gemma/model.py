@@ -183,7 +183,8 @@ def forward(
     *,
     attn_impl: str = "auto",
 ) -> tuple[jax.Array, tuple[L.KVCache, ...]]:
-    """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer.
+    """tokens, positions i32[T]; kv_caches: one [P, page, 2K, D] array per layer, or per slot of
+    the model's KV layout (layers.layer_kv).
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple)."""
     embed = params.embed  # the normalizer also scales an embedding adapter's share, as PEFT's Gemma embedding does
@@ -191,14 +192,14 @@ def forward(
     rope_global = L.rope_cos_sin(positions, L.rope_inv_freq(config))
     local = _local_config(config)
     rope_local = rope_global if local is config else L.rope_cos_sin(positions, L.rope_inv_freq(local))
-    new_caches = []
+    caches = list(kv_caches)
     layer_call = L.traced_once(_layer)
-    for i, (layer, kv_cache) in enumerate(zip(params.layers, kv_caches)):
+    for i, layer in enumerate(params.layers):
         sliding = is_sliding_layer(config.layer_types, i)  # the layer's window: config.layer_window
         cos, sin = rope_local if config.layer_types and sliding else rope_global
-        x, kv_cache = layer_call(x, layer, kv_cache, cos, sin, meta, config, attn_impl, sliding)
-        new_caches.append(kv_cache)
-    return rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(new_caches)
+        c, layer_meta = L.layer_kv(config, caches, meta, i)
+        x, caches[c] = layer_call(x, layer, caches[c], cos, sin, layer_meta, config, attn_impl, sliding)
+    return rms_norm(x, params.final_norm, config.rms_norm_eps), tuple(caches)
 
 
 def compute_logits(params: GemmaParams, hidden: jax.Array) -> jax.Array:

@@ -12,6 +12,7 @@ class Seq:
     token_ids: list[int]
     num_computed_tokens: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
+    group_pages: list[list[int]] = dataclasses.field(default_factory=list)
     page_hashes: list = dataclasses.field(default_factory=list)
     num_cached_pages: int = 0
     hash_root: bytes | None = None

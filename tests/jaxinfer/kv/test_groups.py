@@ -9,7 +9,7 @@ from jaxinfer.kv import NO_PREFIX, BlockStored, ComputedPrefix, FullAttention, K
 
 def test_pages_that_fell_out_of_the_window_go_back():
     # window 4, pages of 2: the token at position p reads p - 3 .. p
-    kv = KVCacheManager(6, 2, group=SlidingWindow(4))
+    kv = KVCacheManager(6, 2, groups=[SlidingWindow(4)])
     seq = Seq(list(range(6)))
     admit(kv, seq)
     assert seq.pages == [1, 2, 3] and seq.num_cached_pages == 3
@@ -26,7 +26,7 @@ def test_pages_that_fell_out_of_the_window_go_back():
 
 
 def test_pages_given_back_count_toward_an_allocation_and_shared_ones_do_not():
-    kv = KVCacheManager(5, 2, group=SlidingWindow(3))  # position p reads p - 2 .. p
+    kv = KVCacheManager(5, 2, groups=[SlidingWindow(3)])  # position p reads p - 2 .. p
     a = Seq([1, 2, 3, 4, 5])
     admit(kv, a)
     b = Seq([1, 2, 3, 4, 9])  # position 4 reads 2..4: a's second page is all b needs
@@ -51,7 +51,7 @@ def test_pages_given_back_count_toward_an_allocation_and_shared_ones_do_not():
 
 
 def test_a_full_pool_reuses_the_pages_the_window_gives_back():
-    kv = KVCacheManager(4, 2, group=SlidingWindow(3))  # pages 1-3
+    kv = KVCacheManager(4, 2, groups=[SlidingWindow(3)])  # pages 1-3
     seq = Seq([1, 2, 3, 4, 5, 6])
     admit(kv, seq)
     assert seq.pages == [1, 2, 3] and kv.num_free_pages == 0
@@ -62,8 +62,8 @@ def test_a_full_pool_reuses_the_pages_the_window_gives_back():
 
 
 def test_a_window_hit_needs_only_the_pages_the_window_reads():
-    kv = KVCacheManager(9, 2, group=SlidingWindow(3))
-    full = KVCacheManager(9, 2, group=FullAttention())
+    kv = KVCacheManager(9, 2, groups=[SlidingWindow(3)])
+    full = KVCacheManager(9, 2, groups=[FullAttention()])
     for cache in (kv, full):
         a = Seq(list(range(9)))
         admit(cache, a)
@@ -86,7 +86,7 @@ def test_a_window_hit_needs_only_the_pages_the_window_reads():
 
 
 def test_a_window_hit_survives_an_evicted_head():
-    kv = KVCacheManager(9, 2, group=SlidingWindow(3))
+    kv = KVCacheManager(9, 2, groups=[SlidingWindow(3)])
     a = Seq(list(range(9)))
     admit(kv, a)
     kv.free(a)
@@ -104,18 +104,21 @@ def test_a_window_hit_survives_an_evicted_head():
     assert_all_free(kv)
 
 
-def test_a_page_given_back_before_it_was_cached_stays_out_of_the_cache():
-    kv = KVCacheManager(6, 2, group=SlidingWindow(3), enable_events=True)
+def test_a_page_given_back_before_its_step_landed_is_cached_first():
+    kv = KVCacheManager(6, 2, groups=[SlidingWindow(3)], enable_events=True)
     seq = Seq([1, 2, 3, 4, 5])
     assert kv.allocate(seq, 4)  # a step of 4 tokens is in flight: not cached yet
     seq.num_computed_tokens = 4
-    assert kv.allocate(seq, 5)  # position 4 reads 2..4: page 0 goes back before it was cached,
-    assert seq.pages == [0, 2, 1]  # uncached, so it is the first reused
+    assert kv.allocate(seq, 5)  # position 4 reads 2..4: page 0 goes back before cache_computed
+    assert seq.pages == [0, 2, 3]  # saw it, so it is cached on the way and kept longest
+    assert kv.pool.is_cached(1) and kv.pool.free_page_ids() == [4, 5, 1]
     seq.num_computed_tokens = 5
     kv.cache_computed(seq)
-    assert not kv.pool.is_cached(1) and kv.pool.is_cached(2) and seq.num_cached_pages == 2
-    assert [type(e) for e in kv.take_events()] == [BlockStored]
+    assert kv.pool.is_cached(2) and seq.num_cached_pages == 2
+    assert [type(e) for e in kv.take_events()] == [BlockStored, BlockStored]
     kv.free(seq)
+    again = Seq([1, 2, 3, 4, 5, 6])  # position 5 reads 3..5: the hit needs page 1 (tokens 2, 3) alone
+    assert kv.computed_prefix(again) == ComputedPrefix((0, 2), 4)
     assert_all_free(kv)
 
 
