@@ -14,6 +14,7 @@ from jaxinfer.config.engine import OPTION_GROUPS
 
 if TYPE_CHECKING:
     from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.worker.device_state import DeviceState
 
 
 def describe(args: argparse.Namespace) -> dict:
@@ -52,7 +53,9 @@ def describe(args: argparse.Namespace) -> dict:
         "kv_cache": {
             "pages": usable,
             "page_size": state.page_size,
-            "tokens": usable * state.page_size,
+            # every layer group holding every token (a sliding-window group holds far fewer)
+            "tokens": usable // state.kv_layout.num_groups * state.page_size,
+            **_group_capacity(state, usable, max_len, max(engine.buckets())),
             "per": "data replica" if state.num_replicas > 1 else "engine",
             "bytes": state.kv_cache_bytes,
             "bytes_per_token": kv_page_bytes(model.config, state.page_size, state.kv_dtype) // state.page_size,
@@ -68,6 +71,24 @@ def describe(args: argparse.Namespace) -> dict:
         "engine_config": _options_json(engine),
         "mesh": None if state.mesh is None else dict(state.mesh.shape),
         "data_replicas": state.num_replicas,
+    }
+
+
+def _group_capacity(state: DeviceState, usable: int, max_len: int, chunk: int) -> dict:
+    """The layer groups of the KV layout with the pages a sequence of max_model_len tokens holds
+    in each (steps of `chunk` tokens), and how many such sequences the pool holds at once."""
+    from jaxinfer.kv import FullAttention, SlidingWindow
+
+    groups = []
+    for window, layers in zip(state.kv_layout.windows, state.kv_layout.groups):
+        group = FullAttention() if window is None else SlidingWindow(window)
+        pages = group.max_pages_held(max_len, chunk, state.page_size)
+        groups.append({"window": window, "layers": list(layers), "pages_per_sequence": pages})
+    per_sequence = sum(g["pages_per_sequence"] for g in groups)
+    return {
+        "caches": state.kv_layout.num_caches,
+        "groups": groups,
+        "max_concurrency": round(usable / per_sequence, 2),  # sequences of max_model_len tokens at once
     }
 
 

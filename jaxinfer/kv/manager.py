@@ -46,7 +46,15 @@ from jaxinfer.kv.events import KVEvent
 from jaxinfer.kv.groups import FullAttention, KVCacheGroup
 from jaxinfer.kv.page_pool import NULL_PAGE, EvictListener, PagePool
 from jaxinfer.kv.prefix_cache import HashFn, hash_page
-from jaxinfer.kv.tables import num_freed_by, release, shared_write_page, skipped_range, starts
+from jaxinfer.kv.tables import (
+    cache_released,
+    num_freed_by,
+    release,
+    shared_write_page,
+    skipped_range,
+    starts,
+    untouched,
+)
 
 
 class KVSequence(Protocol):
@@ -111,6 +119,7 @@ class KVCacheManager:
         self.page_size = page_size
         self.groups = tuple(groups)
         self._releases = [g.releases_pages for g in self.groups]
+        self._windows = [getattr(g, "window", None) if g.releases_pages else None for g in self.groups]
         self._forked = False  # no partial page is shared before a fork: writes need no check
         self._copies: list[tuple[int, int]] = []
 
@@ -195,7 +204,9 @@ class KVCacheManager:
         the lookup in the hit rate."""
         if prefix is not None:
             return self._allocate_with_prefix(seq, num_tokens, prefix)
-        tables = self.tables(seq)
+        tables, ps = self.tables(seq), self.page_size
+        if not self._forked and untouched(tables, self._windows, seq.num_computed_tokens, -(-num_tokens // ps), ps):
+            return True  # the common decode step: its pages are there, none to give back
         edits: list[tuple[list[int], int, int, range | None]] = []
         need = freed = 0
         for table, releases in zip(tables, self._releases):
@@ -209,13 +220,11 @@ class KVCacheManager:
             edits.append((table, max(new, 0) + (shared >= 0), shared, skipped))
             need += max(new, 0) + (shared >= 0)
             freed += num_freed_by(self.pool, table, skipped)
-        if need == 0 and not any(e[3] for e in edits):
-            return True  # the common decode step: its pages are there already
         if need > self.pool.num_free_pages + freed:
             return False
         for i, (table, new, shared, skipped) in enumerate(edits):
             if skipped:
-                self._cache_released(seq, table, skipped, i)
+                cache_released(self.pool, seq, table, skipped, i)
                 release(self.pool, table, skipped)
             if shared >= 0:
                 self._copy_on_write(table, shared)
@@ -248,15 +257,6 @@ class KVCacheManager:
         for i, table in enumerate(self.tables(seq)):
             self.pool.cache_pages(table, seq.page_hashes, known, seq.num_cached_pages, num_full, i)
         seq.num_cached_pages = num_full
-
-    def _cache_released(self, seq: KVSequence, table: list[int], skipped: range, group: int) -> None:
-        """Caches the pages a sliding window gives back before the step writing them landed
-        (cache_computed would miss them): a step reading them through a prefix hit runs later."""
-        known = seq.num_known_tokens
-        stop = min(skipped.stop, known // self.page_size)
-        if self.pool.enable_prefix_caching and stop > skipped.start:
-            self.pool.extend_page_hashes(seq.page_hashes, seq.token_ids[:known], seq.hash_root)
-            self.pool.cache_pages(table, seq.page_hashes, seq.token_ids[:known], skipped.start, stop, group)
 
     def truncate(self, seq: KVSequence, num_tokens: int) -> None:
         """Gives back the pages past those that hold `num_tokens` tokens (rejected drafts)."""

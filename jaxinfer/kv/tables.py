@@ -7,8 +7,43 @@ skipped_range       entries no token of the next step reads that still hold a pa
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from jaxinfer.kv.groups import KVCacheGroup
 from jaxinfer.kv.page_pool import NULL_PAGE, PagePool
+
+
+class _Tokens(Protocol):
+    token_ids: list[int]
+    page_hashes: list
+    hash_root: bytes | None
+
+    @property
+    def num_known_tokens(self) -> int: ...
+
+
+def untouched(tables: list[list[int]], windows: list[int | None], num_computed: int, num_pages: int, ps: int) -> bool:
+    """Whether every table holds `num_pages` pages already and none gives any back: a sliding
+    window of w (`windows`; None: a group that gives nothing back) has given back the pages before
+    num_skipped_pages (groups.SlidingWindow) once the entry before that is null."""
+    for table, w in zip(tables, windows):
+        if len(table) < num_pages:
+            return False
+        if w is not None and num_computed >= w:
+            stop = min((num_computed - w + 1) // ps, len(table))
+            if stop and table[stop - 1] != NULL_PAGE:
+                return False
+    return True
+
+
+def cache_released(pool: PagePool, seq: _Tokens, table: list[int], skipped: range, group: int) -> None:
+    """Caches the pages a sliding window gives back before the step writing them landed
+    (cache_computed would miss them): a step reading them through a prefix hit runs later."""
+    known = seq.num_known_tokens
+    stop = min(skipped.stop, known // pool.page_size)
+    if pool.enable_prefix_caching and stop > skipped.start:
+        pool.extend_page_hashes(seq.page_hashes, seq.token_ids[:known], seq.hash_root)
+        pool.cache_pages(table, seq.page_hashes, seq.token_ids[:known], skipped.start, stop, group)
 
 
 def shared_write_page(pool: PagePool, num_computed: int, table: list[int], num_tokens: int) -> int:
