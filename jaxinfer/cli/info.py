@@ -79,12 +79,12 @@ def _group_capacity(state: DeviceState, usable: int, max_len: int, chunk: int) -
     in each (steps of `chunk` tokens), and how many such sequences the pool holds at once."""
     from jaxinfer.kv import FullAttention, SlidingWindow
 
-    groups = []
+    groups, per_sequence = [], 0
     for window, layers in zip(state.kv_layout.windows, state.kv_layout.groups):
         group = FullAttention() if window is None else SlidingWindow(window)
         pages = group.max_pages_held(max_len, chunk, state.page_size)
         groups.append({"window": window, "layers": list(layers), "pages_per_sequence": pages})
-    per_sequence = sum(g["pages_per_sequence"] for g in groups)
+        per_sequence += pages
     return {
         "caches": state.kv_layout.num_caches,
         "groups": groups,
