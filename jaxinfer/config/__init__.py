@@ -10,6 +10,7 @@ lora.py         LoraConfig: LoRA adapters -- device slots, rank, host cache, ada
 speculative.py  SpeculativeConfig: speculative decoding's method and sizes
 checks.py       the groups' shared checks
 model.py        ModelConfig, read from an HF config.json or GGUF metadata
+kv_layout.py    KVLayout: which layers share a KV cache and a page table (full / sliding groups)
 families.py     the catalog of model families (JAX-free descriptions; each family's config reading)
 errors.py       ConfigError
 """

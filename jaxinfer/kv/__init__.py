@@ -1,8 +1,11 @@
 """The KV cache manager: which pages hold which sequence's tokens (plain Python, no JAX).
 
     manager.py       KVCacheManager: the scheduler's interface (computed prefix, allocate, cache,
-                     truncate, free, fork with copy-on-write, metrics, events)
-    page_pool.py     PagePool: free list in eviction order, reference counts, the null page 0
+                     truncate, free, fork with copy-on-write, metrics, events), a page table per
+                     layer group
+    tables.py        one page table's edits (copy-on-write, a sliding window's pages given back)
+    page_pool.py     PagePool: free list in eviction order, reference counts, the null page 0,
+                     a prefix cache per layer group
     prefix_cache.py  the chained page hash and the map from hashes to cached pages
     groups.py        KV cache groups: full attention, sliding window
     events.py        BlockStored / BlockRemoved / AllBlocksCleared for routers

@@ -209,8 +209,18 @@ def test_info_shows_the_family_and_its_features(capsys):
         )
         == 0
     )
-    model = json.loads(capsys.readouterr().out)["model"]
+    described = json.loads(capsys.readouterr().out)
+    model, kv = described["model"], described["kv_cache"]
     assert model["family"] == "gemma" and model["layer_types"][2] == "full_attention"
+    # one cache shared by four groups of one layer: the full one holds the context, the sliding
+    # ones a window of 8 and the largest step's tokens (pages of 16: all of the 64-token context)
+    assert kv["caches"] == 1 and [(g["window"], g["layers"]) for g in kv["groups"]] == [
+        (None, [2]),
+        (8, [0]),
+        (8, [1]),
+        (8, [3]),
+    ]
+    assert [g["pages_per_sequence"] for g in kv["groups"]] == [4] * 4 and kv["max_concurrency"] == 0.44
     for feature in (
         "sliding window 8 on 3 of 4 layers",
         "QK-norm",
