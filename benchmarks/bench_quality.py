@@ -72,6 +72,9 @@ def kjv_text() -> str:
     return "\n\n".join(chapters)
 
 
+MAX_GROUPS = 8  # the KV layout's layer groups the pool is sized for (config/kv_layout.py)
+
+
 def _chunk_logprobs(family, config, attn_impl, params, kv_caches, tokens, targets, start, page_table):
     """One chunk of one sequence through the paged cache: (log p(target) f32[C], argmax i32[C],
     caches). tokens, targets i32[C]; start: tokens already in the cache."""
@@ -106,7 +109,10 @@ def score(runner, ids: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray,
         out_shardings=(None, None, jax.tree.map(lambda c: c.format, runner.state.kv_caches)),
     )
     pages = window // runner.step.engine.cache.page_size
-    page_table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
+    groups = runner.state.kv_layout.num_groups  # each layer group's table: pages of its own
+    if groups * pages >= runner.state.num_pages:
+        raise ValueError(f"{groups} layer groups of {pages} pages exceed the pool of {runner.state.num_pages}")
+    page_table = jnp.arange(1, groups * pages + 1, dtype=jnp.int32).reshape(groups, 1, pages)
     logprobs, argmax = [], []
     for w0 in range(0, len(ids) - 1, window):
         seq = ids[w0 : w0 + window + 1]  # the window and the token after it (its last target)
@@ -134,7 +140,7 @@ def run_config(name: str, args: argparse.Namespace, ids: np.ndarray) -> dict:
 
     kwargs = {"dtype": args.dtype, **CONFIGS[name]}
     start = time.perf_counter()
-    pages = args.window // args.page_size + 2
+    pages = (args.window // args.page_size) * MAX_GROUPS + 2  # a table per layer group (Gemma 3: 6 or 7)
     llm = LLM(
         args.model,
         **kwargs,

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks.shapes import SHAPES, shape_config  # noqa: E402
 from jaxinfer.config import EngineConfig  # noqa: E402
+from jaxinfer.config.kv_layout import kv_layout  # noqa: E402
 from jaxinfer.models.layers import LAYER_LINEARS  # noqa: E402
 from jaxinfer.models.reading import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
@@ -147,7 +148,8 @@ class AotStep:
         if is_quantized_kv(kv_dtype):
             scales = (*cache.shape[:-4], *scales_array(np.ones(2 * layout.cache_kv_heads)).shape)
             cache = QuantizedKVCache(cache, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=placed))
-        self.caches = (cache,) * self.config.num_layers
+        self.kv_layout = kv_layout(self.config)  # the caches and page tables the engine lays out
+        self.caches = (cache,) * self.kv_layout.num_caches
         self.buckets = engine.buckets()
         self.inputs = InputBuilder(
             engine,
@@ -157,6 +159,7 @@ class AotStep:
             vocab_size=self.config.vocab_size,
             num_replicas=self.replicas,
             num_speculative_tokens=0,
+            num_groups=self.kv_layout.num_groups,
         )
         self.max_seqs = engine.seq_bucket(self.buckets[-1])
 
@@ -174,7 +177,9 @@ class AotStep:
         prev_shape = (self.max_seqs,) if self.replicas == 1 else (self.replicas, self.max_seqs)
         prev = jax.ShapeDtypeStruct(prev_shape, jnp.int32, sharding=replicated)
         table = jax.ShapeDtypeStruct(
-            (*prev_shape[:-1], self.max_seqs + 1, self.inputs.pages_per_seq), jnp.int32, sharding=replicated
+            (*prev_shape[:-1], self.kv_layout.num_groups, self.max_seqs + 1, self.inputs.pages_per_seq),
+            jnp.int32,
+            sharding=replicated,
         )
         out_shardings = (replicated, jax.tree.map(lambda c: c.format, self.caches), replicated)
         step_fn, window, forward, _ = step_jits(

@@ -186,7 +186,13 @@ def layer_kv(
     if len(kv_caches) == config.num_layers:
         group, cache = 0, layer
     else:
-        group, cache = kv_layout(config).slot(layer)
+        layout = kv_layout(config)
+        if len(kv_caches) != layout.num_caches or (pages is not None and pages.ndim != 3):
+            raise ValueError(
+                f"{len(kv_caches)} KV caches and page tables of shape {None if pages is None else pages.shape} "
+                f"for {config.num_layers} layers in {layout.num_groups} groups of {layout.num_caches}"
+            )
+        group, cache = layout.slot(layer)
     if pages is not None and pages.ndim == 3:
         meta = dataclasses.replace(meta, page_indices=pages[group])
     return cache, meta
