@@ -62,9 +62,9 @@ class Engine:
         self.lora = build_manager(*lora)  # LoRA adapters (jaxinfer/lora/); None: off
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else model.config.eos_token_ids
         slots = self.lora.slots if self.lora is not None else None
-        pool = (self.worker.num_pages, self.worker.page_size, config.cache.enable_prefix_caching, self.worker.kv_layout)
+        stops, pool = self.outputs.stop_checker, self.worker.kv_pool
         self.replicas = [
-            Replica.build(r, pool, config.scheduler, self.max_model_len, eos, self.outputs.stop_checker, slots)
+            Replica.build(r, pool, config.scheduler, self.max_model_len, eos, stops, slots)
             for r in range(self.worker.num_replicas)
         ]
         # Replica 0 (the only one without data parallelism).

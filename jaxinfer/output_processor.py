@@ -224,6 +224,7 @@ class OutputProcessor:
             prompt_tokens=len(state.prompt_token_ids),
             completion_tokens=sum(len(s.seq.known_output_ids) for s in state.samples),
             cached_prompt_tokens=state.cached_prompt_tokens,
+            host_cached_prompt_tokens=state.samples[0].seq.num_host_hit_tokens if state.cached_prompt_tokens else 0,
         )
         prompt_logprobs = None
         if (

@@ -94,6 +94,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    host_cached_prompt_tokens: int = 0  # of those, tokens whose pages the host tier kept (kv_offload_gb)
 
 
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ class ServerMetrics:
             "preemptions": 0,
             "queries": 0,
             "hits": 0,
+            "host_hits": 0,
             "lora_loads": 0,
             **dict.fromkeys(self.spec_counters, 0),
         }
@@ -121,6 +122,12 @@ class ServerMetrics:
         self.preemptions = prom.Counter("jaxinfer_preemptions", "sequences preempted", registry=r)
         self.prefix_queries = prom.Counter("jaxinfer_prefix_cache_queries", "prompt tokens looked up", registry=r)
         self.prefix_hits = prom.Counter("jaxinfer_prefix_cache_hits", "prompt tokens served from the cache", registry=r)
+        self.prefix_host_hits = prom.Counter(
+            "jaxinfer_prefix_cache_host_hits", "of those, tokens whose pages the host tier kept", registry=r
+        )
+        self.kv_host_usage = prom.Gauge(
+            "jaxinfer_kv_host_cache_usage_ratio", "fraction of the host tier's KV pages holding a page", registry=r
+        )
 
     def _define_spec_decode(self, r: prom.CollectorRegistry) -> None:
         """Speculative decoding (when the engine has it on): totals since start-up."""
@@ -175,10 +182,13 @@ class ServerMetrics:
             ("preemptions", self.preemptions, engine.num_preemptions),
             ("queries", self.prefix_queries, kv_cache.prefix_cache_queries),
             ("hits", self.prefix_hits, kv_cache.prefix_cache_hits),
+            ("host_hits", self.prefix_host_hits, stats.get("prefix_cache_host_hits", 0)),
         ):
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
             self._seen[key] = value
+        if "kv_host_pages_total" in stats:
+            self.kv_host_usage.set(stats["kv_host_pages_used"] / stats["kv_host_pages_total"])
         if "spec_draft_tokens" in stats:
             for key, counter in self.spec_counters.items():
                 counter.inc(max(0, stats[key] - self._seen[key]))

@@ -66,11 +66,24 @@ def describe(args: argparse.Namespace) -> dict:
             ),
             "dtype": str(state.kv_dtype),
             "max_model_len": max_len,
+            **_host_tier(state, engine.cache.kv_offload_gb),
         },
         "token_buckets": list(engine.buckets()),
         "engine_config": _options_json(engine),
         "mesh": None if state.mesh is None else dict(state.mesh.shape),
         "data_replicas": state.num_replicas,
+    }
+
+
+def _host_tier(state: DeviceState, gib: float) -> dict:
+    """The host tier's pages per replica (kv_offload_gb), as the engine would size it."""
+    from jaxinfer.worker.kv_host import host_page_bytes, host_slots
+
+    if not gib:
+        return {"host_pages": 0}
+    return {
+        "host_pages": host_slots(state, gib),
+        "host_page_bytes": host_page_bytes(state.kv_caches, state.num_replicas),
     }
 
 

@@ -39,6 +39,11 @@ class CacheConfig:
     enable_prefix_caching: bool = option(
         True, "disable automatic prefix caching", form=DISABLE, flag="--no-prefix-caching"
     )
+    kv_offload_gb: float = option(
+        0.0,
+        "GiB of host memory per data replica for KV pages evicted from the device: a prefix hit on "
+        "them copies them back instead of computing them again (0: off)",
+    )
 
     def __post_init__(self):
         positive_ints(self, "page_size", "num_pages", "kv_cache_bytes")
@@ -49,6 +54,9 @@ class CacheConfig:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {fraction}")
         bools(self, "enable_prefix_caching")
+        gb = self.kv_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 <= gb < float("inf"):
+            raise ValueError(f"EngineConfig.kv_offload_gb must be a number of GiB >= 0, got {gb!r}")
 
     @property
     def chosen_page_size(self) -> int:

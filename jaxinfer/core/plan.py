@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxinfer.core.sequence import Sequence
+from jaxinfer.kv import Transfers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,8 @@ class SchedulerPlan:
     # (source, copy) pages the step's worker copies first: a fork's shared, partly filled page
     # that it is about to write into (KVCacheManager's copy-on-write; beam search forks)
     page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # the host tier's copies the worker makes first: evicted pages out, a prefix hit's pages in
+    transfers: Transfers = dataclasses.field(default_factory=Transfers)
 
     @property
     def verifies(self) -> bool:

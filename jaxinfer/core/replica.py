@@ -28,7 +28,7 @@ class Replica:
     def build(
         cls,
         index: int,
-        pool: tuple[int, int, bool, KVLayout],
+        pool: tuple[int, int, bool, KVLayout, int],
         config: SchedulerConfig,
         max_model_len: int,
         eos_token_ids: Iterable[int],
@@ -36,10 +36,13 @@ class Replica:
         adapter_slots: AdapterSlots | None,
     ) -> Replica:
         """Replica `index`: a KV cache manager over `pool` (pages, page size, prefix caching, the
-        model's KV layout) and its scheduler (seeded with config.seed + index); `adapter_slots`
-        are every replica's."""
-        num_pages, page_size, prefix_caching, layout = pool
-        kv_cache = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching, groups=kv_groups(layout))
+        model's KV layout, host-tier pages) and its scheduler (seeded with config.seed + index);
+        `adapter_slots` are every replica's."""
+        num_pages, page_size, prefix_caching, layout, host_pages = pool
+        groups = kv_groups(layout)
+        kv_cache = KVCacheManager(
+            num_pages, page_size, enable_prefix_caching=prefix_caching, groups=groups, host_pages=host_pages
+        )
         scheduler = Scheduler(
             kv_cache,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -73,7 +76,21 @@ def replica_stats(replicas: Sequence[Replica], lora: LoraManager | None = None) 
         "kv_pages_free": free,
         "kv_cache_usage": 1.0 - free / total,
         "prefix_cache_hit_rate": sum(c.prefix_cache_hits for c in caches) / queries if queries else 0.0,
+        **(_host_stats(caches, queries) if caches[0].host is not None else {}),
         **(_lora_stats(replicas, lora) if lora is not None else {}),
+    }
+
+
+def _host_stats(caches: Sequence[KVCacheManager], queries: int) -> dict:
+    """The host tier (kv_offload_gb) over the replicas: its pages, those in use, the prompt
+    tokens it served and their share of those looked up."""
+    hosts = [c.host for c in caches if c.host is not None]
+    host_hits = sum(c.pool.prefix_cache_host_hits for c in caches)
+    return {
+        "kv_host_pages_total": sum(h.num_slots for h in hosts),
+        "kv_host_pages_used": sum(h.num_used for h in hosts),
+        "prefix_cache_host_hits": host_hits,
+        "prefix_cache_host_hit_rate": host_hits / queries if queries else 0.0,
     }
 
 

@@ -70,7 +70,7 @@ class Scheduler(RequestQueue):
     # --- schedule ---------------------------------------------------------------------------------
     def schedule(self, num_steps: int = 1) -> SchedulerPlan:
         if num_steps > 1 and (window := decode_window(self, num_steps)) is not None:
-            window.page_copies = self.kv_cache.take_page_copies()
+            window.page_copies, window.transfers = self.kv_cache.take_page_copies(), self.kv_cache.take_transfers()
             return window
         step = _Step({}, self.max_num_batched_tokens, [])
         by_priority = sorted((s for s in self.running if not is_awaiting_results(s, self.max_model_len)), key=sort_key)
@@ -87,7 +87,12 @@ class Scheduler(RequestQueue):
                 self._plan(seq, n, step)
         if not step.preempted:
             self._admit_waiting(step)
-        return SchedulerPlan(list(step.entries.values()), step.preempted, page_copies=self.kv_cache.take_page_copies())
+        return SchedulerPlan(
+            list(step.entries.values()),
+            step.preempted,
+            page_copies=self.kv_cache.take_page_copies(),
+            transfers=self.kv_cache.take_transfers(),
+        )
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admits waiting sequences in order while the budget, the batch and the pages allow. One

@@ -3,6 +3,8 @@
     manager.py       KVCacheManager: the scheduler's interface (computed prefix, allocate, cache,
                      truncate, free, fork with copy-on-write, metrics, events), a page table per
                      layer group
+    prefix.py        a prefix hit: the longest prefix every group holds, taken at admission
+    host_tier.py     HostTier: cached pages evicted from the device kept in host memory
     tables.py        one page table's edits (copy-on-write, a sliding window's pages given back)
     page_pool.py     PagePool: free list in eviction order, reference counts, the null page 0,
                      a prefix cache per layer group
@@ -17,8 +19,10 @@ writes a sequence through the KVSequence protocol.
 
 from jaxinfer.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from jaxinfer.kv.groups import FullAttention, KVCacheGroup, SlidingWindow
-from jaxinfer.kv.manager import NO_PREFIX, ComputedPrefix, KVCacheManager, KVSequence
+from jaxinfer.kv.host_tier import HostTier, Transfers
+from jaxinfer.kv.manager import KVCacheManager
 from jaxinfer.kv.page_pool import NULL_PAGE, OutOfPagesError, PagePool
+from jaxinfer.kv.prefix import NO_PREFIX, ComputedPrefix, KVSequence
 from jaxinfer.kv.prefix_cache import hash_page
 
 __all__ = [
@@ -27,6 +31,7 @@ __all__ = [
     "BlockStored",
     "ComputedPrefix",
     "FullAttention",
+    "HostTier",
     "KVCacheGroup",
     "KVCacheManager",
     "KVEvent",
@@ -36,5 +41,6 @@ __all__ = [
     "OutOfPagesError",
     "PagePool",
     "SlidingWindow",
+    "Transfers",
     "hash_page",
 ]

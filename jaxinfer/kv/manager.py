@@ -38,13 +38,13 @@ BlockRemoved / AllBlocksCleared events (events.py) for routers.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
 
 from jaxinfer.kv.events import KVEvent
 from jaxinfer.kv.groups import FullAttention, KVCacheGroup
+from jaxinfer.kv.host_tier import HostTier, Transfers
 from jaxinfer.kv.page_pool import NULL_PAGE, EvictListener, PagePool
+from jaxinfer.kv.prefix import NO_PREFIX, ComputedPrefix, KVSequence, longest_prefix, take_prefix
 from jaxinfer.kv.prefix_cache import HashFn, hash_page
 from jaxinfer.kv.tables import (
     cache_released,
@@ -52,45 +52,8 @@ from jaxinfer.kv.tables import (
     release,
     shared_write_page,
     skipped_range,
-    starts,
     untouched,
 )
-
-
-class KVSequence(Protocol):
-    """What the manager reads and writes of a sequence (jaxinfer.core.sequence.Sequence)."""
-
-    token_ids: list[int]
-    num_computed_tokens: int  # read only: tokens whose KV is in the cache (or being written)
-    pages: list[int]  # group 0's page table
-    group_pages: list[list[int]]  # the page tables of groups 1 .. G-1 ([] before its first pages)
-    page_hashes: list
-    num_cached_pages: int
-    hash_root: bytes | None  # what its page hashes chain from (a LoRA adapter's; None: the base model)
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_known_tokens(self) -> int: ...
-
-    def cacheable_pages(self, page_size: int) -> int | None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class ComputedPrefix:
-    """Cached pages that hold a sequence's first `num_tokens` tokens (a prefix-cache hit)."""
-
-    pages: tuple[int, ...]  # group 0's page table of it; NULL_PAGE where the group reads no page
-    num_tokens: int
-    group_pages: tuple[tuple[int, ...], ...] = ()  # groups 1 .. G-1's
-
-    @property
-    def tables(self) -> tuple[tuple[int, ...], ...]:
-        return (self.pages, *self.group_pages)
-
-
-NO_PREFIX = ComputedPrefix((), 0)
 
 
 class KVCacheManager:
@@ -104,9 +67,11 @@ class KVCacheManager:
         hash_fn: HashFn = hash_page,
         enable_events: bool = False,
         on_evict: EvictListener | None = None,
+        host_pages: int = 0,
     ):
         if not groups:
             raise ValueError("a KV cache manager needs at least one layer group")
+        self.host = HostTier(host_pages) if host_pages else None  # the prefix cache's host-memory tier
         self.pool = PagePool(
             num_pages,
             page_size,
@@ -115,6 +80,7 @@ class KVCacheManager:
             enable_events=enable_events,
             on_evict=on_evict,
             num_caches=len(groups),
+            host=self.host,
         )
         self.page_size = page_size
         self.groups = tuple(groups)
@@ -138,6 +104,11 @@ class KVCacheManager:
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
+    def take_transfers(self) -> Transfers:
+        """The copies between device and host tier since the last call (host_tier.py): offloads
+        of evicted pages, then loads of host pages a prefix hit takes, before the next step."""
+        return self.host.take_transfers() if self.host is not None else Transfers()
+
     def take_page_copies(self) -> list[tuple[int, int]]:
         """(source page, destination page) pairs of copy-on-write, oldest first, since the last
         call; the step that uses the destinations copies them before its KV writes."""
@@ -159,42 +130,16 @@ class KVCacheManager:
     # --- admission ------------------------------------------------------------------------------
     def computed_prefix(self, seq: KVSequence) -> ComputedPrefix:
         """Cached pages of the longest prefix of `seq` every group can use, never covering its
-        last token (the step must compute it for logits) nor pages past `seq.cacheable_pages`."""
-        pool = self.pool
-        if not pool.enable_prefix_caching:
+        last token (the step must compute it for logits) nor pages past `seq.cacheable_pages`;
+        with a host tier, pages there count (negative entries: -(slot + 1), prefix.py)."""
+        if not self.pool.enable_prefix_caching:
             return NO_PREFIX
-        pool.extend_page_hashes(seq.page_hashes, seq.token_ids, seq.hash_root)
-        limit = (seq.num_tokens - 1) // self.page_size
-        cap = seq.cacheable_pages(self.page_size)
-        if cap is not None:
-            limit = min(limit, cap)
-        while limit > 0:  # the longest prefix all groups hold: a shorter one for one, all again
-            tables = []
-            for i, group in enumerate(self.groups):
-                table = group.match_prefix(pool, seq.page_hashes, seq.token_ids, limit, i)
-                if len(table) < limit:
-                    limit = len(table)
-                    break
-                tables.append(tuple(table))
-            else:
-                return ComputedPrefix(tables[0], limit * self.page_size, tuple(tables[1:]))
-        return NO_PREFIX
+        return longest_prefix(self.pool, self.groups, seq)
 
     def _allocate_with_prefix(self, seq: KVSequence, num_tokens: int, prefix: ComputedPrefix) -> bool:
         if seq.pages or any(seq.group_pages):
             raise ValueError(f"allocate with a prefix is for admission, but the sequence holds pages {seq.pages}")
-        tables = prefix.tables if prefix.pages else ((),) * len(self.groups)
-        held = [p for table in tables for p in table if p != NULL_PAGE]
-        need = [max(0, self.pages_for(num_tokens) - len(table)) for table in tables]
-        if not self.pool.can_allocate(sum(need), held):
-            return False
-        fresh = self.pool.allocate(sum(need), held)[len(held) :]
-        seq.pages, *seq.group_pages = (
-            [*table, *fresh[start : start + n]] for table, start, n in zip(tables, starts(need), need)
-        )
-        seq.num_cached_pages = len(prefix.pages)
-        self.pool.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
-        return True
+        return take_prefix(self.pool, seq, prefix, self.pages_for(num_tokens), len(self.groups))
 
     # --- each step ------------------------------------------------------------------------------
     def allocate(self, seq: KVSequence, num_tokens: int, prefix: ComputedPrefix | None = None) -> bool:

@@ -10,7 +10,9 @@ Data flow:
     a sequence's page list --free()--> free list, refcount 0; the page keeps its cached hash
     full, computed pages --cache_pages()--> prefix cache: hash -> page id (prefix_cache.py)
     a new prompt --match_prefix()--> cached pages of its prefix --allocate(cached=...)--> refcount++
-    a cached page taken from the free list --> evicted: on_evict(page, hash), BlockRemoved event
+    a cached page taken from the free list --> evicted: on_evict(page, hash), BlockRemoved event,
+                                               and kept in the host tier if there is one
+                                               (host_tier.py; a lookup then finds it there)
 
 Rules that must hold:
 - Page 0 is the null page: padding tokens write there and it is never handed out.
@@ -43,6 +45,7 @@ import collections
 from collections.abc import Callable, Sequence
 
 from jaxinfer.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from jaxinfer.kv.host_tier import HostTier
 from jaxinfer.kv.prefix_cache import CacheEntry, HashFn, PageHash, PrefixCache, extend_page_hashes, hash_page
 
 NULL_PAGE = 0
@@ -65,6 +68,7 @@ class PagePool:
         enable_events: bool = False,
         on_evict: EvictListener | None = None,
         num_caches: int = 1,
+        host: HostTier | None = None,
     ):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the null page)")
@@ -75,12 +79,14 @@ class PagePool:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.on_evict = on_evict
+        self.host = host
         self._ref_counts = [0] * num_pages
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict((p, None) for p in range(1, num_pages))
         self._caches = [PrefixCache() for _ in range(num_caches)]  # one per layer group
         self._events: list[KVEvent] | None = [] if enable_events else None
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
+        self.prefix_cache_host_hits = 0  # of those, tokens whose pages came from the host tier
 
     # --- counters -------------------------------------------------------------------------------
     @property
@@ -106,10 +112,12 @@ class PagePool:
         queries = self.prefix_cache_queries
         return self.prefix_cache_hits / queries if queries else 0.0
 
-    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        """Counted once per admission (not per failed attempt)."""
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int, num_host_tokens: int = 0) -> None:
+        """Counted once per admission (not per failed attempt); `num_host_tokens` of the hit came
+        from the host tier."""
         self.prefix_cache_queries += num_query_tokens
         self.prefix_cache_hits += num_hit_tokens
+        self.prefix_cache_host_hits += num_host_tokens
 
     def ref_count(self, page_id: int) -> int:
         return self._ref_counts[page_id]
@@ -140,11 +148,14 @@ class PagePool:
         self, index: int, hashes: Sequence[PageHash], token_ids: Sequence[int], cache: int = 0
     ) -> int | None:
         """The page in group `cache`'s prefix cache holding page `index` of `token_ids`
-        (confirmed), or None."""
+        (confirmed); else, with a host tier, -(slot + 1) where the host tier holds it; else None."""
         ps = self.page_size
-        return self._caches[cache].lookup(
-            hashes[index], hashes[index - 1] if index else None, token_ids[index * ps : (index + 1) * ps]
-        )
+        parent, tokens = hashes[index - 1] if index else None, token_ids[index * ps : (index + 1) * ps]
+        page = self._caches[cache].lookup(hashes[index], parent, tokens)
+        if page is None and self.host is not None:
+            slot = self.host.lookup(cache, hashes[index], parent, tokens)
+            return None if slot is None else -(slot + 1)
+        return page
 
     def match_prefix(
         self, hashes: Sequence[PageHash], token_ids: Sequence[int], max_pages: int | None = None, cache: int = 0
@@ -244,12 +255,14 @@ class PagePool:
         for _ in range(num_new):
             p, _ = self._free.popitem(last=False)
             for group, prefix_cache in enumerate(self._caches):
-                page_hash = prefix_cache.remove(p)
-                if page_hash is not None:
+                removed = prefix_cache.remove(p)
+                if removed is not None:
+                    if self.host is not None:
+                        self.host.store(group, *removed, p)
                     if group == 0:
                         if self.on_evict is not None:
-                            self.on_evict(p, page_hash)
-                        evicted.append(page_hash)
+                            self.on_evict(p, removed[0])
+                        evicted.append(removed[0])
                     break
             self._ref_counts[p] = 1
             fresh.append(p)
@@ -272,5 +285,7 @@ class PagePool:
         """Forgets every cached hash (e.g. after new weights are loaded); pages stay put."""
         for prefix_cache in self._caches:
             prefix_cache.clear()
+        if self.host is not None:
+            self.host.clear()
         if self._events is not None:
             self._events.append(AllBlocksCleared())

@@ -87,12 +87,12 @@ class PrefixCache:
         self._entries[page_hash] = entry
         self._page_hash[entry.page_id] = page_hash
 
-    def remove(self, page_id: int) -> PageHash | None:
-        """Forgets the page's hash; returns it (None if the page was not cached)."""
+    def remove(self, page_id: int) -> tuple[PageHash, CacheEntry] | None:
+        """Forgets the page's hash; returns it and its entry (None if the page was not cached)."""
         page_hash = self._page_hash.pop(page_id, None)
-        if page_hash is not None:
-            del self._entries[page_hash]
-        return page_hash
+        if page_hash is None:
+            return None
+        return page_hash, self._entries.pop(page_hash)
 
     def clear(self) -> None:
         self._entries.clear()

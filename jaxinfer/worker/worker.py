@@ -37,6 +37,7 @@ from jaxinfer.lora.peft import Adapter
 from jaxinfer.worker.compiled_step import CompiledStep
 from jaxinfer.worker.device_state import DeviceState
 from jaxinfer.worker.inputs import InputBuilder
+from jaxinfer.worker.kv_host import HostKV, host_slots
 from jaxinfer.worker.page_copy import PageCopier
 from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.step_inputs import StepInputs
@@ -90,6 +91,8 @@ class Worker:
         self.step = CompiledStep(self.state)
         self._channel = channel
         self._copier: PageCopier | None = None  # compiled at warm-up (worker/page_copy.py)
+        self.host_pages = host_slots(self.state, config.cache.kv_offload_gb)
+        self.host_kv = HostKV(self.state, self.host_pages) if self.host_pages else None  # kv_host.py
 
     # --- what the engine plans with -------------------------------------------------------------
     @property
@@ -104,6 +107,13 @@ class Worker:
     @property
     def page_size(self) -> int:
         return self.state.page_size
+
+    @property
+    def kv_pool(self) -> tuple[int, int, bool, KVLayout, int]:
+        """What each replica's KV cache manager manages: pages, page size, prefix caching, the
+        KV layout and the host tier's pages (core/replica.py)."""
+        cache = self.state.engine.cache
+        return self.num_pages, self.page_size, cache.enable_prefix_caching, self.kv_layout, self.host_pages
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -134,6 +144,8 @@ class Worker:
         several steps runs as a decode window. With `masks_later` (one plan, `overlaps_masks`)
         the handle waits for `sample()` (module docstring)."""
         prev = previous.plans if previous is not None else None
+        if self.host_kv is not None and any(p.transfers for p in plans):  # the host tier's, first
+            self.step.launcher.submit(self.host_kv.transfer, [p.transfers for p in plans])
         if any(p.page_copies for p in plans):  # forks' shared pages copied before the step writes
             self.step.launcher.submit(self.copier.copy, [p.page_copies for p in plans])
         plan = plans if len(plans) > 1 else plans[0]

@@ -245,6 +245,7 @@ def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.Gener
             prompt_tokens=out.usage.prompt_tokens,
             completion_tokens=out.usage.completion_tokens,
             cached_prompt_tokens=out.usage.cached_prompt_tokens,
+            host_cached_prompt_tokens=out.usage.host_cached_prompt_tokens,
             draft_tokens=out.metrics.num_draft_tokens,
             accepted_draft_tokens=out.metrics.num_accepted_tokens,
         ),

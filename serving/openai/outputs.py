@@ -126,7 +126,10 @@ def usage(results: list[RequestOutput]) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_prompt_tokens for r in results)},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(r.usage.cached_prompt_tokens for r in results),
+            "host_cached_tokens": sum(r.usage.host_cached_prompt_tokens for r in results),  # of those
+        },
     }
 
 

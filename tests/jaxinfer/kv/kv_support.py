@@ -15,6 +15,7 @@ class Seq:
     group_pages: list[list[int]] = dataclasses.field(default_factory=list)
     page_hashes: list = dataclasses.field(default_factory=list)
     num_cached_pages: int = 0
+    num_host_hit_tokens: int = 0
     hash_root: bytes | None = None
     num_pending: int = 0  # trailing tokens not known yet (steps in flight)
     cacheable: int | None = None  # what cacheable_pages answers

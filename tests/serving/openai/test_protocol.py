@@ -247,7 +247,7 @@ def test_chat_chunks_role_content_finish_usage():
         "prompt_tokens": 3,
         "completion_tokens": 2,
         "total_tokens": 5,
-        "prompt_tokens_details": {"cached_tokens": 2},
+        "prompt_tokens_details": {"cached_tokens": 2, "host_cached_tokens": 0},
     }
 
 

@@ -1,0 +1,115 @@
+"""HostTier: the prefix cache's second tier -- cached pages evicted from the device, kept in host
+memory (plain Python: slots and their bookkeeping; the worker holds the bytes).
+
+    a cached device page evicted --store()--> a host slot (a free one, else the least recently
+                                              used entry's), and an offload (device page, slot)
+                                              the worker copies out before the step that reuses
+                                              the page runs
+    a prefix lookup --lookup()--> the slot holding that page of that group, if its tokens and
+                                  parent are the prompt's; refreshed as most recently used
+    a hit admitted --pin(), load()--> a load (slot, device page) the worker copies in before the
+                                      step that reads it; the slot is pinned until then (never
+                                      evicted for an offload of the same plan)
+
+Entries are keyed by (layer group, page hash): each group of the KV layout caches its own
+pages (groups.py). `take_transfers()` hands the worker the plan's offloads and loads, offloads
+first: a device page evicted and reused by a load in the same plan is read out before it is
+written.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+from jaxinfer.kv.prefix_cache import CacheEntry, PageHash
+
+
+@dataclasses.dataclass(frozen=True)
+class HostEntry:
+    slot: int
+    parent: PageHash | None
+    token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Transfers:
+    """A plan's copies between the tiers, in the order the worker must make them."""
+
+    offloads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device page, host slot)
+    loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host slot, device page)
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.loads)
+
+
+class HostTier:
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"a host tier of {num_slots} pages holds no page")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 first
+        self._entries: collections.OrderedDict[tuple[int, PageHash], HostEntry] = collections.OrderedDict()
+        self._pinned: set[int] = set()  # slots with a load not handed to the worker yet
+        self._transfers = Transfers()
+        self.num_stored = 0  # pages copied out over the tier's life
+        self.num_loaded = 0  # pages copied back
+
+    @property
+    def num_used(self) -> int:
+        return len(self._entries)
+
+    def store(self, group: int, page_hash: PageHash, entry: CacheEntry, page: int) -> None:
+        """Keeps the content of device page `page` (group `group`'s cached `entry`, evicted)."""
+        key = (group, page_hash)
+        if key in self._entries:  # already here (loaded back before): nothing to copy
+            self._entries.move_to_end(key)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return  # every slot waits for a load: the page is lost, as without the tier
+        self._entries[key] = HostEntry(slot, entry.parent, entry.token_ids)
+        self._transfers.offloads.append((page, slot))
+        self.num_stored += 1
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, entry in self._entries.items():  # least recently used first
+            if entry.slot not in self._pinned:
+                del self._entries[key]
+                return entry.slot
+        return None
+
+    def lookup(self, group: int, page_hash: PageHash, parent: PageHash | None, token_ids: Sequence[int]) -> int | None:
+        """The slot holding group `group`'s page `page_hash` after `parent` with exactly
+        `token_ids`, refreshed as most recently used; None if the tier has no such page."""
+        key = (group, page_hash)
+        entry = self._entries.get(key)
+        if entry is None or entry.parent != parent or entry.token_ids != tuple(token_ids):
+            return None
+        self._entries.move_to_end(key)
+        return entry.slot
+
+    def pin(self, slots: Sequence[int]) -> None:
+        """Keeps these slots from offloads until the plan's transfers are taken (a hit on them
+        is being admitted: pin, allocate its pages, whose evictions may offload, then load)."""
+        self._pinned.update(slots)
+
+    def load(self, slot: int, page: int) -> None:
+        """Asks for slot `slot` (pinned) copied into device page `page` before the step that reads it."""
+        self._transfers.loads.append((slot, page))
+        self.num_loaded += 1
+
+    def take_transfers(self) -> Transfers:
+        """The offloads and loads since the last call; their slots are no longer pinned (the
+        worker makes the copies before any later plan's)."""
+        transfers, self._transfers = self._transfers, Transfers()
+        self._pinned.clear()
+        return transfers
+
+    def clear(self) -> None:
+        """Forgets every entry (new weights: nothing cached still holds)."""
+        self._entries.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))

@@ -1,0 +1,72 @@
+"""The prefix cache's host tier on the engine (`kv_offload_gb`): prompts whose cached pages do not
+all fit the device pool are served on a second pass from pages kept in host memory (hit counts by
+tier asserted, per request and in all), with the tokens of an engine without the tier; nothing
+compiles after warm-up; every page free at the end; a tier smaller than one page is refused."""
+
+import numpy as np
+import pytest
+from testpaths import FIXTURES
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.loader import load_model
+from jaxinfer.sampling import SamplingParams
+
+PAGE = 4
+SMALL = dict(
+    max_model_len=128,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets=(8, 32),
+    page_size=PAGE,
+    num_pages=33,  # 32 usable: 10 prompts of 8 full pages each cannot all stay cached
+    penalties=False,
+)
+PROMPTS = [np.random.default_rng(i).integers(1, 250, 33).tolist() for i in range(10)]
+
+
+def _run(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, params, request_id=str(i))
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in final:
+                final[out.request_id].merge(out)
+            else:
+                final[out.request_id] = out
+    return [final[str(i)] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(FIXTURES / "hf" / "llama3", dtype="float32", with_tokenizer=False)
+
+
+def test_a_second_pass_is_served_from_host_pages(model):
+    want = [o.outputs[0].token_ids for o in _run(Engine(model, EngineConfig(**SMALL)))]
+    engine = Engine(model, EngineConfig(**SMALL, kv_offload_gb=0.0004))  # 209 pages of 2 KiB
+    kv, compiled = engine.kv_cache, engine.worker.num_compiled()
+    assert engine.worker.host_pages == 209 and kv.host is not None
+    first = _run(engine)
+    assert [o.outputs[0].token_ids for o in first] == want
+    hits, host_hits = kv.pool.prefix_cache_hits, kv.pool.prefix_cache_host_hits
+    second = _run(engine)
+    assert [o.outputs[0].token_ids for o in second] == want
+    full = (len(PROMPTS[0]) - 1) // PAGE * PAGE  # every full page but the last token's
+    assert [o.usage.cached_prompt_tokens for o in second] == [full] * len(PROMPTS)
+    assert kv.pool.prefix_cache_hits - hits == full * len(PROMPTS)
+    from_host = kv.pool.prefix_cache_host_hits - host_hits
+    assert from_host >= full * (len(PROMPTS) - 4)  # the device keeps the pages of 4 prompts at most
+    assert sum(o.usage.host_cached_prompt_tokens for o in second) == from_host
+    stats = engine.stats()
+    assert stats["kv_host_pages_total"] == 209 and 0 < stats["kv_host_pages_used"] <= 209
+    assert stats["prefix_cache_host_hits"] == kv.pool.prefix_cache_host_hits
+    assert kv.host.num_loaded > 0 and kv.num_free_pages == kv.num_usable_pages
+    assert engine.worker.num_compiled() == compiled
+
+
+def test_a_tier_smaller_than_a_page_is_refused(model):
+    with pytest.raises(ValueError, match="kv_offload_gb=1e-07: less than one KV page of 2048 bytes"):
+        Engine(model, EngineConfig(**SMALL, kv_offload_gb=1e-7))
