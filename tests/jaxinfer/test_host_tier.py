@@ -25,9 +25,9 @@ SMALL = dict(
 PROMPTS = [np.random.default_rng(i).integers(1, 250, 33).tolist() for i in range(10)]
 
 
-def _run(engine):
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
+def _run(engine, prompts=PROMPTS, max_tokens=6):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, request_id=str(i))
     final = {}
     while engine.has_unfinished():
@@ -36,7 +36,7 @@ def _run(engine):
                 final[out.request_id].merge(out)
             else:
                 final[out.request_id] = out
-    return [final[str(i)] for i in range(len(PROMPTS))]
+    return [final[str(i)] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,20 @@ def test_a_second_pass_is_served_from_host_pages(model):
 def test_a_tier_smaller_than_a_page_is_refused(model):
     with pytest.raises(ValueError, match="kv_offload_gb=1e-07: less than one KV page of 2048 bytes"):
         Engine(model, EngineConfig(**SMALL, kv_offload_gb=1e-7))
+
+
+def test_preempted_sequences_come_back_from_host_pages(model):
+    """Sequences that outgrow the pool are preempted; their computed pages, cached, are evicted to
+    the host tier by the others and loaded back when they return: the tokens of recomputing."""
+    prompts = [np.random.default_rng(100 + i).integers(1, 250, 9).tolist() for i in range(4)]
+
+    def run(engine):  # 9 + 50 tokens: 15 pages each, 4 at once in 32
+        return [o.outputs[0].token_ids for o in _run(engine, prompts, max_tokens=50)]
+
+    plain = Engine(model, EngineConfig(**SMALL))
+    want = run(plain)
+    engine = Engine(model, EngineConfig(**SMALL, kv_offload_gb=0.0004))
+    assert run(engine) == want
+    assert engine.num_preemptions > 0 and plain.num_preemptions == engine.num_preemptions
+    assert engine.kv_cache.pool.prefix_cache_host_hits > 0  # came back from host pages, not recomputed
+    assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
