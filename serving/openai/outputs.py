@@ -120,16 +120,12 @@ def _joined(first: dict, then: dict) -> dict:
 
 
 def usage(results: list[RequestOutput]) -> dict:
-    prompt = sum(r.usage.prompt_tokens for r in results)
-    completion = sum(r.usage.completion_tokens for r in results)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {
-            "cached_tokens": sum(r.usage.cached_prompt_tokens for r in results),
-            "host_cached_tokens": sum(r.usage.host_cached_prompt_tokens for r in results),  # of those
-        },
+    """OpenAI's usage object; `host_cached_tokens`: of the cached tokens, those from host memory."""
+    prompt, completion = sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results)
+    cached = {"cached_tokens": sum(r.usage.cached_prompt_tokens for r in results)}
+    cached["host_cached_tokens"] = sum(r.usage.host_cached_prompt_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion} | {
+        "prompt_tokens_details": cached
     }
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+from engine_runs import run_requests
 from testpaths import FIXTURES
 
 from jaxinfer.config import EngineConfig
@@ -33,21 +34,6 @@ def engines():
     return built
 
 
-def _run(engine, requests):
-    """(prompt, params) per request, all queued at once: the final RequestOutput of each."""
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(prompt, params, request_id=str(i))
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id in final:
-                final[out.request_id].merge(out)
-            else:
-                final[out.request_id] = out
-    assert all(out.finished for out in final.values())
-    return [final[str(i)] for i in range(len(requests))]
-
-
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_beams_match_hf_generate(engines, name, monkeypatch):
     case = TINY[name]
@@ -59,8 +45,8 @@ def test_beams_match_hf_generate(engines, name, monkeypatch):
     compiled = engine.worker.num_compiled()
     params = BeamSearchParams(case["width"], case["max_tokens"], length_penalty=case["length_penalty"])
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    alone = _run(engine, [([5, 6, 7], greedy)])[0].outputs[0].token_ids
-    out, beside = _run(engine, [(case["prompt"], params), ([5, 6, 7], greedy)])
+    alone = run_requests(engine, [([5, 6, 7], greedy)])[0].outputs[0].token_ids
+    out, beside = run_requests(engine, [(case["prompt"], params), ([5, 6, 7], greedy)])
     assert [o.token_ids for o in out.outputs] == [b["tokens"] for b in case["beams"]]
     lp = case["length_penalty"]
     scores = [o.cumulative_logprob / len(o.token_ids) ** lp for o in out.outputs]

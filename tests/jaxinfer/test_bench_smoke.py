@@ -70,7 +70,6 @@ def test_bench_moe_smoke(tmp_path):
         "--layers",
         "2",
         "--batches",
-        "1",
         "4",
         "--prompt-len",
         "8",
@@ -89,7 +88,6 @@ def test_bench_moe_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|")[1:5] for line in out.stdout.splitlines() if line.startswith(("| decode", "| prefill"))]
     assert [r[0].strip() for r in rows] == [
-        "decode step, batch 1",
         "decode step, batch 4",
         "prefill, one 64-token prompt",
     ]

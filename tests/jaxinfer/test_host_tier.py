@@ -5,6 +5,7 @@ compiles after warm-up; every page free at the end; a tier smaller than one page
 
 import numpy as np
 import pytest
+from engine_runs import run_requests
 from testpaths import FIXTURES
 
 from jaxinfer.config import EngineConfig
@@ -27,16 +28,7 @@ PROMPTS = [np.random.default_rng(i).integers(1, 250, 33).tolist() for i in range
 
 def _run(engine, prompts=PROMPTS, max_tokens=6):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, request_id=str(i))
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id in final:
-                final[out.request_id].merge(out)
-            else:
-                final[out.request_id] = out
-    return [final[str(i)] for i in range(len(prompts))]
+    return run_requests(engine, [(p, params) for p in prompts])
 
 
 @pytest.fixture(scope="module")

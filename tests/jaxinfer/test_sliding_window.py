@@ -7,6 +7,7 @@ holds at most the pages its window and the step's chunk reach; every page free a
 import json
 
 import pytest
+from engine_runs import run_requests
 from testpaths import FIXTURES
 
 from jaxinfer.config import EngineConfig
@@ -21,18 +22,7 @@ SMALL = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=CHUNK, to
 
 def _run(engine, prompts, max_tokens, watch=None):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, request_id=str(i))
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id in final:
-                final[out.request_id].merge(out)
-            else:
-                final[out.request_id] = out
-        if watch is not None:
-            watch(engine)
-    return [final[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+    return [o.outputs[0].token_ids for o in run_requests(engine, [(p, params) for p in prompts], watch)]
 
 
 LAYOUTS = {  # (group windows, caches): gemma3's layers S S F S, gemma2's S F S, mistral's S S

@@ -83,10 +83,13 @@ def run_engine(engine: Engine, prompts, max_tokens: int) -> tuple[dict[str, list
     return results, replicas
 
 
-def scenario_engine(name: str, mesh: str) -> dict:
-    """Greedy outputs through the engine on `mesh`, against HF's (= the single-device run's)."""
+def scenario_engine(name: str, mesh: str, offload_gb: str = "0") -> dict:
+    """Greedy outputs through the engine on `mesh`, against HF's (= the single-device run's);
+    `offload_gb`: the prefix cache's host tier (kv_offload_gb)."""
     model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
-    engine = Engine(model, EngineConfig(**ENGINE, mesh=None if mesh == "none" else mesh))
+    engine = Engine(
+        model, EngineConfig(**ENGINE, mesh=None if mesh == "none" else mesh, kv_offload_gb=float(offload_gb))
+    )
     compiled = engine.worker.num_compiled()
     prompts, expected, max_tokens = prompts_and_expected(name)
     results, replicas = run_engine(engine, prompts, max_tokens)
@@ -100,6 +103,7 @@ def scenario_engine(name: str, mesh: str) -> dict:
         "requests_per_replica": np.bincount(replicas, minlength=len(engine.replicas)).tolist(),
         "cache_shape": list(engine.worker.state.kv_caches[0].shape),
         "cache_shard_shape": list(engine.worker.state.kv_caches[0].addressable_shards[0].data.shape),
+        "host_hits": engine.stats().get("prefix_cache_host_hits", 0),
     }
 
 

@@ -1,6 +1,6 @@
 """The engine on meshes of 8 forced CPU devices, each configuration in its own process:
-greedy outputs equal to the single-device run (= HF generate) for tensor, data x tensor and
-sequence (context-parallel) meshes; logits within float32 tolerance; the decode step's
+greedy outputs equal to the single-device run (= HF generate) for tensor, data x tensor (with
+the prefix cache's host tier) and sequence (context-parallel) meshes; logits within float32 tolerance; the decode step's
 collectives; parameter bytes per device; ring and all-gather context attention."""
 
 import re
@@ -24,8 +24,11 @@ ENGINE_CASES = [
 
 @pytest.mark.parametrize("name,mesh", ENGINE_CASES, ids=[f"{n}-{m}" for n, m in ENGINE_CASES])
 def test_greedy_outputs_equal_single_device(scenario, name, mesh):
-    r = scenario("engine", name, mesh)
+    offload = mesh == "data=2,tensor=4"  # with the host tier: a pool per replica, heads split over tensor
+    r = scenario("engine", name, mesh, *(["0.01"] if offload else []))
     assert r["mismatched"] == [], f"{r['mismatched']} of {r['num_prompts']} prompts differ"
+    if offload:  # preempted sequences came back from host pages
+        assert r["host_hits"] > 0, r
     assert r["recompiled"] == 0 and r["pools_empty"]
     if name == "llama3":
         assert r["preemptions"] > 0  # the 24-page pool forces preemption (as in test_engine)
