@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--turns", type=int, default=4)
     p.add_argument("--user-tokens", type=int, default=64)
     p.add_argument("--reply-tokens", type=int, default=8)
     p.add_argument("--pool-share", type=float, default=0.25)
