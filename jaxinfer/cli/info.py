@@ -90,12 +90,11 @@ def _host_tier(state: DeviceState, gib: float) -> dict:
 def _group_capacity(state: DeviceState, usable: int, max_len: int, chunk: int) -> dict:
     """The layer groups of the KV layout with the pages a sequence of max_model_len tokens holds
     in each (steps of `chunk` tokens), and how many such sequences the pool holds at once."""
-    from jaxinfer.kv import FullAttention, SlidingWindow
+    from jaxinfer.kv import group_for
 
     groups, per_sequence = [], 0
     for window, layers in zip(state.kv_layout.windows, state.kv_layout.groups):
-        group = FullAttention() if window is None else SlidingWindow(window)
-        pages = group.max_pages_held(max_len, chunk, state.page_size)
+        pages = group_for(window).max_pages_held(max_len, chunk, state.page_size)
         groups.append({"window": window, "layers": list(layers), "pages_per_sequence": pages})
         per_sequence += pages
     return {

@@ -44,13 +44,16 @@ class KVLayout:
         """(group, cache) of `layer`: its page table and the cache it reads and writes."""
         return self._slots[layer]
 
-    def caches_of_layers(self, num_layers: int) -> tuple[int, ...]:
-        """The cache of each layer 0 .. num_layers - 1."""
-        return tuple(self.slot(i)[1] for i in range(num_layers))
+    @property
+    def layer_caches(self) -> tuple[int, ...]:
+        """The cache of each layer, in layer order."""
+        return tuple(self.slot(i)[1] for i in range(len(self._slots)))
 
 
+@functools.cache
 def kv_layout(config: ModelConfig) -> KVLayout:
-    """The groups of `config`'s layers (module docstring)."""
+    """The groups of `config`'s layers (module docstring); one per config, computed once (each
+    layer of a traced forward asks for it)."""
     layers = range(config.num_layers)
     windows = [config.layer_window(i) for i in layers]
     kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)  # full attention first

@@ -13,7 +13,7 @@ from jaxinfer.config.kv_layout import KVLayout
 from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.stops import StopChecker
-from jaxinfer.kv import FullAttention, KVCacheGroup, KVCacheManager, SlidingWindow
+from jaxinfer.kv import KVCacheGroup, KVCacheManager, group_for
 from jaxinfer.lora.manager import LoraManager
 from jaxinfer.lora.slots import AdapterSlots
 
@@ -60,7 +60,7 @@ class Replica:
 def kv_groups(layout: KVLayout, margin: int = 0) -> list[KVCacheGroup]:
     """The KV cache manager's group for each group of the model's KV layout; `margin` widens
     each window (a drafter recomputes up to that many tokens it had computed)."""
-    return [FullAttention() if w is None else SlidingWindow(w + margin) for w in layout.windows]
+    return [group_for(w, margin) for w in layout.windows]
 
 
 def replica_stats(replicas: Sequence[Replica], lora: LoraManager | None = None) -> dict:

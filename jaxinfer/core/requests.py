@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxinfer.kv import FullAttention, SlidingWindow
+from jaxinfer.kv import group_for
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling.beam import BeamSearchParams
 from jaxinfer.sampling.params import SamplingParams, check_logit_bias_vocab
@@ -66,8 +66,7 @@ class RequestLimits:
     def pages_held(self, num_tokens: int) -> int:
         """The most KV pages a sequence of `num_tokens` tokens holds over the layer groups."""
         assert self.page_size is not None
-        groups = (FullAttention() if w is None else SlidingWindow(w) for w in self.kv_windows)
-        return sum(g.max_pages_held(num_tokens, self.max_chunk, self.page_size) for g in groups)
+        return sum(group_for(w).max_pages_held(num_tokens, self.max_chunk, self.page_size) for w in self.kv_windows)
 
     def option(self, flag: str, kwarg: str) -> str:
         """How the owner's user turns a feature on: a server's flag; an engine's option or flag."""

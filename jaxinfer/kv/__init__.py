@@ -18,7 +18,7 @@ writes a sequence through the KVSequence protocol.
 """
 
 from jaxinfer.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from jaxinfer.kv.groups import FullAttention, KVCacheGroup, SlidingWindow
+from jaxinfer.kv.groups import FullAttention, KVCacheGroup, SlidingWindow, group_for
 from jaxinfer.kv.host_tier import HostTier, Transfers
 from jaxinfer.kv.manager import KVCacheManager
 from jaxinfer.kv.page_pool import NULL_PAGE, OutOfPagesError, PagePool
@@ -42,5 +42,6 @@ __all__ = [
     "PagePool",
     "SlidingWindow",
     "Transfers",
+    "group_for",
     "hash_page",
 ]

@@ -54,6 +54,12 @@ class KVCacheGroup(abc.ABC):
         return -(-num_tokens // page_size)
 
 
+def group_for(window: int | None, margin: int = 0) -> KVCacheGroup:
+    """The group of layers with this sliding window (None: full attention); `margin` widens the
+    window (a drafter computes again up to that many tokens it had computed)."""
+    return FullAttention() if window is None else SlidingWindow(window + margin)
+
+
 @dataclasses.dataclass(frozen=True)
 class FullAttention(KVCacheGroup):
     def match_prefix(

@@ -26,13 +26,6 @@ from collections.abc import Sequence
 from jaxinfer.kv.prefix_cache import CacheEntry, PageHash
 
 
-@dataclasses.dataclass(frozen=True)
-class HostEntry:
-    slot: int
-    parent: PageHash | None
-    token_ids: tuple[int, ...]
-
-
 @dataclasses.dataclass
 class Transfers:
     """A plan's copies between the tiers, in the order the worker must make them."""
@@ -50,7 +43,8 @@ class HostTier:
             raise ValueError(f"a host tier of {num_slots} pages holds no page")
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 first
-        self._entries: collections.OrderedDict[tuple[int, PageHash], HostEntry] = collections.OrderedDict()
+        # (group, page hash) -> the prefix cache's entry, its page id the host slot; LRU first
+        self._entries: collections.OrderedDict[tuple[int, PageHash], CacheEntry] = collections.OrderedDict()
         self._pinned: set[int] = set()  # slots with a load not handed to the worker yet
         self._transfers = Transfers()
         self.num_stored = 0  # pages copied out over the tier's life
@@ -69,7 +63,7 @@ class HostTier:
         slot = self._take_slot()
         if slot is None:
             return  # every slot waits for a load: the page is lost, as without the tier
-        self._entries[key] = HostEntry(slot, entry.parent, entry.token_ids)
+        self._entries[key] = CacheEntry(slot, entry.parent, entry.token_ids)
         self._transfers.offloads.append((page, slot))
         self.num_stored += 1
 
@@ -77,9 +71,9 @@ class HostTier:
         if self._free:
             return self._free.pop()
         for key, entry in self._entries.items():  # least recently used first
-            if entry.slot not in self._pinned:
+            if entry.page_id not in self._pinned:
                 del self._entries[key]
-                return entry.slot
+                return entry.page_id
         return None
 
     def lookup(self, group: int, page_hash: PageHash, parent: PageHash | None, token_ids: Sequence[int]) -> int | None:
@@ -90,7 +84,7 @@ class HostTier:
         if entry is None or entry.parent != parent or entry.token_ids != tuple(token_ids):
             return None
         self._entries.move_to_end(key)
-        return entry.slot
+        return entry.page_id
 
     def pin(self, slots: Sequence[int]) -> None:
         """Keeps these slots from offloads until the plan's transfers are taken (a hit on them

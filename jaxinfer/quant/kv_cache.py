@@ -19,6 +19,8 @@ unquantized engine keeps a plain array per layer; model code passes either form 
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,16 @@ class QuantizedKVCache:
     def v_scale(self) -> jax.Array:
         """f32[K]: the scale of each KV head's values."""
         return self.scales.reshape(-1)[1::2]
+
+
+def kv_pages(cache: jax.Array | QuantizedKVCache) -> jax.Array:
+    """A cache's pages [..., P, page, 2K, D]: the array itself, or a quantized cache's stored pages."""
+    return cache.pages if isinstance(cache, QuantizedKVCache) else cache
+
+
+def with_kv_pages(cache: jax.Array | QuantizedKVCache, pages: jax.Array) -> jax.Array | QuantizedKVCache:
+    """`cache` holding `pages` instead (a quantized cache keeps its scales)."""
+    return dataclasses.replace(cache, pages=pages) if isinstance(cache, QuantizedKVCache) else pages
 
 
 def resolve_kv_dtype(name: str, model_dtype: DTypeLike) -> np.dtype:

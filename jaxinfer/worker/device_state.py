@@ -106,7 +106,7 @@ class DeviceState:
                 self.layout.cache_kv_heads,
                 self.engine.compile.attn_impl,
                 self.mesh,
-                self.kv_layout.caches_of_layers(self.config.num_layers),
+                self.kv_layout.layer_caches,
             )
         return pages
 

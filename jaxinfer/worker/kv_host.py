@@ -16,7 +16,6 @@ page). With data replicas each replica has its own slots (a leading [data] axis)
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -24,16 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.kv import NULL_PAGE, Transfers
-from jaxinfer.quant.kv_cache import QuantizedKVCache
-
-
-def _pages(cache: Any) -> jax.Array:
-    return cache.pages if isinstance(cache, QuantizedKVCache) else cache
+from jaxinfer.quant.kv_cache import kv_pages, with_kv_pages
 
 
 def host_page_bytes(caches: tuple[Any, ...], replicas: int) -> int:
     """Host bytes one slot of one replica takes: a page of every cache."""
-    return sum(_pages(c).nbytes // (_pages(c).shape[-4] * replicas) for c in caches)
+    return sum(kv_pages(c).nbytes // (kv_pages(c).shape[-4] * replicas) for c in caches)
 
 
 def host_slots(state: Any, gib: float) -> int:
@@ -54,7 +49,7 @@ class HostKV:
     def __init__(self, state: Any, num_slots: int, width: int = 64) -> None:
         self.state, self.num_slots, self.width = state, num_slots, width
         self.replicas = state.num_replicas
-        pages = [_pages(c) for c in state.kv_caches]
+        pages = [kv_pages(c) for c in state.kv_caches]
         lead = (self.replicas,) if self.replicas > 1 else ()
         self.buffers = [np.zeros((*lead, num_slots, *p.shape[-3:]), p.dtype) for p in pages]
         gather, scatter = _gather, _scatter
@@ -131,13 +126,8 @@ class HostKV:
 
 
 def _gather(caches: tuple[Any, ...], pages: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(_pages(c)[pages] for c in caches)
+    return tuple(kv_pages(c)[pages] for c in caches)
 
 
 def _scatter(caches: tuple[Any, ...], pages: jax.Array, values: list[jax.Array]) -> tuple[Any, ...]:
-    def one(cache: Any, v: jax.Array) -> Any:
-        if isinstance(cache, QuantizedKVCache):
-            return dataclasses.replace(cache, pages=cache.pages.at[pages].set(v))
-        return cache.at[pages].set(v)
-
-    return tuple(one(c, jnp.asarray(v)) for c, v in zip(caches, values))
+    return tuple(with_kv_pages(c, kv_pages(c).at[pages].set(jnp.asarray(v))) for c, v in zip(caches, values))

@@ -14,7 +14,6 @@ the copies on its launcher, in order with the steps.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.kv import NULL_PAGE
-from jaxinfer.quant.kv_cache import QuantizedKVCache
+from jaxinfer.quant.kv_cache import kv_pages, with_kv_pages
 
 
 class PageCopier:
@@ -55,9 +54,4 @@ class PageCopier:
 
 
 def _copy_pages(caches: tuple[Any, ...], src: jax.Array, dst: jax.Array) -> tuple[Any, ...]:
-    def one(cache: Any) -> Any:
-        if isinstance(cache, QuantizedKVCache):
-            return dataclasses.replace(cache, pages=cache.pages.at[dst].set(cache.pages[src]))
-        return cache.at[dst].set(cache[src])
-
-    return tuple(one(c) for c in caches)
+    return tuple(with_kv_pages(c, kv_pages(c).at[dst].set(kv_pages(c)[src])) for c in caches)
