@@ -36,6 +36,7 @@ class ServerMetrics:
             "queries": 0,
             "hits": 0,
             "host_hits": 0,
+            "swapped": 0,
             "lora_loads": 0,
             **dict.fromkeys(self.spec_counters, 0),
         }
@@ -125,6 +126,9 @@ class ServerMetrics:
         self.prefix_host_hits = prom.Counter(
             "jaxinfer_prefix_cache_host_hits", "of those, tokens whose pages the host tier kept", registry=r
         )
+        self.preemptions_swapped = prom.Counter(
+            "jaxinfer_preemptions_swapped", "preemptions whose pages went to the host tier (not recomputed)", registry=r
+        )
         self.kv_host_usage = prom.Gauge(
             "jaxinfer_kv_host_cache_usage_ratio", "fraction of the host tier's KV pages holding a page", registry=r
         )
@@ -183,6 +187,7 @@ class ServerMetrics:
             ("queries", self.prefix_queries, kv_cache.prefix_cache_queries),
             ("hits", self.prefix_hits, kv_cache.prefix_cache_hits),
             ("host_hits", self.prefix_host_hits, stats.get("prefix_cache_host_hits", 0)),
+            ("swapped", self.preemptions_swapped, stats.get("preemptions_swapped", 0)),
         ):
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])

@@ -12,6 +12,8 @@ attached) and then the padded numpy step inputs; the other processes build an al
 template of that bucket, receive the inputs into it and run the same step. RELEASE ends one
 `follow()` of the others (process 0 sends it when a `generate` call of its own is done, so the
 same script can run on every host); SHUTDOWN tells them no more steps will come (the CLI).
+TRANSFER carries one call of the KV cache's host tier (its page and slot ids), which every
+process makes on its own shards of the pages (jaxinfer/worker/kv_host.py).
 
     process 0:   header, inputs -> StepChannel.send(...) -> run step -> scheduler.update(...)
     process k:   StepChannel.receive(template_for) -> run step -> (tokens are ignored)
@@ -30,7 +32,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-STEP, RELEASE, SHUTDOWN = 1, 2, 3
+STEP, RELEASE, SHUTDOWN, TRANSFER = 1, 2, 3, 4
 ENV_PREFIX = "JAXINFER_"
 
 # A pytree of arrays (a step's inputs or outputs); JAX has no static type for one.
@@ -143,13 +145,24 @@ class StepChannel:
     def release(self, shutdown: bool = False) -> None:
         broadcast(np.array([SHUTDOWN if shutdown else RELEASE, 0, 0, 0, 0], np.int64))
 
-    def receive(self, template_for: Callable[[int, bool, bool, int], PyTree]) -> tuple[int, PyTree | None]:
-        """(command, inputs): (STEP, the next step's inputs), (RELEASE, None) or (SHUTDOWN,
-        None). template_for(bucket, with_history, prompt, table_width) builds an input tree of
-        the right shapes."""
+    def send_transfer(self, kind: int, ids: np.ndarray) -> None:
+        """Process 0: one call of the KV host tier (its kind and page / slot ids, a fixed shape)."""
+        broadcast(np.array([TRANSFER, kind, 0, 0, 0], np.int64))
+        broadcast(ids)
+
+    def receive(
+        self, template_for: Callable[[int, bool, bool, int], PyTree], transfer_ids: np.ndarray | None = None
+    ) -> tuple[int, PyTree | None]:
+        """(command, inputs): (STEP, the next step's inputs), (TRANSFER, (kind, ids)), (RELEASE,
+        None) or (SHUTDOWN, None). template_for(bucket, with_history, prompt, table_width) builds
+        an input tree of the right shapes; `transfer_ids` is the host tier's id array template."""
         command, token_bucket, with_history, prompt, table_width = broadcast(np.zeros(5, np.int64)).tolist()
         if command in (RELEASE, SHUTDOWN):
             return command, None
+        if command == TRANSFER:
+            if transfer_ids is None:
+                raise RuntimeError("process 0 sent a KV host-tier transfer, but this process has no host tier")
+            return TRANSFER, (int(token_bucket), broadcast(transfer_ids))
         if command != STEP:
             raise RuntimeError(f"unknown step command {command} from process 0")
         return STEP, broadcast(template_for(int(token_bucket), bool(with_history), bool(prompt), int(table_width)))

@@ -13,7 +13,7 @@ from jaxinfer.config.kv_layout import KVLayout
 from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.stops import StopChecker
-from jaxinfer.kv import KVCacheGroup, KVCacheManager, group_for
+from jaxinfer.kv import KVCacheGroup, KVCacheManager, SwapCost, group_for
 from jaxinfer.lora.manager import LoraManager
 from jaxinfer.lora.slots import AdapterSlots
 
@@ -28,7 +28,7 @@ class Replica:
     def build(
         cls,
         index: int,
-        pool: tuple[int, int, bool, KVLayout, int],
+        pool: tuple[int, int, bool, KVLayout, int, SwapCost | None],
         config: SchedulerConfig,
         max_model_len: int,
         eos_token_ids: Iterable[int],
@@ -36,13 +36,14 @@ class Replica:
         adapter_slots: AdapterSlots | None,
     ) -> Replica:
         """Replica `index`: a KV cache manager over `pool` (pages, page size, prefix caching, the
-        model's KV layout, host-tier pages) and its scheduler (seeded with config.seed + index);
+        model's KV layout, host-tier pages, swap cost model) and its scheduler (seeded with config.seed + index);
         `adapter_slots` are every replica's."""
-        num_pages, page_size, prefix_caching, layout, host_pages = pool
+        num_pages, page_size, prefix_caching, layout, host_pages, swap_cost = pool
         groups = kv_groups(layout)
         kv_cache = KVCacheManager(
             num_pages, page_size, enable_prefix_caching=prefix_caching, groups=groups, host_pages=host_pages
         )
+        kv_cache.swap_cost = swap_cost
         scheduler = Scheduler(
             kv_cache,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -82,13 +83,16 @@ def replica_stats(replicas: Sequence[Replica], lora: LoraManager | None = None) 
 
 
 def _host_stats(caches: Sequence[KVCacheManager], queries: int) -> dict:
-    """The host tier (kv_offload_gb) over the replicas: its pages, those in use, the prompt
-    tokens it served and their share of those looked up."""
+    """The host tier (kv_offload_gb) over the replicas: its pages, those in use (those held for
+    swapped sequences among them), the prompt tokens it served and their share of those looked
+    up, the preemptions that swapped pages out."""
     hosts = [c.host for c in caches if c.host is not None]
     host_hits = sum(c.pool.prefix_cache_host_hits for c in caches)
     return {
         "kv_host_pages_total": sum(h.num_slots for h in hosts),
         "kv_host_pages_used": sum(h.num_used for h in hosts),
+        "kv_host_pages_swapped": sum(h.num_swapped for h in hosts),
+        "preemptions_swapped": sum(c.num_swapped_preemptions for c in caches),
         "prefix_cache_host_hits": host_hits,
         "prefix_cache_host_hit_rate": host_hits / queries if queries else 0.0,
     }

@@ -137,7 +137,7 @@ class Scheduler(RequestQueue):
             step.budget += entry.num_new_tokens
         self.running.remove(seq)
         self.release_slot(seq)
-        self.kv_cache.free(seq)
+        self.kv_cache.preempt(seq)  # its pages swapped out where cheaper (kv/swap.py)
         seq.num_computed_tokens, seq.draft_token_ids = 0, []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1

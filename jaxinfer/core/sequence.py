@@ -109,6 +109,7 @@ class Sequence:
         self.page_hashes: list = []  # chained hashes of the full pages of token_ids
         self.num_cached_pages = 0  # leading pages registered in the prefix cache
         self.num_host_hit_tokens = 0  # of its last admission's prefix hit, tokens from the host tier
+        self.swap: Any = None  # a kv.swap.SwappedKV: its pages in the host tier while preempted
         # LoRA: the adapter it runs under (None: the base model), what its page hashes chain from
         # (the adapter's own root: no page is shared across adapters), and its device slot while
         # it runs (0: none; the scheduler acquires and releases it, jaxinfer/lora/slots.py).

@@ -5,6 +5,8 @@
                      layer group
     prefix.py        a prefix hit: the longest prefix every group holds, taken at admission
     host_tier.py     HostTier: cached pages evicted from the device kept in host memory
+    swap.py          a preempted sequence's pages swapped to the host tier and back, and the
+                     measured cost model that decides whether to
     tables.py        one page table's edits (copy-on-write, a sliding window's pages given back)
     page_pool.py     PagePool: free list in eviction order, reference counts, the null page 0,
                      a prefix cache per layer group
@@ -24,6 +26,7 @@ from jaxinfer.kv.manager import KVCacheManager
 from jaxinfer.kv.page_pool import NULL_PAGE, OutOfPagesError, PagePool
 from jaxinfer.kv.prefix import NO_PREFIX, ComputedPrefix, KVSequence
 from jaxinfer.kv.prefix_cache import hash_page
+from jaxinfer.kv.swap import SwapCost, SwappedKV
 
 __all__ = [
     "AllBlocksCleared",
@@ -41,6 +44,8 @@ __all__ = [
     "OutOfPagesError",
     "PagePool",
     "SlidingWindow",
+    "SwapCost",
+    "SwappedKV",
     "Transfers",
     "group_for",
     "hash_page",

@@ -11,6 +11,10 @@ memory (plain Python: slots and their bookkeeping; the worker holds the bytes).
                                       step that reads it; the slot is pinned until then (never
                                       evicted for an offload of the same plan)
 
+    a preempted sequence's pages --swap_out()--> slots held for it outside the LRU (swap.py),
+                                                 loaded back at its readmission; freed by
+                                                 release_swapped() once those loads are taken
+
 Entries are keyed by (layer group, page hash): each group of the KV layout caches its own
 pages (groups.py). `take_transfers()` hands the worker the plan's offloads and loads, offloads
 first: a device page evicted and reused by a load in the same plan is read out before it is
@@ -46,13 +50,22 @@ class HostTier:
         # (group, page hash) -> the prefix cache's entry, its page id the host slot; LRU first
         self._entries: collections.OrderedDict[tuple[int, PageHash], CacheEntry] = collections.OrderedDict()
         self._pinned: set[int] = set()  # slots with a load not handed to the worker yet
+        self._swapped: set[int] = set()  # slots held for preempted sequences (swap.py)
+        self._released: list[int] = []  # swapped slots given back, free once the transfers are taken
+        self.epoch = 0  # bumped by clear(): swaps taken before it hold stale KV
         self._transfers = Transfers()
         self.num_stored = 0  # pages copied out over the tier's life
         self.num_loaded = 0  # pages copied back
+        self.num_swapped_out = 0  # pages of preempted sequences copied out
 
     @property
     def num_used(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._swapped)
+
+    @property
+    def num_swapped(self) -> int:
+        """Slots held for preempted sequences."""
+        return len(self._swapped)
 
     def store(self, group: int, page_hash: PageHash, entry: CacheEntry, page: int) -> None:
         """Keeps the content of device page `page` (group `group`'s cached `entry`, evicted)."""
@@ -96,14 +109,40 @@ class HostTier:
         self._transfers.loads.append((slot, page))
         self.num_loaded += 1
 
+    def swap_out(self, pages: Sequence[int]) -> list[int] | None:
+        """Slots holding these device pages' content for a preempted sequence (offloads queued;
+        no LRU eviction takes them); None, with nothing taken, if the tier cannot hold them all."""
+        evictable = sum(entry.page_id not in self._pinned for entry in self._entries.values())
+        if len(pages) > len(self._free) + evictable:
+            return None
+        slots = []
+        for page in pages:
+            slot = self._take_slot()
+            assert slot is not None  # counted above
+            slots.append(slot)
+            self._transfers.offloads.append((page, slot))
+        self._swapped.update(slots)
+        self.num_swapped_out += len(pages)
+        return slots
+
+    def release_swapped(self, slots: Sequence[int]) -> None:
+        """Gives swapped slots back, free once this plan's transfers are taken (its loads read them first)."""
+        self._swapped.difference_update(slots)
+        self._released += slots
+
     def take_transfers(self) -> Transfers:
         """The offloads and loads since the last call; their slots are no longer pinned (the
         worker makes the copies before any later plan's)."""
         transfers, self._transfers = self._transfers, Transfers()
         self._pinned.clear()
+        self._free += self._released
+        self._released = []
         return transfers
 
     def clear(self) -> None:
-        """Forgets every entry (new weights: nothing cached still holds)."""
+        """Forgets every entry (new weights: nothing cached still holds); slots held for swapped
+        sequences stay theirs until they return (and find their swap stale: `epoch`)."""
         self._entries.clear()
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        held = self._swapped.union(self._released)
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in held]
+        self.epoch += 1

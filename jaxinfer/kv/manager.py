@@ -15,7 +15,10 @@ fields: `pages` (group 0's page table), `group_pages` (the tables of groups 1 ..
                 allocate_all([(seq, n), ...])      all of them or none (a decode window)
     after it    cache_computed(seq)                pages full of computed, known tokens -> cache
     drafts      truncate(seq, n)                   gives back pages past n tokens (rejected drafts)
-    the end     free(seq)                          every page back, tail first (finish, preemption)
+    the end     free(seq)                          every page back, tail first (finish)
+                preempt(seq)                       free(seq), its uncached pages first swapped to
+                                                  the host tier where `swap_cost` says that beats
+                                                  recomputing them (swap.py)
 
 Several groups (a model mixing full and sliding-window layers, config/kv_layout.py): every call
 acts on each group's table, a step's pages fit only if every group's do, and a prefix hit is the
@@ -46,6 +49,7 @@ from jaxinfer.kv.host_tier import HostTier, Transfers
 from jaxinfer.kv.page_pool import NULL_PAGE, EvictListener, PagePool
 from jaxinfer.kv.prefix import NO_PREFIX, ComputedPrefix, KVSequence, longest_prefix, take_prefix
 from jaxinfer.kv.prefix_cache import HashFn, hash_page
+from jaxinfer.kv.swap import SwapCost, drop_swap, swap_out, with_swap
 from jaxinfer.kv.tables import (
     cache_released,
     num_freed_by,
@@ -88,6 +92,8 @@ class KVCacheManager:
         self._windows = [getattr(g, "window", None) if g.releases_pages else None for g in self.groups]
         self._forked = False  # no partial page is shared before a fork: writes need no check
         self._copies: list[tuple[int, int]] = []
+        self.swap_cost: SwapCost | None = None  # measured by the worker (none: preemption recomputes)
+        self.num_swapped_preemptions = 0
 
     # --- metrics: the pool's ------------------------------------------------------------------
     enable_prefix_caching = property(lambda self: self.pool.enable_prefix_caching)
@@ -132,9 +138,10 @@ class KVCacheManager:
         """Cached pages of the longest prefix of `seq` every group can use, never covering its
         last token (the step must compute it for logits) nor pages past `seq.cacheable_pages`;
         with a host tier, pages there count (negative entries: -(slot + 1), prefix.py)."""
-        if not self.pool.enable_prefix_caching:
-            return NO_PREFIX
-        return longest_prefix(self.pool, self.groups, seq)
+        prefix = longest_prefix(self.pool, self.groups, seq) if self.pool.enable_prefix_caching else NO_PREFIX
+        if seq.swap is not None and self.host is not None:
+            prefix = with_swap(self.host, prefix, seq, self.page_size)
+        return prefix
 
     def _allocate_with_prefix(self, seq: KVSequence, num_tokens: int, prefix: ComputedPrefix) -> bool:
         if seq.pages or any(seq.group_pages):
@@ -212,10 +219,28 @@ class KVCacheManager:
                 del table[keep:]
 
     def free(self, seq: KVSequence) -> None:
-        """Gives back every page of `seq`, tail first (its deep pages are evicted first)."""
+        """Gives back every page of `seq`, tail first (its deep pages are evicted first), and
+        any it swapped out."""
+        drop_swap(self.host, seq)
         for table in self.tables(seq):
             self.pool.free([p for p in table if p != NULL_PAGE])
         seq.pages, seq.group_pages, seq.num_cached_pages = [], [], 0
+
+    def preempt(self, seq: KVSequence) -> bool:
+        """free(seq), having first swapped its computed pages past the cached ones to the host
+        tier if `swap_cost` prices that below recomputing them (swap.py); True if it did."""
+        swap = None
+        if self.host is not None and self.swap_cost is not None:
+            tables = self.tables(seq)
+            uncached = seq.num_computed_tokens - seq.num_cached_pages * self.page_size
+            end = self.pages_for(seq.num_computed_tokens)
+            num_pages = sum(p != NULL_PAGE for t in tables for p in t[seq.num_cached_pages : end])
+            if uncached > 0 and self.swap_cost.swap_is_cheaper(num_pages, uncached):
+                swap = swap_out(self.host, tables, seq, self.page_size)
+        self.free(seq)
+        seq.swap = swap
+        self.num_swapped_preemptions += swap is not None
+        return swap is not None
 
     # --- copy-on-write --------------------------------------------------------------------------
     def fork(self, parent: KVSequence, child: KVSequence) -> None:

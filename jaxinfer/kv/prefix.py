@@ -11,14 +11,16 @@
                                         device at once), fresh pages up to n pages
 
 A table entry of a hit is a device page, NULL_PAGE where the group reads no page, or -(slot + 1)
-for a page held in the host tier's slot `slot`.
+for a page held in the host tier's slot `slot`. A preempted sequence's hit may end in pages it
+swapped out (swap.py): loaded the same way, not registered in the prefix cache, not counted as
+hits, their slots given back once the loads are taken.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from jaxinfer.kv.groups import KVCacheGroup
 from jaxinfer.kv.page_pool import PagePool
@@ -36,6 +38,7 @@ class KVSequence(Protocol):
     num_cached_pages: int
     num_host_hit_tokens: int  # of its admission's prefix hit, tokens whose pages the host tier held
     hash_root: bytes | None  # what its page hashes chain from (a LoRA adapter's; None: the base model)
+    swap: Any  # a swap.SwappedKV: its pages in the host tier while it waits preempted (else None)
 
     @property
     def num_tokens(self) -> int: ...
@@ -53,15 +56,28 @@ class ComputedPrefix:
     pages: tuple[int, ...]  # group 0's page table of it (module docstring: what an entry holds)
     num_tokens: int
     group_pages: tuple[tuple[int, ...], ...] = ()  # groups 1 .. G-1's
+    num_swapped: int = 0  # trailing pages of each table a swap holds (swap.py), not the cache
+    swapped_tokens: int = 0  # the tokens of those
+    swap_slots: tuple[int, ...] = ()  # the swap's host slots, given back once taken
 
     @property
     def tables(self) -> tuple[tuple[int, ...], ...]:
         return (self.pages, *self.group_pages)
 
     @property
+    def num_cached_pages(self) -> int:
+        return len(self.pages) - self.num_swapped
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens of the hit the prefix cache held (either tier)."""
+        return self.num_tokens - self.swapped_tokens
+
+    @property
     def num_host_tokens(self) -> int:
-        """Tokens of the hit whose pages (group 0's) come from the host tier."""
-        return sum(p < 0 for p in self.pages) * (self.num_tokens // len(self.pages)) if self.pages else 0
+        """Tokens of the cached part whose pages (group 0's) come from the host tier."""
+        n = self.num_cached_pages
+        return sum(p < 0 for p in self.pages[:n]) * (self.num_cached_tokens // n) if n else 0
 
 
 NO_PREFIX = ComputedPrefix((), 0)
@@ -102,14 +118,19 @@ def take_prefix(pool: PagePool, seq: KVSequence, prefix: ComputedPrefix, num_pag
         assert pool.host is not None  # only a host tier answers with slots
         pool.host.pin([slot for _, _, slot in on_host])  # no offload of this plan takes them
     fresh = pool.allocate(sum(need) + len(on_host), held)[len(held) :]
+    cached = prefix.num_cached_pages
     for (g, i, slot), page in zip(on_host, fresh):
         tables[g][i] = page
         pool.host.load(slot, page)  # type: ignore[union-attr]  # on_host: there is a host tier
-        pool.cache_pages(tables[g], seq.page_hashes, seq.token_ids, i, i + 1, g)
+        if i < cached:
+            pool.cache_pages(tables[g], seq.page_hashes, seq.token_ids, i, i + 1, g)
     fresh = fresh[len(on_host) :]
     for table, start, n in zip(tables, starts(need), need):
         table += fresh[start : start + n]
     seq.pages, *seq.group_pages = tables
-    seq.num_cached_pages, seq.num_host_hit_tokens = len(prefix.pages), prefix.num_host_tokens
-    pool.record_prefix_lookup(seq.num_tokens, prefix.num_tokens, prefix.num_host_tokens)
+    seq.num_cached_pages, seq.num_host_hit_tokens = cached, prefix.num_host_tokens
+    pool.record_prefix_lookup(seq.num_tokens, prefix.num_cached_tokens, prefix.num_host_tokens)
+    if prefix.swap_slots:
+        pool.host.release_swapped(prefix.swap_slots)  # type: ignore[union-attr]  # a swap: a host tier
+        seq.swap = None
     return True

@@ -117,6 +117,7 @@ class CompiledStep:
         self.greedy_buckets = decode_sized if greedy else ()
         self.greedy_steps = self.num_decode_steps
         self.launcher = Launcher(dispatch_thread_enabled(engine.compile.dispatch_thread))
+        self.token_seconds = 0.0  # measured at warm-up: a full bucket's seconds per token
 
     def prepare(
         self, plan: SchedulerPlan | list[SchedulerPlan], previous: list[SchedulerPlan] | None = None, masks: bool = True
@@ -277,6 +278,9 @@ class CompiledStep:
         for t_bucket in self.split_buckets:
             inputs = self.padding_inputs(t_bucket, False)
             self.fetch(self.dispatch_sample(self.dispatch_forward(inputs), inputs))
+        timed = time.perf_counter()  # a full bucket's cost per token: what recomputing costs (kv/swap.py)
+        self.execute(self.padding_inputs(self.buckets[-1], False))
+        self.token_seconds = (time.perf_counter() - timed) / self.buckets[-1]
         elapsed = time.perf_counter() - start
         logger.info("compiled %d step variants in %.1fs", self.num_compiled(), elapsed)
         return elapsed

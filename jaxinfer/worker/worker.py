@@ -32,6 +32,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.config.kv_layout import KVLayout
 from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.kv import SwapCost
 from jaxinfer.loader import LoadedModel
 from jaxinfer.lora.peft import Adapter
 from jaxinfer.worker.compiled_step import CompiledStep
@@ -42,7 +43,7 @@ from jaxinfer.worker.page_copy import PageCopier
 from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.step_inputs import StepInputs
 from sharding import StepChannel
-from sharding.multihost import SHUTDOWN
+from sharding.multihost import SHUTDOWN, TRANSFER
 
 
 class StepHandle:
@@ -92,7 +93,10 @@ class Worker:
         self._channel = channel
         self._copier: PageCopier | None = None  # compiled at warm-up (worker/page_copy.py)
         self.host_pages = host_slots(self.state, config.cache.kv_offload_gb)
-        self.host_kv = HostKV(self.state, self.host_pages) if self.host_pages else None  # kv_host.py
+        self.host_kv = HostKV(self.state, self.host_pages, channel=channel) if self.host_pages else None  # kv_host.py
+        # What swapping a preempted sequence's pages costs against recomputing them (kv/swap.py):
+        # the host tier's calls timed now, the step's cost per token at warm-up.
+        self.swap_cost = SwapCost(self.host_kv.transfer_seconds, self.host_kv.width) if self.host_kv else None
 
     # --- what the engine plans with -------------------------------------------------------------
     @property
@@ -109,11 +113,12 @@ class Worker:
         return self.state.page_size
 
     @property
-    def kv_pool(self) -> tuple[int, int, bool, KVLayout, int]:
+    def kv_pool(self) -> tuple[int, int, bool, KVLayout, int, SwapCost | None]:
         """What each replica's KV cache manager manages: pages, page size, prefix caching, the
-        KV layout and the host tier's pages (core/replica.py)."""
+        KV layout, the host tier's pages and the swap cost model (core/replica.py)."""
         cache = self.state.engine.cache
-        return self.num_pages, self.page_size, cache.enable_prefix_caching, self.kv_layout, self.host_pages
+        pool = self.num_pages, self.page_size, cache.enable_prefix_caching, self.kv_layout, self.host_pages
+        return (*pool, self.swap_cost)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -174,7 +179,10 @@ class Worker:
         """Compiles (and runs once) every variant of the step and the page copy; returns seconds."""
         start = time.perf_counter()
         self.copier.num_compiled()
-        return self.step.warm_up() + time.perf_counter() - start
+        seconds = self.step.warm_up() + time.perf_counter() - start
+        if self.swap_cost is not None:
+            self.swap_cost.token_s = self.step.token_seconds
+        return seconds
 
     @property
     def copier(self) -> PageCopier:
@@ -192,16 +200,20 @@ class Worker:
         False when process 0 shut the followers down (no more steps will come)."""
         if self._channel is None:
             raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
-        step = self.step
+        step, host = self.step, self.host_kv
         while True:
             command, inputs = self._channel.receive(
                 lambda bucket, history, prompt, table_width: step.padding_inputs(
                     bucket, history, False, prompt, table_width
-                )
+                ),
+                host.id_template if host is not None else None,
             )
             if inputs is None:
                 return command != SHUTDOWN
-            step.execute(inputs)
+            if command == TRANSFER:
+                host.follow(*inputs)  # type: ignore[union-attr]  # the channel checked there is one
+            else:
+                step.execute(inputs)
 
     def release_followers(self, shutdown: bool = False) -> None:
         """On process 0: ends the other processes' `follow()` (a no-op on one process)."""

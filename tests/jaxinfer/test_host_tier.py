@@ -1,7 +1,8 @@
 """The prefix cache's host tier on the engine (`kv_offload_gb`): prompts whose cached pages do not
 all fit the device pool are served on a second pass from pages kept in host memory (hit counts by
 tier asserted, per request and in all), with the tokens of an engine without the tier; nothing
-compiles after warm-up; every page free at the end; a tier smaller than one page is refused."""
+compiles after warm-up; every page free at the end; a tier smaller than one page is refused;
+preempted sequences swap their pages out and back where that is cheaper."""
 
 import numpy as np
 import pytest
@@ -75,7 +76,31 @@ def test_preempted_sequences_come_back_from_host_pages(model):
     plain = Engine(model, EngineConfig(**SMALL))
     want = run(plain)
     engine = Engine(model, EngineConfig(**SMALL, kv_offload_gb=0.0004))
+    engine.kv_cache.swap_cost.token_s = 0.0  # the cache's path alone: no swap
     assert run(engine) == want
     assert engine.num_preemptions > 0 and plain.num_preemptions == engine.num_preemptions
     assert engine.kv_cache.pool.prefix_cache_host_hits > 0  # came back from host pages, not recomputed
     assert engine.kv_cache.num_free_pages == engine.kv_cache.num_usable_pages
+    assert engine.kv_cache.num_swapped_preemptions == 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_preemption_swaps_pages_out_and_back(model, caching):
+    """Where the measured cost model prices it below recomputing, a preempted sequence's pages
+    the prefix cache does not keep (the partial last one; every one without prefix caching) are
+    swapped to host slots and loaded back at its return: the tokens of recomputing, fewer tokens
+    computed, every page of both tiers free at the end, nothing compiled after warm-up."""
+    prompts = [np.random.default_rng(100 + i).integers(1, 250, 9).tolist() for i in range(4)]
+    config = dict(SMALL, enable_prefix_caching=caching)
+    plain = Engine(model, EngineConfig(**config))
+    want = [o.outputs[0].token_ids for o in _run(plain, prompts, max_tokens=50)]
+    engine = Engine(model, EngineConfig(**config, kv_offload_gb=0.0004))
+    kv, compiled, cost = engine.kv_cache, engine.worker.num_compiled(), engine.kv_cache.swap_cost
+    assert cost is engine.worker.swap_cost and cost.transfer_s > 0 and cost.token_s > 0  # measured
+    cost.token_s = 1.0  # swapping always wins here, whatever this machine measured
+    assert [o.outputs[0].token_ids for o in _run(engine, prompts, max_tokens=50)] == want
+    assert engine.num_preemptions > 0 and plain.num_preemptions > 0  # (swaps change the schedule)
+    assert 0 < kv.num_swapped_preemptions <= engine.num_preemptions and kv.host.num_swapped_out > 0  # none: all cached
+    assert engine.num_scheduled_tokens < plain.num_scheduled_tokens  # swapped tokens not recomputed
+    assert kv.num_free_pages == kv.num_usable_pages and kv.host.num_swapped == 0
+    assert engine.worker.num_compiled() == compiled

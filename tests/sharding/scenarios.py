@@ -238,23 +238,27 @@ def scenario_orbax(root: str, cases: str) -> dict:
     return out
 
 
-def scenario_multihost(process_id: str, port: str, mesh: str, model: str = "") -> dict:
+def scenario_multihost(process_id: str, port: str, mesh: str, model: str = "", offload_gb: str = "0") -> dict:
     """One of two processes on loopback running the LLM API on `mesh` over both (the llama3
-    fixture, or `model`: e.g. its orbax checkpoint, which each process restores its shards of)."""
+    fixture, or `model`: e.g. its orbax checkpoint, which each process restores its shards of);
+    `offload_gb`: the KV host tier, each process keeping its own shards of the pages."""
     from jaxinfer.llm import LLM
 
     llm = LLM(
         model or str(FIXTURES / "hf" / "llama3"),
         "float32",
         mesh=mesh,
+        kv_offload_gb=float(offload_gb),
         coordinator_address=f"127.0.0.1:{port}",
         num_processes=2,
         process_id=int(process_id),
-        **{k: v for k, v in ENGINE.items() if k != "max_num_batched_tokens"},
+        **{k: v for k, v in ENGINE.items() if k not in ("max_num_batched_tokens", "num_pages")},
         max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+        num_pages=12 if float(offload_gb) else ENGINE["num_pages"],  # evictions go to the host tier
         enable_prompt_logprobs=True,
     )
-    prompts = GENERATE["prompts"][:8]
+    chosen = slice(8, 16) if float(offload_gb) else slice(0, 8)  # the long ones overflow the pool
+    prompts, outputs = GENERATE["prompts"][chosen], GENERATE["outputs"][chosen]
     params = SamplingParams(temperature=0, max_tokens=GENERATE["max_new_tokens"], ignore_eos=True)
     first = llm.generate(prompts, params, use_tqdm=False)
     second = llm.generate(prompts[:2], params, use_tqdm=False)  # a second call: followers rejoin
@@ -267,8 +271,10 @@ def scenario_multihost(process_id: str, port: str, mesh: str, model: str = "") -
         "devices": jax.device_count(),
         "local_devices": jax.local_device_count(),
         "outputs": [o.outputs[0].token_ids for o in first + second],
-        "expected": GENERATE["outputs"][:8] + GENERATE["outputs"][:2],
+        "expected": outputs + outputs[:2],
         "prompt_logprobs": [lp.logprob for o in scored for lp in o.prompt_logprobs[1:]],
+        "host_hits": llm.engine.stats().get("prefix_cache_host_hits", 0),
+        "pools_empty": all(r.kv_cache.num_free_pages == r.kv_cache.num_usable_pages for r in llm.engine.replicas),
     }
 
 

@@ -1,6 +1,7 @@
 """Two processes on loopback (jax.distributed over 127.0.0.1) run one engine together: process 0
 schedules and broadcasts each step, and its tokens equal the single-process run's (which the
-llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it)."""
+llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it), the KV
+host tier included (each process offloads and loads its own shards of the pages)."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ from jaxinfer.convert import convert
     "mesh,devices", [("tensor=2", 1), ("data=2,tensor=2", 2)], ids=["tensor2-across-hosts", "data2xtensor2"]
 )
 def test_two_processes_match_one(processes, port, mesh, devices):
-    leader, follower = processes([["multihost", str(i), str(port), mesh] for i in range(2)], devices=devices)
+    # With the KV host tier (0.01 GiB): each process keeps its own shards of the pages.
+    args = [["multihost", str(i), str(port), mesh, "", "0.01"] for i in range(2)]
+    leader, follower = processes(args, devices=devices)
     assert (leader["process"], follower["process"]) == (0, 1)
     assert leader["processes"] == 2 and leader["devices"] == 2 * devices
     assert leader["local_devices"] == devices
@@ -24,6 +27,7 @@ def test_two_processes_match_one(processes, port, mesh, devices):
     expected = logits[np.arange(63), ids[1:]] - np.log(np.exp(logits[:63]).sum(-1))  # HF's log_softmax
     np.testing.assert_allclose(leader["prompt_logprobs"], expected, atol=1e-4)
     assert follower["prompt_logprobs"] == []
+    assert leader["host_hits"] > 0 and leader["pools_empty"]  # the second call's prompts: from host pages
 
 
 def test_two_processes_restore_an_orbax_checkpoint(processes, port, tmp_path):

@@ -6,7 +6,7 @@ slot a hit is being loaded from, each layer group keeps its own entries."""
 import pytest
 from kv_support import Seq, admit, assert_all_free
 
-from jaxinfer.kv import ComputedPrefix, FullAttention, HostTier, KVCacheManager, SlidingWindow
+from jaxinfer.kv import ComputedPrefix, FullAttention, HostTier, KVCacheManager, SlidingWindow, SwapCost, SwappedKV
 
 
 def test_evicted_pages_go_to_the_host_and_a_hit_loads_them_back():
@@ -74,4 +74,68 @@ def test_each_group_offloads_and_loads_its_own_pages():
     assert [slot for slot, _ in t.loads] == [1, 0, 2]
     assert (c.pages[:2], c.group_pages[0][:2]) == ([p for _, p in t.loads[:2]], [0, t.loads[2][1]])
     kv.free(c)
+    assert_all_free(kv)
+
+
+def _swapping(host_pages: int = 4, **kw) -> KVCacheManager:
+    kv = KVCacheManager(6, 4, host_pages=host_pages, **kw)  # device pages 1 .. 5 of 4 tokens
+    kv.swap_cost = SwapCost(transfer_s=1.0, width=64, token_s=1.0)  # one call beats 2+ tokens
+    return kv
+
+
+def test_a_preempted_sequence_swaps_its_uncached_pages_out_and_back():
+    kv = _swapping()
+    a = Seq(list(range(10)))
+    admit(kv, a)  # pages [1, 2, 3]: 1 and 2 full and cached, 3 holds tokens 8, 9
+    assert kv.preempt(a) and kv.num_swapped_preemptions == 1
+    assert a.swap == SwappedKV(10, 2, ((-1,),), kv.host.epoch) and a.pages == []  # page 3 -> slot 0
+    assert kv.take_transfers().offloads == [(3, 0)] and kv.host.num_swapped == 1
+    a.token_ids.append(10)  # the token its last step sampled
+    prefix = kv.computed_prefix(a)
+    assert prefix.tables == ((1, 2, -1),) and prefix.num_tokens == 10 and prefix.num_cached_tokens == 8
+    assert kv.allocate(a, 11, prefix) and a.pages == [1, 2, 3] and a.swap is None
+    assert a.num_cached_pages == 2 and kv.pool.prefix_cache_hits == 8  # the swapped page is no hit
+    t = kv.take_transfers()
+    assert (t.offloads, t.loads) == ([], [(0, 3)]) and kv.host.num_swapped == 0
+    assert kv.host.swap_out([4, 5, 1, 2]) == [0, 1, 2, 3]  # slot 0 free again once its load was taken
+    kv.host.release_swapped([0, 1, 2, 3])
+    kv.free(a)
+    assert_all_free(kv)
+
+
+def test_without_prefix_caching_every_computed_page_is_swapped():
+    kv = _swapping(enable_prefix_caching=False)
+    a = Seq(list(range(10)))
+    admit(kv, a)
+    assert kv.preempt(a) and a.swap.tables == ((-1, -2, -3),) and a.swap.first_page == 0
+    assert kv.take_transfers().offloads == [(1, 0), (2, 1), (3, 2)]
+    a.token_ids.append(10)
+    assert kv.allocate(a, 11, kv.computed_prefix(a)) and a.pages == [1, 2, 3]
+    assert kv.take_transfers().loads == [(0, 1), (1, 2), (2, 3)] and kv.pool.prefix_cache_hits == 0
+    kv.free(a)
+    assert_all_free(kv)
+
+
+def test_swap_is_skipped_when_costlier_or_full_and_dropped_when_stale_or_finished():
+    kv = _swapping()
+    kv.swap_cost.token_s = 0.1  # a call costs more than 2 recomputed tokens
+    a = Seq(list(range(10)))
+    admit(kv, a)
+    assert not kv.preempt(a) and a.swap is None and kv.take_transfers().offloads == []
+    kv.swap_cost.token_s = 1.0
+    b = Seq(list(range(100, 106)))  # pages 4, 5
+    admit(kv, b)
+    tiny = _swapping(host_pages=1, enable_prefix_caching=False)
+    c = Seq(list(range(10)))
+    admit(tiny, c)
+    assert not tiny.preempt(c) and c.swap is None  # 3 pages, 1 slot: recomputed
+    admit(kv, a)
+    assert kv.preempt(a) and kv.host.num_swapped == 1
+    kv.reset_prefix_cache()  # new weights: the swapped KV is stale
+    a.token_ids.append(10)
+    assert kv.computed_prefix(a).num_tokens == 0 and a.swap is None and kv.host.num_swapped == 0
+    assert kv.preempt(b) and b.swap is not None
+    kv.free(b)  # finished (aborted) while preempted: its slots come back
+    assert b.swap is None and kv.host.num_swapped == 0
+    kv.take_transfers()
     assert_all_free(kv)
