@@ -12,7 +12,8 @@ algorithm: sampling/beam.py) and applies it:
     a beam chosen k times   is forked k - 1 times (KVCacheManager.fork: the children share its
                             pages, a partly filled page copied when a child first writes into
                             it), each fork with its own token
-    a beam not chosen       is finished (its pages freed; the forks still hold what they share)
+    a beam not chosen       is finished first (its pages and its seat in the running batch go
+                            to the forks; they still hold what they share)
     the search done         every live beam finished; the request's outputs are the W finished
                             hypotheses, best first (BeamGroup.results)
 
@@ -95,6 +96,10 @@ def advance_group(queue: RequestQueue, group: BeamGroup) -> None:
     known = {seq.seq_id: list(seq.token_ids) for seq in live}  # before any gets its token
     for seq in live:
         seq.beam_candidates = None
+    parents = {parent.seq_id for parent, _, _ in chosen}
+    for seq in live:  # the beams no choice continues end first: their seats and pages go to forks
+        if seq.seq_id not in parents:
+            queue.finish(seq, SequenceStatus.FINISHED_STOPPED)
     kept: dict[int, Sequence] = {}
     new_live = []
     for parent, token, acc in chosen:
@@ -106,9 +111,6 @@ def advance_group(queue: RequestQueue, group: BeamGroup) -> None:
         child.append_token(token)
         child.beam_score = acc
         new_live.append(child)
-    for seq in live:
-        if seq.seq_id not in kept:
-            queue.finish(seq, SequenceStatus.FINISHED_STOPPED)
     group.live = new_live
     if group.done:
         for seq in new_live:

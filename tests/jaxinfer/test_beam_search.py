@@ -64,6 +64,8 @@ def test_beams_match_hf_generate(engines, name, monkeypatch):
 def test_smollm2_beams_through_llm_beam_search():
     case = CASES["smollm2_w4"]
     llm = LLM(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(4, 64), num_pages=48)
+    plans, schedule = [], llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda *a: plans.append(plan := schedule(*a)) or plan
     (out,) = llm.beam_search(
         [case["prompt"]], BeamSearchParams(case["width"], case["max_tokens"], length_penalty=case["length_penalty"])
     )
@@ -71,6 +73,9 @@ def test_smollm2_beams_through_llm_beam_search():
     assert [s.text for s in out.sequences] == [b["text"].removesuffix("<|im_end|>") for b in case["beams"]]
     assert [s.score for s in out.sequences] == pytest.approx([b["score"] for b in case["beams"]], abs=1e-3)
     assert all(s.finish_reason == "stop" for s in out.sequences)
+    # With every seat of the batch taken by the beams, forks still share their parents' pages
+    # (the beams not chosen end first): past the prompt's step, each beam computes one token a step.
+    assert len(case["prompt"]) < 64 and {e.num_new_tokens for p in plans[1:] for e in p.seqs} == {1}
 
 
 def test_bad_beam_search_values_are_refused_by_name():
