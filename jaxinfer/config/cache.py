@@ -42,7 +42,8 @@ class CacheConfig:
     kv_offload_gb: float = option(
         0.0,
         "GiB of host memory per data replica for KV pages evicted from the device: a prefix hit on "
-        "them copies them back instead of computing them again (0: off)",
+        "them copies them back instead of computing them again, and a preempted sequence's pages are "
+        "swapped there where that is measured cheaper than recomputing them (0: off)",
     )
 
     def __post_init__(self):
