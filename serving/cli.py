@@ -6,6 +6,7 @@
     JAXINFER_API_KEYS=k1,k2 jaxinfer serve --http-port 8000   # or --api-keys-file FILE
     jaxinfer serve --rate-limit-rpm 60 --rate-limit-tpm 100000 --max-concurrent-per-key 4 \
         --request-log requests.jsonl [--log-prompts]    # per-key limits (both transports), JSON lines
+    jaxinfer serve --http-port 8000 --kv-events-endpoint 'tcp://*:5557'   # behind a prefix-aware router
     jaxinfer client ...                                # serving/grpc/client_cli.py
 
 `serve` prints one line "listening on HOST:PORT" on stdout once it accepts calls (with the HTTP
@@ -67,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs, a
     g.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     _add_http_args(serve)
     _add_limit_args(serve)
+    _add_router_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     add_client_parser(subparsers, add_sampling_args)
@@ -141,6 +143,42 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--log-prompts", action="store_true", help="--request-log includes prompts and outputs")
 
 
+def _add_router_args(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group(
+        "behind a router",
+        "Routers read the load (HTTP /get_load, the vllm:* metrics) on their own; prefix-aware ones "
+        "(vllm-router --policy kv_aware, llm-d) also subscribe to the KV events.",
+    )
+    g.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish the pages entering and leaving the prefix cache over ZMQ in vLLM's KV event "
+        "format (data replica r on PORT + r; HOST * binds every address; default: off)",
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="answer replay requests for missed KV event batches here (needs --kv-events-endpoint)",
+    )
+
+
+def _router_options(args: argparse.Namespace) -> dict:
+    from serving.kv_events import offset_endpoint
+
+    if args.kv_events_replay_endpoint is not None and args.kv_events_endpoint is None:
+        raise ValueError("--kv-events-replay-endpoint: needs --kv-events-endpoint")
+    for flag in ("--kv-events-endpoint", "--kv-events-replay-endpoint"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            try:
+                offset_endpoint(value, 0)
+            except ValueError as e:
+                raise ValueError(f"{flag} {value}: {str(e).split(': ', 1)[1]}") from None
+    return dict(kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint)
+
+
 def _limit_options(args: argparse.Namespace) -> dict:
     """ServerOptions' rate_limits / request_log / log_prompts, checked before the model loads."""
     from serving.limits import RateLimits
@@ -198,6 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         api_keys=tuple(read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV) or None)),
         **_limit_options(args),
+        **_router_options(args),
     )
     signal.signal(signal.SIGTERM, _terminated_while_starting)
     engine = make_llm(args).engine

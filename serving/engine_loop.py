@@ -91,9 +91,17 @@ class StepMetrics(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: StepMetrics | None = None, idle_poll_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: StepMetrics | None = None,
+        idle_poll_s: float = 0.5,
+        observers: tuple[Callable[[Engine], None], ...] = (),
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.observers = observers  # called on the engine thread after each step (e.g. the KV events publisher)
+        self.last_stats: dict = {}  # engine.stats() after the last step (what routers poll as load)
         self.num_steps = 0
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -135,6 +143,11 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine holds now (running or waiting in it): what a router polls as load."""
+        return len(self._sinks)  # a dict the engine thread changes; its size read whole under the GIL
 
     # --- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -219,6 +232,12 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.on_tokens(new_tokens, now)
             self.metrics.on_step(self.engine)
+        self.last_stats = self.engine.stats()
+        for observe in self.observers:
+            try:
+                observe(self.engine)
+            except Exception:  # an observer's failure (a socket) costs its own output, never a step
+                logger.exception("a step observer failed")
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException, sink: Sink) -> bool:
         try:

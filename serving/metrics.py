@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client as prom
+
+from serving.vllm_metrics import VllmMetrics
 
 if TYPE_CHECKING:  # the engine imports JAX; metrics are host-side
     from jaxinfer.engine import Engine
@@ -23,8 +25,10 @@ _THROUGHPUT_WINDOW_S = 10.0
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
+        """`model_name`: the served name, the `model_name` label of the `vllm:*` series."""
         self.registry = prom.CollectorRegistry()
+        self.vllm = VllmMetrics(self.registry, model_name)  # the names routers read (vllm_metrics.py)
         self._define_latencies(self.registry)
         self._define_requests(self.registry)
         self._define_engine_state(self.registry)
@@ -40,7 +44,7 @@ class ServerMetrics:
             "lora_loads": 0,
             **dict.fromkeys(self.spec_counters, 0),
         }
-        self._http = None
+        self._http: Any = None  # prometheus_client's WSGI server once serve() started one
 
     def _define_lora(self, r: prom.CollectorRegistry) -> None:
         """LoRA adapters (when the engine serves them): sequences per adapter, adapters known and
@@ -202,6 +206,7 @@ class ServerMetrics:
             self.spec_mean_length.set(stats["spec_mean_accepted_length"])
         if "lora_running" in stats:
             self._on_lora(stats)
+        self.vllm.on_step(engine, stats)
 
     # --- HTTP -----------------------------------------------------------------------------------
     def exposition(self) -> tuple[bytes, str]:

@@ -32,6 +32,7 @@ from jaxinfer.engine import Engine
 from serving.engine_loop import EngineLoop
 from serving.grpc.server import GrpcOptions, GrpcServer
 from serving.grpc.servicer import InferenceServicer
+from serving.kv_events import KVEventPublisher
 from serving.limits import RateLimiter, RateLimits
 from serving.metrics import ServerMetrics
 from serving.openai.admission import Admission
@@ -67,6 +68,9 @@ class ServerOptions:
     rate_limits: RateLimits = RateLimits()  # per key, both transports; default: none
     request_log: str | None = None  # a JSON line per finished generation request: FILE, "-": stderr
     log_prompts: bool = False  # the request log includes prompts and outputs
+    # KV events for prefix-aware routers (serving/kv_events.py): tcp://HOST:PORT, rank r on PORT + r
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None  # where past batches are replayed (None: not)
 
     def __post_init__(self):
         if self.port is None and self.http_port is None:
@@ -82,16 +86,19 @@ class ServerOptions:
 class InferenceServer:
     def __init__(self, engine: Engine, options: ServerOptions | None = None):
         self.options = options or ServerOptions()
-        self.metrics = ServerMetrics()
-        self.engine_loop = EngineLoop(engine, self.metrics)
+        opts, name = self.options, self.options.served_model_name or served_model_name(engine.model.path)
+        self.metrics = ServerMetrics(name)
+        self.kv_events = None
+        if opts.kv_events_endpoint is not None:
+            self.kv_events = KVEventPublisher(opts.kv_events_endpoint, opts.kv_events_replay_endpoint)
+            self.kv_events.attach(engine)
+        observers = (self.kv_events.on_step,) if self.kv_events is not None else ()
+        self.engine_loop = EngineLoop(engine, self.metrics, observers=observers)
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-tok")
-        opts = self.options
         self.limiter = RateLimiter(
             opts.rate_limits, on_limited=lambda limit: self.metrics.rate_limited.labels(limit=limit).inc()
         )
-        self.request_log = RequestLog(
-            opts.request_log, opts.log_prompts, opts.served_model_name or served_model_name(engine.model.path)
-        )
+        self.request_log = RequestLog(opts.request_log, opts.log_prompts, name)
         self.servicer = InferenceServicer(
             self.engine_loop,
             max_waiting=opts.max_waiting,
@@ -104,7 +111,7 @@ class InferenceServer:
             reasoning_parser=opts.reasoning_parser,
         )
         self.servicer.lora_updates = opts.lora_updates
-        self.servicer.served_model_name = opts.served_model_name or served_model_name(engine.model.path)
+        self.servicer.served_model_name = name
         self.http = self._http_server(self.options.http_port) if self.options.http_port is not None else None
         self.grpc: GrpcServer | None = None  # made in start(): a grpc.aio server belongs to its event loop
         self.metrics_port: int | None = None
@@ -128,6 +135,7 @@ class InferenceServer:
                 tls_key_file=opts.tls_key_file,
                 ui=opts.ui,
                 lora_updates=opts.lora_updates,
+                kv_events=self.kv_events,
             ),
             admission=admission,
             metrics=self.metrics,
@@ -213,6 +221,8 @@ class InferenceServer:
             await self.http.stop()
         self.metrics.close()
         self.request_log.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self._executor.shutdown(wait=False)
 
     async def wait_for_termination(self) -> None:

@@ -28,6 +28,7 @@ class BlockStored:
     parent_hash: PageHash | None  # the page before the first (None: the sequence's start)
     token_ids: tuple[int, ...]  # page_size tokens per page, pages in order
     page_size: int
+    lora_name: str | None = None  # the LoRA adapter the pages were computed under (None: the base model)
 
 
 @dataclasses.dataclass(frozen=True)

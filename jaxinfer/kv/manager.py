@@ -104,6 +104,10 @@ class KVCacheManager:
     prefix_cache_hits = property(lambda self: self.pool.prefix_cache_hits)
     prefix_cache_hit_rate = property(lambda self: self.pool.prefix_cache_hit_rate)
 
+    def enable_events(self) -> None:
+        """Records KV events from now on, for a consumer that drains them (take_events)."""
+        self.pool.enable_events()
+
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
@@ -207,7 +211,7 @@ class KVCacheManager:
         known = seq.token_ids[: seq.num_known_tokens]
         self.pool.extend_page_hashes(seq.page_hashes, known, seq.hash_root)
         for i, table in enumerate(self.tables(seq)):
-            self.pool.cache_pages(table, seq.page_hashes, known, seq.num_cached_pages, num_full, i)
+            self.pool.cache_pages(table, seq.page_hashes, known, seq.num_cached_pages, num_full, i, seq.adapter)
         seq.num_cached_pages = num_full
 
     def truncate(self, seq: KVSequence, num_tokens: int) -> None:

@@ -189,9 +189,11 @@ class PagePool:
         start: int,
         stop: int,
         cache: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """Caches full pages `page_ids[start:stop]` of `token_ids` (a page table of group
-        `cache`) once their KV has been written.
+        `cache`) once their KV has been written; `lora_name`: the adapter they were computed
+        under (their events say so).
 
         `hashes` are the page hashes of `token_ids` (at least `stop` of them). Null entries (pages
         a sliding window gave back) are skipped.
@@ -209,9 +211,15 @@ class PagePool:
             )
             stored.append(i)
         if stored and self._events is not None and cache == 0:
-            self._record_stored(stored, hashes, token_ids)
+            self._record_stored(stored, hashes, token_ids, lora_name)
 
-    def _record_stored(self, indices: list[int], hashes: Sequence[PageHash], token_ids: Sequence[int]) -> None:
+    def enable_events(self) -> None:
+        """Starts recording KV events (a consumer will drain them: take_events)."""
+        self._events = self._events if self._events is not None else []
+
+    def _record_stored(
+        self, indices: list[int], hashes: Sequence[PageHash], token_ids: Sequence[int], lora_name: str | None
+    ) -> None:
         """One BlockStored per run of consecutive page indices."""
         if self._events is None:  # the caller records only with events on
             return
@@ -229,6 +237,7 @@ class PagePool:
                     hashes[first - 1] if first else None,
                     tuple(token_ids[first * ps : (last + 1) * ps]),
                     ps,
+                    lora_name,
                 )
             )
 

@@ -38,6 +38,7 @@ class KVSequence(Protocol):
     num_cached_pages: int
     num_host_hit_tokens: int  # of its admission's prefix hit, tokens whose pages the host tier held
     hash_root: bytes | None  # what its page hashes chain from (a LoRA adapter's; None: the base model)
+    adapter: str | None  # the LoRA adapter's name (None: the base model), for KV events
     swap: Any  # a swap.SwappedKV: its pages in the host tier while it waits preempted (else None)
 
     @property
@@ -123,7 +124,7 @@ def take_prefix(pool: PagePool, seq: KVSequence, prefix: ComputedPrefix, num_pag
         tables[g][i] = page
         pool.host.load(slot, page)  # type: ignore[union-attr]  # on_host: there is a host tier
         if i < cached:
-            pool.cache_pages(tables[g], seq.page_hashes, seq.token_ids, i, i + 1, g)
+            pool.cache_pages(tables[g], seq.page_hashes, seq.token_ids, i, i + 1, g, seq.adapter)
     fresh = fresh[len(on_host) :]
     for table, start, n in zip(tables, starts(need), need):
         table += fresh[start : start + n]

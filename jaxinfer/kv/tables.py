@@ -17,6 +17,7 @@ class _Tokens(Protocol):
     token_ids: list[int]
     page_hashes: list
     hash_root: bytes | None
+    adapter: str | None
 
     @property
     def num_known_tokens(self) -> int: ...
@@ -43,7 +44,7 @@ def cache_released(pool: PagePool, seq: _Tokens, table: list[int], skipped: rang
     stop = min(skipped.stop, known // pool.page_size)
     if pool.enable_prefix_caching and stop > skipped.start:
         pool.extend_page_hashes(seq.page_hashes, seq.token_ids[:known], seq.hash_root)
-        pool.cache_pages(table, seq.page_hashes, seq.token_ids[:known], skipped.start, stop, group)
+        pool.cache_pages(table, seq.page_hashes, seq.token_ids[:known], skipped.start, stop, group, seq.adapter)
 
 
 def shared_write_page(pool: PagePool, num_computed: int, table: list[int], num_tokens: int) -> int:

@@ -5,6 +5,8 @@
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   live LoRA updates, where the server allows them
     POST /tokenize, /detokenize                   vLLM's shapes
     GET  /health, /metrics                        open (no API key); /metrics is the gRPC server's registry
+    GET  /get_load, /load, /get_server_info, /kv_event_sources, POST /v1/{chat/,}completions/render
+                                                  what routers ask (router_api.py)
     GET  /openapi.json, /docs                     the schema of all this and Swagger UI (docs.py), open
     GET  /ui                                      the playground (playground.html; off with `ui=False`), open
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -34,6 +37,7 @@ from serving.openai.handlers import ApiContext, parse
 from serving.openai.lora import LoraEndpoints, adapter_cards
 from serving.openai.messages import render_messages, template_tools
 from serving.openai.protocol import DetokenizeRequest, TokenizeRequest
+from serving.openai.router_api import RouterEndpoints
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +114,14 @@ class _Endpoints:
 
 
 def build_app(
-    ctx: ApiContext, metrics: ServerMetrics | None = None, api_keys: bool = False, ui: bool = True
+    ctx: ApiContext,
+    metrics: ServerMetrics | None = None,
+    api_keys: bool = False,
+    ui: bool = True,
+    kv_events: Any = None,
 ) -> Starlette:
-    """`api_keys`: the Gate requires them (the schema then says so). `ui`: serve the playground."""
+    """`api_keys`: the Gate requires them (the schema then says so). `ui`: serve the playground.
+    `kv_events`: the KV events publisher whose endpoints /kv_event_sources names."""
     ep, docs = _Endpoints(ctx, metrics), Docs(ctx.model_name, api_keys, ctx.lora_updates)
     routes = [
         Route("/v1/completions", functools.partial(handlers.completions, ctx), methods=["POST"]),
@@ -126,6 +135,7 @@ def build_app(
         Route("/openapi.json", docs.schema, methods=["GET"]),
         Route("/docs", docs.page, methods=["GET"]),
         Route("/docs/{asset}", docs.asset, methods=["GET"]),
+        *RouterEndpoints(ctx, kv_events).routes(),
     ]
     if ui:
         routes.append(Route("/ui", _playground(), methods=["GET"]))

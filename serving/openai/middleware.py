@@ -27,14 +27,16 @@ from serving.openai import sse
 from serving.openai.admission import Admission
 from serving.openai.auth import APIKeys
 from serving.openai.errors import GRPC_CODES, APIError
+from serving.openai.router_api import OPEN_ROUTER_PATHS, RENDER_PATHS
 from serving.request_log import RequestLog
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/ui"})
+# What routers poll (router_api.py) is open like /health and /metrics.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/ui"}) | OPEN_ROUTER_PATHS
 DOCS_ASSETS = "/docs/"  # Swagger UI's files: open too, as the page that loads them
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-ROUTES = OPEN_PATHS | GENERATION_PATHS | {"/v1/models", "/tokenize", "/detokenize"}
+ROUTES = OPEN_PATHS | GENERATION_PATHS | RENDER_PATHS | {"/v1/models", "/tokenize", "/detokenize"}
 
 
 class Gate:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel
 
 
 class _Object(BaseModel):
@@ -103,3 +103,48 @@ class DetokenizeResponse(_Object):
 
 class Health(_Object):
     status: Literal["ok"]
+
+
+# --- what routers read (router_api.py) -------------------------------------------------------------
+class Load(_Object):
+    load: int  # requests in the engine (running or waiting)
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+
+
+class ServerLoad(_Object):
+    server_load: int
+
+
+class ServerInfo(_Object):
+    model_id: str
+    model_path: str
+    kv_block_size: int  # tokens per KV page: what a prefix-aware router hashes prompts by
+    max_model_len: int
+    data_parallel_size: int
+    kv_events: bool
+
+
+class KVEventSource(_Object):
+    enable_kv_cache_events: bool
+    publisher: Literal["zmq"]
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    buffer_steps: int
+    hwm: int
+    encoding: Literal["msgpack"]
+    schema_version: int
+
+
+class KVEventSources(RootModel[dict[str, KVEventSource]]):
+    """By data-parallel rank ("0", "1", ...); empty when the server publishes no KV events."""
+
+
+class RenderedPrompt(_Object):
+    token_ids: list[int]
+
+
+class RenderedPrompts(RootModel[list[RenderedPrompt]]):
+    """One per prompt of the request, in order."""

@@ -106,6 +106,29 @@ OPERATIONS = (
     Operation(
         "get", "/metrics", "Prometheus metrics (404 when the server keeps none)", "text/plain", errors=(404,), open=True
     ),
+    # What routers read (router_api.py).
+    Operation("get", "/get_load", "The requests in the engine (a router's load poll)", responses.Load, open=True),
+    Operation("get", "/load", "The requests in the engine, under vLLM's name", responses.ServerLoad, open=True),
+    Operation("get", "/get_server_info", "The model and its KV page size", responses.ServerInfo, open=True),
+    Operation(
+        "get", "/kv_event_sources", "Where KV events are published, by rank", responses.KVEventSources, open=True
+    ),
+    Operation(
+        "post",
+        "/v1/completions/render",
+        "The prompts' token ids, as /v1/completions would compute them",
+        responses.RenderedPrompts,
+        protocol.CompletionRequest,
+        (404,),
+    ),
+    Operation(
+        "post",
+        "/v1/chat/completions/render",
+        "The chat's prompt token ids, as /v1/chat/completions would compute them",
+        responses.RenderedPrompt,
+        protocol.ChatCompletionRequest,
+        (404,),
+    ),
 )
 LORA_OPERATIONS = (
     Operation(

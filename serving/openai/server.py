@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import socket
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -53,6 +54,7 @@ class HttpOptions:
     shutdown_timeout_s: float = 5.0  # what uvicorn waits for open connections once told to stop
     ui: bool = True  # the playground page at /ui
     lora_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter (live LoRA updates)
+    kv_events: Any = None  # the KV events publisher (serving.kv_events) /kv_event_sources names
 
 
 def served_model_name(model_path: object) -> str:
@@ -93,7 +95,7 @@ class HttpServer:
         keys = APIKeys(list(options.api_keys)) if options.api_keys else None
         self.admission = admission
         self.gate = Gate(
-            build_app(ctx, metrics, api_keys=keys is not None, ui=options.ui),
+            build_app(ctx, metrics, api_keys=keys is not None, ui=options.ui, kv_events=options.kv_events),
             admission=admission,
             max_body_bytes=options.max_body_bytes,
             keys=keys,

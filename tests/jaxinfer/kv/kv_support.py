@@ -17,6 +17,7 @@ class Seq:
     num_cached_pages: int = 0
     num_host_hit_tokens: int = 0
     hash_root: bytes | None = None
+    adapter: str | None = None
     swap: object = None  # kv.swap.SwappedKV while preempted with its pages swapped out
     num_pending: int = 0  # trailing tokens not known yet (steps in flight)
     cacheable: int | None = None  # what cacheable_pages answers

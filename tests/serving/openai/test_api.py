@@ -357,6 +357,40 @@ def test_models_health_metrics_tokenize(client, served, grpc_client):
     assert json.loads(body)["count"] == prompt_tokens == len(grpc_client.tokenize(messages=QUESTION))
 
 
+def test_what_routers_read(client, served, grpc_client):
+    """/get_load, /load, /get_server_info, /kv_event_sources (open), the renders (keyed) and the
+    vllm:* metrics, read back against the engine's own counters."""
+    for path, want in (("/get_load", "load"), ("/load", "server_load"), ("/get_server_info", "kv_block_size")):
+        status, _, body = raw_request(served, "GET", path)
+        assert status == 200 and want in json.loads(body)
+    assert json.loads(raw_request(served, "GET", "/get_load")[2])["load"] == 0  # nothing in flight
+    info = json.loads(raw_request(served, "GET", "/get_server_info")[2])
+    assert info["model_id"] == MODEL and info["kv_block_size"] == 16 and info["kv_events"] is False
+    assert json.loads(raw_request(served, "GET", "/kv_event_sources")[2]) == {}  # not publishing
+    status, _, body = raw_request(served, "POST", "/v1/chat/completions/render", {"model": MODEL, "messages": QUESTION})
+    assert status == 401  # the renders take the key like the routes they render for
+    status, _, body = raw_request(
+        served, "POST", "/v1/chat/completions/render", {"model": MODEL, "messages": QUESTION}, key=KEYS[0]
+    )
+    assert status == 200 and json.loads(body)["token_ids"] == grpc_client.tokenize(messages=QUESTION)
+    body = {"model": MODEL, "prompt": ["Hello, world!", "Bye"]}
+    status, _, rendered = raw_request(served, "POST", "/v1/completions/render", body, key=KEYS[0])
+    assert [r["token_ids"] for r in json.loads(rendered)] == [grpc_client.tokenize(p) for p in body["prompt"]]
+    client.completions.create(model=MODEL, prompt="Hello, world!", max_tokens=2)
+    labels = f'engine="0",model_name="{MODEL}"'
+    for ours, theirs in (
+        ("jaxinfer_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+        ("jaxinfer_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+        ("jaxinfer_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+        ("jaxinfer_kv_cache_usage_ratio", "vllm:gpu_cache_usage_perc"),
+        ("jaxinfer_num_requests_running", "vllm:num_requests_running"),
+    ):
+        assert metric(served, theirs, labels) == metric(served, ours), theirs
+    assert metric(served, "vllm:prefix_cache_queries_total", labels) > 0
+    text = raw_request(served, "GET", "/metrics")[2].decode()
+    assert f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",enable_prefix_caching="True",{labels}' in text
+
+
 def test_grpc_beside_http_on_one_engine(client, grpc_client):
     over_grpc = grpc_client.generate("Once upon a time", max_tokens=8, temperature=0, ignore_eos=True, timeout=120)
     over_http = client.completions.create(

@@ -65,9 +65,11 @@ def test_every_route_is_documented(app):
 
 def test_request_bodies_are_the_parsed_models():
     schema = openapi_schema("m")
+    seen = set()  # a body two routes read (a generation route and its render) is checked once
     for op in OPERATIONS:
-        if op.request is None:
+        if op.request is None or op.request in seen:
             continue
+        seen.add(op.request)
         ref = schema["paths"][op.path][op.method]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         own = op.request.model_json_schema(ref_template=REF)
         own.pop("$defs", None)
