@@ -168,6 +168,8 @@ def test_live_load_and_unload_while_a_stream_runs(server, lora_llm):
         stream, started, chunks = stream_in_thread(server, "all", prompt("all"), 190)
         assert started.wait(60)
         wait_for(lambda: metric(http_of(server), "jaxinfer_lora_requests_running", 'adapter="all"') >= 1)
+        text = raw_request(http_of(server), "GET", "/metrics")[2].decode()  # vLLM's name for routers
+        assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="all",waiting_lora_adapters=""}' in text
         for name in ("qv", "rslora"):
             status, text = post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(DIRS[name])})
             assert (status, text) == (200, f"Success: LoRA adapter '{name}' added successfully.")
