@@ -12,4 +12,7 @@ page_table.py     the device's page table, and the entries a plan changes
 kv_pool.py        how many KV pages fit, and the zeroed caches
 kv_calibration.py int8 / fp8 KV scales measured at start-up
 host_memory.py    the CPU's heap kept for the next step's temporaries
+page_copy.py      copy-on-write pages copied before the step that writes them
+kv_host.py        the host tier's bytes: pages out to host memory and back (timed at start-up)
+kv_transfer.py    KV pages pulled from another engine's pool (jax.experimental.transfer)
 """

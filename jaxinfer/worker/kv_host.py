@@ -74,10 +74,10 @@ class HostKV:
         self._shapes = [(*lead, width, *p.shape[-3:]) for p in pages]
         self._staged = [staging(p.sharding, state.local_device) for p in pages]
         self.buffers = [self._shard_buffers(p, s, shape) for p, s, shape in zip(pages, self._staged, self._shapes)]
-        gather, scatter = _gather, _scatter
+        gather, scatter = gather_pages, scatter_pages
         if self.replicas > 1:
-            gather = jax.vmap(_gather, spmd_axis_name="data")
-            scatter = jax.vmap(_scatter, spmd_axis_name="data")
+            gather = jax.vmap(gather_pages, spmd_axis_name="data")
+            scatter = jax.vmap(scatter_pages, spmd_axis_name="data")
         self._gather = jax.jit(gather, out_shardings=tuple(self._staged))
         formats = jax.tree.map(lambda c: c.format, state.kv_caches)
         self._scatter = jax.jit(scatter, donate_argnums=0, out_shardings=formats)
@@ -204,9 +204,11 @@ def _key(index: tuple, shape: tuple) -> tuple:
     return tuple(s.indices(n) for s, n in zip(index, shape))
 
 
-def _gather(caches: tuple[Any, ...], pages: jax.Array) -> tuple[jax.Array, ...]:
+def gather_pages(caches: tuple[Any, ...], pages: jax.Array) -> tuple[jax.Array, ...]:
+    """Pages `pages` of every cache (as stored), one array per cache."""
     return tuple(kv_pages(c)[pages] for c in caches)
 
 
-def _scatter(caches: tuple[Any, ...], pages: jax.Array, values: list[jax.Array]) -> tuple[Any, ...]:
+def scatter_pages(caches: tuple[Any, ...], pages: jax.Array, values: list[jax.Array]) -> tuple[Any, ...]:
+    """The caches with pages `pages` of each set to its values."""
     return tuple(with_kv_pages(c, kv_pages(c).at[pages].set(jnp.asarray(v))) for c, v in zip(caches, values))

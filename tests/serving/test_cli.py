@@ -10,28 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from testpaths import FIXTURES
+from testpaths import TINY_SERVE_ARGS
 
 from serving.grpc.client import Client
 
 JAXINFER = [sys.executable, "-m", "jaxinfer.cli"]
-TINY_ARGS = [
-    "--model",
-    str(FIXTURES / "hf" / "llama3"),
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "256",
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "32",
-    "--token-buckets",
-    "8,32",
-    "--num-pages",
-    "48",
-    "--no-penalties",
-]
+TINY_ARGS = TINY_SERVE_ARGS
 
 
 def read_line(stream, timeout: float) -> str:

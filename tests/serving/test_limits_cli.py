@@ -5,29 +5,13 @@ import json
 
 import pytest
 from openai_support import ServedProcess, raw_request, wait_for
-from testpaths import FIXTURES
+from testpaths import TINY_SERVE_ARGS
 
 from jaxinfer.cli import build_parser
 from serving.cli import _limit_options
 from serving.limits import RateLimits
 
-TINY_ARGS = [
-    "--model",
-    str(FIXTURES / "hf" / "llama3"),
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "256",
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "32",
-    "--token-buckets",
-    "8,32",
-    "--num-pages",
-    "48",
-    "--no-penalties",
-]
+TINY_ARGS = TINY_SERVE_ARGS
 FLAGS = ("--rate-limit-rpm", "--rate-limit-tpm", "--max-concurrent-per-key", "--request-log", "--log-prompts")
 
 

@@ -18,32 +18,11 @@ from pathlib import Path
 
 import pytest
 from openai_support import ServedProcess, metric, wait_for
-from testpaths import FIXTURES
+from testpaths import TINY_SERVE_ARGS
 
 ROUTER_VERSION = "0.1.17"
 PAGE = 16
-MODEL_ARGS = [
-    "--model",
-    str(FIXTURES / "hf" / "llama3"),
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "256",
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "64",
-    "--token-buckets",
-    "8,64",
-    "--num-pages",
-    "64",
-    "--page-size",
-    str(PAGE),
-    "--no-penalties",
-    "--no-grpc",
-    "--http-port",
-    "0",
-]
+MODEL_ARGS = [*TINY_SERVE_ARGS, "--page-size", str(PAGE), "--no-grpc", "--http-port", "0"]
 
 LABELS = 'engine="0",model_name="llama3"'  # as the exposition orders them
 pytestmark = pytest.mark.xdist_group("router")

@@ -30,3 +30,24 @@ SMOLLM2_SMALL_ARGS = [
     for name, value in SMOLLM2_SMALL.items()  # the same, as command-line flags
     for arg in (f"--{name.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, tuple) else str(value))
 ]
+
+
+# `jaxinfer serve` over the random-weight Llama fixture, as the serving tests start it (one
+# configuration: the modules after the first read its step variants from the compilation cache).
+TINY_SERVE_ARGS = [
+    "--model",
+    str(FIXTURES / "hf" / "llama3"),
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "32",
+    "--token-buckets",
+    "8,32",
+    "--num-pages",
+    "48",
+    "--no-penalties",
+]

@@ -1,0 +1,59 @@
+"""KV pages pulled from one engine's pool into another's over jax.experimental.transfer (two
+transfer servers on loopback): the pulled pages are the source's bytes, written where the sink
+asked, padding pages never written over a real one; a pool of another layout is refused by name;
+nothing compiles after warm_up."""
+
+import numpy as np
+import pytest
+from engine_runs import run_requests
+from testpaths import FIXTURES
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.loader import load_model
+from jaxinfer.quant.kv_cache import kv_pages
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.worker.kv_transfer import KVTransfer
+
+CONFIG = dict(
+    max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), page_size=4, num_pages=16
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(FIXTURES / "hf" / "llama3", dtype="float32", with_tokenizer=False)
+
+
+def _pages(engine, ids):
+    return [np.asarray(kv_pages(c))[ids] for c in engine.worker.state.kv_caches]
+
+
+def test_pulled_pages_are_the_sources_bytes(model):
+    source = Engine(model, EngineConfig(**CONFIG, penalties=False), warm_up=False)
+    sink = Engine(model, EngineConfig(**CONFIG, penalties=False), warm_up=False)
+    run_requests(source, [(list(range(1, 20)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))])
+    give, take = KVTransfer(source.worker.state), KVTransfer(sink.worker.state)
+    take.warm_up()
+    compiled = take._gather._cache_size() + take._scatter._cache_size()
+    pages = [1, 2, 3, 4, 5]  # the prompt's pages (written); a transfer of width 8
+    ticket = give.offer(11, pages)
+    assert ticket["width"] == 8 and ticket["num_pages"] == 5 and ticket["address"] == give.address
+    before = _pages(sink, [0, 9])
+    take.pull(ticket, [12, 3, 7, 9, 10])
+    for want, got in zip(_pages(source, pages), _pages(sink, [12, 3, 7, 9, 10])):
+        np.testing.assert_array_equal(got, want)
+        assert np.abs(want).sum() > 0  # real KV, not zeros
+    np.testing.assert_array_equal(_pages(sink, [0])[0], before[0][:1])  # the null page: padding only
+    assert take._gather._cache_size() + take._scatter._cache_size() == compiled
+    give.release(11)
+
+
+def test_a_pool_of_another_layout_is_refused(model):
+    source = Engine(model, EngineConfig(**CONFIG, penalties=False), warm_up=False)
+    other = Engine(model, EngineConfig(**{**CONFIG, "page_size": 8}, penalties=False), warm_up=False)
+    ticket = KVTransfer(source.worker.state).offer(3, [1])
+    with pytest.raises(ValueError, match=r"KV transfer: the source's pages .*'page': \[4, .* not this pool's .*\[8,"):
+        KVTransfer(other.worker.state).pull(ticket, [1])
+    with pytest.raises(ValueError, match="KV transfer of 1 pages into 2 pages"):
+        KVTransfer(source.worker.state).pull(ticket, [1, 2])
