@@ -25,14 +25,21 @@ def model():
     return load_model(FIXTURES / "hf" / "llama3", dtype="float32", with_tokenizer=False)
 
 
+@pytest.fixture(scope="module")
+def engines(model):
+    """Two engines of one layout (the source's pool written by a prompt), and one of another."""
+    source, sink = (Engine(model, EngineConfig(**CONFIG, penalties=False), warm_up=False) for _ in range(2))
+    run_requests(source, [(list(range(1, 20)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))])
+    other = Engine(model, EngineConfig(**{**CONFIG, "page_size": 8}, penalties=False), warm_up=False)
+    return source, sink, other
+
+
 def _pages(engine, ids):
     return [np.asarray(kv_pages(c))[ids] for c in engine.worker.state.kv_caches]
 
 
-def test_pulled_pages_are_the_sources_bytes(model):
-    source = Engine(model, EngineConfig(**CONFIG, penalties=False), warm_up=False)
-    sink = Engine(model, EngineConfig(**CONFIG, penalties=False), warm_up=False)
-    run_requests(source, [(list(range(1, 20)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))])
+def test_pulled_pages_are_the_sources_bytes(engines):
+    source, sink, _ = engines
     give, take = KVTransfer(source.worker.state), KVTransfer(sink.worker.state)
     take.warm_up()
     compiled = take._gather._cache_size() + take._scatter._cache_size()
@@ -49,9 +56,8 @@ def test_pulled_pages_are_the_sources_bytes(model):
     give.release(11)
 
 
-def test_a_pool_of_another_layout_is_refused(model):
-    source = Engine(model, EngineConfig(**CONFIG, penalties=False), warm_up=False)
-    other = Engine(model, EngineConfig(**{**CONFIG, "page_size": 8}, penalties=False), warm_up=False)
+def test_a_pool_of_another_layout_is_refused(engines):
+    source, _, other = engines
     ticket = KVTransfer(source.worker.state).offer(3, [1])
     with pytest.raises(ValueError, match=r"KV transfer: the source's pages .*'page': \[4, .* not this pool's .*\[8,"):
         KVTransfer(other.worker.state).pull(ticket, [1])

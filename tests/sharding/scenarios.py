@@ -257,7 +257,7 @@ def scenario_multihost(process_id: str, port: str, mesh: str, model: str = "", o
         num_pages=12 if float(offload_gb) else ENGINE["num_pages"],  # evictions go to the host tier
         enable_prompt_logprobs=True,
     )
-    chosen = slice(8, 16) if float(offload_gb) else slice(0, 8)  # the long ones overflow the pool
+    chosen = slice(8, 12) if float(offload_gb) else slice(0, 8)  # long ones, overflowing 12 pages
     prompts, outputs = GENERATE["prompts"][chosen], GENERATE["outputs"][chosen]
     params = SamplingParams(temperature=0, max_tokens=GENERATE["max_new_tokens"], ignore_eos=True)
     first = llm.generate(prompts, params, use_tqdm=False)

@@ -1,7 +1,8 @@
 """Two processes on loopback (jax.distributed over 127.0.0.1) run one engine together: process 0
 schedules and broadcasts each step, and its tokens equal the single-process run's (which the
-llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it), the KV
-host tier included (each process offloads and loads its own shards of the pages)."""
+llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it). With the
+heads split across the processes, each restores its own shards of an orbax checkpoint and keeps
+its own shards of the KV host tier's pages."""
 
 import numpy as np
 import pytest
@@ -13,9 +14,12 @@ from jaxinfer.convert import convert
 @pytest.mark.parametrize(
     "mesh,devices", [("tensor=2", 1), ("data=2,tensor=2", 2)], ids=["tensor2-across-hosts", "data2xtensor2"]
 )
-def test_two_processes_match_one(processes, port, mesh, devices):
-    # With the KV host tier (0.01 GiB): each process keeps its own shards of the pages.
-    args = [["multihost", str(i), str(port), mesh, "", "0.01"] for i in range(2)]
+def test_two_processes_match_one(processes, port, mesh, devices, tmp_path):
+    model, offload = "", "0"
+    if mesh == "tensor=2":  # from an orbax checkpoint, with the KV host tier
+        model, offload = str(tmp_path / "ckpt"), "0.01"
+        convert(FIXTURES / "hf" / "llama3", model, dtype="float32", progress=False)
+    args = [["multihost", str(i), str(port), mesh, model, offload] for i in range(2)]
     leader, follower = processes(args, devices=devices)
     assert (leader["process"], follower["process"]) == (0, 1)
     assert leader["processes"] == 2 and leader["devices"] == 2 * devices
@@ -27,15 +31,6 @@ def test_two_processes_match_one(processes, port, mesh, devices):
     expected = logits[np.arange(63), ids[1:]] - np.log(np.exp(logits[:63]).sum(-1))  # HF's log_softmax
     np.testing.assert_allclose(leader["prompt_logprobs"], expected, atol=1e-4)
     assert follower["prompt_logprobs"] == []
-    assert leader["host_hits"] > 0 and leader["pools_empty"]  # the second call's prompts: from host pages
-
-
-def test_two_processes_restore_an_orbax_checkpoint(processes, port, tmp_path):
-    """Each process restores its own shards of a converted checkpoint; the outputs are the
-    single-process run's."""
-    convert(FIXTURES / "hf" / "llama3", tmp_path / "ckpt", dtype="float32", progress=False)
-    leader, follower = processes(
-        [["multihost", str(i), str(port), "tensor=2", str(tmp_path / "ckpt")] for i in range(2)], devices=1
-    )
-    assert leader["outputs"] == leader["expected"]
-    assert follower["outputs"] == []
+    assert leader["pools_empty"]
+    if offload != "0":  # the second call's prompts came back from host pages, loaded by both processes
+        assert leader["host_hits"] > 0
