@@ -87,7 +87,7 @@ class StepMetrics(Protocol):
 
     def on_tokens(self, count: int, now: float | None = None) -> None: ...
     def on_finished(self, out: RequestOutput) -> None: ...
-    def on_step(self, engine: Engine) -> None: ...
+    def on_step(self, engine: Engine, stats: dict | None = None) -> None: ...
 
 
 class EngineLoop:
@@ -229,10 +229,10 @@ class EngineLoop:
             if to is not None and not self._deliver(out.request_id, out, to):
                 self._sinks.pop(out.request_id, None)
                 self._safe_abort(out.request_id)
+        self.last_stats = self.engine.stats()  # once a step: the metrics' and what routers poll
         if self.metrics is not None:
             self.metrics.on_tokens(new_tokens, now)
-            self.metrics.on_step(self.engine)
-        self.last_stats = self.engine.stats()
+            self.metrics.on_step(self.engine, self.last_stats)
         for observe in self.observers:
             try:
                 observe(self.engine)

@@ -179,8 +179,9 @@ class ServerMetrics:
             self.itl.observe(gap)
         self.prompt_tokens.inc(out.usage.prompt_tokens)
 
-    def on_step(self, engine: Engine) -> None:
-        stats = engine.stats()
+    def on_step(self, engine: Engine, stats: dict | None = None) -> None:
+        """`stats`: engine.stats() after the step, when the caller has it already."""
+        stats = engine.stats() if stats is None else stats
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])

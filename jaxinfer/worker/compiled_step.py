@@ -117,7 +117,6 @@ class CompiledStep:
         self.greedy_buckets = decode_sized if greedy else ()
         self.greedy_steps = self.num_decode_steps
         self.launcher = Launcher(dispatch_thread_enabled(engine.compile.dispatch_thread))
-        self.token_seconds = 0.0  # measured at warm-up: a full bucket's seconds per token
 
     def prepare(
         self, plan: SchedulerPlan | list[SchedulerPlan], previous: list[SchedulerPlan] | None = None, masks: bool = True
@@ -278,12 +277,15 @@ class CompiledStep:
         for t_bucket in self.split_buckets:
             inputs = self.padding_inputs(t_bucket, False)
             self.fetch(self.dispatch_sample(self.dispatch_forward(inputs), inputs))
-        timed = time.perf_counter()  # a full bucket's cost per token: what recomputing costs (kv/swap.py)
-        self.execute(self.padding_inputs(self.buckets[-1], False))
-        self.token_seconds = (time.perf_counter() - timed) / self.buckets[-1]
         elapsed = time.perf_counter() - start
         logger.info("compiled %d step variants in %.1fs", self.num_compiled(), elapsed)
         return elapsed
+
+    def token_seconds(self) -> float:
+        """A full bucket's seconds per token, run once (compiled already): what recomputing costs."""
+        start = time.perf_counter()
+        self.execute(self.padding_inputs(self.buckets[-1], False))
+        return (time.perf_counter() - start) / self.buckets[-1]
 
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""

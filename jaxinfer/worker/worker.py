@@ -180,8 +180,8 @@ class Worker:
         start = time.perf_counter()
         self.copier.num_compiled()
         seconds = self.step.warm_up() + time.perf_counter() - start
-        if self.swap_cost is not None:
-            self.swap_cost.token_s = self.step.token_seconds
+        if self.swap_cost is not None:  # timed only where a host tier can swap
+            self.swap_cost.token_s = self.step.token_seconds()
         return seconds
 
     @property
