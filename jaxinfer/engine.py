@@ -9,11 +9,10 @@
         scheduler.resolve(plan, out.tokens)       # append tokens, stop on eos / stop ids / strings / length
         outputs.on_token / outputs.delta          # the OutputProcessor's: logprobs, text -> RequestOutput deltas
 
-Bad requests raise ValueError at add_request; every other request is left untouched.
-
-Data parallelism (a mesh with data=N): N replicas, each with its own KVCacheManager and
-Scheduler; a new request goes to the replica with the least outstanding work (prompt + max_tokens
-of its unfinished requests); each step schedules every replica, all N plans in one jitted call.
+Bad requests raise ValueError at add_request; the others are untouched. Disaggregated
+prefill/decode (kv_transfer_params): worker/disagg.py. Data parallelism (data=N): N replicas,
+each its own KVCacheManager and Scheduler; a request goes to the one with the least outstanding
+work (prompt + max_tokens of its unfinished requests); a step plans all N, one jitted call.
 Several hosts: only process 0 schedules; its worker broadcasts each step's padded inputs
 (sharding.StepChannel) to the other processes, whose workers run the same steps in `follow()`."""
 
@@ -26,6 +25,7 @@ from collections.abc import Iterator
 import jax
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.core.kv_transfer_params import parse_kv_transfer_params
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.prompts import tokenize_prompt
 from jaxinfer.core.replica import Replica, replica_stats
@@ -43,6 +43,7 @@ from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.spec_decode import build_speculator
 from jaxinfer.structured import GrammarBackend, grammar_for
 from jaxinfer.tokenizer.reasoning import reasoning_parser
+from jaxinfer.worker.disagg import Disaggregation
 from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.warm_up import enable_compilation_cache
 from jaxinfer.worker.worker import StepHandle, Worker
@@ -67,8 +68,7 @@ class Engine:
             Replica.build(r, pool, config.scheduler, self.max_model_len, eos, stops, slots)
             for r in range(self.worker.num_replicas)
         ]
-        # Replica 0 (the only one without data parallelism).
-        self.kv_cache, self.scheduler = self.replicas[0].kv_cache, self.replicas[0].scheduler
+        self.kv_cache, self.scheduler = self.replicas[0].kv_cache, self.replicas[0].scheduler  # replica 0's
         self.is_leader = is_leader()
         self.limits = self._request_limits()  # what a request is checked against, once (core/requests.py)
         parser = reasoning_parser(config.load.reasoning_parser)  # structured output: llguidance
@@ -80,13 +80,15 @@ class Engine:
         self.num_preemptions = 0
         self.speculator = build_speculator(config, model, self.worker, self.max_model_len)  # None: off
         self.num_scheduled_tokens = 0  # tokens computed by steps so far (prefix hits excluded)
+        self.disagg = Disaggregation(self.worker.state, config.kv_transfer, self.scheduler)  # P/D
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up()
 
     def warm_up(self) -> None:
         """Compiles every step variant now (else each compiles when first needed)."""
-        self.warm_up_seconds += self.worker.warm_up() + (self.speculator.warm_up() if self.speculator else 0.0)
+        self.warm_up_seconds += self.worker.warm_up() + self.disagg.warm_up()
+        self.warm_up_seconds += self.speculator.warm_up() if self.speculator else 0.0
 
     def _request_limits(self) -> RequestLimits:
         sched, compiled, eos = self.config.scheduler, self.config.compile, self.scheduler.eos_token_ids
@@ -105,6 +107,7 @@ class Engine:
             no_beam_search="it runs on several hosts" if is_multiprocess() else no_beam,
             kv_windows=self.worker.kv_layout.windows,
             max_chunk=self.worker.max_batched_tokens,
+            kv_role=self.config.kv_transfer.role,
         )
 
     # --- requests -------------------------------------------------------------------------------
@@ -117,54 +120,51 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> str:
-        """Queues a request (text, token ids, or a CheckedRequest, which carries its own params
-        and priority and is not checked again); returns its id. ValueError on bad input, a bad
-        or unknown LoRA adapter included (`lora_request`: the adapter it runs under)."""
+        """Queues a request (text, token ids, or a CheckedRequest: not checked again); its id.
+        ValueError on bad input, a bad or unknown LoRA adapter (`lora_request`) included.
+        `kv_transfer_params`: disaggregated prefill/decode (core/kv_transfer_params.py)."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        checked = (
-            prompt if isinstance(prompt, CheckedRequest) else self.check_request(prompt, params, priority=priority)
-        )
+        if not isinstance(prompt, CheckedRequest):
+            prompt = self.check_request(prompt, params, priority=priority, kv_transfer_params=kv_transfer_params)
+        checked = prompt
         ids, params = checked.prompt_token_ids, checked.params
         replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].load)
         grammar = grammar_for(self.grammars, params)
         adapter = lora_entry(self.lora, request_id, lora_request or checked.lora)
+        name, root = (adapter.name, adapter.hash_root) if adapter else (None, None)
         seqs = self.replicas[replica].scheduler.add_request(
-            request_id,
-            ids,
-            params,
-            priority=checked.priority,
-            adapter=adapter.name if adapter else None,
-            hash_root=adapter.hash_root if adapter else None,
-            beam=checked.beam,
+            request_id, ids, params, priority=checked.priority, adapter=name, hash_root=root, beam=checked.beam
         )
         if grammar is not None:
             for seq in seqs:
                 seq.grammar = grammar.matcher()
+        self.disagg.on_request(request_id, checked, seqs, name)
         cost = (len(ids) + params.max_tokens) * params.n
         self.replicas[replica].load += cost
+        metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self._requests[request_id] = self.outputs.new_request(
-            request_id,
-            checked.prompt,
-            ids,
-            params,
-            seqs,
-            RequestMetrics(arrival_time=arrival_time or time.monotonic()),
-            replica=replica,
-            cost=cost,
+            request_id, checked.prompt, ids, params, seqs, metrics, replica=replica, cost=cost
         )
         return request_id
 
     def check_request(
-        self, prompt: str | list[int], params: SamplingParams | BeamSearchParams | None = None, *, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams | None = None,
+        *,
+        priority: int = 0,
+        kv_transfer_params: dict | None = None,
     ) -> CheckedRequest:
         """The request tokenized and checked once (core/requests.py), its grammar compiled,
         without queueing anything: RequestError (a ValueError) naming the problem."""
         params = SamplingParams() if params is None else params
         text, ids = tokenize_prompt(prompt, self.tokenizer)
-        checked = check_request(ids, params, self.limits, prompt=text, priority=priority)
+        kv = parse_kv_transfer_params(kv_transfer_params)
+        checked = check_request(ids, params, self.limits, prompt=text, priority=priority, kv_transfer=kv)
         grammar_for(self.grammars, checked.params)
         return checked
 
@@ -183,18 +183,16 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launches one jitted step; returns the deltas of the requests that advanced or ended.
-
-        With async scheduling (the default) the step is launched before the previous one's
-        tokens are fetched, and the deltas returned are the previous step's. Rows with penalties
-        need every earlier token on the host, so the previous step lands first; rows with a
-        grammar need their mask to follow the token before: either the same, or (the worker's
-        split step) the mask is filled after the landing, while this step's forward runs."""
+        With async scheduling (the default) it launches before the previous step's tokens are
+        fetched, and returns the previous step's deltas (unless that one must land first: _landing;
+        grammar rows' masks may be filled after it lands, while this step's forward runs)."""
         outputs, self._pending = self._pending, []
         previous, self._flight = self._flight, None
         landing = self._landing(previous) if previous is not None else None
         if landing == "first" and previous is not None:  # landing is None without a previous step
             outputs += self._land(previous)
             previous = None
+        self.disagg.before_step(self._requests)  # KV pages pulled from other engines written
         if self.speculator is not None:  # drafts of the sequences that speculate (spec_decode/)
             self.speculator.propose(self.scheduler)
         plans = [replica.scheduler.schedule(self.worker.num_decode_steps) for replica in self.replicas]
@@ -284,6 +282,7 @@ class Engine:
     def _delta(self, state: RequestState, now: float) -> RequestOutput:
         out = self.outputs.delta(state, now)
         if out.finished:
+            out.kv_transfer_params = self.disagg.on_finished(state)
             if self.lora is not None:
                 self.lora.request_finished(state.request_id)
             del self._requests[state.request_id]
@@ -296,5 +295,6 @@ class Engine:
             **replica_stats(self.replicas, self.lora),
             "preemptions": self.num_preemptions,
             "compiled_variants": self.worker.num_compiled(),
+            **self.disagg.stats(),  # disaggregated prefill/decode
             **(self.speculator.stats() if self.speculator is not None else {}),
         }

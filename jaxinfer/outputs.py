@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -109,6 +110,9 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # predicts it); in the first output (delta) once the prompt is computed, else None.
     prompt_logprobs: list[Logprob | None] | None = None
+    # Disaggregated prefill/decode: what a decode server needs to pull this prefill's KV pages
+    # (in the final output of a request sent with kv_transfer_params {do_remote_decode: true}).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def merge(self, delta: RequestOutput) -> None:
         """Appends a streamed delta of the same request to this accumulated output."""
@@ -121,6 +125,8 @@ class RequestOutput:
         self.finished, self.usage, self.metrics = delta.finished, delta.usage, delta.metrics
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.kv_transfer_params is not None:
+            self.kv_transfer_params = delta.kv_transfer_params
 
 
 @dataclasses.dataclass

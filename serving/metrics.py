@@ -34,6 +34,7 @@ class ServerMetrics:
         self._define_engine_state(self.registry)
         self._define_spec_decode(self.registry)
         self._define_lora(self.registry)
+        self._define_kv_transfer(self.registry)
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._seen = {
             "preemptions": 0,
@@ -43,8 +44,10 @@ class ServerMetrics:
             "swapped": 0,
             "lora_loads": 0,
             **dict.fromkeys(self.spec_counters, 0),
+            **dict.fromkeys(self.transfer_counters, 0),
         }
         self._http: Any = None  # prometheus_client's WSGI server once serve() started one
+        self._held_read = False
 
     def _define_lora(self, r: prom.CollectorRegistry) -> None:
         """LoRA adapters (when the engine serves them): sequences per adapter, adapters known and
@@ -116,6 +119,23 @@ class ServerMetrics:
             "jaxinfer_generation_tokens_per_second",
             f"generated tokens per second over the last {_THROUGHPUT_WINDOW_S:g} s",
             registry=r,
+        )
+
+    def _define_kv_transfer(self, r: prom.CollectorRegistry) -> None:
+        """Disaggregated prefill/decode: KV pages offered to and pulled from other servers."""
+        self.transfer_counters = {
+            f"kv_transfer_{name}": prom.Counter(f"jaxinfer_kv_transfer_{name}", doc, registry=r)
+            for name, doc in (
+                ("pulls", "prompts whose KV pages this server pulled from a prefill server"),
+                ("pages_pulled", "KV pages pulled from prefill servers"),
+                ("recomputed", "prompts whose KV pages did not come (computed here instead)"),
+                ("offers", "prompts computed here whose KV pages were held for a decode server"),
+                ("pages_offered", "KV pages held for decode servers"),
+                ("offers_expired", "held KV pages no decode server pulled in time"),
+            )
+        }
+        self.transfer_held = prom.Gauge(
+            "jaxinfer_kv_transfer_offers_held", "prompts' KV pages held for a decode server now", registry=r
         )
 
     def _define_engine_state(self, r: prom.CollectorRegistry) -> None:
@@ -207,6 +227,12 @@ class ServerMetrics:
             self.spec_mean_length.set(stats["spec_mean_accepted_length"])
         if "lora_running" in stats:
             self._on_lora(stats)
+        for key, counter in self.transfer_counters.items():
+            counter.inc(max(0, stats.get(key, 0) - self._seen[key]))
+            self._seen[key] = stats.get(key, 0)
+        if not self._held_read:  # read at each scrape: offers end between steps (pulled, expired)
+            self.transfer_held.set_function(lambda: engine.disagg.stats()["kv_transfer_offers_held"])
+            self._held_read = True
         self.vllm.on_step(engine, stats)
 
     # --- HTTP -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ max_request_tokens, which optional features the engine compiled) and its structu
     check_request(ids, params, limits)    per request, on a worker thread: the CheckedRequest the
                                           engine loop queues as it is (structured-output specs
                                           compile here, so the engine thread never waits on one)
+    with_kv_transfer(checked, kv, limits) its kv_transfer_params (disaggregated prefill/decode)
 
 Errors are RequestErrors whose message starts with the field (`sampling.max_tokens=600: ...`,
 `prompt of 600 tokens ...`); each transport renames the field to its own (the gRPC request's
@@ -16,9 +17,10 @@ transports share it.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.core import requests as core
+from jaxinfer.core.kv_transfer_params import parse_kv_transfer_params
 from jaxinfer.core.requests import CheckedRequest, RequestLimits
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.structured import GrammarBackend
@@ -48,6 +50,7 @@ class ModelLimits:
     no_beam_search: str | None = None
     kv_windows: tuple[int | None, ...] = (None,)  # the KV pool's layer groups (RequestLimits)
     max_chunk: int = 1
+    kv_role: str = "both"  # disaggregated prefill/decode: the side(s) this server takes
 
     @classmethod
     def of(cls, engine: Engine) -> ModelLimits:
@@ -68,6 +71,7 @@ class ModelLimits:
             no_beam_search=r.no_beam_search,
             kv_windows=r.kv_windows,
             max_chunk=r.max_chunk,
+            kv_role=r.kv_role,
         )
 
     @property
@@ -87,6 +91,7 @@ class ModelLimits:
             no_beam_search=self.no_beam_search,
             kv_windows=self.kv_windows,
             max_chunk=self.max_chunk,
+            kv_role=self.kv_role,
         )
 
 
@@ -102,6 +107,19 @@ def check_request(
         raise RequestError(_on_the_wire(e, prompt_field)) from None
     _check_structured(params, limits)
     return checked
+
+
+def with_kv_transfer(checked: CheckedRequest, kv_transfer_params: Any, limits: ModelLimits) -> CheckedRequest:
+    """The request with its kv_transfer_params (disaggregated prefill/decode) read and checked
+    against this server's kv_role: RequestError naming the field (`kv_transfer_params.widths=...`)."""
+    try:
+        kv = parse_kv_transfer_params(kv_transfer_params)
+        if kv is None:
+            return checked
+        core.check_kv_transfer(kv, checked.params, checked.beam, limits.requests)
+    except core.RequestError as e:
+        raise RequestError(str(e)) from None
+    return dataclasses.replace(checked, kv_transfer=kv)
 
 
 def check_params(params: SamplingParams, limits: ModelLimits, num_prompt_tokens: int) -> None:

@@ -7,6 +7,7 @@ scheduler.py    SchedulerConfig: step budget, context length, per-request limits
 compile.py      CompileConfig: step variants, launch, compilation cache
 parallel.py     ParallelConfig: device mesh and hosts
 lora.py         LoraConfig: LoRA adapters -- device slots, rank, host cache, adapters named at start-up
+kv_transfer.py  KVTransferConfig: the engine's role in disaggregated prefill/decode, where it offers pages
 speculative.py  SpeculativeConfig: speculative decoding's method and sizes
 checks.py       the groups' shared checks
 model.py        ModelConfig, read from an HF config.json or GGUF metadata
@@ -18,6 +19,7 @@ errors.py       ConfigError
 from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.compile import CompileConfig
 from jaxinfer.config.engine import EngineConfig
+from jaxinfer.config.kv_transfer import KVTransferConfig
 from jaxinfer.config.load import LoadConfig
 from jaxinfer.config.lora import LoraConfig, LoraModule
 from jaxinfer.config.model import ConfigError, ModelConfig
@@ -31,6 +33,7 @@ __all__ = [
     "CompileConfig",
     "ConfigError",
     "EngineConfig",
+    "KVTransferConfig",
     "LoadConfig",
     "LoraConfig",
     "LoraModule",

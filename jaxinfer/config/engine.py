@@ -3,8 +3,8 @@
     EngineConfig(max_num_seqs=32, page_size=16, mesh="tensor=4")  # any option of any group
     config.scheduler.max_num_seqs, config.cache.page_size, config.parallel.mesh
 
-Each group (load.py, cache.py, scheduler.py, compile.py, parallel.py, lora.py) declares its options once,
-as fields carrying their help text, choices and command-line form (jaxinfer/options.py); the
+Each group (load.py, cache.py, scheduler.py, compile.py, parallel.py, lora.py, kv_transfer.py)
+declares its options once, as fields carrying their help text, choices and command-line form (jaxinfer/options.py); the
 option names are unique across groups, so `EngineConfig(**options)`, `LLM(**options)` and the
 command line's flags all take the same flat names and are generated from the same fields
 (`EngineConfig.declared()`). Each group validates its own fields when built; what spans groups is
@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.compile import CompileConfig
+from jaxinfer.config.kv_transfer import KVTransferConfig
 from jaxinfer.config.load import LoadConfig
 from jaxinfer.config.lora import LoraConfig
 from jaxinfer.config.parallel import ParallelConfig
@@ -26,13 +27,14 @@ from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.options import JSON, Declared, declared, option
 
-GROUPS: dict[str, type[LoadConfig | CacheConfig | SchedulerConfig | CompileConfig | ParallelConfig | LoraConfig]] = {
+GROUPS: dict[str, Any] = {  # the group classes, each with a TITLE
     "load": LoadConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "compile": CompileConfig,
     "parallel": ParallelConfig,
     "lora": LoraConfig,
+    "kv_transfer": KVTransferConfig,
 }
 SPECULATIVE_TITLE = "speculative decoding"
 
@@ -45,6 +47,7 @@ class EngineConfig:
     compile: CompileConfig
     parallel: ParallelConfig
     lora: LoraConfig
+    kv_transfer: KVTransferConfig
     # Speculative decoding (config/speculative.py): a dict such as {"method": "ngram",
     # "num_speculative_tokens": 4}, its JSON text, or a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | None = option(

@@ -143,7 +143,10 @@ class RequestQueue:
             self.release_slot(seq)
         else:
             self._dequeue(seq)
-        self.kv_cache.free(seq)
+        if seq.keep_kv and status is not SequenceStatus.FINISHED_ABORTED:  # for another engine's pull
+            seq.kept = self.kv_cache.detach(seq)  # freed once gathered (worker/kv_connector.py)
+        else:
+            self.kv_cache.free(seq)
         if seq.num_pending:  # tokens of steps in flight past the end: overrun, never emitted
             del seq.token_ids[-seq.num_pending :]
             seq.num_pending = 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from jaxinfer.kv import group_for
 from jaxinfer.lora.request import LoRARequest
@@ -62,6 +63,7 @@ class RequestLimits:
     # tokens one step computes of a sequence: the pages a request holds at most
     kv_windows: tuple[int | None, ...] = (None,)
     max_chunk: int = 1
+    kv_role: str = "both"  # disaggregated prefill/decode: which side this engine takes (or both)
 
     def pages_held(self, num_tokens: int) -> int:
         """The most KV pages a sequence of `num_tokens` tokens holds over the layer groups."""
@@ -91,6 +93,7 @@ class CheckedRequest:
     priority: int = 0
     lora: LoRARequest | None = None  # the LoRA adapter it runs under (None: the base model)
     beam: BeamSearchParams | None = None  # a beam search (params: how each beam's step samples)
+    kv_transfer: Any = None  # a kv_transfer_params.KVTransferRequest: disaggregated prefill/decode
 
 
 def check_request(
@@ -100,6 +103,7 @@ def check_request(
     *,
     prompt: str | None = None,
     priority: int = 0,
+    kv_transfer: Any = None,
 ) -> CheckedRequest:
     """Every check a request must pass before it is queued (RequestError naming the field); a
     beam search (BeamSearchParams) is checked as the SamplingParams each beam's step samples with."""
@@ -113,7 +117,21 @@ def check_request(
     check_params(params, limits)
     ids = check_prompt_ids(prompt_token_ids, limits.vocab_size)
     check_lengths(len(ids), params, limits)
-    return CheckedRequest(ids, params, prompt, priority, beam=beam)
+    if kv_transfer is not None:
+        check_kv_transfer(kv_transfer, params, beam, limits)
+    return CheckedRequest(ids, params, prompt, priority, beam=beam, kv_transfer=kv_transfer)
+
+
+def check_kv_transfer(kv: Any, params: SamplingParams, beam: BeamSearchParams | None, limits: RequestLimits) -> None:
+    """A disaggregated prefill/decode request this engine's role takes."""
+    wanted = {"produce": ("prefill", "do_remote_decode"), "consume": ("decode", "do_remote_prefill")}[kv.kind]
+    if limits.kv_role not in ("both", wanted[0]):
+        raise RequestError(
+            "kv_transfer_params",
+            f"kv_transfer_params.{wanted[1]}=true: this {limits.owner}'s kv_role is {limits.kv_role}, not {wanted[0]}",
+        )
+    if beam is not None or params.prompt_logprobs is not None:
+        raise RequestError("kv_transfer_params", "kv_transfer_params: not with beam search or prompt_logprobs")
 
 
 def check_beam(beam: BeamSearchParams, limits: RequestLimits) -> SamplingParams:

@@ -11,8 +11,9 @@ those behind it when its pages do not fit, and nothing is admitted in a step tha
 preempt. A sequence under a LoRA adapter also takes a device slot for it (RequestQueue
 .acquire_slot, given back when it finishes or is preempted); one whose adapter finds every slot
 in use waits without holding up those behind it. Siblings of an n > 1 request queue as
-admission.py lets them. Requests that can never run never get here: the engine checks each one
-once (core/requests.py) before queueing it.
+admission.py lets them; one whose prompt's pages are being pulled from another engine
+(disaggregated prefill/decode) waits the same way. Requests that can never run never get here:
+the engine checks each one once (core/requests.py) before queueing it.
 
 Pages come from the KV cache manager (jaxinfer.kv), the scheduler's only view of them: reserved
 for exactly the tokens a step computes, cached once computed, freed at the end. When none is
@@ -100,7 +101,7 @@ class Scheduler(RequestQueue):
         i = 0
         while step.budget > 0 and len(self.running) < self.max_num_seqs and i < len(self.waiting):
             seq = self.waiting[i]
-            if not self._has_seats(seq) or not self.acquire_slot(seq):
+            if seq.pulling or not self._has_seats(seq) or not self.acquire_slot(seq):  # pulling: P/D
                 i += 1
                 continue
             if not self._admit(seq, i, step):

@@ -110,6 +110,11 @@ class Sequence:
         self.num_cached_pages = 0  # leading pages registered in the prefix cache
         self.num_host_hit_tokens = 0  # of its last admission's prefix hit, tokens from the host tier
         self.swap: Any = None  # a kv.swap.SwappedKV: its pages in the host tier while preempted
+        # Disaggregated prefill/decode (worker/disagg.py): keep its pages for another engine's pull
+        # when it finishes (`kept`: its tables, handed over), or wait while its prompt's pages are
+        # pulled from one (`pulling`), held until admission (`received`: a kv.prefix.ReceivedKV).
+        self.keep_kv, self.pulling, self.received = False, False, None
+        self.kept: list[list[int]] | None = None
         # LoRA: the adapter it runs under (None: the base model), what its page hashes chain from
         # (the adapter's own root: no page is shared across adapters), and its device slot while
         # it runs (0: none; the scheduler acquires and releases it, jaxinfer/lora/slots.py).

@@ -19,6 +19,8 @@ fields: `pages` (group 0's page table), `group_pages` (the tables of groups 1 ..
                 preempt(seq)                       free(seq), its uncached pages first swapped to
                                                   the host tier where `swap_cost` says that beats
                                                   recomputing them (swap.py)
+    P/D         detach(seq) / free_tables(tables)  a prefill's pages held for another engine's pull
+                receive(seq, pattern, n)           pages for KV pulled from another engine (prefix.py)
 
 Several groups (a model mixing full and sliding-window layers, config/kv_layout.py): every call
 acts on each group's table, a step's pages fit only if every group's do, and a prefix hit is the
@@ -34,9 +36,8 @@ page, and the pair (shared page, fresh page) is queued: `take_page_copies()` han
 the step, which must copy each page before any of its KV writes (steps run in order on the
 device, so a page freed meanwhile is overwritten only after the copy read it).
 
-Seams for later tiers: the pool's `on_evict(page, hash)` hears of each cached page before it is
-reused (a host-memory tier can copy it out first), and `take_events()` drains the BlockStored /
-BlockRemoved / AllBlocksCleared events (events.py) for routers.
+The host tier hears of each cached page the pool evicts (`on_evict`); `take_events()` drains the
+BlockStored / BlockRemoved / AllBlocksCleared events (events.py) for routers.
 """
 
 from __future__ import annotations
@@ -47,17 +48,19 @@ from jaxinfer.kv.events import KVEvent
 from jaxinfer.kv.groups import FullAttention, KVCacheGroup
 from jaxinfer.kv.host_tier import HostTier, Transfers
 from jaxinfer.kv.page_pool import NULL_PAGE, EvictListener, PagePool
-from jaxinfer.kv.prefix import NO_PREFIX, ComputedPrefix, KVSequence, longest_prefix, take_prefix
-from jaxinfer.kv.prefix_cache import HashFn, hash_page
-from jaxinfer.kv.swap import SwapCost, drop_swap, swap_out, with_swap
-from jaxinfer.kv.tables import (
-    cache_released,
-    num_freed_by,
-    release,
-    shared_write_page,
-    skipped_range,
-    untouched,
+from jaxinfer.kv.prefix import (
+    NO_PREFIX,
+    ComputedPrefix,
+    KVSequence,
+    ReceivedKV,
+    longest_prefix,
+    receive_pages,
+    received_prefix,
+    take_prefix,
 )
+from jaxinfer.kv.prefix_cache import HashFn, hash_page
+from jaxinfer.kv.swap import SwapCost, drop_swap, swap_if_cheaper, with_swap
+from jaxinfer.kv.tables import cache_released, num_freed_by, release, shared_write_page, skipped_range, untouched
 
 
 class KVCacheManager:
@@ -142,6 +145,8 @@ class KVCacheManager:
         """Cached pages of the longest prefix of `seq` every group can use, never covering its
         last token (the step must compute it for logits) nor pages past `seq.cacheable_pages`;
         with a host tier, pages there count (negative entries: -(slot + 1), prefix.py)."""
+        if seq.received is not None:  # pulled from another engine (disaggregated prefill/decode)
+            return received_prefix(seq, self.page_size)
         prefix = longest_prefix(self.pool, self.groups, seq) if self.pool.enable_prefix_caching else NO_PREFIX
         if seq.swap is not None and self.host is not None:
             prefix = with_swap(self.host, prefix, seq, self.page_size)
@@ -150,7 +155,11 @@ class KVCacheManager:
     def _allocate_with_prefix(self, seq: KVSequence, num_tokens: int, prefix: ComputedPrefix) -> bool:
         if seq.pages or any(seq.group_pages):
             raise ValueError(f"allocate with a prefix is for admission, but the sequence holds pages {seq.pages}")
-        return take_prefix(self.pool, seq, prefix, self.pages_for(num_tokens), len(self.groups))
+        taken = take_prefix(self.pool, seq, prefix, self.pages_for(num_tokens), len(self.groups))
+        if taken and seq.received is not None:  # the received pages' own references: the table's now
+            self.free_tables(seq.received.tables)
+            seq.received = None
+        return taken
 
     # --- each step ------------------------------------------------------------------------------
     def allocate(self, seq: KVSequence, num_tokens: int, prefix: ComputedPrefix | None = None) -> bool:
@@ -223,24 +232,38 @@ class KVCacheManager:
                 del table[keep:]
 
     def free(self, seq: KVSequence) -> None:
-        """Gives back every page of `seq`, tail first (its deep pages are evicted first), and
-        any it swapped out."""
+        """Gives back every page of `seq` (free_tables) and any it swapped out or received."""
         drop_swap(self.host, seq)
-        for table in self.tables(seq):
+        self.free_tables(self.detach(seq))
+        if seq.received is not None:
+            self.free_tables(seq.received.tables)
+            seq.received = None
+
+    def free_tables(self, tables: Sequence[Sequence[int]]) -> None:
+        for table in tables:  # each tail first (pool.free): deep pages are evicted first
             self.pool.free([p for p in table if p != NULL_PAGE])
+
+    # --- disaggregated prefill/decode -----------------------------------------------------------
+    def detach(self, seq: KVSequence) -> list[list[int]]:
+        """The sequence's page tables handed over, their pages still held (free_tables frees)."""
+        tables = self.tables(seq)
         seq.pages, seq.group_pages, seq.num_cached_pages = [], [], 0
+        return tables
+
+    def receive(self, seq: KVSequence, pattern: Sequence[str], num_tokens: int) -> ReceivedKV | None:
+        """Fresh pages laid out as `pattern` (per group: "1" a page, "0" none) for the first
+        `num_tokens` tokens' KV another engine computed, held by `seq.received` till admission."""
+        if len(pattern) != len(self.groups):
+            raise ValueError(f"KV of {len(pattern)} layer groups for a pool of {len(self.groups)}")
+        seq.received = receive_pages(self.pool, pattern, num_tokens)
+        return seq.received
 
     def preempt(self, seq: KVSequence) -> bool:
         """free(seq), having first swapped its computed pages past the cached ones to the host
         tier if `swap_cost` prices that below recomputing them (swap.py); True if it did."""
         swap = None
         if self.host is not None and self.swap_cost is not None:
-            tables = self.tables(seq)
-            uncached = seq.num_computed_tokens - seq.num_cached_pages * self.page_size
-            end = self.pages_for(seq.num_computed_tokens)
-            num_pages = sum(p != NULL_PAGE for t in tables for p in t[seq.num_cached_pages : end])
-            if uncached > 0 and self.swap_cost.swap_is_cheaper(num_pages, uncached):
-                swap = swap_out(self.host, tables, seq, self.page_size)
+            swap = swap_if_cheaper(self.host, self.swap_cost, self.tables(seq), seq, self.page_size)
         self.free(seq)
         seq.swap = swap
         self.num_swapped_preemptions += swap is not None

@@ -13,7 +13,9 @@
 A table entry of a hit is a device page, NULL_PAGE where the group reads no page, or -(slot + 1)
 for a page held in the host tier's slot `slot`. A preempted sequence's hit may end in pages it
 swapped out (swap.py): loaded the same way, not registered in the prefix cache, not counted as
-hits, their slots given back once the loads are taken.
+hits, their slots given back once the loads are taken. A sequence whose prompt another engine
+computed (disaggregated prefill/decode) starts from the pages pulled into this pool instead
+(`received_prefix`), counted and registered the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from jaxinfer.kv.groups import KVCacheGroup
-from jaxinfer.kv.page_pool import PagePool
+from jaxinfer.kv.page_pool import NULL_PAGE, PagePool
 from jaxinfer.kv.tables import starts
 
 
@@ -40,6 +42,7 @@ class KVSequence(Protocol):
     hash_root: bytes | None  # what its page hashes chain from (a LoRA adapter's; None: the base model)
     adapter: str | None  # the LoRA adapter's name (None: the base model), for KV events
     swap: Any  # a swap.SwappedKV: its pages in the host tier while it waits preempted (else None)
+    received: Any  # a ReceivedKV: its prompt's pages pulled from another engine, until admission
 
     @property
     def num_tokens(self) -> int: ...
@@ -57,7 +60,7 @@ class ComputedPrefix:
     pages: tuple[int, ...]  # group 0's page table of it (module docstring: what an entry holds)
     num_tokens: int
     group_pages: tuple[tuple[int, ...], ...] = ()  # groups 1 .. G-1's
-    num_swapped: int = 0  # trailing pages of each table a swap holds (swap.py), not the cache
+    num_swapped: int = 0  # trailing pages of each table not from the cache: a swap's (swap.py), received ones
     swapped_tokens: int = 0  # the tokens of those
     swap_slots: tuple[int, ...] = ()  # the swap's host slots, given back once taken
 
@@ -82,6 +85,38 @@ class ComputedPrefix:
 
 
 NO_PREFIX = ComputedPrefix((), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceivedKV:
+    """Pages of this pool holding a sequence's first `num_tokens` tokens, computed by another
+    engine and pulled here (disaggregated prefill/decode): one table per group (NULL_PAGE where
+    the other engine held none), each page referenced once until the sequence is admitted."""
+
+    tables: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+def receive_pages(pool: PagePool, pattern: Sequence[str], num_tokens: int) -> ReceivedKV | None:
+    """Fresh pages laid out as `pattern` (per group: "1" a page, "0" none); None if they do not fit."""
+    need = sum(p.count("1") for p in pattern)
+    if not pool.can_allocate(need):
+        return None
+    fresh = iter(pool.allocate(need))
+    return ReceivedKV(tuple(tuple(next(fresh) if c == "1" else NULL_PAGE for c in p) for p in pattern), num_tokens)
+
+
+def received_prefix(seq: KVSequence, page_size: int) -> ComputedPrefix:
+    """The prefix a sequence holding received pages starts from: up to its last token but one,
+    like a hit, but not the prefix cache's (not counted as a hit, registered once computed)."""
+    received = seq.received
+    assert received is not None
+    num_tokens = min(received.num_tokens, seq.num_tokens - 1)
+    if num_tokens <= 0:
+        return NO_PREFIX
+    end = -(-num_tokens // page_size)
+    tables = [t[:end] for t in received.tables]
+    return ComputedPrefix(tables[0], num_tokens, tuple(tables[1:]), num_swapped=end, swapped_tokens=num_tokens)
 
 
 def longest_prefix(pool: PagePool, groups: Sequence[KVCacheGroup], seq: KVSequence) -> ComputedPrefix:

@@ -76,6 +76,18 @@ def swap_out(host: HostTier, tables: list[list[int]], seq: KVSequence, page_size
     return SwappedKV(seq.num_computed_tokens, first, swapped, host.epoch)
 
 
+def swap_if_cheaper(
+    host: HostTier, cost: SwapCost, tables: list[list[int]], seq: KVSequence, page_size: int
+) -> SwappedKV | None:
+    """swap_out where `cost` prices moving the uncached computed pages below recomputing them."""
+    uncached = seq.num_computed_tokens - seq.num_cached_pages * page_size
+    end = -(-seq.num_computed_tokens // page_size)
+    num_pages = sum(p != NULL_PAGE for t in tables for p in t[seq.num_cached_pages : end])
+    if uncached > 0 and cost.swap_is_cheaper(num_pages, uncached):
+        return swap_out(host, tables, seq, page_size)
+    return None
+
+
 def with_swap(host: HostTier, prefix: ComputedPrefix, seq: KVSequence, page_size: int) -> ComputedPrefix:
     """The prefix hit of a sequence holding swapped pages: its cached part cut to the pages the
     swap starts at, then the swapped ones up to its last token but one. A swap that cannot

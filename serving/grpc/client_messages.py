@@ -44,6 +44,7 @@ class GenerateResult:
     timings: pb.Timings
     # sampling prompt_logprobs=N: one per prompt token after the first (with its rank and top-N)
     prompt_logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)
+    kv_transfer_params: dict | None = None  # a prefill's params for its decode server (P/D)
 
     @property
     def text(self) -> str:
@@ -66,12 +67,14 @@ def build_request(
     parallel_tool_calls: bool | None = None,
     chat_template_kwargs: dict | None = None,
     lora_adapter: str | None = None,
+    kv_transfer_params: dict | None = None,
     **sampling: object,
 ) -> pb.GenerateRequest:
     """`tools` (OpenAI's list), `tool_choice` ("auto", "none", "required" or a tool's name) and
     `chat_template_kwargs` go with `messages`; with tools the result's completions carry
     `tool_calls` and `content`. `lora_adapter`: the LoRA adapter to run under, by name (None or
-    "": the base model; an unknown one is INVALID_ARGUMENT)."""
+    "": the base model; an unknown one is INVALID_ARGUMENT). `kv_transfer_params`: disaggregated
+    prefill/decode (a prefill's result carries the params of its decode request)."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling options {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
@@ -83,6 +86,7 @@ def build_request(
         request_id=request_id,
         priority=priority,
         lora_adapter=lora_adapter or "",
+        kv_transfer_params=json.dumps(kv_transfer_params) if kv_transfer_params is not None else "",
         # Each option as protobuf takes it: it checks the types (a TypeError names the field).
         sampling=pb.SamplingOptions(**{k: v for k, v in sampling.items() if v is not None}),  # type: ignore[arg-type]
     )
@@ -140,6 +144,7 @@ class Accumulator:
         self.outputs: dict[int, Completion] = {}
         self.usage, self.timings = pb.Usage(), pb.Timings()
         self.prompt_logprobs: list[pb.TokenLogprob] = []
+        self.kv_transfer_params: dict | None = None
 
     def add(self, msg: pb.GenerateResponse) -> None:
         self.request_id = msg.request_id
@@ -160,6 +165,8 @@ class Accumulator:
         self.usage.CopyFrom(msg.usage)
         if msg.finished:
             self.timings.CopyFrom(msg.timings)
+        if msg.kv_transfer_params:
+            self.kv_transfer_params = json.loads(msg.kv_transfer_params)
 
     def result(self) -> GenerateResult:
         return GenerateResult(
@@ -168,4 +175,5 @@ class Accumulator:
             self.usage,
             self.timings,
             self.prompt_logprobs,
+            self.kv_transfer_params,
         )

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from typing import Any
 
+from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving import tools as serving_tools
 from serving.errors import RequestError
 from serving.grpc.proto import jaxinfer_pb2 as pb
-from serving.model_limits import ModelLimits
+from serving.model_limits import ModelLimits, with_kv_transfer
 from serving.sampling_fields import FieldMapping, SamplingTable
 from serving.tools import ChatReplies, ToolRequest
 
@@ -126,11 +127,11 @@ def render_chat(tokenizer: Tokenizer, chat: pb.Chat, tools: ToolRequest | None =
         raise RequestError("chat: this model has no chat template")
     messages = [_chat_message(m, i) for i, m in enumerate(chat.messages)]
     tool_list = None if tools is None else tools.tools
-    if tool_list is None and (raw := _json_field(chat.tools_json, "chat.tools_json")) is not None:
+    if tool_list is None and (raw := json_field(chat.tools_json, "chat.tools_json")) is not None:
         with _in_chat():
             tool_list = serving_tools.checked_tools(raw)
     try:
-        extra = check_template_kwargs(_json_field(chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json"))
+        extra = check_template_kwargs(json_field(chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json"))
     except ValueError as e:
         raise RequestError(f"chat.{e}") from None
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
@@ -148,7 +149,7 @@ def chat_tools(chat: pb.Chat, parser: ToolCallParser | None) -> ToolRequest | No
         choice = {"type": "function", "function": {"name": choice}}
     parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None
     with _in_chat():
-        return serving_tools.tool_request(_json_field(chat.tools_json, "chat.tools_json"), choice, parallel, parser)
+        return serving_tools.tool_request(json_field(chat.tools_json, "chat.tools_json"), choice, parallel, parser)
 
 
 def with_tools(params: SamplingParams, tools: ToolRequest | None, sampling: pb.SamplingOptions) -> SamplingParams:
@@ -179,7 +180,7 @@ def chat_replies(
 
 def _chat_message(m: pb.ChatMessage, i: int) -> dict:
     entry: dict[str, Any] = {"role": m.role, "content": m.content}
-    calls = _json_field(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json")
+    calls = json_field(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json")
     if calls is not None:
         if not isinstance(calls, list):
             raise RequestError(f"chat.messages[{i}].tool_calls_json: must be a JSON list of calls")
@@ -192,7 +193,7 @@ def _chat_message(m: pb.ChatMessage, i: int) -> dict:
     return entry
 
 
-def _json_field(text: str, field: str) -> Any:  # a JSON value
+def json_field(text: str, field: str) -> Any:  # a JSON value
     """A JSON-text field's value; None when it is empty."""
     if not text:
         return None
@@ -236,6 +237,12 @@ def prompt_token_ids(
     return render_chat(tokenizer, request.chat, tools)
 
 
+def kv_transfer_of(request: pb.GenerateRequest, checked: CheckedRequest, limits: ModelLimits) -> CheckedRequest:
+    """GenerateRequest.kv_transfer_params: JSON text (disaggregated prefill/decode), checked."""
+    params = json_field(request.kv_transfer_params, "kv_transfer_params")  # None when empty
+    return checked if params is None else with_kv_transfer(checked, params, limits)
+
+
 def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.GenerateResponse:
     """`replies`: a chat read for reasoning or tools: its finishing deltas carry what was read."""
     msg = pb.GenerateResponse(
@@ -250,6 +257,7 @@ def response(out: RequestOutput, replies: ChatReplies | None = None) -> pb.Gener
             accepted_draft_tokens=out.metrics.num_accepted_tokens,
         ),
     )
+    msg.kv_transfer_params = json.dumps(out.kv_transfer_params) if out.kv_transfer_params is not None else ""
     for c in out.outputs:
         delta = msg.outputs.add(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason or "")
         if isinstance(c.stop_reason, str):

@@ -208,7 +208,7 @@ class InferenceServicer(LoraCalls, pb_grpc.InferenceServiceServicer):
             return self.with_lora(request.lora_adapter, beam_request(request, ids, self._limits)), None
         checked = check_request(ids, params, self._limits, request.priority, prompt_field=field)
         replies = convert.chat_replies(request, tools, self.reasoning, params.structured_output, self.reasoning_gated)
-        return self.with_lora(request.lora_adapter, checked), replies
+        return self.with_lora(request.lora_adapter, convert.kv_transfer_of(request, checked, self._limits)), replies
 
     # --- unary RPCs -----------------------------------------------------------------------------
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

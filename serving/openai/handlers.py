@@ -40,7 +40,7 @@ from serving.openai import outputs, sse
 from serving.openai.admission import charge_tokens
 from serving.openai.errors import APIError, bad_request, from_validation, unknown_model
 from serving.openai.generation import EngineRequests, unless_disconnected
-from serving.openai.inputs import EngineInputs, chat_inputs, completion_inputs
+from serving.openai.inputs import EngineInputs, chat_inputs, completion_inputs, kv_transfer_inputs
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serving.request_log import RequestRecord
 from serving.tools import reasoning_for
@@ -134,6 +134,8 @@ async def _prepared[B: (CompletionRequest, ChatCompletionRequest)](
     inputs = await ctx.in_worker(to_inputs, req, ctx.tokenizer, ctx.limits)
     if lora is not None:
         inputs = dataclasses.replace(inputs, requests=[dataclasses.replace(r, lora=lora) for r in inputs.requests])
+    if req.kv_transfer_params is not None:  # disaggregated prefill/decode
+        inputs = kv_transfer_inputs(inputs, req, ctx.limits)
     return arrival, req, inputs
 
 
@@ -155,9 +157,8 @@ async def completions(ctx: ApiContext, request: Request) -> Response:
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     results = await unless_disconnected(request.receive, _collect(requests))
-    return JSONResponse(
-        outputs.completion_response(head, results, inputs.params.n, ctx.texts, inputs.echo_texts, _shown(inputs))
-    )
+    body = outputs.completion_response(head, results, inputs.params.n, ctx.texts, inputs.echo_texts, _shown(inputs))
+    return JSONResponse(_with_kv_transfer(body, results))
 
 
 @_noting_errors
@@ -185,7 +186,14 @@ async def chat_completions(ctx: ApiContext, request: Request) -> Response:
         return sse.SSEResponse(_events(ctx, inputs, writer, arrival, record))
     requests = EngineRequests(ctx.engine_loop, head.id, inputs, arrival, record)
     (result,) = await unless_disconnected(request.receive, _collect(requests))
-    return JSONResponse(outputs.chat_response(head, result, ctx.texts, inputs.tools, reasoning, _shown(inputs)))
+    body = outputs.chat_response(head, result, ctx.texts, inputs.tools, reasoning, _shown(inputs))
+    return JSONResponse(_with_kv_transfer(body, [result]))
+
+
+def _with_kv_transfer(body: dict, results: list) -> dict:
+    """A prefill's answer carries what its decode server pulls with (vLLM's top-level field)."""
+    params = results[0].kv_transfer_params if len(results) == 1 else None
+    return body if params is None else {**body, "kv_transfer_params": params}
 
 
 def _shown(inputs: EngineInputs) -> outputs.PromptShown:

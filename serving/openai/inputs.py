@@ -20,7 +20,7 @@ from jaxinfer.sampling.params import logit_bias_from_json
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.tool_calls import ToolCallParser
 from serving.errors import RequestError
-from serving.model_limits import ModelLimits, check_request
+from serving.model_limits import ModelLimits, check_request, with_kv_transfer
 from serving.openai.beam import beam_params, beam_request
 from serving.openai.errors import APIError, bad_request, named_400
 from serving.openai.messages import render_messages
@@ -221,6 +221,21 @@ def _structured_output(req: SamplingFields) -> StructuredOutput | None:
         return StructuredOutput(json=schema)
     except ValueError as e:  # "StructuredOutput.regex=...: must be ..."
         raise bad_request(field, f"{field}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def kv_transfer_inputs(inputs: EngineInputs, req: SamplingFields, limits: ModelLimits) -> EngineInputs:
+    """The request's kv_transfer_params (disaggregated prefill/decode, as vllm-router's P/D mode
+    sends them) on its one engine request; 400 naming the field."""
+    if len(inputs.requests) != 1:
+        raise bad_request("kv_transfer_params", "kv_transfer_params: one prompt per request")
+    try:
+        checked = with_kv_transfer(inputs.requests[0], req.kv_transfer_params, limits)
+    except RequestError as e:
+        raise bad_request("kv_transfer_params", str(e)) from None
+    if checked.kv_transfer is not None and checked.kv_transfer.kind == "produce" and req.stream:
+        why = "its answer carries what the decode server needs: not with stream=true"
+        raise bad_request("kv_transfer_params", f"kv_transfer_params.do_remote_decode=True: {why}")
+    return dataclasses.replace(inputs, requests=[checked])
 
 
 def _params(kwargs: dict, names: dict[str, str]) -> SamplingParams:

@@ -162,6 +162,10 @@ class SamplingFields(_Body):
     guided_regex: str | None = _documented(minLength=1)
     guided_choice: list[str] | None = _documented(minItems=1, items={"type": "string", "minLength": 1})
     guided_grammar: str | None = _documented(minLength=1)  # Lark (llguidance's dialect)
+    # Disaggregated prefill/decode (vLLM's field, as vllm-router's P/D mode sends it):
+    # {"do_remote_decode": true} computes the prompt for a decode server, whose params the
+    # answer's kv_transfer_params carry; {"do_remote_prefill": true, ...} decodes from them.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -1,8 +1,9 @@
 """KV pages pulled from one engine's pool into another's over jax.experimental.transfer (two
 transfer servers on loopback): the pulled pages are the source's bytes, written where the sink
-asked, padding pages never written over a real one; a pool of another layout is refused by name;
-nothing compiles after warm_up."""
+asked, padding pages never written over a real one; the layouts two pools compare; nothing
+compiles after warm_up."""
 
+import jax
 import numpy as np
 import pytest
 from engine_runs import run_requests
@@ -13,7 +14,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.loader import load_model
 from jaxinfer.quant.kv_cache import kv_pages
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.worker.kv_transfer import KVTransfer
+from jaxinfer.worker.kv_transfer import KVTransfer, split_widths
 
 CONFIG = dict(
     max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), page_size=4, num_pages=16
@@ -43,23 +44,22 @@ def test_pulled_pages_are_the_sources_bytes(engines):
     give, take = KVTransfer(source.worker.state), KVTransfer(sink.worker.state)
     take.warm_up()
     compiled = take._gather._cache_size() + take._scatter._cache_size()
-    pages = [1, 2, 3, 4, 5]  # the prompt's pages (written); a transfer of width 8
-    ticket = give.offer(11, pages)
-    assert ticket["width"] == 8 and ticket["num_pages"] == 5 and ticket["address"] == give.address
+    pages = [1, 2, 3, 4, 5]  # the prompt's pages (written): one call of width 16
+    assert split_widths(5) == [16] and split_widths(64) == [64] and split_widths(70) == [64, 16]
+    held = give.offer([11], pages)
     before = _pages(sink, [0, 9])
-    take.pull(ticket, [12, 3, 7, 9, 10])
+    take.write([list(jax.block_until_ready(a)) for a in take.fetch(give.address, [11], [16])], [12, 3, 7, 9, 10])
     for want, got in zip(_pages(source, pages), _pages(sink, [12, 3, 7, 9, 10])):
         np.testing.assert_array_equal(got, want)
         assert np.abs(want).sum() > 0  # real KV, not zeros
     np.testing.assert_array_equal(_pages(sink, [0])[0], before[0][:1])  # the null page: padding only
     assert take._gather._cache_size() + take._scatter._cache_size() == compiled
-    give.release(11)
+    del held
 
 
-def test_a_pool_of_another_layout_is_refused(engines):
+def test_a_pool_of_another_layout_is_not_pulled_from(engines):
     source, _, other = engines
-    ticket = KVTransfer(source.worker.state).offer(3, [1])
-    with pytest.raises(ValueError, match=r"KV transfer: the source's pages .*'page': \[4, .* not this pool's .*\[8,"):
-        KVTransfer(other.worker.state).pull(ticket, [1])
-    with pytest.raises(ValueError, match="KV transfer of 1 pages into 2 pages"):
-        KVTransfer(source.worker.state).pull(ticket, [1, 2])
+    give, take = KVTransfer(source.worker.state), KVTransfer(other.worker.state)
+    assert give.layout() != take.layout() and give.layout()[0]["page"][0] == 4 and take.layout()[0]["page"][0] == 8
+    with pytest.raises(ValueError, match="2 transfer ids for 1 calls"):
+        give.offer([1, 2], [1])

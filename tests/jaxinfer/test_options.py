@@ -52,6 +52,7 @@ TEXT = {
     "chat_template": "{{ messages }}",
     "compilation_cache_dir": "/tmp/xla",
     "coordinator_address": "10.0.0.1:1234",
+    "kv_transfer_host": "10.0.0.2",
 }
 JSON_TEXT = {"speculative_config": ('{"method": "ngram", "num_speculative_tokens": 3}', SpeculativeConfig("ngram", 3))}
 

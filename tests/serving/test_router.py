@@ -5,22 +5,14 @@ other; with kv_aware and the servers' KV events, a repeated long prefix goes to 
 holds it."""
 
 import concurrent.futures
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from openai_support import ServedProcess, metric, wait_for
+from openai_support import ServedProcess, metric
+from router_support import Router, complete, free_port, install_router
 from testpaths import TINY_SERVE_ARGS
 
-ROUTER_VERSION = "0.1.17"
 PAGE = 16
 MODEL_ARGS = [*TINY_SERVE_ARGS, "--page-size", str(PAGE), "--no-grpc", "--http-port", "0"]
 
@@ -28,64 +20,16 @@ LABELS = 'engine="0",model_name="llama3"'  # as the exposition orders them
 pytestmark = pytest.mark.xdist_group("router")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def router_path() -> Path:
-    """vllm-router's package folder: pip-installed once into the user's cache (the test's setup),
-    through a temporary folder renamed when complete."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxinfer"
-    target = cache / f"vllm-router-{ROUTER_VERSION}"
-    if not (target / "vllm_router").is_dir():
-        staging = cache / f"vllm-router-{ROUTER_VERSION}.{os.getpid()}"
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(staging), f"vllm-router=={ROUTER_VERSION}"]
-        done = subprocess.run(pip, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            reason = f"vllm-router {ROUTER_VERSION} could not be installed from the package index"
-            pytest.skip(f"{reason}: {done.stderr[-400:]}")
-        staging.rename(target)
-    return target
-
-
-class Router:
-    def __init__(self, path: Path, args: list[str], log: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(path)}
-        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen([*cmd, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-        self.log = log
-        wait_for(self._healthy, timeout=60, interval=0.2)
-
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            pytest.fail(f"vllm-router exited: {self.log.read_text()[-3000:]}")
-        try:
-            return urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def complete(self, prompt: list[int]) -> dict:
-        return _complete(self.url, prompt)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+    return install_router()
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two servers publishing KV events (ports chosen free now)."""
     logs = tmp_path_factory.mktemp("servers")
-    events = [_free_port() for _ in range(2)]
+    events = [free_port() for _ in range(2)]
     started = []
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both load and compile at once
         futures = [
@@ -104,15 +48,6 @@ def servers(tmp_path_factory):
         server.stop()
 
 
-def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> dict:
-    body = {"model": "llama3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
 def _prompt(i: int, length: int = 20) -> list[int]:
     return [(7 * i + 3 * j) % 500 + 1 for j in range(length)]
 
@@ -127,7 +62,7 @@ def test_kv_aware_routes_a_repeated_prefix_to_the_server_holding_it(router_path,
         # The second server: without the events, the router's tie between equal costs sends
         # every request to the first (checked by hand: all six went there).
         holder, other = servers[1], servers[0]
-        _complete(holder.http, prefix + [11])  # the prefix cached on the second server, past the router
+        complete(holder.http, prefix + [11])  # the prefix cached on the second server, past the router
         hits = [metric(s, "vllm:prefix_cache_hits_total", LABELS) for s in servers]
         time.sleep(1.0)  # its pages' KV events reach the router
         for k in range(6):

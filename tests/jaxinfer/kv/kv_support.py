@@ -19,6 +19,7 @@ class Seq:
     hash_root: bytes | None = None
     adapter: str | None = None
     swap: object = None  # kv.swap.SwappedKV while preempted with its pages swapped out
+    received: object = None  # kv.prefix.ReceivedKV: pages pulled from another engine
     num_pending: int = 0  # trailing tokens not known yet (steps in flight)
     cacheable: int | None = None  # what cacheable_pages answers
 
