@@ -101,10 +101,12 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        kv_transfer_params: dict | Sequence[dict | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given ([] on processes other
         than 0 of a multi-host engine, which run process 0's steps instead). `lora_request`: the
-        LoRA adapter of every prompt, or a list with one per prompt (None: the base model)."""
+        LoRA adapter of every prompt, or a list with one per prompt (None: the base model);
+        `kv_transfer_params` the same way (disaggregated prefill/decode, vLLM's params)."""
         if not self.engine.is_leader:
             self.engine.follow()
             return []
@@ -114,11 +116,11 @@ class LLM:
         if len(sampling_params) != len(batch):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(batch)} prompts")
         priority = priority or [0] * len(batch)
-        loras = _per_prompt(lora_request, len(batch))
+        loras, kvs = _per_prompt(lora_request, len(batch)), _per_prompt(kv_transfer_params, len(batch), dict)
         ids = []
         try:
-            for prompt, params, prio, lora in zip(batch, sampling_params, priority, loras):
-                ids.append(self._add(prompt, params, prio, lora))
+            for prompt, params, prio, lora, kv in zip(batch, sampling_params, priority, loras, kvs):
+                ids.append(self._add(prompt, params, prio, lora, kv))
         except Exception:
             for rid in ids:  # a bad prompt rejects the call; nothing of it stays queued
                 self.engine.abort(rid)
@@ -203,9 +205,9 @@ class LLM:
             self.engine.release_followers()
 
     def _add(
-        self, prompt: Prompt, params: SamplingParams | None, priority: int = 0, lora: LoRARequest | None = None
+        self, prompt: Prompt, params: SamplingParams | None, prio: int = 0, lora: Any = None, kv: dict | None = None
     ) -> str:
-        rid = self.engine.add_request(prompt, params, priority=priority, lora_request=lora)
+        rid = self.engine.add_request(prompt, params, priority=prio, lora_request=lora, kv_transfer_params=kv)
         self._inboxes[rid] = collections.deque()
         return rid
 
@@ -247,14 +249,14 @@ class LLM:
         return results
 
 
-def _per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> Sequence[LoRARequest | None]:
-    """One LoRA request (or None) per prompt."""
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * n
-    loras = list(lora)
-    if len(loras) != n:
-        raise ValueError(f"{len(loras)} lora requests for {n} prompts")
-    return loras
+def _per_prompt(value: Any, n: int, kind: type = LoRARequest) -> list:
+    """One value per prompt: a single one (or None) for all, or a list of n."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    what = "lora requests" if kind is LoRARequest else "kv_transfer_params"
+    if len(values := list(value)) != n:
+        raise ValueError(f"{len(values)} {what} for {n} prompts")
+    return values
 
 
 def _with_template(tokenizer: Tokenizer | None, template: str | None) -> Tokenizer | None:

@@ -16,6 +16,7 @@ from xla_env import child_env
 from jaxinfer.config import EngineConfig
 from jaxinfer.core.requests import RequestError
 from jaxinfer.engine import Engine
+from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.sampling import SamplingParams
 
@@ -158,6 +159,7 @@ import json
 import sys
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
+from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.sampling import SamplingParams
 
@@ -197,3 +199,20 @@ def test_pages_are_resharded_on_arrival():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "1", "0", "2"], done.stdout + done.stderr[-2000:]
+
+
+def test_the_python_api_carries_the_params(model):
+    """LLM.generate takes kv_transfer_params per prompt as vLLM's requests carry them."""
+    prefill = LLM(model, warm_up=False, kv_role="prefill", **CONFIG, penalties=False)
+    decode = LLM(model, warm_up=False, kv_role="decode", **CONFIG, penalties=False)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    first = prefill.generate(
+        PROMPTS[:2], SamplingParams(max_tokens=1), kv_transfer_params=dict(PREFILL), use_tqdm=False
+    )
+    tickets = [out.kv_transfer_params for out in first]
+    got = decode.generate(PROMPTS[:2], greedy, kv_transfer_params=tickets, use_tqdm=False)
+    want = decode.generate(PROMPTS[:2], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert decode.engine.stats()["kv_transfer_pulls"] == 2
+    with pytest.raises(ValueError, match="1 kv_transfer_params for 2 prompts"):
+        decode.generate(PROMPTS[:2], greedy, kv_transfer_params=tickets[:1], use_tqdm=False)
