@@ -5,7 +5,8 @@
 # create -> install -> serve: create the VM (idempotent: an existing one is reported), copy the
 # project (git archive HEAD) and the model to every worker and install it into a venv, then write
 # one systemd unit per worker (worker i runs `jaxinfer serve --process-id i`, worker 0's internal
-# IP the coordinator) and wait until worker 0's gRPC health check says SERVING.
+# IP the coordinator) and wait until worker 0's gRPC health check says SERVING. serve-cluster and
+# router put several VMs (replicas, or a prefill/decode pair) behind vllm-router (lib/cluster.sh).
 # Every command goes through run() / query(), so --dry-run prints them all and runs no gcloud.
 set -euo pipefail
 
@@ -36,6 +37,8 @@ source "$DEPLOY_DIR/lib/remote.sh"
 source "$DEPLOY_DIR/lib/gcloud.sh"
 # shellcheck source=deploy/lib/commands.sh
 source "$DEPLOY_DIR/lib/commands.sh"
+# shellcheck source=deploy/lib/cluster.sh
+source "$DEPLOY_DIR/lib/cluster.sh"
 
 usage() {
   cat <<EOF
@@ -52,6 +55,11 @@ commands:
   stop            stop the unit: worker 0 first (it drains and releases the others), then all
   delete          delete the VM (--quiet); a missing VM is reported, exit 0
   serve-command   print the exact 'jaxinfer serve' command worker --worker I runs (for rehearsals)
+  serve-cluster   serve on each VM of --replicas A,B,... (or the pair --prefill P --decode D, with
+                  --kv-role prefill / decode), then 'router'
+  router          vllm-router (--router-version) on worker 0 of the first VM as the unit
+                  jaxinfer-router.service, in front of those servers' HTTP API (--http-port):
+                  --policy (--router-policy) for replicas, --vllm-pd-disaggregation for a pair
 
 options:
   --dry-run       print every command (one a line, '+ ' and shell-quoted) instead of running it;
@@ -79,8 +87,8 @@ parse_args() {
   shift
   case $COMMAND in
     -h | --help | help) usage; exit 0 ;;
-    create | install | serve | status | logs | stop | delete | serve-command) ;;
-    *) usage_error "unknown command '$COMMAND' (commands: create install serve status logs stop delete serve-command)" ;;
+    create | install | serve | status | logs | stop | delete | serve-command | serve-cluster | router) ;;
+    *) usage_error "unknown command '$COMMAND' (commands: create install serve status logs stop delete serve-command serve-cluster router)" ;;
   esac
   DRY_RUN=0 CONFIG_FILE=${JAXINFER_TPU_CONFIG:-} WORKER=0 FOLLOW=0 LINES=200 EXTRA_SERVE_ARGS=()
   while (($#)); do
@@ -130,6 +138,9 @@ validate_settings() {
   require_integer GRACE_PERIOD 0 86400
   require_integer WAIT_TIMEOUT 0 86400
   require_integer POLL_INTERVAL 0 3600
+  require_integer ROUTER_PORT 1 65535
+  [[ -z ${S[HTTP_PORT]} ]] || require_integer HTTP_PORT 1 65535
+  [[ ${S[KV_ROLE]} =~ ^(both|prefill|decode)$ ]] || usage_error "$(describe_setting KV_ROLE): expected both, prefill or decode"
   [[ $WORKER =~ ^[0-9]+$ ]] || usage_error "--worker '$WORKER': expected a worker index (0, 1, ...)"
   [[ $LINES =~ ^[0-9]+$ ]] || usage_error "--lines '$LINES': expected a number"
   [[ ${S[REMOTE_DIR]} =~ ^/[A-Za-z0-9._/-]+$ ]] ||

@@ -89,7 +89,7 @@ cmd_serve() {
   ssh_on 0 "sudo systemctl stop $UNIT 2>/dev/null || true"
   for ((worker = 0; worker < ACC_HOSTS; worker++)); do
     unit="$TMP_DIR/jaxinfer-worker-$worker.service"
-    unit_text "$worker" "$coordinator" "$LOGIN_USER" >"$unit"
+    unit_text "$worker" "$coordinator" "$LOGIN_USER" "$VM_IP0" >"$unit"
     if ((DRY_RUN)); then
       note "$unit, the unit of worker $worker:"
       sed 's/^/#   /' "$unit"
@@ -145,7 +145,11 @@ cmd_serve_command() {
   fi
   ((10#$WORKER < ACC_HOSTS)) || usage_error "--worker $WORKER: the slice has workers 0..$((ACC_HOSTS - 1))"
   check_local_files
-  serve_argv "$((10#$WORKER))" "$coordinator"
+  if [[ ${S[KV_ROLE]} != both && -z ${VM_IP0:-} ]]; then  # the address its KV pages are offered at
+    require_vm
+    require_ready_vm
+  fi
+  serve_argv "$((10#$WORKER))" "$coordinator" "${VM_IP0:-}"
   quote_words "${SERVE_ARGV[@]}"
 }
 
@@ -179,7 +183,7 @@ cmd_stop() {
   require_vm
   # Worker 0 drains (health NOT_SERVING, in-flight calls get the grace period), then releases
   # the other processes; stopping a follower first would leave worker 0 waiting on it.
-  ssh_on 0 "sudo systemctl stop $UNIT"
+  ssh_on 0 "sudo systemctl stop jaxinfer-router.service 2>/dev/null || true; sudo systemctl stop $UNIT"
   ssh_on all "sudo systemctl stop $UNIT"
   info "stopped $UNIT on every worker of ${S[NAME]}"
 }

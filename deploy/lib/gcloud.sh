@@ -72,6 +72,20 @@ describe_vm() {
   fi
 }
 
+vm_ip() {  # NAME: sets NAMED_IP, worker 0's internal IP of that TPU VM (which must be READY)
+  local format='value(state,networkEndpoints[0].ipAddress)' state
+  local cmd=("${TPU_VM[@]}" describe "$1" "${VM_FLAGS[@]}" --format="$format")
+  if ((DRY_RUN)); then
+    show "${cmd[@]}"
+    NAMED_IP="<$1-worker-0-ip>"
+    note "assuming $1 is READY, worker 0 at $NAMED_IP"
+    return 0
+  fi
+  capture "${cmd[@]}" || die 1 "TPU VM $1: gcloud describe failed: ${ERR:-no message}"
+  IFS=$'\t' read -r state NAMED_IP <<<"$OUT" || true
+  [[ $state == READY && -n $NAMED_IP ]] || die 1 "TPU VM $1 is ${state:-unknown}, not READY"
+}
+
 require_ready_vm() {
   describe_vm 1
   ((VM_EXISTS)) || die 1 "TPU VM ${S[NAME]} not found in zone ${S[ZONE]} (run: $PROG create)"

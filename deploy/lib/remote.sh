@@ -83,7 +83,8 @@ remote_health_cmd() {
     "${tls[@]}" --timeout 10 health
 }
 
-# SERVE_ARGV: the `jaxinfer serve` command of worker $1 (of ACC_HOSTS; coordinator host $2).
+# SERVE_ARGV: the `jaxinfer serve` command of worker $1 (of ACC_HOSTS; coordinator host $2;
+# worker 0's internal IP $3, where a prefill or decode server offers and pulls KV pages).
 serve_argv() {
   local worker=$1 coordinator=$2 extra=()
   SERVE_ARGV=("${S[REMOTE_DIR]}/venv/bin/jaxinfer" serve)
@@ -93,6 +94,11 @@ serve_argv() {
   if ((ACC_HOSTS > 1)); then
     SERVE_ARGV+=(--coordinator-address "$coordinator:${S[COORDINATOR_PORT]}"
       --num-processes "$ACC_HOSTS" --process-id "$worker")
+  fi
+  [[ -z ${S[HTTP_PORT]} ]] || SERVE_ARGV+=(--http-port "${S[HTTP_PORT]}" --http-host "${S[HOST]}")
+  if [[ ${S[KV_ROLE]} != both ]]; then  # disaggregated prefill/decode: pages offered at worker 0's IP
+    ((ACC_HOSTS == 1)) || usage_error "$(describe_setting KV_ROLE): a prefill or decode server runs on one host"
+    SERVE_ARGV+=(--kv-role "${S[KV_ROLE]}" --kv-transfer-host "${3:-$coordinator}")
   fi
   if [[ -n ${S[AUTH_TOKEN_FILE]} || -n ${S[AUTH_SECRET]} ]]; then
     SERVE_ARGV+=(--auth-token-file "${S[REMOTE_DIR]}/secrets/token")
@@ -119,7 +125,7 @@ systemd_quote() {  # one ExecStart word: % and $ escaped, double quotes where ne
 # GRACE_PERIOD s) and systemd waits 30 s longer than that before it kills.
 unit_text() {
   local worker=$1 coordinator=$2 user=$3 word exec=""
-  serve_argv "$worker" "$coordinator"
+  serve_argv "$worker" "$coordinator" "${4:-}"
   for word in "${SERVE_ARGV[@]}"; do exec+="${exec:+ }$(systemd_quote "$word")"; done
   cat <<EOF
 [Unit]
@@ -145,7 +151,8 @@ WantedBy=multi-user.target
 EOF
 }
 
-remote_unit_install_cmd() {
-  printf '%s' "set -e; sudo install -m 644 $(q "${S[REMOTE_DIR]}/$UNIT") /etc/systemd/system/$UNIT;" \
-    " sudo systemctl daemon-reload; sudo systemctl enable $UNIT; sudo systemctl restart $UNIT"
+remote_unit_install_cmd() {  # [UNIT]: the server's by default
+  local unit=${1:-$UNIT}
+  printf '%s' "set -e; sudo install -m 644 $(q "${S[REMOTE_DIR]}/$unit") /etc/systemd/system/$unit;" \
+    " sudo systemctl daemon-reload; sudo systemctl enable $unit; sudo systemctl restart $unit"
 }

@@ -33,6 +33,14 @@ SETTING_TABLE=(
   "POLL_INTERVAL|15|seconds between health checks"
   "REMOTE_DIR|/opt/jaxinfer|on the workers: src/ venv/ models/ secrets/"
   "SERVE_ARGS||more 'jaxinfer serve' flags, split at whitespace"
+  "HTTP_PORT|<8000 in a cluster>|OpenAI HTTP API port on worker 0 (serve: none unless given)"
+  "KV_ROLE|both|disaggregated prefill/decode: both, prefill or decode (one-host slices)"
+  "REPLICAS||serve-cluster, router: TPU VMs of replicas, comma-separated"
+  "PREFILL||serve-cluster, router: the TPU VM computing prompts (with --decode)"
+  "DECODE||serve-cluster, router: the TPU VM decoding them (with --prefill)"
+  "ROUTER_PORT|8080|vllm-router's port on worker 0 of the first VM"
+  "ROUTER_POLICY|power_of_two|vllm-router's --policy for replicas"
+  "ROUTER_VERSION|0.1.17|the vllm-router release installed (router)"
 )
 
 declare -A SETTING_DEFAULT=() FLAG_VALUE=() CONFIG_VALUE=() S=() SRC=()

@@ -3,7 +3,8 @@
 Each call appends {"argv": [...]} to $FAKE_GCLOUD_DIR/log.jsonl (scp calls also carry the text of
 the files they copy, or a tarball's member names) and answers like the real one for what the
 script uses: TPU VMs live in $FAKE_GCLOUD_DIR/vms.json, so describe says NOT_FOUND (exit 1) until
-create, ssh runs nothing but answers `id -un` and the health check, delete removes the VM.
+create, ssh runs nothing but answers `id -un` and the health checks (the server's, the
+router's), delete removes the VM. Each VM's workers have IPs of their own (worker_ip).
 
 Knobs (environment): FAKE_GCLOUD_PROJECT (the gcloud config project; unset = none),
 FAKE_HEALTH_FAILURES (health checks that fail before one says SERVING; "never"),
@@ -23,8 +24,9 @@ LOGIN_USER = "tpuuser"
 SECRET_TOKEN = "s3cret-from-secret-manager"
 
 
-def worker_ip(i: int) -> str:
-    return f"10.130.0.{2 + i}"
+def worker_ip(i: int, vm: int = 0) -> str:
+    """Worker i's internal IP on the vm-th TPU VM created."""
+    return f"10.130.{vm}.{2 + i}"
 
 
 def fail(message: str, code: int = 1):
@@ -61,7 +63,8 @@ def describe(name: str, opts: dict) -> None:
             f"NOT_FOUND: Resource 'projects/{opts.get('project')}/locations/{opts.get('zone')}/nodes/{name}' "
             "was not found"
         )
-    fields = {"state": vm["state"], "acceleratorType": vm["type"], "networkEndpoints[0].ipAddress": worker_ip(0)}
+    ip = worker_ip(0, list(load_vms()).index(name))
+    fields = {"state": vm["state"], "acceleratorType": vm["type"], "networkEndpoints[0].ipAddress": ip}
     match = re.fullmatch(r"value\((.*)\)", opts.get("format", ""))
     if match:
         print("\t".join(fields[f] for f in match.group(1).split(",")))
@@ -75,6 +78,8 @@ def ssh(name: str, opts: dict) -> None:
     command = opts.get("command", "")
     if command == "id -un":
         print(LOGIN_USER)
+    elif "ROUTER-OK" in command:  # vllm-router's /health probed on worker 0
+        print("ROUTER-OK")
     elif command.endswith(" health"):
         counter = STATE / "health_checks"
         checks = int(counter.read_text()) + 1 if counter.exists() else 1

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 from deploy_support import ROOT, VM, exec_start, ssh_commands, units, verb
 
+STOP_ROUTER = "sudo systemctl stop jaxinfer-router.service 2>/dev/null || true; "
 SLICES = [  # type, hosts, chips per host, runtime version
     ("v5litepod-1", 1, 1, "v2-alpha-tpuv5-lite"),
     ("v5litepod-8", 1, 8, "v2-alpha-tpuv5-lite"),
@@ -313,7 +314,7 @@ def test_status_stop_logs_delete(deploy):
     deploy.clear()
     assert deploy("stop", *VM).returncode == 0
     assert [a[-2:] for a in deploy.argvs()] == [
-        ["--worker=0", "--command=sudo systemctl stop jaxinfer.service"],
+        ["--worker=0", f"--command={STOP_ROUTER}sudo systemctl stop jaxinfer.service"],  # a router's unit first
         ["--worker=all", "--command=sudo systemctl stop jaxinfer.service"],
     ]
     deploy.clear()
