@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from engine_runs import run_requests
 from testpaths import FIXTURES
 from xla_env import child_env
 
@@ -38,21 +39,12 @@ def _engine(model, **options):
 
 @pytest.fixture(scope="module")
 def engines(model):
-    return _engine(model, kv_role="prefill"), _engine(model, kv_role="decode", kv_transfer_timeout=3.0)
+    return _engine(model, kv_role="prefill"), _engine(model, kv_role="decode", kv_transfer_timeout=1.5)
 
 
 def _run(engine, requests):
     """[(prompt, params, kv_transfer_params)] queued at once: the final outputs, in order."""
-    for i, (prompt, params, kv) in enumerate(requests):
-        engine.add_request(prompt, params, request_id=f"r{i}", kv_transfer_params=kv)
-    final: dict = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id in final:
-                final[out.request_id].merge(out)
-            else:
-                final[out.request_id] = out
-    return [final[f"r{i}"] for i in range(len(requests))]
+    return run_requests(engine, [(p, params, {"kv_transfer_params": kv}) for p, params, kv in requests])
 
 
 def _all_free(engine):
@@ -216,3 +208,18 @@ def test_the_python_api_carries_the_params(model):
     assert decode.engine.stats()["kv_transfer_pulls"] == 2
     with pytest.raises(ValueError, match="1 kv_transfer_params for 2 prompts"):
         decode.generate(PROMPTS[:2], greedy, kv_transfer_params=tickets[:1], use_tqdm=False)
+
+
+def test_a_model_with_sliding_window_layers_moves_every_groups_pages():
+    """Gemma 3's layers read pages through several tables (full attention, sliding windows that
+    give back what falls out of them): each table's pages cross, the windows' gaps as gaps."""
+    gemma = load_model(FIXTURES / "hf" / "gemma3", dtype="float32", with_tokenizer=False)
+    prefill, decode, plain = (_engine(gemma, **role) for role in ({"kv_role": "prefill"}, {"kv_role": "decode"}, {}))
+    prompt = [(11 * i) % 200 + 3 for i in range(37)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (ticket,) = _prefill(prefill, [prompt])
+    assert len(ticket["tables"]) > 1 and "0" in "".join(ticket["tables"])  # groups, and windows' gaps
+    (got,) = _run(decode, [(prompt, greedy, ticket)])
+    (want,) = _run(plain, [(prompt, greedy, None)])
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert decode.stats()["kv_transfer_pulls"] == 1 and _all_free(decode)

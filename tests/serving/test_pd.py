@@ -1,9 +1,9 @@
-"""Disaggregated prefill/decode between two `jaxinfer serve` processes (SmolLM2, a prefill server
-and a decode server) behind vllm-router's P/D mode (the PyPI release, on loopback): chat and
-completions, streamed and not, n > 1, answer as the decode server alone does, from pages it pulled
-(its metrics count them, none recomputed); the gRPC API carries the same params; malformed params
-are refused by name; the prefill server killed between the phases costs a recompute, not the
-answer; the pages on both sides are all free at the end."""
+"""Disaggregated prefill/decode between two `jaxinfer serve` processes (the random llama3 fixture
+with a chat template: a prefill server and a decode server) behind vllm-router's P/D mode (the
+PyPI release, on loopback): chat and completions, streamed and not, n > 1, answer as the decode
+server alone does, from pages it pulled (its metrics count them, none recomputed); the gRPC API
+carries the same params; malformed params are refused by name; the prefill server killed between
+the phases costs a recompute, not the answer; the pages on both sides are all free at the end."""
 
 import concurrent.futures
 import json
@@ -12,16 +12,19 @@ import urllib.request
 import pytest
 from openai_support import ServedProcess, metric, raw_request, wait_for
 from router_support import Router, install_router, post
-from testpaths import SMOLLM2_SMALL_ARGS
+from testpaths import FIXTURES, TINY_SERVE_ARGS
 
 from serving.grpc.client import Client
 
-MODEL = "smollm2"
-ARGS = [*SMOLLM2_SMALL_ARGS, "--no-penalties", "--port", "0", "--http-port", "0", "--served-model-name", MODEL]
+MODEL = "llama3"
+# The tiny servers of test_router.py (their step variants are in the run's compilation cache), with
+# a tokenizer and a chat template (tools/make_chat_fixture.py).
+TINY = [str(FIXTURES / "hf" / "llama3_chat") if arg.endswith("llama3") else arg for arg in TINY_SERVE_ARGS]
+ARGS = [*TINY, "--port", "0", "--http-port", "0", "--served-model-name", MODEL, "--kv-transfer-timeout", "1.5"]
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 CASES = [
-    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}),
-    ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 12, "temperature": 0}),
+    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
     ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.8, "seed": 3, "n": 2}),
 ]
 pytestmark = pytest.mark.xdist_group("router")

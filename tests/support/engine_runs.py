@@ -6,11 +6,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-def run_requests(engine: Any, requests: Sequence[tuple[Any, Any]], watch: Callable[[Any], None] | None = None) -> list:
-    """(prompt, params) per request, all queued at once (ids "0", "1", ...): the final, merged
-    RequestOutput of each, in order. `watch(engine)` runs after every step."""
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(prompt, params, request_id=str(i))
+def run_requests(engine: Any, requests: Sequence[tuple], watch: Callable[[Any], None] | None = None) -> list:
+    """(prompt, params) per request, or (prompt, params, {add_request's keyword arguments}), all
+    queued at once (ids "0", "1", ...): the final, merged RequestOutput of each, in order.
+    `watch(engine)` runs after every step."""
+    for i, (prompt, params, *more) in enumerate(requests):
+        engine.add_request(prompt, params, request_id=str(i), **(more[0] if more else {}))
     final: dict = {}
     while engine.has_unfinished():
         for out in engine.step():
