@@ -97,27 +97,9 @@ remote_router_install_cmd() {
     " router/bin/python -m vllm_router.launch_router --help >/dev/null; echo \"vllm-router installed on \$(hostname)\""
 }
 
-router_unit_text() {
-  local user=$1 word exec=""
-  for word in "${ROUTER_ARGV[@]}"; do exec+="${exec:+ }$(systemd_quote "$word")"; done
-  cat <<EOF
-[Unit]
-Description=vllm-router in front of jaxinfer servers (${CLUSTER_NAMES[*]})
-Wants=network-online.target
-After=network-online.target
-
-[Service]
-Type=simple
-User=$user
-WorkingDirectory=${S[REMOTE_DIR]}
-ExecStart=$exec
-Restart=on-failure
-RestartSec=10
-SyslogIdentifier=jaxinfer-router
-
-[Install]
-WantedBy=multi-user.target
-EOF
+router_unit_text() {  # USER
+  unit_file "vllm-router in front of jaxinfer servers (${CLUSTER_NAMES[*]})" "$1" "SyslogIdentifier=jaxinfer-router" \
+    "${ROUTER_ARGV[@]}"
 }
 
 # The router's /health answers 200 once its servers are up; polled like the servers' health.

@@ -121,15 +121,15 @@ systemd_quote() {  # one ExecStart word: % and $ escaped, double quotes where ne
   fi
 }
 
-# The unit of worker $1 run as user $3; SIGTERM drains (health NOT_SERVING, in-flight calls get
-# GRACE_PERIOD s) and systemd waits 30 s longer than that before it kills.
-unit_text() {
-  local worker=$1 coordinator=$2 user=$3 word exec=""
-  serve_argv "$worker" "$coordinator" "${4:-}"
-  for word in "${SERVE_ARGV[@]}"; do exec+="${exec:+ }$(systemd_quote "$word")"; done
+# A systemd unit that runs the words after the first three as USER in REMOTE_DIR, restarted on
+# failure: unit_file DESCRIPTION USER "SERVICE LINES" WORD...
+unit_file() {
+  local description=$1 user=$2 service=$3 word exec=""
+  shift 3
+  for word in "$@"; do exec+="${exec:+ }$(systemd_quote "$word")"; done
   cat <<EOF
 [Unit]
-Description=jaxinfer gRPC server (TPU VM ${S[NAME]}, worker $worker of $ACC_HOSTS)
+Description=$description
 Wants=network-online.target
 After=network-online.target
 
@@ -137,18 +137,27 @@ After=network-online.target
 Type=simple
 User=$user
 WorkingDirectory=${S[REMOTE_DIR]}
-Environment=PYTHONUNBUFFERED=1
 ExecStart=$exec
 Restart=on-failure
 RestartSec=10
-KillSignal=SIGTERM
-TimeoutStopSec=$((10#${S[GRACE_PERIOD]} + 30))
-LimitMEMLOCK=infinity
-SyslogIdentifier=jaxinfer
+$service
 
 [Install]
 WantedBy=multi-user.target
 EOF
+}
+
+# The unit of worker $1 run as user $3; SIGTERM drains (health NOT_SERVING, in-flight calls get
+# GRACE_PERIOD s) and systemd waits 30 s longer than that before it kills.
+unit_text() {
+  local worker=$1 coordinator=$2 user=$3
+  serve_argv "$worker" "$coordinator" "${4:-}"
+  unit_file "jaxinfer gRPC server (TPU VM ${S[NAME]}, worker $worker of $ACC_HOSTS)" "$user" \
+    "Environment=PYTHONUNBUFFERED=1
+KillSignal=SIGTERM
+TimeoutStopSec=$((10#${S[GRACE_PERIOD]} + 30))
+LimitMEMLOCK=infinity
+SyslogIdentifier=jaxinfer" "${SERVE_ARGV[@]}"
 }
 
 remote_unit_install_cmd() {  # [UNIT]: the server's by default
