@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.config.kv_transfer import KVTransferConfig
 from jaxinfer.core.requests import CheckedRequest
 from jaxinfer.kv import NULL_PAGE
-from jaxinfer.worker.kv_connector import KVConnector, check_ticket
+
+if TYPE_CHECKING:  # imported with the first transfer (ZMQ, the transfer server): not by every engine
+    from jaxinfer.worker.kv_connector import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class Disaggregation:
 
     def _connector(self) -> KVConnector:
         if self.connector is None:
+            from jaxinfer.worker.kv_connector import KVConnector
+
             self.connector = KVConnector(self.state, self.config)
             if self.config.kv_role is None:  # started by a request: compiled now, not between steps later
                 self.connector.transfer.warm_up()
@@ -59,7 +63,7 @@ class Disaggregation:
             seqs[0].keep_kv = True
             return
         connector = self._connector()
-        why = check_ticket(connector, kv, checked.prompt_token_ids, lora)
+        why = connector.check(kv, checked.prompt_token_ids, lora)
         if why is not None:
             self._recompute(request_id, why)
             return

@@ -219,17 +219,16 @@ class KVConnector:
         """Pulls in flight or landed and waiting."""
         return bool(self.num_pulling or self._waiting)
 
+    def check(self, kv: KVTransferRequest, token_ids: list[int], lora: str | None) -> str | None:
+        """Why an offer cannot serve this request here (None: pull it)."""
+        ticket = kv.ticket or {}
+        if ticket["prompt_hash"] != prompt_hash(token_ids, lora):
+            return "the prefill server computed another prompt (or under another adapter or tokenizer)"
+        if ticket["layout"] != self.transfer.layout():
+            return f"its pages {ticket['layout']} are not this pool's {self.transfer.layout()}"
+        if ticket["num_tokens"] > len(token_ids):
+            return f"{ticket['num_tokens']} tokens offered for a prompt of {len(token_ids)}"
+        return None
+
     def close(self) -> None:
         self._closed.set()
-
-
-def check_ticket(connector: KVConnector, kv: KVTransferRequest, token_ids: list[int], lora: str | None) -> str | None:
-    """Why an offer cannot serve this request here (None: pull it)."""
-    ticket = kv.ticket or {}
-    if ticket["prompt_hash"] != prompt_hash(token_ids, lora):
-        return "the prefill server computed another prompt (or under another adapter or tokenizer)"
-    if ticket["layout"] != connector.transfer.layout():
-        return f"its pages {ticket['layout']} are not this pool's {connector.transfer.layout()}"
-    if ticket["num_tokens"] > len(token_ids):
-        return f"{ticket['num_tokens']} tokens offered for a prompt of {len(token_ids)}"
-    return None
