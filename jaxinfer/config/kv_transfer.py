@@ -11,7 +11,8 @@ compile at warm-up, else on the first transfer. The pages move over a transfer s
 ZMQ channel bound on `kv_transfer_host`, which the other engine must reach. A decode engine that
 does not get the pages in `kv_transfer_timeout` seconds (the prefill server gone, the offer
 expired) computes the prompt itself; a prefill engine gives up an offer nobody pulled after
-`kv_transfer_ttl` seconds.
+`kv_transfer_ttl` seconds (or sooner, oldest first, where its held copies would pass half its
+KV pool's pages).
 """
 
 from __future__ import annotations

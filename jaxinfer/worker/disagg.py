@@ -42,7 +42,8 @@ class Disaggregation:
         if self.connector is None:
             from jaxinfer.worker.kv_connector import KVConnector
 
-            self.connector = KVConnector(self.state, self.config)
+            held = self.kv_cache.num_usable_pages // 2  # copies held for pulls: at most half the pool's bytes
+            self.connector = KVConnector(self.state, self.config, held)
             if self.config.kv_role is None:  # started by a request: compiled now, not between steps later
                 self.connector.transfer.warm_up()
         return self.connector

@@ -6,7 +6,8 @@ other engines, and pages of prompts other engines computed pulled into its pool.
               (kv_transfer.py: a copy held for the pull) and given back to the pool (they stay
               in the prefix cache); its final output carries the params a decode engine needs
               (core/kv_transfer_params.py). The copy is dropped once pulled, or after
-              `kv_transfer_ttl` seconds.
+              `kv_transfer_ttl` seconds, or sooner where the copies held would pass
+              `max_held_pages` (half the pool's pages: the oldest unclaimed first).
     decode    a request with the prefill's params {do_remote_prefill: true}: its first sample waits
               (Sequence.pulling) while a thread claims the offer over the prefill's side channel
               and pulls it; between two steps the engine thread takes the pages from the KV
@@ -62,8 +63,8 @@ class Pulled:
 
 
 class KVConnector:
-    def __init__(self, state: Any, config: KVTransferConfig):
-        self.config, self.host = config, config.kv_transfer_host
+    def __init__(self, state: Any, config: KVTransferConfig, max_held_pages: int):
+        self.config, self.host, self.max_held_pages = config, config.kv_transfer_host, max_held_pages
         self.transfer = KVTransfer(state, self.host)
         self.engine_id = f"jaxinfer-{random.getrandbits(48):012x}"
         self._lock = threading.Lock()
@@ -92,6 +93,12 @@ class KVConnector:
             self._offers[ids[0]] = _Offer(ids, calls, len(pages), time.monotonic() + self.config.kv_transfer_ttl)
             self.counts["offered"] += 1
             self.counts["pages_offered"] += len(pages)
+            held = sum(o.num_pages for o in self._offers.values())
+            for older in list(self._offers.values())[:-1]:  # past the cap: the oldest unclaimed given up
+                if held <= self.max_held_pages:
+                    break
+                if not older.claimed:
+                    older.expires, held = 0.0, held - older.num_pages  # the side channel lets it go
         return {
             "do_remote_decode": False,
             "do_remote_prefill": True,

@@ -223,3 +223,14 @@ def test_a_model_with_sliding_window_layers_moves_every_groups_pages():
     (want,) = _run(plain, [(prompt, greedy, None)])
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert decode.stats()["kv_transfer_pulls"] == 1 and _all_free(decode)
+
+
+def test_copies_held_for_pulls_stay_under_half_the_pool(model):
+    """Offers nobody pulls (a flood of prefills) are given up oldest first past half the pool's
+    pages, not held for their whole TTL."""
+    prefill = _engine(model, kv_role="prefill")
+    cap = prefill.kv_cache.num_usable_pages // 2
+    prompts = [[(3 * i + j) % 400 + 1 for j in range(41)] for i in range(6)]  # 11 pages each
+    assert all(sum(t.count("1") for t in x["tables"]) == 11 for x in _prefill(prefill, prompts))
+    assert 6 * 11 > cap and _wait(lambda: prefill.stats()["kv_transfer_offers_held"] == cap // 11)
+    assert prefill.stats()["kv_transfer_offers_expired"] == 6 - cap // 11
