@@ -53,7 +53,8 @@ class LoadConfig:
     quantize_embedding: bool = option(False, "with int8 / int4: the embedding and LM head quantized too", form=ENABLE)
     quantization_group_size: int | None = option(
         None,
-        "inputs sharing one scale: int4 (default 64; 32, 64, 128...) and int8 (default: one scale per output channel)",
+        "inputs sharing one scale: int4 (default 64, a GGUF source's block width on one; 32, 64, 128...) "
+        "and int8 (default: one scale per output channel)",
     )
 
     def __post_init__(self):

@@ -30,6 +30,7 @@ from jaxinfer.models.layers import Fields
 from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
 from jaxinfer.models.specs import TensorSpec
 from jaxinfer.quant import QuantConfig, QuantizedWeight, join_components, quantize_field, resolve, stored_components
+from jaxinfer.quant.config import gguf_grid
 from jaxinfer.quant.gguf import native_weight
 from sharding import DevicePlacer, Placer
 
@@ -95,11 +96,13 @@ def checkpoint_quantization(
 ) -> QuantConfig | None:
     """The quantization a load ends with (jaxinfer.quant.resolve): an orbax checkpoint saved
     quantized keeps its own; "auto" keeps a GGUF file's blocks on accelerators."""
-    saved = None
+    saved, grid = None, None
     if fmt == ORBAX_FORMAT and isinstance(reader, OrbaxCheckpoint):  # fmt "ours": an orbax reader
         saved = QuantConfig.from_metadata(reader.metadata.get("quantization"))
+    if isinstance(reader, GGUFCheckpoint):  # the blocks its layers' weights sit on
+        grid = gguf_grid({reader.quant_type(name) for name in reader.keys() if name.startswith("blk.")})
     has_linear = family is None or bool(family.linear_inputs)
-    return resolve(asked, fmt, saved, has_linear, jax.default_backend(), where)
+    return resolve(asked, fmt, saved, has_linear, jax.default_backend(), where, grid)
 
 
 def read_fields(

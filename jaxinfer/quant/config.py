@@ -23,6 +23,9 @@ from jaxinfer.quant.weights import QuantizedWeight, quantize_int4, quantize_int8
 METHODS = ("int8", "int4", "gguf")
 CHOICES = ("auto", "none", *METHODS)  # what the API and the CLI accept
 DEFAULT_GROUP_SIZE = 64
+# Weights per block (K-quants: per sub-block) of the GGUF types, the grid their values sit on.
+GGUF_GRIDS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q8_1": 32}
+GGUF_GRIDS.update({"Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16, "Q8_K": 256})
 PARTS = ("values", "scales", "zeros", "offsets")  # a quantized weight's arrays, NAME.values, ...
 # The embedding [V, E] and an untied LM head [E, V], by their input (contracted) axes: every
 # family names them so (ModelParams), and a tied LM head contracts the embedding over E.
@@ -59,12 +62,15 @@ class QuantConfig:
     # Inputs sharing one scale: int4 default 64; int8 default 0 = one scale per output channel.
     group_size: int | None = None
     embedding: bool = False  # int8 / int4: the embedding and LM head quantized too
+    # group_size was left to its default (a GGUF source then aligns it to its blocks: resolve)
+    group_default: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS + ("auto",):
             raise ValueError(f"unknown quantization {self.method!r}; choose one of {list(CHOICES)}")
         if self.group_size is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE if self.method == "int4" else 0)
+            object.__setattr__(self, "group_default", True)
         per_channel = self.group_size == 0 and self.method != "int4" and not isinstance(self.group_size, bool)
         if not per_channel and (
             isinstance(self.group_size, bool)
@@ -113,12 +119,41 @@ class QuantConfig:
         return None
 
 
+def gguf_grid(kinds: set[str]) -> int | None:
+    """The narrowest block (or K-quant sub-block) a GGUF's quantized linear weights sit on: the
+    grid a requantization to int4 must not coarsen (None: float weights, no grid)."""
+    widths = [GGUF_GRIDS[k] for k in kinds if k in GGUF_GRIDS]
+    return min(widths) if widths else None
+
+
+def aligned_to_grid(asked: QuantConfig, grid: int | None, where: str) -> QuantConfig:
+    """int4 of a GGUF whose weights already sit on `grid`-wide blocks: the default group size
+    becomes the grid's (one rounding onto the source's own grid, not a second onto a coarser one);
+    a coarser group asked for by name is refused, naming the one to use."""
+    if asked.method != "int4" or grid is None or asked.group <= grid:
+        return asked
+    if asked.group_default:
+        return dataclasses.replace(asked, group_size=grid, group_default=False)
+    raise ValueError(
+        f"{where}: quantization_group_size={asked.group} would round the GGUF's weights, stored in "
+        f"blocks of {grid}, a second time onto a coarser grid; use quantization_group_size={grid} "
+        "(or quantization='gguf' to keep the file's own blocks)"
+    )
+
+
 def resolve(
-    asked: QuantConfig | None, fmt: str, saved: QuantConfig | None, has_linear: bool, backend: str, where: str
+    asked: QuantConfig | None,
+    fmt: str,
+    saved: QuantConfig | None,
+    has_linear: bool,
+    backend: str,
+    where: str,
+    grid: int | None = None,
 ) -> QuantConfig | None:
     """The quantization a load ends with. `fmt`: "hf", "gguf" or "ours" (orbax, `saved` its own:
     kept, and asking for another is an error); "auto" keeps a GGUF file's blocks on
-    GGUF_NATIVE_BACKENDS when the family can take quantized linear weights, else it is none."""
+    GGUF_NATIVE_BACKENDS when the family can take quantized linear weights, else it is none.
+    `grid`: a GGUF's block width (gguf_grid), which int4 aligns to (aligned_to_grid)."""
     if saved is not None:
         if asked is not None and asked.method != "auto" and asked != saved:
             raise ValueError(
@@ -136,7 +171,7 @@ def resolve(
             f"quantization='gguf' keeps a GGUF file's quantized blocks, but {where} is "
             f"not a GGUF file; use int8 or int4 to quantize it"
         )
-    return asked
+    return aligned_to_grid(asked, grid, where) if fmt == "gguf" else asked
 
 
 def quantize_field(
