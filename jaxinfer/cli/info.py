@@ -13,6 +13,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.config.engine import OPTION_GROUPS
 
 if TYPE_CHECKING:
+    from jaxinfer.loader import LoadedModel
     from jaxinfer.tokenizer import Tokenizer
     from jaxinfer.worker.device_state import DeviceState
 
@@ -45,6 +46,7 @@ def describe(args: argparse.Namespace) -> dict:
             "quantized_storage": quantization_of(model.params),
             "quantized_tensors": quantized_tensors(model.params),
             "param_bytes": param_bytes(state.params),
+            "embedding": _embedding(model),
             "tokenizer": repr(model.tokenizer),
             "tool_call_format": _tool_call_format(args, model.tokenizer),
         },
@@ -73,6 +75,19 @@ def describe(args: argparse.Namespace) -> dict:
         "mesh": None if state.mesh is None else dict(state.mesh.shape),
         "data_replicas": state.num_replicas,
     }
+
+
+def _embedding(model: LoadedModel) -> dict:
+    """The token embedding (counted once in param_bytes, however a tied LM head shares it): tied
+    or not, quantized or not (`--quantize-embedding`, or a GGUF's blocks kept), its bytes."""
+    import jax
+
+    from jaxinfer.quant import QuantizedWeight
+
+    embed = model.params.embed
+    quantized = isinstance(getattr(embed, "base", embed), QuantizedWeight)
+    nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(embed))
+    return {"tied": model.config.tie_word_embeddings, "quantized": quantized, "bytes": nbytes}
 
 
 def _host_tier(state: DeviceState, gib: float) -> dict:

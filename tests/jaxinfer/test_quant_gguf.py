@@ -131,6 +131,8 @@ def test_cli_info_reports_native_blocks(capsys):
     assert model["quantized_tensors"]["w_down"] == {"int4 g32 +offsets": LAYERS}
     assert model["param_bytes"] < 100e6 and model["parameters"] == V * E + LAYERS * LINEAR + LAYERS * 2 * E + E
     assert jnp.dtype(model["dtype"]) == jnp.float32
+    # the tied embedding, once: its Q8_0 blocks kept (int8 + a 2-byte scale per 32, as Q8_0 has it)
+    assert model["embedding"] == {"tied": True, "quantized": True, "bytes": V * E + V * E // 32 * 2}
 
 
 def test_cli_quantize_embedding_needs_int8_or_int4(capsys):
