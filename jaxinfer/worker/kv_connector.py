@@ -77,7 +77,7 @@ class KVConnector:
         self._waiting: list[Pulled] = []  # landed, but the pool had no room yet
         self.num_pulling = 0
         self.counts = dict.fromkeys(("offered", "pages_offered", "pulled_by_peers", "expired"), 0)
-        self.counts.update(dict.fromkeys(("pulls", "pages_pulled", "recomputed"), 0))
+        self.counts.update(dict.fromkeys(("pulls", "pages_pulled"), 0))  # recomputes: Disaggregation counts them
         self._closed = threading.Event()
         threading.Thread(target=self._serve, name="jaxinfer-kv-side-channel", daemon=True).start()
 
