@@ -33,8 +33,21 @@ def model():
     return load_model(FIXTURES / "hf" / "llama3", dtype="float32", with_tokenizer=False)
 
 
+_OPENED: list[Engine] = []
+
+
 def _engine(model, **options):
-    return Engine(model, EngineConfig(**CONFIG, penalties=False, **options), warm_up=False)
+    engine = Engine(model, EngineConfig(**CONFIG, penalties=False, **options), warm_up=False)
+    _OPENED.append(engine)
+    return engine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_connectors():
+    """The module's offers stop expiring (and warning) once it is done, not in a later test."""
+    yield
+    for engine in _OPENED:
+        engine.disagg.close()
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +210,7 @@ def test_the_python_api_carries_the_params(model):
     """LLM.generate takes kv_transfer_params per prompt as vLLM's requests carry them."""
     prefill = LLM(model, warm_up=False, kv_role="prefill", **CONFIG, penalties=False)
     decode = LLM(model, warm_up=False, kv_role="decode", **CONFIG, penalties=False)
+    _OPENED.extend([prefill.engine, decode.engine])
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     first = prefill.generate(
         PROMPTS[:2], SamplingParams(max_tokens=1), kv_transfer_params=dict(PREFILL), use_tqdm=False
