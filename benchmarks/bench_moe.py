@@ -30,7 +30,7 @@ from shapes import SHAPES, active_param_count, random_model  # noqa: E402
 
 from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
-from jaxinfer.quant.config import param_count  # noqa: E402
+from jaxinfer.quant.inspect import param_count  # noqa: E402
 
 
 def measure(shape: str, args) -> dict:

@@ -21,8 +21,8 @@ from jaxinfer.config.sources import pattern_layer_types
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.reading import resolve_dtype
 from jaxinfer.models.registry import get_family
-from jaxinfer.quant.config import param_bytes as quant_param_bytes
-from jaxinfer.quant.config import param_count
+from jaxinfer.quant.inspect import param_bytes as quant_param_bytes
+from jaxinfer.quant.inspect import param_count
 from jaxinfer.quant.weights import QuantizedWeight
 
 _LLAMA3_ROPE = dict(rope_theta=500000.0, max_position_embeddings=131072)

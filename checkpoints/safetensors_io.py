@@ -96,7 +96,7 @@ class SafetensorsCheckpoint:
     """A directory holding model.safetensors, or shards listed in model.safetensors.index.json."""
 
     def __init__(self, directory: str | Path) -> None:
-        directory = Path(directory)
+        directory = self.directory = Path(directory)
         index = directory / INDEX_NAME
         if index.is_file():
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.cli.args import add_engine_args, engine_options
 from jaxinfer.cli.options import read_options
@@ -43,6 +43,7 @@ def describe(args: argparse.Namespace) -> dict:
             "parameters": int(num_params),
             "dtype": str(model.params.embed.dtype),
             "quantization": model.quantization and model.quantization.method,
+            "quantization_scheme": _scheme(model.quantization),
             "quantized_storage": quantization_of(model.params),
             "quantized_tensors": quantized_tensors(model.params),
             "param_bytes": param_bytes(state.params),
@@ -75,6 +76,16 @@ def describe(args: argparse.Namespace) -> dict:
         "mesh": None if state.mesh is None else dict(state.mesh.shape),
         "data_replicas": state.num_replicas,
     }
+
+
+def _scheme(quant: Any) -> str | None:
+    """How a stored checkpoint's layers are quantized, e.g. "compressed-tensors: W4A16 g128"."""
+    if quant is None:
+        return None
+    if quant.stored is not None:
+        return quant.stored.describe()
+    acts = "" if quant.activations is None else ", {} activations per {}".format(*quant.activations)
+    return f"{quant.method}" + (f" g{quant.group}" if quant.group else "") + acts
 
 
 def _embedding(model: LoadedModel) -> dict:

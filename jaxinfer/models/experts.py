@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from jaxinfer.models.layers import gated_mlp
 from jaxinfer.quant import QuantizedWeight, dequantize, einsum
+from jaxinfer.quant.activations import fake_quantized
 from pallas_kernels import target_backend
 from pallas_kernels.common import next_pow2
 from sharding.experts import shard_experts
@@ -169,8 +170,9 @@ def _grouped_matmul(xs: jax.Array, w: Stacked, group_sizes: jax.Array, row_exper
 
     if not isinstance(w, QuantizedWeight):
         return grouped(w)
+    xs = xs if w.activations is None else fake_quantized("ti,xio->to", xs, w.activations)  # W8A8 / FP8
     if w.per_channel_int8:
-        y = grouped(w.values)  # [rows, out...]
+        y = grouped(w.values if w.method == "int8" else w.values.astype(xs.dtype))  # [rows, out...]
         return y * w.scales[:, 0].astype(y.dtype)[row_expert]
     return grouped(dequantize(w, xs.dtype))
 

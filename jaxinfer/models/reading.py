@@ -24,14 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from checkpoints import CheckpointError, CheckpointReader, GGUFCheckpoint, OrbaxCheckpoint
+from checkpoints import CheckpointError, CheckpointReader, GGUFCheckpoint, OrbaxCheckpoint, SafetensorsCheckpoint
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import Fields
 from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
 from jaxinfer.models.specs import TensorSpec
 from jaxinfer.quant import QuantConfig, QuantizedWeight, join_components, quantize_field, resolve, stored_components
+from jaxinfer.quant.compressed import expected_specs, module_of, read_module, stored_quantization
 from jaxinfer.quant.config import gguf_grid
 from jaxinfer.quant.gguf import native_weight
+from jaxinfer.quant.schemes import StoredQuantization
 from sharding import DevicePlacer, Placer
 
 logger = logging.getLogger(__name__)
@@ -102,7 +104,12 @@ def checkpoint_quantization(
     if isinstance(reader, GGUFCheckpoint):  # the blocks its layers' weights sit on
         grid = gguf_grid({reader.quant_type(name) for name in reader.keys() if name.startswith("blk.")})
     has_linear = family is None or bool(family.linear_inputs)
-    return resolve(asked, fmt, saved, has_linear, jax.default_backend(), where, grid)
+    return resolve(asked, fmt, saved, has_linear, jax.default_backend(), where, grid, _stored(reader, where))
+
+
+def _stored(reader: CheckpointReader, where: str) -> StoredQuantization | None:
+    """An HF checkpoint's own quantization (its config.json's quantization_config)."""
+    return stored_quantization(reader.directory, where) if isinstance(reader, SafetensorsCheckpoint) else None
 
 
 def read_fields(
@@ -133,10 +140,20 @@ def read_fields(
         if progress:
             progress(len(specs))
         return top, per_layer
-    _check_tensors(reader, specs, family.ignored_tensors, where)
+    stored = _stored(reader, where)
+    linear = set(family.linear_inputs) | {"lm_head"}
+    checked = specs if stored is None else expected_specs(specs, stored, linear, where)
+    _check_tensors(reader, checked, family.ignored_tensors, where)
     for spec in specs:
         inputs = quant.inputs(spec.field, family.linear_inputs) if quant is not None else None
-        value = _read_field(reader, spec, inputs, quant, resolved, place)
+        scheme = stored.scheme_for(module_of(spec.name)) if stored is not None and spec.field in linear else None
+        if scheme is not None:  # stored quantized: kept as stored where quant says so, else dequantized
+            value = read_module(reader, spec, inputs or (0,), scheme, resolved, inputs is not None, where)
+            value = (
+                value.map(functools.partial(place, spec)) if isinstance(value, QuantizedWeight) else place(spec, value)
+            )
+        else:  # (a stored checkpoint's module outside its schemes is float)
+            value = _read_field(reader, spec, None if stored else inputs, quant, resolved, place)
         (top if spec.layer is None else per_layer[spec.layer])[spec.field] = value
         if progress:
             progress(1)

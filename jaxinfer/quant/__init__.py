@@ -12,15 +12,12 @@ from jaxinfer.quant.config import (
     component_specs,
     flat_arrays,
     join_components,
-    param_bytes,
-    param_count,
-    quantization_of,
     quantize_field,
-    quantized_tensors,
     resolve,
     stored_components,
 )
 from jaxinfer.quant.fuse import fuse, stack, unstack
+from jaxinfer.quant.inspect import param_bytes, param_count, quantization_of, quantized_tensors
 from jaxinfer.quant.out_first import OutFirstWeight
 from jaxinfer.quant.weights import QuantizedWeight, dequantize, einsum, embedding_rows
 

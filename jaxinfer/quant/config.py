@@ -13,15 +13,18 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
-import jax
 import numpy as np
 from jax.typing import DTypeLike
 
 from checkpoints import CheckpointReader
-from jaxinfer.quant.weights import QuantizedWeight, quantize_int4, quantize_int8
+from jaxinfer.quant import schemes
+from jaxinfer.quant.quantize import quantize_int4, quantize_int8
+from jaxinfer.quant.weights import QuantizedWeight
 
 METHODS = ("int8", "int4", "gguf")
-CHOICES = ("auto", "none", *METHODS)  # what the API and the CLI accept
+# Checkpoints stored quantized by another tool, served as stored (quant/schemes.py).
+STORED_METHODS = schemes.METHODS
+CHOICES = ("auto", "none", *METHODS, *STORED_METHODS)  # what the API and the CLI accept
 DEFAULT_GROUP_SIZE = 64
 # Weights per block (K-quants: per sub-block) of the GGUF types, the grid their values sit on.
 GGUF_GRIDS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q8_1": 32}
@@ -47,6 +50,8 @@ class StoredSpec(Protocol):
     @property
     def name(self) -> str: ...
     @property
+    def field(self) -> str: ...
+    @property
     def ckpt_shape(self) -> tuple[int, ...]: ...
     @property
     def to_ours(self) -> Callable[[np.ndarray], np.ndarray]: ...
@@ -55,7 +60,8 @@ class StoredSpec(Protocol):
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """method: "int8" (per output channel, or per group of inputs), "int4" (group-wise, with float
-    offsets), "gguf" (a GGUF file's own quantized blocks kept), or "auto" (resolved per checkpoint
+    offsets), "gguf" (a GGUF file's own quantized blocks kept), a STORED_METHODS checkpoint's own
+    layouts kept (`stored`: its schemes, read from its config), or "auto" (resolved per checkpoint
     by `resolve`)."""
 
     method: str
@@ -64,9 +70,13 @@ class QuantConfig:
     embedding: bool = False  # int8 / int4: the embedding and LM head quantized too
     # group_size was left to its default (a GGUF source then aligns it to its blocks: resolve)
     group_default: bool = dataclasses.field(default=False, compare=False, repr=False)
+    # A stored quantization's schemes (None once saved to orbax: its layouts are in the arrays)
+    # and the quantization its weights' inputs get on the fly, (kind, per) (quant/activations.py).
+    stored: schemes.StoredQuantization | None = dataclasses.field(default=None, compare=False, repr=False)
+    activations: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS + ("auto",):
+        if self.method not in METHODS + STORED_METHODS + ("auto",):
             raise ValueError(f"unknown quantization {self.method!r}; choose one of {list(CHOICES)}")
         if self.group_size is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE if self.method == "int4" else 0)
@@ -101,19 +111,35 @@ class QuantConfig:
         """`group_size` as settled at construction (0: one scale per output channel)."""
         return self.group_size or 0
 
+    @property
+    def per_tensor_layouts(self) -> bool:
+        """Whether each weight has a layout of its own (a GGUF's blocks, a stored checkpoint's
+        schemes), read from its arrays' shapes and dtypes rather than from this config."""
+        return self.method == "gguf" or self.method in STORED_METHODS
+
     def to_metadata(self) -> dict[str, Any]:
-        return {"method": self.method, "group_size": self.group_size or None, "embedding": self.embedding}
+        acts = {} if self.activations is None else {"activations": list(self.activations)}
+        return {"method": self.method, "group_size": self.group_size or None, "embedding": self.embedding, **acts}
 
     @classmethod
     def from_metadata(cls, record: Mapping[str, Any] | None) -> QuantConfig | None:
         if not record:
             return None
-        return cls(record["method"], record.get("group_size"), bool(record.get("embedding", False)))
+        acts, embedding = record.get("activations"), bool(record.get("embedding", False))
+        return cls(record["method"], record.get("group_size"), embedding, activations=acts and tuple(acts))
+
+    @classmethod
+    def of_stored(cls, stored: schemes.StoredQuantization) -> QuantConfig:
+        acts = stored.groups[0][1]
+        activations = None if acts.activations is None else (acts.activations, acts.activations_per)
+        return cls(stored.method, 0, stored=stored, activations=activations)
 
     def inputs(self, field: str, linear_inputs: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
         """The input axes of `field` if this quantization replaces it, else None."""
         if field in linear_inputs:
             return linear_inputs[field]
+        if self.method in STORED_METHODS and field == "lm_head":  # where its scheme targets it
+            return EMBEDDING_INPUTS[field]
         if self.method == "gguf" or self.embedding:
             return EMBEDDING_INPUTS.get(field)
         return None
@@ -149,11 +175,21 @@ def resolve(
     backend: str,
     where: str,
     grid: int | None = None,
+    stored: schemes.StoredQuantization | None = None,
 ) -> QuantConfig | None:
     """The quantization a load ends with. `fmt`: "hf", "gguf" or "ours" (orbax, `saved` its own:
     kept, and asking for another is an error); "auto" keeps a GGUF file's blocks on
     GGUF_NATIVE_BACKENDS when the family can take quantized linear weights, else it is none.
-    `grid`: a GGUF's block width (gguf_grid), which int4 aligns to (aligned_to_grid)."""
+    `grid`: a GGUF's block width (gguf_grid), which int4 aligns to (aligned_to_grid). `stored`:
+    an HF checkpoint's own quantization (compressed-tensors), kept by "auto" or its name on every
+    backend, dequantized by none (None), never requantized."""
+    if stored is not None and asked is not None:
+        if asked.method not in ("auto", stored.method):
+            raise ValueError(
+                f"{where} is stored quantized ({stored.describe()}); it loads as stored (quantization "
+                f"auto or {stored.method}) or dequantized (none), not requantized as {asked.method!r}"
+            )
+        return QuantConfig.of_stored(stored)
     if saved is not None:
         if asked is not None and asked.method != "auto" and asked != saved:
             raise ValueError(
@@ -161,6 +197,8 @@ def resolve(
                 f"it as quantization={asked.method!r} (group size {asked.group_size})"
             )
         return saved
+    if asked is not None and asked.method in STORED_METHODS:
+        raise ValueError(f"quantization={asked.method!r}: {where} is not a {asked.method} checkpoint")
     if asked is None:
         return None
     if asked.method == "auto":
@@ -220,7 +258,7 @@ def stored_components[S: StoredSpec](
     """The checkpoint specs a quantized orbax checkpoint stores `spec` as: our int8 / int4 by
     `component_specs`; a GGUF-native one as the arrays it holds (a tensor GGUF kept float, or
     whose blocks did not fit our layout, is stored float under its own name)."""
-    if quant.method != "gguf":
+    if not quant.per_tensor_layouts:
         specs = component_specs(spec, inputs, quant, scale_dtype)
         if quant.method == "int4" and f"{spec.name}.zeros" in set(reader.keys()):  # saved with zero points
             specs = [
@@ -239,14 +277,18 @@ def join_components(
 ) -> QuantizedWeight:
     """The QuantizedWeight restored as NAME.values, NAME.scales (, NAME.zeros, NAME.offsets)."""
     values, scales = arrays[f"{name}.values"], arrays[f"{name}.scales"]
-    method = "int4" if values.dtype == np.uint8 else "int8"
-    if quant.method == "gguf":
-        group = values.shape[inputs[-1]] * (2 if method == "int4" else 1) // scales.shape[inputs[-1]]
-    else:
+    method = {np.dtype(np.uint8): "int4", np.dtype(np.int8): "int8"}.get(np.dtype(values.dtype), "fp8")
+    if not quant.per_tensor_layouts:
         group = quant.group
-    return QuantizedWeight(
-        values, scales, arrays.get(f"{name}.zeros"), method, inputs, group, arrays.get(f"{name}.offsets"), dtype
-    )
+    elif all(scales.shape[i] == 1 for i in inputs) and quant.method != "gguf":  # one scale per channel
+        group = 0
+    else:
+        n = values.shape[inputs[-1]] * (2 if method == "int4" else 1)
+        group = n // scales.shape[inputs[-1]]
+        if scales.shape[inputs[-1]] == 1 and len(inputs) > 1:  # groups may span rows of the axis before
+            group = n * values.shape[inputs[-2]] // scales.shape[inputs[-2]]
+    zeros, offsets = arrays.get(f"{name}.zeros"), arrays.get(f"{name}.offsets")
+    return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype, quant.activations)
 
 
 def flat_arrays(name: str, value: Any) -> dict[str, Any]:  # value: an array, or a QuantizedWeight
@@ -254,35 +296,3 @@ def flat_arrays(name: str, value: Any) -> dict[str, Any]:  # value: an array, or
     if isinstance(value, QuantizedWeight):
         return {f"{name}.{part}": array for part, array in value.arrays().items()}
     return {name: value}
-
-
-def param_bytes(params: PyTree) -> int:
-    """Bytes of every parameter array (each counted once, however it is split over devices)."""
-    return sum(int(x.nbytes) for x in jax.tree.leaves(params))
-
-
-def param_count(params: PyTree) -> int:
-    """Parameters of the float model the tree stands for (a quantized weight counts its shape)."""
-    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params, is_leaf=is_weight))
-
-
-def quantization_of(params: PyTree) -> str | None:
-    """ "int8", "int4", "mixed" (GGUF blocks of several layouts) or None: how the tree's quantized
-    weights store their integers."""
-    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
-    methods = {x.method for x in jax.tree.leaves(params, is_leaf=is_weight) if is_weight(x)}
-    return None if not methods else methods.pop() if len(methods) == 1 else "mixed"
-
-
-def quantized_tensors(params: PyTree) -> dict[str, dict[str, int]]:
-    """{field: {layout: how many}} of the tree's quantized weights, e.g. {"w_qkv": {"int4 g32
-    +offsets": 30}, "embed": {"int8 g32": 1}} (a field repeats once per layer)."""
-    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
-    found: dict[str, dict[str, int]] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_weight)[0]:
-        if is_weight(leaf):
-            field = next((k.name for k in reversed(path) if isinstance(k, jax.tree_util.GetAttrKey)), str(path))
-            counts = found.setdefault(field, {})
-            counts[leaf.layout()] = counts.get(leaf.layout(), 0) + 1
-    return found

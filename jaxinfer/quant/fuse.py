@@ -40,13 +40,15 @@ def fuse(fn: Callable[..., jax.Array], *weights: Weight) -> Weight:
         dtype = next(w.dtype for w in weights if not isinstance(w, QuantizedWeight))
         return fn(*(dequantize(w, dtype) for w in weights))
     if len({_signature(w) for w in quantized}) > 1:
+        if any(w.method == "fp8" or w.activations != quantized[0].activations for w in quantized):
+            return fn(*(dequantize(w) for w in weights))  # no common layout: the fused weight is float
         quantized = common_layout(quantized)  # every weight is quantized here: the same list
     return jax.tree.map(fn, *quantized)
 
 
 def _signature(w: QuantizedWeight) -> tuple:
     dtypes = tuple(None if a is None else a.dtype for a in (w.values, w.scales, w.zeros, w.offsets))
-    return w.method, w.inputs, w.group, w.dtype, dtypes
+    return w.method, w.inputs, w.group, w.dtype, dtypes, w.activations
 
 
 def common_layout(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
@@ -76,7 +78,15 @@ def common_layout(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
             )
         out.append(
             QuantizedWeight(
-                q.astype(jnp.int8), regroup(w.scales).astype(scale_dtype), None, "int8", inputs, group, offsets, dtype
+                q.astype(jnp.int8),
+                regroup(w.scales).astype(scale_dtype),
+                None,
+                "int8",
+                inputs,
+                group,
+                offsets,
+                dtype,
+                w.activations,
             )
         )
     return out
@@ -112,4 +122,4 @@ def unstack(w: Weight) -> tuple[Weight, ...]:
 
 
 def _relabelled(w: QuantizedWeight, inputs: tuple[int, ...]) -> QuantizedWeight:
-    return QuantizedWeight(w.values, w.scales, w.zeros, w.method, inputs, w.group, w.offsets, w.dtype)
+    return QuantizedWeight(w.values, w.scales, w.zeros, w.method, inputs, w.group, w.offsets, w.dtype, w.activations)

@@ -22,7 +22,8 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxinfer.quant import gguf_blocks
-from jaxinfer.quant.weights import QuantizedWeight, pack_int4
+from jaxinfer.quant.quantize import pack_int4
+from jaxinfer.quant.weights import QuantizedWeight
 
 if TYPE_CHECKING:
     from checkpoints import GGUFCheckpoint
@@ -33,23 +34,32 @@ def repack(
     blocks: gguf_blocks.Blocks, to_ours: Callable[[np.ndarray], np.ndarray], inputs: tuple[int, ...], dtype: DTypeLike
 ) -> QuantizedWeight | None:
     """Blocks in the checkpoint's shape -> a QuantizedWeight in our layout (None if the layout does
-    not keep GGUF's groups whole along our last input axis). `dtype`: the model's float dtype."""
+    not keep the groups whole along our last input axis, or along it and the one before where a
+    group spans several of its rows). `dtype`: the model's float dtype."""
     shape, group = blocks.integers.shape, blocks.group
     size = int(np.prod(shape))
     index = to_ours(np.arange(size, dtype=np.int32 if size < 2**31 else np.int64).reshape(shape))
-    if not _is_permutation(index, size):
+    if not is_permutation(index, size):
         return None
     axis = inputs[-1]
-    if index.shape[axis] % group:
-        return None
-    runs = np.moveaxis(index // group, axis, -1)  # GGUF group of each weight, grouped axis last
+    n, span = index.shape[axis], 1
+    if n % group:  # a group longer than our axis may span rows of the input axis before it
+        if group % n or len(inputs) < 2 or inputs[-2] != axis - 1 or index.shape[axis - 1] % (group // n):
+            return None
+        span = group // n  # (an output projection [H, D, E] whose head_dim D is under the group)
+    merged = index.reshape(index.shape[: axis - 1] + (-1,) + index.shape[axis + 1 :]) if span > 1 else index
+    grouped_axis = axis - 1 if span > 1 else axis
+    runs = np.moveaxis(merged // group, grouped_axis, -1)  # source group of each weight, grouped axis last
     runs = runs.reshape(runs.shape[:-1] + (runs.shape[-1] // group, group))
     if not np.all(runs == runs[..., :1]):
         return None
-    source = np.moveaxis(runs[..., 0], -1, axis)  # [our scale shape]: the GGUF group of each run
+    source = np.moveaxis(runs[..., 0], -1, grouped_axis)  # [our scale shape]: the source group of each run
+    if span > 1:
+        source = np.expand_dims(source, axis)  # [.., H / span, 1, ..]
     take = lambda a: None if a is None else np.ascontiguousarray(a.reshape(-1)[source])  # noqa: E731
     q = blocks.integers.reshape(-1)[index]
-    values = pack_int4(q, axis) if blocks.bits == 4 else np.ascontiguousarray(q.astype(np.int8))
+    q = q.astype(np.int8) if q.dtype.kind in "iu" and blocks.bits == 8 else q  # float8 values stay
+    values = pack_int4(q, axis) if blocks.bits == 4 else np.ascontiguousarray(q)
     return QuantizedWeight(
         values,
         take(blocks.scales),
@@ -62,7 +72,7 @@ def repack(
     )
 
 
-def _is_permutation(index: np.ndarray, size: int) -> bool:
+def is_permutation(index: np.ndarray, size: int) -> bool:
     """Whether `to_ours` only rearranged the weights (every index once, none altered)."""
     if not np.issubdtype(index.dtype, np.integer) or index.size != size:
         return False

@@ -1,13 +1,16 @@
-"""Weight-only quantized linear weights: the pytree, host-side quantizers, and the in-jit einsum.
+"""Quantized linear weights: the pytree and the in-jit einsum (host-side quantizers: quantize.py).
 
     int8: integers q (int8), one scale per output channel (group 0) or per group of `group`
           consecutive inputs: w ~ q * s; our int8 method uses q in [-127, 127].
     int4: q in [0, 15], two per byte (uint8), the even input index in the low nibble, one scale
           per group of `group` consecutive inputs (along the weight's last input axis).
+    fp8:  float8 e4m3 values, one scale per output channel or per group: w ~ v * s.
     Either may carry integer zero points, w ~ (q - z) * s (GGUF Q4_0's constant 8; int4 checkpoints
     saved before offsets), or float offsets added after scaling, w ~ q * s + o (our int4: o is the
     group's minimum; GGUF Q4_1 / Q5_1 mins, the K-quants' -dmin * m); GGUF's blocks are repacked
-    into these layouts by quant/gguf.py.
+    into these layouts by quant/gguf.py, compressed-tensors checkpoints by quant/compressed.py.
+`activations` ("int8" / "fp8", per token or per tensor): the weight's inputs are quantized on the
+fly too (W8A8, FP8_DYNAMIC), as quant/activations.py does before the matmul.
 
 Weights keep our layout [in axes..., out axes...] and `inputs` says which axes are inputs (the
 contracted ones). Scales, zero points and offsets keep the weight's rank: size 1 on the axes they
@@ -24,8 +27,8 @@ wider of it and the scales' dtype (GGUF scales are float16 / float32), then cast
 where several leading weight axes are contracted: `_merged_contraction`); out-first weights (the
 CPU step's layout, out_first.py) and weights contracted on their trailing axes (the tied LM
 head) to `out_first.contract_rows`;
-per-channel int8 runs the dot on the integers converted to the activation dtype and scales its
-output columns; every other layout is dequantized first (its scales vary along the contraction).
+per-channel int8 / fp8 runs the dot on the values converted to the activation dtype and scales
+its output columns; every other layout is dequantized first (its scales vary along the contraction).
 Inside the jitted step XLA fuses the conversion into the dot's operand on GPU/TPU; the weights
 stay quantized in memory. `embedding_rows` gathers rows of a (quantized) embedding, then
 dequantizes only those.
@@ -42,17 +45,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxinfer.quant import activations
 from jaxinfer.quant.lora import LoraWeight, with_lora
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
-INT4_LEVELS = 15
 # A quantized weight's arrays: numpy as the host quantizes them, jax.Array once placed; as a pytree
 # its leaves are also whatever a tree map puts there (shardings, shape structs), so left open.
 Component = Any
 
 
 class QuantizedWeight:
-    """values (int8, or uint8 holding two int4), scales, optional zeros / offsets + static layout."""
+    """values (int8, uint8 holding two int4, or float8), scales, optional zeros / offsets + static
+    layout (and the quantization its inputs get, if any)."""
 
     def __init__(
         self,
@@ -64,10 +68,13 @@ class QuantizedWeight:
         group: int = 0,
         offsets: Component | None = None,
         dtype: DTypeLike | None = None,
+        activations: tuple[str, str] | None = None,
     ):
         self.values, self.scales, self.zeros, self.offsets = values, scales, zeros, offsets
         self.method, self.inputs, self.group = method, tuple(inputs), group
         self.dtype = np.dtype(scales.dtype if dtype is None else dtype)
+        # (kind, "token" | "tensor") of the inputs' quantization, if any
+        self.activations: tuple[str, str] | None = None if activations is None else (activations[0], activations[1])
 
     @property
     def axis(self) -> int:
@@ -84,15 +91,18 @@ class QuantizedWeight:
 
     @property
     def per_channel_int8(self) -> bool:
-        """int8 with one scale per output channel and nothing else: a matmul can run on the
-        integers and scale its output columns."""
-        return self.method == "int8" and not self.group and self.zeros is None and self.offsets is None
+        """int8 (or fp8) with one scale per output channel and nothing else: a matmul can run on
+        the values and scale its output columns."""
+        return self.method in ("int8", "fp8") and not self.group and self.zeros is None and self.offsets is None
 
     def layout(self) -> str:
         """E.g. "int4 g32 +offsets", "int8 per-channel": how the weight is stored."""
         parts = [self.method, f"g{self.group}" if self.group else "per-channel"]
         parts += [] if self.zeros is None else ["+zeros"]
-        return " ".join(parts + ([] if self.offsets is None else ["+offsets"]))
+        parts += [] if self.offsets is None else ["+offsets"]
+        return " ".join(
+            parts + ([] if self.activations is None else ["+{} activations per {}".format(*self.activations)])
+        )
 
     def arrays(self) -> dict[str, jax.Array | np.ndarray]:
         """Its arrays by component name (how a checkpoint stores them)."""
@@ -120,6 +130,7 @@ class QuantizedWeight:
             self.group,
             maybe(self.offsets),
             self.dtype,
+            self.activations,
         )
 
     def __repr__(self) -> str:
@@ -131,82 +142,25 @@ def _flatten_with_keys(
 ) -> tuple[list[tuple[jax.tree_util.FlattenedIndexKey, Component]], tuple[Any, ...]]:
     children = (w.values, w.scales, w.zeros, w.offsets)
     keys = [jax.tree_util.FlattenedIndexKey(i) for i in range(4)]
-    return list(zip(keys, children)), (w.method, w.inputs, w.group, w.dtype)
+    return list(zip(keys, children)), _aux(w)
+
+
+def _aux(w: QuantizedWeight) -> tuple[Any, ...]:
+    return w.method, w.inputs, w.group, w.dtype, w.activations
 
 
 def _unflatten(aux: tuple[Any, ...], children: Iterable[Component]) -> QuantizedWeight:
     values, scales, zeros, offsets = children
-    method, inputs, group, dtype = aux
-    return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype)
+    method, inputs, group, dtype, activations = aux
+    return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype, activations)
 
 
 jax.tree_util.register_pytree_with_keys(
     QuantizedWeight,
     _flatten_with_keys,
     _unflatten,
-    lambda w: ((w.values, w.scales, w.zeros, w.offsets), (w.method, w.inputs, w.group, w.dtype)),
+    lambda w: ((w.values, w.scales, w.zeros, w.offsets), _aux(w)),
 )
-
-
-def quantize_int8(
-    w: np.ndarray, inputs: tuple[int, ...], scale_dtype: DTypeLike, group: int = 0, name: str = "weight"
-) -> QuantizedWeight:
-    """Symmetric: the largest |w| maps to 127, per output channel (group 0: over all input axes)
-    or per group of `group` consecutive inputs along the last input axis."""
-    w32 = np.asarray(w, np.float32)
-    if not group:
-        amax = np.max(np.abs(w32), axis=inputs, keepdims=True)
-        scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-        values = np.clip(np.rint(w32 / scales), -127, 127).astype(np.int8)
-        return QuantizedWeight(values, scales.astype(scale_dtype), None, "int8", inputs)
-    grouped, axis = _grouped(w32, inputs, group, name)
-    amax = np.max(np.abs(grouped), axis=axis + 1, keepdims=True)
-    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    values = np.clip(np.rint(grouped / scales), -127, 127).astype(np.int8).reshape(w32.shape)
-    return QuantizedWeight(values, np.squeeze(scales, axis + 1).astype(scale_dtype), None, "int8", inputs, group)
-
-
-def _grouped(w32: np.ndarray, inputs: tuple[int, ...], group: int, name: str) -> tuple[np.ndarray, int]:
-    """w with its last input axis split into (n / group, group), and that axis."""
-    axis, n = inputs[-1], w32.shape[inputs[-1]]
-    if n % group:
-        raise ValueError(
-            f"quantization_group_size={group} does not divide the input dimension {n} "
-            f"of {name} {tuple(w32.shape)}; choose a group size that divides it"
-        )
-    return w32.reshape(w32.shape[:axis] + (n // group, group) + w32.shape[axis + 1 :]), axis
-
-
-def quantize_int4(
-    w: np.ndarray, inputs: tuple[int, ...], group: int, scale_dtype: DTypeLike, name: str = "weight"
-) -> QuantizedWeight:
-    """Groups of `group` inputs along the last input axis, each mapped onto 0..15 by its own min
-    and max: w ~ q * s + o with o the group's minimum (a float offset, so a group of one sign
-    keeps all 16 levels inside its range; an integer zero point would have to reach 0)."""
-    w32 = np.asarray(w, np.float32)
-    grouped, axis = _grouped(w32, inputs, group, name)
-    lo = grouped.min(axis=axis + 1, keepdims=True)
-    hi = grouped.max(axis=axis + 1, keepdims=True)
-    scales = np.where(hi > lo, (hi - lo) / INT4_LEVELS, 1.0).astype(np.float32)
-    q = np.clip(np.rint((grouped - lo) / scales), 0, INT4_LEVELS).astype(np.uint8).reshape(w32.shape)
-    values = pack_int4(q, axis)
-    return QuantizedWeight(
-        values,
-        np.squeeze(scales, axis + 1).astype(scale_dtype),
-        None,
-        "int4",
-        inputs,
-        group,
-        offsets=np.squeeze(lo, axis + 1).astype(scale_dtype),
-    )
-
-
-def pack_int4(q: np.ndarray, axis: int) -> np.ndarray:
-    """uint8 [.., n, ..] in 0..15 -> uint8 [.., n/2, ..]: each pair along `axis` in one byte, the
-    even index in the low nibble."""
-    q = np.moveaxis(np.asarray(q, np.uint8), axis, 0)
-    packed = q[0::2] | (q[1::2] << 4)
-    return np.ascontiguousarray(np.moveaxis(packed, 0, axis))
 
 
 def unpack_int4(values: jax.Array, axis: int) -> jax.Array:
@@ -224,9 +178,14 @@ def integers(w: QuantizedWeight) -> jax.Array:
 
 def per_weight(w: QuantizedWeight, array: jax.Array) -> jax.Array:
     """A scale-shaped array [.., n/group, ..] repeated over each group: [.., n, ..] (per-channel
-    arrays, of size 1 on the inputs, pass as they are and broadcast)."""
+    arrays, of size 1 on the inputs, pass as they are and broadcast). A group longer than the
+    grouped axis (n) spans group / n rows of the input axis before it: the array [.., m/span, 1, ..]
+    is repeated along that axis and broadcast along the grouped one."""
     if not w.group:
         return array
+    n = w.shape[w.axis]
+    if w.group > n:
+        return jnp.repeat(array, w.group // n, axis=w.inputs[-2])
     return jnp.repeat(array, w.group, axis=w.axis)
 
 
@@ -265,6 +224,10 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWe
         return _merged_contraction(f"{x_letters},{w.spec_letters(w_letters)}->{out}", x, w.t)
     if not isinstance(w, QuantizedWeight):
         return _merged_contraction(spec, x, w)
+    if w.activations is not None:  # W8A8 / FP8 with dynamic activations
+        if activations.uses_int8_matmul(w):
+            return activations.int8_matmul(spec, x, w)
+        x = activations.fake_quantized(spec, x, w.activations)
     if not w.per_channel_int8:
         return jnp.einsum(spec, x, dequantize(w, x.dtype))
     operands, out = spec.split("->")

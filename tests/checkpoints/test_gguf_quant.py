@@ -82,11 +82,17 @@ def test_random_blocks_bit_exact(kind, layout):
     np.testing.assert_array_equal(as_bf16, to_ours(want).astype(jnp.bfloat16).astype(np.float32))
 
 
-def test_layouts_that_split_a_group_are_refused():
+def test_layouts_that_split_a_group_are_refused_and_groups_spanning_heads_kept():
     raw = random_blocks("Q8_0", 8, 64)
     blocks = decode("Q8_0", raw, (8, 64))
-    # Heads of 16 inputs along the grouped axis: a GGUF group of 32 would span two heads.
-    assert repack(blocks, lambda w: w.T.reshape(4, 16, 8), (0, 1), jnp.float32) is None
+    # Heads of 16 inputs along the grouped axis: a GGUF group of 32 spans two whole heads, kept
+    # (scales [2, 1, 8], repeated along the heads); the axes the other way round split the groups.
+    spanning = repack(blocks, lambda w: w.T.reshape(4, 16, 8), (0, 1), jnp.float32)
+    assert spanning is not None and spanning.group == 32 and spanning.scales.shape == (2, 1, 8)
+    want = _gguf_dequantize("Q8_0", raw, (8, 64)).T.reshape(4, 16, 8)
+    np.testing.assert_array_equal(_bits(_engine_dequantize(spanning)), _bits(want))
+    assert repack(blocks, lambda w: w.T.reshape(16, 4, 8), (1, 0), jnp.float32) is None
+    assert repack(blocks, lambda w: w.T.reshape(4, 16, 8).transpose(1, 0, 2), (0, 1), jnp.float32) is None
     assert repack(blocks, lambda w: w.T * 2, (0,), jnp.float32) is None  # not a rearrangement
     assert repack(blocks, lambda w: w.T[:32], (0,), jnp.float32) is None  # drops weights
     with pytest.raises(ValueError, match="Q8_0 blocks of 512 weights do not fill the shape"):

@@ -18,6 +18,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.llm import LLM
 from jaxinfer.loader import load_model
 from jaxinfer.quant import QuantConfig, QuantizedWeight, einsum, param_bytes, quantize_field
+from jaxinfer.quant import quantize as quant_host
 from jaxinfer.quant import weights as quant_weights
 from jaxinfer.quant.config import gguf_grid, resolve
 from jaxinfer.sampling import SamplingParams
@@ -240,8 +241,8 @@ def test_grouped_int8_and_int4_offsets():
     and weights already on such a grid come back exactly."""
     rng = np.random.default_rng(0)
     w = rng.normal(size=(64, 3, 8)).astype(np.float32) * np.exp(rng.normal(size=(64, 1, 1)))  # uneven rows
-    per_channel = quant_weights.quantize_int8(w, (0,), np.float32)
-    grouped = quant_weights.quantize_int8(w, (0,), np.float32, group=16)
+    per_channel = quant_host.quantize_int8(w, (0,), np.float32)
+    grouped = quant_host.quantize_int8(w, (0,), np.float32, group=16)
     assert per_channel.group == 0 and grouped.group == 16 and grouped.scales.shape == (4, 3, 8)
     err = lambda q: float(np.abs(np.asarray(quant_weights.dequantize(q, np.float32)) - w).max())  # noqa: E731
     assert err(grouped) < err(per_channel)
@@ -253,7 +254,7 @@ def test_grouped_int8_and_int4_offsets():
     levels = rng.integers(0, 16, size=(64, 5)).astype(np.float32)
     levels[0], levels[31], levels[32], levels[63] = 0, 15, 0, 15  # each group spans its range
     on_grid = 0.5 + levels * np.repeat(rng.uniform(0.01, 0.1, size=(2, 5)), 32, axis=0)
-    q4 = quant_weights.quantize_int4(on_grid, (0,), 32, np.float32)
+    q4 = quant_host.quantize_int4(on_grid, (0,), 32, np.float32)
     assert q4.zeros is None and q4.offsets is not None
     np.testing.assert_allclose(np.asarray(quant_weights.dequantize(q4, np.float32)), on_grid, rtol=0, atol=1e-6)
 
