@@ -210,3 +210,26 @@ def test_the_benchmarks_writer_is_llm_compressors_output(tmp_path, scheme, name)
     )
     assert stored_quantization(tmp_path, "mine") == stored_quantization(QUANT / name, "theirs")
     assert ours["format"] == stored["format"]
+
+
+def test_convert_keeps_it_quantized_and_info_names_the_scheme(tmp_path, capsys):
+    """`jaxinfer convert` (default --quantization auto) saves the W8A8 checkpoint to orbax as
+    loaded; the orbax load restores the same layouts (activations included) and logits;
+    `jaxinfer info` names the scheme and each field's layout."""
+    from jaxinfer import cli
+
+    dst = tmp_path / "orbax"
+    assert cli.main(["convert", str(QUANT / "w8a8"), str(dst), "--dtype", "float32", "-q"]) == 0
+    stored = load_model(QUANT / "w8a8", dtype="float32", with_tokenizer=False, quantization=QuantConfig("auto"))
+    restored = load_model(dst, dtype="float32", with_tokenizer=False, quantization=QuantConfig("auto"))
+    assert restored.quantization.activations == ("int8", "token")
+    assert quantized_tensors(restored.params) == quantized_tensors(stored.params)
+    prompt = _golden("w8a8")["prompt"]
+    runs = [SingleSequence(m.family, m.config, m.params, max_len=80).greedy(prompt, 4) for m in (stored, restored)]
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    capsys.readouterr()
+    assert cli.main(["info", "--model", str(QUANT / "w4a16_asym_g32"), "--dtype", "float32", "--num-pages", "8"]) == 0
+    info = json.loads(capsys.readouterr().out)["model"]
+    assert info["quantization"] == "compressed-tensors"
+    assert info["quantization_scheme"] == "compressed-tensors: W4A16 g32 asymmetric"
+    assert info["quantized_tensors"]["wo"] == {"int4 g32 +zeros": 2}
