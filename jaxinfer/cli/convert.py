@@ -55,10 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "int8", "int4", "gguf", "compressed-tensors"],
+        choices=["auto", "none", "int8", "int4", "gguf", "compressed-tensors", "gptq", "awq"],
         help="save every linear weight quantized (int8 per output channel, int4 group-wise), "
         "or keep a GGUF file's quantized blocks (gguf); auto keeps a checkpoint stored quantized "
-        "(compressed-tensors) as stored and is none for the rest on the CPU (gguf on accelerators)",
+        "(compressed-tensors, gptq, awq) as stored and is none for the rest on the CPU (gguf on accelerators)",
     )
     p.add_argument(
         "--quantize-embedding", action="store_true", help="with int8 / int4: the embedding and LM head quantized too"

@@ -7,7 +7,7 @@ import dataclasses
 from jaxinfer.options import ENABLE, option
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "compressed-tensors")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "compressed-tensors", "gptq", "awq")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the formats of tokenizer/reasoning.py (a test checks)
 
 
@@ -47,8 +47,8 @@ class LoadConfig:
         "auto",
         "weight-only quantization of every linear layer, applied at load: int8 per output channel, "
         "int4 group-wise with zero points; gguf: keep a GGUF file's quantized blocks; none: dequantize them; "
-        "auto: gguf on accelerators, none on the CPU; a checkpoint stored quantized (compressed-tensors) "
-        "is served as stored by auto or its name, dequantized by none",
+        "auto: gguf on accelerators, none on the CPU; a checkpoint stored quantized (compressed-tensors, "
+        "gptq, awq) is served as stored by auto or its method's name, dequantized by none",
         choices=QUANTIZATIONS,
     )
     quantize_embedding: bool = option(False, "with int8 / int4: the embedding and LM head quantized too", form=ENABLE)

@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxinfer.quant import schemes
+from jaxinfer.quant import gptq_awq, schemes
 from jaxinfer.quant.gguf import is_permutation, repack
 from jaxinfer.quant.gguf_blocks import Blocks
 from jaxinfer.quant.quantize import pack_int4
@@ -63,6 +63,8 @@ def stored_shapes(scheme: WeightScheme, module: str, shape: tuple[int, ...], whe
         raise ValueError(
             f"{where}: {module}: group_size={scheme.group} does not divide its {inputs} inputs (weight {tuple(shape)})"
         )
+    if scheme.format in ("gptq", "gptq_v2", "awq"):
+        return gptq_awq.stored_shapes(scheme, module, out, inputs)
     scale = _scale_shape(scheme, out, inputs)
     if scheme.format == "pack-quantized":
         shapes = {
@@ -195,8 +197,19 @@ def read_module(
     dequantized to `dtype` on the host (float, in our layout)."""
     module = module_of(spec.name)
     shape = spec.ckpt_shape
-    blocks = decode(reader, module, scheme, (shape[0], shape[1]), where)
+    g_idx = None
+    if scheme.format in ("gptq", "gptq_v2", "awq"):
+        blocks, g_idx = gptq_awq.decode(reader, module, scheme, (shape[0], shape[1]))
+    else:
+        blocks = decode(reader, module, scheme, (shape[0], shape[1]), where)
     activations = None if scheme.activations is None else (scheme.activations, scheme.activations_per)
+    if g_idx is not None and keep:  # act-order: input rows sorted into runs of a group each
+        w = _act_order(blocks, g_idx, spec.to_ours, inputs, dtype)
+        if w is not None:
+            return w
+    if g_idx is not None:
+        logger.info("%s: act-order groups that do not sort into runs are dequantized at load", module)
+        return np.ascontiguousarray(spec.to_ours(dequantized(blocks, g_idx)).astype(dtype))
     if keep:
         w = to_ours(blocks, spec.to_ours, inputs, not scheme.group, dtype, activations)
         if w is not None:
@@ -205,11 +218,38 @@ def read_module(
     return np.ascontiguousarray(spec.to_ours(dequantized(blocks)).astype(dtype))
 
 
-def dequantized(blocks: Blocks) -> np.ndarray:
-    """[out, in] decoded -> (q - z) * s, rounded to the scales' dtype as compressed-tensors'
-    `dequantize` computes it (each product of a small integer and a scale is exact in float32)."""
-    per_weight = lambda a: np.repeat(a.astype(np.float32), blocks.group, axis=1)  # noqa: E731
+def dequantized(blocks: Blocks, g_idx: np.ndarray | None = None) -> np.ndarray:
+    """[out, in] decoded -> (q - z) * s in float32, where each product of a small integer and a
+    (float16, bfloat16 or float32) scale is exact: rounded once to a dtype, it is what computing
+    in that dtype gives (compressed-tensors' `dequantize` computes in the scales' dtype).
+    `g_idx`: the group of each input (GPTQ act-order), else runs of `group` inputs."""
+    n = blocks.integers.shape[1]
+    groups = np.arange(n) // blocks.group if g_idx is None else g_idx
+    per_weight = lambda a: a.astype(np.float32)[:, groups]  # noqa: E731
     q = blocks.integers.astype(np.float32)
     if blocks.zeros is not None:
         q = q - per_weight(blocks.zeros)
-    return (q * per_weight(blocks.scales)).astype(blocks.scales.dtype)
+    return q * per_weight(blocks.scales)
+
+
+def _act_order(
+    blocks: Blocks,
+    g_idx: np.ndarray,
+    to_ours_fn: Callable[[np.ndarray], np.ndarray],
+    inputs: tuple[int, ...],
+    dtype: DTypeLike,
+) -> QuantizedWeight | None:
+    """GPTQ act-order kept quantized (quant/act_order.py): the input rows sorted by group, so each
+    group is a run of `group` rows again, and the order kept as the weight's `perm`; None where
+    the groups do not sort into equal runs or our layout does not keep the inputs' order."""
+    out, n = blocks.integers.shape
+    perm = np.argsort(g_idx, kind="stable")
+    if not np.array_equal(g_idx[perm], np.arange(n) // blocks.group) or inputs != tuple(range(len(inputs))):
+        return None
+    order = to_ours_fn(np.broadcast_to(np.arange(n), (out, n)).copy())  # each weight's input, in our layout
+    first = order[(slice(None),) * len(inputs) + (slice(0, 1),) * (order.ndim - len(inputs))]
+    if not (np.array_equal(first.reshape(-1), np.arange(n)) and np.all(order == first)):
+        return None
+    sorted_blocks = Blocks(blocks.integers[:, perm], blocks.scales, blocks.zeros, None, blocks.group, blocks.bits)
+    w = to_ours(sorted_blocks, to_ours_fn, inputs, False, dtype, None)
+    return None if w is None else w.with_perm(perm.astype(np.int32))

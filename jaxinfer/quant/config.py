@@ -29,7 +29,7 @@ DEFAULT_GROUP_SIZE = 64
 # Weights per block (K-quants: per sub-block) of the GGUF types, the grid their values sit on.
 GGUF_GRIDS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q8_1": 32}
 GGUF_GRIDS.update({"Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16, "Q8_K": 256})
-PARTS = ("values", "scales", "zeros", "offsets")  # a quantized weight's arrays, NAME.values, ...
+PARTS = ("values", "scales", "zeros", "offsets", "perm")  # a quantized weight's arrays, NAME.values, ...
 # The embedding [V, E] and an untied LM head [E, V], by their input (contracted) axes: every
 # family names them so (ModelParams), and a tied LM head contracts the embedding over E.
 EMBEDDING_INPUTS = {"embed": (1,), "lm_head": (0,)}
@@ -287,8 +287,8 @@ def join_components(
         group = n // scales.shape[inputs[-1]]
         if scales.shape[inputs[-1]] == 1 and len(inputs) > 1:  # groups may span rows of the axis before
             group = n * values.shape[inputs[-2]] // scales.shape[inputs[-2]]
-    zeros, offsets = arrays.get(f"{name}.zeros"), arrays.get(f"{name}.offsets")
-    return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype, quant.activations)
+    zeros, offsets, perm = (arrays.get(f"{name}.{part}") for part in ("zeros", "offsets", "perm"))
+    return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype, quant.activations, perm)
 
 
 def flat_arrays(name: str, value: Any) -> dict[str, Any]:  # value: an array, or a QuantizedWeight

@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.quant.weights import QuantizedWeight, dequantize, integers, per_weight
 
@@ -39,11 +41,21 @@ def fuse(fn: Callable[..., jax.Array], *weights: Weight) -> Weight:
     if len(quantized) < len(weights):
         dtype = next(w.dtype for w in weights if not isinstance(w, QuantizedWeight))
         return fn(*(dequantize(w, dtype) for w in weights))
+    if any(w.perm is not None for w in quantized):  # act-order: one input order for all, kept
+        perm = quantized[0].perm
+        if any(w.perm is None or not _same(w.perm, perm) for w in quantized):
+            return fn(*(dequantize(w) for w in weights))  # inputs read in different orders: float
+        out = fuse(fn, *(w.with_perm(None) for w in quantized))
+        return out.with_perm(perm) if isinstance(out, QuantizedWeight) else fn(*(dequantize(w) for w in weights))
     if len({_signature(w) for w in quantized}) > 1:
         if any(w.method == "fp8" or w.activations != quantized[0].activations for w in quantized):
             return fn(*(dequantize(w) for w in weights))  # no common layout: the fused weight is float
         quantized = common_layout(quantized)  # every weight is quantized here: the same list
     return jax.tree.map(fn, *quantized)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a.size == b.size and bool(np.array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)))
 
 
 def _signature(w: QuantizedWeight) -> tuple:
@@ -104,7 +116,10 @@ def _regroup(w: QuantizedWeight, array: jax.Array, group: int) -> jax.Array:
 
 def stack(weights: Sequence[Weight], axis: int = 0) -> Weight:
     """jnp.stack(weights, axis) of float or quantized weights (fused as `fuse` does); a quantized
-    result's input axes are renumbered past the new axis."""
+    result's input axes are renumbered past the new axis. Act-order weights stack as float (a
+    mixture's grouped matmuls read their inputs in one order)."""
+    if any(isinstance(w, QuantizedWeight) and w.perm is not None for w in weights):
+        return jnp.stack([dequantize(w) for w in weights], axis)
     out = fuse(lambda *arrays: jnp.stack(arrays, axis), *weights)
     if not isinstance(out, QuantizedWeight):
         return out
@@ -118,8 +133,11 @@ def unstack(w: Weight) -> tuple[Weight, ...]:
     if 0 in w.inputs:
         raise ValueError(f"cannot unstack {w!r} along its input axis 0")
     inputs = tuple(i - 1 for i in w.inputs)
-    return tuple(_relabelled(w.map(operator.itemgetter(i)), inputs) for i in range(w.shape[0]))
+    plain = w.with_perm(None)
+    parts = (_relabelled(plain.map(operator.itemgetter(i)), inputs) for i in range(w.shape[0]))
+    return tuple(p if w.perm is None else p.with_perm(w.perm) for p in parts)
 
 
 def _relabelled(w: QuantizedWeight, inputs: tuple[int, ...]) -> QuantizedWeight:
-    return QuantizedWeight(w.values, w.scales, w.zeros, w.method, inputs, w.group, w.offsets, w.dtype, w.activations)
+    out = QuantizedWeight(w.values, w.scales, w.zeros, w.method, inputs, w.group, w.offsets, w.dtype, w.activations)
+    return out if w.perm is None else out.with_perm(w.perm)

@@ -27,8 +27,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-METHODS = ("compressed-tensors",)
+METHODS = ("compressed-tensors", "gptq", "awq")
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # zero points stored minus one (v1), or as they are
 STRATEGIES = ("tensor", "channel", "group")
 
 
@@ -105,6 +106,10 @@ def parse(config: Mapping[str, Any] | None, where: str) -> StoredQuantization | 
             f"{where}: quantization_config.quant_method={method!r} is not served; "
             f"quantized checkpoints load from {', '.join(METHODS)}, GGUF, or jaxinfer's own orbax"
         )
+    if method == "gptq":
+        return _gptq(config, f"{where}: quantization_config")
+    if method == "awq":
+        return _awq(config, f"{where}: quantization_config")
     _refuse_extras(config, where)
     groups = config.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
@@ -202,3 +207,47 @@ def _activations(acts: Any, at: str) -> tuple[str | None, str]:
     if not acts.get("symmetric", True):
         raise ValueError(f"{at}.input_activations: asymmetric activation quantization is not served")
     return ("int8" if kind == "int" else "fp8"), strategy
+
+
+def _packed_4_8(config: Mapping[str, Any], at: str, bits_allowed: tuple[int, ...]) -> tuple[int, int]:
+    """(bits, group: 0 for one scale per output channel) of a GPTQ / AWQ config, checked."""
+    bits, group = config.get("bits"), config.get("group_size", -1)
+    if bits not in bits_allowed:
+        raise ValueError(f"{at}.bits={bits!r} is not served; one of {list(bits_allowed)}")
+    if group == -1:
+        return bits, 0
+    if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2:
+        raise ValueError(f"{at}.group_size={group!r}: expected -1 (per channel) or an even integer >= 2")
+    return bits, group
+
+
+def _gptq(config: Mapping[str, Any], at: str) -> StoredQuantization:
+    """GPTQ (AutoGPTQ / GPTQModel): 4- or 8-bit packed weights, act-order (`desc_act`) allowed."""
+    bits, group = _packed_4_8(config, at, (4, 8))
+    fmt = config.get("checkpoint_format", "gptq")
+    if fmt not in GPTQ_FORMATS:
+        raise ValueError(f"{at}.checkpoint_format={fmt!r} is not served; one of {list(GPTQ_FORMATS)}")
+    if config.get("lm_head"):
+        raise ValueError(f"{at}.lm_head=true: a quantized LM head is not served")
+    targets: tuple[str, ...] = ("Linear",)
+    blocks = config.get("modules_in_block_to_quantize")
+    if blocks:
+        names = [n for block in blocks for n in (block if isinstance(block, list) else [block])]
+        targets = tuple(f"re:.*\\.{re.escape(str(n))}$" for n in names)
+    sym = bool(config.get("sym", True))
+    scheme = WeightScheme("int", bits, "group" if group else "channel", group, sym, fmt)
+    return StoredQuantization("gptq", ((targets, scheme),), ("lm_head",))
+
+
+def _awq(config: Mapping[str, Any], at: str) -> StoredQuantization:
+    """AutoAWQ GEMM: 4-bit weights packed along the outputs, with zero points."""
+    bits, group = _packed_4_8(config, at, (4,))
+    version = str(config.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"{at}.version={config.get('version')!r} is not served; AutoAWQ's gemm layout is")
+    if not config.get("zero_point", True):
+        raise ValueError(f"{at}.zero_point=false: AWQ without zero points is not served")
+    skipped = config.get("modules_to_not_convert") or []
+    ignore = ("lm_head", *(f"re:.*{re.escape(str(name))}.*" for name in skipped))
+    scheme = WeightScheme("int", bits, "group" if group else "channel", group, False, "awq")
+    return StoredQuantization("awq", ((("Linear",), scheme),), ignore)

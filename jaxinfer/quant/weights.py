@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxinfer.quant import activations
+from jaxinfer.quant import act_order, activations
 from jaxinfer.quant.lora import LoraWeight, with_lora
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
@@ -69,8 +69,10 @@ class QuantizedWeight:
         offsets: Component | None = None,
         dtype: DTypeLike | None = None,
         activations: tuple[str, str] | None = None,
+        perm: Component | None = None,
     ):
         self.values, self.scales, self.zeros, self.offsets = values, scales, zeros, offsets
+        self.perm = perm  # act-order: the original input of each stored input row (act_order.py)
         self.method, self.inputs, self.group = method, tuple(inputs), group
         self.dtype = np.dtype(scales.dtype if dtype is None else dtype)
         # (kind, "token" | "tensor") of the inputs' quantization, if any
@@ -100,6 +102,7 @@ class QuantizedWeight:
         parts = [self.method, f"g{self.group}" if self.group else "per-channel"]
         parts += [] if self.zeros is None else ["+zeros"]
         parts += [] if self.offsets is None else ["+offsets"]
+        parts += [] if self.perm is None else ["+act-order"]
         return " ".join(
             parts + ([] if self.activations is None else ["+{} activations per {}".format(*self.activations)])
         )
@@ -107,6 +110,7 @@ class QuantizedWeight:
     def arrays(self) -> dict[str, jax.Array | np.ndarray]:
         """Its arrays by component name (how a checkpoint stores them)."""
         named = {"values": self.values, "scales": self.scales, "zeros": self.zeros, "offsets": self.offsets}
+        named["perm"] = self.perm
         return {name: array for name, array in named.items() if array is not None}
 
     def devices(self) -> set[jax.Device]:
@@ -131,7 +135,14 @@ class QuantizedWeight:
             maybe(self.offsets),
             self.dtype,
             self.activations,
+            maybe(self.perm),
         )
+
+    def with_perm(self, perm: Component | None) -> QuantizedWeight:
+        """The same weight with `perm` (flat, or any shape of its size) as its act-order."""
+        w = self.map(lambda a: a)
+        w.perm = None if perm is None else act_order.shaped(perm, self.shape, self.inputs)
+        return w
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.layout()}, shape={self.shape}, inputs={self.inputs}, dtype={self.dtype})"
@@ -140,8 +151,8 @@ class QuantizedWeight:
 def _flatten_with_keys(
     w: QuantizedWeight,
 ) -> tuple[list[tuple[jax.tree_util.FlattenedIndexKey, Component]], tuple[Any, ...]]:
-    children = (w.values, w.scales, w.zeros, w.offsets)
-    keys = [jax.tree_util.FlattenedIndexKey(i) for i in range(4)]
+    children = (w.values, w.scales, w.zeros, w.offsets, w.perm)
+    keys = [jax.tree_util.FlattenedIndexKey(i) for i in range(5)]
     return list(zip(keys, children)), _aux(w)
 
 
@@ -150,16 +161,16 @@ def _aux(w: QuantizedWeight) -> tuple[Any, ...]:
 
 
 def _unflatten(aux: tuple[Any, ...], children: Iterable[Component]) -> QuantizedWeight:
-    values, scales, zeros, offsets = children
+    values, scales, zeros, offsets, perm = children
     method, inputs, group, dtype, activations = aux
-    return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype, activations)
+    return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype, activations, perm)
 
 
 jax.tree_util.register_pytree_with_keys(
     QuantizedWeight,
     _flatten_with_keys,
     _unflatten,
-    lambda w: ((w.values, w.scales, w.zeros, w.offsets), _aux(w)),
+    lambda w: ((w.values, w.scales, w.zeros, w.offsets, w.perm), _aux(w)),
 )
 
 
@@ -194,7 +205,12 @@ def dequantize(w: QuantizedWeight | jax.Array, dtype: DTypeLike | None = None) -
     pass through. Computed in the wider of `dtype` and the scales' dtype."""
     if not isinstance(w, QuantizedWeight):
         return w
-    dtype = w.dtype if dtype is None else dtype
+    out = _stored_rows(w, w.dtype if dtype is None else dtype)
+    return out if w.perm is None else act_order.unpermuted(out, w.perm, w.inputs)
+
+
+def _stored_rows(w: QuantizedWeight, dtype: DTypeLike) -> jax.Array:
+    """The float weight in its stored order (act-order: input rows sorted by group)."""
     compute = jnp.promote_types(w.scales.dtype, dtype)
     q = integers(w).astype(compute)
     if w.zeros is not None:
@@ -228,6 +244,8 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWe
         if activations.uses_int8_matmul(w):
             return activations.int8_matmul(spec, x, w)
         x = activations.fake_quantized(spec, x, w.activations)
+    if w.perm is not None:  # act-order: the inputs read in the stored rows' order
+        return jnp.einsum(spec, act_order.permuted_inputs(spec, x, w.perm, w.inputs), _stored_rows(w, x.dtype))
     if not w.per_channel_int8:
         return jnp.einsum(spec, x, dequantize(w, x.dtype))
     operands, out = spec.split("->")
