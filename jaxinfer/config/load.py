@@ -55,7 +55,7 @@ class LoadConfig:
     quantization_group_size: int | None = option(
         None,
         "inputs sharing one scale: int4 (default 64, a GGUF source's block width on one; 32, 64, 128...) "
-        "and int8 (default: one scale per output channel)",
+        "and int8 (default: one scale per output channel; a GGUF source's block width on one)",
     )
 
     def __post_init__(self):

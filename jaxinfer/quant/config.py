@@ -153,10 +153,11 @@ def gguf_grid(kinds: set[str]) -> int | None:
 
 
 def aligned_to_grid(asked: QuantConfig, grid: int | None, where: str) -> QuantConfig:
-    """int4 of a GGUF whose weights already sit on `grid`-wide blocks: the default group size
-    becomes the grid's (one rounding onto the source's own grid, not a second onto a coarser one);
-    a coarser group asked for by name is refused, naming the one to use."""
-    if asked.method != "int4" or grid is None or asked.group <= grid:
+    """int4 / int8 of a GGUF whose weights already sit on `grid`-wide blocks: the default group
+    size (int8's default: one scale per output channel, a step coarser than many of a row's
+    blocks) becomes the grid's (one rounding onto the source's own grid, not a second onto a
+    coarser one); a coarser group asked for by name is refused, naming the one to use."""
+    if asked.method not in ("int4", "int8") or grid is None or 0 < asked.group <= grid:
         return asked
     if asked.group_default:
         return dataclasses.replace(asked, group_size=grid, group_default=False)
