@@ -20,14 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.layout import Layout, with_layout_constraint
-from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.config.kv_layout import kv_layout
 from jaxinfer.quant import einsum
 from jaxinfer.quant.kv_cache import QuantizedKVCache
 from jaxinfer.quant.lora_vocab import vocab_rows
-from jaxinfer.quant.out_first import OutFirstWeight, to_out_first
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.reference import write_kv
 from sharding import shard_paged_attention
@@ -272,19 +270,3 @@ def _with_kv_scales(fn: Callable[..., Any], cache_at: int) -> Callable[..., Any]
         return out[0], dataclasses.replace(cache, pages=out[1])
 
     return call
-
-
-# The float linear weights of a decoder layer, by field, with their input (contracted) axes.
-LAYER_LINEARS = {"w_qkv": (0,), "wo": (0, 1), "w_gate_up": (0,), "w_down": (0,)}
-
-
-def linear_layout[P: DecoderParams](params: P, mesh: Mesh | None) -> P:
-    """The layers' float32 linear weights in the layout the step computes with: output axes first
-    (jaxinfer/quant/out_first.py) on one CPU device without a mesh, where small batches run as
-    streaming reductions; [in..., out...] everywhere else. Either layout converts to the other.
-    (A tied LM head needs no conversion: the embedding [V, E] is already out-first.)"""
-    device = next(iter(jax.tree.leaves(params)[0].devices()))
-    if mesh is None and device.platform == "cpu":
-        return dataclasses.replace(params, layers=tuple(to_out_first(layer, LAYER_LINEARS) for layer in params.layers))
-    stored = lambda w: w.stored() if isinstance(w, OutFirstWeight) else w  # noqa: E731
-    return jax.tree.map(stored, params, is_leaf=lambda w: isinstance(w, OutFirstWeight))

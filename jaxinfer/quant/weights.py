@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxinfer.quant import act_order, activations
+from jaxinfer.quant import act_order, activations, out_first_int8
 from jaxinfer.quant.lora import LoraWeight, with_lora
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
@@ -234,6 +234,8 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWe
     if isinstance(w, LoraWeight):
         y = einsum(spec, x, w.base)
         return y if w.mask is None else with_lora(spec, x, w, y)
+    if isinstance(w, out_first_int8.OutFirstInt8):
+        return out_first_int8.einsum(spec, x, w)
     if isinstance(w, OutFirstWeight):
         operands, out = spec.split("->")
         x_letters, w_letters = operands.split(",")

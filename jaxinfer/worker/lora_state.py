@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.config import LoraConfig, ModelConfig
 from jaxinfer.lora.peft import Adapter
 from jaxinfer.lora.stacking import FIELD_PARTS, layer_slot, served_fields, served_modules, slot_shapes, vocab_slot
-from jaxinfer.models.layers import LAYER_LINEARS
+from jaxinfer.models.linear_layout import LAYER_LINEARS
 from jaxinfer.quant.lora import LoraWeight, lora_axes, lora_name
 from jaxinfer.quant.lora_bind import is_lora
 from jaxinfer.quant.lora_vocab import VocabLora, vocab_axes

@@ -11,7 +11,7 @@ import pytest
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import LoadedModel
-from jaxinfer.models import layers as L
+from jaxinfer.models import linear_layout as L
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import einsum
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows

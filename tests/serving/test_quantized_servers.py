@@ -10,7 +10,7 @@ from serving_support import assert_pages_free, client_of
 from testpaths import FIXTURES
 
 from jaxinfer.llm import LLM
-from jaxinfer.quant import QuantizedWeight
+from jaxinfer.quant.out_first_int8 import OutFirstInt8
 from serving.server import BackgroundServer, ServerOptions
 
 W8A8 = FIXTURES / "quant" / "w8a8"
@@ -20,8 +20,9 @@ TINY = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, token_
 
 def test_both_transports_serve_the_stored_checkpoint():
     llm = LLM(str(W8A8), "float32", **TINY)
+    # the CPU step holds per-channel int8 out-first (quant/out_first_int8.py), its activations kept
     w = llm.engine.worker.state.params.layers[0].w_down
-    assert isinstance(w, QuantizedWeight) and w.activations == ("int8", "token")
+    assert isinstance(w, OutFirstInt8) and w.method == "int8" and w.activations == ("int8", "token")
     prompt, want = GOLDEN["prompt"].tolist(), GOLDEN["greedy"][:12].tolist()
     with BackgroundServer(llm.engine, ServerOptions(port=0, http_port=0, grace_period_s=2.0)) as server:
         http = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="-", max_retries=0)

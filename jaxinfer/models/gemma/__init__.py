@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the model code imports JAX: only when the family is used
 
 def model_code() -> ModelFamily[GemmaParams]:
     """The model code, imported on first use (jaxinfer.models.registry.get_family)."""
-    from jaxinfer.models import layers
+    from jaxinfer.models import linear_layout
     from jaxinfer.models.gemma import model, names
     from jaxinfer.models.registry import ModelFamily
 
@@ -36,7 +36,7 @@ def model_code() -> ModelFamily[GemmaParams]:
         ignored_tensors=names.IGNORED,
         param_axes=model.PARAM_AXES,
         linear_inputs=model.LINEAR_INPUTS,
-        compute_layout=layers.linear_layout,
+        compute_layout=linear_layout.linear_layout,
         traits=(
             "(1 + w) RMSNorm before and after attention and MLP",
             "GELU(tanh)-gated MLP",

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the model code imports JAX: only when the family is used
 
 def model_code() -> ModelFamily[LlamaParams]:
     """The model code, imported on first use (jaxinfer.models.registry.get_family)."""
-    from jaxinfer.models import layers
+    from jaxinfer.models import linear_layout
     from jaxinfer.models.llama import model, names
     from jaxinfer.models.registry import ModelFamily
 
@@ -34,7 +34,7 @@ def model_code() -> ModelFamily[LlamaParams]:
         ignored_tensors=names.IGNORED,
         param_axes=model.PARAM_AXES,
         linear_inputs=model.LINEAR_INPUTS,
-        compute_layout=layers.linear_layout,
+        compute_layout=linear_layout.linear_layout,
     )
 
 

@@ -32,6 +32,7 @@ from jax.typing import DTypeLike
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
 from jaxinfer.models.experts import Experts, moe_mlp
+from jaxinfer.models.linear_layout import linear_layout
 from jaxinfer.models.llama import model as llama
 from jaxinfer.quant import stack, unstack
 
@@ -189,7 +190,7 @@ def compute_layout(params: MoeParams, mesh: Mesh | None) -> MoeParams:
     """The experts in the layout the step computes with (experts.py): per expert on one CPU
     device without a mesh, where only the chosen experts are read; stacked on a mesh (split over
     `expert` and `tensor`) and on accelerators (grouped matmuls). Either layout converts to the other.
-    The dense linear weights follow layers.linear_layout."""
+    The dense linear weights follow models/linear_layout.py."""
     device = next(iter(jax.tree.leaves(params)[0].devices()))
     per_expert = mesh is None and device.platform == "cpu"
 
@@ -202,7 +203,7 @@ def compute_layout(params: MoeParams, mesh: Mesh | None) -> MoeParams:
             return dataclasses.replace(layer, experts_gate_up=stack(gate_up), experts_down=stack(down))
         return layer
 
-    return L.linear_layout(dataclasses.replace(params, layers=tuple(relayout(layer) for layer in params.layers)), mesh)
+    return linear_layout(dataclasses.replace(params, layers=tuple(relayout(layer) for layer in params.layers)), mesh)
 
 
 def _layer(

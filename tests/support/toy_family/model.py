@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from jaxinfer.models import layers as L
+from jaxinfer.models import linear_layout as LL
 from jaxinfer.models.llama import model as llama
 from jaxinfer.models.llama import names as llama_names
 from jaxinfer.models.registry import ModelFamily
@@ -86,6 +87,6 @@ def family() -> ModelFamily:
         ignored_tensors=(),
         param_axes=llama.PARAM_AXES,
         linear_inputs=llama.LINEAR_INPUTS,
-        compute_layout=L.linear_layout,
+        compute_layout=LL.linear_layout,
         traits=("residual branches scaled by 0.5",),
     )
