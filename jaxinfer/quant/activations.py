@@ -7,10 +7,11 @@ checkpoints were calibrated to see them (compressed-tensors' dynamic symmetric s
                    int8 rounds -127.5 to -128 as round-half-to-even does)
 
 `fake_quantized` returns x_q * s in x's dtype, what the layer then multiplies by its weight: the
-output every backend computes. Where the backend has an integer matmul (INT8_MATMUL_BACKENDS), an
-int8 x int8 weight with one scale per output channel runs as one (`int8_matmul`): int32 sums,
+output every backend computes. Where the backend multiplies the quantized operands themselves
+(MATMUL_BACKENDS: int8 on TPUs, float8 on NVIDIA GPUs), a per-channel int8 (fp8) weight whose
+inputs are quantized alike runs as one such matmul (`quantized_matmul`): sums in int32 (float32),
 scaled by s and the weight's column scales after, the same products without the rounding of
-x_q * s. GPUs stay on the float form until measured there (benchmarks/RESULTS.md).
+x_q * s.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import jax.numpy as jnp
 
 QuantizedWeight = Any  # quant/weights.py's, which imports this module (annotated loosely: no cycle)
 RANGES = {"int8": (127.5, -128.0, 127.0), "fp8": (448.0, -448.0, 448.0)}
-INT8_MATMUL_BACKENDS = ("tpu",)
+# Where a matmul runs on the quantized operands themselves (int8 x int8 into int32 on TPU v5e /
+# v6e; float8 x float8 into float32 on NVIDIA's FP8 tensor cores, H100 / H200, to be measured in
+# the GPU issue's list); elsewhere the float form below.
+MATMUL_BACKENDS = {"int8": ("tpu",), "fp8": ("gpu",)}
 
 
 def _contracted(spec: str) -> tuple[str, str, str, str]:
@@ -56,23 +60,24 @@ def fake_quantized(spec: str, x: jax.Array, activations: tuple[str, str]) -> jax
     return q * s
 
 
-def uses_int8_matmul(w: QuantizedWeight) -> bool:
-    return (
-        w.activations is not None
-        and w.activations[0] == "int8"
-        and w.method == "int8"
-        and w.per_channel_int8
-        and jax.default_backend() in INT8_MATMUL_BACKENDS
-    )
+def uses_quantized_matmul(w: QuantizedWeight) -> bool:
+    """Whether `w` (per-channel int8 / fp8 with its inputs quantized alike) multiplies as stored
+    on this backend."""
+    if w.activations is None or w.activations[0] != w.method or not w.per_channel_int8:
+        return False
+    backends = MATMUL_BACKENDS["int8" if w.method == "int8" else "fp8"]
+    return w.method in ("int8", "fp8") and jax.default_backend() in backends
 
 
-def int8_matmul(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """jnp.einsum(spec, x, w) with x quantized to int8 per token and w per-channel int8: int32
-    sums of the integers, scaled by each token's s and each output column's weight scale."""
+def quantized_matmul(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """jnp.einsum(spec, x, w) with x quantized per token as w's inputs are and w per channel:
+    the products summed in int32 (int8) or float32 (fp8) on the stored operands, then scaled by
+    each token's s and each output column's weight scale."""
     assert w.activations is not None
-    q, s = _scaled(spec, x, "int8", w.activations[1])
+    q, s = _scaled(spec, x, w.method, w.activations[1])
     x_letters, w_letters, out, _ = _contracted(spec)
-    y = jnp.einsum(spec, q.astype(jnp.int8), w.values, preferred_element_type=jnp.int32).astype(x.dtype)
+    stored, acc = (jnp.int8, jnp.int32) if w.method == "int8" else (jnp.float8_e4m3fn, jnp.float32)
+    y = jnp.einsum(spec, q.astype(stored), w.values, preferred_element_type=acc).astype(x.dtype)
     w_out = "".join(c for i, c in enumerate(w_letters) if i not in w.inputs)
     free = "".join(c for c in x_letters if c in out)
     assert out == free + w_out, spec  # the linear layers' form: x's free axes, then w's outputs

@@ -243,8 +243,8 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWe
     if not isinstance(w, QuantizedWeight):
         return _merged_contraction(spec, x, w)
     if w.activations is not None:  # W8A8 / FP8 with dynamic activations
-        if activations.uses_int8_matmul(w):
-            return activations.int8_matmul(spec, x, w)
+        if activations.uses_quantized_matmul(w):
+            return activations.quantized_matmul(spec, x, w)
         x = activations.fake_quantized(spec, x, w.activations)
     if w.perm is not None:  # act-order: the inputs read in the stored rows' order
         return jnp.einsum(spec, act_order.permuted_inputs(spec, x, w.perm, w.inputs), _stored_rows(w, x.dtype))

@@ -109,22 +109,24 @@ def test_activations_are_quantized_per_token_as_calibrated():
     assert len(np.unique(np.round(whole / (np.abs(x).max() / 127.5)))) > 100
 
 
-def test_int8_matmul_path_equals_the_float_form(monkeypatch):
-    """W8A8 as a backend with an integer matmul runs it (int8 x int8 summed in int32, scaled after):
-    the same logits as the float form, within float rounding."""
+@pytest.mark.parametrize("name,kind", [("w8a8", "int8"), ("fp8_dynamic", "fp8")])
+def test_quantized_matmul_equals_the_float_form(monkeypatch, name, kind):
+    """W8A8 where the backend multiplies int8 (TPU), FP8_DYNAMIC where it multiplies float8
+    (NVIDIA): the products summed on the stored operands (int32 / float32), scaled after; the
+    same logits as the float form within float rounding, the same tokens."""
     from jaxinfer.quant import activations
 
-    golden = _golden("w8a8")
-    model = load_model(QUANT / "w8a8", dtype="float32", with_tokenizer=False, quantization=QuantConfig("auto"))
+    golden = _golden(name)
+    model = load_model(QUANT / name, dtype="float32", with_tokenizer=False, quantization=QuantConfig("auto"))
     runs = []
     for backends in ((), (jax.default_backend(),)):
-        monkeypatch.setattr(activations, "INT8_MATMUL_BACKENDS", backends)
-        assert activations.uses_int8_matmul(model.params.layers[0].wo) == bool(backends)
+        monkeypatch.setitem(activations.MATMUL_BACKENDS, kind, backends)
+        assert activations.uses_quantized_matmul(model.params.layers[0].wo) == bool(backends)
         seq = SingleSequence(model.family, model.config, model.params, max_len=100)
         runs.append(seq.greedy(golden["prompt"], 8))
-    (float_logits, float_greedy), (int_logits, int_greedy) = runs
-    assert np.abs(int_logits - float_logits).max() < 1e-4
-    assert int_greedy == float_greedy == golden["greedy"][:8].tolist()
+    (float_logits, float_greedy), (stored_logits, stored_greedy) = runs
+    assert np.abs(stored_logits - float_logits).max() < 1e-4
+    assert stored_greedy == float_greedy == golden["greedy"][:8].tolist()
 
 
 def _copy(tmp_path, name, edit_config=None, edit_tensors=None):
