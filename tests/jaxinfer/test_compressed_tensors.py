@@ -3,7 +3,6 @@ stored, against compressed-tensors' own decompression and HF transformers' outpu
 
 import hashlib
 import json
-import shutil
 import sys
 
 import jax
@@ -11,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from model_harness import SingleSequence
-from safetensors.numpy import load_file, save_file
+from quant_fixtures import edited_copy
 from testpaths import FIXTURES, TESTS
 
 from checkpoints import CheckpointError, SafetensorsCheckpoint
@@ -129,20 +128,6 @@ def test_quantized_matmul_equals_the_float_form(monkeypatch, name, kind):
     assert stored_greedy == float_greedy == golden["greedy"][:8].tolist()
 
 
-def _copy(tmp_path, name, edit_config=None, edit_tensors=None):
-    target = tmp_path / name
-    shutil.copytree(QUANT / name, target)
-    if edit_config:
-        config = json.loads((target / "config.json").read_text())
-        edit_config(config["quantization_config"])
-        (target / "config.json").write_text(json.dumps(config))
-    if edit_tensors:
-        tensors = load_file(target / "model.safetensors")
-        edit_tensors(tensors)
-        save_file(tensors, target / "model.safetensors")
-    return target
-
-
 def _group(config):
     return config["config_groups"]["group_0"]
 
@@ -163,11 +148,11 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize("edit,match", BAD_CONFIGS)
 def test_what_is_not_served_is_refused_by_name(tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
-        load_model(_copy(tmp_path, "w4a16_g32", edit_config=edit), dtype="float32", with_tokenizer=False)
+        load_model(edited_copy(tmp_path, "w4a16_g32", edit_config=edit), dtype="float32", with_tokenizer=False)
 
 
 def test_static_activation_scales_and_requantizing_are_refused(tmp_path):
-    static = _copy(tmp_path, "w8a8", edit_config=lambda c: _group(c)["input_activations"].update(dynamic=False))
+    static = edited_copy(tmp_path, "w8a8", edit_config=lambda c: _group(c)["input_activations"].update(dynamic=False))
     with pytest.raises(ValueError, match="input_activations.dynamic=false: static activation scales"):
         load_model(static, dtype="float32", with_tokenizer=False)
     with pytest.raises(
@@ -185,13 +170,13 @@ def test_packed_shapes_that_disagree_with_the_config_are_named(tmp_path):
         tensors[f"{module}.weight_packed"] = tensors[f"{module}.weight_packed"][:, :-1].copy()
 
     with pytest.raises(CheckpointError, match=rf"{module}.weight_packed: expected \(64, 16\), found \(64, 15\)"):
-        load_model(_copy(tmp_path, "w4a16_g32", edit_tensors=shrink), dtype="float32", with_tokenizer=False)
+        load_model(edited_copy(tmp_path, "w4a16_g32", edit_tensors=shrink), dtype="float32", with_tokenizer=False)
 
     def drop(tensors):
         del tensors[f"{module}.weight_scale"]
 
     with pytest.raises(CheckpointError, match=rf"missing tensors \(1\): {module}.weight_scale"):
-        load_model(_copy(tmp_path, "w8a8", edit_tensors=drop), dtype="float32", with_tokenizer=False)
+        load_model(edited_copy(tmp_path, "w8a8", edit_tensors=drop), dtype="float32", with_tokenizer=False)
 
 
 @pytest.mark.parametrize("scheme,name", [("W4A16-G32", "w4a16_g32"), ("W8A16", "w8a16"), ("W8A8", "w8a8"),

@@ -2,13 +2,11 @@
 against the library's own unpacking and HF transformers' outputs on the unpacked weights."""
 
 import hashlib
-import json
-import shutil
 
 import numpy as np
 import pytest
 from model_harness import SingleSequence
-from safetensors.numpy import load_file, save_file
+from quant_fixtures import edited_copy
 from testpaths import FIXTURES
 
 from checkpoints import CheckpointError, SafetensorsCheckpoint
@@ -64,20 +62,6 @@ def test_served_as_stored_matches_transformers(name):
     assert greedy == golden["greedy"].tolist()
 
 
-def _copy(tmp_path, name, edit_config=None, edit_tensors=None):
-    target = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
-    shutil.copytree(QUANT / name, target)
-    if edit_config:
-        config = json.loads((target / "config.json").read_text())
-        edit_config(config["quantization_config"])
-        (target / "config.json").write_text(json.dumps(config))
-    if edit_tensors:
-        tensors = load_file(target / "model.safetensors")
-        edit_tensors(tensors)
-        save_file(tensors, target / "model.safetensors")
-    return target
-
-
 BAD = [
     ("gptq_g32", lambda c: c.update(bits=3), r"quantization_config.bits=3 is not served; one of \[4, 8\]"),
     ("gptq_g32", lambda c: c.update(checkpoint_format="marlin"), r"checkpoint_format='marlin' is not served"),
@@ -92,7 +76,7 @@ BAD = [
 @pytest.mark.parametrize("name,edit,match", BAD)
 def test_what_is_not_served_is_refused_by_name(tmp_path, name, edit, match):
     with pytest.raises(ValueError, match=match):
-        load_model(_copy(tmp_path, name, edit_config=edit), dtype="float32", with_tokenizer=False)
+        load_model(edited_copy(tmp_path, name, edit_config=edit), dtype="float32", with_tokenizer=False)
 
 
 def test_tensors_that_disagree_with_the_config_are_named(tmp_path):
@@ -102,14 +86,14 @@ def test_tensors_that_disagree_with_the_config_are_named(tmp_path):
         tensors[f"{module}.qweight"] = tensors[f"{module}.qweight"][:-1].copy()
 
     with pytest.raises(CheckpointError, match=rf"{module}.qweight: expected \(8, 128\), found \(7, 128\)"):
-        load_model(_copy(tmp_path, "gptq_g32", edit_tensors=shrink), dtype="float32", with_tokenizer=False)
+        load_model(edited_copy(tmp_path, "gptq_g32", edit_tensors=shrink), dtype="float32", with_tokenizer=False)
 
     def bad_groups(tensors):
         tensors[f"{module}.g_idx"] = tensors[f"{module}.g_idx"] + 5
 
     with pytest.raises(ValueError, match=rf"{module}.g_idx names groups outside 0..1"):
-        load_model(_copy(tmp_path, "gptq_g32", edit_tensors=bad_groups), dtype="float32", with_tokenizer=False)
-    awq = _copy(tmp_path, "awq_g32", edit_tensors=lambda t: t.pop(f"{module}.qzeros"))
+        load_model(edited_copy(tmp_path, "gptq_g32", edit_tensors=bad_groups), dtype="float32", with_tokenizer=False)
+    awq = edited_copy(tmp_path, "awq_g32", edit_tensors=lambda t: t.pop(f"{module}.qzeros"))
     with pytest.raises(CheckpointError, match=rf"missing tensors \(1\): {module}.qzeros"):
         load_model(awq, dtype="float32", with_tokenizer=False)
 
