@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_session.sh engine  # 1B step loop: decode windows vs single steps, profiled
 #   bash benchmarks/gpu_session.sh engine1b  # 1B step loop, windows of 8, batch 1 and 256 profiled (HLO=1: + HLO; CB=1: CUDA graphs)
 #   bash benchmarks/gpu_session.sh engine8b  # 8B step loop at ~1k context, batch 1 and 256
+#   bash benchmarks/gpu_session.sh quant8b   # 8B at bf16, int4 g64, int8: batch 1 and 64 (three engines)
 #   bash benchmarks/gpu_session.sh loop    # 1B step loop: as is, greedy twin off, launcher thread off; profiled
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
 #   bash benchmarks/gpu_session.sh lmhead  # the LM head's matmul by weight layout (tied or not)
@@ -49,7 +50,7 @@ set -uo pipefail
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b loop moe lmhead threads"
+parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -127,6 +128,13 @@ run_part() {
       $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 256 \
           --new-tokens 192 --profile --profile-batches 1 --token-buckets 1 256 2048 \
           | tee "$out/engine_8b.md" ;;
+    quant8b)  # the 8B shape's weights as bf16, int4 g64 (a W4A16 checkpoint's bytes: GPTQ, AWQ and
+      # compressed-tensors land in this layout) and int8 per channel (W8A16 / W8A8), batch 1 and 64
+      # at ~1k context: the stored-quantization issue's goal, int4 batch 1 faster than bf16
+      for q in none int4 int8; do
+        $py benchmarks/bench_engine.py --shape llama-3.1-8b --prompt-lens 1024 --batches 1 64 \
+            --new-tokens 64 --token-buckets 1 64 2048 --quantization $q | tee "$out/engine_8b_$q.md"
+      done ;;
     loop)  # as is, then the greedy twin off, then the launcher thread off; few buckets, so each
       # engine compiles a handful of variants
       for run in default "greedy-variant off" "dispatch-thread off"; do
