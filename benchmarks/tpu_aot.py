@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from benchmarks.shapes import SHAPES, shape_config  # noqa: E402
 from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.config.kv_layout import kv_layout  # noqa: E402
-from jaxinfer.models.layers import LAYER_LINEARS  # noqa: E402
+from jaxinfer.models.linear_layout import LAYER_LINEARS  # noqa: E402
 from jaxinfer.models.reading import resolve_dtype  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
 from jaxinfer.quant.config import DEFAULT_GROUP_SIZE, QuantConfig, component_shapes  # noqa: E402
