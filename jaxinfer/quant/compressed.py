@@ -159,7 +159,8 @@ def _finish(w: QuantizedWeight, method: str | None, activations: tuple[str, str]
 
 
 def stored_quantization(directory: Path | None, where: str) -> StoredQuantization | None:
-    """The quantization an HF checkpoint directory's config.json says its weights are stored in."""
+    """The quantization an HF checkpoint directory's config.json says its weights are stored in
+    (or, for AutoGPTQ's older checkpoints, its quantize_config.json: a GPTQ config)."""
     path = None if directory is None else Path(directory) / "config.json"
     if path is None or not path.is_file():
         return None
@@ -167,7 +168,15 @@ def stored_quantization(directory: Path | None, where: str) -> StoredQuantizatio
         config = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None  # the config's own reader names the problem
-    return schemes.parse(config.get("quantization_config") if isinstance(config, dict) else None, where)
+    found = config.get("quantization_config") if isinstance(config, dict) else None
+    legacy = path.with_name("quantize_config.json")
+    if not found and legacy.is_file():
+        try:
+            found = {"quant_method": "gptq", **json.loads(legacy.read_text())}
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{legacy}: not a JSON object ({e})") from None
+        where = str(legacy)
+    return schemes.parse(found, where)
 
 
 def expected_specs[S: StoredSpec](specs: list[S], stored: StoredQuantization, linear: set[str], where: str) -> list[S]:

@@ -2,6 +2,7 @@
 against the library's own unpacking and HF transformers' outputs on the unpacked weights."""
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -138,3 +139,18 @@ def test_act_order_survives_convert(tmp_path):
     prompt = _golden("gptq_actorder")["prompt"]
     runs = [SingleSequence(m.family, m.config, m.params, max_len=80).greedy(prompt, 4) for m in (stored, restored)]
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
+
+
+def test_autogptqs_quantize_config_json_is_read(tmp_path):
+    """AutoGPTQ's older checkpoints carry their settings in quantize_config.json, not config.json."""
+    target = edited_copy(tmp_path, "gptq_g32_asym")
+    config = json.loads((target / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    quant.pop("quant_method")
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "quantize_config.json").write_text(json.dumps(quant))
+    model = load_model(target, dtype="float32", with_tokenizer=False, quantization=QuantConfig("auto"))
+    assert model.quantization.method == "gptq" and quantized_tensors(model.params)["wo"] == {"int4 g32 +zeros": 2}
+    (target / "quantize_config.json").write_text(json.dumps({**quant, "bits": 2}))
+    with pytest.raises(ValueError, match=r"quantize_config.json: quantization_config.bits=2 is not served"):
+        load_model(target, dtype="float32", with_tokenizer=False)
