@@ -140,7 +140,7 @@ def read_fields(
         if progress:
             progress(len(specs))
         return top, per_layer
-    stored = _stored(reader, where)
+    stored = quant.stored if quant is not None and quant.stored is not None else _stored(reader, where)
     linear = set(family.linear_inputs) | {"lm_head"}
     checked = specs if stored is None else expected_specs(specs, stored, linear, where)
     _check_tensors(reader, checked, family.ignored_tensors, where)

@@ -65,8 +65,7 @@ def uses_quantized_matmul(w: QuantizedWeight) -> bool:
     on this backend."""
     if w.activations is None or w.activations[0] != w.method or not w.per_channel_int8:
         return False
-    backends = MATMUL_BACKENDS["int8" if w.method == "int8" else "fp8"]
-    return w.method in ("int8", "fp8") and jax.default_backend() in backends
+    return jax.default_backend() in MATMUL_BACKENDS[w.method]  # per_channel_int8: int8 or fp8
 
 
 def quantized_matmul(spec: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:

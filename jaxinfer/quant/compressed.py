@@ -32,7 +32,7 @@ from jax.typing import DTypeLike
 from jaxinfer.quant import gptq_awq, schemes
 from jaxinfer.quant.gguf import is_permutation, repack
 from jaxinfer.quant.gguf_blocks import Blocks
-from jaxinfer.quant.quantize import pack_int4
+from jaxinfer.quant.quantize import pack_int4, unpack_words
 from jaxinfer.quant.schemes import StoredQuantization, WeightScheme
 from jaxinfer.quant.weights import QuantizedWeight
 
@@ -81,12 +81,9 @@ def stored_shapes(scheme: WeightScheme, module: str, shape: tuple[int, ...], whe
     return shapes
 
 
-def _unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """int32 [r, words] -> uint8 [r, n]: the stored (offset) integers, element i at bit i * bits."""
-    raw = np.ascontiguousarray(packed.astype("<i4")).view(np.uint8)  # [r, words * 4] little-endian bytes
-    if bits == 8:
-        return raw[:, :n]
-    return np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(raw.shape[0], -1)[:, :n]
+def _unpacked(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """i32 [r, words] -> uint8 [r, n]: the stored (offset) integers, element i at bit i * bits."""
+    return unpack_words(packed, bits).reshape(packed.shape[0], -1)[:, :n]
 
 
 def decode(reader: Reader, module: str, scheme: WeightScheme, shape: tuple[int, int], where: str) -> Blocks:
@@ -100,10 +97,10 @@ def decode(reader: Reader, module: str, scheme: WeightScheme, shape: tuple[int, 
         stored = tuple(int(n) for n in np.asarray(reader.get(f"{module}.weight_shape")).reshape(-1))
         if stored != (out, inputs):
             raise ValueError(f"{where}: {module}.weight_shape={list(stored)} is not the model's {[out, inputs]}")
-        q = _unpack(np.asarray(reader.get(f"{module}.weight_packed")), scheme.bits, inputs)
+        q = _unpacked(np.asarray(reader.get(f"{module}.weight_packed")), scheme.bits, inputs)
         if not scheme.symmetric:
             packed = np.asarray(reader.get(f"{module}.weight_zero_point"))
-            zeros = np.ascontiguousarray(_unpack(packed.T, scheme.bits, scales.shape[0]).T)
+            zeros = np.ascontiguousarray(_unpacked(packed.T, scheme.bits, scales.shape[0]).T)
         if scheme.bits == 8:  # signed, the offset taken off (zero points alike)
             q = (q.astype(np.int16) - 128).astype(np.int8)
             zeros = None if zeros is None else (zeros.astype(np.int16) - 128).astype(np.int8)
@@ -147,9 +144,8 @@ def to_ours(
     take = lambda a: None if a is None else np.ascontiguousarray(a[:, 0][first])  # noqa: E731
     q = blocks.integers.reshape(-1)[index]
     values = pack_int4(q, inputs[-1]) if blocks.bits == 4 else np.ascontiguousarray(q)
-    kind = "int4" if blocks.bits == 4 else "int8"
-    w = QuantizedWeight(values, take(blocks.scales), take(blocks.zeros), kind, inputs, 0, None, dtype)
-    return _finish(w, method, activations)
+    kind = method or ("int4" if blocks.bits == 4 else "int8")
+    return QuantizedWeight(values, take(blocks.scales), take(blocks.zeros), kind, inputs, 0, None, dtype, activations)
 
 
 def _finish(w: QuantizedWeight, method: str | None, activations: tuple[str, str] | None) -> QuantizedWeight:

@@ -41,15 +41,16 @@ def fuse(fn: Callable[..., jax.Array], *weights: Weight) -> Weight:
     if len(quantized) < len(weights):
         dtype = next(w.dtype for w in weights if not isinstance(w, QuantizedWeight))
         return fn(*(dequantize(w, dtype) for w in weights))
+    as_float = lambda: fn(*(dequantize(w) for w in weights))  # noqa: E731
     if any(w.perm is not None for w in quantized):  # act-order: one input order for all, kept
         perm = quantized[0].perm
         if any(w.perm is None or not _same(w.perm, perm) for w in quantized):
-            return fn(*(dequantize(w) for w in weights))  # inputs read in different orders: float
+            return as_float()  # inputs read in different orders
         out = fuse(fn, *(w.with_perm(None) for w in quantized))
-        return out.with_perm(perm) if isinstance(out, QuantizedWeight) else fn(*(dequantize(w) for w in weights))
+        return out.with_perm(perm) if isinstance(out, QuantizedWeight) else as_float()
     if len({_signature(w) for w in quantized}) > 1:
         if any(w.method == "fp8" or w.activations != quantized[0].activations for w in quantized):
-            return fn(*(dequantize(w) for w in weights))  # no common layout: the fused weight is float
+            return as_float()  # no common layout
         quantized = common_layout(quantized)  # every weight is quantized here: the same list
     return jax.tree.map(fn, *quantized)
 
@@ -133,11 +134,9 @@ def unstack(w: Weight) -> tuple[Weight, ...]:
     if 0 in w.inputs:
         raise ValueError(f"cannot unstack {w!r} along its input axis 0")
     inputs = tuple(i - 1 for i in w.inputs)
-    plain = w.with_perm(None)
-    parts = (_relabelled(plain.map(operator.itemgetter(i)), inputs) for i in range(w.shape[0]))
-    return tuple(p if w.perm is None else p.with_perm(w.perm) for p in parts)
+    return tuple(_relabelled(w.map(operator.itemgetter(i)), inputs) for i in range(w.shape[0]))
 
 
 def _relabelled(w: QuantizedWeight, inputs: tuple[int, ...]) -> QuantizedWeight:
-    out = QuantizedWeight(w.values, w.scales, w.zeros, w.method, inputs, w.group, w.offsets, w.dtype, w.activations)
-    return out if w.perm is None else out.with_perm(w.perm)
+    """(Never an act-order weight: those stack as float.)"""
+    return QuantizedWeight(w.values, w.scales, w.zeros, w.method, inputs, w.group, w.offsets, w.dtype, w.activations)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxinfer.quant.gguf_blocks import Blocks
+from jaxinfer.quant.quantize import unpack_words
 from jaxinfer.quant.schemes import WeightScheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column (within 8) each nibble holds
@@ -52,15 +53,6 @@ def stored_shapes(scheme: WeightScheme, module: str, out: int, inputs: int) -> d
     }
 
 
-def _words(packed: np.ndarray, bits: int) -> np.ndarray:
-    """i32 [.., w] -> the values packed in each word, low bits first: [.., w, 32 / bits]."""
-    raw = np.ascontiguousarray(np.asarray(packed).astype("<i4")).view(np.uint8)  # [.., w * 4]
-    raw = raw.reshape(*packed.shape, 4)
-    if bits == 8:
-        return raw
-    return np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(*packed.shape, 8)
-
-
 def decode(reader: Any, module: str, scheme: WeightScheme, shape: tuple[int, int]) -> tuple[Blocks, np.ndarray | None]:
     """(integers [out, in], scales / zeros [out, groups]) of a GPTQ or AWQ module, and its g_idx
     where the groups are not runs of consecutive inputs (act-order), else None."""
@@ -69,14 +61,14 @@ def decode(reader: Any, module: str, scheme: WeightScheme, shape: tuple[int, int
     scales = np.asarray(reader.get(f"{module}.scales"))
     qweight, qzeros = np.asarray(reader.get(f"{module}.qweight")), np.asarray(reader.get(f"{module}.qzeros"))
     if scheme.format == "awq":
-        q = _words(qweight, bits)[..., AWQ_UNORDER].reshape(inputs, out)
-        zeros = _words(qzeros, bits)[..., AWQ_UNORDER].reshape(scales.shape).astype(np.int16)
+        q = unpack_words(qweight, bits)[..., AWQ_UNORDER].reshape(inputs, out)
+        zeros = unpack_words(qzeros, bits)[..., AWQ_UNORDER].reshape(scales.shape).astype(np.int16)
         g_idx = None
     else:
-        q = _words(qweight, bits).transpose(0, 2, 1).reshape(inputs, out)  # word rows -> input rows
+        q = unpack_words(qweight, bits).transpose(0, 2, 1).reshape(inputs, out)  # word rows -> input rows
         if scheme.format == "gptq":  # v1: each zero point stored minus one, borrowing across the word
             qzeros = ((qzeros.astype(np.int64) + V1_OFFSET[bits]) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
-        zeros = _words(qzeros, bits).reshape(scales.shape[0], -1)[:, :out].astype(np.int16)
+        zeros = unpack_words(qzeros, bits).reshape(scales.shape[0], -1)[:, :out].astype(np.int16)
         g_idx = np.asarray(reader.get(f"{module}.g_idx")).astype(np.int64)
         if g_idx.min() < 0 or g_idx.max() >= scales.shape[0]:
             raise ValueError(f"{module}.g_idx names groups outside 0..{scales.shape[0] - 1}")

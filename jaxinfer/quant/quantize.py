@@ -71,3 +71,12 @@ def pack_int4(q: np.ndarray, axis: int) -> np.ndarray:
     q = np.moveaxis(np.asarray(q, np.uint8), axis, 0)
     packed = q[0::2] | (q[1::2] << 4)
     return np.ascontiguousarray(np.moveaxis(packed, 0, axis))
+
+
+def unpack_words(packed: np.ndarray, bits: int) -> np.ndarray:
+    """i32 [.., w] of 32 / bits values each (4 or 8 bits, low bits first, as compressed-tensors,
+    GPTQ and AWQ pack them) -> uint8 [.., w, 32 / bits]."""
+    raw = np.ascontiguousarray(np.asarray(packed).astype("<i4")).view(np.uint8).reshape(*packed.shape, 4)
+    if bits == 8:
+        return raw
+    return np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(*packed.shape, 8)
