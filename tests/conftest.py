@@ -49,12 +49,16 @@ def pytest_configure(config):
 # Tests that start processes of 8 forced CPU devices each: one worker runs them all under xdist.
 DEVICE_PROCESS_MODULES = ("tests/sharding/", "tests/jaxinfer/test_kv_quant_sharded.py")
 DEVICE_PROCESS_GROUP = "device-processes"
+# Tests that start a local Ray cluster (tests/support/ray_support.py): one worker runs them in turn.
+RAY_MODULES = ("tests/jaxinfer/integrations/", "tests/serving/test_ray_serve.py")
 
 
 def work_unit(nodeid: str) -> str:
     """The unit of work a test belongs to under xdist: its module, or the one group of the
-    modules that start 8-device processes."""
+    modules that start 8-device processes, or the one of the modules that start Ray clusters."""
     path = nodeid.split("::")[0]
+    if path.startswith(RAY_MODULES):
+        return "ray"
     return DEVICE_PROCESS_GROUP if path.startswith(DEVICE_PROCESS_MODULES) else path
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.cli.options import add_option, add_options, read_option, read_options
 from jaxinfer.config import ConfigError, EngineConfig
@@ -121,6 +121,15 @@ def check_reasoning_parser(args: argparse.Namespace) -> None:
         raise ValueError(f"--reasoning-parser {value}: {str(e).split(': ', 1)[1]}") from None
 
 
+def llm_options(args: argparse.Namespace, penalties: bool = True, prompt_logprobs: bool = False) -> dict[str, Any]:
+    """LLM's options as the command line gives them (see make_llm for `penalties`, `prompt_logprobs`)."""
+    check_reasoning_parser(args)
+    options = read_options(args, engine_options())
+    options["penalties"] = options["penalties"] and penalties
+    options["enable_prompt_logprobs"] = options["enable_prompt_logprobs"] or prompt_logprobs
+    return options
+
+
 def make_llm(
     args: argparse.Namespace, penalties: bool = True, warm_up: bool = True, prompt_logprobs: bool = False
 ) -> LLM:
@@ -130,11 +139,7 @@ def make_llm(
     the command itself runs on process 0."""
     from jaxinfer.llm import LLM
 
-    check_reasoning_parser(args)
-    options = read_options(args, engine_options())
-    options["penalties"] = options["penalties"] and penalties
-    options["enable_prompt_logprobs"] = options["enable_prompt_logprobs"] or prompt_logprobs
-    llm = LLM(warm_up=warm_up, **options)
+    llm = LLM(warm_up=warm_up, **llm_options(args, penalties, prompt_logprobs))
     if not llm.engine.is_leader:
         while llm.engine.follow():
             pass

@@ -15,7 +15,7 @@ rejects) gets an output line with "error" naming the problem and the line number
 line is still served. Paths are checked before the model loads.
 
 The input is streamed (at most --max-in-flight requests are read ahead into the engine). With a
-file output the job is exactly once across kills (batch_journal.py): every finished result is
+file output the job is exactly once across kills (jaxinfer/journal.py): every finished result is
 journaled and fsync'ed in OUTPUT.journal, results go in input order to OUTPUT.partial, and the
 partial file is moved over OUTPUT only when complete (an earlier result file at that path is never
 emptied by a job that fails). Rerun the same command after a kill and only the lines the journal
@@ -34,85 +34,25 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from tqdm import tqdm
 
-from jaxinfer.cli.args import add_engine_args, add_sampling_args, check_file, make_llm, sampling_params
-from jaxinfer.cli.batch_journal import Journal, line_key
-from jaxinfer.lora.request import LoRARequest
-from jaxinfer.outputs import logprobs_json
-from jaxinfer.sampling.params import SamplingParams, StructuredOutput, check_logit_bias_vocab, logit_bias_from_json
+from jaxinfer.cli.args import (
+    add_engine_args,
+    add_sampling_args,
+    check_file,
+    llm_options,
+    make_llm,
+    sampling_params,
+)
+from jaxinfer.journal import Journal, line_key
+from jaxinfer.rows import line_error, parse_line, record_of
+from jaxinfer.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
     from jaxinfer.outputs import RequestOutput
-
-_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_LINE_FIELDS = {"id", "prompt", "prompt_token_ids", "messages", "tools", "chat_template_kwargs", "lora"}
-
-
-def parse_line(
-    line: str, lineno: int, defaults: SamplingParams, llm: LLM
-) -> tuple[str, str | list[int], SamplingParams, LoRARequest | None]:
-    """-> (id, prompt or token ids, params, LoRA adapter); ValueError naming the problem."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"line {lineno}: not valid JSON ({e.msg})") from None
-    except RecursionError:
-        raise ValueError(f"line {lineno}: not valid JSON (nested too deeply)") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
-    rid = str(obj.get("id", lineno))
-    unknown = set(obj) - _FIELDS - _LINE_FIELDS
-    if unknown:
-        raise ValueError(f"line {lineno}: unknown fields {sorted(unknown)}")
-    sources = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
-    if len(sources) != 1:
-        raise ValueError(f"line {lineno}: give exactly one of prompt, prompt_token_ids, messages")
-    for key in ("tools", "chat_template_kwargs"):
-        if key in obj and "messages" not in obj:
-            raise ValueError(f"line {lineno}: {key}: only with messages (the chat template takes them)")
-    prompt: str | list[int]
-    if "messages" in obj:
-        prompt = llm.render_chat(
-            obj["messages"], tools=obj.get("tools"), chat_template_kwargs=obj.get("chat_template_kwargs")
-        )
-    elif "prompt" in obj:
-        if not isinstance(obj["prompt"], str):
-            raise ValueError(f"line {lineno}: prompt must be a string")
-        prompt = obj["prompt"]
-    else:
-        prompt = obj["prompt_token_ids"]
-        if not isinstance(prompt, list):
-            raise ValueError(f"line {lineno}: prompt_token_ids must be a list of integers")
-    overrides: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items() if k in _FIELDS}
-    try:
-        if isinstance(overrides.get("structured_output"), dict):  # {"json": {...}} / {"regex": "..."} ...
-            overrides["structured_output"] = StructuredOutput(**overrides["structured_output"])
-        if "logit_bias" in overrides:  # {"50256": -100}: JSON keys are strings
-            overrides["logit_bias"] = logit_bias_from_json(overrides["logit_bias"])
-        params = dataclasses.replace(defaults, **overrides)
-        if llm is not None:  # ids against the vocabulary, before the line is read ahead
-            check_logit_bias_vocab(params, llm.engine.model.config.vocab_size)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"line {lineno}: {e}") from None
-    return rid, prompt, params, _lora(obj.get("lora"), lineno)
-
-
-def _lora(spec: Any, lineno: int) -> LoRARequest | None:
-    """A line's "lora": an adapter's name, or {"name": ..., "path": ...}; None: the base model."""
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        spec = {"name": spec}
-    if not isinstance(spec, dict) or set(spec) - {"name", "path"} or not isinstance(spec.get("name"), str):
-        raise ValueError(f'line {lineno}: lora must be an adapter name or {{"name": ..., "path": ...}}, got {spec!r}')
-    path = spec.get("path", "")
-    if not isinstance(path, str):
-        raise ValueError(f"line {lineno}: lora path must be a string, got {path!r}")
-    return LoRARequest(spec["name"], 1, path)
 
 
 @dataclasses.dataclass
@@ -144,7 +84,7 @@ class _Job:
             if acc.finished:
                 lineno, key, rid = self.in_flight.pop(delta.request_id)
                 del self.outputs[delta.request_id]
-                self.finish(lineno, key, _record(rid, acc))
+                self.finish(lineno, key, record_of(rid, acc))
 
     def finish(self, lineno: int, key: str, record: dict, resumed: bool = False) -> None:
         if self.journal is not None and not resumed:
@@ -158,25 +98,6 @@ class _Job:
         self.bar.update(1)
         while self.order and self.order[0] in self.ready:
             self.out.write(json.dumps(self.ready.pop(self.order.popleft()), ensure_ascii=False) + "\n")
-
-
-def _record(rid: str, out: RequestOutput) -> dict:
-    """A finished request's output line: its outputs (with their logprobs when the line asked
-    for them), usage, and its prompt's logprobs when asked for."""
-    outputs = [
-        {
-            "text": c.text,
-            "token_ids": c.token_ids,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            **({} if c.logprobs is None else {"logprobs": logprobs_json(c.logprobs)}),
-        }
-        for c in out.outputs
-    ]
-    record: dict[str, Any] = {"id": rid, "outputs": outputs, "usage": dataclasses.asdict(out.usage)}
-    if out.prompt_logprobs is not None:
-        record["prompt_logprobs"] = logprobs_json(out.prompt_logprobs)
-    return record
 
 
 def run_batch(
@@ -209,7 +130,7 @@ def run_batch(
                     rid, prompt, params, lora = parse_line(line, lineno, defaults, llm)
                     job.in_flight[llm.engine.add_request(prompt, params, lora_request=lora)] = (lineno, key, rid)
                 except Exception as e:  # noqa: BLE001 - any failure of one line is that line's error
-                    job.finish(lineno, key, {"id": None, "line": lineno, "error": _line_error(e, lineno)})
+                    job.finish(lineno, key, {"id": None, "line": lineno, "error": line_error(e, lineno)})
                 while len(job.in_flight) >= max_in_flight:
                     job.step()
             while job.in_flight:
@@ -217,11 +138,6 @@ def run_batch(
         finally:
             llm.engine.release_followers()
     return job.stats
-
-
-def _line_error(e: Exception, lineno: int) -> str:
-    message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-    return message if message.startswith("line") else f"line {lineno}: {message}"
 
 
 def check_paths(input_path: str, output_path: str) -> None:
@@ -236,6 +152,8 @@ def check_paths(input_path: str, output_path: str) -> None:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        return _cmd_batch_ray(args)
     check_paths(args.input, args.output)
     defaults = sampling_params(args)
     llm = make_llm(args, prompt_logprobs=defaults.prompt_logprobs is not None)
@@ -273,6 +191,37 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0 if stats.served or not stats.failed else 1
 
 
+def _cmd_batch_ray(args: argparse.Namespace) -> int:
+    """The same job through Ray Data (jaxinfer/integrations/ray_batch.py): --input a file, a
+    directory of shards or a URI, --output a local file, exactly once across kills."""
+    if args.output == "-":
+        raise ValueError("--output: --ray writes a file (its journal makes the job resumable), not stdout")
+    check_paths("-" if "://" in args.input or Path(args.input).is_dir() else args.input, args.output)
+    try:
+        import ray.data  # noqa: F401 - the extra is there, or the error says how to get it
+
+        from jaxinfer.integrations import ray_batch
+        from jaxinfer.integrations.ray import JaxinferProcessorConfig, resources_from_json
+    except ImportError as e:
+        raise ValueError(f"--ray needs Ray Data: pip install 'jaxinfer[ray]' ({e})") from None
+    defaults = sampling_params(args)
+    options = llm_options(args, prompt_logprobs=defaults.prompt_logprobs is not None)
+    resources = resources_from_json("--ray-resources", args.ray_resources)
+    config = JaxinferProcessorConfig(
+        model_source=options.pop("model"),
+        engine_kwargs=options,
+        concurrency=args.replicas,
+        batch_size=args.ray_batch_size,
+        max_concurrent_batches=-(-4 * options["max_num_seqs"] // args.ray_batch_size),
+        num_cpus=float(resources.pop("CPU", 1)),
+        num_gpus=float(resources.pop("GPU", 0)),
+        resources=resources,
+        sampling_defaults=defaults,
+    )
+    served, failed, _ = ray_batch.run(config, args.input, args.output, None if args.ray == "auto" else args.ray)
+    return 0 if served or not failed else 1
+
+
 def _count_lines(path: str) -> int:
     """Non-blank lines of the input, read in a streaming pass (for the progress bar's ETA)."""
     with open(path, encoding="utf-8") as f:
@@ -294,6 +243,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="requests read ahead into the engine (default: 4 x --max-num-seqs)",
     )
+    ray = p.add_argument_group("Ray (pip install 'jaxinfer[ray]')")
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="ADDRESS",
+        help="run the job through Ray Data on a Ray cluster: ADDRESS (ray://host:10001 or host:6379), or "
+        "without one the cluster RAY_ADDRESS names or a local one; --input may then be a directory of "
+        "*.jsonl shards or a gs:// / s3:// URI",
+    )
+    ray.add_argument("--replicas", type=int, default=1, help="engine replicas (Ray actors, one LLM each)")
+    ray.add_argument(
+        "--ray-resources",
+        default='{"CPU": 1}',
+        metavar="JSON",
+        help='what one replica holds, as Ray counts it: e.g. \'{"TPU": 4}\' or \'{"CPU": 4, "GPU": 1}\'',
+    )
+    ray.add_argument("--ray-batch-size", type=int, default=16, help="lines per batch handed to a replica")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_batch)

@@ -12,7 +12,7 @@ import time
 import pytest
 from testpaths import FIXTURES
 
-from jaxinfer.cli.batch_journal import Journal, line_key
+from jaxinfer.journal import Journal, line_key
 
 MODEL = str(FIXTURES / "hf" / "llama3")  # no tokenizer: prompt_token_ids lines
 

@@ -198,7 +198,7 @@ def test_command_line_flag_and_batch_lines():
 
     from jaxinfer.cli import build_parser
     from jaxinfer.cli.args import sampling_params
-    from jaxinfer.cli.batch import parse_line
+    from jaxinfer.rows import parse_line
 
     def bias(*flags, command=("generate", "hi")):
         return sampling_params(build_parser().parse_args([*command, *flags])).logit_bias

@@ -214,7 +214,7 @@ def test_bad_spec_is_refused_at_add_request(llm):
 def test_command_line_flags_and_batch_lines(tmp_path):
     from jaxinfer.cli import build_parser
     from jaxinfer.cli.args import sampling_params
-    from jaxinfer.cli.batch import parse_line
+    from jaxinfer.rows import parse_line
 
     def spec(*flags):
         return sampling_params(build_parser().parse_args(["generate", "hi", *flags])).structured_output

@@ -56,6 +56,9 @@ class Journal:
     def __len__(self) -> int:
         return len(self._index)
 
+    def __contains__(self, lineno: int) -> bool:
+        return lineno in self._index
+
     def done(self, lineno: int, key: str) -> bool:
         """True if the journal holds a result for this line made from the same input text."""
         found = self._index.get(lineno)
