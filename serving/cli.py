@@ -7,6 +7,7 @@
     jaxinfer serve --rate-limit-rpm 60 --rate-limit-tpm 100000 --max-concurrent-per-key 4 \
         --request-log requests.jsonl [--log-prompts]    # per-key limits (both transports), JSON lines
     jaxinfer serve --http-port 8000 --kv-events-endpoint 'tcp://*:5557'   # behind a prefix-aware router
+    jaxinfer serve --ray [ADDRESS] --replicas 2 --http-port 8000   # the HTTP API on Ray Serve (ray_serve.py)
     jaxinfer client ...                                # serving/grpc/client_cli.py
 
 `serve` prints one line "listening on HOST:PORT" on stdout once it accepts calls (with the HTTP
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from serving.grpc.client_cli import TOKEN_ENV, add_client_parser
 from serving.openai.auth import API_KEYS_ENV
+from serving.ray_serve import add_ray_args
 
 if TYPE_CHECKING:  # both import JAX: only when a command runs
     from jaxinfer.engine import Engine
@@ -69,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs, a
     _add_http_args(serve)
     _add_limit_args(serve)
     _add_router_args(serve)
+    add_ray_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     add_client_parser(subparsers, add_sampling_args)
@@ -200,7 +203,7 @@ def _limit_options(args: argparse.Namespace) -> dict:
 
 # --- serve --------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxinfer.cli.args import check_file, make_llm
+    from jaxinfer.cli.args import check_file, llm_options, make_llm
     from serving.grpc.auth import read_token
     from serving.openai.auth import read_api_keys
     from serving.server import ServerOptions
@@ -238,6 +241,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         **_limit_options(args),
         **_router_options(args),
     )
+    if args.ray is not None:  # the HTTP API from replicas on a Ray cluster (serving/ray_serve.py)
+        from serving.ray_serve import serve_on_ray
+
+        return serve_on_ray(args, options, llm_options(args))
     signal.signal(signal.SIGTERM, _terminated_while_starting)
     engine = make_llm(args).engine
     try:
