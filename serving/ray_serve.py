@@ -144,7 +144,7 @@ def build_app(
         }
     else:
         deployment_options["num_replicas"] = num_replicas
-    deployment = serve.deployment(serve.ingress()(JaxinferReplica), **deployment_options)
+    deployment = serve.deployment(**deployment_options)(serve.ingress()(JaxinferReplica))
     return deployment.bind(model, engine_kwargs, options)
 
 
@@ -191,7 +191,7 @@ def serve_on_ray(args: argparse.Namespace, options: ServerOptions, engine_kwargs
     if args.replicas < 1:
         raise ValueError(f"--replicas {args.replicas}: must be >= 1")
     resources = resources_from_json("--ray-resources", args.ray_resources)
-    actor_options = {"num_cpus": resources.pop("CPU", 1.0), "num_gpus": resources.pop("GPU", 0.0)}
+    actor_options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 1.0), "num_gpus": resources.pop("GPU", 0.0)}
     if resources:
         actor_options["resources"] = resources
     ray.init(address=None if args.ray == "auto" else args.ray, log_to_driver=False)

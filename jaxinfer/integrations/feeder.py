@@ -66,7 +66,13 @@ class EngineFeeder:
             if self._pending:
                 self._step()
 
-    def _add(self, prompt, params, lora, future: concurrent.futures.Future) -> None:
+    def _add(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        future: concurrent.futures.Future,
+    ) -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:

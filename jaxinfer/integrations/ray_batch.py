@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any, TypedDict
 
 from tqdm import tqdm
 
@@ -44,9 +44,20 @@ class Shard:
     first_line: int  # the global number of its first line
 
 
+class Chunk(TypedDict):
+    """Lines of one shard for one read task: its bytes [offset, offset + length), numbered from
+    first_line, of which the runs [start, stop) are served."""
+
+    uri: str
+    offset: int
+    length: int
+    first_line: int
+    runs: list[list[int]]
+
+
 @dataclasses.dataclass
 class Plan:
-    chunks: list[dict[str, Any]]  # {"uri", "offset", "length", "first_line", "runs": [[start, stop), ...]}
+    chunks: list[Chunk]
     lines: list[list[int]]  # the runs of every non-blank line number, in order (the output's lines)
     todo: int = 0
     resumed: int = 0
@@ -71,7 +82,7 @@ def shards(uri: str) -> list[Shard]:
     return [Shard(prefix + p, 0) for p in found]
 
 
-def _filesystem(uri: str):
+def _filesystem(uri: str) -> tuple[Any, str]:
     import pyarrow.fs as pafs
 
     if "://" in uri:
@@ -90,7 +101,7 @@ def _lines(uri: str, offset: int = 0, length: int | None = None) -> Iterator[byt
         yield from _stream(f)
 
 
-def _stream(f) -> Iterator[bytes]:
+def _stream(f: IO[bytes]) -> Iterator[bytes]:
     rest = b""
     while block := f.read(1 << 20):
         *whole, rest = (rest + block).split(b"\n")
@@ -109,11 +120,12 @@ def plan(uri: str, journal: Journal, replicas: int = 1) -> Plan:
     out = Plan([], [])
     lineno = 0
     for shard in files:
-        offset, chunk = 0, None
+        offset = 0
+        chunk: Chunk | None = None
         for raw in _lines(shard.uri):
             lineno += 1
             if chunk is None or lineno - chunk["first_line"] >= size:
-                chunk = {"uri": shard.uri, "offset": offset, "length": 0, "first_line": lineno, "runs": []}
+                chunk = Chunk(uri=shard.uri, offset=offset, length=0, first_line=lineno, runs=[])
                 out.chunks.append(chunk)
             offset += len(raw)
             chunk["length"] += len(raw)
@@ -147,7 +159,7 @@ def _extend(runs: list[list[int]], n: int) -> None:
 
 
 def read_chunk(chunk: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chunk's lines to serve, as rows {"line", "text"} (run where Ray places the read task)."""
+    """A Chunk's lines to serve, as rows {"line", "text"} (run where Ray places the read task)."""
     wanted = {n for start, stop in chunk["runs"] for n in range(start, stop)}
     rows = []
     for i, raw in enumerate(_lines(chunk["uri"], chunk["offset"], chunk["length"])):
@@ -210,8 +222,8 @@ def _serve(config: JaxinferProcessorConfig, work: Plan, journal: Journal, addres
         ray.init(address=address, log_to_driver=False)
     config.check_cluster()
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver's own progress instead
-    dataset = ray.data.from_items(work.chunks, override_num_blocks=len(work.chunks))
-    dataset = dataset.flat_map(read_chunk, num_cpus=0)  # reads take no core the replicas hold
+    chunks = ray.data.from_items(list(work.chunks), override_num_blocks=len(work.chunks))
+    dataset = chunks.flat_map(read_chunk, num_cpus=0)  # reads take no core the replicas hold
     dataset = dataset.map_batches(
         LineReplica,
         fn_constructor_kwargs={
