@@ -148,6 +148,34 @@ def build_app(
     return deployment.bind(model, engine_kwargs, options)
 
 
+def app_builder(args: dict[str, Any]) -> Application:
+    """Ray Serve's application builder (`serve run serving.ray_serve:app_builder model=...`, or the
+    import_path of a `serve deploy` config / a KubeRay RayService): `args` holds build_app's
+    arguments (model, engine_kwargs, num_replicas, autoscaling, ray_actor_options) and `server`, a
+    mapping of ServerOptions fields (api_keys, served_model_name, max_waiting, ...)."""
+    from serving.server import ServerOptions
+
+    args = dict(args)
+    unknown = set(args) - {"model", "engine_kwargs", "num_replicas", "autoscaling", "ray_actor_options", "server"}
+    if unknown:
+        raise ValueError(f"app_builder: unknown arguments {sorted(unknown)}")
+    server = dict(args.pop("server", None) or {})
+    if "api_keys" in server:
+        server["api_keys"] = tuple(server["api_keys"])
+    try:
+        options = ServerOptions(**{"port": None, "http_port": 0, **server})
+    except TypeError as e:
+        raise ValueError(f"app_builder: server: {e}") from None
+    return build_app(
+        args.get("model"),
+        args.get("engine_kwargs"),
+        num_replicas=int(args.get("num_replicas", 1)),
+        autoscaling=args.get("autoscaling"),
+        options=options,
+        ray_actor_options=args.get("ray_actor_options"),
+    )
+
+
 def add_ray_args(serve: argparse.ArgumentParser) -> None:
     g = serve.add_argument_group("Ray Serve (pip install 'jaxinfer[ray]')")
     g.add_argument(
@@ -190,6 +218,12 @@ def serve_on_ray(args: argparse.Namespace, options: ServerOptions, engine_kwargs
         raise ValueError(f"--max-replicas {args.max_replicas}: must be >= --replicas {args.replicas}")
     if args.replicas < 1:
         raise ValueError(f"--replicas {args.replicas}: must be >= 1")
+    if options.metrics_port is not None:
+        raise ValueError("--metrics-port: not with --ray (each replica's metrics go to Ray's metrics export port)")
+    if options.kv_events_endpoint is not None:
+        raise ValueError(
+            "--kv-events-endpoint: not with --ray (Serve's proxy routes the requests, not a KV-aware router)"
+        )
     resources = resources_from_json("--ray-resources", args.ray_resources)
     actor_options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 1.0), "num_gpus": resources.pop("GPU", 0.0)}
     if resources:

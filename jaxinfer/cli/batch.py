@@ -212,7 +212,8 @@ def _cmd_batch_ray(args: argparse.Namespace) -> int:
         engine_kwargs=options,
         concurrency=args.replicas,
         batch_size=args.ray_batch_size,
-        max_concurrent_batches=-(-4 * options["max_num_seqs"] // args.ray_batch_size),
+        # each replica holds --max-in-flight lines (4 x --max-num-seqs by default), in batches
+        max_concurrent_batches=-(-(args.max_in_flight or 4 * options["max_num_seqs"]) // args.ray_batch_size),
         num_cpus=float(resources.pop("CPU", 1)),
         num_gpus=float(resources.pop("GPU", 0)),
         resources=resources,
@@ -241,7 +242,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-in-flight",
         type=int,
         default=None,
-        help="requests read ahead into the engine (default: 4 x --max-num-seqs)",
+        help="requests read ahead into the engine (default: 4 x --max-num-seqs); with --ray, per replica",
     )
     ray = p.add_argument_group("Ray (pip install 'jaxinfer[ray]')")
     ray.add_argument(

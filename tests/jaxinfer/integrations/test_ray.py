@@ -8,6 +8,7 @@ Llama fixture and its chat template:
 - `jaxinfer batch --ray` over a directory of shards, SIGKILLed mid-run and run again: every id once,
   in input order, identical to `jaxinfer batch` on the joined file; the rerun serves only the lines
   the journal lacked (counted from its summary).
+- Rows under LoRA adapters (a "lora" column, adapters loaded from their paths): PEFT's tokens.
 - A bad config fails fast, naming what is wrong: an unknown engine option, a resource the cluster
   lacks (the Python API and the CLI)."""
 
@@ -21,7 +22,7 @@ import time
 
 import pytest
 from ray_support import RayCluster, replica_pids
-from testpaths import FIXTURES, TINY_SERVE_ARGS
+from testpaths import FIXTURES, TESTS, TINY_SERVE_ARGS
 
 from jaxinfer.cli.batch import run_batch
 from jaxinfer.journal import Journal
@@ -171,3 +172,33 @@ def test_bad_configs_fail_fast_naming_the_problem(cluster, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "x GPU=1 needs 2, but the Ray cluster has 0 GPU" in err, err[-2000:]
     assert time.monotonic() - start < 60  # refused before any actor waits for a GPU
+
+
+def test_rows_under_lora_adapters_match_peft(cluster):
+    """A row's "lora" column picks its adapter (by path, loaded on demand): PEFT's greedy tokens."""
+    import ray
+    import ray.data
+
+    mixed = json.loads((FIXTURES / "lora" / "mixed.json").read_text())
+    rows = [
+        {
+            "id": f"{name}/{i}",
+            "prompt_token_ids": prompt,
+            "lora": None if path is None else {"name": name, "path": str(TESTS.parent / path)},
+        }
+        for name, path in mixed["adapters"].items()
+        for i, prompt in enumerate(mixed["prompts"])
+    ]
+    engine = {**ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    config = JaxinferProcessorConfig(
+        str(FIXTURES / "hf" / "llama3"),
+        engine,
+        batch_size=4,
+        sampling_defaults={"temperature": 0, "max_tokens": mixed["max_new_tokens"], "ignore_eos": True},
+    )
+    ray.init(address=cluster.address, log_to_driver=False)
+    got = {row["id"]: row for row in build_processor(config)(ray.data.from_items(rows)).iter_rows()}
+    ray.shutdown()
+    for name in mixed["adapters"]:
+        for i, want in enumerate(mixed["outputs"][name]):
+            assert got[f"{name}/{i}"]["generated_tokens"] == want, (name, i, got[f"{name}/{i}"]["error"])
