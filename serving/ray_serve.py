@@ -177,28 +177,18 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def add_ray_args(serve: argparse.ArgumentParser) -> None:
-    g = serve.add_argument_group("Ray Serve (pip install 'jaxinfer[ray]')")
-    g.add_argument(
-        "--ray",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="ADDRESS",
-        help="serve the HTTP API from a Ray Serve deployment on a Ray cluster: ADDRESS, or without one the "
-        "cluster RAY_ADDRESS names or a local one; Serve's proxy listens on --http-host/--http-port",
+    from jaxinfer.cli.args import add_ray_args as add_common
+
+    g = add_common(
+        serve,
+        "serve the HTTP API from a Ray Serve deployment (Serve's proxy on --http-host/--http-port)",
+        "engine replicas (with --max-replicas: the fewest)",
     )
-    g.add_argument("--replicas", type=int, default=1, help="engine replicas (with --max-replicas: the fewest)")
     g.add_argument(
         "--max-replicas",
         type=int,
         default=None,
         help="scale between --replicas and this many on ongoing requests (--max-num-seqs per replica)",
-    )
-    g.add_argument(
-        "--ray-resources",
-        default='{"CPU": 1}',
-        metavar="JSON",
-        help='what one replica holds, as Ray counts it: e.g. \'{"TPU": 4}\' or \'{"CPU": 4, "GPU": 1}\'',
     )
 
 

@@ -152,3 +152,26 @@ def release_leaders() -> None:
     """Shuts down the follower processes of every LLM this command built (multi-host runs)."""
     while _LEADERS:
         _LEADERS.pop().engine.release_followers(shutdown=True)
+
+
+def add_ray_args(p: argparse.ArgumentParser, ray_help: str, replicas_help: str) -> argparse._ArgumentGroup:
+    """--ray [ADDRESS], --replicas and --ray-resources (batch and serve on a Ray cluster); the group,
+    for a command's own Ray flags."""
+    g = p.add_argument_group("Ray (pip install 'jaxinfer[ray]')")
+    g.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="ADDRESS",
+        help=f"{ray_help} on a Ray cluster: ADDRESS (host:6379 or ray://host:10001), or without one the "
+        "cluster RAY_ADDRESS names or a local one",
+    )
+    g.add_argument("--replicas", type=int, default=1, help=replicas_help)
+    g.add_argument(
+        "--ray-resources",
+        default='{"CPU": 1}',
+        metavar="JSON",
+        help='what one replica holds, as Ray counts it: e.g. \'{"TPU": 4}\' or \'{"CPU": 4, "GPU": 1}\'',
+    )
+    return g

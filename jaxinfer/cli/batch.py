@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from jaxinfer.cli.args import (
     add_engine_args,
+    add_ray_args,
     add_sampling_args,
     check_file,
     llm_options,
@@ -244,23 +245,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="requests read ahead into the engine (default: 4 x --max-num-seqs); with --ray, per replica",
     )
-    ray = p.add_argument_group("Ray (pip install 'jaxinfer[ray]')")
-    ray.add_argument(
-        "--ray",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="ADDRESS",
-        help="run the job through Ray Data on a Ray cluster: ADDRESS (ray://host:10001 or host:6379), or "
-        "without one the cluster RAY_ADDRESS names or a local one; --input may then be a directory of "
-        "*.jsonl shards or a gs:// / s3:// URI",
-    )
-    ray.add_argument("--replicas", type=int, default=1, help="engine replicas (Ray actors, one LLM each)")
-    ray.add_argument(
-        "--ray-resources",
-        default='{"CPU": 1}',
-        metavar="JSON",
-        help='what one replica holds, as Ray counts it: e.g. \'{"TPU": 4}\' or \'{"CPU": 4, "GPU": 1}\'',
+    ray = add_ray_args(
+        p,
+        "run the job through Ray Data (--input may then be a directory of *.jsonl shards or a gs:// or s3:// URI)",
+        "engine replicas (Ray actors, one LLM each)",
     )
     ray.add_argument("--ray-batch-size", type=int, default=16, help="lines per batch handed to a replica")
     add_engine_args(p)

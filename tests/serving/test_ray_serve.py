@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 from openai_support import REPO, ServedProcess, raw_request, wait_for
-from ray_support import RayCluster, free_port
+from ray_support import free_port, running_cluster
 from testpaths import FIXTURES, TINY_SERVE_ARGS
 
 pytest.importorskip("ray.serve")
@@ -33,9 +33,7 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = RayCluster()
-    yield cluster
-    cluster.stop()
+    yield from running_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,15 @@ class RayCluster:
         subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120)
 
 
+def running_cluster():
+    """A module's cluster fixture: `yield from running_cluster()`."""
+    cluster = RayCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def replica_pids(pattern: str) -> list[int]:
     """Processes whose command line (Ray's process title) matches `pattern`, e.g. a Ray Data
     actor's "MapBatches(RowReplica)"."""

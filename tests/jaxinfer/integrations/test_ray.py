@@ -21,7 +21,7 @@ import sys
 import time
 
 import pytest
-from ray_support import RayCluster, replica_pids
+from ray_support import replica_pids, running_cluster
 from testpaths import FIXTURES, TESTS, TINY_SERVE_ARGS
 
 from jaxinfer.cli.batch import run_batch
@@ -61,9 +61,7 @@ def requests(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = RayCluster()
-    yield cluster
-    cluster.stop()
+    yield from running_cluster()
 
 
 @pytest.fixture(scope="module")
