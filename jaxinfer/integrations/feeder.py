@@ -46,7 +46,7 @@ class EngineFeeder:
         return len(self._pending)
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Ends the thread; requests still in flight get a RuntimeError."""
+        """Ends the thread; requests still in flight are aborted and get a RuntimeError."""
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -60,7 +60,9 @@ class EngineFeeder:
                     break
             for item in items:
                 if item is None:
-                    self._fail_all(RuntimeError("the engine feeder was closed"))
+                    self._abort_all(RuntimeError("the engine feeder was closed"))
+                    while self.engine.has_unfinished():  # the aborts land (and a step in flight)
+                        self.engine.step()
                     return
                 self._add(*item)
             if self._pending:
@@ -87,9 +89,7 @@ class EngineFeeder:
             deltas = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the requests in flight fail; the thread goes on
             logger.exception("engine step failed; failing %d requests in flight", len(self._pending))
-            for rid in list(self._pending):
-                self.engine.abort(rid)
-            self._fail_all(e)
+            self._abort_all(e)
             return
         for delta in deltas:
             entry = self._pending.get(delta.request_id)
@@ -106,7 +106,9 @@ class EngineFeeder:
             else:
                 self._pending[delta.request_id] = (future, acc)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for future, _ in self._pending.values():
+    def _abort_all(self, error: BaseException) -> None:
+        """Every request in flight aborted in the engine and failed with `error`."""
+        for rid, (future, _) in self._pending.items():
+            self.engine.abort(rid)
             future.set_exception(error)
         self._pending.clear()
