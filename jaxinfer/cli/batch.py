@@ -197,6 +197,8 @@ def _cmd_batch_ray(args: argparse.Namespace) -> int:
     directory of shards or a URI, --output a local file, exactly once across kills."""
     if args.output == "-":
         raise ValueError("--output: --ray writes a file (its journal makes the job resumable), not stdout")
+    if args.input == "-":
+        raise ValueError("--input -: --ray reads files (the replicas read their lines), not stdin")
     check_paths("-" if "://" in args.input or Path(args.input).is_dir() else args.input, args.output)
     try:
         import ray.data  # noqa: F401 - the extra is there, or the error says how to get it

@@ -200,3 +200,30 @@ def test_rows_under_lora_adapters_match_peft(cluster):
     for name in mixed["adapters"]:
         for i, want in enumerate(mixed["outputs"][name]):
             assert got[f"{name}/{i}"]["generated_tokens"] == want, (name, i, got[f"{name}/{i}"]["error"])
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"--input": "-"}, "--input -: --ray reads files (the replicas read their lines), not stdin"),
+        ({"--output": "-"}, "--output: --ray writes a file (its journal makes the job resumable), not stdout"),
+        ({"--input": "/no/such"}, "--input /no/such: does not exist"),
+        ({"--input": "EMPTY"}, "a directory with no *.jsonl files"),
+        ({"--ray-resources": "[4]"}, "--ray-resources [4]: not a JSON object"),
+        ({"--max-num-seqs": "0"}, "engine_kwargs: EngineConfig.max_num_seqs must be a positive integer, got 0"),
+    ],
+)
+def test_the_cli_refuses_what_cannot_work_before_ray_starts(tmp_path, capsys, change, error):
+    import ray
+
+    from jaxinfer.cli import main
+
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "empty").mkdir()
+    flags = {"--input": str(tmp_path / "in.jsonl"), "--output": str(tmp_path / "out.jsonl"), **change}
+    if flags["--input"] == "EMPTY":
+        flags["--input"] = str(tmp_path / "empty")
+    argv = ["batch", *ARGS, *(x for kv in flags.items() for x in kv), "--ray", "127.0.0.1:1"]
+    assert main(argv) == 2
+    assert error in capsys.readouterr().err
+    assert not ray.is_initialized()  # refused before connecting to anything
