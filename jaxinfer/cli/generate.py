@@ -55,7 +55,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             checked.append(llm.engine.check_request(prompt, beam or params))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-    llm.engine.warm_up()
+    if llm.engine.worker.swap_cost is not None:  # a host tier times the step at warm-up (its swap cost)
+        llm.engine.warm_up()
+    # Otherwise nothing more is compiled ahead: each variant these prompts need compiles (or is read
+    # from the persistent compilation cache) when the step first needs it, and no other.
     outputs = llm.generate(checked, use_tqdm=sys.stderr.isatty(), lora_request=lora_request(args))
     for out in outputs:
         for completion in out.outputs:

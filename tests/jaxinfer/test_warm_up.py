@@ -128,3 +128,27 @@ def test_the_cli_help_names_the_setting():
     from jaxinfer.cli import build_parser
 
     assert f"{warm_up.THREADS_VAR}=N" in " ".join(build_parser().format_help().split())
+
+
+def test_generate_compiles_only_the_variants_its_prompt_uses(monkeypatch, capsys):
+    """`jaxinfer generate` compiles nothing ahead: a short prompt's steps compile the buckets it
+    meets (counted in the step's jits), not all of them; its answer is the warmed engine's."""
+    from jaxinfer.cli import generate as generate_module
+    from jaxinfer.cli import main
+    from jaxinfer.llm import LLM
+
+    built = []
+    make_llm = generate_module.make_llm
+    monkeypatch.setattr(generate_module, "make_llm", lambda *a, **kw: built.append(make_llm(*a, **kw)) or built[-1])
+    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 8, 32))
+    options |= dict(num_pages=16, num_decode_steps=4, penalties=False)
+    flags = "--max-model-len 128 --max-num-seqs 4 --max-num-batched-tokens 32 --token-buckets 4,8,32 "
+    flags += "--num-pages 16 --num-decode-steps 4 --no-penalties --max-tokens 6 --temperature 0 --ignore-eos"
+    model = str(FIXTURES / "hf" / "llama3_chat")
+    assert main(["generate", "--model", model, "--dtype", "float32", *flags.split(), "Hi there"]) == 0
+    step = built[0].engine.worker.step
+    compiled = step._step._cache_size() + step._window._cache_size()
+    assert 0 < compiled < len(warm_up.step_variants(step)), compiled
+    warmed = LLM(model, dtype="float32", **options)
+    want = warmed.generate("Hi there", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert capsys.readouterr().out == want.outputs[0].text + "\n"
