@@ -70,9 +70,7 @@ class JaxinferProcessorConfig:
     def __post_init__(self):
         try:  # unknown or bad engine options fail here, on the driver, before any actor starts
             EngineConfig(model=self.model_source, **self.engine_kwargs)
-        except TypeError as e:
-            raise ValueError(f"engine_kwargs: {e}") from None
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             raise ValueError(f"engine_kwargs: {e}") from None
         low, high = self.replica_range()
         if not 1 <= low <= high:
