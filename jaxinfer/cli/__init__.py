@@ -1,10 +1,11 @@
-"""The `jaxinfer` command: generate, chat, batch, info and convert; `serve`/`client` come from serving/.
+"""The `jaxinfer` command: generate, chat, batch, info, convert and warm-up; `serve`/`client` come from serving/.
 
     args.py      engine and sampling flags shared by every subcommand, and the LLM they build
     generate.py  generate (prompts -> completions) and chat (interactive)
     batch.py     batch (a JSONL file of requests -> a JSONL file of results)
     info.py      info (model, devices, KV capacity as JSON)
     convert.py   convert (an HF directory or GGUF file -> an orbax checkpoint)
+    warm_up.py   warm-up (every step variant compiled, or read, and kept for later starts)
 
 Generated text goes to stdout alone; logs, progress and errors go to stderr. A user's mistake (a
 bad path, a bad sampling value, an empty prompt) ends with one `error: ...` line and exit code 2.
@@ -21,7 +22,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from jaxinfer.cli import batch, convert, generate, info
+from jaxinfer.cli import batch, convert, generate, info, warm_up
 from jaxinfer.cli.args import USER_ERRORS, add_engine_args, add_sampling_args, make_llm, release_leaders
 from jaxinfer.config.compile import MAX_COMPILE_THREADS, THREADS_VAR
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.register(sub)
     batch.register(sub)
     convert.register(sub)
+    warm_up.register(sub)
     _add_plugins(sub)
     return parser
 

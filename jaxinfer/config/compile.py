@@ -14,6 +14,8 @@ THREADS_VAR = "JAXINFER_COMPILE_THREADS"
 MAX_COMPILE_THREADS = 16
 CACHE_DIR_VAR = "JAXINFER_COMPILATION_CACHE_DIR"
 DEFAULT_CACHE_DIR = "~/.cache/jaxinfer/xla"
+EXECUTABLES_DIR_VAR = "JAXINFER_EXECUTABLE_CACHE_DIR"
+DEFAULT_EXECUTABLES_DIR = "~/.cache/jaxinfer/executables"
 ATTN_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")  # pallas_kernels.dispatch.IMPLS (a test checks)
 
 
@@ -92,6 +94,17 @@ class CompileConfig:
         "directory, or none; auto: $JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla",
         metavar="DIR",
     )
+    # Compiled step variants kept whole (worker/executables.py): a warm start loads each without
+    # tracing, lowering or compiling. "auto": $JAXINFER_EXECUTABLE_CACHE_DIR, else
+    # ~/.cache/jaxinfer/executables; None or "none": off (the step goes through the jit, and JAX's
+    # persistent cache alone). Off with several processes.
+    executable_cache_dir: str | None = option(
+        "auto",
+        "compiled step variants kept whole, so a warm start loads them without tracing, lowering or "
+        "compiling: a directory, or none; auto: $JAXINFER_EXECUTABLE_CACHE_DIR, else "
+        "~/.cache/jaxinfer/executables",
+        metavar="DIR",
+    )
 
     def __post_init__(self):
         if self.token_buckets is not None:
@@ -109,8 +122,7 @@ class CompileConfig:
         bools(self, "structured_output_overlap", "greedy_variant", "dispatch_thread", optional=True)
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"EngineConfig.attn_impl={self.attn_impl!r}: expected one of {ATTN_IMPLS}")
-        if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
-            raise ValueError(
-                f'EngineConfig.compilation_cache_dir must be a directory, "auto" or None, '
-                f"got {self.compilation_cache_dir!r}"
-            )
+        for name in ("compilation_cache_dir", "executable_cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f'EngineConfig.{name} must be a directory, "auto" or None, got {value!r}')

@@ -14,8 +14,9 @@ With the launcher's thread (EngineConfig.dispatch_thread, launcher.py) a dispatc
 jitted call to that thread and returns a Future of its outputs; `fetch` waits for both.
 
 Every variant (step_variants.py: token buckets, penalty history, prompt logprobs, decode windows,
-the greedy twin, the split step of structured output) compiles in `warm_up`; JAX's persistent
-compilation cache makes later start-ups cheap. The KV caches of the DeviceState are donated to
+the greedy twin, the split step of structured output) compiles in `warm_up` (or, without it, when
+a step first needs it); the executable store (programs.py, executables.py) and JAX's persistent
+compilation cache make later start-ups cheap. The KV caches of the DeviceState are donated to
 each launch and replaced by the ones it returns. Padding rows write nowhere and their page-table
 rows point at the null page 0, which no sequence owns. The block tables stay on the device
 (page_table.py): a step sends only the entries that changed, set in place before it runs.
@@ -31,6 +32,7 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +40,14 @@ import numpy as np
 
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.lora.peft import Adapter
-from jaxinfer.sampling.arrays import HostOrDevice, SamplingArrays, fill_defaults
+from jaxinfer.sampling.arrays import HostOrDevice, SamplingArrays
 from jaxinfer.sampling.device_defaults import DeviceDefaults
 from jaxinfer.sampling.sampler import SamplerOutput
 from jaxinfer.worker.device_state import DeviceState
 from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.launcher import Launcher, dispatch_thread_enabled, landed
 from jaxinfer.worker.page_table import DevicePageTable
+from jaxinfer.worker.programs import Programs, executable_store
 from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import (
@@ -57,7 +60,7 @@ from jaxinfer.worker.step_variants import (
     step_jits,
     window_compiler_options,
 )
-from jaxinfer.worker.warm_up import compile_all, step_variants
+from jaxinfer.worker.warm_up import compile_all, compile_threads, step_variants
 from sharding import DATA, SEQUENCE, axis_size
 from sharding.multihost import fetch, put_inputs
 
@@ -117,6 +120,10 @@ class CompiledStep:
         self.greedy_buckets = decode_sized if greedy else ()
         self.greedy_steps = self.num_decode_steps
         self.launcher = Launcher(dispatch_thread_enabled(engine.compile.dispatch_thread))
+        self._jits = {"step": self._step, "window": self._window}
+        self.programs = Programs(
+            executable_store(engine, self.config, state.mesh, state.local_device), state.mesh_context
+        )
 
     def prepare(
         self, plan: SchedulerPlan | list[SchedulerPlan], previous: list[SchedulerPlan] | None = None, masks: bool = True
@@ -153,20 +160,22 @@ class CompiledStep:
 
     def _prepared(
         self, inputs: StepInputs[np.ndarray], num_steps: int, greedy: bool
-    ) -> tuple[jax.stages.Wrapped, StepInputs[HostOrDevice]]:
-        """The jitted variant and its placed inputs (the greedy twin's where they qualify)."""
+    ) -> tuple[str, StepInputs[HostOrDevice]]:
+        """The variant's program name and its placed inputs (the greedy twin's where they qualify)."""
         buckets = self.greedy_buckets if greedy else ()
         return self._variant(num_steps), self._placed(as_greedy(inputs, num_steps, buckets, self.greedy_steps))
 
-    def _launch(self, fn: jax.stages.Wrapped, inputs: StepInputs[HostOrDevice]) -> StepOutput:
-        """On the launcher: the page-table entries set, then the step; its caches and tokens kept."""
+    def _launch(self, name: str, inputs: StepInputs[HostOrDevice]) -> StepOutput:
+        """On the launcher: the page-table entries set, then the step (programs.py: through
+        the jit, or the executable of its signature); its caches and tokens kept."""
         state = self.state
         with state.mesh_context():
-            inputs = self._set_table(inputs)
-            out, state.kv_caches, self._prev_tokens = fn(
-                state.params, state.kv_caches, inputs, self._prev_tokens, self.page_table.array
-            )
+            args = self._args(self._set_table(inputs))
+            out, state.kv_caches, self._prev_tokens = self.programs.call(name, self._jits[name], args)
         return out
+
+    def _args(self, inputs: StepInputs[HostOrDevice]) -> tuple[Any, ...]:
+        return self.state.params, self.state.kv_caches, inputs, self._prev_tokens, self.page_table.array
 
     def _set_table(self, inputs: StepInputs[HostOrDevice]) -> StepInputs[HostOrDevice]:
         """Sets the page-table entries the (placed) inputs carry; the inputs without them."""
@@ -222,21 +231,19 @@ class CompiledStep:
     def trace(self, inputs: StepInputs[np.ndarray], num_steps: int = 1, greedy: bool = True) -> jax.stages.Traced:
         """The step traced as `dispatch` would run it (to read its jaxpr, or compile ahead; the
         step does not run, the page-table entries the inputs carry are set)."""
-        fn, placed = self._prepared(inputs, num_steps, greedy)
-        state = self.state
-        with state.mesh_context():  # the table entries are set: the host's mirror has them
-            placed = self._set_table(placed)
-            return fn.trace(state.params, state.kv_caches, placed, self._prev_tokens, self.page_table.array)
+        name, placed = self._prepared(inputs, num_steps, greedy)
+        with self.state.mesh_context():  # the table entries are set: the host's mirror has them
+            return self._jits[name].trace(*self._args(self._set_table(placed)))
 
     def lower(self, inputs: StepInputs[np.ndarray], num_steps: int = 1, greedy: bool = True) -> jax.stages.Lowered:
         """The step lowered for these inputs' shapes (to read its HLO, or compile ahead)."""
         with self.state.mesh_context():
             return self.trace(inputs, num_steps, greedy).lower()
 
-    def _variant(self, num_steps: int) -> jax.stages.Wrapped:
+    def _variant(self, num_steps: int) -> str:
         if num_steps not in (1, self.num_decode_steps):
             raise ValueError(f"num_steps={num_steps}: this step compiles windows of {self.num_decode_steps} steps")
-        return self._step if num_steps == 1 else self._window
+        return "step" if num_steps == 1 else "window"
 
     def _placed(self, inputs: StepInputs[np.ndarray]) -> StepInputs[HostOrDevice]:
         """Host inputs on the mesh (each array split or replicated as the step expects), the
@@ -246,33 +253,25 @@ class CompiledStep:
             placed = put_inputs(inputs, input_shardings(self.mesh, inputs, self.num_replicas > 1))
         return dataclasses.replace(placed, sampling=self._defaults.fill(placed.sampling))
 
-    def for_followers(self, inputs: StepInputs[np.ndarray]) -> tuple[StepInputs[np.ndarray], int, bool, bool, int]:
-        """What StepChannel.send sends the other processes: the inputs with every sampling default
-        filled (their template has them), then the header: token bucket, penalty history, prompt
-        rows, page-table entries."""
-        sampling = fill_defaults(inputs.sampled(), self.config.vocab_size)
-        inputs = dataclasses.replace(inputs, sampling=sampling)
-        return (
-            inputs,
-            inputs.token_ids.shape[-1],
-            sampling.history is not None,
-            inputs.prompt is not None,
-            0 if inputs.table is None else inputs.table.slots.shape[-1],
-        )
-
     def warm_up(self) -> float:
         """Compiles every (bucket, penalty history, prompt logprobs) variant, the step's on a
-        pool of threads (warm_up.py), and runs each once; returns seconds."""
+        pool of threads (warm_up.py), and runs each once on accelerators; returns seconds."""
         start = time.perf_counter()
         for width in self.inputs.update_widths:  # the page-table scatter of each width
             with self.state.mesh_context():
                 self._set_table(self._placed(self.padding_inputs(self.buckets[0], False, table_width=width)))
         variants = step_variants(self)
-        compile_all(
-            [self.lower(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants],
-            self.state.local_device.platform,
+        platform = self.state.local_device.platform
+        prepared = [self._prepared(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants]
+        with self.state.mesh_context():  # each variant read from the store, or compiled (and stored)
+            entries = [(name, self._jits[name], self._args(self._set_table(p))) for name, p in prepared]
+        self.programs.ensure(
+            entries, lambda lowered: compile_all(lowered, platform), compile_threads(len(entries), platform)
         )
-        for inputs, num_steps, greedy in variants:
+        # Each variant runs once: on an accelerator its first run loads its kernels; through the
+        # jit (no store) it enters the jit's dispatch cache. Read from the store on the CPU, no run
+        # is needed (the 512-token buckets' runs cost seconds).
+        for inputs, num_steps, greedy in variants if platform != "cpu" or self.programs.store is None else ():
             self.execute(inputs, num_steps, greedy)
         for t_bucket in self.split_buckets:
             inputs = self.padding_inputs(t_bucket, False)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.registry import ModelFamily
-from jaxinfer.sampling.arrays import is_plain, unsent_defaults
+from jaxinfer.sampling.arrays import fill_defaults, is_plain, unsent_defaults
 from jaxinfer.sampling.prompt_logprobs import PromptInputs
 from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.step import decode_window, forward_part, sample_part, step
@@ -167,3 +167,20 @@ def decode_steps(setting: int | None, num_replicas: int = 1) -> int:
     if num_replicas > 1 or is_multiprocess():
         return 1
     return DEFAULT_DECODE_STEPS if setting is None else setting
+
+
+def for_followers(
+    inputs: StepInputs[np.ndarray], vocab_size: int
+) -> tuple[StepInputs[np.ndarray], int, bool, bool, int]:
+    """What StepChannel.send sends the other processes: the inputs with every sampling default
+    filled (their template has them), then the header: token bucket, penalty history, prompt
+    rows, page-table entries."""
+    sampling = fill_defaults(inputs.sampled(), vocab_size)
+    inputs = dataclasses.replace(inputs, sampling=sampling)
+    return (
+        inputs,
+        inputs.token_ids.shape[-1],
+        sampling.history is not None,
+        inputs.prompt is not None,
+        0 if inputs.table is None else inputs.table.slots.shape[-1],
+    )

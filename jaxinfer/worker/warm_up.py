@@ -32,23 +32,19 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.config.compile import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
+from jaxinfer.worker.executables import cache_path
 from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import plain_padding
 
 SERIAL_PLATFORMS = ("gpu", "cuda", "rocm")
-OFF = ("", "none")
 
 
 def compilation_cache_path(directory: str | None) -> Path | None:
     """The persistent cache's directory for EngineConfig.compilation_cache_dir: "auto" is
     $JAXINFER_COMPILATION_CACHE_DIR where that is set, else ~/.cache/jaxinfer/xla; None, "" or
     "none" (in either) is no persistent cache."""
-    if directory == "auto":
-        directory = os.environ.get(CACHE_DIR_VAR, DEFAULT_CACHE_DIR)
-    if directory is None or directory.strip().lower() in OFF:
-        return None
-    return Path(directory).expanduser()
+    return cache_path(directory, CACHE_DIR_VAR, DEFAULT_CACHE_DIR)
 
 
 def enable_compilation_cache(directory: str | None) -> None:

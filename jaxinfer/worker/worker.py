@@ -42,6 +42,7 @@ from jaxinfer.worker.kv_host import HostKV, host_slots
 from jaxinfer.worker.page_copy import PageCopier
 from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.step_inputs import StepInputs
+from jaxinfer.worker.step_variants import for_followers
 from sharding import StepChannel
 from sharding.multihost import SHUTDOWN, TRANSFER
 
@@ -158,7 +159,7 @@ class Worker:
             return self._execute_late(plans[0], prev)
         inputs = self.step.prepare(plan, prev)
         if self._channel is not None:
-            self._channel.send(*self.step.for_followers(inputs))
+            self._channel.send(*for_followers(inputs, self.step.config.vocab_size))
         return StepHandle(plans, self.step.dispatch(inputs, plans[0].num_steps), self.step)
 
     def _execute_late(self, plan: SchedulerPlan, previous: list[SchedulerPlan] | None) -> StepHandle:

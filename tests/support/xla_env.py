@@ -58,8 +58,12 @@ def share_compilation_cache() -> str | None:
     and jax version); a clean machine compiles them all. Returns the directory to remove when the
     run ends, if any: with JAXINFER_TEST_FRESH_CACHE=1 the run gets one of its own, as a clean
     machine would. A directory already set is used as it is."""
-    from jaxinfer.config.compile import CACHE_DIR_VAR
+    from jaxinfer.config.compile import CACHE_DIR_VAR, EXECUTABLES_DIR_VAR
 
+    # The step goes through the jit in the suite: the executable store is keyed by the code's
+    # version, so after every edit it would compile each variant afresh, where JAX's cache (keyed
+    # by HLO) still has it; tests/jaxinfer/test_executables.py passes a directory of its own.
+    os.environ.setdefault(EXECUTABLES_DIR_VAR, "none")
     if os.environ.get(CACHE_DIR_VAR):
         return None
     fresh = os.environ.get(FRESH_CACHE_VAR) == "1"
