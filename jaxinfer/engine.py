@@ -77,17 +77,17 @@ class Engine:
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs
         self._flight: StepHandle | None = None  # the step launched last, tokens not fetched yet
         self._ids = itertools.count()
-        self.num_preemptions = 0
+        self.num_preemptions = self.num_scheduled_tokens = 0  # scheduled: tokens computed (prefix hits excluded)
         self.speculator = build_speculator(config, model, self.worker, self.max_model_len)  # None: off
-        self.num_scheduled_tokens = 0  # tokens computed by steps so far (prefix hits excluded)
         self.disagg = Disaggregation(self.worker.state, config.kv_transfer, self.scheduler)  # P/D
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Compiles every step variant now (else each compiles when first needed)."""
-        self.warm_up_seconds += self.worker.warm_up() + self.disagg.warm_up()
+        """Compiles every step variant now (compile_in_background: the smallest bucket's, the rest later)."""
+        background = self.config.compile.compile_in_background and not is_multiprocess()
+        self.warm_up_seconds += self.worker.warm_up(background) + self.disagg.warm_up()
         self.warm_up_seconds += self.speculator.warm_up() if self.speculator else 0.0
 
     def _request_limits(self) -> RequestLimits:
@@ -195,7 +195,8 @@ class Engine:
         self.disagg.before_step(self._requests)  # KV pages pulled from other engines written
         if self.speculator is not None:  # drafts of the sequences that speculate (spec_decode/)
             self.speculator.propose(self.scheduler)
-        plans = [replica.scheduler.schedule(self.worker.num_decode_steps) for replica in self.replicas]
+        self.worker.follow_compiles(schedulers := [r.scheduler for r in self.replicas])  # within ready buckets
+        plans = [scheduler.schedule(self.worker.num_decode_steps) for scheduler in schedulers]
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         self.num_scheduled_tokens += sum(plan.num_batched_tokens * plan.num_steps for plan in plans)
         flight = self._launch(plans, previous, masks_later=landing == "late") if any(p.seqs for p in plans) else None
@@ -268,8 +269,7 @@ class Engine:
             yield out_i, {s.seq_id for s in scheduler.resolve(plan, out_i.tokens, i, top)}
 
     def follow(self) -> bool:
-        """On processes other than 0: runs process 0's steps until it releases this process.
-        False when process 0 shut the followers down (no more steps will come)."""
+        """On processes other than 0: runs process 0's steps until released (False: shut down)."""
         if self.is_leader:
             raise RuntimeError("follow() is for processes other than 0 of a multi-host engine")
         return self.worker.follow()
@@ -294,7 +294,7 @@ class Engine:
         return {
             **replica_stats(self.replicas, self.lora),
             "preemptions": self.num_preemptions,
-            "compiled_variants": self.worker.num_compiled(),
+            **self.worker.compile_stats(),  # compiled variants; background compilation's progress
             **self.disagg.stats(),  # disaggregated prefill/decode
             **(self.speculator.stats() if self.speculator is not None else {}),
         }

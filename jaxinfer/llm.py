@@ -39,6 +39,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.beam import BeamSearchParams
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.chat_template import check_messages, check_template_kwargs, load_chat_template
+from jaxinfer.worker.programs import prefetch_programs
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
 if TYPE_CHECKING:
@@ -81,13 +82,13 @@ class LLM:
         `options`: any EngineConfig option, by its flat name (the signature lists them all, and
         each `jaxinfer` flag is one of them): e.g. max_num_seqs=32, mesh="data=2,tensor=4",
         quantization="int8", speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-        enable_prompt_logprobs=True. `warm_up=False` leaves compiling to `llm.engine.warm_up()`
-        (or to the first step that needs each variant); on several hosts every process compiles
-        at start-up regardless, since they must compile together."""
+        enable_prompt_logprobs=True. `warm_up=False` leaves compiling to `llm.engine.warm_up()` (or
+        to the first step needing each variant); on several hosts all compile together at start."""
         loaded = model if isinstance(model, LoadedModel) else None
         config = EngineConfig(model=None if loaded else model, dtype=dtype, **options)
         parallel = config.parallel
         initialize(parallel.coordinator_address, parallel.num_processes, parallel.process_id)  # before any device
+        prefetch_programs(config)  # the step's stored executables read while the weights load
         template = None if config.load.chat_template is None else load_chat_template(config.load.chat_template)
         self.engine = Engine(_loaded(loaded, config), config, warm_up=warm_up or is_multiprocess())
         self.tokenizer = _with_template(self.engine.tokenizer, template)

@@ -88,6 +88,7 @@ class InferenceServer:
         self.options = options or ServerOptions()
         opts, name = self.options, self.options.served_model_name or served_model_name(engine.model.path)
         self.metrics = ServerMetrics(name)
+        self.metrics.watch_compiles(engine)
         self.kv_events = None
         if opts.kv_events_endpoint is not None:
             self.kv_events = KVEventPublisher(opts.kv_events_endpoint, opts.kv_events_replay_endpoint)

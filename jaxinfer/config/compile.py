@@ -86,6 +86,15 @@ class CompileConfig:
         "pure-JAX reference on the CPU)",
         choices=ATTN_IMPLS,
     )
+    # Background compilation (worker/background.py): the smallest token bucket's variants compile
+    # before the engine serves, the rest while it serves, smallest first; the schedulers plan within
+    # the buckets ready so far. Off: everything compiles first (nothing compiles after warm-up).
+    compile_in_background: bool = option(
+        False,
+        "serve once the smallest token bucket's variants are compiled and compile the rest while serving "
+        "(batches wait for their bucket); off: everything compiles before the first request",
+        form=ENABLE,
+    )
     # JAX's persistent compilation cache (worker/warm_up.compilation_cache_path): "auto" is
     # $JAXINFER_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla; a directory; None or "none": off.
     compilation_cache_dir: str | None = option(
@@ -118,7 +127,7 @@ class CompileConfig:
                     f"EngineConfig.token_buckets must be increasing positive integers, got {self.token_buckets!r}"
                 )
             object.__setattr__(self, "token_buckets", buckets)
-        bools(self, "penalties", "enable_prompt_logprobs", "cpu_heap_reuse")
+        bools(self, "penalties", "enable_prompt_logprobs", "cpu_heap_reuse", "compile_in_background")
         bools(self, "structured_output_overlap", "greedy_variant", "dispatch_thread", optional=True)
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"EngineConfig.attn_impl={self.attn_impl!r}: expected one of {ATTN_IMPLS}")

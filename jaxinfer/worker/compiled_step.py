@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -40,14 +41,15 @@ import numpy as np
 
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.lora.peft import Adapter
-from jaxinfer.sampling.arrays import HostOrDevice, SamplingArrays
+from jaxinfer.sampling.arrays import HostOrDevice
 from jaxinfer.sampling.device_defaults import DeviceDefaults
-from jaxinfer.sampling.sampler import SamplerOutput
+from jaxinfer.worker.background import BackgroundCompile, groups
 from jaxinfer.worker.device_state import DeviceState
 from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.launcher import Launcher, dispatch_thread_enabled, landed
 from jaxinfer.worker.page_table import DevicePageTable
 from jaxinfer.worker.programs import Programs, executable_store
+from jaxinfer.worker.split_step import SplitStep
 from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import (
@@ -67,7 +69,7 @@ from sharding.multihost import fetch, put_inputs
 logger = logging.getLogger(__name__)
 
 
-class CompiledStep:
+class CompiledStep(SplitStep):
     def __init__(self, state: DeviceState) -> None:
         engine, self.state, self.config = state.engine, state, state.config
         self.engine, self.mesh, self.num_replicas = engine, state.mesh, state.num_replicas
@@ -121,6 +123,7 @@ class CompiledStep:
         self.greedy_steps = self.num_decode_steps
         self.launcher = Launcher(dispatch_thread_enabled(engine.compile.dispatch_thread))
         self._jits = {"step": self._step, "window": self._window}
+        self.background: BackgroundCompile | None = None  # warm_up(background=True)
         self.programs = Programs(
             executable_store(engine, self.config, state.mesh, state.local_device), state.mesh_context
         )
@@ -156,7 +159,7 @@ class CompiledStep:
         is donated and replaced. Returns the outputs on the device (ready once it is done), or
         with the launcher's thread on, a Future of them (launcher.landed). Inputs that qualify
         run the greedy twin (`greedy_buckets`) unless `greedy` is False."""
-        return self.launcher.submit(self._launch, *self._prepared(inputs, num_steps, greedy))
+        return self.launcher.submit(self._launch, *self._prepared(inputs, num_steps, greedy and self.complete))
 
     def _prepared(
         self, inputs: StepInputs[np.ndarray], num_steps: int, greedy: bool
@@ -174,8 +177,11 @@ class CompiledStep:
             out, state.kv_caches, self._prev_tokens = self.programs.call(name, self._jits[name], args)
         return out
 
-    def _args(self, inputs: StepInputs[HostOrDevice]) -> tuple[Any, ...]:
-        return self.state.params, self.state.kv_caches, inputs, self._prev_tokens, self.page_table.array
+    def _args(self, inputs: StepInputs[HostOrDevice], abstract: Any = None) -> tuple[Any, ...]:
+        """A program's arguments: the parameters, caches, sampled tokens and page table (or
+        `abstract` copies of them: background.py), with `inputs`."""
+        state = abstract or (self.state.params, self.state.kv_caches, self._prev_tokens, self.page_table.array)
+        return state[0], state[1], inputs, state[2], state[3]
 
     def _set_table(self, inputs: StepInputs[HostOrDevice]) -> StepInputs[HostOrDevice]:
         """Sets the page-table entries the (placed) inputs carry; the inputs without them."""
@@ -191,42 +197,6 @@ class CompiledStep:
         if writer is None:
             raise ValueError("LoRA adapters need enable_lora=True")
         self.launcher.submit(writer.write, slot, adapter)
-
-    def dispatch_forward(self, inputs: StepInputs[np.ndarray]) -> jax.Array | Future[jax.Array]:
-        """The first half of a split step (a bucket in `split_buckets`): the forward, K/V
-        written. Returns the last tokens' hidden rows on the device, for `dispatch_sample`."""
-        state = self.state
-
-        def launch(inputs: StepInputs[HostOrDevice]) -> jax.Array:
-            with state.mesh_context():
-                inputs = self._set_table(inputs)
-                hidden, state.kv_caches = self._forward(
-                    state.params, state.kv_caches, inputs, self._prev_tokens, self.page_table.array
-                )
-            return hidden
-
-        return self.launcher.submit(launch, self._placed(dataclasses.replace(inputs, sampling=None)))
-
-    def dispatch_sample(
-        self, hidden: jax.Array | Future[jax.Array], inputs: StepInputs[np.ndarray]
-    ) -> StepOutput | Future[StepOutput]:
-        """The second half: LM head and sampling with `inputs.sampling` as it is now (its
-        allowed-token bits may have been filled after `dispatch_forward`)."""
-        rows = None if inputs.lora_slots is None else inputs.lora_slots[inputs.logits_indices]  # LM head LoRA
-
-        def launch(sampling: SamplingArrays[HostOrDevice]) -> SamplerOutput:
-            with self.state.mesh_context():
-                out, self._prev_tokens = self._sample(self.state.params, landed(hidden), sampling, rows)
-            return out
-
-        return self.launcher.submit(
-            launch,
-            self._defaults.fill(
-                inputs.sampling
-                if self.mesh is None
-                else put_inputs(inputs.sampling, input_shardings(self.mesh, inputs, self.num_replicas > 1).sampling)
-            ),
-        )
 
     def trace(self, inputs: StepInputs[np.ndarray], num_steps: int = 1, greedy: bool = True) -> jax.stages.Traced:
         """The step traced as `dispatch` would run it (to read its jaxpr, or compile ahead; the
@@ -253,32 +223,59 @@ class CompiledStep:
             placed = put_inputs(inputs, input_shardings(self.mesh, inputs, self.num_replicas > 1))
         return dataclasses.replace(placed, sampling=self._defaults.fill(placed.sampling))
 
-    def warm_up(self) -> float:
+    def warm_up(self, background: bool = False) -> float:
         """Compiles every (bucket, penalty history, prompt logprobs) variant, the step's on a
-        pool of threads (warm_up.py), and runs each once on accelerators; returns seconds."""
+        pool of threads (warm_up.py), and runs each once where that is needed (`_ready`);
+        returns seconds. With `background`, the smallest bucket's before it returns and the
+        rest on a thread (background.py: `ready_tokens` grows as they come in)."""
         start = time.perf_counter()
         for width in self.inputs.update_widths:  # the page-table scatter of each width
             with self.state.mesh_context():
                 self._set_table(self._placed(self.padding_inputs(self.buckets[0], False, table_width=width)))
         variants = step_variants(self)
-        platform = self.state.local_device.platform
-        prepared = [self._prepared(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants]
-        with self.state.mesh_context():  # each variant read from the store, or compiled (and stored)
-            entries = [(name, self._jits[name], self._args(self._set_table(p))) for name, p in prepared]
-        self.programs.ensure(
-            entries, lambda lowered: compile_all(lowered, platform), compile_threads(len(entries), platform)
-        )
-        # Each variant runs once: on an accelerator its first run loads its kernels; through the
-        # jit (no store) it enters the jit's dispatch cache. Read from the store on the CPU, no run
-        # is needed (the 512-token buckets' runs cost seconds).
-        for inputs, num_steps, greedy in variants if platform != "cpu" or self.programs.store is None else ():
-            self.execute(inputs, num_steps, greedy)
+        if background:
+            (first_bucket, first), *rest = groups(variants)
+            self._ready(first)
+            self.split_buckets = ()  # its halves compile by running: only the engine's thread may run steps
+            state = (self.state.params, self.state.kv_caches, self._prev_tokens, self.page_table.array)
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.format), state)
+            self.background = BackgroundCompile(rest, lambda g: self._ready(g, abstract), first_bucket or 0, len(first))
+        else:
+            self._ready(variants)
         for t_bucket in self.split_buckets:
             inputs = self.padding_inputs(t_bucket, False)
             self.fetch(self.dispatch_sample(self.dispatch_forward(inputs), inputs))
         elapsed = time.perf_counter() - start
         logger.info("compiled %d step variants in %.1fs", self.num_compiled(), elapsed)
         return elapsed
+
+    def _ready(self, variants: list[tuple[StepInputs[np.ndarray], int, bool]], abstract: Any = None) -> None:
+        """The variants read from the store or compiled (programs.py), each traced against the
+        real parameters and caches, or (background) `abstract` copies of them. Each runs once
+        on the engine's thread: on an accelerator its first run loads its kernels; through the
+        jit (no store) it enters the jit's dispatch cache. Read from the store on the CPU, or
+        compiled in the background, none runs (the 512-token buckets' runs cost seconds)."""
+        platform = self.state.local_device.platform
+        prepared = [self._prepared(inputs, num_steps, greedy) for inputs, num_steps, greedy in variants]
+        with self.state.mesh_context():
+            entries = [(name, self._jits[name], self._args(self._set_table(p), abstract)) for name, p in prepared]
+        threads = compile_threads(len(entries), platform)
+        if abstract is not None:  # a core left to the steps that run meanwhile
+            threads = max(1, min(threads, (os.cpu_count() or 1) - 1))
+        self.programs.ensure(entries, lambda lowered: compile_all(lowered, platform, threads), threads)
+        if abstract is None and (platform != "cpu" or self.programs.store is None):
+            for inputs, num_steps, greedy in variants:
+                self.execute(inputs, num_steps, greedy)
+
+    @property
+    def ready_tokens(self) -> int:
+        """The largest token bucket whose variants are all ready (background.py)."""
+        return self.buckets[-1] if self.background is None else self.background.ready_tokens
+
+    @property
+    def complete(self) -> bool:
+        """Every variant ready: decode windows and greedy twins may run."""
+        return self.background is None or self.background.complete
 
     def token_seconds(self) -> float:
         """A full bucket's seconds per token, run once (compiled already): what recomputing costs."""

@@ -36,6 +36,7 @@ import os
 import pickle
 import tempfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,9 @@ SUFFIX = ".jxe"
 CODE_PACKAGES = ("jaxinfer", "sharding", "pallas_kernels")
 ENV_FLAGS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 OFF = ("", "none")
+MAX_INDEXED = 512
+# Entry path -> the future of its (header, executable), started by `prefetch`.
+_PREFETCHED: dict[Path, Future[tuple[dict[str, Any], jax.stages.Compiled] | None]] = {}
 
 
 def cache_path(directory: str | None, variable: str, default: str) -> Path | None:
@@ -97,7 +101,7 @@ def signature(tree: Any) -> str:
     leaves, treedef = jax.tree.flatten(tree)
     parts = [str(treedef)]
     for x in leaves:
-        if isinstance(x, jax.Array):
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):  # an abstract one signs as its array would
             parts.append(f"{x.shape}{x.dtype}{x.weak_type}|{x.sharding!r}|{getattr(x, 'format', None)!r}")
         else:
             x = np.asarray(x)
@@ -108,8 +112,8 @@ def signature(tree: Any) -> str:
 class ExecutableStore:
     """Compiled programs under `directory`, for one engine (its devices and context)."""
 
-    def __init__(self, directory: Path, devices: Sequence[jax.Device], context: dict[str, str]) -> None:
-        self.directory = directory
+    def __init__(self, directory: Path, devices: Sequence[jax.Device], context: dict[str, str], index: str) -> None:
+        self.directory, self.index = directory, index
         self.fingerprint = {
             "format": FORMAT,
             "code": code_version(),
@@ -128,20 +132,21 @@ class ExecutableStore:
         return self.directory / f"{key}{SUFFIX}"
 
     def load(self, key: str) -> jax.stages.Compiled | None:
-        """The executable stored under `key`, loaded onto this engine's devices; None when there
-        is none, or (with a warning, the file removed) when it is not a sound entry for `key`."""
+        """The executable stored under `key`, loaded onto this engine's devices (by a prefetch
+        if one has it: `prefetch`); None when there is none, or (with a warning, the file
+        removed) when it is not a sound entry for `key` made under this fingerprint."""
         path = self.path(key)
+        future = _PREFETCHED.pop(path, None)
         try:
-            blob = path.read_bytes()
-        except FileNotFoundError:
-            return None
+            entry = future.result() if future is not None else read_entry(path)
+            if entry is None:
+                return None
+            header, compiled = entry
+            if header.get("key") != key or header.get("fingerprint") != self.fingerprint:
+                raise ValueError("made for another program, environment, code version or config")
         except OSError as e:
             logger.warning("executable %s unreadable (%s): compiling it", path, e.strerror or e)
             return None
-        try:
-            payload = self._payload(blob, key)
-            serialized, in_tree, out_tree = pickle.loads(payload)
-            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
         except Exception as e:  # a corrupt entry of any kind is recompiled, never run
             self.refused += 1
             logger.warning("executable %s refused (%s): compiling it again", path, e)
@@ -151,21 +156,19 @@ class ExecutableStore:
         self.loaded += 1
         return compiled
 
-    def _payload(self, blob: bytes, key: str) -> bytes:
-        if not blob.startswith(MAGIC):
-            raise ValueError("not an executable entry")
-        header_end = blob.find(b"\n", len(MAGIC))
-        if header_end < 0:
-            raise ValueError("truncated header")
-        header = json.loads(blob[len(MAGIC) : header_end])
-        payload = blob[header_end + 1 :]
-        if header.get("key") != key or header.get("fingerprint") != self.fingerprint:
-            raise ValueError("made for another program, environment, code version or config")
-        if len(payload) != header.get("length"):
-            raise ValueError(f"truncated: {len(payload)} of {header.get('length')} bytes")
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            raise ValueError("checksum mismatch")
-        return payload
+    def remember(self, keys: Sequence[str]) -> None:
+        """Records `keys` as programs an engine of this store's index (programs.index_key) uses,
+        for the next start's `prefetch`; the index keeps the newest MAX_INDEXED."""
+        path = self.directory / "index" / f"{self.index}.json"
+        try:
+            known = [k for k in read_index(path) if k not in keys]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump([*keys, *known][:MAX_INDEXED], f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.debug("executable index %s not written: %s", path, e)
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> None:
         """Keeps `compiled` (freshly compiled: see the module's note) under `key`; a failure to
@@ -189,6 +192,52 @@ class ExecutableStore:
                 os.unlink(tmp)
             return
         self.stored += 1
+
+
+def read_entry(path: Path) -> tuple[dict[str, Any], jax.stages.Compiled] | None:
+    """(header, executable) of an entry file, its checksum checked; None if there is no file.
+    Thread-safe: the deserialization, most of the time, runs without the GIL."""
+    try:
+        blob = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if not blob.startswith(MAGIC):
+        raise ValueError("not an executable entry")
+    header_end = blob.find(b"\n", len(MAGIC))
+    if header_end < 0:
+        raise ValueError("truncated header")
+    header = json.loads(blob[len(MAGIC) : header_end])
+    payload = blob[header_end + 1 :]
+    if len(payload) != header.get("length"):
+        raise ValueError(f"truncated: {len(payload)} of {header.get('length')} bytes")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("checksum mismatch")
+    serialized, in_tree, out_tree = pickle.loads(payload)
+    return header, serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+
+
+def read_index(path: Path) -> list[str]:
+    try:
+        keys = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
+
+
+def prefetch(directory: Path, index: str) -> int:
+    """Starts loading, on background threads, the executables the index `index` lists (what
+    an engine of this config used last time), while the caller reads the weights; the
+    engine's store takes each from here (`ExecutableStore.load`), checked against its key and
+    fingerprint like any entry. Returns how many it started."""
+    paths = [directory / f"{key}{SUFFIX}" for key in read_index(directory / "index" / f"{index}.json")]
+    paths = [p for p in paths if p not in _PREFETCHED and p.is_file()]
+    if not paths:
+        return 0
+    pool = ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1), thread_name_prefix="prefetch")
+    for path in paths:
+        _PREFETCHED[path] = pool.submit(read_entry, path)
+    pool.shutdown(wait=False)
+    return len(paths)
 
 
 @contextlib.contextmanager

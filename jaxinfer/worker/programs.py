@@ -16,22 +16,64 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.config.compile import DEFAULT_EXECUTABLES_DIR, EXECUTABLES_DIR_VAR
-from jaxinfer.worker.executables import ExecutableStore, cache_path, fresh_compiles
+from jaxinfer.worker.executables import ExecutableStore, cache_path, code_version, fresh_compiles, prefetch
 from jaxinfer.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
 Compile = Callable[[list[jax.stages.Lowered]], list[jax.stages.Compiled]]
+
+
+def store_path(engine: EngineConfig) -> Path | None:
+    """EngineConfig.executable_cache_dir as a directory; None when it is off."""
+    return cache_path(engine.compile.executable_cache_dir, EXECUTABLES_DIR_VAR, DEFAULT_EXECUTABLES_DIR)
+
+
+def shaping_context(engine: EngineConfig) -> dict[str, str]:
+    """The engine config as the store keys it: every group, less where the caches live and
+    when the variants compile."""
+    context = {f.name: repr(getattr(engine, f.name)) for f in dataclasses.fields(engine)}
+    compile_ = dataclasses.replace(engine.compile, compilation_cache_dir=None, executable_cache_dir=None)
+    context["compile"] = repr(dataclasses.replace(compile_, compile_in_background=False))
+    return context
+
+
+def index_key(engine: EngineConfig) -> str:
+    """What a start knows before it reads its weights: our code, jax, the config and the model
+    file (path, size, time); the store's index of this key lists the programs such an engine
+    used last time (a hint for `prefetch`: each is still checked against its own key)."""
+    identity: list[Any] = [repr(engine.load.model)]
+    if engine.load.model is not None:
+        path = Path(engine.load.model).expanduser()
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            identity += [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    context = shaping_context(engine)  # as the user gave it: the engine chooses the page size later
+    context["cache"] = repr(dataclasses.replace(engine.cache, page_size=None))
+    text = json.dumps([code_version(), jax.__version__, context, identity], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def prefetch_programs(engine: EngineConfig) -> int:
+    """Starts reading the executables an engine of this config used last time, in the
+    background (executables.prefetch); called before the weights load. Returns how many."""
+    path = store_path(engine)
+    if path is None or jax.process_count() > 1:
+        return 0
+    return prefetch(path, index_key(engine))
 
 
 def executable_store(
@@ -40,16 +82,11 @@ def executable_store(
     """The store EngineConfig.executable_cache_dir names for an engine on `mesh` (or one
     `device`); None when it is off or several processes run the engine (each would need the
     others' executables)."""
-    path = cache_path(engine.compile.executable_cache_dir, EXECUTABLES_DIR_VAR, DEFAULT_EXECUTABLES_DIR)
+    path = store_path(engine)
     if path is None or jax.process_count() > 1:
         return None
-    context = {f.name: repr(getattr(engine, f.name)) for f in dataclasses.fields(engine)}
-    # Where the caches live does not shape a program.
-    context["compile"] = repr(
-        dataclasses.replace(engine.compile, compilation_cache_dir=None, executable_cache_dir=None)
-    )
     devices = [device] if mesh is None else list(mesh.devices.flat)
-    return ExecutableStore(path, devices, {"model": repr(config), **context})
+    return ExecutableStore(path, devices, {"model": repr(config), **shaping_context(engine)}, index_key(engine))
 
 
 def table_key(name: str, inputs: Any) -> tuple[Any, ...]:
@@ -101,6 +138,7 @@ class Programs:
     ) -> None:
         self.store, self._mesh_context = store, mesh_context
         self.table: dict[tuple[Any, ...], jax.stages.Compiled] = {}
+        self._stored: list[str] = []  # the store keys of the table's programs
         self.records: list[Record] = []  # each variant `ensure` made ready, in order
 
     def call(self, name: str, fn: jax.stages.Wrapped, args: Sequence[Any]) -> Any:
@@ -128,12 +166,17 @@ class Programs:
             program, seconds = loaded.get(store_keys[key], (None, 0.0))
             if program is not None:
                 self.table[key] = program
+                self._stored.append(store_keys[key])
                 self._record(describe(name, args[2]), "store", seconds)
                 continue
             with self._mesh_context():
                 missing.append((key, store_keys[key], describe(name, args[2]), _Timed(fn.trace(*args).lower())))
-        if not missing:
-            return
+        if missing:
+            self._compile(missing, compile_all)
+        if self.store is not None and wanted:
+            self.store.remember(self._stored)
+
+    def _compile(self, missing: list[tuple[tuple[Any, ...], str, str, _Timed]], compile_all: Compile) -> None:
         timed = [t for *_, t in missing]
         with fresh_compiles() if self.store is not None else contextlib.nullcontext():
             programs = compile_all(timed)  # type: ignore[arg-type]  # _Timed compiles as Lowered does
@@ -141,6 +184,7 @@ class Programs:
             if self.store is not None:
                 self.store.save(store_key, program)
                 self.table[key] = program
+                self._stored.append(store_key)
             self._record(variant, "compiled", t.seconds)
 
     def _load(self, keys: list[str], threads: int) -> dict[str, tuple[jax.stages.Compiled | None, float]]:

@@ -84,10 +84,12 @@ def compile_threads(num_programs: int, platform: str = "cpu") -> int:
     return max(1, min(num_programs, os.cpu_count() or 1, MAX_COMPILE_THREADS))
 
 
-def compile_all(lowered: list[jax.stages.Lowered], platform: str = "cpu") -> list[jax.stages.Compiled]:
-    """Each program compiled (or read from the persistent cache), `compile_threads` at a time;
-    the first error is raised once all have finished."""
-    threads = compile_threads(len(lowered), platform)
+def compile_all(
+    lowered: list[jax.stages.Lowered], platform: str = "cpu", threads: int | None = None
+) -> list[jax.stages.Compiled]:
+    """Each program compiled (or read from the persistent cache), `threads` (default:
+    `compile_threads`) at a time; the first error is raised once all have finished."""
+    threads = compile_threads(len(lowered), platform) if threads is None else threads
     if threads == 1:
         return [program.compile() for program in lowered]
     with ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:

@@ -32,6 +32,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.config.kv_layout import KVLayout
 from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.kv import SwapCost
 from jaxinfer.loader import LoadedModel
 from jaxinfer.lora.peft import Adapter
@@ -93,6 +94,7 @@ class Worker:
         self.step = CompiledStep(self.state)
         self._channel = channel
         self._copier: PageCopier | None = None  # compiled at warm-up (worker/page_copy.py)
+        self._followed = 0  # background compilation's ready variants the schedulers were capped at
         self.host_pages = host_slots(self.state, config.cache.kv_offload_gb)
         self.host_kv = HostKV(self.state, self.host_pages, channel=channel) if self.host_pages else None  # kv_host.py
         # What swapping a preempted sequence's pages costs against recomputing them (kv/swap.py):
@@ -128,8 +130,8 @@ class Worker:
 
     @property
     def num_decode_steps(self) -> int:
-        """Steps in a decode window (1: none); the scheduler plans windows of this many."""
-        return self.step.num_decode_steps
+        """Steps in a decode window (1: none, or not compiled yet); the scheduler plans windows of this many."""
+        return self.step.num_decode_steps if self.step.complete else 1
 
     @property
     def max_batched_tokens(self) -> int:
@@ -176,14 +178,46 @@ class Worker:
         """Writes a LoRA adapter into device slot `slot`, in order with the steps launched."""
         self.step.load_adapter(slot, adapter)
 
-    def warm_up(self) -> float:
-        """Compiles (and runs once) every variant of the step and the page copy; returns seconds."""
+    def warm_up(self, background: bool = False) -> float:
+        """Compiles (and runs once) every variant of the step and the page copy; returns seconds.
+        `background`: the smallest bucket's now, the rest on a thread (background.py), followed
+        by `follow_compiles`."""
         start = time.perf_counter()
         self.copier.num_compiled()
-        seconds = self.step.warm_up() + time.perf_counter() - start
-        if self.swap_cost is not None:  # timed only where a host tier can swap
+        seconds = self.step.warm_up(background) + time.perf_counter() - start
+        if self.swap_cost is not None and self.step.complete:  # timed only where a host tier can swap
             self.swap_cost.token_s = self.step.token_seconds()
         return seconds
+
+    def follow_compiles(self, schedulers: list[Scheduler]) -> None:
+        """Between steps, on the engine's thread, while variants compile in the background: each
+        scheduler's token budget and batch capped at the largest ready bucket (larger batches
+        wait for theirs); once all are ready, the configured limits back and the host tier's
+        swap cost timed (it runs the largest bucket)."""
+        step = self.step
+        if step.background is None or self._followed == step.background.num_ready:
+            return
+        self._followed = step.background.num_ready
+        limits, cap = self.state.engine.scheduler, step.ready_tokens
+        for scheduler in schedulers:
+            scheduler.max_num_batched_tokens = limits.max_num_batched_tokens if step.complete else cap
+            scheduler.max_num_seqs = min(limits.max_num_seqs, limits.max_num_batched_tokens if step.complete else cap)
+        if step.complete and self.swap_cost is not None:
+            self.swap_cost.token_s = step.token_seconds()
+
+    def compile_stats(self) -> dict[str, int]:
+        """Compiled variants so far; the step's variants ready and in all (compile_progress)."""
+        ready, total = self.compile_progress()
+        return {"compiled_variants": self.num_compiled(), "step_variants_ready": ready, "step_variants_total": total}
+
+    def compile_progress(self) -> tuple[int, int]:
+        """(step variants ready, in all): background compilation's, else the warm-up's (or, without
+        one, those compiled as steps first needed them) twice."""
+        background = self.step.background
+        if background is not None:
+            return background.num_ready, background.total
+        ready = len(self.step.programs.records)
+        return ready, ready
 
     @property
     def copier(self) -> PageCopier:

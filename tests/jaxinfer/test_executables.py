@@ -219,3 +219,14 @@ def test_the_warm_up_command_fills_the_store(tmp_path):
     assert [v["variant"] for v in first["variants"]] == ["step tokens=4", "step tokens=32", "window tokens=4"]
     second = run()
     assert second["compiled"] == 0 and second["read_from_store"] == 3
+
+
+def test_variants_compiled_in_the_background_are_stored_under_the_same_keys(tmp_path, model):
+    """Traced against abstract copies of the parameters and caches, they sign as the real ones:
+    an engine that compiles everything first reads every one of them."""
+    engine = build(model, tmp_path, compile_in_background=True)
+    assert engine.worker.step.background.join(300) and engine.worker.step.complete
+    stored = programs(engine).store.stored
+    assert stored == len(programs(engine).records) == 3
+    strict = build(model, tmp_path)
+    assert programs(strict).store.loaded == 3 and tokens(strict) == tokens(engine)

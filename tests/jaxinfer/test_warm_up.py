@@ -59,11 +59,11 @@ def test_the_variants_compile_side_by_side_and_their_first_runs_compile_nothing(
     )
     lowered = []
 
-    def compile_all(programs, platform):
+    def compile_all(programs, platform, threads=None):
         lowered.extend(programs)
         phase[0] = "compile_all"
         try:
-            return warm_up.compile_all(programs, platform)
+            return warm_up.compile_all(programs, platform, threads)
         finally:
             phase[0] = "run"
 
