@@ -22,9 +22,11 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from serving.cli_router import add_router_args, router_options
 from serving.grpc.client_cli import TOKEN_ENV, add_client_parser
 from serving.openai.auth import API_KEYS_ENV
 from serving.ray_serve import add_ray_args
@@ -68,9 +70,15 @@ def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs, a
         "--grace-period", type=float, default=10.0, help="seconds in-flight calls get to finish on SIGTERM/SIGINT"
     )
     g.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
+    g.add_argument(
+        "--warm-up-only",
+        action="store_true",
+        help="build the engine (every step variant compiled or read, and kept in the caches), print what "
+        "the warm-up did and exit without serving: e.g. in an image build, or before a service starts",
+    )
     _add_http_args(serve)
     _add_limit_args(serve)
-    _add_router_args(serve)
+    add_router_args(serve)
     add_ray_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -146,42 +154,6 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--log-prompts", action="store_true", help="--request-log includes prompts and outputs")
 
 
-def _add_router_args(serve: argparse.ArgumentParser) -> None:
-    g = serve.add_argument_group(
-        "behind a router",
-        "Routers read the load (HTTP /get_load, the vllm:* metrics) on their own; prefix-aware ones "
-        "(vllm-router --policy kv_aware, llm-d) also subscribe to the KV events.",
-    )
-    g.add_argument(
-        "--kv-events-endpoint",
-        default=None,
-        metavar="tcp://HOST:PORT",
-        help="publish the pages entering and leaving the prefix cache over ZMQ in vLLM's KV event "
-        "format (data replica r on PORT + r; HOST * binds every address; default: off)",
-    )
-    g.add_argument(
-        "--kv-events-replay-endpoint",
-        default=None,
-        metavar="tcp://HOST:PORT",
-        help="answer replay requests for missed KV event batches here (needs --kv-events-endpoint)",
-    )
-
-
-def _router_options(args: argparse.Namespace) -> dict:
-    from serving.kv_events import offset_endpoint
-
-    if args.kv_events_replay_endpoint is not None and args.kv_events_endpoint is None:
-        raise ValueError("--kv-events-replay-endpoint: needs --kv-events-endpoint")
-    for flag in ("--kv-events-endpoint", "--kv-events-replay-endpoint"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            try:
-                offset_endpoint(value, 0)
-            except ValueError as e:
-                raise ValueError(f"{flag} {value}: {str(e).split(': ', 1)[1]}") from None
-    return dict(kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint)
-
-
 def _limit_options(args: argparse.Namespace) -> dict:
     """ServerOptions' rate_limits / request_log / log_prompts, checked before the model loads."""
     from serving.limits import RateLimits
@@ -204,6 +176,7 @@ def _limit_options(args: argparse.Namespace) -> dict:
 # --- serve --------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxinfer.cli.args import check_file, llm_options, make_llm
+    from jaxinfer.cli.warm_up import print_warm_up
     from serving.grpc.auth import read_token
     from serving.openai.auth import read_api_keys
     from serving.server import ServerOptions
@@ -239,14 +212,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         api_keys=tuple(read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV) or None)),
         **_limit_options(args),
-        **_router_options(args),
+        **router_options(args),
     )
     if args.ray is not None:  # the HTTP API from replicas on a Ray cluster (serving/ray_serve.py)
         from serving.ray_serve import serve_on_ray
 
         return serve_on_ray(args, options, llm_options(args))
     signal.signal(signal.SIGTERM, _terminated_while_starting)
-    engine = make_llm(args).engine
+    start, llm = time.perf_counter(), make_llm(args)
+    if args.warm_up_only:
+        return print_warm_up(llm, start, "text")
+    engine = llm.engine
     try:
         return asyncio.run(_serve(engine, options))
     except OSError as e:

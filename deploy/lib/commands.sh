@@ -87,6 +87,12 @@ cmd_serve() {
   stage_secrets
   # Worker 0 first: it drains its calls and then releases the other processes, which exit.
   ssh_on 0 "sudo systemctl stop $UNIT 2>/dev/null || true"
+  # One host: the engine built once with the service's flags (every step variant compiled, or read,
+  # and kept in the executable store and JAX's cache), so the service starts by loading them.
+  if ((ACC_HOSTS == 1)); then
+    serve_argv 0 "$coordinator" "$VM_IP0"
+    ssh_on 0 "cd $(q "${S[REMOTE_DIR]}") && $(quote_words "${SERVE_ARGV[@]}" --warm-up-only)"
+  fi
   for ((worker = 0; worker < ACC_HOSTS; worker++)); do
     unit="$TMP_DIR/jaxinfer-worker-$worker.service"
     unit_text "$worker" "$coordinator" "$LOGIN_USER" "$VM_IP0" >"$unit"

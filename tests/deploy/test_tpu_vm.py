@@ -47,6 +47,19 @@ def test_create_derives_version_and_serve_writes_one_unit_per_host(deploy, accel
     assert out.returncode == 0, out.stderr
     written = units(deploy.calls())
     assert sorted(written) == list(range(hosts))
+    # One host: the service's own command with --warm-up-only runs first on worker 0 (every step
+    # variant compiled or read, and kept); a slice compiles when its processes start together.
+    warm_ups = [a for a in deploy.argvs() if verb(a) == "ssh" and "--warm-up-only" in a[-1]]
+    if hosts == 1:
+        (warm_up,) = warm_ups
+        command = warm_up[-1].removeprefix("--command=")
+        assert command.endswith(" ".join(exec_start(written[0])) + " --warm-up-only"), command
+        assert warm_up[-2] == "--worker=0"
+        assert deploy.argvs().index(warm_up) < min(
+            i for i, a in enumerate(deploy.argvs()) if any("systemctl restart jaxinfer.service" in w for w in a)
+        )
+    else:
+        assert warm_ups == []
     for worker, unit in written.items():
         argv = exec_start(unit)
         mesh = argv[argv.index("--mesh") + 1]

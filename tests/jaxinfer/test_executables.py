@@ -219,6 +219,16 @@ def test_the_warm_up_command_fills_the_store(tmp_path):
     assert [v["variant"] for v in first["variants"]] == ["step tokens=4", "step tokens=32", "window tokens=4"]
     second = run()
     assert second["compiled"] == 0 and second["read_from_store"] == 3
+    # `serve --warm-up-only` builds serve's engine from the same flags: the same keys, then exits.
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", "serve", *flags, "--port", "0", "--warm-up-only"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "3 step variants (0 compiled, 3 read)" in out.stdout and "listening" not in out.stdout
 
 
 def test_variants_compiled_in_the_background_are_stored_under_the_same_keys(tmp_path, model):
