@@ -78,7 +78,8 @@ def run_serve(jaxinfer: str, env: dict[str, str], background: bool) -> dict:
         base = line.split("listening on ", 1)[1].split()[0].rstrip("/")
         listening = time.perf_counter() - start
         ready_at_listen = _progress(base)
-        body = {"model": "x", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16, "temperature": 0}
+        model = json.loads(_get(f"{base}/v1/models"))["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16, "temperature": 0}
         answer = json.loads(_get(f"{base}/v1/chat/completions", body))
         first = time.perf_counter() - start
         while True:

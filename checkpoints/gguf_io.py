@@ -5,17 +5,37 @@ everything else (BF16 and the quantized types) dequantized to float32, one at a 
 memory-mapped file: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants that
 `gguf.quants` can dequantize. `raw(name)` gives a tensor's stored bytes instead (its blocks, for
 a reader that keeps them quantized), `quant_type(name)` their type.
+
+gguf's parse of the metadata (a vocabulary's strings one by one) is kept as a JSON index per
+version of a file ($JAXINFER_GGUF_INDEX_DIR, default ~/.cache/jaxinfer/gguf; "none": off): a
+later process reads the metadata and the tensors' places from it and maps the tensors as gguf's
+reader would (tests/checkpoints/test_readers.py compares both, tensor by tensor).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from checkpoints.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+INDEX_DIR_VAR = "JAXINFER_GGUF_INDEX_DIR"
+DEFAULT_INDEX_DIR = "~/.cache/jaxinfer/gguf"
+INDEX_FORMAT = 1
+# Tensor types gguf's reader gives as typed arrays of their elements (the others: their bytes).
+PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16}
+PLAIN_TYPES |= {"I32": np.int32, "I64": np.int64}
 
 
 class GGUFCheckpoint:
@@ -99,7 +119,11 @@ def _parse(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, Any]]:
     the file (path, size and modification time): gguf's reader walks a vocabulary's strings one
     by one (~1.5 s for SmolLM2's 49k tokens and merges on 2 cores, through `_reader_class`),
     and a process may open one file twice (a model as its own draft; an engine built again). The
-    tensors are views of one read-only memory map."""
+    tensors are views of one read-only memory map. What the parse found is kept in an index file
+    (`_index_path`), which the next process reads instead of parsing again."""
+    index = _index_path(path, size, mtime_ns)
+    if index is not None and (known := _read_index(index, path)) is not None:
+        return known
     reader = _reader_class()(path)
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
@@ -107,4 +131,76 @@ def _parse(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, Any]]:
             metadata[key] = field.contents()
         except Exception:  # a field whose type gguf cannot decode is simply not exposed
             continue
-    return {t.name: t for t in reader.tensors}, metadata
+    tensors = {t.name: t for t in reader.tensors}
+    if index is not None:
+        _write_index(index, tensors, metadata)
+    return tensors, metadata
+
+
+class IndexedTensor(NamedTuple):
+    """A tensor of an indexed GGUF file: what GGUFCheckpoint reads of gguf's ReaderTensor."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF's order: innermost first
+    data: np.ndarray  # a view of the file's memory map, typed and shaped as gguf's reader gives it
+
+
+def _index_path(path: str, size: int, mtime_ns: int) -> Path | None:
+    """The index of this version of the file: under $JAXINFER_GGUF_INDEX_DIR (default
+    ~/.cache/jaxinfer/gguf; "none": no index), named by a hash of the path, size, modification
+    time, the index format and gguf's version (whose parse it holds)."""
+    import gguf
+
+    directory = os.environ.get(INDEX_DIR_VAR, DEFAULT_INDEX_DIR)
+    if directory.strip().lower() in ("", "none"):
+        return None
+    version = getattr(gguf, "__version__", "") or importlib.metadata.version("gguf")
+    key = json.dumps([INDEX_FORMAT, version, path, size, mtime_ns])
+    return Path(directory).expanduser() / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _read_index(index: Path, path: str) -> tuple[dict, dict[str, Any]] | None:
+    """(tensors, metadata) from an index; None when there is none or it cannot be used (the file
+    is parsed again and the index rewritten)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    try:
+        known = json.loads(index.read_text())
+        plain = np.memmap(path, mode="r").view(np.ndarray)
+        tensors = {}
+        for name, raw_type, dims, offset in known["tensors"]:
+            kind = GGMLQuantizationType(raw_type)
+            n_elems = int(np.prod(dims))
+            shape = tuple(reversed(dims))
+            dtype = PLAIN_TYPES.get(kind.name)
+            if dtype is None:  # blocks: their bytes, [rows..., bytes per row], as gguf's reader has them
+                block_size, type_size = GGML_QUANT_SIZES[kind]
+                dtype, count, shape = (
+                    np.uint8,
+                    n_elems * type_size // block_size,
+                    quant_shape_to_byte_shape(shape, kind),
+                )
+            else:
+                count = n_elems
+            data = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype).reshape(shape)
+            tensors[name] = IndexedTensor(name, kind, np.asarray(dims, np.uint64), data)
+        return tensors, known["metadata"]
+    except Exception as e:  # noqa: BLE001  # any doubt: parse the file again
+        if not isinstance(e, FileNotFoundError):
+            logger.debug("GGUF index %s not used: %s", index, e)
+        return None
+
+
+def _write_index(index: Path, tensors: dict, metadata: dict[str, Any]) -> None:
+    try:
+        table = [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in tensors.values()]
+        text = json.dumps({"tensors": table, "metadata": metadata})
+        index.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=index.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, index)
+    except (OSError, TypeError, ValueError) as e:  # metadata JSON cannot hold, a read-only home: no index
+        logger.debug("GGUF index %s not written: %s", index, e)

@@ -1,7 +1,9 @@
 """Checkpoint readers: safetensors (single, sharded, corrupt) and GGUF dequantization."""
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import gguf
 import ml_dtypes
@@ -206,3 +208,56 @@ def test_the_plain_view_reader_parses_what_ggufs_own_reader_does():
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
         assert type(a.data) is np.ndarray and np.shares_memory(a.data, fast.data), a.name
         np.testing.assert_array_equal(a.data, b.data)
+
+
+def parsed_and_indexed(path, index_dir, monkeypatch):
+    """The file opened with no index (gguf parses it and the index is written), then again from
+    the index alone (gguf's reader made unusable)."""
+    monkeypatch.setenv(gguf_io.INDEX_DIR_VAR, str(index_dir))
+    gguf_io._parse.cache_clear()
+    parsed = GGUFCheckpoint(path)
+    assert len(list(index_dir.glob("*.json"))) == 1
+    gguf_io._parse.cache_clear()
+    with monkeypatch.context() as m:
+        m.setattr(gguf_io, "_reader_class", lambda: pytest.fail("parsed again instead of read from the index"))
+        indexed = GGUFCheckpoint(path)
+    gguf_io._parse.cache_clear()
+    return parsed, indexed
+
+
+def test_the_index_gives_what_the_parse_gave(tmp_path, monkeypatch):
+    """SmolLM2 (Q8_0, F32; a 49k vocabulary) and a file with every plain and block type."""
+    rng = np.random.default_rng(0)
+    tensors = {f"t{i}": rng.standard_normal((4, 64)).astype(np.float32) for i in range(4)}
+    qtypes = {"t0": Q.F32, "t1": Q.F16, "t2": Q.Q8_0, "t3": Q.Q4_1}
+    small = write_gguf(tmp_path / "small.gguf", "llama", {"general.name": "x"}, tensors, qtypes)
+    for path in (smollm2_gguf_path(), small):
+        parsed, indexed = parsed_and_indexed(path, tmp_path / f"index-{Path(path).stem}", monkeypatch)
+        assert indexed.metadata == parsed.metadata and indexed.keys() == parsed.keys()
+        for name in parsed.keys():
+            a, b = parsed._tensors[name].data, indexed._tensors[name].data
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert parsed.shape(name) == indexed.shape(name) and parsed.quant_type(name) == indexed.quant_type(name)
+            np.testing.assert_array_equal(parsed.get(name), indexed.get(name))
+            np.testing.assert_array_equal(parsed.raw(name), indexed.raw(name))
+
+
+def test_a_changed_or_broken_index_is_never_used(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    path = write_gguf(tmp_path / "m.gguf", "llama", {"general.name": "one"}, {"w": rng.standard_normal((2, 32))})
+    index_dir = tmp_path / "index"
+    parsed_and_indexed(path, index_dir, monkeypatch)
+    # The file rewritten (new size and time): a new index, the new contents.
+    write_gguf(path, "llama", {"general.name": "two", "x.extra": 3}, {"w": rng.standard_normal((2, 32))})
+    os.utime(path, ns=(1, 1))
+    gguf_io._parse.cache_clear()
+    assert GGUFCheckpoint(path).metadata["general.name"] == "two"
+    assert len(list(index_dir.glob("*.json"))) == 2
+    # A corrupt index is parsed past (and rewritten).
+    for index in index_dir.glob("*.json"):
+        index.write_text("{not json")
+    gguf_io._parse.cache_clear()
+    assert GGUFCheckpoint(path).metadata["general.name"] == "two"
+    gguf_io._parse.cache_clear()
+    monkeypatch.setenv(gguf_io.INDEX_DIR_VAR, "none")
+    assert GGUFCheckpoint(path).metadata["general.name"] == "two"

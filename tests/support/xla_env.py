@@ -12,6 +12,7 @@ and the engine itself are not affected: the flag lives only in the test processe
 `JAXINFER_TEST_XLA_OPT=1` keeps XLA's default level (to run the suite as production compiles)."""
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def apply_suite_flags() -> None:
 SUITE_CACHE = Path("~/.cache/jaxinfer/test-xla").expanduser()
 SUITE_CACHE_BYTES = 4 << 30
 FRESH_CACHE_VAR = "JAXINFER_TEST_FRESH_CACHE"
+SUITE_GGUF_INDEX = Path("~/.cache/jaxinfer/test-gguf").expanduser()
+SUITE_GGUF_INDEXES = 2000
 
 
 def share_compilation_cache() -> str | None:
@@ -64,6 +67,14 @@ def share_compilation_cache() -> str | None:
     # version, so after every edit it would compile each variant afresh, where JAX's cache (keyed
     # by HLO) still has it; tests/jaxinfer/test_executables.py passes a directory of its own.
     os.environ.setdefault(EXECUTABLES_DIR_VAR, "none")
+    # Parsed GGUF metadata (checkpoints/gguf_io.py) in a directory of the suite's own: tests write
+    # GGUF files under fresh temporary paths, one index each; past SUITE_GGUF_INDEXES it starts over.
+    if not os.environ.get("JAXINFER_GGUF_INDEX_DIR"):
+        SUITE_GGUF_INDEX.mkdir(parents=True, exist_ok=True)
+        if sum(1 for _ in SUITE_GGUF_INDEX.iterdir()) > SUITE_GGUF_INDEXES:
+            shutil.rmtree(SUITE_GGUF_INDEX, ignore_errors=True)
+            SUITE_GGUF_INDEX.mkdir(parents=True, exist_ok=True)
+        os.environ["JAXINFER_GGUF_INDEX_DIR"] = str(SUITE_GGUF_INDEX)
     if os.environ.get(CACHE_DIR_VAR):
         return None
     fresh = os.environ.get(FRESH_CACHE_VAR) == "1"
