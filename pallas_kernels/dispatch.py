@@ -9,19 +9,22 @@ warning.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 import jax
 
-from pallas_kernels import common, gpu, tpu
+from pallas_kernels import common
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 if TYPE_CHECKING:
     from jax.experimental.pallas.tpu import InterpretParams
 
 IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
-_KERNELS = {"pallas_gpu": (gpu, "gpu"), "pallas_tpu": (tpu, "tpu")}
+# impl -> (its module, imported when a step first uses it: the CPU's reference never pays for
+# Pallas' GPU and TPU lowerings, a third of a second of imports; the platform it compiles for).
+_KERNELS = {"pallas_gpu": ("pallas_kernels.gpu", "gpu"), "pallas_tpu": ("pallas_kernels.tpu", "tpu")}
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
 
 logger = logging.getLogger(__name__)
@@ -91,12 +94,12 @@ def ragged_paged_attention(
     )
     if chosen == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
-    module, _ = _KERNELS[chosen]
+    module = importlib.import_module(_KERNELS[chosen][0])
     reason = module.unsupported_reason(q, kv_cache, page_indices)
     if reason is not None:
         if impl != "auto":
             raise ValueError(f"attention impl {impl!r} cannot take {reason}")
         _warn_once(f"attention impl {chosen!r} cannot take {reason}; using the reference")
         return ragged_paged_attention_reference(*args, **kwargs)
-    kernel = gpu.ragged_paged_attention_gpu if chosen == "pallas_gpu" else tpu.ragged_paged_attention_tpu
+    kernel = module.ragged_paged_attention_gpu if chosen == "pallas_gpu" else module.ragged_paged_attention_tpu
     return kernel(*args, **kwargs, interpret=_interpret_flag(chosen, backend))

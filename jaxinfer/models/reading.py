@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -39,6 +40,7 @@ from sharding import DevicePlacer, Placer
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+READ_THREADS = 2  # checkpoint tensors read at once (read_fields)
 ORBAX_FORMAT = "ours"  # an orbax checkpoint holds our own fields under our own names
 
 
@@ -144,19 +146,24 @@ def read_fields(
     linear = set(family.linear_inputs) | {"lm_head"}
     checked = specs if stored is None else expected_specs(specs, stored, linear, where)
     _check_tensors(reader, checked, family.ignored_tensors, where)
-    for spec in specs:
+
+    def read(spec: TensorSpec) -> jax.Array | QuantizedWeight:
         inputs = quant.inputs(spec.field, family.linear_inputs) if quant is not None else None
         scheme = stored.scheme_for(module_of(spec.name)) if stored is not None and spec.field in linear else None
         if scheme is not None:  # stored quantized: kept as stored where quant says so, else dequantized
             value = read_module(reader, spec, inputs or (0,), scheme, resolved, inputs is not None, where)
-            value = (
+            return (
                 value.map(functools.partial(place, spec)) if isinstance(value, QuantizedWeight) else place(spec, value)
             )
-        else:  # (a stored checkpoint's module outside its schemes is float)
-            value = _read_field(reader, spec, None if stored else inputs, quant, resolved, place)
-        (top if spec.layer is None else per_layer[spec.layer])[spec.field] = value
-        if progress:
-            progress(1)
+        return _read_field(reader, spec, None if stored else inputs, quant, resolved, place)  # float outside
+
+    # Tensors read (dequantized, converted, placed) READ_THREADS at a time: numpy's dequantizing
+    # and converting, and the placing, run without the GIL for the most part.
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="read") as pool:
+        for spec, value in zip(specs, pool.map(read, specs), strict=True):
+            (top if spec.layer is None else per_layer[spec.layer])[spec.field] = value
+            if progress:
+                progress(1)
     return top, per_layer
 
 
@@ -179,7 +186,7 @@ def _read_field(
     array = spec.to_ours(np.asarray(reader.get(spec.name)))
     if inputs is not None and quant is not None:
         return quantize_field(array, spec.field, inputs, quant, dtype).map(lambda a: place(spec, a))
-    return place(spec, np.ascontiguousarray(array.astype(dtype)))
+    return place(spec, np.ascontiguousarray(array.astype(dtype, copy=False)))
 
 
 def _restore_fields(

@@ -233,7 +233,8 @@ def prefetch(directory: Path, index: str) -> int:
     paths = [p for p in paths if p not in _PREFETCHED and p.is_file()]
     if not paths:
         return 0
-    pool = ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1), thread_name_prefix="prefetch")
+    # A core left to the caller, which reads the weights meanwhile.
+    pool = ThreadPoolExecutor(min(len(paths), max(1, (os.cpu_count() or 1) - 1)), thread_name_prefix="prefetch")
     for path in paths:
         _PREFETCHED[path] = pool.submit(read_entry, path)
     pool.shutdown(wait=False)
