@@ -11,6 +11,13 @@ prefix cache) and each request generates one token, as a loglikelihood job does:
   scoredN   prompt_logprobs=--top: and the N most likely tokens at each position
 Prompt tokens per second for each and its ratio to plain; the engine's warm-up (the prompt
 variants included) and its compiled variants, which must not grow while the cases run.
+
+    python benchmarks/bench_scoring.py --per-bucket      # one request at a time, as lm-eval sends them
+
+`--per-bucket`: lm-evaluation-harness's loglikelihood requests one at a time (`echo`,
+`logprobs: 1`, `max_tokens: 1`: prompt_logprobs=1 here) at prompt lengths 4 .. 128, one row per
+length: seconds per request scored and plain (medians of --repeats), on an engine with the
+serving defaults (max_num_seqs 64).
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--cache-dir", default="auto", help="compilation cache: a directory, none, or auto (as jaxinfer)")
+    p.add_argument("--per-bucket", action="store_true", help="one request at a time per prompt length (lm-eval)")
     args = p.parse_args(argv)
+    if args.per_bucket:
+        return per_bucket(args)
 
     import jax
 
@@ -75,6 +85,31 @@ def main(argv=None) -> int:
     for name in cases:
         rate = statistics.median(rates[name])
         print(f"| {name} | {rate:.0f} | {rate / plain:.2f}x |")
+    grown = engine.worker.num_compiled() - compiled
+    print(f"\ncompiled after warm-up: {grown}")
+    return 0 if grown == 0 else 1
+
+
+def per_bucket(args: argparse.Namespace) -> int:
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling import SamplingParams
+
+    llm = LLM(args.model, enable_prompt_logprobs=True, compilation_cache_dir=args.cache_dir)
+    engine, rng = llm.engine, np.random.default_rng(0)
+    compiled, vocab = engine.worker.num_compiled(), engine.model.config.vocab_size
+    print("| prompt tokens | scored, s/request | plain, s/request | scored vs plain |")
+    print("|---|---|---|---|")
+    for length in (4, 8, 16, 24, 32, 48, 64, 128):
+        seconds: dict[str, list[float]] = {"scored": [], "plain": []}
+        for _ in range(args.repeats + 1):  # the first of each is not counted
+            for name, top in (("scored", 1), ("plain", None)):
+                prompt = rng.integers(1, vocab, size=length).tolist()
+                params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=top, logprobs=1)
+                start = time.perf_counter()
+                llm.generate([prompt], params, use_tqdm=False)
+                seconds[name].append(time.perf_counter() - start)
+        scored, plain = (statistics.median(seconds[n][1:]) for n in ("scored", "plain"))
+        print(f"| {length} | {scored:.3f} | {plain:.3f} | {scored / plain:.2f}x |")
     grown = engine.worker.num_compiled() - compiled
     print(f"\ncompiled after warm-up: {grown}")
     return 0 if grown == 0 else 1

@@ -60,7 +60,10 @@ def step(
         return verified, kv_caches, sampled
     out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampled(), row_slots)
     if inputs.prompt is not None:
-        every_head = bind_head(params, inputs.lora_slots)  # every row is scored
+        # Every row is scored, through a head of its own: the CPU's product-and-sum LM head
+        # (quant/out_first.py) over as many rows as the sampler's would share the weight's
+        # broadcast with it, and XLA then writes that [V, rows, E] broadcast out in full.
+        every_head = jax.lax.optimization_barrier(bind_head(params, inputs.lora_slots))
         out = dataclasses.replace(
             out,
             prompt=prompt_logprobs(

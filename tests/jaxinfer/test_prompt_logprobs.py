@@ -310,6 +310,41 @@ def test_only_the_scoring_variant_runs_the_lm_head_over_every_row():
     assert lm_head_rows(False) == [2] and lm_head_rows(True) == [2, 8]
 
 
+def test_scoring_as_many_rows_as_the_sampler_writes_no_broadcast_of_the_lm_head():
+    """On the CPU a few rows' LM head is a product and a sum over the weight broadcast to
+    [V, rows, E] (quant/out_first.py), fused into the sum. When the prompt rows of a bucket are as
+    many as its sequence rows, the two heads' broadcasts were one instruction with two users, which
+    XLA wrote out in full: 50-60 ms a row for SmolLM2's 49k vocabulary (lm-eval's scoring requests
+    of 8-32 tokens took 0.4-2 s). Each head now has its own (step.py): the step's temporaries stay
+    far below one such broadcast."""
+    config = ModelConfig(
+        model_type="llama",
+        family="llama",
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,  # the head is the embedding: [V, E], contracted on E
+    )
+    family = get_family("llama")
+    tiny = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
+    options = dict(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(8,), penalties=False)
+    runner = Worker(
+        tiny, EngineConfig(**options, num_pages=8, compilation_cache_dir=None, enable_prompt_logprobs=True), 512
+    )
+    inputs = runner.step.padding_inputs(8, False, prompt=True)
+    assert inputs.token_ids.shape[-1] == runner.step.engine.seq_bucket(8) == 8  # as many rows as sequences
+    broadcast = config.vocab_size * 8 * config.hidden_size * 4
+    temp = runner.step.lower(inputs).compile().memory_analysis().temp_size_in_bytes
+    assert temp < broadcast / 2, (temp, broadcast)
+
+
 def test_data_replicas_share_one_input_tree():
     """With data replicas, a replica whose plan scores nothing gets all -1 targets (the stacked
     inputs keep one tree)."""
