@@ -269,25 +269,25 @@ def test_a_prompt_being_scored_takes_only_cached_pages_it_has_scored():
     assert admitted("done", 1, num_scored=12) == 12  # every position scored: no more scoring
 
 
-def test_only_the_scoring_variant_runs_the_lm_head_over_every_row():
-    """The plain step's LM head is over one row per sequence [S, V]; the variant that scores
-    prompts adds [T, V] (the normal step's cost does not grow)."""
+def tiny_llama(**config) -> LoadedModel:
+    """A one-layer Llama of random weights (`config`: ModelConfig fields over the defaults here)."""
+    shape = dict(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
     config = ModelConfig(
         model_type="llama",
         family="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         max_position_embeddings=512,
+        **{**shape, **config},
     )
     family = get_family("llama")
-    tiny = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
+    return LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
+
+
+def test_only_the_scoring_variant_runs_the_lm_head_over_every_row():
+    """The plain step's LM head is over one row per sequence [S, V]; the variant that scores
+    prompts adds [T, V] (the normal step's cost does not grow)."""
+    tiny = tiny_llama(vocab_size=256)
     runner = Worker(
         tiny,
         EngineConfig(
@@ -317,23 +317,8 @@ def test_scoring_as_many_rows_as_the_sampler_writes_no_broadcast_of_the_lm_head(
     XLA wrote out in full: 50-60 ms a row for SmolLM2's 49k vocabulary (lm-eval's scoring requests
     of 8-32 tokens took 0.4-2 s). Each head now has its own (step.py): the step's temporaries stay
     far below one such broadcast."""
-    config = ModelConfig(
-        model_type="llama",
-        family="llama",
-        vocab_size=4096,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,  # the head is the embedding: [V, E], contracted on E
-    )
-    family = get_family("llama")
-    tiny = LoadedModel(config, family.init_params(config, jax.random.key(0)), None, family, Path("random"))
+    tiny = tiny_llama(vocab_size=4096, tie_word_embeddings=True)  # the head is the embedding [V, E]
+    config = tiny.config
     options = dict(page_size=16, max_num_batched_tokens=8, max_num_seqs=8, token_buckets=(8,), penalties=False)
     runner = Worker(
         tiny, EngineConfig(**options, num_pages=8, compilation_cache_dir=None, enable_prompt_logprobs=True), 512
