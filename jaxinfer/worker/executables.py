@@ -113,7 +113,7 @@ class ExecutableStore:
     """Compiled programs under `directory`, for one engine (its devices and context)."""
 
     def __init__(self, directory: Path, devices: Sequence[jax.Device], context: dict[str, str], index: str) -> None:
-        self.directory, self.index = directory, index
+        self.directory, self.index, self.devices = directory, index, list(devices)
         self.fingerprint = {
             "format": FORMAT,
             "code": code_version(),
@@ -178,6 +178,7 @@ class ExecutableStore:
             header = {
                 "key": key,
                 "fingerprint": self.fingerprint,
+                "device_ids": [d.id for d in self.devices],  # in the order the program runs on them
                 "length": len(payload),
                 "sha256": hashlib.sha256(payload).hexdigest(),
             }
@@ -212,8 +213,15 @@ def read_entry(path: Path) -> tuple[dict[str, Any], jax.stages.Compiled] | None:
         raise ValueError(f"truncated: {len(payload)} of {header.get('length')} bytes")
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise ValueError("checksum mismatch")
+    # Loaded onto the devices it was compiled for, by id (without them JAX assumes every device of
+    # the process, and an executable for fewer fails a check that ends the process).
+    local = {d.id: d for d in jax.devices()}
+    ids = header.get("device_ids")
+    if not isinstance(ids, list) or not ids or any(i not in local for i in ids):
+        raise ValueError(f"made for devices {ids!r}, not among this process's")
     serialized, in_tree, out_tree = pickle.loads(payload)
-    return header, serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+    devices = [local[i] for i in ids]
+    return header, serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
 
 
 def read_index(path: Path) -> list[str]:

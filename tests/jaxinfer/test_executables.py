@@ -89,8 +89,11 @@ def step_events(events: list[list[str]]) -> list[list[str]]:
     return [e for e in events if program(e[1]) in STEP_PROGRAMS]
 
 
-def warm_start(store, **options) -> dict:
+def warm_start(store, devices: int = 1, **options) -> dict:
+    """WARM_START in a process of `devices` CPU devices."""
     env = {**os.environ, "JAXINFER_EXECUTABLE_CACHE_DIR": "none"}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     args = json.dumps({**OPTIONS, "executable_cache_dir": str(store), **options})
     out = subprocess.run(
         [sys.executable, "-c", WARM_START, args, str(MODEL), json.dumps(PROMPTS)],
@@ -118,6 +121,16 @@ def test_a_warm_start_reads_every_variant_and_traces_lowers_compiles_none(tmp_pa
     assert step_events(warm["events"]) == []
     assert warm["tokens"] == cold["tokens"] == baseline
     print("other programs traced in a warm start (loading, page table):", sorted({e[1] for e in warm["events"]}))
+
+
+@pytest.mark.parametrize("mesh", [None, "tensor=2"])
+def test_a_warm_start_on_some_of_a_processs_devices(tmp_path, mesh):
+    """Each executable is loaded onto the devices it was compiled for (one of four, two of four),
+    not every device of the process (which fails a check that ends the process)."""
+    cold = warm_start(tmp_path, devices=4, mesh=mesh)
+    warm = warm_start(tmp_path, devices=4, mesh=mesh)
+    assert set(cold["sources"]) == {"compiled"} and warm["sources"] == ["store"] * len(cold["sources"])
+    assert warm["tokens"] == cold["tokens"]
 
 
 def test_an_entry_from_another_environment_code_or_config_is_not_used(tmp_path, model, monkeypatch):
