@@ -137,6 +137,8 @@ class ExecutableStore:
         removed) when it is not a sound entry for `key` made under this fingerprint."""
         path = self.path(key)
         future = _PREFETCHED.pop(path, None)
+        if future is not None and future.cancel():  # still queued: read here, beside the prefetch's threads
+            future = None
         try:
             entry = future.result() if future is not None else read_entry(path)
             if entry is None:
