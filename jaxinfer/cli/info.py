@@ -75,6 +75,27 @@ def describe(args: argparse.Namespace) -> dict:
         "engine_config": _options_json(engine),
         "mesh": None if state.mesh is None else dict(state.mesh.shape),
         "data_replicas": state.num_replicas,
+        "startup": _startup(engine),
+    }
+
+
+def _startup(engine: EngineConfig) -> dict:
+    """Where compiled variants are kept, and how many an engine with these options would read from
+    the executable store at its start (its index of this config: what such an engine used last)."""
+    from jaxinfer.worker.executables import SUFFIX, read_index
+    from jaxinfer.worker.programs import index_key, store_path
+    from jaxinfer.worker.warm_up import compilation_cache_path
+
+    store, stored = store_path(engine), 0
+    if store is not None:
+        keys = read_index(store / "index" / f"{index_key(engine)}.json")
+        stored = sum((store / f"{key}{SUFFIX}").is_file() for key in keys)
+    cache = compilation_cache_path(engine.compile.compilation_cache_dir)
+    return {
+        "executable_store": None if store is None else str(store),
+        "stored_variants": stored,
+        "compilation_cache": None if cache is None else str(cache),
+        "compile_in_background": engine.compile.compile_in_background,
     }
 
 

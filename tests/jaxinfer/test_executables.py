@@ -242,6 +242,18 @@ def test_the_warm_up_command_fills_the_store(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "3 step variants (0 compiled, 3 read)" in out.stdout and "listening" not in out.stdout
+    # `jaxinfer info` (which compiles nothing) says how many a start with these flags would read.
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", "info", *flags], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    startup = json.loads(out.stdout)["startup"]
+    assert startup == {
+        "executable_store": str(tmp_path),
+        "stored_variants": 3,
+        "compilation_cache": None,
+        "compile_in_background": False,
+    }
 
 
 def test_variants_compiled_in_the_background_are_stored_under_the_same_keys(tmp_path, model):
