@@ -156,14 +156,17 @@ class ServerMetrics:
         self.kv_host_usage = prom.Gauge(
             "jaxinfer_kv_host_cache_usage_ratio", "fraction of the host tier's KV pages holding a page", registry=r
         )
+        self.variants_ready = prom.Gauge("jaxinfer_step_variants_ready", "step variants compiled and ready", registry=r)
+        self.variants_total = prom.Gauge(
+            "jaxinfer_step_variants_total", "step variants the engine compiles", registry=r
+        )
 
     def watch_compiles(self, engine: Engine) -> None:
-        """The step's variants ready and in all, read at each scrape (with compile_in_background
-        the ready count grows while the server serves; otherwise both are the warm-up's count)."""
-        ready = prom.Gauge("jaxinfer_step_variants_ready", "step variants compiled and ready", registry=self.registry)
-        total = prom.Gauge("jaxinfer_step_variants_total", "step variants the engine compiles", registry=self.registry)
-        ready.set_function(lambda: engine.worker.compile_progress()[0])
-        total.set_function(lambda: engine.worker.compile_progress()[1])
+        """The step's variants ready and in all, read from `engine` at each scrape (with
+        compile_in_background the ready count grows while the server serves; otherwise both are
+        the warm-up's count)."""
+        self.variants_ready.set_function(lambda: engine.worker.compile_progress()[0])
+        self.variants_total.set_function(lambda: engine.worker.compile_progress()[1])
 
     def _define_spec_decode(self, r: prom.CollectorRegistry) -> None:
         """Speculative decoding (when the engine has it on): totals since start-up."""
