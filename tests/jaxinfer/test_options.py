@@ -42,6 +42,7 @@ ENGINE_COMMANDS = (
     ["batch", "--input", "in.jsonl", "--output", "out.jsonl"],
     ["info"],
     ["serve"],
+    ["warm-up"],
 )
 # Values for the text options whose field accepts only some strings.
 TEXT = {
@@ -51,6 +52,7 @@ TEXT = {
     "model": "/models/x",
     "chat_template": "{{ messages }}",
     "compilation_cache_dir": "/tmp/xla",
+    "executable_cache_dir": "/tmp/executables",
     "coordinator_address": "10.0.0.1:1234",
     "kv_transfer_host": "10.0.0.2",
 }
