@@ -26,8 +26,8 @@ OPTIONS = dict(
     max_model_len=128,
     num_pages=48,
     max_num_seqs=8,
-    max_num_batched_tokens=64,
-    token_buckets=(4, 16, 64),
+    max_num_batched_tokens=16,
+    token_buckets=(4, 16),
     num_decode_steps=4,
     compilation_cache_dir=None,
     executable_cache_dir=None,
@@ -82,7 +82,7 @@ def test_requests_before_the_rest_are_served_within_the_ready_buckets(gate, stri
     engine, step = llm.engine, llm.engine.worker.step
     assert step.ready_tokens == 4 and not step.complete
     groups = background.groups(warm_up.step_variants(step))
-    assert [bucket for bucket, _ in groups] == [4, 16, 64, None]  # then the 4-token bucket's window
+    assert [bucket for bucket, _ in groups] == [4, 16, None]  # then the 4-token bucket's window
     assert engine.worker.compile_progress() == (len(groups[0][1]), sum(len(g) for _, g in groups))
     compiled_on = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -108,7 +108,7 @@ def test_requests_before_the_rest_are_served_within_the_ready_buckets(gate, stri
     compiles = len(compiled_on)
     outs = run_requests(engine, [(p, GREEDY) for p in PROMPTS])
     assert [list(o.outputs[0].token_ids) for o in outs] == strict_tokens
-    assert engine.scheduler.max_num_batched_tokens == 64 and engine.scheduler.max_num_seqs == 8
+    assert engine.scheduler.max_num_batched_tokens == 16 and engine.scheduler.max_num_seqs == 8
     assert any(steps == 4 for _, steps, _ in planned[-20:])
     assert len(compiled_on) == compiles  # the jit finds each variant the thread compiled
     assert_pages_free(engine)
