@@ -164,11 +164,7 @@ class ExecutableStore:
         path = self.directory / "index" / f"{self.index}.json"
         try:
             known = [k for k in read_index(path) if k not in keys]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump([*keys, *known][:MAX_INDEXED], f)
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps([*keys, *known][:MAX_INDEXED]).encode())
         except OSError as e:
             logger.debug("executable index %s not written: %s", path, e)
 
@@ -184,17 +180,26 @@ class ExecutableStore:
                 "length": len(payload),
                 "sha256": hashlib.sha256(payload).hexdigest(),
             }
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
-            os.replace(tmp, self.path(key))
+            write_atomically(self.path(key), MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
         except Exception as e:  # noqa: BLE001  # the program runs either way
             logger.warning("executable %s not stored: %s", self.path(key), e)
-            with contextlib.suppress(Exception):
-                os.unlink(tmp)
             return
         self.stored += 1
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` as `path`, written to a temporary name beside it and renamed (readers never see half
+    a file; the temporary is removed if the write fails)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_entry(path: Path) -> tuple[dict[str, Any], jax.stages.Compiled] | None:

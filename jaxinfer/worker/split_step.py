@@ -9,6 +9,7 @@ for a bucket in `split_buckets`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import jax
@@ -39,11 +40,8 @@ class SplitStep:
     _forward: jax.stages.Wrapped
     _sample: jax.stages.Wrapped
 
-    def _placed(self, inputs: StepInputs[np.ndarray]) -> StepInputs[HostOrDevice]:
-        raise NotImplementedError
-
-    def _set_table(self, inputs: StepInputs[HostOrDevice]) -> StepInputs[HostOrDevice]:
-        raise NotImplementedError
+    _placed: Callable[[StepInputs[np.ndarray]], StepInputs[HostOrDevice]]
+    _set_table: Callable[[StepInputs[HostOrDevice]], StepInputs[HostOrDevice]]
 
     def dispatch_forward(self, inputs: StepInputs[np.ndarray]) -> jax.Array | Future[jax.Array]:
         """The first half of a split step (a bucket in `split_buckets`): the forward, K/V
