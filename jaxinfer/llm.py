@@ -66,7 +66,7 @@ def _loaded(model: LoadedModel | None, config: EngineConfig) -> LoadedModel:
     if mesh is not None:
         device_mesh = make_mesh(mesh)
         place_for = lambda cfg, family: make_placer(  # noqa: E731
-            device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads)
+            device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads), cfg.num_layers
         )
     return load_model(load.model, load.dtype, place_for=place_for, quantization=quant)
 

@@ -1,6 +1,6 @@
 """Meshes, logical axis rules, shard-by-shard placement, sharded attention, multi-host start-up.
 
-    mesh = make_mesh("data=2,tensor=4")             # axes (data, sequence, expert, tensor)
+    mesh = make_mesh("data=2,tensor=4")             # axes (data, stage, sequence, expert, tensor)
     layout = head_layout(mesh, num_heads, num_kv_heads)
     place = make_placer(mesh, family.param_axes, layout)   # the loader's place hook
     specs = param_specs(params, family.param_axes, mesh)   # from LOGICAL_RULES

@@ -1,13 +1,17 @@
 """Device meshes from a spec string, and the mesh a traced function runs under.
 
-Every mesh has the same four axes, in this order: `data` (independent replicas, outermost),
-`sequence` (tokens of a step split for context-parallel prefill), `expert` (a mixture's experts
-split between devices; everything else is replicated over it) and `tensor` (heads and MLP
-columns, innermost so its collectives stay between neighbouring devices). A spec names only the
-axes it uses; the others have size 1, so partition specs can always name all four.
+Every mesh has the same five axes, in this order: `data` (independent replicas, outermost),
+`stage` (pipeline stages: contiguous runs of layers, each stage's weights and caches only on its
+devices; sharding/stages.py), `sequence` (tokens of a step split for context-parallel prefill),
+`expert` (a mixture's experts split between devices; everything else is replicated over it) and
+`tensor` (heads and MLP columns, innermost so its collectives stay between neighbouring devices).
+A spec names only the axes it uses; the others have size 1, so partition specs can always name
+all five. `stage` sits outside everything but `data`: on several hosts its neighbours are whole
+hosts, and only one activation per step crosses between them.
 
     make_mesh("data=2,tensor=4")   # 8 devices: 2 replicas of a 4-way tensor-parallel model
     make_mesh("expert=4,tensor=2") # 8 devices: each holds a quarter of the experts, half of each
+    make_mesh("stage=2,tensor=4")  # 8 devices: layers split in two halves, each 4-way tensor-parallel
 
 Axis types are Auto: `with_sharding_constraint`, sharded `jit` and `jax.shard_map` all work.
 The runner traces its step under `jax.set_mesh(mesh)`, and layers read it back with
@@ -24,15 +28,15 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-DATA, SEQUENCE, EXPERT, TENSOR = "data", "sequence", "expert", "tensor"
-AXES = (DATA, SEQUENCE, EXPERT, TENSOR)
+DATA, STAGE, SEQUENCE, EXPERT, TENSOR = "data", "stage", "sequence", "expert", "tensor"
+AXES = (DATA, STAGE, SEQUENCE, EXPERT, TENSOR)
 _ITEM = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
 # A concrete mesh, or the abstract one a function is traced under (`current_mesh()`).
 AnyMesh = Mesh | AbstractMesh
 
 
 def parse_mesh_spec(spec: object) -> dict[str, int]:
-    """ "data=2,tensor=4" (or a dict) -> {"data": 2, "sequence": 1, "expert": 1, "tensor": 4};
+    """ "data=2,tensor=4" (or a dict) -> {"data": 2, "stage": 1, "sequence": 1, "expert": 1, "tensor": 4};
     a ValueError names anything else (a config's value, checked here)."""
     if isinstance(spec, dict):
         items = list(spec.items())
@@ -60,7 +64,7 @@ def parse_mesh_spec(spec: object) -> dict[str, int]:
 
 
 def make_mesh(spec: object, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, sequence, expert, tensor) mesh over the first prod(sizes) of `devices` (default: all).
+    """A (data, stage, sequence, expert, tensor) mesh over the first prod(sizes) of `devices` (default: all).
     `spec`: a Mesh (returned as it is), or what parse_mesh_spec reads ("data=2,tensor=4", a dict).
 
     Devices are taken in jax.devices() order, which groups each host's devices together, so the

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.typing import DTypeLike
 
 from sharding.rules import HeadLayout, ParamAxes, PyTree, leaf_name, logical_to_spec
+from sharding.stages import StagePlan, num_stages, plan_stages, stage_mesh
 from sharding.weight_layout import weight_format
 
 
@@ -81,7 +82,7 @@ def repeated_shape(shape: tuple[int, ...], axes: tuple[str, ...], layout: HeadLa
 
 def put_sharded(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array from a host array; each addressable device receives only its slice."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index], dtype=array.dtype)
 
 
 def place_param(name: str, array: np.ndarray, mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout) -> jax.Array:
@@ -110,15 +111,26 @@ class DevicePlacer:
 class MeshPlacer:
     """Every parameter split over the mesh by its logical axes, KV heads repeated as `layout` asks;
     with `repeat_kv=False` KV heads stay as the checkpoint has them (kept whole where they do not
-    split), the layout `jaxinfer convert` saves."""
+    split), the layout `jaxinfer convert` saves. With pipeline stages (`stages`) a layer's
+    tensors go to its own stage's devices only (sharding/stages.py stacks them later)."""
 
-    def __init__(self, mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout, repeat_kv: bool = True) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        param_axes: ParamAxes,
+        layout: HeadLayout,
+        repeat_kv: bool = True,
+        stages: StagePlan | None = None,
+    ) -> None:
         self.mesh, self.param_axes, self.layout, self.repeat_kv = mesh, param_axes, layout, repeat_kv
+        self.stages = stages
 
     def __call__(self, spec: FieldSpec, array: np.ndarray) -> jax.Array:
         if not self.repeat_kv:
             return put_sharded(array, self.target(spec.field, array.shape, array.dtype).sharding)
-        return place_param(spec.field, array, self.mesh, self.param_axes, self.layout)
+        layer = getattr(spec, "layer", None)
+        mesh = self.mesh if self.stages is None or layer is None else stage_mesh(self.mesh, self.stages.stage_of(layer))
+        return place_param(spec.field, array, mesh, self.param_axes, self.layout)
 
     def _repeats(self, field: str) -> bool:
         return self.layout.kv_repeat > 1 and "kv_heads" in self.param_axes[field]
@@ -140,9 +152,11 @@ class MeshPlacer:
         return jax.jit(repeat, out_shardings=out)(array)
 
 
-def make_placer(mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout) -> MeshPlacer:
-    """The loader hook for a mesh: place(tensor_spec, host_array) -> sharded jax.Array."""
-    return MeshPlacer(mesh, param_axes, layout)
+def make_placer(mesh: Mesh, param_axes: ParamAxes, layout: HeadLayout, num_layers: int | None = None) -> MeshPlacer:
+    """The loader hook for a mesh: place(tensor_spec, host_array) -> sharded jax.Array (with
+    pipeline stages and `num_layers` given, each layer's on its stage's devices)."""
+    stages = plan_stages(num_layers, num_stages(mesh)) if num_layers is not None and num_stages(mesh) > 1 else None
+    return MeshPlacer(mesh, param_axes, layout, stages=stages)
 
 
 def _placed_shape(

@@ -19,7 +19,8 @@ class ParallelConfig:
 
     mesh: str | dict | object | None = option(
         None,
-        "device mesh, e.g. tensor=4 or data=2,tensor=4 (axes: data, sequence, expert, tensor); default: one device",
+        "device mesh, e.g. tensor=4, data=2,tensor=4 or stage=2,tensor=4 (axes: data, stage, sequence, "
+        "expert, tensor); default: one device",
     )
     coordinator_address: str | None = option(
         None, "HOST:PORT of process 0 for multi-host runs ('auto' on TPU pods); env JAXINFER_COORDINATOR_ADDRESS"

@@ -28,7 +28,8 @@ from jaxinfer.quant.kv_cache import QuantizedKVCache
 from jaxinfer.quant.lora_vocab import vocab_rows
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.reference import write_kv
-from sharding import shard_paged_attention
+from sharding import current_mesh, shard_paged_attention
+from sharding.stages import num_stages, run_stages
 
 # Parameters by field name as loaded (a layer's, or the top level's): float arrays and quantized
 # weights (jaxinfer.quant) side by side, before a family's `assemble` builds its tree.
@@ -165,8 +166,16 @@ def decoder_stack(
     layer in order (each writes its K/V pages), then the final norm: (hidden [T, E], caches)."""
     x = vocab_rows(params.embed, tokens)  # [T, E]; a quantized embedding dequantizes these rows
     cos, sin = rope_cos_sin(positions, rope_inv_freq(config))
-    caches = list(kv_caches)
     layer_call = traced_once(layer_fn)
+    if num_stages(current_mesh()) > 1:  # pipeline stages: each runs its slots (sharding/stages.py)
+
+        def slot(j: int, x: jax.Array, layer: Any, cache: KVCache, extras: tuple) -> tuple[jax.Array, KVCache]:
+            cos, sin, meta = extras  # one group of layers: its page table
+            return layer_call(x, layer, cache, cos, sin, group_meta(meta, 0), config, attn_impl)
+
+        x, staged = run_stages(slot, x, params.layers, kv_caches, (cos, sin, meta))
+        return rms_norm(x, params.final_norm, config.rms_norm_eps), staged
+    caches = list(kv_caches)
     for i, layer in enumerate(params.layers):
         c, layer_meta = layer_kv(config, caches, meta, i)
         x, caches[c] = layer_call(x, layer, caches[c], cos, sin, layer_meta, config, attn_impl)
@@ -191,9 +200,13 @@ def layer_kv(
                 f"for {config.num_layers} layers in {layout.num_groups} groups of {layout.num_caches}"
             )
         group, cache = layout.slot(layer)
-    if pages is not None and pages.ndim == 3:
-        meta = dataclasses.replace(meta, page_indices=pages[group])
-    return cache, meta
+    return cache, group_meta(meta, group)
+
+
+def group_meta(meta: AttentionMetadata[jax.Array], group: int) -> AttentionMetadata[jax.Array]:
+    """The metadata with group `group`'s page tables (of page_indices [G, S, P], where given so)."""
+    pages = meta.page_indices
+    return dataclasses.replace(meta, page_indices=pages[group]) if pages is not None and pages.ndim == 3 else meta
 
 
 def project_qkv(x: jax.Array, w_qkv: jax.Array) -> jax.Array:

@@ -110,6 +110,7 @@ class CompiledStep(SplitStep):
             self.num_decode_steps,
             out_shardings,
             window_compiler_options() if self.num_decode_steps > 1 else None,
+            state.mesh,
         )
         decode_sized = decode_sized_buckets(self.inputs, self.buckets, engine.scheduler.max_num_seqs)
         self.window_buckets = decode_sized if self.num_decode_steps > 1 else ()

@@ -33,9 +33,11 @@ from jaxinfer.worker.host_memory import reuse_freed_heap
 from jaxinfer.worker.kv_calibration import calibrated_caches
 from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages, zeroed_caches
 from jaxinfer.worker.lora_state import SlotWriter, attach, detach, lora_param_axes
+from jaxinfer.worker.stages import place_staged, stage_plan
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, pin_weight_layouts, shard_params
 from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int
+from sharding.stages import stage_cache_spec
 
 
 class DeviceState:
@@ -50,11 +52,14 @@ class DeviceState:
         check_expert_axis(self.mesh, self.config.num_experts)
         self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         self.num_replicas = axis_size(self.mesh, DATA)
-        self.params = self._place_params(model)
         self.kv_layout = kv_layout(self.config)  # which layers share a cache and a page table
+        self.stages = stage_plan(self.config, engine, self.mesh)  # None without pipeline stages
+        self.params = self._place_params(model)
         self.kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, model.params.embed.dtype)
         self.num_pages = broadcast_int(
-            plan_num_pages(self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device, self.local_device)
+            plan_num_pages(
+                self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device, self.local_device, self.num_caches
+            )
         )
         self.kv_caches = self._allocate_kv_caches()
         lora = engine.lora
@@ -75,6 +80,8 @@ class DeviceState:
         if self.mesh is None:
             device = next(iter(jax.tree.leaves(model.params)[0].devices()))
             placed = jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, np.ndarray) else x, params)
+        elif self.stages is not None:
+            placed = place_staged(params, axes, self.mesh, self.layout, self.stages)
         else:
             placed = shard_params(params, axes, self.mesh, self.layout)
         params = pin_weight_layouts(placed, axes)
@@ -85,7 +92,8 @@ class DeviceState:
     def _allocate_kv_caches(self) -> KVCaches:
         sharding = self.home
         if self.mesh is not None:
-            sharding = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.num_replicas > 1))
+            spec = kv_cache_spec(self.mesh, replicas=self.num_replicas > 1)
+            sharding = NamedSharding(self.mesh, spec if self.stages is None else stage_cache_spec(spec))
         pages = zeroed_caches(
             cache_struct(
                 self.num_pages,
@@ -95,8 +103,9 @@ class DeviceState:
                 self.kv_dtype,
                 sharding,
                 self.num_replicas,
+                1 if self.stages is None else self.stages.num_stages,
             ),
-            self.kv_layout.num_caches,
+            self.num_caches,
         )
         if is_quantized_kv(self.kv_dtype):  # int8 / fp8: per-head scales calibrated here
             return calibrated_caches(
@@ -109,6 +118,11 @@ class DeviceState:
                 self.kv_layout.layer_caches,
             )
         return pages
+
+    @property
+    def num_caches(self) -> int:
+        """KV caches the step carries: one per slot of the KV layout, or per pipeline slot."""
+        return self.kv_layout.num_caches if self.stages is None else self.stages.num_slots
 
     @property
     def home(self) -> SingleDeviceSharding | NamedSharding:

@@ -23,14 +23,16 @@ def kv_page_bytes(
     dtype: DTypeLike,
     num_kv_heads: int | None = None,
     device: jax.Device | None = None,
+    num_caches: int | None = None,
 ) -> int:
     """Bytes one page costs on `device` (default: the first local device) when it holds
     `num_kv_heads` heads: one layer's page in each cache of the model's KV layout (every layer's
-    where the layers attend alike; config/kv_layout.py)."""
+    where the layers attend alike; config/kv_layout.py), or in `num_caches` caches (a pipeline
+    stage's devices hold only their stage's slots)."""
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
     device = jax.local_devices()[0] if device is None else device
     per_layer = layout_bytes(kv_cache_shape(1, page_size, heads, config.head_dim), dtype, device)
-    return per_layer * kv_layout(config).num_caches
+    return per_layer * (kv_layout(config).num_caches if num_caches is None else num_caches)
 
 
 def plan_num_pages(
@@ -39,8 +41,10 @@ def plan_num_pages(
     dtype: DTypeLike,
     num_kv_heads: int | None = None,
     device: jax.Device | None = None,
+    num_caches: int | None = None,
 ) -> int:
-    """Pages per replica: given, or as many as fit one device's budget."""
+    """Pages per replica: given, or as many as fit one device's budget (`num_caches`: the caches
+    one device holds, kv_page_bytes)."""
     if engine.cache.num_pages is not None:
         return engine.cache.num_pages
     device = jax.local_devices()[0] if device is None else device
@@ -53,7 +57,7 @@ def plan_num_pages(
         else:
             budget = CPU_DEFAULT_KV_BYTES
     page_size = engine.cache.page_size or DEFAULT_PAGE_SIZE  # as the device state resolves it off the TPU kernel
-    return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads, device))
+    return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads, device, num_caches))
 
 
 def cache_struct(
@@ -64,10 +68,12 @@ def cache_struct(
     dtype: DTypeLike,
     sharding: jax.sharding.Sharding,
     replicas: int = 1,
+    stages: int = 1,
 ) -> jax.ShapeDtypeStruct:
     """One layer's cache as the device state allocates it: [P, page, 2K, D] ([data, ...] with several
-    replicas), placed by `sharding`, its row-major layout pinned."""
-    shape: tuple[int, ...] = kv_cache_shape(num_pages, page_size, cache_kv_heads, head_dim)
+    replicas; [P, stages*page, ...] with pipeline stages, each stage's rows on its devices), placed
+    by `sharding`, its row-major layout pinned."""
+    shape: tuple[int, ...] = kv_cache_shape(num_pages, page_size * stages, cache_kv_heads, head_dim)
     if replicas > 1:
         shape = (replicas, *shape)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache_format(sharding, len(shape)))

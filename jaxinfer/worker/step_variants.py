@@ -31,6 +31,7 @@ from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.step import decode_window, forward_part, sample_part, step
 from jaxinfer.worker.step_inputs import StepInputs
 from sharding import DATA, is_multiprocess, replicated_spec, tokens_spec
+from sharding.stages import num_stages, over_replicas
 
 DEFAULT_DECODE_STEPS = 8
 COMMAND_BUFFER_FLAG = "xla_gpu_enable_command_buffer"
@@ -47,14 +48,24 @@ def step_jits(
     num_decode_steps: int,
     out_shardings: tuple[Any, Any, Any],
     window_options: dict[str, str] | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped, jax.stages.Wrapped, jax.stages.Wrapped]:
     """The compiled step's jitted functions: the step and the decode window, fn(params, caches, inputs,
-    prev_tokens, page_table), vmapped over data replicas (`spmd_axis_name="data"`); the split step's forward
-    and sampling halves. The caches are donated and come back as `out_shardings[1]` says. The
-    window compiles with `window_options` (XLA options; window_compiler_options)."""
+    prev_tokens, page_table), vmapped over data replicas (`spmd_axis_name="data"`; with pipeline
+    stages mapped by a shard_map over `data`, sharding/stages.py); the split step's forward and
+    sampling halves. The caches are donated and come back as `out_shardings[1]` says. The window
+    compiles with `window_options` (XLA options; window_compiler_options)."""
     parts = (family, config, attn_impl, max_seqs)
+
+    def replicated(fn: Any) -> Any:
+        if num_replicas == 1:
+            return fn
+        if mesh is not None and num_stages(mesh) > 1:
+            return over_replicas(fn, mesh)
+        return jax.vmap(fn, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=DATA)
+
     jit_step = lambda fn, options=None: jax.jit(  # noqa: E731
-        fn if num_replicas == 1 else jax.vmap(fn, in_axes=(None, 0, 0, 0, 0), spmd_axis_name=DATA),
+        replicated(fn),
         donate_argnums=(1,),
         out_shardings=out_shardings,
         compiler_options=options,

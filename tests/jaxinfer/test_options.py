@@ -85,7 +85,7 @@ def sample(d: Declared) -> tuple[list[str], object]:
         return [flag, str(value)], value
     if d.value_type is float:
         return [flag, str(d.default / 2)], d.default / 2
-    return [flag, TEXT[d.name]], "data=1,sequence=1,expert=1,tensor=1" if d.name == "mesh" else TEXT[d.name]
+    return [flag, TEXT[d.name]], "data=1,stage=1,sequence=1,expert=1,tensor=1" if d.name == "mesh" else TEXT[d.name]
 
 
 def config_of(argv: list[str]) -> EngineConfig:

@@ -2,7 +2,8 @@
 schedules and broadcasts each step, and its tokens equal the single-process run's (which the
 llama3 generate golden records; tests/jaxinfer/test_engine.py holds one device to it). With the
 heads split across the processes, each restores its own shards of an orbax checkpoint and keeps
-its own shards of the KV host tier's pages."""
+its own shards of the KV host tier's pages; with pipeline stages each process holds one stage's
+layers and the activation crosses between them once per stage boundary."""
 
 import numpy as np
 import pytest
@@ -12,7 +13,9 @@ from jaxinfer.convert import convert
 
 
 @pytest.mark.parametrize(
-    "mesh,devices", [("tensor=2", 1), ("data=2,tensor=2", 2)], ids=["tensor2-across-hosts", "data2xtensor2"]
+    "mesh,devices",
+    [("tensor=2", 1), ("data=2,tensor=2", 2), ("stage=2", 1)],
+    ids=["tensor2-across-hosts", "data2xtensor2", "stage2-one-stage-per-host"],
 )
 def test_two_processes_match_one(processes, port, mesh, devices, tmp_path):
     model, offload = "", "0"

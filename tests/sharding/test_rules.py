@@ -15,15 +15,17 @@ from sharding.multihost import DistributedArgs, initialize
 from sharding.placement import repeat_kv_heads
 
 
-def mesh(data=1, sequence=1, tensor=1, expert=1):
-    return AbstractMesh((data, sequence, expert, tensor), AXES)
+def mesh(data=1, sequence=1, tensor=1, expert=1, stage=1):
+    return AbstractMesh((data, stage, sequence, expert, tensor), AXES)
 
 
 def test_parse_mesh_spec():
-    assert parse_mesh_spec("data=2,tensor=4") == {"data": 2, "sequence": 1, "expert": 1, "tensor": 4}
-    assert parse_mesh_spec(" tensor = 8 ") == {"data": 1, "sequence": 1, "expert": 1, "tensor": 8}
-    assert parse_mesh_spec({"sequence": 4}) == {"data": 1, "sequence": 4, "expert": 1, "tensor": 1}
-    assert parse_mesh_spec("expert=4,tensor=2") == {"data": 1, "sequence": 1, "expert": 4, "tensor": 2}
+    one = {"data": 1, "stage": 1, "sequence": 1, "expert": 1, "tensor": 1}
+    assert parse_mesh_spec("data=2,tensor=4") == {**one, "data": 2, "tensor": 4}
+    assert parse_mesh_spec(" tensor = 8 ") == {**one, "tensor": 8}
+    assert parse_mesh_spec({"sequence": 4}) == {**one, "sequence": 4}
+    assert parse_mesh_spec("expert=4,tensor=2") == {**one, "expert": 4, "tensor": 2}
+    assert parse_mesh_spec("stage=2,tensor=4") == {**one, "stage": 2, "tensor": 4}
 
 
 @pytest.mark.parametrize(
@@ -48,8 +50,8 @@ def test_mesh_needing_more_devices_than_exist():
 
 
 def test_engine_config_mesh_is_validated_and_normalised():
-    assert EngineConfig(mesh="tensor=2").parallel.mesh == "data=1,sequence=1,expert=1,tensor=2"
-    assert EngineConfig(mesh={"data": 2}).parallel.mesh == "data=2,sequence=1,expert=1,tensor=1"
+    assert EngineConfig(mesh="tensor=2").parallel.mesh == "data=1,stage=1,sequence=1,expert=1,tensor=2"
+    assert EngineConfig(mesh={"data": 2}).parallel.mesh == "data=2,stage=1,sequence=1,expert=1,tensor=1"
     with pytest.raises(ValueError, match="unknown axis"):
         EngineConfig(mesh="pipeline=2")
 

@@ -1,0 +1,54 @@
+"""Pipeline stages on the worker side: what a staged engine accepts, and its parameters placed
+stage by stage (the layout itself: sharding/stages.py).
+
+With `stage=S` in the mesh every layer is placed on its own stage's devices only and the layers
+are then stacked into slots split over `stage`; the embedding, final norm and LM head are placed
+over the whole mesh as without stages. A model or option the staged forward does not carry yet is
+refused here, by name, before anything is placed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config.kv_layout import kv_layout
+from jaxinfer.models.registry import ModelParams
+from sharding import SEQUENCE, HeadLayout, axis_size, shard_params
+from sharding.rules import ParamAxes
+from sharding.stages import StagePlan, num_stages, plan_stages, stack_layers, stage_mesh
+
+
+def stage_plan(config: ModelConfig, engine: EngineConfig, mesh: Mesh | None) -> StagePlan | None:
+    """The stages of `mesh` for this model (None without stages); a ValueError names what a
+    staged engine does not support yet."""
+    n = num_stages(mesh)
+    if n == 1:
+        return None
+    plan = plan_stages(config.num_layers, n)
+    spec = engine.speculative_config
+    refused = {
+        "LoRA adapters (--enable-lora)": engine.lora.enable_lora,
+        f"sequence={axis_size(mesh, SEQUENCE)} (context-parallel prefill)": axis_size(mesh, SEQUENCE) > 1,
+        f"kv_cache_dtype={engine.cache.kv_cache_dtype} (calibrated int8 / fp8 caches)": engine.cache.one_byte,
+        "a draft model (speculative_config method draft_model)": spec is not None and spec.method == "draft_model",
+        f"{config.model_type}'s mix of sliding-window and full-attention layers": kv_layout(config).num_groups > 1,
+    }
+    for what, present in refused.items():
+        if present:
+            raise ValueError(f"mesh stage={n}: pipeline stages do not support {what} yet")
+    return plan
+
+
+def place_staged(params: Any, axes: ParamAxes, mesh: Mesh, layout: HeadLayout, plan: StagePlan) -> ModelParams:
+    """The top-level weights over the whole mesh, each layer on its stage's devices, then the
+    layers stacked into the plan's slots (no data moves for layers placed there already).
+    `params`: a family's parameter dataclass (its `layers` a tuple), LoRA stacks not attached."""
+    top = shard_params(dataclasses.replace(params, layers=()), axes, mesh, layout)
+    layers = [
+        shard_params(layer, axes, stage_mesh(mesh, plan.stage_of(i)), layout) for i, layer in enumerate(params.layers)
+    ]
+    return dataclasses.replace(top, layers=stack_layers(layers, plan, mesh))
