@@ -40,6 +40,14 @@ def stage_plan(config: ModelConfig, engine: EngineConfig, mesh: Mesh | None) -> 
     for what, present in refused.items():
         if present:
             raise ValueError(f"mesh stage={n}: pipeline stages do not support {what} yet")
+    for j in range(plan.num_slots):  # one slot is one traced body: its layers must be built alike
+        layers = [i for s in range(n) if (i := plan.layer(s, j)) is not None]
+        if len({config.is_moe_layer(i) for i in layers}) > 1:
+            kinds = ", ".join(f"{i}: {'experts' if config.is_moe_layer(i) else 'dense'}" for i in layers)
+            raise ValueError(
+                f"mesh stage={n}: layers {layers} share pipeline slot {j} but mix dense and expert MLPs ({kinds}); "
+                "a stage count that lines the model's dense layers up works"
+            )
     return plan
 
 

@@ -374,6 +374,81 @@ def scenario_lora(*meshes: str) -> dict:
     return out
 
 
+def _deeper(model, num_layers: int):
+    """The model with its layers repeated to `num_layers` (an odd count, more layers than stages)."""
+    import dataclasses
+
+    layers = model.params.layers
+    model.config = dataclasses.replace(model.config, num_layers=num_layers)
+    model.params = dataclasses.replace(model.params, layers=tuple(layers[i % len(layers)] for i in range(num_layers)))
+    return model
+
+
+def _placement(loaded, staged, plan) -> dict:
+    """Whether every device's shard of every stacked slot leaf is its own stage's layer (the
+    loaded model's array at that index) or, in a padding slot, zeros; and each device's bytes
+    of layer weights."""
+    wrong, per_device = [], collections.Counter()
+    for j, slot in enumerate(staged.layers):
+        for (path, leaf), ref_leaves in zip(
+            jax.tree_util.tree_leaves_with_path(slot),
+            zip(*(jax.tree.leaves(layer) for layer in loaded.layers)),
+        ):
+            rows = leaf.shape[0] // plan.num_stages
+            for shard in leaf.addressable_shards:
+                stage = shard.index[0].start // rows if shard.index[0].start is not None else 0
+                local = (
+                    slice((shard.index[0].start or 0) - stage * rows, (shard.index[0].stop or rows) - stage * rows),
+                )
+                layer = plan.layer(stage, j)
+                want = (
+                    np.zeros(shard.data.shape)
+                    if layer is None
+                    else np.asarray(ref_leaves[layer])[local + shard.index[1:]]
+                )
+                per_device[shard.device.id] += shard.data.nbytes
+                if not np.array_equal(np.asarray(shard.data), want):
+                    wrong.append(f"slot {j}{jax.tree_util.keystr(path)} on {shard.device} (stage {stage})")
+    return {"wrong": wrong[:5], "layer_bytes_per_device": sorted(set(per_device.values()))}
+
+
+def scenario_stages(name: str, num_layers: str, *meshes: str) -> dict:
+    """Pipeline stages: greedy outputs of the `name` fixture (its layers repeated to `num_layers`;
+    "smollm2": the embedded GGUF) on each mesh against the single-device engine's, every layer's
+    arrays on its own stage's devices only, and the caches' page rows split by stage."""
+    from sharding.stages import plan_stages
+
+    def loaded():
+        if name == "smollm2":
+            return load_model(None, dtype="float32", with_tokenizer=False)
+        model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
+        return _deeper(model, int(num_layers)) if int(num_layers) else model
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 500, n).tolist() for n in (5, 21, 40)]
+    single = Engine(loaded(), EngineConfig(**ENGINE))
+    want, _ = run_engine(single, prompts, 12)
+    out = {"num_layers": single.worker.state.config.num_layers}
+    for mesh in meshes:
+        engine = Engine(loaded(), EngineConfig(**ENGINE, mesh=mesh))
+        state = engine.worker.state
+        compiled = engine.worker.num_compiled()
+        got, _ = run_engine(engine, prompts, 12)
+        plan = plan_stages(state.config.num_layers, state.mesh.shape["stage"])
+        cache = state.kv_caches[0]
+        out[mesh] = {
+            "mismatched": [i for i in range(len(prompts)) if got[str(i)] != want[str(i)]],
+            "recompiled": engine.worker.num_compiled() - compiled,
+            "pools_empty": all(r.kv_cache.num_free_pages == r.kv_cache.num_usable_pages for r in engine.replicas),
+            "counts": list(plan.counts),
+            "num_caches": len(state.kv_caches),
+            "cache_rows": [cache.shape[-3], cache.addressable_shards[0].data.shape[-3]],
+            **_placement(loaded().params, state.params, plan),
+            "single_layer_bytes": sum(x.nbytes for x in jax.tree.leaves(single.worker.state.params.layers[0])),
+        }
+    return out
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     result = globals()[f"scenario_{name}"](*args)

@@ -1,7 +1,8 @@
 """The engine on meshes of 8 forced CPU devices, each configuration in its own process:
 greedy outputs equal to the single-device run (= HF generate) for tensor, data x tensor (with
-the prefix cache's host tier) and sequence (context-parallel) meshes; logits within float32 tolerance; the decode step's
-collectives; parameter bytes per device; ring and all-gather context attention."""
+the prefix cache's host tier), sequence (context-parallel) and stage (pipeline) meshes; logits
+within float32 tolerance; the decode step's collectives; parameter bytes per device; ring and
+all-gather context attention."""
 
 import re
 
@@ -19,6 +20,8 @@ ENGINE_CASES = [
     ("mixtral", "tensor=2"),  # experts' F split over tensor, 1 KV head stored twice
     ("mixtral", "expert=4,tensor=2"),  # one whole expert per expert shard, its F split in two
     ("qwen3_moe", "data=2,expert=2,tensor=2"),  # replicas x experts x tensor
+    ("llama3", "data=2,stage=2"),  # two replicas, each a two-stage pipeline
+    ("qwen3_moe", "stage=2"),  # 3 layers in stages of 2 and 1 (a padding slot), experts staged too
 ]
 
 
@@ -37,6 +40,8 @@ def test_greedy_outputs_equal_single_device(scenario, name, mesh):
     kv_heads = {"llama3": 2, "mistral": 1, "qwen3_tied": 1, "mixtral": 1, "qwen3_moe": 2}[name]
     # The cache is split by KV heads: each shard holds max(1, K / tp) heads (K and V).
     assert r["cache_shard_shape"][-2] == 2 * max(1, kv_heads // tp)
+    stages = int(sizes.get("stage", 1))  # each stage's devices hold their rows of every page
+    assert r["cache_shape"][-3] == stages * r["cache_shard_shape"][-3]
     if dp > 1:
         assert r["cache_shape"][0] == dp and r["cache_shard_shape"][0] == 1
         counts = r["requests_per_replica"]

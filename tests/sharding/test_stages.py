@@ -1,0 +1,94 @@
+"""Pipeline stages (mesh axis `stage`): the plan, the stacked layouts, what a staged engine
+refuses by name, and the engine on 8 forced CPU devices: SmolLM2 over 4 stages and over 2 stages
+of 3-way tensor parallelism gives the single-device engine's greedy tokens, with every device
+holding only its own stage's layers (compared shard by shard with the checkpoint's arrays) and
+its stage's rows of every page. (Data replicas of stages, an odd layer count and a mixture of
+experts: test_sharded_engine.py; one stage per process: test_multihost.py.)"""
+
+import dataclasses
+
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+from testpaths import FIXTURES
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.worker.stages import stage_plan
+from sharding import AXES
+from sharding.stages import plan_stages, stacked_spec, stage_cache_spec
+
+LLAMA = ModelConfig.from_hf_file(FIXTURES / "hf" / "llama3" / "config.json")
+
+
+def mesh(stage=1, sequence=1, tensor=1, data=1):
+    return AbstractMesh((data, stage, sequence, 1, tensor), AXES)
+
+
+@pytest.mark.parametrize(
+    "layers,stages,counts",
+    [(30, 4, (8, 8, 7, 7)), (32, 4, (8, 8, 8, 8)), (5, 2, (3, 2)), (3, 3, (1, 1, 1)), (7, 1, (7,))],
+)
+def test_plan_is_contiguous_and_balanced(layers, stages, counts):
+    plan = plan_stages(layers, stages)
+    assert plan.counts == counts and plan.num_slots == max(counts)
+    order = [plan.layer(s, j) for s in range(stages) for j in range(plan.num_slots)]
+    assert [i for i in order if i is not None] == list(range(layers))  # every layer once, in order
+    assert all(plan.stage_of(plan.layer(s, 0)) == s for s in range(stages))
+
+
+def test_more_stages_than_layers_is_named():
+    with pytest.raises(ValueError, match="stage=4 needs at least one layer per stage; the model has 2 layers"):
+        plan_stages(2, 4)
+
+
+def test_stacked_layouts():
+    # A layer's split stays inside its stage's block of axis 0; caches split their page rows.
+    assert stacked_spec(P(None, "tensor"), 2) == P("stage", "tensor")
+    assert stacked_spec(P("tensor", None, None), 3) == P(("stage", "tensor"), None, None)
+    assert stacked_spec(P(("expert", "tensor")), 2) == P(("stage", "expert", "tensor"), None)
+    assert stage_cache_spec(P(None, None, "tensor", None)) == P(None, "stage", "tensor", None)
+    assert stage_cache_spec(P("data", None, None, "tensor", None)) == P("data", None, "stage", "tensor", None)
+
+
+def test_staged_engine_refuses_what_it_does_not_carry_by_name():
+    assert stage_plan(LLAMA, EngineConfig(), mesh(tensor=2)) is None
+    assert stage_plan(LLAMA, EngineConfig(), mesh(stage=2)).counts == (1, 1)
+    cases = [
+        (EngineConfig(enable_lora=True), mesh(stage=2), "LoRA adapters"),
+        (EngineConfig(), mesh(stage=2, sequence=2), "sequence=2"),
+        (EngineConfig(kv_cache_dtype="int8"), mesh(stage=2), "kv_cache_dtype=int8"),
+        (
+            EngineConfig(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2}),
+            mesh(stage=2),
+            "a draft model",
+        ),
+    ]
+    for engine, m, name in cases:
+        with pytest.raises(ValueError, match=f"mesh stage=2: pipeline stages do not support {name}"):
+            stage_plan(LLAMA, engine, m)
+    gemma3 = ModelConfig.from_hf_file(FIXTURES / "hf" / "gemma3" / "config.json")
+    with pytest.raises(ValueError, match="mix of sliding-window and full-attention layers"):
+        stage_plan(gemma3, EngineConfig(), mesh(stage=2))
+    moe = ModelConfig.from_hf_file(FIXTURES / "hf" / "qwen3_moe" / "config.json")  # layer 1 dense, 0 and 2 experts
+    assert stage_plan(moe, EngineConfig(), mesh(stage=2)).counts == (2, 1)  # slots: (0, 2), (1, padding)
+    with pytest.raises(ValueError, match=r"layers \[0, 1, 2\] share pipeline slot 0 but mix dense and expert"):
+        stage_plan(moe, EngineConfig(), mesh(stage=3))
+    with pytest.raises(ValueError, match="needs at least one layer per stage"):
+        stage_plan(dataclasses.replace(LLAMA, num_layers=1), EngineConfig(), mesh(stage=2))
+
+
+@pytest.mark.slow
+def test_smollm2_stages_match_one_device_and_hold_only_their_layers(scenario):
+    r = scenario("stages", "smollm2", "0", "stage=4", "stage=2,tensor=3", timeout=600)
+    assert r["num_layers"] == 30
+    layer = r["stage=4"]["single_layer_bytes"]
+    for m, counts, tp in (("stage=4", [8, 8, 7, 7], 1), ("stage=2,tensor=3", [15, 15], 3)):
+        got = r[m]
+        assert got["mismatched"] == [] and got["recompiled"] == 0 and got["pools_empty"], got
+        assert got["counts"] == counts and got["num_caches"] == max(counts)
+        assert got["wrong"] == [], got["wrong"]  # each shard is its own stage's layer (or padding zeros)
+        # One stage's slots on every device, split by tensor (norms whole): never another stage's layers.
+        (per_device,) = got["layer_bytes_per_device"]
+        assert max(counts) * layer / tp <= per_device < max(counts) * layer / tp * 1.01
+        stages = len(counts)
+        assert got["cache_rows"][0] == stages * got["cache_rows"][1]  # each stage holds its rows of a page
