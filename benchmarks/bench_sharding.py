@@ -106,7 +106,7 @@ def step_inputs(runner: Worker, lens: list[int], new: list[int], t_bucket: int) 
     meta = AttentionMetadata(kv_lens, None, cu, np.array([len(lens)], np.int32))
     tokens = rng.integers(0, MODEL.vocab_size, t_bucket).astype(np.int32)
     rows, cols = np.nonzero(pages)  # sequence i's block table in the device table's row i + 1
-    table = padded_updates([(rows + 1, cols, pages[rows, cols])], runner.step.inputs.update_widths)
+    table = padded_updates([(rows + 1, cols, pages[rows, cols], np.zeros_like(rows))], runner.step.inputs.update_widths)
     slots = np.where(np.arange(s_bucket) < len(lens), np.arange(1, s_bucket + 1), 0).astype(np.int32)
     return StepInputs(
         tokens,
@@ -155,6 +155,52 @@ def bench_tensor(repeats: int) -> str:
         )
         print(rows[-1], file=sys.stderr, flush=True)
         del runner
+    return "\n".join(rows)
+
+
+def bench_stage(repeats: int) -> str:
+    """Decode at batch 16 (256 tokens of context each) and a 256-token prefill on 2 devices:
+    tensor=2 against stage=2 (each device half the layers), and step time per layer split."""
+    family = get_family("llama")
+    params = family.init_params(MODEL, jax.random.key(0))
+    model = LoadedModel(MODEL, params, None, family, Path("random"))
+    runners = {}
+    for mesh in ("tensor=2", "stage=2", "tensor=1"):
+        engine = EngineConfig(
+            num_pages=320,
+            page_size=PAGE,
+            max_num_batched_tokens=PREFILL,
+            max_num_seqs=16,
+            max_model_len=1024,
+            token_buckets=(16, PREFILL),
+            penalties=False,
+            compilation_cache_dir=None,
+            mesh=None if mesh == "tensor=1" else mesh,
+        )
+        runner = Worker(model, engine, 1024)
+        runners[mesh] = (
+            runner,
+            step_inputs(runner, [256] * 16, [1] * 16, 16),
+            step_inputs(runner, [PREFILL], [PREFILL], PREFILL),
+        )
+    times = {m: ([], []) for m in runners}
+    for _ in range(repeats):  # interleaved, so a busy machine slows them alike
+        for m, (runner, decode, prefill) in runners.items():
+            times[m][0].extend(timed(lambda runner=runner, decode=decode: runner.step.execute(decode), 1))
+            times[m][1].extend(timed(lambda runner=runner, prefill=prefill: runner.step.execute(prefill), 1))
+    base = statistics.median(times["tensor=2"][0])
+    rows = [
+        "| mesh | decode step, 16 seqs x 1 token (ms) | decode tokens/s | vs tensor=2 | prefill, 256 tokens (ms) | "
+        "layer bytes per device (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, (runner, _, _) in runners.items():
+        decode, prefill = statistics.median(times[m][0]), statistics.median(times[m][1])
+        layer_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.state.params.layers))
+        rows.append(
+            f"| {m} | {1e3 * decode:.1f} | {16 / decode:.0f} | {base / decode:.2f}x | {1e3 * prefill:.1f} | "
+            f"{layer_bytes / 2**20:.1f} |"
+        )
     return "\n".join(rows)
 
 
@@ -257,12 +303,14 @@ def bench_kv_layout(repeats: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", default="all", choices=["tensor", "context", "kv-layout", "all"])
+    parser.add_argument("what", nargs="?", default="all", choices=["tensor", "stage", "context", "kv-layout", "all"])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, {os.cpu_count()} host cores")
     if args.what in ("tensor", "all"):
         print(bench_tensor(args.repeats) + "\n")
+    if args.what in ("stage", "all"):
+        print(bench_stage(args.repeats) + "\n")
     if args.what in ("context", "all"):
         print(bench_context(args.repeats) + "\n")
     if args.what in ("kv-layout", "all"):

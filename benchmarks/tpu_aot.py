@@ -24,6 +24,7 @@ compiled variant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import re
@@ -51,6 +52,7 @@ from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_k
 from jaxinfer.quant.weights import QuantizedWeight  # noqa: E402
 from jaxinfer.worker.inputs import InputBuilder  # noqa: E402
 from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages  # noqa: E402
+from jaxinfer.worker.stages import stage_plan  # noqa: E402
 from jaxinfer.worker.step_variants import (
     decode_sized_buckets,
     decode_steps,
@@ -61,6 +63,7 @@ from jaxinfer.worker.step_variants import (
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_blocks import target_chip  # noqa: E402
 from sharding import DATA, axis_size, head_layout, kv_cache_spec, leaf_name, make_mesh, param_structs  # noqa: E402
+from sharding.stages import stacked_structs, stage_cache_spec, stage_mesh  # noqa: E402
 
 
 def shard_bytes(structs) -> int:
@@ -123,19 +126,27 @@ class AotStep:
         host = jax.eval_shape(
             functools.partial(self.family.init_params, self.config, jax.random.key(0), resolve_dtype(dtype))
         )
-        self.params = param_structs(quantized(host, quant), self.family.param_axes, self.mesh, layout)
+        self.params = self._param_structs(quantized(host, quant), layout)
         with jax.set_mesh(self.mesh):
             self.chip = target_chip()
         self.hbm = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(self.chip), 1).hbm_capacity_bytes
         kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, self.params.embed.dtype)
         # The engine's pool: its fraction of what the weights leave of the chip's HBM.
         budget = int((self.hbm - shard_bytes(self.params)) * engine.cache.kv_cache_memory_fraction)
+        self.kv_layout = kv_layout(self.config)  # the caches and page tables the engine lays out
+        num_caches = self.kv_layout.num_caches if self.stages is None else self.stages.num_slots
         self.num_pages = plan_num_pages(
-            self.config, engine.replace(kv_cache_bytes=budget), kv_dtype, layout.kv_heads_per_device, self.devices[0]
+            self.config,
+            engine.replace(kv_cache_bytes=budget),
+            kv_dtype,
+            layout.kv_heads_per_device,
+            self.devices[0],
+            num_caches,
         )
         # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout); int8 /
-        # fp8 pages with their per-head scales.
-        placed = NamedSharding(self.mesh, kv_cache_spec(self.mesh, replicas=self.replicas > 1))
+        # fp8 pages with their per-head scales; with stages, each stage's rows of every page.
+        spec = kv_cache_spec(self.mesh, replicas=self.replicas > 1)
+        placed = NamedSharding(self.mesh, spec if self.stages is None else stage_cache_spec(spec))
         cache = cache_struct(
             self.num_pages,
             engine.cache.page_size,
@@ -144,12 +155,12 @@ class AotStep:
             kv_dtype,
             placed,
             self.replicas,
+            1 if self.stages is None else self.stages.num_stages,
         )
         if is_quantized_kv(kv_dtype):
             scales = (*cache.shape[:-4], *scales_array(np.ones(2 * layout.cache_kv_heads)).shape)
             cache = QuantizedKVCache(cache, jax.ShapeDtypeStruct(scales, jnp.float32, sharding=placed))
-        self.kv_layout = kv_layout(self.config)  # the caches and page tables the engine lays out
-        self.caches = (cache,) * self.kv_layout.num_caches
+        self.caches = (cache,) * num_caches
         self.buckets = engine.buckets()
         self.inputs = InputBuilder(
             engine,
@@ -162,6 +173,17 @@ class AotStep:
             num_groups=self.kv_layout.num_groups,
         )
         self.max_seqs = engine.seq_bucket(self.buckets[-1])
+
+    def _param_structs(self, host, layout):
+        """The parameters' structs as the engine places them: over the mesh by their logical
+        axes, or with pipeline stages each layer's on its stage and stacked into slots."""
+        axes = self.family.param_axes
+        self.stages = stage_plan(self.config, self.engine, self.mesh)
+        if self.stages is None:
+            return param_structs(host, axes, self.mesh, layout)
+        top = param_structs(dataclasses.replace(host, layers=()), axes, self.mesh, layout)
+        layer = param_structs(host.layers[0], axes, stage_mesh(self.mesh, 0), layout)
+        return dataclasses.replace(top, layers=stacked_structs(layer, self.stages, self.mesh))
 
     def compile(self, bucket: int, num_steps: int = 1, split: bool = False, prompt: bool = False) -> dict:
         """One variant compiled for the topology (the step, its decode window of `num_steps`, the
@@ -190,6 +212,7 @@ class AotStep:
             self.replicas,
             num_steps,
             out_shardings,
+            mesh=self.mesh,
         )
         jitted = forward if split else step_fn if num_steps == 1 else window
         variant = {

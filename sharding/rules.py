@@ -30,7 +30,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sharding.mesh import DATA, EXPERT, SEQUENCE, TENSOR, AnyMesh, axis_size
+from sharding.mesh import DATA, EXPERT, SEQUENCE, STAGE, TENSOR, AnyMesh, axis_size
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ LOGICAL_RULES: dict[str, str | None] = {
 # Axes a model may leave unsplit when its size does not divide the mesh axis (with a warning);
 # any other indivisible axis is a configuration error.
 _MAY_REPLICATE = ("vocab",)
+# Logical axes also split over an outer mesh axis where the mesh has one and the size divides:
+# the vocabulary over pipeline stages (sharding/stages.py), so the embedding and LM head, which
+# run outside the stages, cost each device its share of the mesh instead of a stage's share.
+_ALSO_OVER = {"vocab": STAGE}
 
 
 def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh | None, strict: bool = True) -> P:
@@ -90,6 +94,19 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh
             continue
         out.append(mesh_axis)
         used.add(mesh_axis)
+    return _also_over(axes, shape, mesh, out)
+
+
+def _also_over(axes: tuple[str, ...], shape: tuple[int, ...], mesh: AnyMesh | None, out: list) -> P:
+    """`out` with each axis of _ALSO_OVER split over its outer mesh axis too, outside the split
+    it has, where the sizes divide (else as it was)."""
+    for i, (name, dim) in enumerate(zip(axes, shape)):
+        outer = _ALSO_OVER.get(name)
+        if outer is None or axis_size(mesh, outer) == 1 or outer in out:
+            continue
+        inner = () if out[i] is None else (out[i],)
+        if dim % (axis_size(mesh, outer) * (axis_size(mesh, out[i]) if inner else 1)) == 0:
+            out[i] = (outer, *inner) if inner else outer
     return P(*out)
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -161,6 +162,25 @@ def on_stage(tree: PyTree, submesh: Mesh) -> PyTree:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(submesh, spec))
 
     return jax.tree.map(move, tree)
+
+
+def stacked_structs(layer: PyTree, plan: StagePlan, mesh: Mesh) -> tuple[PyTree, ...]:
+    """Shape structs of the slots `stack_layers` makes, from one layer's structs placed on a
+    stage's mesh (every layer of a staged model has the same): to compile a staged step ahead
+    of time without the weights. A struct's pinned layout (a fused weight on a TPU) is kept:
+    it orders each device's block, which stacking leaves as it was."""
+
+    def stacked(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        sharding = x.sharding
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+        target: Any = NamedSharding(mesh, stacked_spec(spec, x.ndim))
+        layout = getattr(x.format, "layout", None)
+        if layout is not None:
+            target = Format(layout, target)
+        return jax.ShapeDtypeStruct((x.shape[0] * plan.num_stages, *x.shape[1:]), x.dtype, sharding=target)
+
+    slot = jax.tree.map(stacked, layer)
+    return (slot,) * plan.num_slots
 
 
 def stage_cache_spec(spec: P) -> P:

@@ -222,3 +222,28 @@ def test_the_pool_counts_a_tpus_tile_padding():
         "float32 1x64": 2.0,
         "bfloat16 6x128": 8 / 6,
     }, ratios
+
+
+def test_pipeline_stages_compile_for_a_slice_and_halve_each_chips_layers():
+    """Four layers of the 8B shape in two stages of 2-way tensor parallelism on a v5e 2x2 slice
+    against all four chips tensor-parallel: each chip holds half the layers at half the split
+    (the same bytes), and a page costs it its own stage's layers only; the staged step, its
+    window included, keeps the cache and the fused weights in place."""
+    common = ["--shape", "llama-3.1-8b", "--num-layers", "4", "--topology", "v5e:2x2", "--buckets", "8"]
+    common += ["--max-num-batched-tokens", "8", "--max-num-seqs", "32", "--max-model-len", "8192"]
+    (flat, *_), (staged, *variants) = (
+        aot(*common, "--mesh", "tensor=4", "--decode-steps", "1"),
+        aot(*common, "--mesh", "stage=2,tensor=2"),
+    )
+    assert staged["mesh"]["stage"] == 2 and staged["mesh"]["tensor"] == 2
+    assert [(v["bucket"], v["num_steps"]) for v in variants] == [(8, 1), (8, 8)]
+    for v in variants:
+        assert "error" not in v, v
+        assert v["cache_copies"] == 0 and v["weight_copies"] == {}, v
+        assert v["argument_gib"] + v["temp_gib"] < v["hbm_gib"], v
+    # 2 of 4 layers per chip at tensor=2 = 4 of 4 at tensor=4 in layer bytes, and the embedding
+    # and LM head split by vocabulary over stage and tensor, 4 ways as in the flat mesh.
+    assert staged["param_gib_per_chip"] == pytest.approx(flat["param_gib_per_chip"], rel=0.01)
+    # A page costs a staged chip 2 layers of 4 of the 8 KV heads, a flat one 4 layers of 2: the
+    # same, so the pool holds as many pages.
+    assert staged["num_pages"] == flat["num_pages"]
