@@ -43,13 +43,35 @@ parse_accelerator() {
   esac
 }
 
-# The mesh every worker passes to `jaxinfer serve` unless --mesh says otherwise: one host is
-# tensor-parallel over its chips; several hosts run one replica per host (data=H), so tensor
-# collectives stay on a host's interconnect. A model too big for one host needs --mesh tensor=N.
+# HBM of one chip of the generation, in GiB.
+chip_hbm_gib() {
+  case $ACC_GENERATION in
+    v4 | v6e) echo 32 ;;
+    v5p) echo 95 ;;
+    v5litepod) echo 16 ;;
+  esac
+}
+
+# Weights may take this percentage of a host's HBM and still leave it room for the KV cache.
+HOST_WEIGHTS_PERCENT=70
+
+# Whether weights of $1 bytes fit one host of the slice (HOST_WEIGHTS_PERCENT of its HBM).
+fits_one_host() {
+  local host=$((ACC_CHIPS_PER_HOST * $(chip_hbm_gib) * 1024 * 1024 * 1024))
+  (($1 * 100 <= host * HOST_WEIGHTS_PERCENT))
+}
+
+# The mesh every worker passes to `jaxinfer serve` unless --mesh says otherwise, given the
+# model's weights in bytes ($1; 0 or absent: small): one host is tensor-parallel over its chips;
+# several hosts run one replica per host (data=H), so tensor collectives stay on a host's
+# interconnect, unless the weights do not fit one host: then one pipeline stage per host
+# (stage=H), each host's chips tensor-parallel, and only activations cross between hosts.
 default_mesh() {
   if ((ACC_HOSTS == 1)); then
     printf 'tensor=%s\n' "$ACC_CHIPS"
-  else
+  elif fits_one_host "${1:-0}"; then
     printf 'data=%s,tensor=%s\n' "$ACC_HOSTS" "$ACC_CHIPS_PER_HOST"
+  else
+    printf 'stage=%s,tensor=%s\n' "$ACC_HOSTS" "$ACC_CHIPS_PER_HOST"
   fi
 }

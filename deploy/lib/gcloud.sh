@@ -92,11 +92,39 @@ require_ready_vm() {
   [[ $VM_STATE == READY ]] || die 1 "TPU VM ${S[NAME]} is $VM_STATE, not READY"
 }
 
-# ACC_* and the default mesh of the slice; the VM's own type wins over the setting.
+# ACC_* and the default mesh of the slice; the VM's own type wins over the setting. On several
+# hosts the default depends on whether the model's weights fit one host (default_mesh).
 use_accelerator() {
-  local type=$1
+  local type=$1 bytes=0
   parse_accelerator "$type" || usage_error "unknown accelerator type '$type': expected $ACCELERATOR_HELP"
-  [[ -n ${S[MESH]} ]] || S[MESH]=$(default_mesh)
+  [[ -z ${S[MESH]} ]] || return 0
+  if ((ACC_HOSTS > 1)); then
+    model_bytes
+    bytes=$MODEL_BYTES
+  fi
+  S[MESH]=$(default_mesh "$bytes")
+  if [[ ${S[MESH]} == stage=* ]]; then
+    info "the model's $((bytes / 1024 / 1024 / 1024)) GiB of weights pass $HOST_WEIGHTS_PERCENT% of one host's" \
+      "$((ACC_CHIPS_PER_HOST * $(chip_hbm_gib))) GiB of HBM: one pipeline stage per host (--mesh ${S[MESH]})"
+  fi
+}
+
+# Sets MODEL_BYTES: the size of the MODEL setting's files (gs://: `gcloud storage du`; a local
+# path: du; none: the embedded SmolLM2, small). Dry-run: shows the gcloud call, assumes small.
+model_bytes() {
+  local model=${S[MODEL]%/} cmd=(gcloud storage du -s "${S[MODEL]%/}")
+  MODEL_BYTES=0
+  if [[ $model == gs://* ]] && ((DRY_RUN)); then
+    show "${cmd[@]}"
+    note "assuming the model's weights fit one host (else the default mesh is stage=$ACC_HOSTS,...)"
+  elif [[ $model == gs://* ]]; then
+    capture "${cmd[@]}" || die 1 "gcloud storage du $model failed: ${ERR:-no message}"
+    read -r MODEL_BYTES _ <<<"$OUT" || true
+  elif [[ -n $model && -e $model ]]; then
+    read -r MODEL_BYTES _ < <(du -sk "$model")
+    MODEL_BYTES=$((MODEL_BYTES * 1024))
+  fi
+  [[ $MODEL_BYTES =~ ^[0-9]+$ ]] || die 1 "could not read the size of $model (got '$MODEL_BYTES')"
 }
 
 ssh_on() {  # WORKER(index or all) COMMAND

@@ -20,7 +20,7 @@ SETTING_TABLE=(
   "MODEL||gs://BUCKET/PATH or a local path; default: the embedded SmolLM2"
   "PORT|50051|gRPC port of the server on worker 0"
   "HOST|0.0.0.0|address the server listens on"
-  "MESH|<per slice>|1 host: tensor=<chips>; H hosts: data=H,tensor=4"
+  "MESH|<per slice>|1 host: tensor=<chips>; H hosts: data=H,tensor=4 (stage=H,tensor=4 if the weights pass 70% of a host's HBM)"
   "COORDINATOR|<worker 0 IP>|multi-host coordinator host (worker 0's internal IP)"
   "COORDINATOR_PORT|8476|multi-host coordinator port"
   "AUTH_TOKEN_FILE||local token file, copied to the workers (mode 600)"

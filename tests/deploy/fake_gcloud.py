@@ -123,6 +123,8 @@ def main(argv: list[str]) -> None:
         fail("PERMISSION_DENIED: the caller does not have permission")
     if words[:3] == ["config", "get-value", "project"]:
         print(os.environ.get("FAKE_GCLOUD_PROJECT", ""))
+    elif words[:2] == ["storage", "du"]:  # the model's bytes: FAKE_GCLOUD_DU_BYTES, else small
+        print(f"{os.environ.get('FAKE_GCLOUD_DU_BYTES', '1000000')}  {words[-1]}")
     elif words[:3] == ["secrets", "versions", "access"]:
         print(SECRET_TOKEN, end="")
     elif words[:3] == ["compute", "tpus", "tpu-vm"] and len(words) >= 5:

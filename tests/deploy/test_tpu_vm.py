@@ -400,7 +400,8 @@ def test_serve_command_prints_the_units_exec_start(deploy, tmp_path):
         assert out.returncode == 0, out.stderr
         assert shlex.split(out.stdout) == exec_start(written[worker])
         assert "--model /opt/jaxinfer/models/m " in out.stdout
-    assert {verb(a) for a in deploy.argvs()} == {"describe"}
+    # describe, and the model's size (several hosts: whether it fits one decides the mesh)
+    assert {verb(a) for a in deploy.argvs()} == {"describe", "storage du -s"}
 
 
 @pytest.mark.parametrize("command", ["create", "install", "serve", "status", "logs", "stop", "delete", "serve-command"])
@@ -415,3 +416,33 @@ def test_dry_run_of_every_command_runs_no_gcloud(deploy, command):
     ]
     first = shlex.split(lines[2].removeprefix("+ "))
     assert first[:4] == ["gcloud", "compute", "tpus", "tpu-vm"] and "--project=<gcloud-default-project>" in first
+
+
+@pytest.mark.parametrize(
+    "gib,given,mesh",
+    [(141, None, "stage=4,tensor=4"), (60, None, "data=4,tensor=4"), (141, "data=2,tensor=8", "data=2,tensor=8")],
+    ids=["too-big-for-a-host", "fits-a-host", "mesh-given"],
+)
+def test_a_model_too_big_for_one_host_gets_one_pipeline_stage_per_host(deploy, gib, given, mesh):
+    """v6e-16: 4 hosts of 4 chips, 128 GiB of HBM a host. Weights past 70% of it (141 GiB: a 70B
+    model in bfloat16) are split into one stage per host; 60 GiB fit, so each host is a replica;
+    a --mesh given wins, and then the model's size is not even asked for."""
+    deploy.add_vm("tpu1", "v6e-16")
+    flags = ["--mesh", given] if given else []
+    out = deploy(
+        "serve",
+        *VM,
+        "--model",
+        "gs://bucket/models/llama-70b",
+        *flags,
+        "--poll-interval",
+        "0",
+        env={"FAKE_GCLOUD_DU_BYTES": str(gib * 2**30)},
+    )
+    assert out.returncode == 0, out.stderr
+    for unit in units(deploy.calls()).values():
+        argv = exec_start(unit)
+        assert argv[argv.index("--mesh") + 1] == mesh
+    du = [a for a in deploy.argvs() if a[:2] == ["storage", "du"]]
+    assert du == ([] if given else [["storage", "du", "-s", "gs://bucket/models/llama-70b"]])
+    assert ("one pipeline stage per host" in out.stderr) == mesh.startswith("stage")
