@@ -1,6 +1,6 @@
-"""Sharding overheads on the CPU: step time for tensor=1/2/4/8, context parallel, KV layouts.
+"""Sharding overheads on the CPU: step time for tensor=1/2/4/8, stages, a split cache, KV layouts.
 
-    .venv/bin/python benchmarks/bench_sharding.py [tensor|context|kv-layout|all] [--repeats N]
+    .venv/bin/python benchmarks/bench_sharding.py [tensor|stage|kv-split|context|kv-layout|all] [--repeats N]
 
 Runs on 8 forced host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, set here
 before jax is imported). These are CPU figures: the "devices" share this machine's cores, so
@@ -11,6 +11,9 @@ tensor parallelism cannot speed anything up here; the table shows what splitting
              fixed random Llama-like model (MODEL, ~27M parameters, float32), decode (8 sequences
              x 1 token, 256 tokens of context each) and prefill (one 256-token chunk), for
              tensor = 1, 2, 4, 8.
+  stage:     decode (16 x 1 token) and a 256-token prefill, stage=2 against tensor=2 (2 devices).
+  kv-split:  decode (4 x 1 token) at 1024, 4096 and 16384 tokens of context, one device against
+             sequence=4 (each device a quarter of every page's rows).
   context:   causal attention over one sequence split over sequence=4: ring (ppermute) vs
              all-gather of K/V (sharding/context_parallel.py), for several lengths.
   kv-layout: with fewer KV heads than tensor shards (K=2, tensor=4), attention over the paged
@@ -204,6 +207,48 @@ def bench_stage(repeats: int) -> str:
     return "\n".join(rows)
 
 
+def bench_kv_split(repeats: int) -> str:
+    """Decode (4 sequences x 1 token) at three context lengths on one device against sequence=4,
+    whose devices each hold a quarter of every page's rows and attend over them."""
+    family = get_family("llama")
+    params = family.init_params(MODEL, jax.random.key(0))
+    model = LoadedModel(MODEL, params, None, family, Path("random"))
+    lengths = (1024, 4096, 16384)
+    runners = {}
+    for mesh in ("none", "sequence=4"):
+        engine = EngineConfig(
+            num_pages=4 * lengths[-1] // PAGE + 8,
+            page_size=PAGE,
+            max_num_batched_tokens=8,
+            max_num_seqs=8,
+            max_model_len=lengths[-1] + 16,
+            token_buckets=(8,),
+            penalties=False,
+            compilation_cache_dir=None,
+            mesh=None if mesh == "none" else mesh,
+        )
+        runner = Worker(model, engine, lengths[-1] + 16)
+        runners[mesh] = (runner, {n: step_inputs(runner, [n] * 4, [1] * 4, 8) for n in lengths})
+    times = {(m, n): [] for m in runners for n in lengths}
+    for _ in range(repeats):
+        for n in lengths:
+            for m, (runner, inputs) in runners.items():
+                times[m, n].extend(timed(lambda runner=runner, x=inputs[n]: runner.step.execute(x), 1))
+    rows = [
+        "| context | one device (ms) | sequence=4 (ms) | sequence=4 / one device | "
+        "cache per device, one device / sequence=4 (MiB) |",
+        "|---|---|---|---|---|",
+    ]
+    cache = {m: sum(c.addressable_shards[0].data.nbytes for c in r.state.kv_caches) for m, (r, _) in runners.items()}
+    for n in lengths:
+        one, split = statistics.median(times["none", n]), statistics.median(times["sequence=4", n])
+        rows.append(
+            f"| {n} | {1e3 * one:.1f} | {1e3 * split:.1f} | {split / one:.2f} | "
+            f"{cache['none'] / 2**20:.0f} / {cache['sequence=4'] / 2**20:.0f} |"
+        )
+    return "\n".join(rows)
+
+
 def bench_context(repeats: int) -> str:
     mesh = make_mesh("sequence=4")
     rows = ["| tokens | all-gather K/V (ms) | ring, ppermute (ms) |", "|---|---|---|"]
@@ -303,7 +348,9 @@ def bench_kv_layout(repeats: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", default="all", choices=["tensor", "stage", "context", "kv-layout", "all"])
+    parser.add_argument(
+        "what", nargs="?", default="all", choices=["tensor", "stage", "kv-split", "context", "kv-layout", "all"]
+    )
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, {os.cpu_count()} host cores")
@@ -311,6 +358,8 @@ def main() -> None:
         print(bench_tensor(args.repeats) + "\n")
     if args.what in ("stage", "all"):
         print(bench_stage(args.repeats) + "\n")
+    if args.what in ("kv-split", "all"):
+        print(bench_kv_split(args.repeats) + "\n")
     if args.what in ("context", "all"):
         print(bench_context(args.repeats) + "\n")
     if args.what in ("kv-layout", "all"):

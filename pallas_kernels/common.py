@@ -152,6 +152,20 @@ def bucket_of(edges: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.searchsorted(edges, x, side="right", method=method).astype(jnp.int32)
 
 
+def token_positions(
+    kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array | int, num_tokens: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per query token: (sequence index, absolute position, is-real-token), each [T]."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = jnp.asarray(num_seqs).reshape(-1)[0]
+    seq = bucket_of(cu_q_lens[1:], t)
+    seq = jnp.minimum(seq, kv_lens.shape[0] - 1)
+    valid = t < cu_q_lens[num_seqs]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, jnp.where(valid, pos, 0), valid
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 

@@ -13,7 +13,8 @@ from jax.experimental import pallas as pl
 from jax.typing import DTypeLike
 
 from pallas_kernels import common
-from pallas_kernels.reference import stored_k_v, token_positions
+from pallas_kernels.common import token_positions
+from pallas_kernels.reference import stored_k_v
 
 META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, zero rows, first zero token, 0
 

@@ -26,32 +26,17 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from pallas_kernels.common import SoftmaxCarry, bucket_of, is_quantized
+from pallas_kernels.common import SoftmaxCarry, is_quantized, token_positions
 
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
 _BLOCK_ELEMENTS = 1 << 18
-# Tokens per block at most: the loop stops at the longest real sequence, so a small block spares short
-# sequences in a long-context page table the table's whole width. It binds at batch 1: 128 against 512
-# made SmolLM2's batch-1 decode step ~11% faster at a ~100-token context on the CPU (RESULTS.md).
+# Tokens per block at most: a small block spares short sequences a long table's whole width (the loop
+# stops at the longest); at batch 1, 128 vs 512: SmolLM2's decode ~11% faster at ~100 tokens (RESULTS.md).
 _MAX_BLOCK_TOKENS = 128
 
 
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
     return (num_pages, page_size, 2 * num_kv_heads, head_dim)
-
-
-def token_positions(
-    kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array | int, num_tokens: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per query token: (sequence index, absolute position, is-real-token), each [T]."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    num_seqs = jnp.asarray(num_seqs).reshape(-1)[0]
-    seq = bucket_of(cu_q_lens[1:], t)
-    seq = jnp.minimum(seq, kv_lens.shape[0] - 1)
-    valid = t < cu_q_lens[num_seqs]
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
-    return seq, jnp.where(valid, pos, 0), valid
 
 
 def _scale(scale: jax.Array | None) -> jax.Array:
@@ -169,16 +154,19 @@ def _attend_step_tokens(
     *,
     sliding_window: int | None,
     soft_cap: float | None,
+    keys: jax.Array | None = None,
 ) -> SoftmaxCarry:
     """Part (1): qg [T, K, G, D] over this step's tokens of the same sequence, causally, with
-    k_new / v_new [T, K, D] as the cache stores them. Returns the online-softmax carry.
+    k_new / v_new [T, K, D] as the cache stores them (`keys` [T]: only these tokens' K/V, a
+    shard's own under a split cache: split_rows.py). Returns the online-softmax carry.
 
     The scores are laid out KV-head-major ([K, G, T, T]): the same math as token-major, but
     XLA:CPU runs these matmuls ~3.7x faster (a 2048-token chunk: 48 vs 176 ms per score matmul).
     The [T, T] mask is computed once: fused into its [K, G, T, T] consumers, XLA:CPU recomputed
     each token's sequence and position for every score, twice (SmolLM2's 30 layers on a
     256-token prompt: 68 -> 60 ms)."""
-    mask = valid[:, None] & valid[None, :] & (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    keys = valid if keys is None else keys  # the tokens whose K/V are read
+    mask = valid[:, None] & keys[None, :] & (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
     if sliding_window is not None:
         mask &= pos[:, None] - pos[None, :] < sliding_window
     mask = jax.lax.optimization_barrier(mask)
@@ -203,9 +191,11 @@ def _attend_context(
     *,
     sliding_window: int | None,
     soft_cap: float | None,
+    rows_of: tuple[jax.Array | int, int] = (0, 1),
 ) -> SoftmaxCarry:
     """Part (2): qg [T, K, G, D] over each token's cached context [0, ctx_len), reading its
-    sequence's pages (token_pages [T, pages_per_seq]) a block of pages at a time.
+    sequence's pages (token_pages [T, pages_per_seq]) a block of pages at a time. `rows_of`
+    (shard, shards): the cache holds that shard's rows of every page only (split_rows.py).
 
     Each block gathers one head's K (or V) rows straight into [T, K, B, D] from the cache viewed
     as rows of D (slot * 2K + 2k for K, + 1 for V), so the score and value products take their
@@ -216,7 +206,7 @@ def _attend_context(
     _, page_size, two_hkv, _ = kv_cache.shape
     pages_per_seq = token_pages.shape[1]
     ppb = _pages_per_block(num_tokens, page_size, two_hkv, d, pages_per_seq)
-    block = ppb * page_size
+    block, (shard, shards) = ppb * page_size, rows_of  # a page's positions: page_size * shards
     token_pages = jnp.pad(token_pages, ((0, 0), (0, (-pages_per_seq) % ppb)))  # [T, >= pages_per_seq]
     rows = kv_cache.reshape(-1, d)  # [num_pages * page_size * 2K, D]
     heads = 2 * jnp.arange(num_kv_heads, dtype=jnp.int32)  # K of head k at 2k, V at 2k + 1
@@ -232,7 +222,8 @@ def _attend_context(
         slots = (pages[:, :, None] * page_size + in_page).reshape(num_tokens, block)  # [T, B]
         idx = slots[:, None, :] * two_hkv + heads[None, :, None]  # [T, K, B]
         kb, vb = read(idx, k_scale), read(idx + 1, v_scale)
-        kpos = j * block + jnp.arange(block, dtype=jnp.int32)  # [B]
+        kpos = ((j * ppb + jnp.arange(ppb)[:, None]) * shards + shard) * page_size + in_page  # [ppb, page]
+        kpos = kpos.reshape(block)  # [B]
         in_ctx = kpos[None, :] < ctx_len[:, None]  # [T, B]
         # Slots past the context hold whatever was there before, NaN included; p == 0 does not
         # help there (0 * NaN), so V itself is zeroed.
@@ -244,7 +235,7 @@ def _attend_context(
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
         return _merge(carry, s, lambda p: jnp.einsum("tkgb,tkbd->tkgd", p, vb))
 
-    num_blocks = (jnp.max(ctx_len) + block - 1) // block
+    num_blocks = (jnp.max(ctx_len) + block * shards - 1) // (block * shards)
     return jax.lax.fori_loop(0, num_blocks, body, carry)
 
 

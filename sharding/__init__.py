@@ -10,7 +10,7 @@ Never imports jaxinfer (the engine imports this package).
 
 from __future__ import annotations
 
-from sharding.attention import local_metadata, shard_paged_attention
+from sharding.attention import shard_paged_attention
 from sharding.mesh import (
     AXES,
     DATA,
@@ -70,7 +70,6 @@ __all__ = [
     "is_multiprocess",
     "kv_cache_spec",
     "leaf_name",
-    "local_metadata",
     "logical_to_spec",
     "make_mesh",
     "make_placer",

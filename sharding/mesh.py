@@ -2,7 +2,8 @@
 
 Every mesh has the same five axes, in this order: `data` (independent replicas, outermost),
 `stage` (pipeline stages: contiguous runs of layers, each stage's weights and caches only on its
-devices; sharding/stages.py), `sequence` (tokens of a step split for context-parallel prefill),
+devices; sharding/stages.py), `sequence` (a step's tokens and each page's rows of the KV cache
+split over it: contexts of several devices' pools; sharding/attention.py),
 `expert` (a mixture's experts split between devices; everything else is replicated over it) and
 `tensor` (heads and MLP columns, innermost so its collectives stay between neighbouring devices).
 A spec names only the axes it uses; the others have size 1, so partition specs can always name

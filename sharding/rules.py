@@ -170,9 +170,20 @@ def param_shardings(params: PyTree, param_axes: ParamAxes, mesh: Mesh) -> PyTree
 
 def kv_cache_spec(mesh: AnyMesh | None, *, replicas: bool) -> P:
     """A layer's cache [P, page, 2K', D] (with a leading [data] axis for replicas): split by KV
-    heads over tensor; K and V of a head are neighbours on axis 2, so they stay together."""
+    heads over tensor; K and V of a head are neighbours on axis 2, so they stay together. With
+    `sequence` > 1 each page's rows split over it too: each shard holds its rows of every page
+    (pallas_kernels/split_rows.py)."""
     heads = TENSOR if axis_size(mesh, TENSOR) > 1 else None
-    return P(*((DATA,) if replicas else ()), None, None, heads, None)
+    rows = SEQUENCE if axis_size(mesh, SEQUENCE) > 1 else None
+    return P(*((DATA,) if replicas else ()), None, rows, heads, None)
+
+
+def unsplit_rows(spec: P) -> P:
+    """A cache's spec with its page-row axis (third from last) whole: the per-head scales of an
+    int8 / fp8 cache ([.., 1, 1, 2K, 1]) split like its pages but for their one row."""
+    parts = list(spec) + [None] * max(0, 4 - len(spec))
+    parts[-3] = None
+    return P(*parts)
 
 
 def tokens_spec(mesh: AnyMesh | None, *, replicas: bool) -> P:

@@ -26,8 +26,7 @@ from jaxinfer.config.kv_layout import kv_layout
 from jaxinfer.quant import einsum
 from jaxinfer.quant.kv_cache import QuantizedKVCache
 from jaxinfer.quant.lora_vocab import vocab_rows
-from pallas_kernels import ragged_paged_attention
-from pallas_kernels.reference import write_kv
+from pallas_kernels import ragged_paged_attention, split_rows
 from sharding import current_mesh, shard_paged_attention
 from sharding.stages import num_stages, run_stages
 
@@ -253,9 +252,12 @@ def paged_attention(
         soft_cap=config.attn_logit_softcap,
         impl=impl,
     )
+    attend_rows = functools.partial(
+        split_rows.attend_rows, sm_scale=config.attn_scale, sliding_window=window, soft_cap=config.attn_logit_softcap
+    )
     return shard_paged_attention(
-        _with_kv_scales(attend, 3),
-        _with_kv_scales(write_kv, 0),
+        _with_kv_scales(attend),
+        _with_kv_scales(attend_rows),
         q,
         k,
         v,
@@ -267,19 +269,15 @@ def paged_attention(
     )
 
 
-def _with_kv_scales(fn: Callable[..., Any], cache_at: int) -> Callable[..., Any]:
-    """A kernel-contract call that also takes a QuantizedKVCache at argument `cache_at` (3 for
-    attend(q, k, v, cache, ...) -> (out, cache), 0 for write_kv(cache, ...) -> cache): its pages go
-    in as the cache and its per-head scales as k_scale / v_scale, so new K/V are written quantized
-    and pages are read back dequantized; the cache comes back with the same scales."""
+def _with_kv_scales(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A call fn(q, k, v, cache, ...) -> (out, cache) that also takes a QuantizedKVCache: its
+    pages go in as the cache and its per-head scales as k_scale / v_scale, so new K/V are written
+    quantized and pages are read back dequantized; the cache comes back with the same scales."""
 
-    def call(*args: Any) -> Any:
-        cache = args[cache_at]
+    def call(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *rest: Any) -> Any:
         if not isinstance(cache, QuantizedKVCache):
-            return fn(*args)
-        out = fn(*args[:cache_at], cache.pages, *args[cache_at + 1 :], k_scale=cache.k_scale, v_scale=cache.v_scale)
-        if cache_at == 0:
-            return dataclasses.replace(cache, pages=out)
-        return out[0], dataclasses.replace(cache, pages=out[1])
+            return fn(q, k, v, cache, *rest)
+        out, pages = fn(q, k, v, cache.pages, *rest, k_scale=cache.k_scale, v_scale=cache.v_scale)
+        return out, dataclasses.replace(cache, pages=pages)
 
     return call

@@ -34,7 +34,7 @@ from jaxinfer.worker.kv_calibration import calibrated_caches
 from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages, zeroed_caches
 from jaxinfer.worker.lora_state import SlotWriter, attach, detach, lora_param_axes
 from jaxinfer.worker.stages import place_staged, stage_plan
-from sharding import DATA, axis_size, head_layout, kv_cache_spec, make_mesh, pin_weight_layouts, shard_params
+from sharding import DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, make_mesh, pin_weight_layouts, shard_params
 from sharding.experts import check_expert_axis
 from sharding.multihost import broadcast_int
 from sharding.stages import stage_cache_spec
@@ -52,13 +52,24 @@ class DeviceState:
         check_expert_axis(self.mesh, self.config.num_experts)
         self.layout = head_layout(self.mesh, self.config.num_heads, self.config.num_kv_heads)
         self.num_replicas = axis_size(self.mesh, DATA)
+        self.row_split = axis_size(self.mesh, SEQUENCE)  # each shard of `sequence` holds its rows of a page
+        if self.page_size % self.row_split:
+            raise ValueError(
+                f"mesh sequence={self.row_split} splits each page's rows: page_size={self.page_size} must divide by it"
+            )
         self.kv_layout = kv_layout(self.config)  # which layers share a cache and a page table
         self.stages = stage_plan(self.config, engine, self.mesh)  # None without pipeline stages
         self.params = self._place_params(model)
         self.kv_dtype = resolve_kv_dtype(engine.cache.kv_cache_dtype, model.params.embed.dtype)
         self.num_pages = broadcast_int(
             plan_num_pages(
-                self.config, engine, self.kv_dtype, self.layout.kv_heads_per_device, self.local_device, self.num_caches
+                self.config,
+                engine,
+                self.kv_dtype,
+                self.layout.kv_heads_per_device,
+                self.local_device,
+                self.num_caches,
+                self.row_split,
             )
         )
         self.kv_caches = self._allocate_kv_caches()

@@ -42,6 +42,7 @@ from jaxinfer.tokenizer import Tokenizer
 from pallas_kernels import kv_cache_shape
 from sharding import put_sharded
 from sharding.multihost import fetch
+from sharding.rules import unsplit_rows
 
 CALIBRATION_TOKENS = 512  # the forward's token count (the text is cut or padded to it)
 CALIBRATION_PAGE_SIZE = 16
@@ -171,7 +172,10 @@ def quantized_caches(
     for layer_pages, layer_scales in zip(pages, scales):
         s = scales_array(layer_scales)  # [1, 1, 2K, 1]
         s = np.broadcast_to(s, (*layer_pages.shape[:-4], *s.shape))
-        caches.append(QuantizedKVCache(layer_pages, put_sharded(np.ascontiguousarray(s), layer_pages.sharding)))
+        where = layer_pages.sharding
+        if isinstance(where, NamedSharding):  # page rows split (sequence, stage): the scales' one row whole
+            where = NamedSharding(where.mesh, unsplit_rows(where.spec))
+        caches.append(QuantizedKVCache(layer_pages, put_sharded(np.ascontiguousarray(s), where)))
     return tuple(caches)
 
 

@@ -42,9 +42,11 @@ def plan_num_pages(
     num_kv_heads: int | None = None,
     device: jax.Device | None = None,
     num_caches: int | None = None,
+    row_split: int = 1,
 ) -> int:
     """Pages per replica: given, or as many as fit one device's budget (`num_caches`: the caches
-    one device holds, kv_page_bytes)."""
+    one device holds, kv_page_bytes; `row_split`: the shards a page's rows split over, each
+    device holding page_size / row_split of them: sequence=N)."""
     if engine.cache.num_pages is not None:
         return engine.cache.num_pages
     device = jax.local_devices()[0] if device is None else device
@@ -57,7 +59,7 @@ def plan_num_pages(
         else:
             budget = CPU_DEFAULT_KV_BYTES
     page_size = engine.cache.page_size or DEFAULT_PAGE_SIZE  # as the device state resolves it off the TPU kernel
-    return max(2, budget // kv_page_bytes(config, page_size, dtype, num_kv_heads, device, num_caches))
+    return max(2, budget // kv_page_bytes(config, page_size // row_split, dtype, num_kv_heads, device, num_caches))
 
 
 def cache_struct(

@@ -32,7 +32,7 @@ def stage_plan(config: ModelConfig, engine: EngineConfig, mesh: Mesh | None) -> 
     spec = engine.speculative_config
     refused = {
         "LoRA adapters (--enable-lora)": engine.lora.enable_lora,
-        f"sequence={axis_size(mesh, SEQUENCE)} (context-parallel prefill)": axis_size(mesh, SEQUENCE) > 1,
+        f"sequence={axis_size(mesh, SEQUENCE)} (a cache split along the sequence)": axis_size(mesh, SEQUENCE) > 1,
         f"kv_cache_dtype={engine.cache.kv_cache_dtype} (calibrated int8 / fp8 caches)": engine.cache.one_byte,
         "a draft model (speculative_config method draft_model)": spec is not None and spec.method == "draft_model",
         f"{config.model_type}'s mix of sliding-window and full-attention layers": kv_layout(config).num_groups > 1,

@@ -449,6 +449,34 @@ def scenario_stages(name: str, num_layers: str, *meshes: str) -> dict:
     return out
 
 
+def scenario_kvsplit(mesh: str, context: str) -> dict:
+    """One long prompt (`context` tokens) through the llama3 fixture on one device with the whole
+    pool, and on `mesh` whose `sequence` shards each hold their rows of every page: greedy tokens,
+    each device's cache bytes and the tokens they hold."""
+    options = dict(
+        ENGINE, num_pages=20, max_model_len=256, max_num_batched_tokens=64, token_buckets=(8, 64), max_num_seqs=4
+    )
+    prompt = np.random.default_rng(5).integers(1, 500, int(context)).tolist()
+    out = {}
+    for name in ("none", mesh):
+        model = load_model(FIXTURES / "hf" / "llama3", dtype="float32", with_tokenizer=False)
+        engine = Engine(model, EngineConfig(**options, mesh=None if name == "none" else name))
+        compiled = engine.worker.num_compiled()
+        results, _ = run_engine(engine, [prompt], 8)
+        cache = engine.worker.state.kv_caches[0]
+        shard = cache.addressable_shards[0].data
+        out[name] = {
+            "tokens": results["0"],
+            "recompiled": engine.worker.num_compiled() - compiled,
+            "pools_empty": all(r.kv_cache.num_free_pages == r.kv_cache.num_usable_pages for r in engine.replicas),
+            "num_pages": int(cache.shape[0]),
+            "page_size": int(cache.shape[1]),
+            "rows_per_device": int(shard.shape[1]),
+            "cache_bytes_per_device": sum(c.addressable_shards[0].data.nbytes for c in engine.worker.state.kv_caches),
+        }
+    return out
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     result = globals()[f"scenario_{name}"](*args)

@@ -10,7 +10,7 @@ from jaxinfer.cli import build_parser
 from jaxinfer.config import EngineConfig
 from jaxinfer.models.llama.model import PARAM_AXES, param_shapes
 from jaxinfer.models.moe.model import PARAM_AXES as MOE_AXES
-from sharding import AXES, HeadLayout, local_metadata, logical_to_spec, make_mesh, parse_mesh_spec
+from sharding import AXES, HeadLayout, logical_to_spec, make_mesh, parse_mesh_spec
 from sharding.multihost import DistributedArgs, initialize
 from sharding.placement import repeat_kv_heads
 
@@ -119,24 +119,6 @@ def test_repeated_kv_heads_serve_the_right_query_heads():
     for shard in range(tp):  # shard s holds query heads [s*H/tp, (s+1)*H/tp) and kv head s
         for qh in range(shard * heads // tp, (shard + 1) * heads // tp):
             assert rep[0, shard, 0] == qh // group
-
-
-def test_local_metadata_matches_a_split_batch():
-    # Sequences with 5, 0 (decode elsewhere), 3 and 7 query tokens; kv_lens after the step.
-    q_lens, kv_lens = [5, 1, 3, 7], [9, 4, 3, 20]
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    positions = np.concatenate([np.arange(k - q, k) for q, k in zip(q_lens, kv_lens)])
-    owner = np.repeat(np.arange(len(q_lens)), q_lens)
-    for chunk in (4, 8):
-        for offset in range(0, 16, chunk):
-            kv_l, cu_l = map(np.asarray, local_metadata(np.array(kv_lens, np.int32), cu, offset, chunk))
-            for t in range(chunk):
-                g = offset + t
-                s = int(np.searchsorted(cu_l[1:], t, side="right"))
-                assert s == owner[g]
-                q_len = cu_l[s + 1] - cu_l[s]
-                assert kv_l[s] - q_len + (t - cu_l[s]) == positions[g]
-            assert all(kv_l[s] == 0 for s in range(4) if cu_l[s + 1] == cu_l[s])
 
 
 def test_distributed_args_from_flags_and_environment():

@@ -1,8 +1,8 @@
 """The engine on meshes of 8 forced CPU devices, each configuration in its own process:
 greedy outputs equal to the single-device run (= HF generate) for tensor, data x tensor (with
-the prefix cache's host tier), sequence (context-parallel) and stage (pipeline) meshes; logits
-within float32 tolerance; the decode step's collectives; parameter bytes per device; ring and
-all-gather context attention."""
+the prefix cache's host tier), sequence (the cache split along the sequence) and stage (pipeline)
+meshes, and a context 6x one device's pool served by 8; logits within float32 tolerance; the
+decode step's collectives; parameter bytes per device; ring and all-gather context attention."""
 
 import re
 
@@ -13,7 +13,7 @@ ENGINE_CASES = [
     ("llama3", "tensor=4"),  # 2 KV heads < 4 shards: each KV head stored twice
     ("llama3", "tensor=8"),  # one query head per shard
     ("llama3", "data=2,tensor=4"),  # two replicas, each 4-way tensor parallel
-    ("llama3", "sequence=4"),  # context-parallel prefill over 4 devices
+    ("llama3", "sequence=4"),  # tokens and each page's rows split over 4 devices
     ("llama3", "data=2,sequence=2,tensor=2"),  # all three axes at once
     ("mistral", "tensor=4"),  # 1 KV head, sliding window
     ("qwen3_tied", "tensor=2"),  # QK-norm, 1 KV head stored twice, tied LM head
@@ -40,12 +40,26 @@ def test_greedy_outputs_equal_single_device(scenario, name, mesh):
     kv_heads = {"llama3": 2, "mistral": 1, "qwen3_tied": 1, "mixtral": 1, "qwen3_moe": 2}[name]
     # The cache is split by KV heads: each shard holds max(1, K / tp) heads (K and V).
     assert r["cache_shard_shape"][-2] == 2 * max(1, kv_heads // tp)
-    stages = int(sizes.get("stage", 1))  # each stage's devices hold their rows of every page
-    assert r["cache_shape"][-3] == stages * r["cache_shard_shape"][-3]
+    # Each stage's devices, and each shard of `sequence`, hold their rows of every page.
+    row_split = int(sizes.get("stage", 1)) * int(sizes.get("sequence", 1))
+    assert r["cache_shape"][-3] == row_split * r["cache_shard_shape"][-3]
     if dp > 1:
         assert r["cache_shape"][0] == dp and r["cache_shard_shape"][0] == 1
         counts = r["requests_per_replica"]
         assert sum(counts) == r["num_prompts"] and max(counts) - min(counts) <= 1  # balanced
+
+
+def test_a_context_six_times_one_devices_pool_with_the_cache_split_along_the_sequence(scenario):
+    """sequence=8: each device holds 2 of every page's 16 rows, 40 tokens of the 20-page pool,
+    and a 240-token prompt (6x that) decodes to the tokens of one device holding the whole pool."""
+    r = scenario("kvsplit", "sequence=8", "240")
+    one, split = r["none"], r["sequence=8"]
+    assert split["tokens"] == one["tokens"] and len(one["tokens"]) == 8
+    assert split["recompiled"] == 0 and split["pools_empty"]
+    assert split["num_pages"] == one["num_pages"] == 20 and split["page_size"] == one["page_size"] == 16
+    assert split["rows_per_device"] == 2 and one["rows_per_device"] == 16
+    assert split["cache_bytes_per_device"] * 8 == one["cache_bytes_per_device"]
+    assert 240 >= 6 * split["num_pages"] * split["rows_per_device"]  # 6x what a device holds
 
 
 LOGIT_CASES = [

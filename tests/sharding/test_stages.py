@@ -1,6 +1,7 @@
 """Pipeline stages (mesh axis `stage`): the plan, the stacked layouts, what a staged engine
-refuses by name, and the engine on 8 forced CPU devices: SmolLM2 over 4 stages and over 2 stages
-of 3-way tensor parallelism gives the single-device engine's greedy tokens, with every device
+refuses by name, and the engine on 8 forced CPU devices: SmolLM2 over 4 stages, over 2 stages
+of 3-way tensor parallelism (and with its cache split along the sequence over 2 x tensor=3) gives
+the single-device engine's greedy tokens, with every device
 holding only its own stage's layers (compared shard by shard with the checkpoint's arrays) and
 its stage's rows of every page. (Data replicas of stages, an odd layer count and a mixture of
 experts: test_sharded_engine.py; one stage per process: test_multihost.py.)"""
@@ -79,8 +80,11 @@ def test_staged_engine_refuses_what_it_does_not_carry_by_name():
 
 @pytest.mark.slow
 def test_smollm2_stages_match_one_device_and_hold_only_their_layers(scenario):
-    r = scenario("stages", "smollm2", "0", "stage=4", "stage=2,tensor=3", timeout=600)
+    r = scenario("stages", "smollm2", "0", "stage=4", "stage=2,tensor=3", "sequence=2,tensor=3", timeout=600)
     assert r["num_layers"] == 30
+    split = r["sequence=2,tensor=3"]  # the cache split along the sequence: each device half of a page's rows
+    assert split["mismatched"] == [] and split["recompiled"] == 0 and split["pools_empty"], split
+    assert split["cache_rows"][0] == 2 * split["cache_rows"][1]
     layer = r["stage=4"]["single_layer_bytes"]
     for m, counts, tp in (("stage=4", [8, 8, 7, 7], 1), ("stage=2,tensor=3", [15, 15], 3)):
         got = r[m]

@@ -1,0 +1,116 @@
+"""Ragged paged attention over one shard's rows of every page: a KV cache split along the sequence.
+
+With the cache's page-row axis split over N shards (sharding/attention.py, `sequence` = N), shard
+i holds rows [i * R, (i + 1) * R) of every page (R = page_size / N), that is positions
+b * page_size + i * R + r of a sequence's page b. Page ids mean the same on every shard, so the
+KV manager counts pages as without the split, and a page costs each device 1/N of its bytes:
+the pool holds N times the tokens of one device's memory.
+
+One call per shard, on its local cache [P, R, 2K, D] and the whole batch (every query token):
+  - write: the step's new K/V whose positions fall in this shard's rows; the rest are dropped;
+  - attend: each query over the keys this shard holds (this step's own tokens among them and its
+    rows of the sequence's earlier pages), with the reference's online softmax, returning the
+    unnormalised carry (running max, sum, weighted values).
+The caller merges the N carries by their log-sum-exp (a max and two sums across the shards,
+sharding/attention.py) and normalises: the same softmax as over the whole context. Pure jnp on
+every platform.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import SoftmaxCarry, token_positions
+from pallas_kernels.reference import _attend_context, _attend_step_tokens, _stored, stored_kv
+
+
+def _own(pos: jax.Array, rows: int, shard: jax.Array | int, shards: int) -> jax.Array:
+    """Whether each position lies in `shard`'s rows of its page."""
+    return (pos % (rows * shards)) // rows == shard
+
+
+def write_kv_rows(
+    kv_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    shard: jax.Array | int,
+    shards: int,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
+    """This step's K/V ([T, Hkv, D]) written into `shard`'s rows: kv_cache [P, R, 2K, D] is that
+    shard's part of pages of R * shards positions; tokens of other shards' rows are dropped."""
+    num_pages, rows, two_hkv, d = kv_cache.shape
+    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, k.shape[0])
+    page = page_indices[seq, pos // (rows * shards)]
+    mine = valid & _own(pos, rows, shard, shards)
+    slot = jnp.where(mine, page * rows + pos % rows, num_pages * rows)
+    kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)
+    # Never a one-row scatter: XLA would read the donated cache first and copy it (reference.write_kv).
+    slot = jnp.concatenate([slot, jnp.full((1,), num_pages * rows, slot.dtype)])
+    kv_new = jnp.concatenate([kv_new, jnp.zeros_like(kv_new[:1])])
+    flat = kv_cache.reshape(num_pages * rows, two_hkv, d).at[slot].set(kv_new, mode="drop")
+    return flat.reshape(kv_cache.shape)
+
+
+def attend_rows(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    shard: jax.Array | int,
+    shards: int,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> tuple[SoftmaxCarry, jax.Array]:
+    """Writes this shard's rows of k/v, then every query token over the keys the shard holds.
+    Returns ((m, l, acc): [T, K, G], [T, K, G], [T, K, G, D] in float32, unnormalised) and the
+    cache; the shards' carries merge across the mesh (sharding/attention.merge_carries)."""
+    kv_cache = write_kv_rows(
+        kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, shard, shards, k_scale, v_scale
+    )
+    num_tokens, num_q_heads, d = q.shape
+    num_kv_heads = kv_cache.shape[2] // 2
+    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    ctx_len = jnp.where(valid, kv_lens[seq] - q_len, 0)
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, d) * sm_scale
+    rows = kv_cache.shape[1]
+    carry = _attend_step_tokens(
+        qg,
+        _stored(k, k_scale, kv_cache.dtype),
+        _stored(v, v_scale, kv_cache.dtype),
+        seq,
+        pos,
+        valid,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        keys=valid & _own(pos, rows, shard, shards),
+    )
+    carry = _attend_context(
+        carry,
+        qg,
+        kv_cache,
+        k_scale,
+        v_scale,
+        page_indices[seq],
+        pos,
+        ctx_len,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        rows_of=(shard, shards),
+    )
+    return carry, kv_cache
