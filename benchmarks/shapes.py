@@ -132,6 +132,36 @@ SHAPES = {
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
         **_LLAMA3_ROPE,
     ),
+    # The larger Llama 3.1 shapes (their published configs), for memory plans over many chips
+    # (tpu_aot.py --plan-only): models no one host's chips hold.
+    "llama-3.1-70b": ModelConfig(
+        model_type="llama",
+        family="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+        **_LLAMA3_ROPE,
+    ),
+    "llama-3.1-405b": ModelConfig(
+        model_type="llama",
+        family="llama",
+        vocab_size=128256,
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_layers=126,
+        num_heads=128,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+        **_LLAMA3_ROPE,
+    ),
 }
 
 

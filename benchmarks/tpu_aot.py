@@ -62,7 +62,7 @@ from jaxinfer.worker.step_variants import (
 )
 from pallas_kernels.kv_layout import layout_bytes  # noqa: E402
 from pallas_kernels.tpu_blocks import target_chip  # noqa: E402
-from sharding import DATA, axis_size, head_layout, kv_cache_spec, leaf_name, make_mesh, param_structs  # noqa: E402
+from sharding import DATA, SEQUENCE, axis_size, head_layout, kv_cache_spec, leaf_name, make_mesh, param_structs  # noqa: E402
 from sharding.stages import stacked_structs, stage_cache_spec, stage_mesh  # noqa: E402
 
 
@@ -142,6 +142,7 @@ class AotStep:
             layout.kv_heads_per_device,
             self.devices[0],
             num_caches,
+            axis_size(self.mesh, SEQUENCE),  # each shard of `sequence` holds its rows of a page
         )
         # As the runner allocates it: row-major layout pinned (pallas_kernels.kv_layout); int8 /
         # fp8 pages with their per-head scales; with stages, each stage's rows of every page.
@@ -344,6 +345,11 @@ def main(argv=None) -> None:
         action="store_true",
         help="also each bucket's step that scores prompt rows (--enable-prompt-logprobs)",
     )
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the memory plan (weights and KV pool per chip) and compile nothing",
+    )
     args = p.parse_args(argv)
     buckets = tuple(sorted(set(args.buckets))) if args.buckets else None
     if buckets and buckets[-1] < args.max_num_batched_tokens:
@@ -367,6 +373,8 @@ def main(argv=None) -> None:
         ),
         flush=True,
     )
+    if args.plan_only:
+        return
     decode_sized = decode_sized_buckets(aot.inputs, aot.buckets, args.max_num_seqs)
     for bucket in args.buckets or aot.buckets:
         print(json.dumps(aot.compile(bucket)), flush=True)
