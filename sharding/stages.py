@@ -185,10 +185,12 @@ def stacked_structs(layer: PyTree, plan: StagePlan, mesh: Mesh) -> tuple[PyTree,
 
 def stage_cache_spec(spec: P) -> P:
     """A layer cache's spec [P, page, 2K, D] -> the staged cache's [P, S*page, 2K, D] (page rows
-    split over `stage`); with a leading [data] axis the page rows are axis 2."""
+    split over `stage`, outside a split they have already: `sequence`'s); with a leading [data]
+    axis the page rows are axis 2."""
     parts = list(spec)
-    rows = 2 if parts and parts[0] is not None and len(parts) == 5 else 1
-    parts[rows] = STAGE
+    rows = len(parts) - 3
+    inner = () if parts[rows] is None else (parts[rows],) if isinstance(parts[rows], str) else tuple(parts[rows])
+    parts[rows] = (STAGE, *inner) if inner else STAGE
     return P(*parts)
 
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.config.kv_layout import kv_layout
 from jaxinfer.models.registry import ModelParams
-from sharding import SEQUENCE, HeadLayout, axis_size, shard_params
+from sharding import HeadLayout, shard_params
 from sharding.rules import ParamAxes
 from sharding.stages import StagePlan, num_stages, plan_stages, stack_layers, stage_mesh
 
@@ -32,7 +32,6 @@ def stage_plan(config: ModelConfig, engine: EngineConfig, mesh: Mesh | None) -> 
     spec = engine.speculative_config
     refused = {
         "LoRA adapters (--enable-lora)": engine.lora.enable_lora,
-        f"sequence={axis_size(mesh, SEQUENCE)} (a cache split along the sequence)": axis_size(mesh, SEQUENCE) > 1,
         f"kv_cache_dtype={engine.cache.kv_cache_dtype} (calibrated int8 / fp8 caches)": engine.cache.one_byte,
         "a draft model (speculative_config method draft_model)": spec is not None and spec.method == "draft_model",
         f"{config.model_type}'s mix of sliding-window and full-attention layers": kv_layout(config).num_groups > 1,

@@ -22,6 +22,7 @@ ENGINE_CASES = [
     ("qwen3_moe", "data=2,expert=2,tensor=2"),  # replicas x experts x tensor
     ("llama3", "data=2,stage=2"),  # two replicas, each a two-stage pipeline
     ("qwen3_moe", "stage=2"),  # 3 layers in stages of 2 and 1 (a padding slot), experts staged too
+    ("llama3", "stage=2,sequence=2,tensor=2"),  # each device: a stage's layers, a quarter of each page's rows
 ]
 
 

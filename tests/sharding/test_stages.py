@@ -49,6 +49,8 @@ def test_stacked_layouts():
     assert stacked_spec(P(("expert", "tensor")), 2) == P(("stage", "expert", "tensor"), None)
     assert stage_cache_spec(P(None, None, "tensor", None)) == P(None, "stage", "tensor", None)
     assert stage_cache_spec(P("data", None, None, "tensor", None)) == P("data", None, "stage", "tensor", None)
+    assert stage_cache_spec(P(None, "sequence", "tensor", None)) == P(None, ("stage", "sequence"), "tensor", None)
+    assert stage_plan(LLAMA, EngineConfig(), mesh(stage=2, sequence=2)).counts == (1, 1)
 
 
 def test_staged_engine_refuses_what_it_does_not_carry_by_name():
@@ -56,7 +58,6 @@ def test_staged_engine_refuses_what_it_does_not_carry_by_name():
     assert stage_plan(LLAMA, EngineConfig(), mesh(stage=2)).counts == (1, 1)
     cases = [
         (EngineConfig(enable_lora=True), mesh(stage=2), "LoRA adapters"),
-        (EngineConfig(), mesh(stage=2, sequence=2), "sequence=2"),
         (EngineConfig(kv_cache_dtype="int8"), mesh(stage=2), "kv_cache_dtype=int8"),
         (
             EngineConfig(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2}),
