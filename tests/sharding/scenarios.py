@@ -477,6 +477,29 @@ def scenario_kvsplit(mesh: str, context: str) -> dict:
     return out
 
 
+def scenario_stage_features() -> dict:
+    """Pipeline stages with int8 weights (stage=2,tensor=2) and with ngram speculation (stage=2):
+    greedy tokens against the same options on one device."""
+    from jaxinfer.llm import LLM
+
+    prompts = [np.random.default_rng(i).integers(1, 500, n).tolist() for i, n in enumerate((7, 30, 50))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    options = dict(ENGINE, num_pages=40, executable_cache_dir="none")
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    out = {}
+    for feature, extra, mesh in (
+        ("int8", dict(quantization="int8"), "stage=2,tensor=2"),
+        ("ngram", dict(speculative_config=ngram), "stage=2"),
+    ):
+        runs = []
+        for m in (None, mesh):
+            llm = LLM(str(FIXTURES / "hf" / "llama3"), "float32", **options, **extra, mesh=m)
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            del llm
+        out[feature] = {"equal": runs[0] == runs[1], "tokens": sum(map(len, runs[1]))}
+    return out
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     result = globals()[f"scenario_{name}"](*args)

@@ -3,8 +3,9 @@ refuses by name, and the engine on 8 forced CPU devices: SmolLM2 over 4 stages, 
 of 3-way tensor parallelism (and with its cache split along the sequence over 2 x tensor=3) gives
 the single-device engine's greedy tokens, with every device
 holding only its own stage's layers (compared shard by shard with the checkpoint's arrays) and
-its stage's rows of every page. (Data replicas of stages, an odd layer count and a mixture of
-experts: test_sharded_engine.py; one stage per process: test_multihost.py.)"""
+its stage's rows of every page; int8 weights and ngram speculation over stages as on one device.
+(Data replicas of stages, an odd layer count and a mixture of experts, stages with a split
+cache: test_sharded_engine.py; one stage per process: test_multihost.py.)"""
 
 import dataclasses
 
@@ -97,3 +98,9 @@ def test_smollm2_stages_match_one_device_and_hold_only_their_layers(scenario):
         assert max(counts) * layer / tp <= per_device < max(counts) * layer / tp * 1.01
         stages = len(counts)
         assert got["cache_rows"][0] == stages * got["cache_rows"][1]  # each stage holds its rows of a page
+
+
+@pytest.mark.slow
+def test_stages_with_int8_weights_and_ngram_speculation_match_one_device(scenario):
+    r = scenario("stage_features", timeout=600)
+    assert r["int8"] == {"equal": True, "tokens": 30} and r["ngram"] == {"equal": True, "tokens": 30}, r
