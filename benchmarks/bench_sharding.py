@@ -52,7 +52,7 @@ from jaxinfer.worker.inputs import StepInputs  # noqa: E402
 from jaxinfer.worker.page_table import padded_updates  # noqa: E402
 from jaxinfer.worker.worker import Worker  # noqa: E402
 from pallas_kernels import ragged_paged_attention  # noqa: E402
-from pallas_kernels.reference import write_kv  # noqa: E402
+from pallas_kernels.kv_write import write_kv  # noqa: E402
 from sharding import make_mesh  # noqa: E402
 from sharding.context_parallel import context_parallel_attention  # noqa: E402
 

@@ -11,12 +11,15 @@ gpu_config.py and gpu_tuned.py (block sizes; measured ones). The TPU kernels: tp
 and its three paths), tpu_decode.py and tpu_ragged.py (the kernels), tpu_layout.py and
 tpu_rows.py (their operands' layouts), tpu_config.py (the configs and what the kernels take),
 tpu_blocks.py (a batch shape's blocks, fitted to the chip's VMEM). Shared: common.py (checks and
-the online softmax), kv_layout.py (the cache's layout in device memory).
+the online softmax), kv_write.py (the step's K/V written into the pages, as every path stores
+them), kv_layout.py (the cache's layout in device memory). split_rows.py: attention over one
+shard's rows of every page, for a cache split along the sequence (sharding/attention.py).
 """
 
 from __future__ import annotations
 
 from pallas_kernels.dispatch import ragged_paged_attention, target_backend
-from pallas_kernels.reference import kv_cache_shape, ragged_paged_attention_reference
+from pallas_kernels.kv_write import kv_cache_shape
+from pallas_kernels.reference import ragged_paged_attention_reference
 
 __all__ = ["kv_cache_shape", "ragged_paged_attention", "ragged_paged_attention_reference", "target_backend"]

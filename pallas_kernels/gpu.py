@@ -52,7 +52,7 @@ from pallas_kernels.gpu_config import (
     unsupported_reason,
 )
 from pallas_kernels.gpu_work import combine, new_kv, work_list
-from pallas_kernels.reference import write_kv
+from pallas_kernels.kv_write import write_kv
 
 # _attend's operands: q rows, this step's K and V, kv_cache, the scales, kv_lens, page_indices,
 # cu_q_lens, num_seqs (`_inputs`).

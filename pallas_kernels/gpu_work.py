@@ -14,7 +14,7 @@ from jax.typing import DTypeLike
 
 from pallas_kernels import common
 from pallas_kernels.common import token_positions
-from pallas_kernels.reference import stored_k_v
+from pallas_kernels.kv_write import stored_k_v
 
 META_WIDTH = 8  # rows, pos0, table offset, ctx_len, token offset, zero rows, first zero token, 0
 
@@ -94,7 +94,7 @@ def new_kv(
     k_scale: jax.Array | None,
     v_scale: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`reference.stored_k_v` with columns past D zero ([T, Hkv, Dp] each): k and v themselves
+    """`kv_write.stored_k_v` with columns past D zero ([T, Hkv, Dp] each): k and v themselves
     for a cache of their dtype and a power-of-two head_dim."""
     k, v = stored_k_v(k, v, cache_dtype, k_scale, v_scale)
     pad = ((0, 0), (0, 0), (0, padded_dim - k.shape[-1]))

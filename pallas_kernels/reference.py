@@ -27,92 +27,13 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from pallas_kernels.common import SoftmaxCarry, is_quantized, token_positions
+from pallas_kernels.kv_write import kv_scale, quantize_kv, write_kv
 
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
 _BLOCK_ELEMENTS = 1 << 18
 # Tokens per block at most: a small block spares short sequences a long table's whole width (the loop
 # stops at the longest); at batch 1, 128 vs 512: SmolLM2's decode ~11% faster at ~100 tokens (RESULTS.md).
 _MAX_BLOCK_TOKENS = 128
-
-
-def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    return (num_pages, page_size, 2 * num_kv_heads, head_dim)
-
-
-def _scale(scale: jax.Array | None) -> jax.Array:
-    """The per-head scales an int8 / fp8 cache is read and written with (common.check_contract
-    refuses such a cache without them)."""
-    if scale is None:
-        raise ValueError("an int8 / fp8 KV cache needs its per-head k_scale and v_scale")
-    return scale
-
-
-def quantize_kv(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
-    """x: [T, Hkv, D] float -> dtype, dividing by the per-head scale [Hkv]."""
-    y = x.astype(jnp.float32) / scale[None, :, None]
-    if jnp.issubdtype(dtype, jnp.integer):
-        ints = jnp.iinfo(dtype)
-        y = jnp.clip(jnp.round(y), ints.min, ints.max)
-    else:
-        floats = jnp.finfo(dtype)
-        y = jnp.clip(y, float(floats.min), float(floats.max))
-    return y.astype(dtype)
-
-
-def stored_k_v(
-    k: jax.Array,
-    v: jax.Array,
-    cache_dtype: DTypeLike,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """This step's K and V ([T, Hkv, D] each) as the cache stores them: in `cache_dtype`,
-    quantized with the per-head scales for an int8/fp8 cache."""
-    if is_quantized(cache_dtype):
-        return quantize_kv(k, _scale(k_scale), cache_dtype), quantize_kv(v, _scale(v_scale), cache_dtype)
-    return k.astype(cache_dtype), v.astype(cache_dtype)
-
-
-def stored_kv(
-    k: jax.Array,
-    v: jax.Array,
-    cache_dtype: DTypeLike,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-) -> jax.Array:
-    """`stored_k_v` interleaved as the cache rows hold them: [T, 2 * Hkv, D], K of head h at 2h
-    and V at 2h + 1."""
-    num_tokens, num_kv_heads, d = k.shape
-    k, v = stored_k_v(k, v, cache_dtype, k_scale, v_scale)
-    return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, d)
-
-
-def write_kv(
-    kv_cache: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-) -> jax.Array:
-    """Scatter this step's new K/V ([T, Hkv, D]) into their slots; padding tokens are dropped."""
-    num_pages, page_size, two_hkv, d = kv_cache.shape
-    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, k.shape[0])
-    page = page_indices[seq, pos // page_size]
-    slot = jnp.where(valid, page * page_size + pos % page_size, num_pages * page_size)
-    kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)
-    if k.shape[0] == 1:
-        # XLA turns a one-row scatter into read-old-slot / select / dynamic-update-slice, and
-        # reading the donated cache before writing it makes XLA copy the whole layer's cache on
-        # every decode step. A second, dropped row keeps it a scatter, which is done in place.
-        slot = jnp.concatenate([slot, jnp.full((1,), num_pages * page_size, slot.dtype)])
-        kv_new = jnp.concatenate([kv_new, jnp.zeros_like(kv_new)])
-    flat = kv_cache.reshape(num_pages * page_size, two_hkv, d)
-    flat = flat.at[slot].set(kv_new, mode="drop")
-    return flat.reshape(kv_cache.shape)
 
 
 def _pages_per_block(num_tokens: int, page_size: int, two_hkv: int, d: int, pages_per_seq: int) -> int:
@@ -125,7 +46,7 @@ def _pages_per_block(num_tokens: int, page_size: int, two_hkv: int, d: int, page
 def _stored(x: jax.Array, scale: jax.Array | None, dtype: DTypeLike) -> jax.Array:
     """x [T, K, D] as the cache holds it (rounded to its dtype, or quantized), read back in f32."""
     if is_quantized(dtype):
-        scale = _scale(scale)
+        scale = kv_scale(scale)
         return quantize_kv(x, scale, dtype).astype(jnp.float32) * scale[None, :, None]
     return x.astype(dtype).astype(jnp.float32)
 
@@ -215,7 +136,7 @@ def _attend_context(
 
     def read(idx: jax.Array, scale: jax.Array | None) -> jax.Array:  # [T, K, B] -> [T, K, B, D] f32
         x = rows[idx].astype(jnp.float32)
-        return x * _scale(scale).astype(jnp.float32)[None, :, None, None] if quantized else x
+        return x * kv_scale(scale).astype(jnp.float32)[None, :, None, None] if quantized else x
 
     def body(j: jax.Array, carry: SoftmaxCarry) -> SoftmaxCarry:
         pages = jax.lax.dynamic_slice_in_dim(token_pages, j * ppb, ppb, axis=1)  # [T, ppb]
@@ -262,30 +183,54 @@ def ragged_paged_attention_reference(
     runs zero blocks for a first prefill chunk, so a prompt never re-reads its own pages per token.
     """
     kv_cache = write_kv(kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
-    num_tokens, num_q_heads, d = q.shape
-    num_kv_heads = kv_cache.shape[2] // 2
-    group = num_q_heads // num_kv_heads
-
-    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    ctx_len = jnp.where(valid, kv_lens[seq] - q_len, 0)  # [T] cached tokens before this step
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, d) * sm_scale
-
-    k_new = _stored(k, k_scale, kv_cache.dtype)  # [T, K, D]
-    v_new = _stored(v, v_scale, kv_cache.dtype)
-    carry = _attend_step_tokens(qg, k_new, v_new, seq, pos, valid, sliding_window=sliding_window, soft_cap=soft_cap)
-    _, l, acc = _attend_context(
-        carry,
-        qg,
-        kv_cache,
-        k_scale,
-        v_scale,
-        page_indices[seq],
-        pos,
-        ctx_len,
+    (_, l, acc), valid = attend_carry(
+        *(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_q_heads, d).astype(q.dtype), kv_cache
+    return out.reshape(q.shape).astype(q.dtype), kv_cache
+
+
+def attend_carry(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    sm_scale: float,
+    *,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    rows_of: tuple[jax.Array | int, int] = (0, 1),
+) -> tuple[SoftmaxCarry, jax.Array]:
+    """Parts (1) and (2) over a cache already written: the unnormalised online-softmax carry of
+    every query token, and which tokens are real [T]. `rows_of` (shard, shards): the cache is that
+    shard's rows of every page (split_rows.py), so only the keys in them count."""
+    num_tokens, num_q_heads, d = q.shape
+    num_kv_heads, (shard, shards) = kv_cache.shape[2] // 2, rows_of
+    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    ctx_len = jnp.where(valid, kv_lens[seq] - q_len, 0)  # [T] cached tokens before this step
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, d) * sm_scale
+    k_new = _stored(k, k_scale, kv_cache.dtype)  # [T, K, D]
+    v_new = _stored(v, v_scale, kv_cache.dtype)
+    rows = kv_cache.shape[1]
+    keys = valid & ((pos % (rows * shards)) // rows == shard)  # this step's K/V the cache holds
+    carry = _attend_step_tokens(
+        qg, k_new, v_new, seq, pos, valid, sliding_window=sliding_window, soft_cap=soft_cap, keys=keys
+    )
+    return _attend_context(
+        *(carry, qg, kv_cache, k_scale, v_scale, page_indices[seq], pos, ctx_len),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        rows_of=rows_of,
+    ), valid

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import SoftmaxCarry, token_positions
-from pallas_kernels.reference import _attend_context, _attend_step_tokens, _stored, stored_kv
+from pallas_kernels.kv_write import stored_kv
+from pallas_kernels.reference import attend_carry
 
 
 def _own(pos: jax.Array, rows: int, shard: jax.Array | int, shards: int) -> jax.Array:
@@ -51,7 +52,7 @@ def write_kv_rows(
     mine = valid & _own(pos, rows, shard, shards)
     slot = jnp.where(mine, page * rows + pos % rows, num_pages * rows)
     kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)
-    # Never a one-row scatter: XLA would read the donated cache first and copy it (reference.write_kv).
+    # Never a one-row scatter: XLA would read the donated cache first and copy it (kv_write.write_kv).
     slot = jnp.concatenate([slot, jnp.full((1,), num_pages * rows, slot.dtype)])
     kv_new = jnp.concatenate([kv_new, jnp.zeros_like(kv_new[:1])])
     flat = kv_cache.reshape(num_pages * rows, two_hkv, d).at[slot].set(kv_new, mode="drop")
@@ -82,35 +83,12 @@ def attend_rows(
     kv_cache = write_kv_rows(
         kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, shard, shards, k_scale, v_scale
     )
-    num_tokens, num_q_heads, d = q.shape
-    num_kv_heads = kv_cache.shape[2] // 2
-    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, num_tokens)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    ctx_len = jnp.where(valid, kv_lens[seq] - q_len, 0)
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, d) * sm_scale
-    rows = kv_cache.shape[1]
-    carry = _attend_step_tokens(
-        qg,
-        _stored(k, k_scale, kv_cache.dtype),
-        _stored(v, v_scale, kv_cache.dtype),
-        seq,
-        pos,
-        valid,
+    carry, _ = attend_carry(
+        *(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        keys=valid & _own(pos, rows, shard, shards),
-    )
-    carry = _attend_context(
-        carry,
-        qg,
-        kv_cache,
-        k_scale,
-        v_scale,
-        page_indices[seq],
-        pos,
-        ctx_len,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
         rows_of=(shard, shards),
     )
     return carry, kv_cache

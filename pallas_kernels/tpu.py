@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common, tpu_decode, tpu_layout, tpu_ragged
-from pallas_kernels.reference import stored_kv
+from pallas_kernels.kv_write import stored_kv
 from pallas_kernels.tpu_blocks import default_paths
 from pallas_kernels.tpu_config import DecodeConfig, TpuConfig, TpuPaths, check_config, unsupported_reason
 

@@ -3,7 +3,7 @@
 One call writes a range of tokens' K/V into the cache and attends: the whole batch, or the
 tokens of one path (tpu.py gathers each path's sequences into one contiguous range).
 
-1. Stored rows (XLA): this step's K/V as the cache holds them (`reference.stored_kv`),
+1. Stored rows (XLA): this step's K/V as the cache holds them (`kv_write.stored_kv`),
    [T, 2Hkv, D] in the cache dtype; the cache is viewed as [P * page, 2Hkv, D] (a free reshape of
    its leading axes: the tiled minor axes are untouched). Both stay in HBM (memory space ANY);
    the cache is an input/output alias. A page, every head's K (row 2h) and V (row 2h + 1) of

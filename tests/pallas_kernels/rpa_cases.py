@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import quantize_kv
+from pallas_kernels.kv_write import quantize_kv
 
 
 @dataclasses.dataclass
