@@ -478,18 +478,20 @@ def scenario_kvsplit(mesh: str, context: str) -> dict:
 
 
 def scenario_stage_features() -> dict:
-    """Pipeline stages with int8 weights (stage=2,tensor=2) and with ngram speculation (stage=2):
-    greedy tokens against the same options on one device."""
+    """Pipeline stages with int8 weights (stage=2,tensor=2), ngram and draft-model speculation
+    (stage=2): greedy tokens against the same options on one device."""
     from jaxinfer.llm import LLM
 
     prompts = [np.random.default_rng(i).integers(1, 500, n).tolist() for i, n in enumerate((7, 30, 50))]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     options = dict(ENGINE, num_pages=40, executable_cache_dir="none")
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    draft = {"method": "draft_model", "model": str(FIXTURES / "hf" / "llama3"), "num_speculative_tokens": 2}
     out = {}
     for feature, extra, mesh in (
         ("int8", dict(quantization="int8"), "stage=2,tensor=2"),
         ("ngram", dict(speculative_config=ngram), "stage=2"),
+        ("draft", dict(speculative_config=draft), "stage=2"),  # the draft on one device, the target staged
     ):
         runs = []
         for m in (None, mesh):
