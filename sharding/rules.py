@@ -179,10 +179,13 @@ def kv_cache_spec(mesh: AnyMesh | None, *, replicas: bool) -> P:
 
 
 def unsplit_rows(spec: P) -> P:
-    """A cache's spec with its page-row axis (third from last) whole: the per-head scales of an
-    int8 / fp8 cache ([.., 1, 1, 2K, 1]) split like its pages but for their one row."""
+    """A cache's spec with its page-row axis (third from last) whole over `sequence`: the per-head
+    scales of an int8 / fp8 cache ([.., 1, S, 2K, 1]) split like its pages but for their rows,
+    one per pipeline stage (still split over `stage`)."""
     parts = list(spec) + [None] * max(0, 4 - len(spec))
-    parts[-3] = None
+    rows = parts[-3]
+    kept = tuple(a for a in ((rows,) if isinstance(rows, str) else rows or ()) if a != SEQUENCE)
+    parts[-3] = None if not kept else kept[0] if len(kept) == 1 else kept
     return P(*parts)
 
 

@@ -126,7 +126,7 @@ class DeviceState:
                 self.layout.cache_kv_heads,
                 self.engine.compile.attn_impl,
                 self.mesh,
-                self.kv_layout.layer_caches,
+                self.kv_layout.layer_caches if self.stages is None else None,  # staged: one cache per slot
             )
         return pages
 

@@ -43,6 +43,7 @@ from pallas_kernels import kv_cache_shape
 from sharding import put_sharded
 from sharding.multihost import fetch
 from sharding.rules import unsplit_rows
+from sharding.stages import num_stages, plan_stages
 
 CALIBRATION_TOKENS = 512  # the forward's token count (the text is cut or padded to it)
 CALIBRATION_PAGE_SIZE = 16
@@ -116,14 +117,17 @@ def _absmax(
     cache_kv_heads: int,
     dtype: DTypeLike,
     attn_impl: str,
+    stages: int,
     params: ModelParams,
     tokens: jax.Array,
 ) -> jax.Array:
-    """f32[L, 2K]: max |x| of each layer's cache entries after a forward over one sequence of
-    `num_tokens` real tokens (tokens i32[T], padded)."""
+    """f32[C, S, 2K]: max |x| of each cache's entries on each of `stages` pipeline stages (its rows
+    of every page; sharding/stages.py) after a forward over one sequence of `num_tokens` real
+    tokens (tokens i32[T], padded); C: the layers, or with stages the slots."""
     pages = -(-tokens.shape[0] // CALIBRATION_PAGE_SIZE)
-    shape = kv_cache_shape(pages + 1, CALIBRATION_PAGE_SIZE, cache_kv_heads, config.head_dim)
-    caches: KVCaches = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    shape = kv_cache_shape(pages + 1, CALIBRATION_PAGE_SIZE * stages, cache_kv_heads, config.head_dim)
+    num_caches = config.num_layers if stages == 1 else plan_stages(config.num_layers, stages).num_slots
+    caches: KVCaches = tuple(jnp.zeros(shape, dtype) for _ in range(num_caches))
     meta = AttentionMetadata(
         kv_lens=jnp.full((1,), num_tokens, jnp.int32),
         page_indices=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
@@ -134,7 +138,8 @@ def _absmax(
     _, written = family.forward(params, config, tokens, positions, caches, meta, attn_impl=attn_impl)
     floats = [c for c in written if isinstance(c, jax.Array)]  # float caches in, float caches out
     # Unwritten slots (page 0, the tail of the last page) hold zeros and change no maximum.
-    return jnp.stack([jnp.max(jnp.abs(c.astype(jnp.float32)), axis=(0, 1, 3)) for c in floats])
+    by_stage = [c.reshape(c.shape[0], stages, -1, *c.shape[2:]) for c in floats]  # [P, S, page, 2K, D]
+    return jnp.stack([jnp.max(jnp.abs(c.astype(jnp.float32)), axis=(0, 2, 4)) for c in by_stage])
 
 
 def kv_absmax(
@@ -150,30 +155,35 @@ def kv_absmax(
 ) -> np.ndarray:
     """f32[L, 2K] (K of head h at 2h, V at 2h + 1): each head's largest |K| and |V| over a float
     forward of `tokens` (the cache's own head layout: repeated KV heads on a mesh included). On a
-    mesh the forward is sharded as the step is, and every process gets the same result."""
+    mesh the forward is sharded as the step is, and every process gets the same result. With
+    pipeline stages in the mesh: f32[slots, S, 2K], each slot's layer on each stage (a padding
+    slot's zeros)."""
     padded = np.zeros((CALIBRATION_TOKENS,), np.int32)
     padded[: len(tokens)] = tokens
+    stages = num_stages(mesh)
     fn = jax.jit(
-        functools.partial(_absmax, family, config, len(tokens), cache_kv_heads, jnp.dtype(dtype), attn_impl),
+        functools.partial(_absmax, family, config, len(tokens), cache_kv_heads, jnp.dtype(dtype), attn_impl, stages),
         out_shardings=None if mesh is None else NamedSharding(mesh, P()),
     )
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        return np.asarray(fetch(fn(params, jnp.asarray(padded))), np.float32)
+        absmax = np.asarray(fetch(fn(params, jnp.asarray(padded))), np.float32)
+    return absmax[:, 0] if stages == 1 else absmax
 
 
 def quantized_caches(
     pages: tuple[jax.Array, ...], absmax: np.ndarray, dtype: DTypeLike, headroom: float | None = None
 ) -> tuple[QuantizedKVCache, ...]:
     """Each layer's zeroed int8/fp8 pages (their sharding kept) with scales from `absmax`
-    [L, 2K]; a leading [data] axis of the pages is repeated on the scales."""
+    [L, 2K] (pipeline stages: [slots, S, 2K], each stage's scales in its own row, [1, S, 2K, 1]);
+    a leading [data] axis of the pages is repeated on the scales."""
     headroom = HEADROOM[jnp.dtype(dtype).name] if headroom is None else headroom
     scales = scales_from_absmax(absmax, dtype, headroom)
     caches = []
     for layer_pages, layer_scales in zip(pages, scales):
-        s = scales_array(layer_scales)  # [1, 1, 2K, 1]
+        s = np.concatenate([scales_array(row) for row in layer_scales.reshape(-1, layer_scales.shape[-1])], axis=1)
         s = np.broadcast_to(s, (*layer_pages.shape[:-4], *s.shape))
         where = layer_pages.sharding
-        if isinstance(where, NamedSharding):  # page rows split (sequence, stage): the scales' one row whole
+        if isinstance(where, NamedSharding):  # page rows split over sequence: the scales' rows whole there
             where = NamedSharding(where.mesh, unsplit_rows(where.spec))
         caches.append(QuantizedKVCache(layer_pages, put_sharded(np.ascontiguousarray(s), where)))
     return tuple(caches)

@@ -31,7 +31,6 @@ def stage_plan(config: ModelConfig, engine: EngineConfig, mesh: Mesh | None) -> 
     plan = plan_stages(config.num_layers, n)
     refused = {
         "LoRA adapters (--enable-lora)": engine.lora.enable_lora,
-        f"kv_cache_dtype={engine.cache.kv_cache_dtype} (calibrated int8 / fp8 caches)": engine.cache.one_byte,
         f"{config.model_type}'s mix of sliding-window and full-attention layers": kv_layout(config).num_groups > 1,
     }
     for what, present in refused.items():

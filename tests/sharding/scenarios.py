@@ -479,7 +479,8 @@ def scenario_kvsplit(mesh: str, context: str) -> dict:
 
 def scenario_stage_features() -> dict:
     """Pipeline stages with int8 weights (stage=2,tensor=2), ngram and draft-model speculation
-    (stage=2): greedy tokens against the same options on one device."""
+    (stage=2) and an int8 KV cache (stage=2,sequence=2): greedy tokens against the same options
+    on one device."""
     from jaxinfer.llm import LLM
 
     prompts = [np.random.default_rng(i).integers(1, 500, n).tolist() for i, n in enumerate((7, 30, 50))]
@@ -492,6 +493,7 @@ def scenario_stage_features() -> dict:
         ("int8", dict(quantization="int8"), "stage=2,tensor=2"),
         ("ngram", dict(speculative_config=ngram), "stage=2"),
         ("draft", dict(speculative_config=draft), "stage=2"),  # the draft on one device, the target staged
+        ("int8-kv", dict(kv_cache_dtype="int8"), "stage=2,sequence=2"),  # scales per stage, rows split
     ):
         runs = []
         for m in (None, mesh):

@@ -3,8 +3,8 @@ refuses by name, and the engine on 8 forced CPU devices: SmolLM2 over 4 stages, 
 of 3-way tensor parallelism (and with its cache split along the sequence over 2 x tensor=3) gives
 the single-device engine's greedy tokens, with every device
 holding only its own stage's layers (compared shard by shard with the checkpoint's arrays) and
-its stage's rows of every page; int8 weights, ngram and draft-model speculation over stages as on
-one device.
+its stage's rows of every page; int8 weights, ngram and draft-model speculation and an int8 KV
+cache over stages as on one device.
 (Data replicas of stages, an odd layer count and a mixture of experts, stages with a split
 cache: test_sharded_engine.py; one stage per process: test_multihost.py.)"""
 
@@ -60,7 +60,6 @@ def test_staged_engine_refuses_what_it_does_not_carry_by_name():
     assert stage_plan(LLAMA, EngineConfig(), mesh(stage=2)).counts == (1, 1)
     cases = [
         (EngineConfig(enable_lora=True), mesh(stage=2), "LoRA adapters"),
-        (EngineConfig(kv_cache_dtype="int8"), mesh(stage=2), "kv_cache_dtype=int8"),
     ]
     for engine, m, name in cases:
         with pytest.raises(ValueError, match=f"mesh stage=2: pipeline stages do not support {name}"):
@@ -99,5 +98,5 @@ def test_smollm2_stages_match_one_device_and_hold_only_their_layers(scenario):
 @pytest.mark.slow
 def test_stages_with_int8_weights_and_speculation_match_one_device(scenario):
     r = scenario("stage_features", timeout=600)
-    for feature in ("int8", "ngram", "draft"):
+    for feature in ("int8", "ngram", "draft", "int8-kv"):
         assert r[feature] == {"equal": True, "tokens": 30}, r
