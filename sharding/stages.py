@@ -100,31 +100,32 @@ def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
     return Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
 
 
+def _outside(entry: Any) -> Any:
+    """A partition spec's entry for one axis, split over `stage` outside its own split."""
+    inner = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return (STAGE, *inner) if inner else STAGE
+
+
 def stacked_spec(spec: P, ndim: int) -> P:
     """A stage layer's spec -> the spec of its slot's stacked array (axis 0 split over `stage`
     outside whatever splits it already)."""
     parts = list(spec) + [None] * (ndim - len(spec))
-    first = parts[0]
-    inner = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-    parts[0] = (STAGE, *inner) if inner else STAGE
-    return P(*parts)
+    return P(_outside(parts[0]), *parts[1:])
 
 
 def _zeros_like(x: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
     return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
 
 
-def _stack_leaf(mesh: Mesh, path: jax.tree_util.KeyPath, *per_stage: jax.Array | None) -> jax.Array:
-    present = [x for x in per_stage if x is not None]
-    first = present[0]
+def _stack_leaf(mesh: Mesh, path: jax.tree_util.KeyPath, *per_stage: jax.Array) -> jax.Array:
+    """One leaf of a slot: the stages' arrays (each on its stage's devices) as one array split over `stage`."""
+    first = per_stage[0]
     if first.ndim == 0:
         raise ValueError(f"{jax.tree_util.keystr(path)}: a scalar weight cannot be split into pipeline stages")
     # A stage of one device may hold its layer's arrays as single-device arrays: whole, as P().
     spec = first.sharding.spec if isinstance(first.sharding, NamedSharding) else P()
     shards = []
     for x in per_stage:
-        if x is None:
-            continue
         if x.shape != first.shape or x.dtype != first.dtype:
             raise ValueError(
                 f"{jax.tree_util.keystr(path)}: layers of one slot differ ({x.shape} {x.dtype} vs "
@@ -188,9 +189,7 @@ def stage_cache_spec(spec: P) -> P:
     split over `stage`, outside a split they have already: `sequence`'s); with a leading [data]
     axis the page rows are axis 2."""
     parts = list(spec)
-    rows = len(parts) - 3
-    inner = () if parts[rows] is None else (parts[rows],) if isinstance(parts[rows], str) else tuple(parts[rows])
-    parts[rows] = (STAGE, *inner) if inner else STAGE
+    parts[-3] = _outside(parts[-3])
     return P(*parts)
 
 
