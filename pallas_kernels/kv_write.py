@@ -69,6 +69,12 @@ def stored_kv(
     return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, d)
 
 
+def owns_rows(pos: jax.Array, rows: int, shard: jax.Array | int, shards: int) -> jax.Array:
+    """Whether each position lies in `shard`'s rows of its page, where pages of rows * shards
+    positions are split row-wise over `shards` (a cache split along the sequence: split_rows.py)."""
+    return (pos % (rows * shards)) // rows == shard
+
+
 def write_kv(
     kv_cache: jax.Array,
     k: jax.Array,
@@ -79,19 +85,24 @@ def write_kv(
     num_seqs: jax.Array,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    rows_of: tuple[jax.Array | int, int] = (0, 1),
 ) -> jax.Array:
-    """Scatter this step's new K/V ([T, Hkv, D]) into their slots; padding tokens are dropped."""
-    num_pages, page_size, two_hkv, d = kv_cache.shape
+    """Scatter this step's new K/V ([T, Hkv, D]) into their slots; padding tokens are dropped.
+    `rows_of` (shard, shards): kv_cache [P, R, 2K, D] is that shard's rows of pages of R * shards
+    positions, and only the tokens that fall in them are written."""
+    num_pages, rows, two_hkv, d = kv_cache.shape
+    shard, shards = rows_of
     seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, k.shape[0])
-    page = page_indices[seq, pos // page_size]
-    slot = jnp.where(valid, page * page_size + pos % page_size, num_pages * page_size)
+    page = page_indices[seq, pos // (rows * shards)]
+    mine = valid & owns_rows(pos, rows, shard, shards)
+    slot = jnp.where(mine, page * rows + pos % rows, num_pages * rows)
     kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)
     if k.shape[0] == 1:
         # XLA turns a one-row scatter into read-old-slot / select / dynamic-update-slice, and
         # reading the donated cache before writing it makes XLA copy the whole layer's cache on
         # every decode step. A second, dropped row keeps it a scatter, which is done in place.
-        slot = jnp.concatenate([slot, jnp.full((1,), num_pages * page_size, slot.dtype)])
+        slot = jnp.concatenate([slot, jnp.full((1,), num_pages * rows, slot.dtype)])
         kv_new = jnp.concatenate([kv_new, jnp.zeros_like(kv_new)])
-    flat = kv_cache.reshape(num_pages * page_size, two_hkv, d)
+    flat = kv_cache.reshape(num_pages * rows, two_hkv, d)
     flat = flat.at[slot].set(kv_new, mode="drop")
     return flat.reshape(kv_cache.shape)

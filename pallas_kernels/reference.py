@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from pallas_kernels.common import SoftmaxCarry, is_quantized, token_positions
-from pallas_kernels.kv_write import kv_scale, quantize_kv, write_kv
+from pallas_kernels.kv_write import kv_scale, owns_rows, quantize_kv, write_kv
 
 # Gathered K/V elements per block step; bounds the reference's working set on the CPU.
 _BLOCK_ELEMENTS = 1 << 18
@@ -224,7 +224,7 @@ def attend_carry(
     k_new = _stored(k, k_scale, kv_cache.dtype)  # [T, K, D]
     v_new = _stored(v, v_scale, kv_cache.dtype)
     rows = kv_cache.shape[1]
-    keys = valid & ((pos % (rows * shards)) // rows == shard)  # this step's K/V the cache holds
+    keys = valid & owns_rows(pos, rows, shard, shards)  # this step's K/V the cache holds
     carry = _attend_step_tokens(
         qg, k_new, v_new, seq, pos, valid, sliding_window=sliding_window, soft_cap=soft_cap, keys=keys
     )

@@ -19,44 +19,10 @@ every platform.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from pallas_kernels.common import SoftmaxCarry, token_positions
-from pallas_kernels.kv_write import stored_kv
+from pallas_kernels.common import SoftmaxCarry
+from pallas_kernels.kv_write import write_kv
 from pallas_kernels.reference import attend_carry
-
-
-def _own(pos: jax.Array, rows: int, shard: jax.Array | int, shards: int) -> jax.Array:
-    """Whether each position lies in `shard`'s rows of its page."""
-    return (pos % (rows * shards)) // rows == shard
-
-
-def write_kv_rows(
-    kv_cache: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    shard: jax.Array | int,
-    shards: int,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-) -> jax.Array:
-    """This step's K/V ([T, Hkv, D]) written into `shard`'s rows: kv_cache [P, R, 2K, D] is that
-    shard's part of pages of R * shards positions; tokens of other shards' rows are dropped."""
-    num_pages, rows, two_hkv, d = kv_cache.shape
-    seq, pos, valid = token_positions(kv_lens, cu_q_lens, num_seqs, k.shape[0])
-    page = page_indices[seq, pos // (rows * shards)]
-    mine = valid & _own(pos, rows, shard, shards)
-    slot = jnp.where(mine, page * rows + pos % rows, num_pages * rows)
-    kv_new = stored_kv(k, v, kv_cache.dtype, k_scale, v_scale)
-    # Never a one-row scatter: XLA would read the donated cache first and copy it (kv_write.write_kv).
-    slot = jnp.concatenate([slot, jnp.full((1,), num_pages * rows, slot.dtype)])
-    kv_new = jnp.concatenate([kv_new, jnp.zeros_like(kv_new[:1])])
-    flat = kv_cache.reshape(num_pages * rows, two_hkv, d).at[slot].set(kv_new, mode="drop")
-    return flat.reshape(kv_cache.shape)
 
 
 def attend_rows(
@@ -80,8 +46,8 @@ def attend_rows(
     """Writes this shard's rows of k/v, then every query token over the keys the shard holds.
     Returns ((m, l, acc): [T, K, G], [T, K, G], [T, K, G, D] in float32, unnormalised) and the
     cache; the shards' carries merge across the mesh (sharding/attention.merge_carries)."""
-    kv_cache = write_kv_rows(
-        kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, shard, shards, k_scale, v_scale
+    kv_cache = write_kv(
+        kv_cache, k, v, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, rows_of=(shard, shards)
     )
     carry, _ = attend_carry(
         *(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale),

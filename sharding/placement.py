@@ -33,10 +33,14 @@ from sharding.weight_layout import weight_format
 
 
 class FieldSpec(Protocol):
-    """What the placer reads of the loader's tensor spec: the parameter field it fills."""
+    """What the placer reads of the loader's tensor spec: the parameter field it fills, and the
+    layer it belongs to (None: a top-level tensor)."""
 
     @property
     def field(self) -> str: ...
+
+    @property
+    def layer(self) -> int | None: ...
 
 
 class Placer(Protocol):
@@ -128,7 +132,7 @@ class MeshPlacer:
     def __call__(self, spec: FieldSpec, array: np.ndarray) -> jax.Array:
         if not self.repeat_kv:
             return put_sharded(array, self.target(spec.field, array.shape, array.dtype).sharding)
-        layer = getattr(spec, "layer", None)
+        layer = spec.layer
         mesh = self.mesh if self.stages is None or layer is None else stage_mesh(self.mesh, self.stages.stage_of(layer))
         return place_param(spec.field, array, mesh, self.param_axes, self.layout)
 
