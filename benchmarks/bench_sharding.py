@@ -123,28 +123,42 @@ def step_inputs(runner: Worker, lens: list[int], new: list[int], t_bucket: int) 
     )
 
 
-def bench_tensor(repeats: int) -> str:
+def random_model() -> LoadedModel:
+    """MODEL with random weights (seed 0)."""
     family = get_family("llama")
-    params = family.init_params(MODEL, jax.random.key(0))
-    model = LoadedModel(MODEL, params, None, family, Path("random"))
+    return LoadedModel(MODEL, family.init_params(MODEL, jax.random.key(0)), None, family, Path("random"))
+
+
+def worker_on(model: LoadedModel, mesh: str | None, max_model_len: int = 1024, **options) -> Worker:
+    """A worker of the benchmark model on `mesh` ("tensor=1" and None: one device), pages of
+    PAGE tokens, no penalty history, no compilation cache; `options`: the rest of its config."""
+    engine = EngineConfig(
+        page_size=PAGE,
+        max_model_len=max_model_len,
+        penalties=False,
+        compilation_cache_dir=None,
+        mesh=None if mesh in (None, "tensor=1", "none") else mesh,
+        **options,
+    )
+    return Worker(model, engine, max_model_len)
+
+
+def bench_tensor(repeats: int) -> str:
+    model = random_model()
     rows = [
         f"| mesh | decode step, 8 seqs x 1 token (ms) | prefill step, {PREFILL} tokens (ms) | "
         "params per device (MiB) |",
         "|---|---|---|---|",
     ]
     for tp in (1, 2, 4, 8):
-        engine = EngineConfig(
+        runner = worker_on(
+            model,
+            f"tensor={tp}",
             num_pages=160,
-            page_size=PAGE,
             max_num_batched_tokens=PREFILL,
             max_num_seqs=8,
-            max_model_len=1024,
             token_buckets=(8, PREFILL),
-            penalties=False,
-            compilation_cache_dir=None,
-            mesh=f"tensor={tp}",
         )
-        runner = Worker(model, engine, 1024)
         decode = step_inputs(runner, [256] * 8, [1] * 8, 8)
         prefill = step_inputs(runner, [PREFILL], [PREFILL], PREFILL)
         t_decode, t_prefill = [], []
@@ -164,23 +178,12 @@ def bench_tensor(repeats: int) -> str:
 def bench_stage(repeats: int) -> str:
     """Decode at batch 16 (256 tokens of context each) and a 256-token prefill on 2 devices:
     tensor=2 against stage=2 (each device half the layers), and step time per layer split."""
-    family = get_family("llama")
-    params = family.init_params(MODEL, jax.random.key(0))
-    model = LoadedModel(MODEL, params, None, family, Path("random"))
+    model = random_model()
     runners = {}
     for mesh in ("tensor=2", "stage=2", "tensor=1"):
-        engine = EngineConfig(
-            num_pages=320,
-            page_size=PAGE,
-            max_num_batched_tokens=PREFILL,
-            max_num_seqs=16,
-            max_model_len=1024,
-            token_buckets=(16, PREFILL),
-            penalties=False,
-            compilation_cache_dir=None,
-            mesh=None if mesh == "tensor=1" else mesh,
+        runner = worker_on(
+            model, mesh, num_pages=320, max_num_batched_tokens=PREFILL, max_num_seqs=16, token_buckets=(16, PREFILL)
         )
-        runner = Worker(model, engine, 1024)
         runners[mesh] = (
             runner,
             step_inputs(runner, [256] * 16, [1] * 16, 16),
@@ -210,24 +213,19 @@ def bench_stage(repeats: int) -> str:
 def bench_kv_split(repeats: int) -> str:
     """Decode (4 sequences x 1 token) at three context lengths on one device against sequence=4,
     whose devices each hold a quarter of every page's rows and attend over them."""
-    family = get_family("llama")
-    params = family.init_params(MODEL, jax.random.key(0))
-    model = LoadedModel(MODEL, params, None, family, Path("random"))
+    model = random_model()
     lengths = (1024, 4096, 16384)
     runners = {}
     for mesh in ("none", "sequence=4"):
-        engine = EngineConfig(
+        runner = worker_on(
+            model,
+            mesh,
+            lengths[-1] + 16,
             num_pages=4 * lengths[-1] // PAGE + 8,
-            page_size=PAGE,
             max_num_batched_tokens=8,
             max_num_seqs=8,
-            max_model_len=lengths[-1] + 16,
             token_buckets=(8,),
-            penalties=False,
-            compilation_cache_dir=None,
-            mesh=None if mesh == "none" else mesh,
         )
-        runner = Worker(model, engine, lengths[-1] + 16)
         runners[mesh] = (runner, {n: step_inputs(runner, [n] * 4, [1] * 4, 8) for n in lengths})
     times = {(m, n): [] for m in runners for n in lengths}
     for _ in range(repeats):
