@@ -374,16 +374,6 @@ def scenario_lora(*meshes: str) -> dict:
     return out
 
 
-def _deeper(model, num_layers: int):
-    """The model with its layers repeated to `num_layers` (an odd count, more layers than stages)."""
-    import dataclasses
-
-    layers = model.params.layers
-    model.config = dataclasses.replace(model.config, num_layers=num_layers)
-    model.params = dataclasses.replace(model.params, layers=tuple(layers[i % len(layers)] for i in range(num_layers)))
-    return model
-
-
 def _placement(loaded, staged, plan) -> dict:
     """Whether every device's shard of every stacked slot leaf is its own stage's layer (the
     loaded model's array at that index) or, in a padding slot, zeros; and each device's bytes
@@ -412,17 +402,15 @@ def _placement(loaded, staged, plan) -> dict:
     return {"wrong": wrong[:5], "layer_bytes_per_device": sorted(set(per_device.values()))}
 
 
-def scenario_stages(name: str, num_layers: str, *meshes: str) -> dict:
-    """Pipeline stages: greedy outputs of the `name` fixture (its layers repeated to `num_layers`;
-    "smollm2": the embedded GGUF) on each mesh against the single-device engine's, every layer's
-    arrays on its own stage's devices only, and the caches' page rows split by stage."""
+def scenario_stages(name: str, *meshes: str) -> dict:
+    """Pipeline stages: greedy outputs of the `name` fixture ("smollm2": the embedded GGUF) on each
+    mesh against the single-device engine's, every layer's arrays on its own stage's devices only,
+    and the caches' page rows split by stage."""
     from sharding.stages import plan_stages
 
     def loaded():
-        if name == "smollm2":
-            return load_model(None, dtype="float32", with_tokenizer=False)
-        model = load_model(FIXTURES / "hf" / name, dtype="float32", with_tokenizer=False)
-        return _deeper(model, int(num_layers)) if int(num_layers) else model
+        where = None if name == "smollm2" else FIXTURES / "hf" / name
+        return load_model(where, dtype="float32", with_tokenizer=False)
 
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 500, n).tolist() for n in (5, 21, 40)]

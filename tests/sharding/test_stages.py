@@ -77,7 +77,7 @@ def test_staged_engine_refuses_what_it_does_not_carry_by_name():
 
 @pytest.mark.slow
 def test_smollm2_stages_match_one_device_and_hold_only_their_layers(scenario):
-    r = scenario("stages", "smollm2", "0", "stage=4", "stage=2,tensor=3", "sequence=2,tensor=3", timeout=600)
+    r = scenario("stages", "smollm2", "stage=4", "stage=2,tensor=3", "sequence=2,tensor=3", timeout=600)
     assert r["num_layers"] == 30
     split = r["sequence=2,tensor=3"]  # the cache split along the sequence: each device half of a page's rows
     assert split["mismatched"] == [] and split["recompiled"] == 0 and split["pools_empty"], split
