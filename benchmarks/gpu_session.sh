@@ -24,6 +24,9 @@
 #   bash benchmarks/gpu_session.sh moe     # Qwen3-30B-A3B shape, decode batch 1 and 64 (H200)
 #   bash benchmarks/gpu_session.sh lmhead  # the LM head's matmul by weight layout (tied or not)
 #   bash benchmarks/gpu_session.sh threads # 1B cold/warm start-up and decode, compiles 1 vs 16 at a time
+#   bash benchmarks/gpu_session.sh rows1b  # 1B step loop, batch 1 / 64 / 256, batch 1 profiled
+#   bash benchmarks/gpu_session.sh long    # decode batch 1 / 64 / 256 at 4k and 16k context vs jax's kernel
+#   bash benchmarks/gpu_session.sh prefill-big  # prefill chunks 2048 and 8192 only
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
 #
 # Size the limits for a cold machine (a 15-minute lease fits one command of at most 600 s after
@@ -50,7 +53,7 @@ set -uo pipefail
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
+parts="check check2 quick rows1b long prefill-big decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -76,6 +79,16 @@ run_part() {
       JAXINFER_KERNELS=compiled $py -m pytest -q -m gpu -p no:cacheprovider \
           tests/pallas_kernels/test_kernels.py -rf -k "test_batches or decode_split or \
           int8_kv_bf16 or test_head_dims and 80" 2>&1 | tee -a "$out/gpu_$part.txt" ;;
+    rows1b)  # the issue's 1B rows: batch 1 / 64 / 256 at the default launch, batch 1 traced
+      $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 64 256 \
+          --new-tokens 48 --profile --profile-batches 1 --token-buckets 1 64 256 2048 \
+          | tee "$out/engine_1b_rows.md" ;;
+    long)  # the 80%-of-copy-rate goal is for 4k context and up; 256 x 16k is 17 GB of KV
+      $py "${bench[@]}" --scenarios decode --batches 1,64,256 --contexts 4096,16384 \
+          --max-kv-tokens 4194304 --skip-reference --budget 0.3 | tee "$out/attention_long.md" ;;
+    prefill-big)  # the 50%-of-matmul-rate goal is for chunks of 2048 and up
+      $py "${bench[@]}" --scenarios prefill --chunks 2048,8192 --skip-reference --budget 0.3 \
+          | tee "$out/attention_prefill_big.md" ;;
     decode)
       $py "${bench[@]}" --scenarios decode --profile | tee "$out/attention_decode.md" ;;
     prefill)  # the mixed batch also runs as one call (without the decode split)
