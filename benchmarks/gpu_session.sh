@@ -47,6 +47,11 @@
 # 11,294 tok/s, batch 1 5.95 ms (95% of the floor). Next: `prefill:200` (chunks 2048-8192, the
 # 50% goal is far), `sweep-long:200` (the 80% goal is for 4k context and up), `threads:300`,
 # and the 1B batch-1 profile's full kernel list (`engine1b`): busy 1.69 ms against a 0.92 ms floor.
+# Seen on an H200, 2026-11-29: `engine8b:195 long:110 rows1b:100 quick:55 prefill-big:65` took
+# 280 s in all on a fresh machine (engine8b 78 s, long 50 s, rows1b 54 s; quick reached its
+# limit after 7 cases); the machine started in ~36 s. A `--sweep` row costs ~9 s a config (two
+# rows of ~17 configs in 330 s): sweep one row per call. Next: the 1B batch-1 step's kernel count
+# and idle share (19.8%), batch 64 at 4k (44% of the copy rate), prefill (17-26% of matmul).
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: gpu_session.sh PART[:SECONDS] ..." >&2; exit 2; }

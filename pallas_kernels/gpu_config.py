@@ -153,7 +153,10 @@ def default_config(
     if decode_like:
         programs = num_seqs * num_kv_heads
         kv_blocks = -(-max_kv // config.block_kv)
-        splits = max(1, min(16, kv_blocks, common.next_pow2(-(-2 * num_sms // programs))))
+        # Up to 16 splits, 32 from 128 KV blocks up (H200, b=1: 16k context 0.046 ms with 32
+        # splits vs 0.070 with 16; at 4k, 16 splits 0.027 ms vs 0.034 with 32).
+        cap = 32 if kv_blocks >= 128 else 16
+        splits = max(1, min(cap, kv_blocks, common.next_pow2(-(-2 * num_sms // programs))))
         config = dataclasses.replace(config, num_splits=splits)
     tuned = gpu_tuned.lookup(
         device_kind,

@@ -122,3 +122,15 @@ def test_a_prefill_like_batch_runs_its_decode_tokens_with_the_decode_blocks():
     check_config(paths, 4)
     with pytest.raises(common.UnsupportedShape):
         check_config(GpuPaths(GpuConfig(2, 64, 1), paths.rest), 4)  # 8 decode rows: too few
+
+
+def test_one_long_sequence_gets_more_kv_splits():
+    """A lone decode sequence is split over the SMs: 16 splits at 4k context (2 blocks of 128
+    each), 32 from 16k (the H200's fastest at each, measured 2026-11-29); short ones keep at
+    least one block per split."""
+    h200 = "NVIDIA H200"
+
+    def splits(context: int) -> int:
+        return default_config(1, 1, 4, 8, 128, 16, context // 16, jnp.bfloat16, h200).num_splits
+
+    assert [splits(c) for c in (512, 1024, 4096, 16384, 65536)] == [4, 8, 16, 32, 32]
