@@ -8,9 +8,8 @@
 returns one accumulated RequestOutput per prompt, in input order. `stream` yields the deltas of
 one prompt as they are produced; `chat` renders messages with the model's chat template first.
 
-Every step's deltas are routed to the inbox of the request they belong to, so several streams and
-`generate` calls interleaved in one thread each get exactly their own deltas, whichever of them
-happened to step the engine.
+Every step's deltas go to their request's inbox, so several streams and `generate` calls
+interleaved in one thread each get exactly their own, whichever of them stepped the engine.
 
     llm = LLM(model, mesh="data=2,tensor=4")      # 8 devices: 2 replicas x 4-way tensor parallel
 
@@ -39,7 +38,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.beam import BeamSearchParams
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.chat_template import check_messages, check_template_kwargs, load_chat_template
-from jaxinfer.worker.programs import prefetch_programs
+from jaxinfer.worker.programs import prefetch_programs, weights_path
 from sharding import head_layout, initialize, is_multiprocess, make_mesh, make_placer
 
 if TYPE_CHECKING:
@@ -62,13 +61,14 @@ def _loaded(model: LoadedModel | None, config: EngineConfig) -> LoadedModel:
                 "loaded; for another dtype, a quantization or a mesh, give LLM its path"
             )
         return model
-    place_for = None
-    if mesh is not None:
-        device_mesh = make_mesh(mesh)
+    place_for, device_mesh = None, make_mesh(mesh) if mesh is not None else None
+    if device_mesh is not None:
         place_for = lambda cfg, family: make_placer(  # noqa: E731
             device_mesh, family.param_axes, head_layout(device_mesh, cfg.num_heads, cfg.num_kv_heads), cfg.num_layers
         )
-    return load_model(load.model, load.dtype, place_for=place_for, quantization=quant)
+    return load_model(
+        load.model, load.dtype, place_for=place_for, quantization=quant, prepared_dir=weights_path(config)
+    )
 
 
 class LLM:

@@ -12,6 +12,8 @@ embedding, LM head) into the engine's layout, bit-exact to gguf's dequantizer, a
 that on accelerators only (jaxinfer.quant.config says why). An orbax checkpoint is restored
 straight onto the devices: `place.target` says how each array is split, and every process reads
 only its own shards. A GGUF's tokenizer takes what the family implies where the file is silent.
+With `prepared_dir`, a single-device load of a GGUF file keeps its parameters there and a later
+load of the same file and settings reads them back (jaxinfer.prepared_weights).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from jax.typing import DTypeLike
 
@@ -33,6 +36,7 @@ from checkpoints import CheckpointError, GGUFCheckpoint, OrbaxCheckpoint, Safete
 from jaxinfer.config import ModelConfig, families
 from jaxinfer.models.reading import ORBAX_FORMAT, checkpoint_quantization, load_params
 from jaxinfer.models.registry import ModelFamily, ModelParams, get_family
+from jaxinfer.prepared_weights import PreparedWeights
 from jaxinfer.quant import QuantConfig
 from jaxinfer.tokenizer import Tokenizer, TokenizerDefaults, from_gguf_metadata, load_tokenizer
 from sharding import Placer
@@ -135,6 +139,7 @@ def load_model(
     with_tokenizer: bool = True,
     place_for: Callable[[ModelConfig, ModelFamily], Placer] | None = None,
     quantization: QuantConfig | None = None,
+    prepared_dir: Path | None = None,
 ) -> LoadedModel:
     """Loads a model directory, GGUF file or orbax checkpoint directory (local or gs://; default:
     the embedded SmolLM2-135M-Instruct).
@@ -143,12 +148,13 @@ def load_model(
     needs the head counts); without it every tensor goes to the default device. `quantization`:
     weight-only int8 / int4 of every linear layer, applied as each weight is read; "gguf" keeps
     a GGUF file's quantized blocks; "auto" is "gguf" for a GGUF file on an accelerator and none
-    elsewhere; None or "none" dequantizes."""
+    elsewhere; None or "none" dequantizes. `prepared_dir`: where prepared weights are kept
+    (None: not kept)."""
     where = default_model_path() if path is None else path if is_remote(path) else Path(path)
     start = time.perf_counter()
     files = side_files(where)
     try:
-        return _load(where, files, dtype, with_tokenizer, place_for, start, quantization)
+        return _load(where, files, dtype, with_tokenizer, place_for, start, quantization, prepared_dir)
     finally:
         if files != where:
             shutil.rmtree(files, ignore_errors=True)
@@ -162,12 +168,25 @@ def _load(
     place_for: Callable[[ModelConfig, ModelFamily], Placer] | None,
     start: float,
     quantization: QuantConfig | None,
+    prepared_dir: Path | None,
 ) -> LoadedModel:
     config, reader, fmt = open_checkpoint(path, files)
     family = get_family(config.family)
     place = place_for(config, family) if place_for is not None else None
     quant = checkpoint_quantization(reader, fmt, quantization, str(path), family)
-    params = load_params(reader, config, fmt, dtype, place, where=str(path), quantization=quant)
+    kept = None
+    # A GGUF file's load dequantizes or repacks every block: worth keeping (one file, so its
+    # size and time say when it changed).
+    if prepared_dir is not None and place is None and isinstance(reader, GGUFCheckpoint) and jax.process_count() == 1:
+        kept = PreparedWeights(prepared_dir, reader.path, dtype, quant, jax.devices()[0])
+    params = kept.load() if kept is not None else None
+    if params is None:
+        params = load_params(reader, config, fmt, dtype, place, where=str(path), quantization=quant)
+        if kept is not None:
+            try:
+                kept.save(params)
+            except OSError as e:
+                logger.warning("prepared weights of %s not kept: %s", path, e)
     tokenizer = None
     if with_tokenizer:
         # A GGUF carries its vocabulary in the metadata already read (if any); a directory its own files.

@@ -105,13 +105,14 @@ class CompileConfig:
     )
     # Compiled step variants kept whole (worker/executables.py): a warm start loads each without
     # tracing, lowering or compiling. "auto": $JAXINFER_EXECUTABLE_CACHE_DIR, else
-    # ~/.cache/jaxinfer/executables; None or "none": off (the step goes through the jit, and JAX's
+    # ~/.cache/jaxinfer/executables; its weights/ folder keeps GGUF models' prepared weights
+    # (jaxinfer/prepared_weights.py). None or "none": off (the step goes through the jit, and JAX's
     # persistent cache alone). Off with several processes.
     executable_cache_dir: str | None = option(
         "auto",
         "compiled step variants kept whole, so a warm start loads them without tracing, lowering or "
-        "compiling: a directory, or none; auto: $JAXINFER_EXECUTABLE_CACHE_DIR, else "
-        "~/.cache/jaxinfer/executables",
+        "compiling, and a GGUF model's prepared weights (in its weights folder): a directory, or none; "
+        "auto: $JAXINFER_EXECUTABLE_CACHE_DIR, else ~/.cache/jaxinfer/executables",
         metavar="DIR",
     )
 

@@ -28,7 +28,6 @@ runs), so compiles meant for the store run with JAX's cache off (`fresh_compiles
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -46,6 +45,8 @@ import numpy as np
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxinfer.config import caches
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -54,31 +55,14 @@ SUFFIX = ".jxe"
 # The packages whose code can reach a jitted program (serving and checkpoints only feed it).
 CODE_PACKAGES = ("jaxinfer", "sharding", "pallas_kernels")
 ENV_FLAGS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
-OFF = ("", "none")
 MAX_INDEXED = 512
 # Entry path -> the future of its (header, executable), started by `prefetch`.
 _PREFETCHED: dict[Path, Future[tuple[dict[str, Any], jax.stages.Compiled] | None]] = {}
 
 
-def cache_path(directory: str | None, variable: str, default: str) -> Path | None:
-    """A cache directory option's path: "auto" is $`variable` where that is set, else
-    `default`; None, "" or "none" (in either) is no cache."""
-    if directory == "auto":
-        directory = os.environ.get(variable, default)
-    if directory is None or directory.strip().lower() in OFF:
-        return None
-    return Path(directory).expanduser()
-
-
-@functools.cache
 def code_version() -> str:
-    """sha256 over the path and bytes of every .py file of CODE_PACKAGES (once per process)."""
-    digest = hashlib.sha256()
-    root = Path(__file__).resolve().parents[2]
-    for package in CODE_PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
+    """sha256 over every .py file of CODE_PACKAGES (once per process)."""
+    return caches.code_version(CODE_PACKAGES)
 
 
 def environment(devices: Sequence[jax.Device]) -> dict[str, Any]:

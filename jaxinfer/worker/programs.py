@@ -28,8 +28,9 @@ from typing import Any
 import jax
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config.caches import cache_path
 from jaxinfer.config.compile import DEFAULT_EXECUTABLES_DIR, EXECUTABLES_DIR_VAR
-from jaxinfer.worker.executables import ExecutableStore, cache_path, code_version, fresh_compiles, prefetch
+from jaxinfer.worker.executables import ExecutableStore, code_version, fresh_compiles, prefetch
 from jaxinfer.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,13 @@ Compile = Callable[[list[jax.stages.Lowered]], list[jax.stages.Compiled]]
 def store_path(engine: EngineConfig) -> Path | None:
     """EngineConfig.executable_cache_dir as a directory; None when it is off."""
     return cache_path(engine.compile.executable_cache_dir, EXECUTABLES_DIR_VAR, DEFAULT_EXECUTABLES_DIR)
+
+
+def weights_path(engine: EngineConfig) -> Path | None:
+    """Where prepared weights are kept (jaxinfer.prepared_weights): the store's `weights`
+    folder; None when the store is off or several processes share the load."""
+    path = store_path(engine)
+    return None if path is None or jax.process_count() > 1 else path / "weights"
 
 
 def shaping_context(engine: EngineConfig) -> dict[str, str]:

@@ -31,8 +31,8 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.config.caches import cache_path
 from jaxinfer.config.compile import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
-from jaxinfer.worker.executables import cache_path
 from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import plain_padding
