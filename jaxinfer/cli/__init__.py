@@ -18,15 +18,19 @@ writes the results; the others only run its steps and exit when it is done.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
+import os
 import sys
+import threading
 from collections.abc import Sequence
 
 from jaxinfer.cli import batch, convert, generate, info, warm_up
 from jaxinfer.cli.args import USER_ERRORS, add_engine_args, add_sampling_args, make_llm, release_leaders
 from jaxinfer.config.compile import MAX_COMPILE_THREADS, THREADS_VAR
 
-__all__ = ["build_parser", "main", "make_llm", "add_engine_args", "add_sampling_args"]
+__all__ = ["build_parser", "main", "run", "make_llm", "add_engine_args", "add_sampling_args"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,3 +77,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         release_leaders()
+
+
+def run() -> None:
+    """The `jaxinfer` program: `main`, then out without the interpreter's teardown once nothing is
+    left to do. Collecting every object and freeing the JAX client's buffers and executables
+    costs ~0.5 s after a warm `generate` on the 2-core CPU (a tenth of it) and changes no
+    output; the exit handlers still run and the streams are flushed. A thread still working
+    (not a daemon) gets the ordinary exit, which waits for it."""
+    code = main()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # logging's flush, weakref finalizers (temporary directories), jax's own
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe
+            stream.flush()
+    os._exit(code)

@@ -1,7 +1,5 @@
 """`python -m jaxinfer.cli`: the `jaxinfer` command."""
 
-import sys
+from jaxinfer.cli import run
 
-from jaxinfer.cli import main
-
-sys.exit(main())
+run()
