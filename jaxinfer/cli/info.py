@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxinfer.cli.args import add_engine_args, engine_options
@@ -75,15 +76,19 @@ def describe(args: argparse.Namespace) -> dict:
         "engine_config": _options_json(engine),
         "mesh": None if state.mesh is None else dict(state.mesh.shape),
         "data_replicas": state.num_replicas,
-        "startup": _startup(engine),
+        "startup": _startup(engine, model),
     }
 
 
-def _startup(engine: EngineConfig) -> dict:
-    """Where compiled variants are kept, and how many an engine with these options would read from
-    the executable store at its start (its index of this config: what such an engine used last)."""
+def _startup(engine: EngineConfig, model: Any) -> dict:
+    """Where compiled variants and prepared weights are kept, how many variants an engine with
+    these options would read from the executable store at its start (its index of this config:
+    what such an engine used last), and whether this load's prepared weights are there."""
+    import jax
+
+    from jaxinfer.prepared_weights import PreparedWeights
     from jaxinfer.worker.executables import SUFFIX, read_index
-    from jaxinfer.worker.programs import index_key, store_path
+    from jaxinfer.worker.programs import index_key, store_path, weights_path
     from jaxinfer.worker.warm_up import compilation_cache_path
 
     store, stored = store_path(engine), 0
@@ -91,9 +96,15 @@ def _startup(engine: EngineConfig) -> dict:
         keys = read_index(store / "index" / f"{index_key(engine)}.json")
         stored = sum((store / f"{key}{SUFFIX}").is_file() for key in keys)
     cache = compilation_cache_path(engine.compile.compilation_cache_dir)
+    weights, kept = weights_path(engine), False
+    if weights is not None and isinstance(model.path, Path) and model.path.suffix == ".gguf":
+        entry = PreparedWeights(weights, model.path, engine.load.dtype, model.quantization, jax.devices()[0])
+        kept = entry.path.is_file()
     return {
         "executable_store": None if store is None else str(store),
         "stored_variants": stored,
+        "prepared_weights": None if weights is None else str(weights),
+        "prepared_weights_kept": kept,
         "compilation_cache": None if cache is None else str(cache),
         "compile_in_background": engine.compile.compile_in_background,
     }

@@ -251,6 +251,8 @@ def test_the_warm_up_command_fills_the_store(tmp_path):
     assert startup == {
         "executable_store": str(tmp_path),
         "stored_variants": 3,
+        "prepared_weights": str(tmp_path / "weights"),
+        "prepared_weights_kept": False,  # an HF directory: its load only reads
         "compilation_cache": None,
         "compile_in_background": False,
     }

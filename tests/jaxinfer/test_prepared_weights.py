@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
 import jaxinfer.loader as loader
+from jaxinfer.cli import info
 from jaxinfer.config import EngineConfig
 from jaxinfer.loader import load_model
 from jaxinfer.quant import QuantConfig
@@ -59,18 +61,20 @@ def test_a_damaged_or_foreign_entry_is_refused_and_written_again(tmp_path, monke
     assert "not used" in caplog.text and str(entry) in caplog.text
     _same(first.params, again.params)
     assert entry.stat().st_size == size  # written whole again
-    # Another setting is another entry; the source file changed replaces the source's entries.
+    # Another setting is another entry; the source file changed replaces the source's entries
+    # (a copy of the model: the installed file is shared with tests running beside this one).
     other = load_model(None, "float16", prepared_dir=tmp_path)
     assert len(list(tmp_path.glob("*.safetensors"))) == 1  # one entry per source file, the newest
-    source = other.path
+    source = tmp_path / "copy" / other.path.name
+    source.parent.mkdir()
+    shutil.copyfile(other.path, source)
+    load_model(source, "float16", prepared_dir=tmp_path / "copies")
+    (before,) = (tmp_path / "copies").glob("*.safetensors")
     stat = os.stat(source)
-    try:
-        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-        load_model(None, "float16", prepared_dir=tmp_path)
-    finally:
-        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    (newest,) = tmp_path.glob("*.safetensors")
-    assert newest != entry
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    load_model(source, "float16", prepared_dir=tmp_path / "copies")
+    (after,) = (tmp_path / "copies").glob("*.safetensors")
+    assert after != before
 
 
 def test_entries_name_their_own_key(tmp_path, monkeypatch, caplog):
@@ -91,5 +95,12 @@ def test_entries_name_their_own_key(tmp_path, monkeypatch, caplog):
 def test_kept_only_for_a_single_device_load_with_a_directory(tmp_path):
     load_model(None, "bfloat16", place_for=lambda config, family: DevicePlacer(), prepared_dir=tmp_path)
     assert not list(tmp_path.iterdir())
-    assert weights_path(EngineConfig(executable_cache_dir=str(tmp_path))) == tmp_path / "weights"
+    engine = EngineConfig(executable_cache_dir=str(tmp_path), dtype="bfloat16")
+    assert weights_path(engine) == tmp_path / "weights"
     assert weights_path(EngineConfig(executable_cache_dir="none")) is None
+    # `jaxinfer info` says whether a load with these settings would read its prepared weights.
+    model = load_model(None, "bfloat16", prepared_dir=weights_path(engine))
+    startup = info._startup(engine, model)
+    assert startup["prepared_weights"] == str(tmp_path / "weights") and startup["prepared_weights_kept"]
+    float16 = EngineConfig(executable_cache_dir=str(tmp_path), dtype="float16")
+    assert not info._startup(float16, model)["prepared_weights_kept"]
