@@ -193,6 +193,20 @@ def stage_cache_spec(spec: P) -> P:
     return P(*parts)
 
 
+def stage_slots(
+    slot: Callable[[int, jax.Array, PyTree, PyTree, PyTree], tuple[jax.Array, PyTree]],
+    x: jax.Array,
+    layers: tuple,
+    caches: tuple,
+    extras: PyTree,
+) -> tuple[jax.Array, tuple]:
+    """One stage's slots in order over `x`, inside a shard_map over `stage` (`run_stages`)."""
+    out = list(caches)
+    for j, layer in enumerate(layers):
+        x, out[j] = slot(j, x, layer, out[j], extras)
+    return x, tuple(out)
+
+
 def run_stages(
     slot: Callable[[int, jax.Array, PyTree, PyTree, PyTree], tuple[jax.Array, PyTree]],
     x: jax.Array,
@@ -208,13 +222,7 @@ def run_stages(
     on every device and the caches."""
     if len(caches) != len(slots):
         raise ValueError(f"{len(caches)} KV caches for {len(slots)} pipeline slots")
-
-    def run_stage(x: jax.Array, layers: tuple, caches: tuple, extras: PyTree) -> tuple[jax.Array, tuple]:
-        out = list(caches)
-        for j, layer in enumerate(layers):
-            x, out[j] = slot(j, x, layer, out[j], extras)
-        return x, tuple(out)
-
+    run_stage = functools.partial(stage_slots, slot)
     mesh = current_mesh()
     n = num_stages(mesh)
 

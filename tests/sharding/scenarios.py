@@ -47,6 +47,8 @@ from sharding import (
     tokens_spec,
 )
 from sharding.multihost import put_inputs  # noqa: E402
+from sharding.pipeline import pipeline_tick  # noqa: E402
+from sharding.stages import run_stages  # noqa: E402
 
 GENERATE = json.loads((FIXTURES / "hf" / "llama3" / "generate.json").read_text())
 ENGINE = dict(
@@ -490,6 +492,51 @@ def scenario_stage_features() -> dict:
             del llm
         out[feature] = {"equal": runs[0] == runs[1], "tokens": sum(map(len, runs[1]))}
     return out
+
+
+def scenario_pipeline(mesh_spec: str, batches: str = "6") -> dict:
+    """Batches through pipeline ticks (S in flight) against each batch through `run_stages`
+    alone: the same outputs, in order, and the same caches. A toy residual layer per slot (its
+    weight stacked over stages) writes row `extras["row"]` of its stage's cache columns; ticks
+    with no batch on a stage (filling, draining) write the null row."""
+    mesh = make_mesh(mesh_spec)
+    n, m, t, e, num_slots = dict(mesh.shape)["stage"], int(batches), 4, 8, 2
+    keys = jax.random.split(jax.random.key(0), num_slots + 1)
+    slots = tuple({"w": jax.random.normal(k, (n * e, e)) / e**0.5} for k in keys[:num_slots])
+    xs = jax.random.normal(keys[-1], (m, t, e))
+    null = m  # the last cache row
+
+    def slot(j, x, layer, cache, extras):
+        y = x + jnp.tanh(x @ layer["w"])
+        return y, cache.at[extras["row"]].set(y[0] + j)
+
+    def fresh():
+        return tuple(jnp.zeros((m + 1, n * e)) for _ in range(num_slots))
+
+    with jax.set_mesh(mesh):
+        whole = jax.jit(lambda x, c, row: run_stages(slot, x, slots, c, {"row": row}))
+        caches, alone = fresh(), []
+        for b in range(m):
+            y, caches = whole(xs[b], caches, jnp.int32(b))
+            alone.append(y)
+        tick = jax.jit(lambda f, x, c, rows: pipeline_tick(slot, f, x, slots, c, {"row": rows}))
+        piped, inflight, ticked = [], jnp.zeros((n, t, e)), fresh()
+        for k in range(m + n - 1):
+            rows = jnp.array([k - s if 0 <= k - s < m else null for s in range(n)], jnp.int32)
+            entering = xs[k] if k < m else jnp.zeros((t, e))
+            done, inflight, ticked = tick(inflight, entering, ticked, rows)
+            if k >= n - 1:
+                piped.append(done)
+        text = tick.lower(inflight, xs[0], ticked, rows).as_text()
+        one = whole.lower(xs[0], caches, jnp.int32(0)).as_text()
+    return {
+        "stages": n,
+        "outputs": float(max(jnp.abs(a - b).max() for a, b in zip(alone, piped, strict=True))),
+        "caches": float(max(jnp.abs(a[:null] - b[:null]).max() for a, b in zip(caches, ticked, strict=True))),
+        "written": bool(all(jnp.all(a[:null] != 0) for a in ticked)),
+        "conditionals": text.count("stablehlo.case") + text.count("stablehlo.if"),
+        "conditionals_one_at_a_time": one.count("stablehlo.case") + one.count("stablehlo.if"),
+    }
 
 
 if __name__ == "__main__":

@@ -100,3 +100,14 @@ def test_stages_with_int8_weights_and_speculation_match_one_device(scenario):
     r = scenario("stage_features", timeout=600)
     for feature in ("int8", "ngram", "draft", "int8-kv"):
         assert r[feature] == {"equal": True, "tokens": 30}, r
+
+
+@pytest.mark.parametrize("mesh_spec", ["stage=2", "stage=4,tensor=2"])
+def test_pipeline_ticks_keep_every_stage_busy_and_match_one_batch_at_a_time(scenario, mesh_spec):
+    """sharding/pipeline.py: six batches through ticks, S in flight, give each batch's output (in
+    order) and the caches that each batch through every stage in turn gives; every stage runs
+    its own batch each tick (no conditional on the stage index)."""
+    out = scenario("pipeline", mesh_spec)
+    assert out["stages"] == int(mesh_spec.split(",")[0].split("=")[1])
+    assert out["outputs"] == 0.0 and out["caches"] == 0.0 and out["written"]
+    assert out["conditionals"] == 0 and out["conditionals_one_at_a_time"] == out["stages"]
