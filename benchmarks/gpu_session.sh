@@ -27,6 +27,7 @@
 #   bash benchmarks/gpu_session.sh rows1b  # 1B step loop, batch 1 / 64 / 256, batch 1 profiled
 #   bash benchmarks/gpu_session.sh long    # decode batch 1 / 64 / 256 at 4k and 16k context vs jax's kernel
 #   bash benchmarks/gpu_session.sh prefill-big  # prefill chunks 2048 and 8192 only
+#   bash benchmarks/gpu_session.sh sweep-mid    # the KV-split / warps ladder at batch 64 x 4k (one row)
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
 #
 # Size the limits for a cold machine (a 15-minute lease fits one command of at most 600 s after
@@ -58,7 +59,7 @@ set -uo pipefail
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick rows1b long prefill-big decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
+parts="check check2 quick rows1b long prefill-big sweep-mid decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -94,6 +95,10 @@ run_part() {
     prefill-big)  # the 50%-of-matmul-rate goal is for chunks of 2048 and up
       $py "${bench[@]}" --scenarios prefill --chunks 2048,8192 --skip-reference --budget 0.3 \
           | tee "$out/attention_prefill_big.md" ;;
+    sweep-mid)  # 44% of the copy rate on the H200 (2026-11-29): the farthest decode row from 80%
+      $py "${bench[@]}" --sweep --write-table --skip-reference --skip-jax --scenarios decode \
+          --batches 64 --contexts 4096 --budget 0.2 | tee "$out/attention_sweep_mid.md"
+      cp pallas_kernels/gpu_tuned.json "$out/" ;;
     decode)
       $py "${bench[@]}" --scenarios decode --profile | tee "$out/attention_decode.md" ;;
     prefill)  # the mixed batch also runs as one call (without the decode split)
