@@ -12,8 +12,9 @@ embedding, LM head) into the engine's layout, bit-exact to gguf's dequantizer, a
 that on accelerators only (jaxinfer.quant.config says why). An orbax checkpoint is restored
 straight onto the devices: `place.target` says how each array is split, and every process reads
 only its own shards. A GGUF's tokenizer takes what the family implies where the file is silent.
-With `prepared_dir`, a single-device load of a GGUF file keeps its parameters there and a later
-load of the same file and settings reads them back (jaxinfer.prepared_weights).
+With `prepared_dir`, a single-device load of a GGUF file keeps its parameters there, in the
+family's compute layout for one device (what the engine would convert them to), and a later load
+of the same file and settings reads them back (jaxinfer.prepared_weights).
 """
 
 from __future__ import annotations
@@ -183,6 +184,8 @@ def _load(
     if params is None:
         params = load_params(reader, config, fmt, dtype, place, where=str(path), quantization=quant)
         if kept is not None:
+            if family.compute_layout is not None:  # kept as one device's step computes with it
+                params = family.compute_layout(params, None)
             try:
                 kept.save(params)
             except OSError as e:

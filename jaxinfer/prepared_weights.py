@@ -1,6 +1,7 @@
 """Prepared weights: a model's parameters as a load leaves them (GGUF blocks dequantized or
-repacked, dtypes converted, q|k|v and gate|up fused, linear layers quantized), kept beside the
-executable store so that a warm start reads them back instead of doing that work again.
+repacked, dtypes converted, q|k|v and gate|up fused, linear layers quantized, then in the
+family's compute layout for one device), kept beside the executable store so that a warm start
+reads them back instead of doing that work again.
 
 On the 2-core CPU the embedded SmolLM2's load takes ~1.2-1.7 s (dequantizing its Q4_1 / Q8_0
 blocks to float32, then fusing); reading its 538 MB of prepared weights back takes ~0.25-0.45 s.

@@ -37,7 +37,9 @@ def _no_reading(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype, quant", [("bfloat16", None), ("float32", QuantConfig.parse("int8", None, False))], ids=["bf16", "int8"]
+    "dtype, quant",
+    [("bfloat16", None), ("float32", None), ("float32", QuantConfig.parse("int8", None, False))],
+    ids=["bf16", "f32", "int8"],
 )
 def test_a_second_load_reads_the_prepared_weights(tmp_path, monkeypatch, dtype, quant):
     first = load_model(None, dtype, quantization=quant, prepared_dir=tmp_path)
@@ -48,6 +50,11 @@ def test_a_second_load_reads_the_prepared_weights(tmp_path, monkeypatch, dtype, 
     assert again.tokenizer.encode("Paris") == first.tokenizer.encode("Paris")
     assert (again.config, again.quantization) == (first.config, first.quantization)
     assert list(tmp_path.glob("*.safetensors")) == [entry]
+    # Kept in the layout one CPU device's step computes with: the engine has nothing to convert.
+    if dtype == "float32" and quant is None:
+        assert type(again.params.layers[0].w_qkv).__name__ == "OutFirstWeight"
+    relaid = again.family.compute_layout(again.params, None)
+    assert all(a is b for a, b in zip(jax.tree.leaves(relaid), jax.tree.leaves(again.params), strict=True))
 
 
 def test_a_damaged_or_foreign_entry_is_refused_and_written_again(tmp_path, monkeypatch, caplog):
