@@ -20,12 +20,12 @@ import importlib.metadata
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from checkpoints.atomic import atomic_target
 from checkpoints.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -197,10 +197,7 @@ def _write_index(index: Path, tensors: dict, metadata: dict[str, Any]) -> None:
     try:
         table = [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)] for t in tensors.values()]
         text = json.dumps({"tensors": table, "metadata": metadata})
-        index.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=index.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, index)
+        with atomic_target(index) as tmp:
+            tmp.write_text(text)
     except (OSError, TypeError, ValueError) as e:  # metadata JSON cannot hold, a read-only home: no index
         logger.debug("GGUF index %s not written: %s", index, e)

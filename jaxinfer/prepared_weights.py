@@ -28,10 +28,8 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import pickle
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +40,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from checkpoints.atomic import atomic_target
 from jaxinfer.config.caches import code_version
 
 logger = logging.getLogger(__name__)
@@ -124,16 +123,9 @@ class PreparedWeights:
             "treedef": base64.b64encode(pickle.dumps(treedef)).decode(),
             "leaves": json.dumps([[a.dtype.name, list(a.shape)] for a in arrays]),
         }
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        os.close(fd)
-        try:
-            tensors = {str(i): np.ascontiguousarray(a).reshape(-1).view(np.uint8) for i, a in enumerate(arrays)}
+        tensors = {str(i): np.ascontiguousarray(a).reshape(-1).view(np.uint8) for i, a in enumerate(arrays)}
+        with atomic_target(self.path) as tmp:
             save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
         for old in directory.glob(f"{self.prefix}-*{SUFFIX}"):
             if old != self.path:
                 with contextlib.suppress(OSError):

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import pickle
-import tempfile
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
+from checkpoints.atomic import atomic_target
 from jaxinfer.config import caches
 
 logger = logging.getLogger(__name__)
@@ -174,16 +174,8 @@ class ExecutableStore:
 def write_atomically(path: Path, data: bytes) -> None:
     """`data` as `path`, written to a temporary name beside it and renamed (readers never see half
     a file; the temporary is removed if the write fails)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_target(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def read_entry(path: Path) -> tuple[dict[str, Any], jax.stages.Compiled] | None:
