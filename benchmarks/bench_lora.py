@@ -4,6 +4,7 @@ same batch on the base model, one engine, one run.
     python benchmarks/bench_lora.py                         # SmolLM2 (embedded), 8 requests, rank 16
     python benchmarks/bench_lora.py --batch 8 --adapters 8 --rank 16 --max-tokens 128 --rounds 3
     python benchmarks/bench_lora.py --model PATH --dtype bfloat16 --batch 64 --adapters 16
+    python benchmarks/bench_lora.py --shape llama-3.1-8b --batch 64 --adapters 16   # a GPU
 
 One LLM with LoRA on (`max_loras` = the adapter count, `max_lora_rank` = the rank) serves, round
 after round, the same `--batch` requests (greedy, `ignore_eos`, the same prompts) three ways:
@@ -15,6 +16,9 @@ batch's last first token to its last token; medians over --rounds), and its rati
 Adapters are random PEFT adapters on all seven modules (tests/support/lora_adapters.py), written
 to a temporary directory; the first round loads them into the slots and is not counted. The
 engine without LoRA is timed too (`off`), to show what the slots cost when no request uses them.
+With --shape, the model is random bfloat16 weights of that shape (benchmarks/shapes.py; --layers
+keeps its first layers), the prompts random token ids of --prompt-len, and both engines get
+--kv-gib of KV cache each (they share one copy of the weights on the device).
 
     python benchmarks/bench_lora.py --load-shape llama-3.1-8b --rank 16
 
@@ -127,6 +131,33 @@ def load_time(shape: str, rank: int, rounds: int, slots: int = 4) -> int:
     return 0
 
 
+def prompts_and_engines(args):
+    """(prompts, the engine without LoRA, the engine with it): the embedded or --model checkpoint
+    with chat prompts, or random weights of --shape with token-id prompts (module docstring)."""
+    lora = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    if args.shape is None:
+        options = dict(max_num_seqs=max(8, args.batch), max_model_len=512)
+        off = LLM(args.model, args.dtype, **options)
+        llm = LLM(args.model, args.dtype, **options, **lora)
+        chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(args.batch)]
+        return [llm.render_chat(chat) for chat in chats], off, llm
+    import numpy as np
+    from shapes import random_model
+
+    model = random_model(args.shape, "bfloat16", num_layers=args.layers)
+    options = dict(
+        max_num_seqs=args.batch,
+        max_model_len=args.prompt_len + args.max_tokens + 16,
+        max_num_batched_tokens=2048,
+        token_buckets=(args.batch, 2048),
+        kv_cache_bytes=int(args.kv_gib * 2**30),
+    )
+    rng = np.random.default_rng(0)
+    vocab = min(model.config.vocab_size, 32000)
+    prompts = [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+    return prompts, LLM(model, **options), LLM(model, **options, **lora)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -137,12 +168,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--load-shape", default=None, help="time loading one adapter of this shape instead")
+    p.add_argument("--shape", default=None, help="random bfloat16 weights of this shape (benchmarks/shapes.py)")
+    p.add_argument("--layers", type=int, default=None, help="with --shape: only its first layers")
+    p.add_argument("--prompt-len", type=int, default=256, help="with --shape: random token-id prompts")
+    p.add_argument("--kv-gib", type=float, default=8.0, help="with --shape: KV cache of each engine")
     args = p.parse_args(argv)
     if args.load_shape is not None:
         return load_time(args.load_shape, args.rank, args.rounds)
-    options = dict(max_num_seqs=max(8, args.batch), max_model_len=512)
-    off = LLM(args.model, args.dtype, **options)
-    llm = LLM(args.model, args.dtype, **options, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    prompts, off, llm = prompts_and_engines(args)
     config = llm.engine.model.config
     root = Path(tempfile.mkdtemp(prefix="bench_lora_"))
     names = []
@@ -158,7 +191,6 @@ def main(argv=None) -> int:
             seed=i,
         )
         names.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
-    prompts = [llm.render_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     ways = {
         "off": (off, None),
@@ -173,9 +205,12 @@ def main(argv=None) -> int:
         for way, (engine, loras) in ways.items():
             rates[way].append(run(engine, prompts, params, loras))
     base = statistics.median(rates["base"])
+    import jax
+
+    source = args.shape or args.model or "SmolLM2-135M-Instruct"
     print(
-        f"{args.batch} requests x {args.max_tokens} tokens, {args.adapters} adapters of rank {args.rank}, "
-        f"{time.strftime('%Y-%m-%d')}, rounds {args.rounds}"
+        f"{source}: {args.batch} requests x {args.max_tokens} tokens, {args.adapters} adapters of rank "
+        f"{args.rank}, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}, rounds {args.rounds}"
     )
     print("| way | decode tok/s (median) | runs | / base |\n|---|---|---|---|")
     for way, values in rates.items():

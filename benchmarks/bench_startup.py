@@ -2,9 +2,11 @@
 
     python benchmarks/bench_startup.py                    # every case, 2 warm rounds
     python benchmarks/bench_startup.py --cases generate --rounds 3
+    python benchmarks/bench_startup.py --cases generate --jaxinfer "python3 -m jaxinfer.cli" --model DIR
 
-Each case runs the installed `jaxinfer` (--jaxinfer, default: the venv's) in a new process, on the
-embedded SmolLM2, with its own JAX compilation cache and executable store under --workdir:
+Each case runs the installed `jaxinfer` (--jaxinfer, a command line; default: the venv's) in a new
+process, on the embedded SmolLM2 (or --model, e.g. random weights of a GPU-sized shape), with
+its own JAX compilation cache and executable store under --workdir:
 "cold" starts with both empty, "warm" runs again over what the cold run left.
 
 - generate: the README's first command (`jaxinfer generate --chat "What is the capital of
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -42,9 +45,9 @@ def env_for(workdir: Path, case: str) -> dict[str, str]:
     return env
 
 
-def run_generate(jaxinfer: str, env: dict[str, str]) -> dict:
+def run_generate(jaxinfer: list[str], env: dict[str, str], model: list[str]) -> dict:
     start = time.perf_counter()
-    out = subprocess.run([jaxinfer, "generate", "--chat", QUESTION], env=env, capture_output=True, text=True)
+    out = subprocess.run([*jaxinfer, "generate", *model, "--chat", QUESTION], env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
@@ -67,10 +70,11 @@ def _progress(base: str) -> tuple[float, float]:
     return values.get("jaxinfer_step_variants_ready", 0.0), values.get("jaxinfer_step_variants_total", 0.0)
 
 
-def run_serve(jaxinfer: str, env: dict[str, str], background: bool) -> dict:
-    flags = ["serve", "--no-grpc", "--http-port", "0", *(["--compile-in-background"] if background else [])]
+def run_serve(jaxinfer: list[str], env: dict[str, str], model: list[str], background: bool) -> dict:
+    flags = ["serve", *model, "--no-grpc", "--http-port", "0", *(["--compile-in-background"] if background else [])]
     start = time.perf_counter()
-    server = subprocess.Popen([jaxinfer, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pipe, null = subprocess.PIPE, subprocess.DEVNULL
+    server = subprocess.Popen([*jaxinfer, *flags], env=env, stdout=pipe, stderr=null, text=True)
     try:
         line = server.stdout.readline() if server.stdout else ""  # "listening on http://host:port ..."
         if "listening on" not in line:
@@ -105,7 +109,9 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/jaxinfer-bench-startup")
     parser.add_argument("--cases", nargs="+", default=["generate", "serve", "serve-background"])
     parser.add_argument("--rounds", type=int, default=2, help="warm runs per case")
+    parser.add_argument("--model", default=None, help="a checkpoint instead of the embedded default")
     args = parser.parse_args()
+    jaxinfer, model = shlex.split(args.jaxinfer), (["--model", args.model] if args.model else [])
     workdir = Path(args.workdir)
     rows = []
     for case in args.cases:
@@ -114,9 +120,9 @@ def main() -> None:
         runs = []
         for i in range(1 + args.rounds):
             if case == "generate":
-                result = run_generate(args.jaxinfer, env)
+                result = run_generate(jaxinfer, env, model)
             else:
-                result = run_serve(args.jaxinfer, env, background=case == "serve-background")
+                result = run_serve(jaxinfer, env, model, background=case == "serve-background")
             result = {"case": case, "cache": "cold" if i == 0 else "warm", **result}
             print(json.dumps(result), flush=True)
             runs.append(result)

@@ -28,6 +28,8 @@
 #   bash benchmarks/gpu_session.sh long    # decode batch 1 / 64 / 256 at 4k and 16k context vs jax's kernel
 #   bash benchmarks/gpu_session.sh prefill-big  # prefill chunks 2048 and 8192 only
 #   bash benchmarks/gpu_session.sh sweep-mid    # the KV-split / warps ladder at batch 64 x 4k (one row)
+#   bash benchmarks/gpu_session.sh lora8b   # 8B shape, batch 64 over 16 rank-16 adapters vs base; an adapter's load
+#   bash benchmarks/gpu_session.sh start8b  # 8B shape as HF safetensors: `jaxinfer generate` cold, then warm
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
 #
 # Size the limits for a cold machine (a 15-minute lease fits one command of at most 600 s after
@@ -59,7 +61,7 @@ set -uo pipefail
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick rows1b long prefill-big sweep-mid decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
+parts="check check2 quick lora8b start8b rows1b long prefill-big sweep-mid decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -85,6 +87,23 @@ run_part() {
       JAXINFER_KERNELS=compiled $py -m pytest -q -m gpu -p no:cacheprovider \
           tests/pallas_kernels/test_kernels.py -rf -k "test_batches or decode_split or \
           int8_kv_bf16 or test_head_dims and 80" 2>&1 | tee -a "$out/gpu_$part.txt" ;;
+    lora8b)  # the LoRA issue's GPU goal: batch 64 over 16 adapters >= 0.85x base; load < 1 s
+      $py benchmarks/bench_lora.py --shape llama-3.1-8b --batch 64 --adapters 16 --rank 16 \
+          --max-tokens 96 --prompt-len 256 --rounds 3 | tee "$out/lora_8b.md"
+      $py benchmarks/bench_lora.py --load-shape llama-3.1-8b --rank 16 | tee "$out/lora_8b_load.md" ;;
+    start8b)  # the start-up issue's GPU row: weights to first token <= 20 s warm. Random weights
+      # of the shape written as bf16 safetensors by transformers on the GPU (~40 s), a test
+      # tokenizer beside them; `jaxinfer generate` on them in a new process, cold then warm
+      local w=/tmp/start8b
+      rm -rf $w && mkdir -p $w
+      $py -c "import json, sys; sys.path.insert(0, 'benchmarks'); from shapes import hf_config; \
+json.dump(hf_config('llama-3.1-8b'), open('$w/shape.json', 'w'))"
+      $py -c "import sys; sys.path.insert(0, 'benchmarks'); from hf_baseline import _random_model; \
+_random_model('$w/shape.json', '$w/weights', 'cuda')"
+      cp tests/fixtures/hf/llama3_chat/tokenizer.json tests/fixtures/hf/llama3_chat/tokenizer_config.json $w/weights/
+      echo "[$(date +%T)] weights written: $(du -sh $w/weights | cut -f1)"
+      $py benchmarks/bench_startup.py --cases generate --rounds 2 --jaxinfer "$py -m jaxinfer.cli" \
+          --model $w/weights --workdir $w/caches | tee "$out/startup_8b.md" ;;
     rows1b)  # the issue's 1B rows: batch 1 / 64 / 256 at the default launch, batch 1 traced
       $py benchmarks/bench_engine.py --shape llama-3.2-1b --prompt-lens 128 --batches 1 64 256 \
           --new-tokens 48 --profile --profile-batches 1 --token-buckets 1 64 256 2048 \
