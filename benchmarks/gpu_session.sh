@@ -55,6 +55,10 @@
 # limit after 7 cases); the machine started in ~36 s. A `--sweep` row costs ~9 s a config (two
 # rows of ~17 configs in 330 s): sweep one row per call. Next: the 1B batch-1 step's kernel count
 # and idle share (19.8%), batch 64 at 4k (44% of the copy rate), prefill (17-26% of matmul).
+# Seen on an H200, 2026-11-29 (second lease): `lora8b:240 quant8b:235` 385 s (lora8b 148 s;
+# quant8b ~65 s an engine: bf16 and int4 finished, int8 did not); `start8b` 149 s (transformers
+# wrote the 15 GB in 37 s); `sweep-mid` 104 s for its 17 configs. Next: the int4 matmul without
+# unpacking in HBM (quant8b), the loader's 27 s for 15 GB (start8b), LoRA's share (lora8b).
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: gpu_session.sh PART[:SECONDS] ..." >&2; exit 2; }
