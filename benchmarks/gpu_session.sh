@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_session.sh prefill-big  # prefill chunks 2048 and 8192 only
 #   bash benchmarks/gpu_session.sh sweep-mid    # the KV-split / warps ladder at batch 64 x 4k (one row)
 #   bash benchmarks/gpu_session.sh lora8b   # 8B shape, batch 64 over 16 rank-16 adapters vs base; an adapter's load
+#   bash benchmarks/gpu_session.sh int4mm   # int4 matmul forms (8 of the 8B's MLPs): engine, halves, uint4 vs bf16
 #   bash benchmarks/gpu_session.sh start8b  # 8B shape as HF safetensors: `jaxinfer generate` cold, then warm
 #   bash benchmarks/gpu_session.sh moe:300 engine1b:270   # one call, two parts
 #
@@ -57,15 +58,16 @@
 # and idle share (19.8%), batch 64 at 4k (44% of the copy rate), prefill (17-26% of matmul).
 # Seen on an H200, 2026-11-29 (second lease): `lora8b:240 quant8b:235` 385 s (lora8b 148 s;
 # quant8b ~65 s an engine: bf16 and int4 finished, int8 did not); `start8b` 149 s (transformers
-# wrote the 15 GB in 37 s); `sweep-mid` 104 s for its 17 configs. Next: the int4 matmul without
-# unpacking in HBM (quant8b), the loader's 27 s for 15 GB (start8b), LoRA's share (lora8b).
+# wrote the 15 GB in 37 s); `sweep-mid` 104 s for its 17 configs. Next: `int4mm` (the int4
+# matmul's forms), `start8b` again (the loader now transposes on the device), `lora8b` again
+# (the fused fields' share sliced, not multiplied), then `quant8b` with the winning int4 form.
 # Copy the tables into benchmarks/RESULTS.md with the date and the device.
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: gpu_session.sh PART[:SECONDS] ..." >&2; exit 2; }
 out=${OUTDIR:-${OUT:-.}}
 py=${PYTHON:-python3}
 bench=(benchmarks/bench_attention.py)
-parts="check check2 quick lora8b start8b rows1b long prefill-big sweep-mid decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
+parts="check check2 quick lora8b start8b int4mm rows1b long prefill-big sweep-mid decode prefill sweep sweep-long sweep-big ladder short engine engine1b engine8b quant8b loop moe lmhead threads"
 for arg in "$@"; do
   part=${arg%%:*} limit=${arg#*:}
   [ "$limit" != "$arg" ] || limit=0
@@ -95,6 +97,8 @@ run_part() {
       $py benchmarks/bench_lora.py --shape llama-3.1-8b --batch 64 --adapters 16 --rank 16 \
           --max-tokens 96 --prompt-len 256 --rounds 3 | tee "$out/lora_8b.md"
       $py benchmarks/bench_lora.py --load-shape llama-3.1-8b --rank 16 | tee "$out/lora_8b_load.md" ;;
+    int4mm)  # which int4 form reads fewer bytes than bf16 on this GPU (~1 min)
+      $py benchmarks/bench_int4.py | tee "$out/int4_forms.md" ;;
     start8b)  # the start-up issue's GPU row: weights to first token <= 20 s warm. Random weights
       # of the shape written as bf16 safetensors by transformers on the GPU (~40 s), a test
       # tokenizer beside them; `jaxinfer generate` on them in a new process, cold then warm

@@ -126,3 +126,17 @@ def test_bench_host_smoke():
     for r in rows:
         prepare_ms, first_kib, later_kib = float(r[1]), float(r[3]), float(r[4])
         assert prepare_ms > 0 and later_kib < first_kib / 2, r
+
+
+def test_bench_int4_forms_agree():
+    """benchmarks/bench_int4.py (the int4 matmul's forms, for a GPU) on tiny shapes: every form
+    runs and computes the engine's product (bfloat16 rounding apart)."""
+    bench = BENCH.with_name("bench_int4.py")
+    argv = [sys.executable, str(bench), "--layers", "2", "--hidden", "128", "--ffn", "256", "--calls", "1"]
+    out = subprocess.run([*argv, "--repeats", "1", "--batches", "1", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if re.match(r"\| \d", line)]
+    assert {(r[0].strip(), r[1].strip()) for r in rows} == {
+        (b, form) for b in ("1", "3") for form in ("bf16", "engine", "halves", "int4")
+    }
+    assert all(float(r[5]) < 0.02 for r in rows), out.stdout  # relative to the largest output
