@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-
-import numpy as np
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,4 +19,6 @@ class TensorSpec:
     field: str
     layer: int | None
     ckpt_shape: tuple[int, ...]
-    to_ours: Callable[[np.ndarray], np.ndarray]
+    # The rearrangement into our layout, through array methods only (.T, reshape, swapaxes,
+    # transpose, arithmetic), so it runs on a host array or, loaded for one device, a jax.Array.
+    to_ours: Callable[[Any], Any]
