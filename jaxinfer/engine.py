@@ -85,7 +85,7 @@ class Engine:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Compiles every step variant now (compile_in_background: the smallest bucket's, the rest later)."""
+        """Compiles every step variant now (compile_in_background: a first request's buckets, the rest later)."""
         background = self.config.compile.compile_in_background and not is_multiprocess()
         self.warm_up_seconds += self.worker.warm_up(background) + self.disagg.warm_up()
         self.warm_up_seconds += self.speculator.warm_up() if self.speculator else 0.0

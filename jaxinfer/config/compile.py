@@ -91,8 +91,9 @@ class CompileConfig:
     # the buckets ready so far. Off: everything compiles first (nothing compiles after warm-up).
     compile_in_background: bool = option(
         False,
-        "serve once the smallest token bucket's variants are compiled and compile the rest while serving "
-        "(batches wait for their bucket); off: everything compiles before the first request",
+        "serve once a first request's token buckets (the smallest, one holding a chat prompt) are "
+        "compiled and compile the rest while serving (batches wait for their bucket); off: "
+        "everything compiles before the first request",
         form=ENABLE,
     )
     # JAX's persistent compilation cache (worker/warm_up.compilation_cache_path): "auto" is

@@ -1,13 +1,16 @@
-"""Background compilation (EngineConfig.compile_in_background): serve once the smallest bucket is in.
+"""Background compilation (EngineConfig.compile_in_background): serve once a first request's buckets are in.
 
 `groups` splits the step's variants (warm_up.step_variants) by token bucket, smallest first, each
 bucket with every flavour of it (penalty history, prompt logprobs, the verify step), then one
-last group of the decode windows and greedy twins. The compiled step makes the first group
-ready before the engine starts; BackgroundCompile makes the others ready on a thread of its own,
-one group after another, each traced against abstract copies of the parameters and caches (the
-steps that run meanwhile donate and replace the real ones). `ready_tokens` is the largest
-bucket whose group is in: the engine caps its schedulers' token budget and batch at it, so a
-step never needs a variant that is not ready (larger batches wait for their bucket), and
+last group of the decode windows and greedy twins. `serving_order` picks the groups a first
+request needs, made ready before the engine starts: the smallest bucket's (its decode steps) and
+the bucket a prompt of FIRST_PROMPT_TOKENS fits in (its prefill in one step, where the smaller
+buckets alone would take it a few tokens at a time). BackgroundCompile makes the others ready on
+a thread of its own, one group after another, ascending, each traced against abstract copies of
+the parameters and caches (the steps that run meanwhile donate and replace the real ones).
+`ready_buckets` are the buckets whose groups are in: the engine caps its schedulers' token
+budget and batch at the largest and pads each step to the smallest ready bucket that holds it,
+so a step never needs a variant that is not ready (larger batches wait for their bucket), and
 plans decode windows once the last group is in. A group that fails to compile is logged and
 ends the thread: the engine keeps serving within the buckets it has.
 """
@@ -22,9 +25,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 Variant = tuple[Any, int, bool]  # (padding inputs, num_steps, greedy), as step_variants lists them
+Group = tuple[int | None, list[Variant]]  # (token bucket, its variants); None: windows and twins
+FIRST_PROMPT_TOKENS = 64  # a first chat turn's prompt with its template fits in this bucket
 
 
-def groups(variants: Sequence[Variant]) -> list[tuple[int | None, list[Variant]]]:
+def groups(variants: Sequence[Variant]) -> list[Group]:
     """(token bucket, its variants) per bucket in ascending order, then (None, the windows and
     greedy twins)."""
     by_bucket: dict[int, list[Variant]] = {}
@@ -35,21 +40,34 @@ def groups(variants: Sequence[Variant]) -> list[tuple[int | None, list[Variant]]
             last.append(variant)
         else:
             by_bucket.setdefault(inputs.token_ids.shape[-1], []).append(variant)
-    ordered: list[tuple[int | None, list[Variant]]] = [(b, by_bucket[b]) for b in sorted(by_bucket)]
+    ordered: list[Group] = [(b, by_bucket[b]) for b in sorted(by_bucket)]
     return ordered + ([(None, last)] if last else [])
 
 
+def serving_order(ordered: list[Group]) -> tuple[list[Group], list[Group]]:
+    """`groups`' list split into (the groups made ready before serving, the rest in order): the
+    smallest bucket and the smallest one holding FIRST_PROMPT_TOKENS (else the largest) first."""
+    buckets = [bucket for bucket, _ in ordered if bucket is not None]
+    if not buckets:
+        return ordered[:1], ordered[1:]
+    prompt = next((b for b in buckets if b >= FIRST_PROMPT_TOKENS), buckets[-1])
+    first = {buckets[0], prompt}
+    return [g for g in ordered if g[0] in first], [g for g in ordered if g[0] not in first]
+
+
 class BackgroundCompile:
-    """Makes `pending` groups ready with `compile_group`, on a daemon thread, in order."""
+    """Makes `pending` groups ready with `compile_group`, on a daemon thread, in order;
+    `ready_buckets` (sorted) and `num_ready` say what is in (the buckets first: the engine's
+    thread reads them when num_ready changes)."""
 
     def __init__(
         self,
-        pending: list[tuple[int | None, list[Variant]]],
+        pending: list[Group],
         compile_group: Callable[[list[Variant]], None],
-        ready_tokens: int,
+        ready_buckets: Sequence[int],
         num_ready: int,
     ) -> None:
-        self.ready_tokens, self.num_ready = ready_tokens, num_ready
+        self.ready_buckets, self.num_ready = tuple(sorted(ready_buckets)), num_ready
         self.total = num_ready + sum(len(group) for _, group in pending)
         self.finished = not pending
         self.error: BaseException | None = None
@@ -57,6 +75,11 @@ class BackgroundCompile:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxinfer-compile", daemon=True)
         self._thread.start()
+
+    @property
+    def ready_tokens(self) -> int:
+        """The largest ready bucket (0: none)."""
+        return self.ready_buckets[-1] if self.ready_buckets else 0
 
     @property
     def complete(self) -> bool:
@@ -69,14 +92,14 @@ class BackgroundCompile:
                 if self._stop.is_set():
                     return
                 self._compile(group)
-                self.num_ready += len(group)
                 if bucket is not None:
-                    self.ready_tokens = bucket
+                    self.ready_buckets = tuple(sorted({*self.ready_buckets, bucket}))
+                self.num_ready += len(group)
                 logger.info(
-                    "step variants ready: %d of %d (buckets up to %d tokens)",
+                    "step variants ready: %d of %d (buckets of %s tokens)",
                     self.num_ready,
                     self.total,
-                    self.ready_tokens,
+                    ", ".join(map(str, self.ready_buckets)),
                 )
         except BaseException as e:  # noqa: BLE001  # serving goes on within the ready buckets
             self.error = e

@@ -43,7 +43,7 @@ from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.lora.peft import Adapter
 from jaxinfer.sampling.arrays import HostOrDevice
 from jaxinfer.sampling.device_defaults import DeviceDefaults
-from jaxinfer.worker.background import BackgroundCompile, groups
+from jaxinfer.worker.background import BackgroundCompile, groups, serving_order
 from jaxinfer.worker.device_state import DeviceState
 from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.launcher import Launcher, dispatch_thread_enabled, landed
@@ -227,20 +227,22 @@ class CompiledStep(SplitStep):
     def warm_up(self, background: bool = False) -> float:
         """Compiles every (bucket, penalty history, prompt logprobs) variant, the step's on a
         pool of threads (warm_up.py), and runs each once where that is needed (`_ready`);
-        returns seconds. With `background`, the smallest bucket's before it returns and the
-        rest on a thread (background.py: `ready_tokens` grows as they come in)."""
+        returns seconds. With `background`, a first request's buckets before it returns and the
+        rest on a thread (background.py: `ready_buckets` grow as they come in)."""
         start = time.perf_counter()
         for width in self.inputs.update_widths:  # the page-table scatter of each width
             with self.state.mesh_context():
                 self._set_table(self._placed(self.padding_inputs(self.buckets[0], False, table_width=width)))
         variants = step_variants(self)
         if background:
-            (first_bucket, first), *rest = groups(variants)
+            ready, rest = serving_order(groups(variants))
+            first = [variant for _, group in ready for variant in group]
             self._ready(first)
             self.split_buckets = ()  # its halves compile by running: only the engine's thread may run steps
             state = (self.state.params, self.state.kv_caches, self._prev_tokens, self.page_table.array)
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.format), state)
-            self.background = BackgroundCompile(rest, lambda g: self._ready(g, abstract), first_bucket or 0, len(first))
+            buckets = [bucket for bucket, _ in ready if bucket is not None]
+            self.background = BackgroundCompile(rest, lambda g: self._ready(g, abstract), buckets, len(first))
         else:
             self._ready(variants)
         for t_bucket in self.split_buckets:

@@ -83,6 +83,7 @@ class InputBuilder:
         self.num_speculative_tokens = num_speculative_tokens  # K: the width of verify steps' drafts
         self.vocab_size = vocab_size  # the width of the allowed-token bits (structured output)
         self.buckets = buckets
+        self.ready: tuple[int, ...] | None = None  # the buckets compiled so far (None: all; background.py)
         self.pages_per_seq = pages_per_seq
         self.max_model_len = max_model_len  # the penalty-history width
         self.num_replicas = num_replicas
@@ -92,7 +93,8 @@ class InputBuilder:
         self.tables = [PageTableMirror(num_rows, pages_per_seq, num_groups) for _ in range(num_replicas)]
 
     def bucket_for(self, num_tokens: int) -> int:
-        for b in self.buckets:
+        """The smallest (ready) token bucket holding num_tokens."""
+        for b in self.ready or self.buckets:
             if b >= num_tokens:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")

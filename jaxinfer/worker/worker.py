@@ -180,7 +180,7 @@ class Worker:
 
     def warm_up(self, background: bool = False) -> float:
         """Compiles (and runs once) every variant of the step and the page copy; returns seconds.
-        `background`: the smallest bucket's now, the rest on a thread (background.py), followed
+        `background`: a first request's buckets now, the rest on a thread (background.py), followed
         by `follow_compiles`."""
         start = time.perf_counter()
         self.copier.num_compiled()
@@ -192,13 +192,15 @@ class Worker:
     def follow_compiles(self, schedulers: list[Scheduler]) -> None:
         """Between steps, on the engine's thread, while variants compile in the background: each
         scheduler's token budget and batch capped at the largest ready bucket (larger batches
-        wait for theirs); once all are ready, the configured limits back and the host tier's
-        swap cost timed (it runs the largest bucket)."""
+        wait for theirs) and each step padded to the smallest ready bucket holding it; once all
+        are ready, the configured limits back and the host tier's swap cost timed (it runs the
+        largest bucket)."""
         step = self.step
         if step.background is None or self._followed == step.background.num_ready:
             return
         self._followed = step.background.num_ready
         limits, cap = self.state.engine.scheduler, step.ready_tokens
+        step.inputs.ready = None if step.complete else step.background.ready_buckets  # steps padded to these
         for scheduler in schedulers:
             scheduler.max_num_batched_tokens = limits.max_num_batched_tokens if step.complete else cap
             scheduler.max_num_seqs = min(limits.max_num_seqs, limits.max_num_batched_tokens if step.complete else cap)
