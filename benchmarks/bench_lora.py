@@ -41,7 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from lora_adapters import write_random_adapter  # noqa: E402
+from shapes import random_model  # noqa: E402
 
 from jaxinfer.config.lora import LINEAR_MODULES  # noqa: E402
 from jaxinfer.llm import LLM  # noqa: E402
@@ -72,9 +75,7 @@ def run(llm, prompts, params, loras) -> float:
 
 def load_time(shape: str, rank: int, rounds: int, slots: int = 4) -> int:
     """Disk -> host -> device slot times of one rank-`rank` adapter of `shape` (module docstring)."""
-    import jax
     import jax.numpy as jnp
-    import numpy as np
     from shapes import shape_config
 
     from jaxinfer.lora import read_adapter
@@ -141,9 +142,6 @@ def prompts_and_engines(args):
         llm = LLM(args.model, args.dtype, **options, **lora)
         chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(args.batch)]
         return [llm.render_chat(chat) for chat in chats], off, llm
-    import numpy as np
-    from shapes import random_model
-
     model = random_model(args.shape, "bfloat16", num_layers=args.layers)
     options = dict(
         max_num_seqs=args.batch,
@@ -205,8 +203,6 @@ def main(argv=None) -> int:
         for way, (engine, loras) in ways.items():
             rates[way].append(run(engine, prompts, params, loras))
     base = statistics.median(rates["base"])
-    import jax
-
     source = args.shape or args.model or "SmolLM2-135M-Instruct"
     print(
         f"{source}: {args.batch} requests x {args.max_tokens} tokens, {args.adapters} adapters of rank "

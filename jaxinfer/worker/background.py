@@ -47,9 +47,7 @@ def groups(variants: Sequence[Variant]) -> list[Group]:
 def serving_order(ordered: list[Group]) -> tuple[list[Group], list[Group]]:
     """`groups`' list split into (the groups made ready before serving, the rest in order): the
     smallest bucket and the smallest one holding FIRST_PROMPT_TOKENS (else the largest) first."""
-    buckets = [bucket for bucket, _ in ordered if bucket is not None]
-    if not buckets:
-        return ordered[:1], ordered[1:]
+    buckets = [bucket for bucket, _ in ordered if bucket is not None]  # a step has one at least
     prompt = next((b for b in buckets if b >= FIRST_PROMPT_TOKENS), buckets[-1])
     first = {buckets[0], prompt}
     return [g for g in ordered if g[0] in first], [g for g in ordered if g[0] not in first]
