@@ -14,7 +14,9 @@ prefill/decode (kv_transfer_params): worker/disagg.py. Data parallelism (data=N)
 each its own KVCacheManager and Scheduler; a request goes to the one with the least outstanding
 work (prompt + max_tokens of its unfinished requests); a step plans all N, one jitted call.
 Several hosts: only process 0 schedules; its worker broadcasts each step's padded inputs
-(sharding.StepChannel) to the other processes, whose workers run the same steps in `follow()`."""
+(sharding.StepChannel) to the other processes, whose workers run the same steps in `follow()`.
+Pipeline stages (stage=S) with a batch on each: S virtual replicas over one KV cache manager take
+turns entering a batch (core/turns.py); each step is one tick and lands the batch that left."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.core.kv_transfer_params import parse_kv_transfer_params
 from jaxinfer.core.plan import SchedulerPlan
 from jaxinfer.core.prompts import tokenize_prompt
-from jaxinfer.core.replica import Replica, replica_stats
+from jaxinfer.core.replica import build_replicas, replica_stats
 from jaxinfer.core.requests import CheckedRequest, RequestLimits, check_request, context_length
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.loader import LoadedModel
@@ -44,7 +46,7 @@ from jaxinfer.spec_decode import build_speculator
 from jaxinfer.structured import GrammarBackend, grammar_for
 from jaxinfer.tokenizer.reasoning import reasoning_parser
 from jaxinfer.worker.disagg import Disaggregation
-from jaxinfer.worker.step import StepOutput
+from jaxinfer.worker.step import StepOutput, window_outputs
 from jaxinfer.worker.warm_up import enable_compilation_cache
 from jaxinfer.worker.worker import StepHandle, Worker
 from sharding import StepChannel, is_leader, is_multiprocess
@@ -63,11 +65,9 @@ class Engine:
         self.lora = build_manager(*lora)  # LoRA adapters (jaxinfer/lora/); None: off
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else model.config.eos_token_ids
         slots = self.lora.slots if self.lora is not None else None
-        stops, pool = self.outputs.stop_checker, self.worker.kv_pool
-        self.replicas = [
-            Replica.build(r, pool, config.scheduler, self.max_model_len, eos, stops, slots)
-            for r in range(self.worker.num_replicas)
-        ]
+        stops, pool, stages = self.outputs.stop_checker, self.worker.kv_pool, self.worker.pipeline_stages
+        build = (self.worker.num_replicas, stages, pool, config.scheduler, self.max_model_len, eos, stops, slots)
+        self.replicas, self.turns = build_replicas(*build)  # stages > 1: virtual replicas taking turns
         self.kv_cache, self.scheduler = self.replicas[0].kv_cache, self.replicas[0].scheduler  # replica 0's
         self.is_leader = is_leader()
         self.limits = self._request_limits()  # what a request is checked against, once (core/requests.py)
@@ -178,7 +178,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending) or self._flight is not None
+        return bool(self._requests) or bool(self._pending) or self._flight is not None or self.worker.busy
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -196,10 +196,11 @@ class Engine:
         if self.speculator is not None:  # drafts of the sequences that speculate (spec_decode/)
             self.speculator.propose(self.scheduler)
         self.worker.follow_compiles(schedulers := [r.scheduler for r in self.replicas])  # within ready buckets
-        plans = [scheduler.schedule(self.worker.num_decode_steps) for scheduler in schedulers]
+        plans, entering = self.turns.schedule(schedulers, self.worker.num_decode_steps)
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         self.num_scheduled_tokens += sum(plan.num_batched_tokens * plan.num_steps for plan in plans)
-        flight = self._launch(plans, previous, masks_later=landing == "late") if any(p.seqs for p in plans) else None
+        launch = any(p.seqs for p in plans) or self.worker.busy  # busy: the pipeline's batches move on
+        flight = self._launch(plans, entering, previous, masks_later=landing == "late") if launch else None
         if previous is not None:
             outputs += self._land(previous)
         if flight is not None and flight.waits_for_masks:  # its grammar rows are past `previous` now
@@ -208,6 +209,7 @@ class Engine:
             outputs += self._land(flight)
             flight = None
         self._flight = flight
+        self.turns.settle(self.worker.busy)
         return outputs
 
     def _landing(self, previous: StepHandle) -> str | None:
@@ -223,7 +225,9 @@ class Engine:
             return "late"
         return "first" if first or grammar else None
 
-    def _launch(self, plans: list[SchedulerPlan], previous: StepHandle | None, masks_later: bool) -> StepHandle:
+    def _launch(
+        self, plans: list[SchedulerPlan], replicas: list[int], previous: StepHandle | None, masks_later: bool
+    ) -> StepHandle:
         start = time.monotonic()
         for entry in (entry for plan in plans for entry in plan.seqs):
             state = self._requests[entry.seq.request_id]
@@ -231,9 +235,10 @@ class Engine:
                 state.metrics.first_scheduled_time, state.cached_prompt_tokens = start, entry.start
         if self.lora is not None:  # adapters given new slots this step: written before it runs
             self.lora.load_pending()
-        handle = self.worker.execute(plans, previous, masks_later=masks_later)
-        for replica, plan in zip(self.replicas, plans):
-            replica.scheduler.advance(plan)
+        handle = self.worker.execute(plans, previous, masks_later=masks_later, replicas=replicas)
+        for r, plan in zip(replicas, plans):
+            self.replicas[r].scheduler.advance(plan)
+        self.turns.launched(replicas)
         return handle
 
     def _land(self, flight: StepHandle) -> list[RequestOutput]:
@@ -243,7 +248,7 @@ class Engine:
         touched: dict[str, RequestState] = {}
         for r, plan in enumerate(flight.plans):
             out_r = out if len(flight.plans) == 1 else jax.tree.map(lambda a, r=r: a[r], out)
-            scheduler = self.replicas[r].scheduler
+            scheduler = self.replicas[flight.replicas[r]].scheduler
             if isinstance(out_r, SamplerOutput) and out_r.prompt is not None:  # prompt logprobs, first
                 self.outputs.on_prompt_rows(plan, out_r.prompt, self._requests)
             for out_i, updated in self._resolved(plan, out_r, scheduler):  # each emitted before the next
@@ -256,17 +261,10 @@ class Engine:
         """A verify step's outputs position by position (plan.verifies: a VerifyOutput), else `_steps`."""
         if isinstance(out, VerifyOutput) and self.speculator is not None:
             return self.speculator.resolve(plan, out, scheduler)
-        if isinstance(out, SamplerOutput):
-            return self._steps(plan, out, scheduler)
+        if isinstance(out, SamplerOutput):  # a step's, or a decode window's step by step
+            steps, r = enumerate(window_outputs(out, plan.num_steps)), scheduler.resolve  # top: beams' candidates
+            return ((o, {s.seq_id for s in r(plan, o.tokens, i, (o.top_ids, o.top_logprobs))}) for i, o in steps)
         raise RuntimeError("a verify step's outputs, but the engine has no speculator")
-
-    @staticmethod
-    def _steps(plan: SchedulerPlan, out: SamplerOutput, scheduler: Scheduler) -> Iterator[tuple[SamplerOutput, set]]:
-        """(outputs, ids of the sequences that got a token) of a step, or of a window's steps in order."""
-        for i in range(plan.num_steps):
-            out_i = out if plan.num_steps == 1 else jax.tree.map(lambda a: a[i], out)  # noqa: B023
-            top = (out_i.top_ids, out_i.top_logprobs)  # beams' candidates (core/beam.py)
-            yield out_i, {s.seq_id for s in scheduler.resolve(plan, out_i.tokens, i, top)}
 
     def follow(self) -> bool:
         """On processes other than 0: runs process 0's steps until released (False: shut down)."""
@@ -295,6 +293,7 @@ class Engine:
             **replica_stats(self.replicas, self.lora),
             "preemptions": self.num_preemptions,
             **self.worker.compile_stats(),  # compiled variants; background compilation's progress
+            **self.worker.pipeline_stats(),  # pipeline stages with a batch in flight on each
             **self.disagg.stats(),  # disaggregated prefill/decode
             **(self.speculator.stats() if self.speculator is not None else {}),
         }

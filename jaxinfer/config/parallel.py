@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxinfer.options import option
+from jaxinfer.config.checks import bools
+from jaxinfer.options import DISABLE, option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,14 @@ class ParallelConfig:
         "device mesh, e.g. tensor=4, data=2,tensor=4 or stage=2,tensor=4 (axes: data, stage, sequence, "
         "expert, tensor); default: one device",
     )
+    # With stage=N: N batches in flight, one on each stage (worker/pipelined.py); False: one
+    # batch goes through the stages at a time while the others wait.
+    pipeline_batches: bool = option(
+        True,
+        "with stage=N, take one batch at a time through the pipeline stages instead of N in flight",
+        form=DISABLE,
+        flag="--no-pipeline-batches",
+    )
     coordinator_address: str | None = option(
         None, "HOST:PORT of process 0 for multi-host runs ('auto' on TPU pods); env JAXINFER_COORDINATOR_ADDRESS"
     )
@@ -29,6 +38,7 @@ class ParallelConfig:
     process_id: int | None = option(None, "this process's index (0 schedules)")
 
     def __post_init__(self):
+        bools(self, "pipeline_batches")
         if isinstance(self.mesh, (str, dict)):
             from sharding.mesh import format_mesh, parse_mesh_spec  # imports jax: only when asked for
 

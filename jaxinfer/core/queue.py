@@ -14,9 +14,10 @@ The Scheduler (scheduler.py) extends this with the planning of each step.
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from jaxinfer.core.admission import RequestEntry
 from jaxinfer.core.beam import BeamGroup
@@ -65,7 +66,7 @@ class RequestQueue:
         self.requests: dict[str, RequestEntry] = {}  # unfinished requests
         self._num_held = 0  # siblings not yet in the queue
         self._rng = random.Random(seed)  # seeds of unseeded requests
-        self._next_seq_id = 0
+        self.seq_ids: Iterator[int] = itertools.count()  # replicas over one page table share theirs (replica.py)
         self._next_arrival = 0
 
     # --- requests ---------------------------------------------------------------------------------
@@ -93,7 +94,7 @@ class RequestQueue:
         seqs: list[Sequence] = []
         for i in range(sampling_params.n):
             seq = Sequence(
-                self._next_seq_id,
+                self.new_seq_id(),
                 request_id,
                 prompt_token_ids,
                 sampling_params,
@@ -105,7 +106,6 @@ class RequestQueue:
                 adapter=adapter,
                 hash_root=hash_root,
             )
-            self._next_seq_id += 1
             seqs.append(seq)
         if beam is not None:
             BeamGroup(beam, self.eos_token_ids, seqs[0])
@@ -174,8 +174,7 @@ class RequestQueue:
         seq.lora_slot = 0
 
     def new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
+        return next(self.seq_ids)
 
     def enqueue_waiting(self, seq: Sequence) -> None:
         """A sequence made while its request runs (a beam's fork) joins the waiting queue."""

@@ -1,19 +1,24 @@
 """Replica: the host state of one data replica, its KV cache manager and its Scheduler.
 
 Without data parallelism the engine has one; with a mesh of data=N it has N, each scheduling its
-own requests over its own KV pages (the engine sends a new request to the least loaded one).
+own requests over its own KV pages (the engine sends a new request to the least loaded one). With
+pipeline stages and a batch in flight on each (stage=S), it has S virtual replicas that take turns
+(turns.py) over one KV cache manager whose freed pages wait for the batches in flight (kv/held.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from jaxinfer.config.kv_layout import KVLayout
 from jaxinfer.config.scheduler import SchedulerConfig
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.core.stops import StopChecker
+from jaxinfer.core.turns import PipelineTurns, Turns
 from jaxinfer.kv import KVCacheGroup, KVCacheManager, SwapCost, group_for
+from jaxinfer.kv.held import HeldFreesManager
 from jaxinfer.lora.manager import LoraManager
 from jaxinfer.lora.slots import AdapterSlots
 
@@ -34,16 +39,13 @@ class Replica:
         eos_token_ids: Iterable[int],
         stop_checker: StopChecker | None,
         adapter_slots: AdapterSlots | None,
+        *,
+        kv_cache: KVCacheManager | None = None,
     ) -> Replica:
         """Replica `index`: a KV cache manager over `pool` (pages, page size, prefix caching, the
-        model's KV layout, host-tier pages, swap cost model) and its scheduler (seeded with config.seed + index);
-        `adapter_slots` are every replica's."""
-        num_pages, page_size, prefix_caching, layout, host_pages, swap_cost = pool
-        groups = kv_groups(layout)
-        kv_cache = KVCacheManager(
-            num_pages, page_size, enable_prefix_caching=prefix_caching, groups=groups, host_pages=host_pages
-        )
-        kv_cache.swap_cost = swap_cost
+        model's KV layout, host-tier pages, swap cost model), or the `kv_cache` given, and its
+        scheduler (seeded with config.seed + index); `adapter_slots` are every replica's."""
+        kv_cache = kv_manager(pool) if kv_cache is None else kv_cache
         scheduler = Scheduler(
             kv_cache,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -58,6 +60,37 @@ class Replica:
         return cls(kv_cache, scheduler)
 
 
+def build_replicas(
+    num_replicas: int,
+    in_flight: int,
+    pool: tuple[int, int, bool, KVLayout, int, SwapCost | None],
+    *args: Any,
+) -> tuple[list[Replica], Turns]:
+    """The engine's replicas (Replica.build's other arguments in `args`) and how they take turns:
+    `num_replicas` with pools of their own, all planning each step; or with `in_flight` > 1
+    batches in flight (pipeline stages), that many virtual replicas over one manager holding
+    freed pages for `in_flight` - 1 launches, one entering a batch per step (turns.py)."""
+    if in_flight == 1:
+        return [Replica.build(r, pool, *args) for r in range(num_replicas)], Turns()
+    shared = kv_manager(pool, HeldFreesManager, delay=in_flight - 1)
+    assert isinstance(shared, HeldFreesManager)  # for the type checker
+    replicas = [Replica.build(r, pool, *args, kv_cache=shared) for r in range(in_flight)]
+    for r in replicas[1:]:  # one page table and KV pool: sequence ids unique across them
+        r.scheduler.seq_ids = replicas[0].scheduler.seq_ids
+    return replicas, PipelineTurns(in_flight, shared)
+
+
+def kv_manager(
+    pool: tuple[int, int, bool, KVLayout, int, SwapCost | None], cls: type[KVCacheManager] = KVCacheManager, **more: Any
+) -> KVCacheManager:
+    """A KV cache manager over `pool` (Replica.build): of class `cls`, with `more` options."""
+    num_pages, page_size, prefix_caching, layout, host_pages, swap_cost = pool
+    options = dict(enable_prefix_caching=prefix_caching, groups=kv_groups(layout), host_pages=host_pages, **more)
+    kv_cache = cls(num_pages, page_size, **options)
+    kv_cache.swap_cost = swap_cost
+    return kv_cache
+
+
 def kv_groups(layout: KVLayout, margin: int = 0) -> list[KVCacheGroup]:
     """The KV cache manager's group for each group of the model's KV layout; `margin` widens
     each window (a drafter recomputes up to that many tokens it had computed)."""
@@ -67,7 +100,7 @@ def kv_groups(layout: KVLayout, margin: int = 0) -> list[KVCacheGroup]:
 def replica_stats(replicas: Sequence[Replica], lora: LoraManager | None = None) -> dict:
     """Sequences and KV pages summed over the replicas (Engine.stats); with LoRA, the sequences
     running and waiting under each adapter, and the adapters known, on the device, loaded so far."""
-    caches = [r.kv_cache for r in replicas]
+    caches = list({id(r.kv_cache): r.kv_cache for r in replicas}.values())  # virtual replicas share one
     total, free = sum(c.num_usable_pages for c in caches), sum(c.num_free_pages for c in caches)
     queries = sum(c.prefix_cache_queries for c in caches)
     return {

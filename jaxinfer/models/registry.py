@@ -57,6 +57,23 @@ class ForwardFn[P: ModelParams](Protocol):
         """tokens, positions i32[T] -> (hidden [T, E] after the final norm, new caches)."""
 
 
+class TickFn[P: ModelParams](Protocol):
+    def __call__(
+        self,
+        params: P,
+        config: ModelConfig,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata[jax.Array],
+        inflight: jax.Array,
+        *,
+        attn_impl: str = "auto",
+    ) -> tuple[jax.Array, KVCaches, jax.Array]:
+        """One pipeline tick (models/ticks.py): tokens i32[T], positions i32[S, T] -> (the exiting
+        batch's hidden [T, E], new caches, the activations in flight)."""
+
+
 class LogitsFn[P: ModelParams](Protocol):
     def __call__(self, params: P, hidden: jax.Array) -> jax.Array:
         """hidden [N, E] -> logits f32[N, V]."""
@@ -93,6 +110,9 @@ class ModelFamily[P: ModelParams]:
     traits: tuple[str, ...] = ()  # what every model of the family does (for `jaxinfer info`)
     # (params, mesh or None) -> params in the layout the step computes with there (the worker's).
     compute_layout: Callable[[P, Mesh | None], P] | None = None
+    # The forward as one tick of a pipeline with a batch on every stage (models/ticks.py);
+    # None: staged engines of the family take one batch through the stages at a time.
+    tick: TickFn[P] | None = None
 
 
 _LOADED: dict[str, tuple[FamilySpec, ModelFamily]] = {}  # name -> (its spec, the record spec.model made)

@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 
 class CompiledStep(SplitStep):
-    def __init__(self, state: DeviceState) -> None:
+    def __init__(self, state: DeviceState, in_flight: int = 1) -> None:
         engine, self.state, self.config = state.engine, state, state.config
         self.engine, self.mesh, self.num_replicas = engine, state.mesh, state.num_replicas
         sp = axis_size(self.mesh, SEQUENCE)  # token buckets split evenly over the sequence axis
@@ -85,6 +85,7 @@ class CompiledStep(SplitStep):
             num_replicas=self.num_replicas,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             num_groups=state.kv_layout.num_groups,
+            in_flight=in_flight,  # batches in flight at once (pipelined.py)
         )
         max_seqs = engine.seq_bucket(self.buckets[-1])  # the sampled-token width handed on
         prev_shape = (max_seqs,) if self.num_replicas == 1 else (self.num_replicas, max_seqs)

@@ -54,13 +54,7 @@ from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.sampling.prompt_logprobs import PromptInputs
 from jaxinfer.sampling.rejection import SpecInputs
 from jaxinfer.structured import ReasoningGate, RowMatcher, fill_bitmask
-from jaxinfer.worker.page_table import (
-    NULL_ROW,
-    PageTableMirror,
-    no_updates,
-    padded_updates,
-    update_widths,
-)
+from jaxinfer.worker.page_table import NULL_ROW, PageTableMirror, no_updates, padded_updates, update_widths
 from jaxinfer.worker.step_inputs import StepInputs
 
 
@@ -78,6 +72,7 @@ class InputBuilder:
         num_replicas: int = 1,
         num_speculative_tokens: int = 0,
         num_groups: int = 1,
+        in_flight: int = 1,
     ):
         self.engine = engine
         self.num_speculative_tokens = num_speculative_tokens  # K: the width of verify steps' drafts
@@ -87,10 +82,11 @@ class InputBuilder:
         self.pages_per_seq = pages_per_seq
         self.max_model_len = max_model_len  # the penalty-history width
         self.num_replicas = num_replicas
-        # The device page table's host mirror per replica: a slot per sequence of the largest plan.
-        num_rows = engine.seq_bucket(buckets[-1]) + 1
+        # The page table's host mirror per replica: a slot per sequence of the largest plan (of
+        # each batch in flight: pipeline stages, page_table.py).
+        num_rows = in_flight * engine.seq_bucket(buckets[-1]) + 1
         self.update_widths = update_widths(num_rows, pages_per_seq, num_groups=num_groups)
-        self.tables = [PageTableMirror(num_rows, pages_per_seq, num_groups) for _ in range(num_replicas)]
+        self.tables = [PageTableMirror(num_rows, pages_per_seq, num_groups, in_flight) for _ in range(num_replicas)]
 
     def bucket_for(self, num_tokens: int) -> int:
         """The smallest (ready) token bucket holding num_tokens."""

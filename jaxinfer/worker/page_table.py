@@ -18,9 +18,12 @@ it. Padding entries write page 0 into the null row's first column, which it alre
 
 Slots: a sequence keeps its slot (the same row in every group) while it runs; a new one takes
 a free slot, else the slot used least recently by a sequence outside the plan (there are as many
-slots as the largest plan has sequences, so one is always found). A row is exact: entries past a
-sequence's pages hold the null page (a slot taken over, or a sequence that gave pages back, has
-the rest cleared), so no sequence's row ever names a page it does not own.
+slots as the largest plan has sequences, so one is always found). With several batches in flight
+(pipeline stages: `in_flight` plans at once) there are that many times the slots, and a slot named
+by one of the last `in_flight - 1` plans is not taken over: a batch in flight still reads its row.
+A row is exact: entries past a sequence's pages hold the null page (a slot taken over, or a
+sequence that gave pages back, has the rest cleared), so no sequence's row ever names a page it
+does not own.
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def padded_updates(
 class PageTableMirror:
     """The host's copy of one replica's device table and the slot of each sequence."""
 
-    def __init__(self, num_rows: int, pages_per_seq: int, num_groups: int = 1):
+    def __init__(self, num_rows: int, pages_per_seq: int, num_groups: int = 1, in_flight: int = 1):
+        self.in_flight = in_flight  # plans whose batches may still read their rows (module docstring)
         self.rows = np.full((num_groups, num_rows, pages_per_seq), NULL_PAGE, np.int32)
         self.lens = np.zeros((num_groups, num_rows), np.int32)  # entries of each row past which all are null
         self.owner = np.full(num_rows, -1, np.int64)  # seq_id of the slot's sequence; -1: free
@@ -142,7 +146,8 @@ class PageTableMirror:
         if free.size:
             slot = int(free[0])
         else:
-            candidates = np.flatnonzero(~np.isin(self.owner, plan_ids) & (self.owner != -2))
+            idle = self.used <= self._clock - self.in_flight  # named by none of the plans in flight
+            candidates = np.flatnonzero(~np.isin(self.owner, plan_ids) & (self.owner != -2) & idle)
             if not candidates.size:
                 raise RuntimeError(f"{len(plan_ids)} sequences in one step, {len(self.owner) - 1} page-table slots")
             slot = int(candidates[np.argmin(self.used[candidates])])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +54,50 @@ def step(
     page_table i32[G, rows, pages_per_seq]: the sequences' block tables of each layer group
     (page_table.py). A verify step (inputs with drafts) returns a VerifyOutput."""
     every_row, kv_caches = _forward(family, config, attn_impl, params, kv_caches, inputs, prev_tokens, page_table)
+    out, sampled = _outputs(family, max_seqs, params, every_row, inputs)
+    return out, kv_caches, sampled
+
+
+def tick(
+    family: ModelFamily,
+    config: ModelConfig,
+    attn_impl: str,
+    max_seqs: int,
+    params: ModelParams,
+    kv_caches: KVCaches,
+    inputs: StepInputs[jax.Array],
+    prev_tokens: jax.Array,
+    page_table: jax.Array,
+    inflight: jax.Array,
+) -> tuple[StepOutput, KVCaches, jax.Array, jax.Array]:
+    """One tick of a pipeline with a batch on every stage (worker/pipelined.py, models/ticks.py):
+    `inputs.token_ids` and `prev_rows` [T] are the entering batch's; `positions` [S, T], the `meta`
+    leaves [S, ...] and `page_slots` [S, rows] hold row s for the batch on stage s; the logits
+    rows, sampling arrays and prompt rows are the exiting batch's, whose tokens are sampled.
+    `inflight` [S, T_max, E]: the activations handed from each stage to the next."""
+    if family.tick is None:
+        raise ValueError(f"the {family.name} family's forward has no pipeline tick")
+    from_prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
+    token_ids = jnp.where(inputs.prev_rows >= 0, from_prev, inputs.token_ids)
+    pages = jnp.moveaxis(page_table[:, inputs.page_slots], 1, 0)  # [S, G, rows, pages_per_seq]
+    meta = dataclasses.replace(inputs.meta, page_indices=pages)
+    every_row, kv_caches, inflight = family.tick(
+        params, config, token_ids, inputs.positions, kv_caches, meta, inflight, attn_impl=attn_impl
+    )
+    out, sampled = _outputs(family, max_seqs, params, every_row, inputs)
+    return out, kv_caches, sampled, inflight
+
+
+def _outputs(
+    family: ModelFamily, max_seqs: int, params: ModelParams, every_row: jax.Array, inputs: StepInputs[jax.Array]
+) -> tuple[StepOutput, jax.Array]:
+    """The sampled (or verified) tokens of the rows `inputs` name in the forward's `every_row`
+    [T, E], with prompt logprobs where asked; and the tokens padded to [max_seqs]."""
     hidden = every_row[inputs.logits_indices]
     row_slots = None if inputs.lora_slots is None else inputs.lora_slots[inputs.logits_indices]
     if inputs.spec is not None:
         verified, sampled = verify_part(family, max_seqs, params, hidden, inputs.sampled(), inputs.spec, row_slots)
-        return verified, kv_caches, sampled
+        return verified, sampled
     out, sampled = sample_part(family, max_seqs, params, hidden, inputs.sampled(), row_slots)
     if inputs.prompt is not None:
         # Every row is scored, through a head of its own: the CPU's product-and-sum LM head
@@ -70,7 +110,13 @@ def step(
                 functools.partial(family.compute_logits, every_head), every_row, inputs.prompt, MAX_LOGPROBS
             ),
         )
-    return out, kv_caches, sampled
+    return out, sampled
+
+
+def window_outputs(out: SamplerOutput, num_steps: int) -> Iterator[SamplerOutput]:
+    """A step's fetched outputs, or each step's of a decode window's ([num_steps, ...]) in order."""
+    for i in range(num_steps):
+        yield out if num_steps == 1 else jax.tree.map(lambda a: a[i], out)  # noqa: B023
 
 
 def forward_part(

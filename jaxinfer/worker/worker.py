@@ -19,6 +19,10 @@ not apply, the whole step).
 
 Several hosts: process 0's worker sends each step's padded inputs to the others over a
 StepChannel before launching; their workers run the same steps in `follow()`.
+
+Pipeline stages with a batch in flight on each (`pipeline_stages` > 1, pipelined.py): each
+`execute` is one tick; its plan (of one virtual replica, or none) enters the pipeline and the
+handle it returns holds the batch that leaves it, whose tokens that call samples.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from jaxinfer.worker.device_state import DeviceState
 from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.kv_host import HostKV, host_slots
 from jaxinfer.worker.page_copy import PageCopier
+from jaxinfer.worker.pipelined import PipelinedStep, pipeline_stages
 from jaxinfer.worker.step import StepOutput
 from jaxinfer.worker.step_inputs import StepInputs
 from jaxinfer.worker.step_variants import for_followers
@@ -57,8 +62,10 @@ class StepHandle:
         out: StepOutput | Future[StepOutput] | None,
         step: CompiledStep,
         late: tuple[StepInputs[np.ndarray], jax.Array | Future[jax.Array] | None] | None = None,
+        replicas: list[int] | None = None,
     ):
         self.plans = plans
+        self.replicas = list(range(len(plans))) if replicas is None else replicas  # the replica of each plan
         self._out, self._step, self._late = out, step, late
         self._result: StepOutput | None = None
 
@@ -91,7 +98,9 @@ class Worker:
         self, model: LoadedModel, config: EngineConfig, max_model_len: int, channel: StepChannel | None = None
     ):
         self.state = DeviceState(model, config, max_model_len)
-        self.step = CompiledStep(self.state)
+        self.pipeline_stages = pipeline_stages(self.state, config, channel is not None)
+        stages = self.pipeline_stages
+        self.step = CompiledStep(self.state) if stages == 1 else PipelinedStep(self.state, stages)
         self._channel = channel
         self._copier: PageCopier | None = None  # compiled at warm-up (worker/page_copy.py)
         self._followed = 0  # background compilation's ready variants the schedulers were capped at
@@ -145,17 +154,31 @@ class Worker:
         return bool(self.step.split_buckets)
 
     # --- the step --------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether a batch is in the pipeline still (ticks must run till it leaves; pipelined.py)."""
+        return isinstance(self.step, PipelinedStep) and self.step.busy
+
     def execute(
-        self, plans: list[SchedulerPlan], previous: StepHandle | None = None, *, masks_later: bool = False
+        self,
+        plans: list[SchedulerPlan],
+        previous: StepHandle | None = None,
+        *,
+        masks_later: bool = False,
+        replicas: list[int] | None = None,
     ) -> StepHandle:
         """Builds the plans' inputs (one plan per data replica) and launches the step; a plan of
         several steps runs as a decode window. With `masks_later` (one plan, `overlaps_masks`)
-        the handle waits for `sample()` (module docstring)."""
+        the handle waits for `sample()` (module docstring). Pipelined: one plan or none, of
+        virtual replica `replicas[0]`; the handle's are those of the batch that leaves."""
         prev = previous.plans if previous is not None else None
         if self.host_kv is not None and any(p.transfers for p in plans):  # the host tier's, first
             self.step.launcher.submit(self.host_kv.transfer, [p.transfers for p in plans])
         if any(p.page_copies for p in plans):  # forks' shared pages copied before the step writes
             self.step.launcher.submit(self.copier.copy, [p.page_copies for p in plans])
+        if isinstance(self.step, PipelinedStep):
+            inputs, (out_plans, out_replicas) = self.step.enter(plans[0] if plans else None, (replicas or [0])[0], prev)
+            return StepHandle(out_plans, self.step.dispatch(inputs), self.step, replicas=out_replicas)
         plan = plans if len(plans) > 1 else plans[0]
         if masks_later and len(plans) == 1 and plans[0].num_steps == 1:
             return self._execute_late(plans[0], prev)
@@ -211,6 +234,10 @@ class Worker:
         """Compiled variants so far; the step's variants ready and in all (compile_progress)."""
         ready, total = self.compile_progress()
         return {"compiled_variants": self.num_compiled(), "step_variants_ready": ready, "step_variants_total": total}
+
+    def pipeline_stats(self) -> dict[str, float]:
+        """With a batch in flight on every pipeline stage: ticks run and how full the stages were."""
+        return self.step.stats() if isinstance(self.step, PipelinedStep) else {}
 
     def compile_progress(self) -> tuple[int, int]:
         """(step variants ready, in all): background compilation's, else the warm-up's (or, without

@@ -539,6 +539,64 @@ def scenario_pipeline(mesh_spec: str, batches: str = "6") -> dict:
     }
 
 
+def scenario_pipelined(mesh: str) -> dict:
+    """A batch in flight on every pipeline stage (worker/pipelined.py) against one device, llama3
+    fixture: the 16 HF-generate prompts in a pool that forces preemption, a request of two samples
+    sharing its prompt's pages (copy-on-write), one sharing a prefix with another (prefix hits)
+    with prompt logprobs, and one aborted while batches are in flight (its tokens so far must be a
+    prefix of the whole run's); then the stages taking one batch at a time, for the occupancy."""
+    prompts, _, max_tokens = prompts_and_expected("llama3")
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    extra = {
+        "fork": (prompts[0][:20] + [7] * 10, SamplingParams(temperature=0, n=2, max_tokens=6, ignore_eos=True)),
+        "plp": (prompts[1][:40], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=2)),
+        "abort": (prompts[2], greedy),
+    }
+
+    def run(engine: Engine, abort_after: int | None) -> dict:
+        compiled = engine.worker.num_compiled()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, greedy, request_id=str(i))
+        for request_id, (prompt, params) in extra.items():
+            engine.add_request(prompt, params, request_id=request_id)
+        tokens: dict[str, list[int]] = collections.defaultdict(list)
+        prompt_logprobs = None
+        while engine.has_unfinished():
+            for delta in engine.step():
+                for o in delta.outputs:
+                    tokens[f"{delta.request_id}/{o.index}"] += o.token_ids
+                if delta.prompt_logprobs is not None:
+                    prompt_logprobs = [None if lp is None else (lp.token_id, lp.rank) for lp in delta.prompt_logprobs]
+            if abort_after is not None and len(tokens["abort/0"]) >= abort_after:  # its next batch is in flight
+                engine.abort("abort")
+                abort_after = None
+        stats = engine.stats()
+        return {
+            "tokens": tokens,
+            "prompt_logprobs": prompt_logprobs,
+            "recompiled": engine.worker.num_compiled() - compiled,
+            "pools_empty": stats["kv_pages_free"] == stats["kv_pages_total"],
+            "preemptions": engine.num_preemptions,
+            "prefix_hit_rate": stats["prefix_cache_hit_rate"],
+            "in_flight": engine.worker.pipeline_stages,
+            "occupancy": stats.get("pipeline_occupancy"),
+        }
+
+    model = lambda: load_model(FIXTURES / "hf" / "llama3", dtype="float32", with_tokenizer=False)  # noqa: E731
+    options = dict(ENGINE, enable_prompt_logprobs=True)
+    single = run(Engine(model(), EngineConfig(**options)), None)
+    piped = run(Engine(model(), EngineConfig(**options, mesh=mesh)), 3)
+    one_at_a_time = run(Engine(model(), EngineConfig(**options, mesh=mesh, pipeline_batches=False)), None)
+    whole, cut = single["tokens"].pop("abort/0"), piped["tokens"].pop("abort/0")
+    one_at_a_time["tokens"].pop("abort/0")
+    return {
+        "single": single,
+        "piped": piped,
+        "one_at_a_time": one_at_a_time,
+        "abort": [len(whole), len(cut), whole[: len(cut)] == cut],
+    }
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     result = globals()[f"scenario_{name}"](*args)

@@ -21,6 +21,8 @@ columns; K here is the KV heads the cache carries (see sharding/rules.py on repl
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from jax.typing import DTypeLike
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import layers as L
+from jaxinfer.models.ticks import decoder_tick
 from jaxinfer.quant import einsum, fuse
 from jaxinfer.quant.lora_vocab import head_logits, unwrapped
 
@@ -271,6 +274,10 @@ def forward(
     Returns (hidden [T, E] after the final norm, new kv_caches tuple).
     """
     return L.decoder_stack(_layer, params, config, tokens, positions, kv_caches, meta, attn_impl)
+
+
+# One pipeline tick with a batch on every stage (models/ticks.py).
+tick = functools.partial(decoder_tick, _layer)
 
 
 def compute_logits(params: L.LMHead, hidden: jax.Array) -> jax.Array:

@@ -27,6 +27,7 @@ def model_code() -> ModelFamily[MoeParams]:
     return ModelFamily(
         name="moe",
         forward=model.forward,
+        tick=model.tick,
         compute_logits=model.compute_logits,
         init_params=model.init_params,
         assemble=model.assemble,

@@ -20,6 +20,7 @@ with one all-reduce after the MLP.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator, Mapping
 
@@ -34,6 +35,7 @@ from jaxinfer.models import layers as L
 from jaxinfer.models.experts import Experts, moe_mlp
 from jaxinfer.models.linear_layout import linear_layout
 from jaxinfer.models.llama import model as llama
+from jaxinfer.models.ticks import decoder_tick
 from jaxinfer.quant import stack, unstack
 
 compute_logits = llama.compute_logits
@@ -247,3 +249,7 @@ def forward(
 
     Returns (hidden [T, E] after the final norm, new kv_caches tuple)."""
     return L.decoder_stack(_layer, params, config, tokens, positions, kv_caches, meta, attn_impl)
+
+
+# One pipeline tick with a batch on every stage (models/ticks.py).
+tick = functools.partial(decoder_tick, _layer)
