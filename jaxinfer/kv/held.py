@@ -8,7 +8,15 @@ but page copies (copy-on-write of forks) and the host tier's loads write a page 
 at once, before the step they precede, and would be overwritten there. So pages freed while
 batches are in flight go back to the pool only once every batch launched before the free has
 left the pipeline: `delay` launches later (a pipeline of S stages: S - 1), or as soon as nothing
-is in flight. Everything else is the KVCacheManager's.
+is in flight. A preempted sequence's pages go back at once: its replica plans only once its last
+batch has left (core/turns.py), so no batch in flight holds it.
+
+The replicas that share this manager each admit up to their own max_num_seqs, so more sequences
+grow in one pool than one scheduler would run, and a replica short of pages can preempt only its
+own: admitting into the last free pages thrashes (the 16 HF prompts in 48 pages of the llama3
+fixture: 17 preemptions on stage=2, none on one device). So an admission also leaves a page free
+for each sequence holding pages (what their next tokens may need): the same run then preempts
+none. Everything else is the KVCacheManager's.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxinfer.kv.manager import KVCacheManager
+from jaxinfer.kv.prefix import ComputedPrefix, KVSequence
 
 
 class HeldFreesManager(KVCacheManager):
@@ -26,13 +35,38 @@ class HeldFreesManager(KVCacheManager):
         self.delay = delay
         self.launches = 0  # steps launched so far
         self._held: collections.deque[tuple[int, list[list[int]]]] = collections.deque()  # (launches then, tables)
+        self._holding: set[int] = set()  # id() of each sequence admitted and not freed yet
+        self._at_once = False  # freeing a preempted sequence's pages
 
     @property
     def num_held_pages(self) -> int:
         return sum(len(table) for _, tables in self._held for table in tables)
 
+    def _allocate_with_prefix(self, seq: KVSequence, num_tokens: int, prefix: ComputedPrefix) -> bool:
+        """Admission, leaving a page for each sequence holding pages (module docstring)."""
+        if self.num_free_pages - self.pages_for(num_tokens) < len(self._holding - {id(seq)}):
+            return False
+        if not super()._allocate_with_prefix(seq, num_tokens, prefix):
+            return False
+        self._holding.add(id(seq))
+        return True
+
+    def detach(self, seq: KVSequence) -> list[list[int]]:
+        self._holding.discard(id(seq))
+        return super().detach(seq)
+
+    def preempt(self, seq: KVSequence) -> bool:
+        self._at_once = True
+        try:
+            return super().preempt(seq)
+        finally:
+            self._at_once = False
+
     def free_tables(self, tables: Sequence[Sequence[int]]) -> None:
-        self._held.append((self.launches, [list(table) for table in tables]))
+        if self._at_once:
+            super().free_tables(tables)
+        else:
+            self._held.append((self.launches, [list(table) for table in tables]))
 
     def launched(self) -> None:
         """A step was launched: pages held since `delay` launches ago go back."""

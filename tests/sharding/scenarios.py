@@ -542,8 +542,8 @@ def scenario_pipeline(mesh_spec: str, batches: str = "6") -> dict:
 def scenario_pipelined(mesh: str) -> dict:
     """A batch in flight on every pipeline stage (worker/pipelined.py) against one device, llama3
     fixture: the 16 HF-generate prompts in a pool that forces preemption, a request of two samples
-    sharing its prompt's pages (copy-on-write), one sharing a prefix with another (prefix hits)
-    with prompt logprobs, and one aborted while batches are in flight (its tokens so far must be a
+    sharing its prompt's pages (copy-on-write), one with prompt logprobs, one added once another's
+    prompt is computed (a prefix hit), and one aborted while batches are in flight (its tokens so far must be a
     prefix of the whole run's); then the stages taking one batch at a time, for the occupancy."""
     prompts, _, max_tokens = prompts_and_expected("llama3")
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -560,13 +560,17 @@ def scenario_pipelined(mesh: str) -> dict:
         for request_id, (prompt, params) in extra.items():
             engine.add_request(prompt, params, request_id=request_id)
         tokens: dict[str, list[int]] = collections.defaultdict(list)
-        prompt_logprobs = None
+        prompt_logprobs, added = None, set()
         while engine.has_unfinished():
             for delta in engine.step():
                 for o in delta.outputs:
                     tokens[f"{delta.request_id}/{o.index}"] += o.token_ids
                 if delta.prompt_logprobs is not None:
                     prompt_logprobs = [None if lp is None else (lp.token_id, lp.rank) for lp in delta.prompt_logprobs]
+            if tokens["12/0"] and "late" not in added:  # prompt 12 (63 tokens) computed: prefix hits
+                late = SamplingParams(temperature=0, max_tokens=4)
+                engine.add_request(prompts[12] + [9] * 5, late, request_id="late")
+                added.add("late")
             if abort_after is not None and len(tokens["abort/0"]) >= abort_after:  # its next batch is in flight
                 engine.abort("abort")
                 abort_after = None

@@ -111,3 +111,23 @@ def test_pipeline_ticks_keep_every_stage_busy_and_match_one_batch_at_a_time(scen
     assert out["stages"] == int(mesh_spec.split(",")[0].split("=")[1])
     assert out["outputs"] == 0.0 and out["caches"] == 0.0 and out["written"]
     assert out["conditionals"] == 0 and out["conditionals_one_at_a_time"] == out["stages"]
+
+
+def test_a_batch_in_flight_on_every_stage_matches_one_device(scenario):
+    """worker/pipelined.py on stage=2,tensor=2: two virtual replicas take turns, every engine step
+    one tick; the 16 HF prompts (a pool that forces preemption), two samples of one prompt
+    (copy-on-write), prefix hits and prompt logprobs give one device's tokens and logprobs, as
+    the stages taking one batch at a time (--no-pipeline-batches) do; an abort while batches are in
+    flight keeps what it had; nothing compiles after warm-up and every page comes back."""
+    r = scenario("pipelined", "stage=2,tensor=2", timeout=600)
+    single, piped, one = r["single"], r["piped"], r["one_at_a_time"]
+    assert (single["in_flight"], piped["in_flight"], one["in_flight"]) == (1, 2, 1)
+    assert piped["tokens"] == single["tokens"] and one["tokens"] == single["tokens"]
+    assert len(piped["tokens"]) == 16 + 2 + 1 + 1  # the prompts, both samples, prompt logprobs, the late one
+    assert piped["prompt_logprobs"] == single["prompt_logprobs"] and single["prompt_logprobs"] is not None
+    assert piped["preemptions"] > 0 and piped["prefix_hit_rate"] > 0
+    for run in (piped, one):
+        assert run["recompiled"] == 0 and run["pools_empty"], run
+    whole, cut, prefix = r["abort"]
+    assert prefix and 3 <= cut < whole
+    assert piped["occupancy"] > 0.8  # both stages had a batch on most ticks
