@@ -11,7 +11,8 @@ tensor parallelism cannot speed anything up here; the table shows what splitting
              fixed random Llama-like model (MODEL, ~27M parameters, float32), decode (8 sequences
              x 1 token, 256 tokens of context each) and prefill (one 256-token chunk), for
              tensor = 1, 2, 4, 8.
-  stage:     decode (16 x 1 token) and a 256-token prefill, stage=2 against tensor=2 (2 devices).
+  stage:     engine decode throughput at batch 16, stage=2 (a batch in flight on each stage, and
+             one batch at a time) against tensor=2 (2 devices) and one device.
   kv-split:  decode (4 x 1 token) at 1024, 4096 and 16384 tokens of context, one device against
              sequence=4 (each device a quarter of every page's rows).
   context:   causal attention over one sequence split over sequence=4: ring (ppermute) vs
@@ -43,6 +44,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import EngineConfig, ModelConfig  # noqa: E402
+from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.loader import LoadedModel  # noqa: E402
 from jaxinfer.models.layers import AttentionMetadata  # noqa: E402
 from jaxinfer.models.registry import get_family  # noqa: E402
@@ -74,6 +76,7 @@ MODEL = ModelConfig(
 )
 PREFILL = 256
 PAGE = 16
+DECODE = 32  # bench_stage's decode tokens per request
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -176,36 +179,62 @@ def bench_tensor(repeats: int) -> str:
 
 
 def bench_stage(repeats: int) -> str:
-    """Decode at batch 16 (256 tokens of context each) and a 256-token prefill on 2 devices:
-    tensor=2 against stage=2 (each device half the layers), and step time per layer split."""
+    """Engine decode throughput at batch 16 on 2 devices: tensor=2 against stage=2 with a batch
+    in flight on each stage (worker/pipelined.py) and with one batch through the stages at a
+    time (pipeline_batches=False), and one device. Each run: 16 requests of 64-token prompts,
+    greedy, twice: 1 token (prefill) and 1 + DECODE tokens; decode tokens/s is 16 * DECODE over
+    the difference; an engine step's decode time likewise (with stages in flight a step is a
+    tick: every stage on its own batch of 8). Token buckets 8, 16, 256: a replica's batch of 8
+    sequences is not padded to 16. Also the share of ticks' stages that had a batch."""
     model = random_model()
-    runners = {}
-    for mesh in ("tensor=2", "stage=2", "tensor=1"):
-        runner = worker_on(
-            model, mesh, num_pages=320, max_num_batched_tokens=PREFILL, max_num_seqs=16, token_buckets=(16, PREFILL)
+    prompts = [np.random.default_rng(i).integers(1, MODEL.vocab_size, 64).tolist() for i in range(16)]
+    cases = {
+        "tensor=2": ("tensor=2", {}),
+        "stage=2": ("stage=2", {}),
+        "stage=2, one batch at a time": ("stage=2", {"pipeline_batches": False}),
+        "tensor=1": ("tensor=1", {}),
+    }
+    engines = {}
+    for name, (mesh, extra) in cases.items():
+        options = dict(
+            page_size=PAGE, max_model_len=1024, penalties=False, compilation_cache_dir=None, enable_prefix_caching=False
         )
-        runners[mesh] = (
-            runner,
-            step_inputs(runner, [256] * 16, [1] * 16, 16),
-            step_inputs(runner, [PREFILL], [PREFILL], PREFILL),
+        options.update(
+            num_pages=320, max_num_batched_tokens=PREFILL, max_num_seqs=16, token_buckets=(16, PREFILL), **extra
         )
-    times = {m: ([], []) for m in runners}
+        engines[name] = Engine(model, EngineConfig(**options, mesh=None if mesh == "tensor=1" else mesh))
+
+    def run(engine: Engine, max_tokens: int) -> tuple[float, int]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, request_id=f"{max_tokens}-{i}")
+        steps, start = 0, time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        return time.perf_counter() - start, steps
+
+    for engine in engines.values():
+        run(engine, 2)  # warm-up: every variant the runs use has run once
+    decode: dict[str, list[float]] = {name: [] for name in engines}
+    per_step: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(repeats):  # interleaved, so a busy machine slows them alike
-        for m, (runner, decode, prefill) in runners.items():
-            times[m][0].extend(timed(lambda runner=runner, decode=decode: runner.step.execute(decode), 1))
-            times[m][1].extend(timed(lambda runner=runner, prefill=prefill: runner.step.execute(prefill), 1))
-    base = statistics.median(times["tensor=2"][0])
+        for name, engine in engines.items():
+            (first, first_steps), (whole, steps) = run(engine, 1), run(engine, 1 + DECODE)
+            decode[name].append(16 * DECODE / (whole - first))
+            per_step[name].append((whole - first) / (steps - first_steps))
+    base = statistics.median(decode["tensor=2"])
     rows = [
-        "| mesh | decode step, 16 seqs x 1 token (ms) | decode tokens/s | vs tensor=2 | prefill, 256 tokens (ms) | "
-        "layer bytes per device (MiB) |",
-        "|---|---|---|---|---|---|",
+        f"| mesh | decode tokens/s (16 seqs, {DECODE} tokens) | vs tensor=2 | decode engine step (ms) "
+        "| stages with a batch |",
+        "|---|---|---|---|---|",
     ]
-    for m, (runner, _, _) in runners.items():
-        decode, prefill = statistics.median(times[m][0]), statistics.median(times[m][1])
-        layer_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.state.params.layers))
+    for name, engine in engines.items():
+        tps = statistics.median(decode[name])
+        full = engine.stats().get("pipeline_occupancy")
+        occupancy = "-" if full is None else f"{full:.2f}"
         rows.append(
-            f"| {m} | {1e3 * decode:.1f} | {16 / decode:.0f} | {base / decode:.2f}x | {1e3 * prefill:.1f} | "
-            f"{layer_bytes / 2**20:.1f} |"
+            f"| {name} | {tps:.0f} | {tps / base:.2f}x | {1e3 * statistics.median(per_step[name]):.1f} | {occupancy} |"
         )
     return "\n".join(rows)
 

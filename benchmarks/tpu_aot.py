@@ -52,6 +52,7 @@ from jaxinfer.quant.kv_cache import QuantizedKVCache, is_quantized_kv, resolve_k
 from jaxinfer.quant.weights import QuantizedWeight  # noqa: E402
 from jaxinfer.worker.inputs import InputBuilder  # noqa: E402
 from jaxinfer.worker.kv_pool import cache_struct, plan_num_pages  # noqa: E402
+from jaxinfer.worker.pipelined import inflight_struct, stack_rows, tick_jit, tick_shardings  # noqa: E402
 from jaxinfer.worker.stages import stage_plan  # noqa: E402
 from jaxinfer.worker.step_variants import (
     decode_sized_buckets,
@@ -172,6 +173,7 @@ class AotStep:
             num_replicas=self.replicas,
             num_speculative_tokens=0,
             num_groups=self.kv_layout.num_groups,
+            in_flight=self.in_flight,
         )
         self.max_seqs = engine.seq_bucket(self.buckets[-1])
 
@@ -180,6 +182,9 @@ class AotStep:
         axes, or with pipeline stages each layer's on its stage and stacked into slots."""
         axes = self.family.param_axes
         self.stages = stage_plan(self.config, self.engine, self.mesh)
+        # A batch in flight on every stage (worker/pipelined.py): the engine's step is a tick.
+        pipelined = self.engine.parallel.pipeline_batches and self.replicas == 1 and self.family.tick is not None
+        self.in_flight = self.stages.num_stages if self.stages is not None and pipelined else 1
         if self.stages is None:
             return param_structs(host, axes, self.mesh, layout)
         top = param_structs(dataclasses.replace(host, layers=()), axes, self.mesh, layout)
@@ -192,15 +197,14 @@ class AotStep:
         own jits: compile time, one chip's memory."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
         host = self.inputs.padding_inputs(bucket, False, prompt=prompt)
-        inputs = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            host,
-            input_shardings(self.mesh, host, self.replicas > 1),
-        )
+        ticks = self.in_flight > 1  # pipeline stages with a batch on each: the tick, every stage's rows
+        host = stack_rows([host] * self.in_flight) if ticks else host
+        shardings = tick_shardings(self.mesh, host) if ticks else input_shardings(self.mesh, host, self.replicas > 1)
+        inputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), host, shardings)
         prev_shape = (self.max_seqs,) if self.replicas == 1 else (self.replicas, self.max_seqs)
         prev = jax.ShapeDtypeStruct(prev_shape, jnp.int32, sharding=replicated)
         table = jax.ShapeDtypeStruct(
-            (*prev_shape[:-1], self.kv_layout.num_groups, self.max_seqs + 1, self.inputs.pages_per_seq),
+            (*prev_shape[:-1], self.kv_layout.num_groups, *self.inputs.tables[0].rows.shape[1:]),
             jnp.int32,
             sharding=replicated,
         )
@@ -216,18 +220,25 @@ class AotStep:
             mesh=self.mesh,
         )
         jitted = forward if split else step_fn if num_steps == 1 else window
+        extra: tuple = ()
+        if ticks:
+            jitted = tick_jit(
+                self.family, self.config, self.engine.compile.attn_impl, self.max_seqs, out_shardings, self.mesh
+            )
+            extra = (inflight_struct(self.params, self.config, self.mesh, self.in_flight, self.buckets[-1]),)
         variant = {
             "bucket": bucket,
             "num_steps": num_steps,
             **({"split": True} if split else {}),
             **({"prompt": True} if prompt else {}),
+            **({"tick": True} if ticks else {}),
         }
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
                 if split:
                     inputs = inputs.replace(sampling=None)  # as dispatch_forward passes them
-                compiled = jitted.trace(self.params, self.caches, inputs, prev, table).lower().compile()
+                compiled = jitted.trace(self.params, self.caches, inputs, prev, table, *extra).lower().compile()
         except jax.errors.JaxRuntimeError as e:  # the compiler's refusal (HBM, VMEM, SMEM) is the result
             return {**variant, "error": str(e)[:2000]}
         seconds = time.perf_counter() - start
@@ -378,9 +389,10 @@ def main(argv=None) -> None:
     decode_sized = decode_sized_buckets(aot.inputs, aot.buckets, args.max_num_seqs)
     for bucket in args.buckets or aot.buckets:
         print(json.dumps(aot.compile(bucket)), flush=True)
-        if decode_steps(args.decode_steps, aot.replicas) > 1 and bucket in decode_sized:  # a window too
-            print(json.dumps(aot.compile(bucket, args.decode_steps)), flush=True)
-        if args.split and split_step_enabled(True, aot.replicas) and bucket in decode_sized:
+        one_at_a_time = aot.in_flight == 1  # pipeline ticks have no window, no split step (worker/pipelined.py)
+        if one_at_a_time and decode_steps(args.decode_steps, aot.replicas) > 1 and bucket in decode_sized:
+            print(json.dumps(aot.compile(bucket, args.decode_steps)), flush=True)  # a window too
+        if one_at_a_time and args.split and split_step_enabled(True, aot.replicas) and bucket in decode_sized:
             print(json.dumps(aot.compile(bucket, split=True)), flush=True)
         if args.prompt_logprobs:
             print(json.dumps(aot.compile(bucket, prompt=True)), flush=True)

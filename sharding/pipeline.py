@@ -16,9 +16,8 @@ axis split the same way. Every batch in flight is padded to the same token bucke
 no batch this tick (the pipeline filling or draining) runs on padding metadata, whose K/V writes
 land in the reserved null page, and its output is never read.
 
-This is the device side of the issue's "virtual engines"; the engine side (S schedulers over
-disjoint sets of sequences, each batch's sampled tokens returned S - 1 ticks after it entered)
-is not built yet.
+The engine's side (virtual replicas taking turns, the ring of batches in flight, each batch's
+tokens sampled S - 1 ticks after it entered) is jaxinfer's: core/turns.py, worker/pipelined.py.
 """
 
 from __future__ import annotations

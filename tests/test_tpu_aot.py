@@ -56,7 +56,7 @@ def test_every_step_variant_compiles_for_a_tpu_slice(tensor4_on_v5e):
     summary, *variants = tensor4_on_v5e
     assert summary["chip"] == "v5e" and summary["devices"] == 4 and summary["page_size"] == 16
     # The 8-token step and, the bucket being decode-sized (at most max_num_seqs), its window of 8.
-    assert [(v["bucket"], v["num_steps"]) for v in variants] == [(8, 1), (8, 8)]
+    assert [(v["bucket"], v["num_steps"], v.get("tick")) for v in variants] == [(8, 1, True)]  # no window
     for v in variants:
         assert "error" not in v, v
         assert v["tpu_custom_calls"] == 6, v  # the decode, mixed and prefill kernels per layer
@@ -227,8 +227,9 @@ def test_the_pool_counts_a_tpus_tile_padding():
 def test_pipeline_stages_compile_for_a_slice_and_halve_each_chips_layers():
     """Four layers of the 8B shape in two stages of 2-way tensor parallelism on a v5e 2x2 slice
     against all four chips tensor-parallel: each chip holds half the layers at half the split
-    (the same bytes), and a page costs it its own stage's layers only; the staged step, its
-    window included, keeps the cache and the fused weights in place."""
+    (the same bytes), and a page costs it its own stage's layers only; the staged step (a tick of
+    the pipeline with a batch on each stage, worker/pipelined.py) keeps the cache and the fused
+    weights in place."""
     common = ["--shape", "llama-3.1-8b", "--num-layers", "4", "--topology", "v5e:2x2", "--buckets", "8"]
     common += ["--max-num-batched-tokens", "8", "--max-num-seqs", "32", "--max-model-len", "8192"]
     (flat, *_), (staged, *variants) = (
@@ -236,7 +237,7 @@ def test_pipeline_stages_compile_for_a_slice_and_halve_each_chips_layers():
         aot(*common, "--mesh", "stage=2,tensor=2"),
     )
     assert staged["mesh"]["stage"] == 2 and staged["mesh"]["tensor"] == 2
-    assert [(v["bucket"], v["num_steps"]) for v in variants] == [(8, 1), (8, 8)]
+    assert [(v["bucket"], v["num_steps"], v.get("tick")) for v in variants] == [(8, 1, True)]  # no window
     for v in variants:
         assert "error" not in v, v
         assert v["cache_copies"] == 0 and v["weight_copies"] == {}, v

@@ -17,7 +17,8 @@ The engine keeps S virtual replicas (core/replica.py) that share one KV cache ma
 replica's next batch enters only once its last one has left (core/pipeline.py), so each
 sequence is in at most one batch in flight. Not carried here (the engine takes batches through
 the stages one at a time instead, worker.py `pipeline_batches`): decode windows, the split step,
-the greedy twin, speculative decoding, data replicas, several hosts, background compilation.
+the greedy twin, speculative decoding, data replicas, background compilation. On several hosts
+process 0 keeps the ring and sends each tick's stacked inputs; the others run them as they come.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.core.plan import SchedulerPlan
+from jaxinfer.models.registry import ModelFamily
 from jaxinfer.quant.lora_vocab import vocab_rows
 from jaxinfer.sampling.arrays import HostOrDevice
 from jaxinfer.worker.compiled_step import CompiledStep
@@ -52,7 +54,7 @@ logger = logging.getLogger(__name__)
 Exiting = tuple[list[SchedulerPlan], list[int]]  # a batch's plans and the replicas they came from
 
 
-def pipeline_stages(state: DeviceState, engine: EngineConfig, multiprocess: bool) -> int:
+def pipeline_stages(state: DeviceState, engine: EngineConfig) -> int:
     """Batches in flight at once: the mesh's stage count where the pipeline carries this engine
     (module docstring), else 1 (one batch through the stages at a time; the reason is logged)."""
     n = num_stages(state.mesh)
@@ -61,7 +63,6 @@ def pipeline_stages(state: DeviceState, engine: EngineConfig, multiprocess: bool
     without = {
         f"the {state.family.name} family's forward has no pipeline tick": state.family.tick is None,
         "data replicas": state.num_replicas > 1,
-        "several hosts": multiprocess,
         "speculative decoding": engine.speculative_config is not None,
         "disaggregated prefill/decode (kv_role)": engine.kv_transfer.kv_role is not None,
     }
@@ -82,17 +83,14 @@ class PipelinedStep(CompiledStep):
         self.num_decode_steps, self.window_buckets, self.split_buckets, self.greedy_buckets = 1, (), (), ()
         home, formats = state.home, jax.tree.map(lambda c: c.format, state.kv_caches)
         max_seqs = self.engine.seq_bucket(self.buckets[-1])
-        self._tick = jax.jit(
-            functools.partial(tick, state.family, self.config, self.engine.compile.attn_impl, max_seqs),
-            donate_argnums=(1, 5),
-            out_shardings=(home, formats, home, NamedSharding(self.stage_mesh, P(STAGE))),
+        self._tick = tick_jit(
+            state.family, self.config, self.engine.compile.attn_impl, max_seqs, (home, formats, home), self.stage_mesh
         )
         self._jits = {"tick": self._tick}
-        embed = jax.eval_shape(lambda p: vocab_rows(p.embed, jnp.zeros(1, jnp.int32)), state.params)
-        shape = (num_stages, self.buckets[-1], self.config.hidden_size)
-        self.inflight = jax.device_put(jnp.zeros(shape, embed.dtype), NamedSharding(self.stage_mesh, P(STAGE)))
-        # Stages 1 .. S-1's batches (the newest first): padded inputs and (plans, replicas), None: no batch.
+        inflight = inflight_struct(state.params, self.config, self.stage_mesh, num_stages, self.buckets[-1])
+        self.inflight = jax.device_put(jnp.zeros(inflight.shape, inflight.dtype), inflight.sharding)
         self.ticks = self.stage_batches = 0  # ticks run, and stages that had a batch summed over them
+        # Stages 1 .. S-1's batches, the newest first: their inputs and (plans, replicas); None: no batch.
         self._ring: collections.deque[tuple[StepInputs[np.ndarray], Exiting] | None] = collections.deque(
             [None] * (num_stages - 1)
         )
@@ -119,7 +117,7 @@ class PipelinedStep(CompiledStep):
         self.stage_batches += sum(row is not None for row in rows)
         self._ring.appendleft(entering)
         self._ring.pop()
-        inputs = self._stacked([p if p is not None else self._padding_one(tokens) for p in padded])
+        inputs = stack_rows([p if p is not None else self.inputs.padding_inputs(tokens, False) for p in padded])
         return inputs, exiting
 
     def stats(self) -> dict[str, float]:
@@ -127,29 +125,12 @@ class PipelinedStep(CompiledStep):
         full = self.stage_batches / (self.ticks * self.num_stages) if self.ticks else 0.0
         return {"pipeline_ticks": self.ticks, "pipeline_occupancy": full}
 
-    def _padding_one(self, tokens: int) -> StepInputs[np.ndarray]:
-        return self.inputs.padding_inputs(tokens, False)
-
-    def _stacked(self, rows: list[StepInputs[np.ndarray]]) -> StepInputs[np.ndarray]:
-        """One tick's inputs from each stage's row (module docstring): the entering batch's ids,
-        every row's positions, metadata and page slots, the exiting batch's sampling."""
-        first, last = rows[0], rows[-1]
-        return dataclasses.replace(
-            last,
-            token_ids=first.token_ids,
-            prev_rows=first.prev_rows,
-            positions=np.stack([r.positions for r in rows]),
-            meta=jax.tree.map(lambda *a: np.stack(a), *[r.meta for r in rows]),
-            page_slots=np.stack([r.page_slots for r in rows]),
-            table=first.table,
-        )
-
     def padding_inputs(
         self, t_bucket: int, with_history: bool, spec: bool = False, prompt: bool = False, table_width: int = 0
     ) -> StepInputs[np.ndarray]:
         """A tick's all-padding inputs (each stage's row padding) of one bucket and variant."""
         one = self.inputs.padding_inputs(t_bucket, with_history, spec, prompt, table_width)
-        return self._stacked([one] * self.num_stages)
+        return stack_rows([one] * self.num_stages)
 
     def _variant(self, num_steps: int) -> str:
         if num_steps != 1:
@@ -158,10 +139,7 @@ class PipelinedStep(CompiledStep):
 
     def _placed(self, inputs: StepInputs[np.ndarray]) -> StepInputs[HostOrDevice]:
         """As CompiledStep's, the per-stage positions split like token ids along their second axis."""
-        mesh = self.stage_mesh
-        shardings = input_shardings(mesh, inputs, False)
-        stacked = NamedSharding(mesh, P(None, *shardings.token_ids.spec))
-        placed = put_inputs(inputs, dataclasses.replace(shardings, positions=stacked))
+        placed = put_inputs(inputs, tick_shardings(self.stage_mesh, inputs))
         return dataclasses.replace(placed, sampling=self._defaults.fill(placed.sampling))
 
     def _args(self, inputs: StepInputs[HostOrDevice], abstract: Any = None) -> tuple[Any, ...]:
@@ -180,6 +158,54 @@ class PipelinedStep(CompiledStep):
 
     def num_compiled(self) -> int:
         return super().num_compiled() + self._tick._cache_size()  # type: ignore[attr-defined]  # not in jax's stubs
+
+
+def stack_rows(rows: list[StepInputs[np.ndarray]]) -> StepInputs[np.ndarray]:
+    """One tick's inputs from each stage's row, stage 0 first (module docstring): the entering
+    batch's ids and page-table entries, every row's positions, metadata and page slots stacked,
+    the exiting (last) batch's logits rows, sampling and prompt rows."""
+    first, last = rows[0], rows[-1]
+    return dataclasses.replace(
+        last,
+        token_ids=first.token_ids,
+        prev_rows=first.prev_rows,
+        positions=np.stack([r.positions for r in rows]),
+        meta=jax.tree.map(lambda *a: np.stack(a), *[r.meta for r in rows]),
+        page_slots=np.stack([r.page_slots for r in rows]),
+        table=first.table,
+    )
+
+
+def tick_shardings(mesh: Mesh, inputs: StepInputs[Any]) -> StepInputs[NamedSharding]:
+    """Where a tick takes its inputs: as a step's (step_variants.input_shardings), the per-stage
+    positions [S, T] split like token ids along their second axis."""
+    shardings = input_shardings(mesh, inputs, False)
+    return dataclasses.replace(shardings, positions=NamedSharding(mesh, P(None, *shardings.token_ids.spec)))
+
+
+def tick_jit(
+    family: ModelFamily,
+    config: ModelConfig,
+    attn_impl: str,
+    max_seqs: int,
+    out_shardings: tuple[Any, Any, Any],
+    mesh: Mesh,
+) -> jax.stages.Wrapped:
+    """step.tick jitted: fn(params, caches, inputs, prev_tokens, page_table, inflight), the caches
+    and the activations in flight donated; `out_shardings`: the step's three outputs'."""
+    return jax.jit(
+        functools.partial(tick, family, config, attn_impl, max_seqs),
+        donate_argnums=(1, 5),
+        out_shardings=(*out_shardings, NamedSharding(mesh, P(STAGE))),
+    )
+
+
+def inflight_struct(params: Any, config: ModelConfig, mesh: Mesh, num_stages: int, max_tokens: int) -> Any:
+    """The activations handed between stages, [S, T_max, E] in the embedding's output dtype,
+    split over `stage` (a jax.ShapeDtypeStruct)."""
+    embed = jax.eval_shape(lambda p: vocab_rows(p.embed, jnp.zeros(1, jnp.int32)), params)
+    shape = (num_stages, max_tokens, config.hidden_size)
+    return jax.ShapeDtypeStruct(shape, embed.dtype, sharding=NamedSharding(mesh, P(STAGE)))
 
 
 def _pad(inputs: StepInputs[np.ndarray], tokens: int, seq_bucket: Any) -> StepInputs[np.ndarray]:

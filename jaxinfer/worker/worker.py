@@ -98,7 +98,7 @@ class Worker:
         self, model: LoadedModel, config: EngineConfig, max_model_len: int, channel: StepChannel | None = None
     ):
         self.state = DeviceState(model, config, max_model_len)
-        self.pipeline_stages = pipeline_stages(self.state, config, channel is not None)
+        self.pipeline_stages = pipeline_stages(self.state, config)
         stages = self.pipeline_stages
         self.step = CompiledStep(self.state) if stages == 1 else PipelinedStep(self.state, stages)
         self._channel = channel
@@ -178,6 +178,8 @@ class Worker:
             self.step.launcher.submit(self.copier.copy, [p.page_copies for p in plans])
         if isinstance(self.step, PipelinedStep):
             inputs, (out_plans, out_replicas) = self.step.enter(plans[0] if plans else None, (replicas or [0])[0], prev)
+            if self._channel is not None:  # the tick's stacked inputs: the other processes keep no ring
+                self._channel.send(*for_followers(inputs, self.step.config.vocab_size))
             return StepHandle(out_plans, self.step.dispatch(inputs), self.step, replicas=out_replicas)
         plan = plans if len(plans) > 1 else plans[0]
         if masks_later and len(plans) == 1 and plans[0].num_steps == 1:

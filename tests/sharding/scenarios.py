@@ -106,6 +106,7 @@ def scenario_engine(name: str, mesh: str, offload_gb: str = "0") -> dict:
         "cache_shape": list(engine.worker.state.kv_caches[0].shape),
         "cache_shard_shape": list(engine.worker.state.kv_caches[0].addressable_shards[0].data.shape),
         "host_hits": engine.stats().get("prefix_cache_host_hits", 0),
+        "in_flight": engine.worker.pipeline_stages,
     }
 
 
@@ -277,6 +278,7 @@ def scenario_multihost(process_id: str, port: str, mesh: str, model: str = "", o
         "prompt_logprobs": [lp.logprob for o in scored for lp in o.prompt_logprobs[1:]],
         "host_hits": llm.engine.stats().get("prefix_cache_host_hits", 0),
         "pools_empty": all(r.kv_cache.num_free_pages == r.kv_cache.num_usable_pages for r in llm.engine.replicas),
+        "in_flight": llm.engine.worker.pipeline_stages,  # batches in flight (pipeline stages)
     }
 
 
@@ -428,6 +430,7 @@ def scenario_stages(name: str, *meshes: str) -> dict:
         cache = state.kv_caches[0]
         out[mesh] = {
             "mismatched": [i for i in range(len(prompts)) if got[str(i)] != want[str(i)]],
+            "in_flight": engine.worker.pipeline_stages,
             "recompiled": engine.worker.num_compiled() - compiled,
             "pools_empty": all(r.kv_cache.num_free_pages == r.kv_cache.num_usable_pages for r in engine.replicas),
             "counts": list(plan.counts),
@@ -544,13 +547,15 @@ def scenario_pipelined(mesh: str) -> dict:
     fixture: the 16 HF-generate prompts in a pool that forces preemption, a request of two samples
     sharing its prompt's pages (copy-on-write), one with prompt logprobs, one added once another's
     prompt is computed (a prefix hit), and one aborted while batches are in flight (its tokens so far must be a
-    prefix of the whole run's); then the stages taking one batch at a time, for the occupancy."""
+    prefix of the whole run's), with the prefix cache's host tier; then the stages taking one
+    batch at a time."""
     prompts, _, max_tokens = prompts_and_expected("llama3")
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     extra = {
         "fork": (prompts[0][:20] + [7] * 10, SamplingParams(temperature=0, n=2, max_tokens=6, ignore_eos=True)),
         "plp": (prompts[1][:40], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=2)),
         "abort": (prompts[2], greedy),
+        "penalty": (prompts[5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)),
     }
 
     def run(engine: Engine, abort_after: int | None) -> dict:
@@ -582,12 +587,13 @@ def scenario_pipelined(mesh: str) -> dict:
             "pools_empty": stats["kv_pages_free"] == stats["kv_pages_total"],
             "preemptions": engine.num_preemptions,
             "prefix_hit_rate": stats["prefix_cache_hit_rate"],
+            "host_hits": stats.get("prefix_cache_host_hits", 0),
             "in_flight": engine.worker.pipeline_stages,
             "occupancy": stats.get("pipeline_occupancy"),
         }
 
     model = lambda: load_model(FIXTURES / "hf" / "llama3", dtype="float32", with_tokenizer=False)  # noqa: E731
-    options = dict(ENGINE, enable_prompt_logprobs=True)
+    options = dict(ENGINE, enable_prompt_logprobs=True, penalties=True, kv_offload_gb=0.01)
     single = run(Engine(model(), EngineConfig(**options)), None)
     piped = run(Engine(model(), EngineConfig(**options, mesh=mesh)), 3)
     one_at_a_time = run(Engine(model(), EngineConfig(**options, mesh=mesh, pipeline_batches=False)), None)

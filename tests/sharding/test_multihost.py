@@ -35,5 +35,6 @@ def test_two_processes_match_one(processes, port, mesh, devices, tmp_path):
     np.testing.assert_allclose(leader["prompt_logprobs"], expected, atol=1e-4)
     assert follower["prompt_logprobs"] == []
     assert leader["pools_empty"]
+    assert leader["in_flight"] == follower["in_flight"] == (2 if mesh == "stage=2" else 1)  # a batch on each stage
     if offload != "0":  # the second call's prompts came back from host pages, loaded by both processes
         assert leader["host_hits"] > 0

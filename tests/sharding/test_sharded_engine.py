@@ -38,6 +38,8 @@ def test_greedy_outputs_equal_single_device(scenario, name, mesh):
         assert r["preemptions"] > 0  # the 24-page pool forces preemption (as in test_engine)
     sizes = dict(item.split("=") for item in mesh.split(","))
     tp, dp = int(sizes.get("tensor", 1)), int(sizes.get("data", 1))
+    # A batch in flight on each pipeline stage (worker/pipelined.py); with data replicas one at a time.
+    assert r["in_flight"] == (int(sizes.get("stage", 1)) if dp == 1 else 1)
     kv_heads = {"llama3": 2, "mistral": 1, "qwen3_tied": 1, "mixtral": 1, "qwen3_moe": 2}[name]
     # The cache is split by KV heads: each shard holds max(1, K / tp) heads (K and V).
     assert r["cache_shard_shape"][-2] == 2 * max(1, kv_heads // tp)

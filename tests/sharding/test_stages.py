@@ -87,6 +87,7 @@ def test_smollm2_stages_match_one_device_and_hold_only_their_layers(scenario):
         got = r[m]
         assert got["mismatched"] == [] and got["recompiled"] == 0 and got["pools_empty"], got
         assert got["counts"] == counts and got["num_caches"] == max(counts)
+        assert got["in_flight"] == len(counts)  # a batch on every stage (worker/pipelined.py)
         assert got["wrong"] == [], got["wrong"]  # each shard is its own stage's layer (or padding zeros)
         # One stage's slots on every device, split by tensor (norms whole): never another stage's layers.
         (per_device,) = got["layer_bytes_per_device"]
@@ -116,16 +117,18 @@ def test_pipeline_ticks_keep_every_stage_busy_and_match_one_batch_at_a_time(scen
 def test_a_batch_in_flight_on_every_stage_matches_one_device(scenario):
     """worker/pipelined.py on stage=2,tensor=2: two virtual replicas take turns, every engine step
     one tick; the 16 HF prompts (a pool that forces preemption), two samples of one prompt
-    (copy-on-write), prefix hits and prompt logprobs give one device's tokens and logprobs, as
+    (copy-on-write), prefix hits (some from the host tier), a repetition penalty and prompt logprobs give one device's
+    tokens and logprobs, as
     the stages taking one batch at a time (--no-pipeline-batches) do; an abort while batches are in
     flight keeps what it had; nothing compiles after warm-up and every page comes back."""
     r = scenario("pipelined", "stage=2,tensor=2", timeout=600)
     single, piped, one = r["single"], r["piped"], r["one_at_a_time"]
     assert (single["in_flight"], piped["in_flight"], one["in_flight"]) == (1, 2, 1)
     assert piped["tokens"] == single["tokens"] and one["tokens"] == single["tokens"]
-    assert len(piped["tokens"]) == 16 + 2 + 1 + 1  # the prompts, both samples, prompt logprobs, the late one
+    assert len(piped["tokens"]) == 16 + 2 + 1 + 1 + 1  # the prompts, both samples, logprobs, penalty, late
     assert piped["prompt_logprobs"] == single["prompt_logprobs"] and single["prompt_logprobs"] is not None
     assert piped["preemptions"] > 0 and piped["prefix_hit_rate"] > 0
+    assert piped["host_hits"] > 0  # pages loaded back from the host tier while batches were in flight
     for run in (piped, one):
         assert run["recompiled"] == 0 and run["pools_empty"], run
     whole, cut, prefix = r["abort"]
