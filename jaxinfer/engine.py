@@ -199,7 +199,8 @@ class Engine:
         plans, entering = self.turns.schedule(schedulers, self.worker.num_decode_steps)
         self.num_preemptions += sum(len(plan.preempted) for plan in plans)
         self.num_scheduled_tokens += sum(plan.num_batched_tokens * plan.num_steps for plan in plans)
-        launch = any(p.seqs for p in plans) or self.worker.busy  # busy: the pipeline's batches move on
+        moves = any(p.seqs or p.transfers or p.page_copies for p in plans)  # pages to copy: a step carries them
+        launch = moves or self.worker.busy  # busy: the pipeline's batches move on
         flight = self._launch(plans, entering, previous, masks_later=landing == "late") if launch else None
         if previous is not None:
             outputs += self._land(previous)

@@ -56,7 +56,7 @@ def test_every_step_variant_compiles_for_a_tpu_slice(tensor4_on_v5e):
     summary, *variants = tensor4_on_v5e
     assert summary["chip"] == "v5e" and summary["devices"] == 4 and summary["page_size"] == 16
     # The 8-token step and, the bucket being decode-sized (at most max_num_seqs), its window of 8.
-    assert [(v["bucket"], v["num_steps"], v.get("tick")) for v in variants] == [(8, 1, True)]  # no window
+    assert [(v["bucket"], v["num_steps"]) for v in variants] == [(8, 1), (8, 8)]
     for v in variants:
         assert "error" not in v, v
         assert v["tpu_custom_calls"] == 6, v  # the decode, mixed and prefill kernels per layer

@@ -544,11 +544,12 @@ def scenario_pipeline(mesh_spec: str, batches: str = "6") -> dict:
 
 def scenario_pipelined(mesh: str) -> dict:
     """A batch in flight on every pipeline stage (worker/pipelined.py) against one device, llama3
-    fixture: the 16 HF-generate prompts in a pool that forces preemption, a request of two samples
-    sharing its prompt's pages (copy-on-write), one with prompt logprobs, one added once another's
-    prompt is computed (a prefix hit), and one aborted while batches are in flight (its tokens so far must be a
-    prefix of the whole run's), with the prefix cache's host tier; then the stages taking one
-    batch at a time."""
+    fixture, with the prefix cache's host tier: the 16 HF-generate prompts in a pool that forces
+    preemption, a request of two samples sharing its prompt's pages (copy-on-write), one with
+    prompt logprobs, one with a repetition penalty (its step lands before the next is planned),
+    one added once another's prompt is computed (prefix hits), and one aborted while its next
+    batch is in flight (its tokens so far must be a prefix of the whole run's); then the stages
+    taking one batch at a time."""
     prompts, _, max_tokens = prompts_and_expected("llama3")
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     extra = {
