@@ -44,7 +44,8 @@ class HeldFreesManager(KVCacheManager):
 
     def _allocate_with_prefix(self, seq: KVSequence, num_tokens: int, prefix: ComputedPrefix) -> bool:
         """Admission, leaving a page for each sequence holding pages (module docstring)."""
-        if self.num_free_pages - self.pages_for(num_tokens) < len(self._holding - {id(seq)}):
+        growing = len(self._holding) - (id(seq) in self._holding)  # the others holding pages
+        if self.num_free_pages - self.pages_for(num_tokens) < growing:
             return False
         if not super()._allocate_with_prefix(seq, num_tokens, prefix):
             return False
