@@ -259,7 +259,7 @@ class Engine:
     def _resolved(
         self, plan: SchedulerPlan, out: StepOutput, scheduler: Scheduler
     ) -> Iterator[tuple[SamplerOutput, set[int]]]:
-        """A verify step's outputs position by position (plan.verifies: a VerifyOutput), else `_steps`."""
+        """(outputs, ids of the sequences given a token) position by position, or step by step."""
         if isinstance(out, VerifyOutput) and self.speculator is not None:
             return self.speculator.resolve(plan, out, scheduler)
         if isinstance(out, SamplerOutput):  # a step's, or a decode window's step by step

@@ -39,8 +39,7 @@ class Turns:
 class PipelineTurns(Turns):
     def __init__(self, num_stages: int, kv_cache: HeldFreesManager):
         """`num_stages` virtual replicas over `kv_cache`, one per stage."""
-        self.num_stages, self.kv_cache = num_stages, kv_cache  # the replicas' one manager
-        self.ticks = 0  # launched so far
+        self.num_stages, self.kv_cache = num_stages, kv_cache  # the replicas' one manager; it counts the ticks
         self.entered = [-num_stages] * num_stages  # the tick each replica's last batch entered
         self._next = 0  # where the round robin starts
 
@@ -48,7 +47,7 @@ class PipelineTurns(Turns):
         """The replicas whose last batch has left the pipeline, longest waiting first."""
         n = len(self.entered)
         order = [(self._next + i) % n for i in range(n)]
-        return [r for r in order if self.entered[r] <= self.ticks - self.num_stages]
+        return [r for r in order if self.entered[r] <= self.kv_cache.launches - self.num_stages]
 
     def schedule(self, schedulers: Sequence[Scheduler], num_steps: int) -> tuple[list[SchedulerPlan], list[int]]:
         """One ready replica's plan (one step: windows are not carried), or none (nothing enters).
@@ -61,9 +60,8 @@ class PipelineTurns(Turns):
 
     def launched(self, replicas: Sequence[int]) -> None:
         for r in replicas:
-            self.entered[r] = self.ticks
+            self.entered[r] = self.kv_cache.launches
             self._next = (r + 1) % len(self.entered)
-        self.ticks += 1
         self.kv_cache.launched()
 
     def settle(self, busy: bool) -> None:

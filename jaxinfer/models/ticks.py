@@ -56,7 +56,6 @@ def decoder_tick(
         cos, sin, meta = extras  # this stage's batch's
         return layer_call(x, layer, cache, cos, sin, group_meta(meta, 0), config, attn_impl)
 
-    carried = inflight[:, :num_tokens].astype(x.dtype)
-    done, handed, caches = pipeline_tick(slot, carried, x, params.layers, kv_caches, (cos, sin, meta))
-    inflight = inflight.at[:, :num_tokens].set(handed.astype(inflight.dtype))
+    done, handed, caches = pipeline_tick(slot, inflight[:, :num_tokens], x, params.layers, kv_caches, (cos, sin, meta))
+    inflight = inflight.at[:, :num_tokens].set(handed)  # in the embedding's dtype (pipelined.inflight_struct)
     return rms_norm(done, params.final_norm, config.rms_norm_eps), caches, inflight

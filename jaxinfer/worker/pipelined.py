@@ -7,16 +7,16 @@ the others wait. Here every jitted call is one tick of the pipeline (step.tick, 
              entered at tick k - s runs stage s; the one that entered at k - S + 1 leaves the last
              stage and is sampled: its tokens are this call's outputs, and what the next call's
              placeholders stand for (the engine's async scheduling, unchanged)
-    host     a ring of the S - 1 batches in flight (their padded inputs, plans and replica);
+    host     a ring of the S - 1 batches in flight (their inputs as prepared, plans, replica);
              each tick's inputs stack every stage's row (positions, attention metadata, page
              slots) over a leading [S] axis, all padded to the largest bucket among them
     device   the activations handed between stages, [S, T_max, E] split over `stage`, carried
              from call to call as the KV cache is (donated, replaced)
 
 The engine keeps S virtual replicas (core/replica.py) that share one KV cache manager; a
-replica's next batch enters only once its last one has left (core/pipeline.py), so each
+replica's next batch enters only once its last one has left (core/turns.py), so each
 sequence is in at most one batch in flight. Not carried here (the engine takes batches through
-the stages one at a time instead, worker.py `pipeline_batches`): decode windows, the split step,
+the stages one at a time instead: `pipeline_stages` below): decode windows, the split step,
 the greedy twin, speculative decoding, data replicas, background compilation. On several hosts
 process 0 keeps the ring and sends each tick's stacked inputs; the others run them as they come.
 """

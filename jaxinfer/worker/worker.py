@@ -98,8 +98,7 @@ class Worker:
         self, model: LoadedModel, config: EngineConfig, max_model_len: int, channel: StepChannel | None = None
     ):
         self.state = DeviceState(model, config, max_model_len)
-        self.pipeline_stages = pipeline_stages(self.state, config)
-        stages = self.pipeline_stages
+        self.pipeline_stages = stages = pipeline_stages(self.state, config)
         self.step = CompiledStep(self.state) if stages == 1 else PipelinedStep(self.state, stages)
         self._channel = channel
         self._copier: PageCopier | None = None  # compiled at warm-up (worker/page_copy.py)
