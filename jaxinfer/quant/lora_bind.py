@@ -30,7 +30,7 @@ def bind(params: Any, slots: jax.Array | None) -> Any:
 
     def bound(w: Any) -> Any:
         if isinstance(w, LoraWeight):
-            return w.bound(one_hot_slots(slots, w.a.shape[0], w.a.dtype))
+            return w.bound(one_hot_slots(slots, w.num_slots, w.a.dtype))
         if isinstance(w, VocabLora) and w.embed_a is not None:
             return dataclasses.replace(w, mask=one_hot_slots(slots, w.num_slots, w.embed_a.dtype))
         return w

@@ -29,7 +29,7 @@ from jaxinfer.config import LoraConfig, ModelConfig
 from jaxinfer.lora.peft import Adapter
 from jaxinfer.lora.stacking import FIELD_PARTS, layer_slot, served_fields, served_modules, slot_shapes, vocab_slot
 from jaxinfer.models.linear_layout import LAYER_LINEARS
-from jaxinfer.quant.lora import LoraWeight, lora_axes, lora_name
+from jaxinfer.quant.lora import A_SLOT_AXIS, LoraWeight, lora_axes, lora_name
 from jaxinfer.quant.lora_bind import is_lora
 from jaxinfer.quant.lora_vocab import VocabLora, vocab_axes
 from sharding import repeat_kv_heads
@@ -54,7 +54,7 @@ def attach(params: Params, config: ModelConfig, lora: LoraConfig, dtype: Any) ->
         changes = {
             field: LoraWeight(
                 getattr(layer, field),
-                np.zeros((s, *shapes[field][0]), dtype),
+                np.zeros((*shapes[field][0][:-1], s, shapes[field][0][-1]), dtype),
                 np.zeros((s, *shapes[field][1]), dtype),
                 field,
                 parts=FIELD_PARTS[field][0],
@@ -80,7 +80,8 @@ def detach(params: Params) -> Params:
 
 
 def _stacks(params: Params) -> list[tuple[tuple[Any, ...], Any, Any]]:
-    """(site, A, B) of every pair of stacks: site ("layer", i, field) or ("vocab", module)."""
+    """(site, A, B) of every pair of stacks: site ("layer", i, field) or ("vocab", module). A
+    layer's A holds its slots on axis A_SLOT_AXIS, the others on their first axis."""
     sites: list[tuple[tuple[Any, ...], Any, Any]] = [
         (("layer", i, w.field), w.a, w.b)
         for i, layer in enumerate(params.layers)
@@ -102,8 +103,9 @@ class SlotWriter:
         self._axes = lora_param_axes(dict(state.family.param_axes))
         self._dtype = stacks[0][1].dtype
         shardings = [(a.sharding, b.sharding) for _, a, b in stacks]
-        self._write = jax.jit(_write_slot, donate_argnums=0, out_shardings=shardings)
-        self._slice = [(_one_slot(a), _one_slot(b)) for a, b in shardings]
+        self._axes_of = tuple((a.ndim + A_SLOT_AXIS if site[0] == "layer" else 0, 0) for site, a, _ in stacks)
+        self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=3, out_shardings=shardings)
+        self._slice = [(_one_slot(a, i), _one_slot(b, j)) for (a, b), (i, j) in zip(shardings, self._axes_of)]
         self.write(1, None)  # compiled now, never after
 
     def num_compiled(self) -> int:
@@ -126,18 +128,28 @@ class SlotWriter:
             new.append((jax.device_put(a, a_at), jax.device_put(b, b_at)))
         params = self.state.params
         stacks = [(a, b) for _, a, b in _stacks(params)]
-        written = self._write(stacks, jnp.int32(slot - 1), new)
+        written = self._write(stacks, jnp.int32(slot - 1), new, self._axes_of)
         self.state.params = _replaced(params, written)
 
 
-def _write_slot(stacks: list[tuple[jax.Array, jax.Array]], index: jax.Array, new: list) -> list:
-    return [(a.at[index].set(na), b.at[index].set(nb)) for (a, b), (na, nb) in zip(stacks, new)]
+def _write_slot(
+    stacks: list[tuple[jax.Array, jax.Array]], index: jax.Array, new: list, axes: tuple[tuple[int, int], ...]
+) -> list:
+    """Each stack with slot `index` (on its slots' axis, `axes`) replaced by its new arrays."""
+    return [
+        (_at_slot(a, index, i, na), _at_slot(b, index, j, nb)) for (a, b), (na, nb), (i, j) in zip(stacks, new, axes)
+    ]
 
 
-def _one_slot(sharding: Any) -> Any:
-    """The sharding of one slot of a stack placed with `sharding` (the slot axis dropped)."""
+def _at_slot(stack: jax.Array, index: jax.Array, axis: int, value: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), index, axis)
+
+
+def _one_slot(sharding: Any, axis: int) -> Any:
+    """The sharding of one slot of a stack placed with `sharding` (its slots' axis `axis` dropped)."""
     if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+        spec = list(sharding.spec) + [None] * (axis + 1 - len(sharding.spec))
+        return NamedSharding(sharding.mesh, P(*spec[:axis], *spec[axis + 1 :]))
     if isinstance(sharding, SingleDeviceSharding):
         return sharding
     raise ValueError(f"LoRA stacks placed with an unexpected sharding {sharding}")

@@ -126,7 +126,7 @@ def with_adapters(model, adapters: dict, max_loras: int = 3, max_rank: int = 16,
             if isinstance(w, LoraWeight):
                 a, b = w.a.copy(), w.b.copy()
                 for slot, adapter in adapters.items():
-                    a[slot - 1], b[slot - 1] = layer_slot(adapter, model.config, max_rank, i, dtype)[name]
+                    a[..., slot - 1, :], b[slot - 1] = layer_slot(adapter, model.config, max_rank, i, dtype)[name]
                 changes[name] = dataclasses.replace(w, a=jnp.asarray(a), b=jnp.asarray(b))
         layers.append(dataclasses.replace(layer, **changes))
     params = dataclasses.replace(params, layers=tuple(layers))

@@ -132,7 +132,7 @@ def test_quantized_base_weight_with_float_adapters():
     w = jax.random.normal(key[0], (64, 2, 96), jnp.float32)
     host = quantize_field(np.asarray(w), "w_gate_up", (0,), QuantConfig.parse("int8"), np.float32)
     q = jax.tree.map(jnp.asarray, host)
-    a = jax.random.normal(key[1], (3, 64, 8), jnp.float32)
+    a = jax.random.normal(key[1], (64, 3, 8), jnp.float32)  # [in, slots, rank]
     b = jax.random.normal(key[2], (3, 8, 2, 96), jnp.float32)
     x = jax.random.normal(key[3], (5, 64), jnp.float32)
     slots = jnp.array([0, 1, 2, 3, 1], jnp.int32)
@@ -140,5 +140,5 @@ def test_quantized_base_weight_with_float_adapters():
     got = einsum("te,ecf->tcf", x, bound)
     base = einsum("te,ecf->tcf", x, q)
     for t, s in enumerate(slots.tolist()):
-        delta = 0 if s == 0 else jnp.einsum("e,er,rcf->cf", x[t], a[s - 1], b[s - 1])
+        delta = 0 if s == 0 else jnp.einsum("e,er,rcf->cf", x[t], a[:, s - 1], b[s - 1])
         np.testing.assert_allclose(got[t], base[t] + delta, rtol=1e-4, atol=1e-4)
