@@ -10,6 +10,9 @@ recently used first out). `lora_modules` are adapters known from start-up, by na
 `lora_target_modules` are the modules the slots hold (each costs memory and every step's reading
 of it): by default the seven linear modules of every decoder layer, and the embedding and the LM
 head where an adapter named at start-up adapts them; an adapter of a module not held is refused.
+`specialize_lora` (on by default) compiles each step variant twice, with the adapters' shares and
+without them: a step where no token has an adapter runs the base model alone (vLLM's
+`cudagraph_specialize_lora`); off, one variant computes the shares in every step.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 from typing import Any
 
 from jaxinfer.config.checks import bad, bools, positive_ints
-from jaxinfer.options import ENABLE, LIST, option
+from jaxinfer.options import DISABLE, ENABLE, LIST, option
 
 # PEFT's names of the modules an adapter may adapt (jaxinfer/lora/peft.py)
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -83,8 +86,16 @@ class LoraConfig:
         metavar="MODULE",
     )
 
+    specialize_lora: bool = option(
+        True,
+        "compile one LoRA step variant for every variant: steps with adapters compute their shares, steps "
+        "without run the base model alone (the default compiles each variant twice)",
+        form=DISABLE,
+        flag="--no-specialize-lora",
+    )
+
     def __post_init__(self):
-        bools(self, "enable_lora")
+        bools(self, "enable_lora", "specialize_lora")
         positive_ints(self, "max_loras", "max_lora_rank", "max_cpu_loras")
         if not isinstance(self.lora_modules, (list, tuple)):
             raise bad("lora_modules", self.lora_modules, "expected a list of NAME=PATH")

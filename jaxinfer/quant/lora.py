@@ -108,20 +108,13 @@ def one_hot_slots(slots: jax.Array, num_slots: int, dtype: Any) -> jax.Array:
 
 
 def with_lora(spec: str, x: jax.Array, w: LoraWeight, y: jax.Array) -> jax.Array:
-    """y (the base product) plus the adapters' share (einsum(spec, x, w)'s)."""
+    """y (the base product) plus the adapters' share (einsum(spec, x, w)'s), always computed
+    where a mask is bound: a step whose tokens have no adapter is compiled without the masks
+    (worker/step_variants.py's `without_adapters`) rather than skipping the share by a
+    conditional, which cost a tenth of the adapters' decode speed on the CPU."""
     if w.mask is None:
         return y
-    return skipped_unless_adapted(w.mask, y, lambda: lora_delta(spec, x, w))
-
-
-def skipped_unless_adapted(mask: jax.Array, y: jax.Array, share: Any) -> jax.Array:
-    """y + share() (an adapters' share, computed for the rows of `mask` [N, S]). Where no row of
-    the batch has an adapter the share is skipped by a conditional (a batch of base-model requests
-    pays nothing for LoRA), except on GPUs, where each conditional would hold the launching thread
-    until the device reaches it (worker/step_variants.py's greedy twin): there it is always added."""
-    if jax.default_backend() == "gpu":
-        return y + share().astype(y.dtype)
-    return jax.lax.cond(mask.any(), lambda: y + share().astype(y.dtype), lambda: y)
+    return y + lora_delta(spec, x, w).astype(y.dtype)
 
 
 def lora_delta(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:

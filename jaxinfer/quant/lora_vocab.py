@@ -19,7 +19,7 @@ embedding through. Two masks are bound in the step (quant/lora_bind.py's `bind`,
 tokens' slots, for the embedding; `head_mask` [N, S], the slots of the rows the LM head scores
 (each sequence's last token, a verify step's drafts, or every row for prompt logprobs). Each
 share runs over every slot at once, masked (the same shapes whichever adapters a batch mixes),
-and is skipped where no row has an adapter, as quant/lora.py's `with_lora` does. Gemma scales
+and is always computed where a mask is bound, as quant/lora.py's `with_lora`'s. Gemma scales
 the embedding's rows by sqrt(hidden) after the lookup, the adapter's share with them, as PEFT does.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant.lora import WrapsWeight, skipped_unless_adapted
+from jaxinfer.quant.lora import WrapsWeight
 from jaxinfer.quant.weights import embedding_rows
 
 Weight = Any  # the embedding as the family holds it: an array or a QuantizedWeight
@@ -109,7 +109,7 @@ def vocab_rows(embed: Any, tokens: jax.Array) -> jax.Array:
         picked = picked * mask.T.astype(rows.dtype)[..., None]  # only each token's own slot
         return jnp.einsum("str,sre->te", picked, w.embed_b.astype(rows.dtype))
 
-    return skipped_unless_adapted(mask, rows, share)
+    return rows + share().astype(rows.dtype)
 
 
 def head_logits(embed: Any, hidden: jax.Array, logits: jax.Array) -> jax.Array:
@@ -126,4 +126,4 @@ def head_logits(embed: Any, hidden: jax.Array, logits: jax.Array) -> jax.Array:
         xa = xa * mask.astype(hidden.dtype)[..., None]
         return jnp.einsum("nsr,srv->nv", xa, w.head_b.astype(hidden.dtype))
 
-    return skipped_unless_adapted(mask, logits, share)
+    return logits + share().astype(logits.dtype)

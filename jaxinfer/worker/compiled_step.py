@@ -61,6 +61,7 @@ from jaxinfer.worker.step_variants import (
     split_step_enabled,
     step_jits,
     window_compiler_options,
+    without_adapters,
 )
 from jaxinfer.worker.warm_up import compile_all, compile_threads, step_variants
 from sharding import DATA, SEQUENCE, axis_size
@@ -167,7 +168,7 @@ class CompiledStep(SplitStep):
         self, inputs: StepInputs[np.ndarray], num_steps: int, greedy: bool
     ) -> tuple[str, StepInputs[HostOrDevice]]:
         """The variant's program name and its placed inputs (the greedy twin's where they qualify)."""
-        buckets = self.greedy_buckets if greedy else ()
+        buckets, inputs = self.greedy_buckets if greedy else (), without_adapters(inputs, self.engine.lora)
         return self._variant(num_steps), self._placed(as_greedy(inputs, num_steps, buckets, self.greedy_steps))
 
     def _launch(self, name: str, inputs: StepInputs[HostOrDevice]) -> StepOutput:
@@ -289,12 +290,6 @@ class CompiledStep(SplitStep):
 
     def num_compiled(self) -> int:
         """Compiled variants of the step so far (a test asserts it stays put after warm-up)."""
-        writer = self.state.lora_writer
-        return (
-            self.page_table.num_compiled()
-            + (writer.num_compiled() if writer else 0)
-            + sum(
-                f._cache_size()  # type: ignore[attr-defined]  # jit's count; not in jax's stubs
-                for f in (self._step, self._window, self._forward, self._sample)
-            )
-        )
+        writer, jits = self.state.lora_writer, (self._step, self._window, self._forward, self._sample)
+        own = sum(f._cache_size() for f in jits)  # type: ignore[attr-defined]  # jit's count; not in jax's stubs
+        return self.page_table.num_compiled() + (writer.num_compiled() if writer else 0) + own

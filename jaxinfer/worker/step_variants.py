@@ -7,6 +7,8 @@ decode_sized_buckets  the token buckets a decode-only plan uses (windows, the sp
 split_step_enabled    whether the split step is compiled (structured output's overlap)
 greedy_variant_enabled  whether the decode step has a greedy twin (no conditionals)
 as_greedy             inputs marked for that twin, where it is compiled and they qualify
+without_adapters      inputs of a step with no LoRA adapter, for the variant without their shares
+with_adapters         padding inputs marked for the variant with them (its warm-up)
 plain_padding         padding inputs that qualify for it (its warm-up)
 input_shardings       where each input array goes on a mesh
 """
@@ -23,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import LoraConfig, ModelConfig
 from jaxinfer.models.registry import ModelFamily
 from jaxinfer.sampling.arrays import fill_defaults, is_plain, unsent_defaults
 from jaxinfer.sampling.prompt_logprobs import PromptInputs
@@ -160,6 +162,23 @@ def as_greedy(
     ):
         return inputs
     return dataclasses.replace(inputs, sampling=dataclasses.replace(sampling, plain=True))
+
+
+def without_adapters(inputs: StepInputs[np.ndarray], lora: LoraConfig) -> StepInputs[np.ndarray]:
+    """`inputs` as the variant without the LoRA adapters' shares takes them (no slots: the base
+    model alone) where no token has an adapter and the variants are specialized
+    (LoraConfig.specialize_lora); otherwise as they are, for the variant with them."""
+    slots = inputs.lora_slots
+    if slots is None or not lora.specialize_lora or slots.any():
+        return inputs
+    return dataclasses.replace(inputs, lora_slots=None)
+
+
+def with_adapters(inputs: StepInputs[np.ndarray]) -> StepInputs[np.ndarray]:
+    """Padding inputs that take the variant with the adapters' shares: every row in slot 1 (a
+    padding row writes nothing and its outputs are never read)."""
+    assert inputs.lora_slots is not None
+    return dataclasses.replace(inputs, lora_slots=np.ones_like(inputs.lora_slots))
 
 
 def plain_padding(inputs: StepInputs[np.ndarray]) -> StepInputs[np.ndarray]:

@@ -35,7 +35,7 @@ from jaxinfer.config.caches import cache_path
 from jaxinfer.config.compile import CACHE_DIR_VAR, DEFAULT_CACHE_DIR, MAX_COMPILE_THREADS, THREADS_VAR
 from jaxinfer.worker.inputs import InputBuilder
 from jaxinfer.worker.step_inputs import StepInputs
-from jaxinfer.worker.step_variants import plain_padding
+from jaxinfer.worker.step_variants import plain_padding, with_adapters
 
 SERIAL_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -131,4 +131,6 @@ def step_variants(step: CompiledVariants) -> list[tuple[StepInputs[np.ndarray], 
         (plain_padding(step.padding_inputs(t_bucket, False)), step.greedy_steps, True)
         for t_bucket in step.greedy_buckets
     ]
+    if step.engine.lora.enable_lora and step.engine.lora.specialize_lora:  # each with the adapters' shares too
+        variants += [(with_adapters(inputs), num_steps, greedy) for inputs, num_steps, greedy in variants]
     return variants

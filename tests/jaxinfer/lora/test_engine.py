@@ -4,6 +4,7 @@ every request the tokens HF transformers + PEFT give it alone; the same prompts 
 adapters share no prefix page; nothing compiles after warm-up as adapters come and go; n-gram
 speculation, the Python API and the batch job take adapters too."""
 
+import dataclasses
 import io
 import json
 
@@ -25,6 +26,8 @@ from jaxinfer.quant import QuantConfig, einsum, quantize_field
 from jaxinfer.quant.lora import LoraWeight
 from jaxinfer.quant.lora_bind import bind
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.worker.step_variants import without_adapters
+from jaxinfer.worker.warm_up import step_variants
 
 LORA = FIXTURES / "lora"
 MIXED = json.loads((LORA / "mixed.json").read_text())
@@ -142,3 +145,25 @@ def test_quantized_base_weight_with_float_adapters():
     for t, s in enumerate(slots.tolist()):
         delta = 0 if s == 0 else jnp.einsum("e,er,rcf->cf", x[t], a[:, s - 1], b[s - 1])
         np.testing.assert_allclose(got[t], base[t] + delta, rtol=1e-4, atol=1e-4)
+
+
+def test_steps_without_adapters_run_the_base_model_alone(engine, model):
+    """Each step variant is compiled with the adapters' shares and without them; a step none of
+    whose tokens has an adapter takes the second. Without the specialization one variant serves
+    both, and gives the same tokens."""
+    step = engine.worker.step
+    inputs = step.padding_inputs(8, False)
+    assert without_adapters(inputs, engine.config.lora).lora_slots is None
+    with_slot = dataclasses.replace(inputs, lora_slots=np.eye(1, 8, 3, dtype=np.int32)[0] * 2)
+    assert without_adapters(with_slot, engine.config.lora) is with_slot
+    base_only = step.lower(inputs).as_text()
+    assert "lora" not in base_only and base_only.count("dot_general") < step.lower(with_slot).as_text().count(
+        "dot_general"
+    )
+    plain = Engine(model, EngineConfig(**SMALL, enable_lora=True, max_loras=2, max_lora_rank=8, specialize_lora=False))
+    assert len(step_variants(engine.worker.step)) == 2 * len(step_variants(plain.worker.step))
+    assert without_adapters(inputs, plain.config.lora) is inputs
+    requests, want = _requests()
+    compiled = plain.worker.num_compiled()
+    assert greedy_runs(plain, requests, MIXED["max_new_tokens"]) == want
+    assert plain.worker.num_compiled() == compiled
