@@ -135,7 +135,7 @@ def load_time(shape: str, rank: int, rounds: int, slots: int = 4) -> int:
 def prompts_and_engines(args):
     """(prompts, the engine without LoRA, the engine with it): the embedded or --model checkpoint
     with chat prompts, or random weights of --shape with token-id prompts (module docstring)."""
-    lora = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    lora = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, lora_dtype=args.lora_dtype)
     if args.shape is None:
         options = dict(max_num_seqs=max(8, args.batch), max_model_len=512)
         off = LLM(args.model, args.dtype, **options)
@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--lora-dtype", default="auto", help="the LoRA slots' dtype (LoraConfig.lora_dtype)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--load-shape", default=None, help="time loading one adapter of this shape instead")
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
     source = args.shape or args.model or "SmolLM2-135M-Instruct"
     print(
         f"{source}: {args.batch} requests x {args.max_tokens} tokens, {args.adapters} adapters of rank "
-        f"{args.rank}, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}, rounds {args.rounds}"
+        f"{args.rank} ({args.lora_dtype} slots), {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}, "
+        f"rounds {args.rounds}"
     )
     print("| way | decode tok/s (median) | runs | / base |\n|---|---|---|---|")
     for way, values in rates.items():

@@ -28,6 +28,7 @@ from jaxinfer.options import DISABLE, ENABLE, LIST, option
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 TARGET_MODULES = (*LINEAR_MODULES, *VOCAB_MODULES)
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,12 @@ class LoraConfig:
         metavar="MODULE",
     )
 
+    lora_dtype: str = option(
+        "auto",
+        "dtype of the LoRA slots: auto (the model's), float32, bfloat16 or float16; narrower slots are read "
+        "in fewer bytes, their products accumulated in float32",
+        choices=LORA_DTYPES,
+    )
     specialize_lora: bool = option(
         True,
         "compile one LoRA step variant for every variant: steps with adapters compute their shares, steps "
@@ -97,6 +104,8 @@ class LoraConfig:
     def __post_init__(self):
         bools(self, "enable_lora", "specialize_lora")
         positive_ints(self, "max_loras", "max_lora_rank", "max_cpu_loras")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise bad("lora_dtype", self.lora_dtype, f"expected one of {', '.join(LORA_DTYPES)}")
         if not isinstance(self.lora_modules, (list, tuple)):
             raise bad("lora_modules", self.lora_modules, "expected a list of NAME=PATH")
         modules = tuple(LoraModule.parse(m) for m in self.lora_modules)

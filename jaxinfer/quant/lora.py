@@ -128,13 +128,16 @@ def lora_delta(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:
     outputs = w_letters[len(inputs) :]
     free = "".join(c for c in x_letters if c not in inputs)
     s, r, p = [c for c in string.ascii_letters if c not in spec][:3]
-    xa = jnp.einsum(f"{x_letters},{inputs}{s}{r}->{free}{s}{r}", x, w.a.astype(x.dtype))  # [T, S, P*R]
-    xa = xa * w.mask.astype(x.dtype)[..., None]  # only each token's own slot
-    b = w.b.astype(x.dtype)
+    # In the slots' dtype (LoraConfig.lora_dtype), summed in float32: narrower slots than x are read
+    # as they are (converting them to x's dtype first wrote a wider copy of every stack each step).
+    dtype, f32 = w.a.dtype, jnp.float32
+    xa = jnp.einsum(f"{x_letters},{inputs}{s}{r}->{free}{s}{r}", x.astype(dtype), w.a, preferred_element_type=f32)
+    xa = (xa * w.mask.astype(f32)[..., None]).astype(dtype)  # [T, S, P*R], only each token's own slot
+    b = w.b
     if w.parts == 1:
-        return jnp.einsum(f"{free}{s}{r},{s}{r}{outputs}->{out}", xa, b)
+        return jnp.einsum(f"{free}{s}{r},{s}{r}{outputs}->{out}", xa, b, preferred_element_type=f32)
     xa = xa.reshape(*xa.shape[:-1], w.parts, -1)  # [T, S, P, R]
-    y = jnp.einsum(f"{free}{s}{p}{r},{s}{r}{outputs}->{free}{p}{outputs}", xa, b)  # [T, P, out...]
+    y = jnp.einsum(f"{free}{s}{p}{r},{s}{r}{outputs}->{free}{p}{outputs}", xa, b, preferred_element_type=f32)
     part, axis = len(free), len(free) + w.part_axis  # y's part axis; the fused axis, once it is gone
     pieces = [
         jax.lax.slice_in_dim(jax.lax.index_in_dim(y, i, part, keepdims=False), start, stop, axis=axis)

@@ -86,7 +86,9 @@ class DeviceState:
             model.params = self.family.compute_layout(model.params, self.mesh)
         params, axes = model.params, dict(self.family.param_axes)
         if self.engine.lora.enable_lora:
-            params = attach(params, self.config, self.engine.lora, model.params.embed.dtype)
+            lora_dtype = self.engine.lora.lora_dtype
+            dtype = model.params.embed.dtype if lora_dtype == "auto" else jax.numpy.dtype(lora_dtype)
+            params = attach(params, self.config, self.engine.lora, dtype)
             axes = lora_param_axes(axes)
         if self.mesh is None:
             device = next(iter(jax.tree.leaves(model.params)[0].devices()))

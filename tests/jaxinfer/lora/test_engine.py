@@ -167,3 +167,32 @@ def test_steps_without_adapters_run_the_base_model_alone(engine, model):
     compiled = plain.worker.num_compiled()
     assert greedy_runs(plain, requests, MIXED["max_new_tokens"]) == want
     assert plain.worker.num_compiled() == compiled
+
+
+def test_bfloat16_slots_over_a_float32_model(model):
+    """lora_dtype=bfloat16: the slots hold bfloat16 stacks, their products summed in float32 (the
+    share within bfloat16's rounding of the float32 one), and the mixed batch keeps PEFT's greedy
+    tokens but for near ties; a dtype outside the choices is refused by name."""
+    key = jax.random.split(jax.random.PRNGKey(1), 3)
+    w = jax.random.normal(key[0], (64, 2, 96), jnp.float32)
+    a = jax.random.normal(key[1], (64, 3, 8), jnp.float32)
+    b = jax.random.normal(key[2], (3, 8, 2, 96), jnp.float32)
+    x = jax.random.normal(key[0], (5, 64), jnp.float32)
+    slots = jnp.array([0, 1, 2, 3, 1], jnp.int32)
+    want = einsum("te,ecf->tcf", x, bind(LoraWeight(w, a, b, "w_gate_up"), slots))
+    narrow = LoraWeight(w, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), "w_gate_up")
+    got = einsum("te,ecf->tcf", x, bind(narrow, slots))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.3)
+    assert not np.allclose(got, einsum("te,ecf->tcf", x, w), atol=1.0)  # the share is there
+    engine = Engine(model, EngineConfig(**SMALL, enable_lora=True, max_loras=2, max_lora_rank=8, lora_dtype="bfloat16"))
+    stacks = [
+        leaf for path, leaf in jax.tree_util.tree_leaves_with_path(engine.worker.state.params) if "lora_" in str(path)
+    ]
+    assert stacks and {s.dtype for s in stacks} == {jnp.dtype(jnp.bfloat16)}
+    requests, want_tokens = _requests()
+    got_tokens = greedy_runs(engine, requests, MIXED["max_new_tokens"])
+    same = sum(g == w for got_row, want_row in zip(got_tokens, want_tokens) for g, w in zip(got_row, want_row))
+    assert same >= 0.9 * sum(len(w) for w in want_tokens)
+    with pytest.raises(ValueError, match="lora_dtype.*int8"):
+        EngineConfig(enable_lora=True, lora_dtype="int8")
