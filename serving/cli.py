@@ -41,7 +41,15 @@ AddArgs = Callable[[argparse.ArgumentParser], None]
 def register(subparsers: argparse._SubParsersAction, add_engine_args: AddArgs, add_sampling_args: AddArgs) -> None:
     serve = subparsers.add_parser("serve", help="run the gRPC batching server")
     add_engine_args(serve)
+    serve.set_defaults(compile_in_background=True)  # a server answers once a first request's buckets are in
     g = serve.add_argument_group("server")
+    g.add_argument(
+        "--no-compile-in-background",
+        dest="compile_in_background",
+        action="store_false",
+        help="compile every step variant before serving the first request (serve's default is "
+        "--compile-in-background: serving starts once a first request's buckets are compiled)",
+    )
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or [::] for all)")
     g.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     g.add_argument(
@@ -219,6 +227,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_on_ray(args, options, llm_options(args))
     signal.signal(signal.SIGTERM, _terminated_while_starting)
+    if args.warm_up_only:  # everything compiled (or read) and kept before it exits
+        args.compile_in_background = False
     start, llm = time.perf_counter(), make_llm(args)
     if args.warm_up_only:
         return print_warm_up(llm, start, "text")

@@ -100,3 +100,22 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(served):
     assert not errors, errors
     assert {k: r[:2] for k, r in results.items()} == {k: (220, "length") for k in range(3)}
     assert all(r[2] > signalled for r in results.values())  # they were still streaming after SIGTERM
+
+
+def test_serve_compiles_in_the_background_unless_told_or_warming_up(tmp_path, capsys):
+    """`serve` answers once a first request's buckets are in (--compile-in-background is its
+    default; --no-compile-in-background waits for every variant); other commands keep the strict
+    default; `serve --warm-up-only` compiles every variant before it exits."""
+    from jaxinfer.cli import build_parser
+    from serving.cli import cmd_serve
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", *TINY_SERVE_ARGS]).compile_in_background is True
+    assert parser.parse_args(["serve", *TINY_SERVE_ARGS, "--no-compile-in-background"]).compile_in_background is False
+    assert parser.parse_args(["generate", *TINY_SERVE_ARGS, "hi"]).compile_in_background is False
+    store = ["--executable-cache-dir", str(tmp_path / "store"), "--token-buckets", "1,2,4,8,16,32"]
+    args = parser.parse_args(["serve", *TINY_SERVE_ARGS, *store, "--warm-up-only"])
+    assert cmd_serve(args) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    # six buckets and the decode windows of the four decode-sized ones (background: two buckets)
+    assert summary.startswith("10 step variants (10 compiled, 0 read)"), summary
