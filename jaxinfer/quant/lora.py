@@ -119,7 +119,11 @@ def with_lora(spec: str, x: jax.Array, w: LoraWeight, y: jax.Array) -> jax.Array
 
 def lora_delta(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:
     """The adapters' share of einsum(spec, x, w): `spec` names the base weight's axes as
-    [in..., out...] (as quant.einsum's); x's free axes are the tokens [T] the mask rows follow."""
+    [in..., out...] (as quant.einsum's); x's free axes are the tokens [T] the mask rows follow.
+
+    With fewer tokens than slots (a small decode batch) each token's own slot is gathered and
+    read, T slots' A and B instead of all S: one request under an adapter reads 1/S of the
+    stacks. Otherwise every slot is read once and each token's rows are masked to its own."""
     if w.mask is None:
         raise ValueError(f"LoraWeight {w.field}: no slot mask bound (quant.lora.bind)")
     operands, out = spec.split("->")
@@ -131,13 +135,22 @@ def lora_delta(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:
     # In the slots' dtype (LoraConfig.lora_dtype), summed in float32: narrower slots than x are read
     # as they are (converting them to x's dtype first wrote a wider copy of every stack each step).
     dtype, f32 = w.a.dtype, jnp.float32
-    xa = jnp.einsum(f"{x_letters},{inputs}{s}{r}->{free}{s}{r}", x.astype(dtype), w.a, preferred_element_type=f32)
-    xa = (xa * w.mask.astype(f32)[..., None]).astype(dtype)  # [T, S, P*R], only each token's own slot
-    b = w.b
+    x = x.astype(dtype)
+    if len(free) == 1 and x.shape[0] < w.num_slots:
+        slot, adapted = jnp.argmax(w.mask, axis=-1), w.mask.sum(axis=-1).astype(f32)  # [T]
+        a = jnp.moveaxis(jnp.take(w.a, slot, axis=w.a.ndim + A_SLOT_AXIS), -2, 0)  # [T, in..., P*R]
+        xa = jnp.einsum(f"{x_letters},{free}{inputs}{r}->{free}{r}", x, a, preferred_element_type=f32)
+        xa = (xa * adapted[:, None]).astype(dtype)  # [T, P*R]; 0 for a token with no adapter
+        b, xa_letters, b_letters = jnp.take(w.b, slot, axis=0), free + r, free + r + outputs  # b [T, R, out...]
+    else:
+        xa = jnp.einsum(f"{x_letters},{inputs}{s}{r}->{free}{s}{r}", x, w.a, preferred_element_type=f32)
+        xa = (xa * w.mask.astype(f32)[..., None]).astype(dtype)  # [T, S, P*R], only each token's own slot
+        b, xa_letters, b_letters = w.b, free + s + r, s + r + outputs
     if w.parts == 1:
-        return jnp.einsum(f"{free}{s}{r},{s}{r}{outputs}->{out}", xa, b, preferred_element_type=f32)
-    xa = xa.reshape(*xa.shape[:-1], w.parts, -1)  # [T, S, P, R]
-    y = jnp.einsum(f"{free}{s}{p}{r},{s}{r}{outputs}->{free}{p}{outputs}", xa, b, preferred_element_type=f32)
+        return jnp.einsum(f"{xa_letters},{b_letters}->{out}", xa, b, preferred_element_type=f32)
+    xa = xa.reshape(*xa.shape[:-1], w.parts, -1)  # [..., P, R]
+    xa_letters = xa_letters[:-1] + p + r
+    y = jnp.einsum(f"{xa_letters},{b_letters}->{free}{p}{outputs}", xa, b, preferred_element_type=f32)
     part, axis = len(free), len(free) + w.part_axis  # y's part axis; the fused axis, once it is gone
     pieces = [
         jax.lax.slice_in_dim(jax.lax.index_in_dim(y, i, part, keepdims=False), start, stop, axis=axis)

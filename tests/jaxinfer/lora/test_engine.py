@@ -196,3 +196,28 @@ def test_bfloat16_slots_over_a_float32_model(model):
     assert same >= 0.9 * sum(len(w) for w in want_tokens)
     with pytest.raises(ValueError, match="lora_dtype.*int8"):
         EngineConfig(enable_lora=True, lora_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "spec, a_shape, b_shape, parts, part_axis",
+    [
+        ("te,ekjd->tkjd", (16, 4, 24), (4, 8, 2, 5, 3), 3, 1),  # q|k|v: 2 KV heads of 3 queries
+        ("thd,hde->te", (3, 4, 4, 8), (4, 8, 16), 1, 0),  # the output projection's [H, D] inputs
+        ("te,ecf->tcf", (16, 4, 16), (4, 8, 2, 12), 2, 0),  # gate|up
+    ],
+)
+def test_fewer_tokens_than_slots_read_their_own_slots(spec, a_shape, b_shape, parts, part_axis):
+    """With fewer tokens than slots each token's slot is gathered (lora_delta's small-batch form):
+    the same share as every slot masked, which a batch of as many tokens as slots computes."""
+    from jaxinfer.quant.lora import lora_delta, one_hot_slots
+
+    key = jax.random.split(jax.random.PRNGKey(2), 3)
+    a = jax.random.normal(key[0], a_shape, jnp.float32)
+    b = jax.random.normal(key[1], b_shape, jnp.float32)
+    x = jax.random.normal(key[2], (4, *a_shape[:-2]), jnp.float32)
+    w = LoraWeight(None, a, b, "field", parts=parts, part_axis=part_axis)
+    slots = jnp.array([3, 0, 4, 1], jnp.int32)
+    every = lora_delta(spec, x, w.bound(one_hot_slots(slots, 4, jnp.float32)))  # 4 tokens, 4 slots: masked
+    few = lora_delta(spec, x[:2], w.bound(one_hot_slots(slots[:2], 4, jnp.float32)))  # 2 tokens: gathered
+    np.testing.assert_allclose(few, every[:2], rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(few[0]).max()) > 0 and float(jnp.abs(few[1]).max()) == 0  # slot 0: no share
