@@ -210,6 +210,10 @@ def decode_window(
 
     def body(carry: tuple[KVCaches, jax.Array], i: jax.Array) -> tuple[tuple[KVCaches, jax.Array], StepOutput]:
         caches, prev = carry
+        # Tied to the step index, the weights are read as stored inside each step: left
+        # loop-invariant, XLA hoists their conversions (int8 -> float, int4 unpacking, a bfloat16
+        # embedding) out of the loop into float copies of every weight, made on every call.
+        step_params, i = jax.lax.optimization_barrier((params, i))
         step_inputs = dataclasses.replace(
             inputs,
             positions=jnp.where(real, inputs.positions + i, inputs.positions),
@@ -217,7 +221,9 @@ def decode_window(
             sampling=dataclasses.replace(sampling, num_generated=sampling.num_generated + i),
             prev_rows=jnp.where(i == 0, inputs.prev_rows, own_row),
         )
-        out, caches, sampled = step(family, config, attn_impl, max_seqs, params, caches, step_inputs, prev, page_table)
+        out, caches, sampled = step(
+            family, config, attn_impl, max_seqs, step_params, caches, step_inputs, prev, page_table
+        )
         return (caches, sampled), out
 
     (kv_caches, sampled), outs = jax.lax.scan(body, (kv_caches, prev_tokens), jnp.arange(num_steps, dtype=jnp.int32))
