@@ -27,6 +27,7 @@ wider of it and the scales' dtype (GGUF scales are float16 / float32), then cast
 where several leading weight axes are contracted: `_merged_contraction`); out-first weights (the
 CPU step's layout, out_first.py) and weights contracted on their trailing axes (the tied LM
 head) to `out_first.contract_rows`;
+out-first int8 / fp8 and int4 (the CPU's, out_first_int8.py, out_first_int4.py) their own forms;
 per-channel int8 / fp8 runs the dot on the values converted to the activation dtype and scales
 its output columns; every other layout is dequantized first (its scales vary along the contraction).
 Inside the jitted step XLA fuses the conversion into the dot's operand on GPU/TPU; the weights
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxinfer.quant import act_order, activations, out_first_int8
+from jaxinfer.quant import act_order, activations, out_first_int4, out_first_int8
 from jaxinfer.quant.lora import LoraWeight, with_lora
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
@@ -99,13 +100,8 @@ class QuantizedWeight:
 
     def layout(self) -> str:
         """E.g. "int4 g32 +offsets", "int8 per-channel": how the weight is stored."""
-        parts = [self.method, f"g{self.group}" if self.group else "per-channel"]
-        parts += [] if self.zeros is None else ["+zeros"]
-        parts += [] if self.offsets is None else ["+offsets"]
-        parts += [] if self.perm is None else ["+act-order"]
-        return " ".join(
-            parts + ([] if self.activations is None else ["+{} activations per {}".format(*self.activations)])
-        )
+        extras = {"zeros": self.zeros, "offsets": self.offsets, "act-order": self.perm}
+        return layout_name(self.method, self.group, [k for k, v in extras.items() if v is not None], self.activations)
 
     def arrays(self) -> dict[str, jax.Array | np.ndarray]:
         """Its arrays by component name (how a checkpoint stores them)."""
@@ -146,6 +142,12 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.layout()}, shape={self.shape}, inputs={self.inputs}, dtype={self.dtype})"
+
+
+def layout_name(method: str, group: int, extras: Iterable[str] = (), activations: tuple[str, str] | None = None) -> str:
+    """E.g. "int4 g32 +offsets", "int8 per-channel +int8 activations per token"."""
+    parts = [method, f"g{group}" if group else "per-channel", *(f"+{extra}" for extra in extras)]
+    return " ".join(parts + ([] if activations is None else ["+{} activations per {}".format(*activations)]))
 
 
 def _flatten_with_keys(
@@ -236,6 +238,8 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWe
         return y if w.mask is None else with_lora(spec, x, w, y)
     if isinstance(w, out_first_int8.OutFirstInt8):
         return out_first_int8.einsum(spec, x, w)
+    if isinstance(w, out_first_int4.OutFirstInt4):
+        return out_first_int4.einsum(spec, x, w)
     if isinstance(w, OutFirstWeight):
         operands, out = spec.split("->")
         x_letters, w_letters = operands.split(",")
