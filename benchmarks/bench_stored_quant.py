@@ -8,7 +8,8 @@ Each scheme's checkpoint is written from the source model by benchmarks/ct_check
 llm-compressor's data-free schemes write, byte for byte on the test fixtures) into a temporary
 directory and served as stored (quantization "auto"). Decode: one prompt, greedy, the time of
 `--new` tokens minus the time of one (the prefill), median of --runs after a warm-up run, with
-the engine warmed up (nothing compiles in the timed runs). Bytes: the parameter arrays of a
+every engine loaded and warmed up first (nothing compiles in the timed runs) and the runs taken
+in turn, one of each checkpoint per round. Bytes: the parameter arrays of a
 bfloat16 load. Perplexity: tests/fixtures/gemma3_270m's Python-license prose, 512 tokens scored
 teacher-forced in windows of 256 (bench_quality.score), float32. The float row is the source
 loaded without quantization (the embedded SmolLM2: its Q4_1 blocks dequantized at load).
@@ -37,21 +38,30 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 TEXT = ROOT / "tests" / "fixtures" / "gemma3_270m" / "golden_meta.json"
 
 
-def decode_rate(path: str | None, runs: int, new: int) -> float:
+def decode_rates(paths: dict[str, str | None], runs: int, new: int) -> dict[str, float]:
+    """Each checkpoint's decode tokens/s, every engine loaded first and the timed runs taken in
+    turn (one run of each per round), so that a drift of the machine's speed touches all alike."""
     from jaxinfer.llm import LLM
     from jaxinfer.sampling import SamplingParams
 
-    llm = LLM(path, "float32", max_model_len=256, max_num_seqs=1, token_buckets=(1, 32), max_num_batched_tokens=32)
-    prompt = llm.tokenizer.encode(PROMPT)
+    engines = {
+        name: LLM(path, "float32", max_model_len=256, max_num_seqs=1, token_buckets=(1, 32), max_num_batched_tokens=32)
+        for name, path in paths.items()
+    }
 
-    def timed(n: int) -> float:
+    def timed(llm: LLM, n: int) -> float:
         start = time.perf_counter()
+        prompt = llm.tokenizer.encode(PROMPT)
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - start
 
-    timed(new)  # warm: every variant the timed runs use
-    rates = [(new - 1) / (timed(new) - timed(1)) for _ in range(runs)]
-    return statistics.median(rates)
+    for llm in engines.values():
+        timed(llm, new)  # warm: every variant the timed runs use
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(runs):
+        for name, llm in engines.items():
+            rates[name].append((new - 1) / (timed(llm, new) - timed(llm, 1)))
+    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def perplexity(path: str | None, ids: np.ndarray) -> float:
@@ -88,17 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     tensors, config = ct_checkpoint.hf_tensors(args.model)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ["float", *args.schemes.split(",")]:
-            path = None
-            if name != "float":
-                dst = ct_checkpoint.write(tensors, config, Path(tmp) / name, name)
-                for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-                    (dst / f).write_bytes((tokenizer_dir / f).read_bytes())
-                path = str(dst)
-            row = {"name": name, "tok_s": decode_rate(path, args.runs, args.new)}
-            row.update(ppl=perplexity(path, ids), bytes=param_bytes_bf16(path))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        paths: dict[str, str | None] = {"float": args.model}
+        for name in args.schemes.split(","):
+            dst = ct_checkpoint.write(tensors, config, Path(tmp) / name, name)
+            for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                (dst / f).write_bytes((tokenizer_dir / f).read_bytes())
+            paths[name] = str(dst)
+        rates = decode_rates(paths, args.runs, args.new)
+        for name, path in paths.items():
+            rows.append(
+                {"name": name, "tok_s": rates[name], "ppl": perplexity(path, ids), "bytes": param_bytes_bf16(path)}
+            )
+            print(json.dumps(rows[-1]), flush=True)
     base = rows[0]
     print(f"\nbackend {jax.default_backend()}, {jax.devices()[0].device_kind}; batch 1, median of {args.runs}")
     print("| checkpoint | decode tok/s | vs float | param bytes vs bf16 | perplexity | vs float |")
