@@ -11,13 +11,13 @@ from pathlib import Path
 
 import jax
 import pytest
+from model_harness import small_cpu_worker
 from testpaths import FIXTURES
 
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models.registry import get_family
 from jaxinfer.worker import host_memory
-from jaxinfer.worker.worker import Worker
 
 # Page faults of writing a freshly allocated 64 MiB block after a block of that size was freed:
 # glibc's default unmaps it on free (one fault per page written again); with the heap kept, the
@@ -113,19 +113,7 @@ def test_the_cpu_runner_applies_it_unless_configured_off(monkeypatch, reuse):
     monkeypatch.setattr("jaxinfer.worker.device_state.reuse_freed_heap", lambda: calls.append(1) or True)
     family = get_family("llama")
     model = LoadedModel(CONFIG, family.init_params(CONFIG, jax.random.key(0)), None, family, Path("random"))
-    Worker(
-        model,
-        EngineConfig(
-            max_num_batched_tokens=8,
-            max_num_seqs=8,
-            token_buckets=(1, 8),
-            compilation_cache_dir=None,
-            num_pages=16,
-            max_model_len=64,
-            cpu_heap_reuse=reuse,
-        ),
-        64,
-    )
+    small_cpu_worker(model, cpu_heap_reuse=reuse)
     assert calls == ([1] if reuse else [])
 
 

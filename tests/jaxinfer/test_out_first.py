@@ -9,16 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_harness import small_cpu_worker
 from testpaths import FIXTURES
 
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.loader import LoadedModel, load_model
 from jaxinfer.models import linear_layout as L
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import QuantConfig, QuantizedWeight, dequantize, einsum, quantization_of, quantized_tensors
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 from jaxinfer.quant.out_first_int4 import REDUCE_ROWS, OutFirstInt4
-from jaxinfer.worker.worker import Worker
 
 SPECS = [
     ("te,ekjd->tkjd", (6, 2, 3, 4), (0,)),
@@ -79,18 +79,7 @@ def test_the_cpu_runner_holds_layer_linears_out_first_and_a_mesh_gets_them_back(
     family = get_family("llama")
     params = family.init_params(CONFIG, jax.random.key(0))
     model = LoadedModel(CONFIG, params, None, family, Path("random"))
-    Worker(
-        model,
-        EngineConfig(
-            max_num_batched_tokens=8,
-            max_num_seqs=8,
-            token_buckets=(1, 8),
-            compilation_cache_dir=None,
-            num_pages=16,
-            max_model_len=64,
-        ),
-        64,
-    )
+    small_cpu_worker(model)
     layer = model.params.layers[0]
     for name in L.LAYER_LINEARS:
         assert isinstance(getattr(layer, name), OutFirstWeight), name
@@ -167,15 +156,7 @@ def test_the_cpu_runner_holds_int4_linears_out_first_and_info_still_names_them()
     int4 = QuantConfig("int4", 16)
     model = load_model(FIXTURES / "hf" / "llama3", "float32", with_tokenizer=False, quantization=int4)
     stored = model.params.layers[0]
-    config = EngineConfig(
-        max_num_batched_tokens=8,
-        max_num_seqs=8,
-        token_buckets=(1, 8),
-        compilation_cache_dir=None,
-        num_pages=16,
-        max_model_len=64,
-    )
-    Worker(model, config, 64)
+    small_cpu_worker(model)
     layer = model.params.layers[0]
     for name in L.LAYER_LINEARS:
         assert isinstance(getattr(layer, name), OutFirstInt4), name

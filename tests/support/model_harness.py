@@ -8,8 +8,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.config import EngineConfig
 from jaxinfer.models.layers import AttentionMetadata
+from jaxinfer.worker.worker import Worker
 from pallas_kernels import kv_cache_shape
+
+
+def small_cpu_worker(model, **engine) -> Worker:
+    """A runner of 8 sequences over 16 pages, 64 tokens each, on the default (CPU) device: the
+    worker puts the model's weights in the layout its step computes with."""
+    config = EngineConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        token_buckets=(1, 8),
+        compilation_cache_dir=None,
+        num_pages=16,
+        max_model_len=64,
+        **engine,
+    )
+    return Worker(model, config, 64)
 
 
 class SingleSequence:
