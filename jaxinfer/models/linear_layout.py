@@ -54,6 +54,6 @@ def _stored(w: Any) -> Any:
         return QuantizedWeight(values, scales, None, w.method, w.inputs, 0, None, w.dtype, w.activations)
     if isinstance(w, OutFirstInt4):
         values, scales, zeros, offsets = w.stored_arrays()
-        method, inputs, group, dtype, activations = w.stands_for[:5]
-        return QuantizedWeight(values, scales, zeros, method, inputs, group, offsets, dtype, activations)
+        s = w.stands_for
+        return QuantizedWeight(values, scales, zeros, s.method, s.inputs, s.group, offsets, s.dtype, s.activations)
     return w.stored() if isinstance(w, OutFirstWeight) else w

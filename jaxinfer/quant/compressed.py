@@ -32,7 +32,8 @@ from jax.typing import DTypeLike
 from jaxinfer.quant import gptq_awq, schemes
 from jaxinfer.quant.gguf import is_permutation, repack
 from jaxinfer.quant.gguf_blocks import Blocks
-from jaxinfer.quant.quantize import pack_int4, unpack_words
+from jaxinfer.quant.nibbles import pack_int4
+from jaxinfer.quant.quantize import unpack_words
 from jaxinfer.quant.schemes import StoredQuantization, WeightScheme
 from jaxinfer.quant.weights import QuantizedWeight
 

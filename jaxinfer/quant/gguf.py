@@ -22,7 +22,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxinfer.quant import gguf_blocks
-from jaxinfer.quant.quantize import pack_int4
+from jaxinfer.quant.nibbles import pack_int4
 from jaxinfer.quant.weights import QuantizedWeight
 
 if TYPE_CHECKING:

@@ -26,23 +26,36 @@ dequantized and dotted (the fused reduction leaves its fast path with more rows)
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.quant.nibbles import pack_int4, unpack_int4
+
 # Rows (tokens) up to this run as the fused reduction, more as the dequantized weight's dot.
 REDUCE_ROWS = 2
+
+
+class StoredLayout(NamedTuple):
+    """What an OutFirstInt4 stands for: its QuantizedWeight's static fields and shapes."""
+
+    method: str
+    inputs: tuple[int, ...]
+    group: int
+    dtype: Any
+    activations: Any
+    shape: tuple[int, ...]  # the weight's, [in..., out...]
+    scales_shape: tuple[int, ...]
 
 
 class OutFirstInt4:
     """t: uint8 [out..., groups, G/2] (two inputs per byte, see above); scales, zeros, offsets:
     [out..., groups] (zeros and offsets optional); `stands_for` the QuantizedWeight's layout."""
 
-    def __init__(self, t: Any, scales: Any, zeros: Any, offsets: Any, stands_for: tuple[Any, ...]):
+    def __init__(self, t: Any, scales: Any, zeros: Any, offsets: Any, stands_for: StoredLayout):
         self.t, self.scales, self.zeros, self.offsets = t, scales, zeros, offsets
-        # (method, inputs, group, dtype, activations, shape [in..., out...], scales' shape)
         self.stands_for = stands_for
 
     @classmethod
@@ -53,15 +66,14 @@ class OutFirstInt4:
         shape = w.shape
         out_shape, k = shape[n_in:], math.prod(shape[:n_in])
         group = w.group or k
-        pairs = jnp.stack([w.values & 0xF, w.values >> 4], axis=n_in)  # the low nibble: the even input
-        q = jnp.moveaxis(pairs.reshape(k, -1), 0, -1)  # [N, K]
+        q = jnp.moveaxis(unpack_int4(w.values, n_in - 1).reshape(k, -1), 0, -1)  # [N, K]
         halves = q.reshape(-1, k // group, 2, group // 2)
         t = (halves[:, :, 0] | (halves[:, :, 1] << 4)).astype(jnp.uint8).reshape(*out_shape, k // group, group // 2)
 
         def grouped(a: Any) -> Any:  # [in' ..., out...] -> [out..., groups]
             return None if a is None else jnp.moveaxis(a.reshape(-1, *out_shape), 0, -1)
 
-        stands_for = (w.method, w.inputs, w.group, w.dtype, w.activations, shape, tuple(w.scales.shape))
+        stands_for = StoredLayout(w.method, w.inputs, w.group, w.dtype, w.activations, shape, tuple(w.scales.shape))
         return cls(t, grouped(w.scales), grouped(w.zeros), grouped(w.offsets), stands_for)
 
     @staticmethod
@@ -83,23 +95,23 @@ class OutFirstInt4:
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the [in..., out...] weight it stands for."""
-        return tuple(self.stands_for[5])
+        return tuple(self.stands_for.shape)
 
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(self.stands_for[3])
+        return np.dtype(self.stands_for.dtype)
 
     @property
     def inputs(self) -> tuple[int, ...]:
-        return tuple(self.stands_for[1])
+        return tuple(self.stands_for.inputs)
 
     @property
     def method(self) -> str:
-        return str(self.stands_for[0])
+        return str(self.stands_for.method)
 
     @property
     def group(self) -> int:
-        return int(self.stands_for[2])
+        return int(self.stands_for.group)
 
     def devices(self) -> set[jax.Device]:
         return self.t.devices()
@@ -113,25 +125,23 @@ class OutFirstInt4:
     def stored_arrays(self) -> tuple[Any, Any, Any, Any]:
         """The QuantizedWeight's (values, scales, zeros, offsets): [in..., out...], the values
         packed along the last input."""
-        _, inputs, _, _, _, shape, scales_shape = self.stands_for
-        n_in = len(inputs)
-        q = jnp.moveaxis(self.integers(), -1, 0).reshape(shape)
-        pairs = jnp.moveaxis(q, n_in - 1, 0)
-        values = jnp.moveaxis(pairs[0::2] | (pairs[1::2] << 4), 0, n_in - 1).astype(jnp.uint8)
+        layout = self.stands_for
+        q = jnp.moveaxis(self.integers(), -1, 0).reshape(layout.shape)
+        values = pack_int4(q, len(layout.inputs) - 1)
 
         def back(a: Any) -> Any:  # [out..., groups] -> the scales' shape
-            return None if a is None else jnp.moveaxis(a.reshape(-1, a.shape[-1]), -1, 0).reshape(scales_shape)
+            return None if a is None else jnp.moveaxis(a.reshape(-1, a.shape[-1]), -1, 0).reshape(layout.scales_shape)
 
         return values, back(self.scales), back(self.zeros), back(self.offsets)
 
     def __repr__(self) -> str:
-        return f"OutFirstInt4(g{self.stands_for[2] or 'channel'}, shape={self.shape}, inputs={self.inputs})"
+        return f"OutFirstInt4(g{self.stands_for.group or 'channel'}, shape={self.shape}, inputs={self.inputs})"
 
 
 _FIELDS = ("t", "scales", "zeros", "offsets")
 
 
-def _unflatten(aux: tuple[Any, ...], children: Any) -> OutFirstInt4:
+def _unflatten(aux: StoredLayout, children: Any) -> OutFirstInt4:
     t, scales, zeros, offsets = children
     return OutFirstInt4(t, scales, zeros, offsets, aux)
 

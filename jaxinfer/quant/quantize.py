@@ -1,12 +1,13 @@
 """Host-side quantizers of float weights (numpy, before placement): symmetric int8 per output
-channel or per group, int4 per group with float offsets, and int4 packing (two per byte, the even
-input index in the low nibble). The layouts are QuantizedWeight's (weights.py)."""
+channel or per group, int4 per group with float offsets (packed by nibbles.py). The layouts are
+QuantizedWeight's (weights.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxinfer.quant.nibbles import pack_int4
 from jaxinfer.quant.weights import QuantizedWeight
 
 INT4_LEVELS = 15
@@ -63,14 +64,6 @@ def quantize_int4(
         group,
         offsets=np.squeeze(lo, axis + 1).astype(scale_dtype),
     )
-
-
-def pack_int4(q: np.ndarray, axis: int) -> np.ndarray:
-    """uint8 [.., n, ..] in 0..15 -> uint8 [.., n/2, ..]: each pair along `axis` in one byte, the
-    even index in the low nibble."""
-    q = np.moveaxis(np.asarray(q, np.uint8), axis, 0)
-    packed = q[0::2] | (q[1::2] << 4)
-    return np.ascontiguousarray(np.moveaxis(packed, 0, axis))
 
 
 def unpack_words(packed: np.ndarray, bits: int) -> np.ndarray:

@@ -48,6 +48,7 @@ from jax.typing import DTypeLike
 
 from jaxinfer.quant import act_order, activations, out_first_int4, out_first_int8
 from jaxinfer.quant.lora import LoraWeight, with_lora
+from jaxinfer.quant.nibbles import unpack_int4
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
 
 # A quantized weight's arrays: numpy as the host quantizes them, jax.Array once placed; as a pytree
@@ -174,14 +175,6 @@ jax.tree_util.register_pytree_with_keys(
     _unflatten,
     lambda w: ((w.values, w.scales, w.zeros, w.offsets, w.perm), _aux(w)),
 )
-
-
-def unpack_int4(values: jax.Array, axis: int) -> jax.Array:
-    """uint8 [.., n/2, ..] -> uint8 [.., n, ..] (low nibble first)."""
-    pairs = jnp.stack([values & 0xF, values >> 4], axis=axis + 1)  # [.., n/2, 2, ..]
-    shape = list(values.shape)
-    shape[axis] *= 2
-    return pairs.reshape(shape)
 
 
 def integers(w: QuantizedWeight) -> jax.Array:

@@ -21,6 +21,7 @@ from jaxinfer.quant import QuantConfig, QuantizedWeight, einsum, param_bytes, qu
 from jaxinfer.quant import quantize as quant_host
 from jaxinfer.quant import weights as quant_weights
 from jaxinfer.quant.config import gguf_grid, resolve
+from jaxinfer.quant.nibbles import pack_int4, unpack_int4
 from jaxinfer.sampling import SamplingParams
 
 LLAMA = FIXTURES / "hf" / "llama3"  # E=64, F=128, head_dim=16: int4 groups of 16 divide every input axis
@@ -257,6 +258,23 @@ def test_grouped_int8_and_int4_offsets():
     q4 = quant_host.quantize_int4(on_grid, (0,), 32, np.float32)
     assert q4.zeros is None and q4.offsets is not None
     np.testing.assert_allclose(np.asarray(quant_weights.dequantize(q4, np.float32)), on_grid, rtol=0, atol=1e-6)
+
+
+def test_int4_packing_is_one_definition_for_numpy_and_jax():
+    """Two values per byte along the given axis, the even index in the low nibble; the host
+    quantizers (numpy) and the device layouts (jax) pack and unpack alike."""
+    q = np.random.default_rng(1).integers(0, 16, size=(6, 4, 3)).astype(np.uint8)
+    for axis in range(3):
+        if q.shape[axis] % 2:
+            continue
+        packed = pack_int4(q, axis)
+        assert isinstance(packed, np.ndarray) and packed.dtype == np.uint8
+        first = np.take(packed, 0, axis)
+        assert np.array_equal(first & 0xF, np.take(q, 0, axis)) and np.array_equal(first >> 4, np.take(q, 1, axis))
+        on_device = pack_int4(jnp.asarray(q), axis)
+        assert isinstance(on_device, jax.Array) and np.array_equal(np.asarray(on_device), packed)
+        assert np.array_equal(unpack_int4(packed, axis), q)
+        assert np.array_equal(np.asarray(unpack_int4(on_device, axis)), q)
 
 
 @pytest.mark.parametrize(
