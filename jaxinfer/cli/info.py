@@ -32,6 +32,7 @@ def describe(args: argparse.Namespace) -> dict:
     load = engine.load
     quant = QuantConfig.parse(load.quantization, load.quantization_group_size, load.quantize_embedding)
     model = load_model(load.model, load.dtype, quantization=quant)
+    stored_bytes = param_bytes(model.params)  # before the step's layout (DeviceState) holds them
     max_len = engine.scheduler.max_model_len or model.config.max_position_embeddings
     state = DeviceState(model, engine, max_len)  # the pool as an engine would allocate it; nothing compiles
     num_params = param_count(model.params)
@@ -48,6 +49,7 @@ def describe(args: argparse.Namespace) -> dict:
             "quantized_storage": quantization_of(model.params),
             "quantized_tensors": quantized_tensors(model.params),
             "param_bytes": param_bytes(state.params),
+            "stored_param_bytes": stored_bytes,
             "embedding": _embedding(model),
             "tokenizer": repr(model.tokenizer),
             "tool_call_format": _tool_call_format(args, model.tokenizer),

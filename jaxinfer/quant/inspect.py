@@ -8,21 +8,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxinfer.quant.out_first_int4 import OutFirstInt4
+from jaxinfer.quant.out_first_grouped import OutFirstGrouped
 from jaxinfer.quant.out_first_int8 import OutFirstInt8
 from jaxinfer.quant.weights import QuantizedWeight, layout_name
 
 PyTree = Any  # a model's parameter tree
 
 # A quantized weight as loaded, or as the CPU step holds it (output axes first).
-_QUANTIZED = (QuantizedWeight, OutFirstInt8, OutFirstInt4)
+_QUANTIZED = (QuantizedWeight, OutFirstInt8, OutFirstGrouped)
 
 
 def _is_weight(x: Any) -> bool:
     return isinstance(x, _QUANTIZED)
 
 
-def _layout(w: QuantizedWeight | OutFirstInt8 | OutFirstInt4) -> str:
+def _layout(w: QuantizedWeight | OutFirstInt8 | OutFirstGrouped) -> str:
     """How the weight is stored (QuantizedWeight.layout), whichever form holds it."""
     if isinstance(w, QuantizedWeight):
         return w.layout()

@@ -27,7 +27,7 @@ wider of it and the scales' dtype (GGUF scales are float16 / float32), then cast
 where several leading weight axes are contracted: `_merged_contraction`); out-first weights (the
 CPU step's layout, out_first.py) and weights contracted on their trailing axes (the tied LM
 head) to `out_first.contract_rows`;
-out-first int8 / fp8 and int4 (the CPU's, out_first_int8.py, out_first_int4.py) their own forms;
+out-first int8 / fp8 and int4 (the CPU's, out_first_int8.py, out_first_grouped.py) their own forms;
 per-channel int8 / fp8 runs the dot on the values converted to the activation dtype and scales
 its output columns; every other layout is dequantized first (its scales vary along the contraction).
 Inside the jitted step XLA fuses the conversion into the dot's operand on GPU/TPU; the weights
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxinfer.quant import act_order, activations, out_first_int4, out_first_int8
+from jaxinfer.quant import act_order, activations, out_first_grouped, out_first_int8
 from jaxinfer.quant.lora import LoraWeight, with_lora
 from jaxinfer.quant.nibbles import unpack_int4
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
@@ -231,8 +231,8 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWe
         return y if w.mask is None else with_lora(spec, x, w, y)
     if isinstance(w, out_first_int8.OutFirstInt8):
         return out_first_int8.einsum(spec, x, w)
-    if isinstance(w, out_first_int4.OutFirstInt4):
-        return out_first_int4.einsum(spec, x, w)
+    if isinstance(w, out_first_grouped.OutFirstGrouped):
+        return out_first_grouped.einsum(spec, x, w)
     if isinstance(w, OutFirstWeight):
         operands, out = spec.split("->")
         x_letters, w_letters = operands.split(",")
@@ -245,6 +245,10 @@ def einsum(spec: str, x: jax.Array, w: QuantizedWeight | OutFirstWeight | LoraWe
         x = activations.fake_quantized(spec, x, w.activations)
     if w.perm is not None:  # act-order: the inputs read in the stored rows' order
         return jnp.einsum(spec, act_order.permuted_inputs(spec, x, w.perm, w.inputs), _stored_rows(w, x.dtype))
+    if out_first_grouped.reads_in_place(w, x):  # e.g. a tied LM head's int8 blocks on the CPU
+        # the barrier keeps the (free) reshape to out-first outside the fused reduction
+        held = jax.lax.optimization_barrier(out_first_grouped.OutFirstGrouped.of(w))
+        return out_first_grouped.einsum(spec, x, held)
     if not w.per_channel_int8:
         return jnp.einsum(spec, x, dequantize(w, x.dtype))
     operands, out = spec.split("->")

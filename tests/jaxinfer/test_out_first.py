@@ -1,6 +1,6 @@
-"""Out-first linear weights (jaxinfer/quant/out_first.py, out_first_int4.py): the same contraction
+"""Out-first linear weights (jaxinfer/quant/out_first.py, out_first_grouped.py): the same contraction
 as the [in..., out...] weight at every row count, the product-and-sum form only where it pays (CPU,
-2-32 rows, float32; int4 up to two rows), and the runner's layout on one CPU device, convertible
+2-32 rows, float32; grouped int4 / int8 up to two rows), and the runner's layout on one CPU device, convertible
 back."""
 
 from pathlib import Path
@@ -18,7 +18,7 @@ from jaxinfer.models import linear_layout as L
 from jaxinfer.models.registry import get_family
 from jaxinfer.quant import QuantConfig, QuantizedWeight, dequantize, einsum, quantization_of, quantized_tensors
 from jaxinfer.quant.out_first import OutFirstWeight, contract_rows
-from jaxinfer.quant.out_first_int4 import REDUCE_ROWS, OutFirstInt4
+from jaxinfer.quant.out_first_grouped import REDUCE_ROWS, OutFirstGrouped
 
 SPECS = [
     ("te,ekjd->tkjd", (6, 2, 3, 4), (0,)),
@@ -91,17 +91,21 @@ def test_the_cpu_runner_holds_layer_linears_out_first_and_a_mesh_gets_them_back(
         np.testing.assert_array_equal(a, b)
 
 
-def int4_weight(shape, inputs, group, zeros, offsets, seed=0) -> QuantizedWeight:
-    """A random int4 QuantizedWeight in the engine's layout (packed along the last input, the
-    even input in the low nibble; scales by group, of size 1 on other inputs, a group longer
-    than the last input spanning rows of the one before)."""
+def int4_weight(shape, inputs, group, zeros, offsets, seed=0, method="int4") -> QuantizedWeight:
+    """A random int4 (or int8) QuantizedWeight in the engine's layout (int4 packed along the
+    last input, the even input in the low nibble; scales by group, of size 1 on other inputs, a
+    group longer than the last input spanning rows of the one before)."""
     rng = np.random.default_rng(seed)
-    n_in, axis = len(inputs), len(inputs) - 1
-    q = np.moveaxis(rng.integers(0, 16, shape).astype(np.uint8), axis, 0)
-    values = np.moveaxis(q[0::2] | (q[1::2] << 4), 0, axis).astype(np.uint8)
+    axis = inputs[-1]
+    if method == "int8":
+        values = rng.integers(-127, 128, shape).astype(np.int8)
+    else:
+        q = np.moveaxis(rng.integers(0, 16, shape).astype(np.uint8), axis, 0)
+        values = np.moveaxis(q[0::2] | (q[1::2] << 4), 0, axis).astype(np.uint8)
     grouped = list(shape)
     if not group:
-        grouped[:n_in] = [1] * n_in
+        for i in inputs:
+            grouped[i] = 1
     elif group <= shape[axis]:
         grouped[axis] = shape[axis] // group
     else:
@@ -109,7 +113,7 @@ def int4_weight(shape, inputs, group, zeros, offsets, seed=0) -> QuantizedWeight
     scales = rng.random(grouped, dtype=np.float32) * 0.1 + 0.01
     z = jnp.asarray(rng.integers(5, 10, grouped).astype(np.uint8)) if zeros else None
     o = jnp.asarray(rng.standard_normal(grouped).astype(np.float32) * 0.1) if offsets else None
-    return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), z, "int4", inputs, group, o, np.float32)
+    return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), z, method, inputs, group, o, np.float32)
 
 
 INT4_SPECS = [
@@ -121,18 +125,24 @@ INT4_SPECS = [
 ]
 
 
+# Per-channel int8 is OutFirstInt8's (out_first_int8.py), so int8 takes the grouped cases only.
+GROUPED = [("int4", *case) for case in INT4_SPECS] + [("int8", *case) for case in INT4_SPECS if case[3]]
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5])
 @pytest.mark.parametrize("zeros,offsets", [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("spec,shape,inputs,group", INT4_SPECS, ids=[f"{s}-g{g}" for s, _, _, g in INT4_SPECS])
-def test_out_first_int4_equals_the_dequantized_weight_and_converts_back(
-    spec, shape, inputs, group, zeros, offsets, rows
+@pytest.mark.parametrize("method,spec,shape,inputs,group", GROUPED, ids=[f"{m}-{s}-g{g}" for m, s, _, _, g in GROUPED])
+def test_out_first_grouped_equals_the_dequantized_weight_and_converts_back(
+    method, spec, shape, inputs, group, zeros, offsets, rows
 ):
-    """One fused reduction over the packed bytes up to REDUCE_ROWS rows, the dequantized dot
-    past them: both the stored weight's product; the stored layout comes back bit for bit."""
-    w = int4_weight(shape, inputs, group, zeros, offsets)
-    assert OutFirstInt4.convertible(w)
-    o = OutFirstInt4.of(w)
-    assert o.shape == w.shape and o.t.dtype == jnp.uint8 and o.t.size == w.values.size
+    """One fused reduction over the integers (a byte each) up to REDUCE_ROWS rows, the
+    dequantized dot past them: both the stored weight's product; the stored layout comes back
+    bit for bit."""
+    w = int4_weight(shape, inputs, group, zeros, offsets, method=method)
+    assert OutFirstGrouped.convertible(w)
+    o = OutFirstGrouped.of(w)
+    stored_dtype = {"int4": jnp.uint8, "int8": jnp.int8}[method]
+    assert o.shape == w.shape and o.t.dtype == stored_dtype and o.t.size == np.prod(shape)
     back = L.linear_layout({"w": o}, mesh="a mesh")["w"]
     assert isinstance(back, QuantizedWeight) and back.layout() == w.layout()
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(w), strict=True):
@@ -142,24 +152,48 @@ def test_out_first_int4_equals_the_dequantized_weight_and_converts_back(
     got = jax.jit(lambda a, b: einsum(spec, a, b))(x, o)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
     text = jax.jit(lambda a, b: einsum(spec, a, b)).lower(x, o).as_text()
-    assert ("stablehlo.floor" in text) == (rows <= REDUCE_ROWS)  # the packed bytes read as they are
+    dots = text.count("stablehlo.dot_general")  # the weight's (past REDUCE_ROWS), the shift's
+    assert dots == (rows > REDUCE_ROWS) + (zeros or offsets)
 
 
 def test_int4_with_act_order_or_quantized_activations_stays_as_stored():
     w = int4_weight((64, 24), (0,), 32, False, False)
-    assert not OutFirstInt4.convertible(w.with_perm(np.arange(64)[::-1].copy()))
+    assert not OutFirstGrouped.convertible(w.with_perm(np.arange(64)[::-1].copy()))
     w8a = QuantizedWeight(w.values, w.scales, None, "int4", (0,), 32, None, np.float32, ("int8", "token"))
-    assert not OutFirstInt4.convertible(w8a)
+    assert not OutFirstGrouped.convertible(w8a)
 
 
-def test_the_cpu_runner_holds_int4_linears_out_first_and_info_still_names_them():
-    int4 = QuantConfig("int4", 16)
-    model = load_model(FIXTURES / "hf" / "llama3", "float32", with_tokenizer=False, quantization=int4)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_a_grouped_weight_with_trailing_inputs_reduces_where_it_is_stored(method, rows):
+    """A tied LM head's quantized embedding [V, E] (inputs trailing, e.g. a GGUF's int8 blocks)
+    is out-first as stored: on the CPU a few rows contract as the fused reduction over it (no
+    dequantized copy, no dot), more as the dequantized dot; the out-first form is a reshape
+    and converts back bit for bit."""
+    w = int4_weight((48, 64), (1,), 32, False, method == "int4", method=method)
+    o = OutFirstGrouped.of(w)
+    assert o.t.shape == (48, 2, 32) and o.scales.shape == (48, 2)
+    for a, b in zip(o.stored_arrays(), (w.values, w.scales, w.zeros, w.offsets), strict=True):
+        assert (a is None and b is None) or np.array_equal(a, b)
+    x = jax.random.normal(jax.random.key(rows), (rows, 64))
+    want = jnp.einsum("ne,ve->nv", x, dequantize(w, jnp.float32), precision="highest")
+    got = jax.jit(lambda a, b: einsum("ne,ve->nv", a, b))(x, w)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+    text = jax.jit(lambda a, b: einsum("ne,ve->nv", a, b)).lower(x, w).as_text()
+    # past REDUCE_ROWS: the dequantized weight's dot; up to it, the offsets' small one (int4)
+    assert text.count("stablehlo.dot_general") == (1 if rows > REDUCE_ROWS else int(method == "int4"))
+
+
+@pytest.mark.parametrize("method,layout", [("int4", "int4 g16 +offsets"), ("int8", "int8 g16")])
+def test_the_cpu_runner_holds_grouped_linears_out_first_and_info_still_names_them(method, layout):
+    model = load_model(
+        FIXTURES / "hf" / "llama3", "float32", with_tokenizer=False, quantization=QuantConfig(method, 16)
+    )
     stored = model.params.layers[0]
     small_cpu_worker(model)
     layer = model.params.layers[0]
     for name in L.LAYER_LINEARS:
-        assert isinstance(getattr(layer, name), OutFirstInt4), name
-        assert getattr(stored, name).layout() == "int4 g16 +offsets"
-    assert quantization_of(model.params) == "int4"
-    assert quantized_tensors(model.params)["w_down"] == {"int4 g16 +offsets": model.config.num_layers}
+        assert isinstance(getattr(layer, name), OutFirstGrouped), name
+        assert getattr(stored, name).layout() == layout
+    assert quantization_of(model.params) == method
+    assert quantized_tensors(model.params)["w_down"] == {layout: model.config.num_layers}
