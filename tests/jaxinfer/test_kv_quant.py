@@ -73,7 +73,6 @@ def test_engine_allocates_quantized_pages_with_scales(llama, tmp_path):
                 max_model_len=256,
                 token_buckets=(8, 32),
                 max_num_batched_tokens=32,
-                compilation_cache_dir=None,
             ),
             warm_up=False,
         )
@@ -159,7 +158,6 @@ def test_pallas_gpu_kernel_reads_the_int8_cache_as_the_reference(llama, tmp_path
         token_buckets=(4, 32),
         num_decode_steps=1,
         kv_cache_dtype="int8",
-        compilation_cache_dir=None,
     )
     prompts = GOLDEN["prompts"][8:10]  # 31 and 33 tokens: over two steps of 32
     out = {
@@ -214,7 +212,6 @@ def test_smollm2_greedy_with_int8_and_fp8_kv_follows_the_float_cache():
             token_buckets=[32],
             num_decode_steps=1,
             warm_up=False,
-            compilation_cache_dir=None,
         )
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
         runs[kv] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -58,9 +58,8 @@ ENGINE = dict(
     max_num_seqs=8,
     max_model_len=256,
     token_buckets=(8, 32),
-    compilation_cache_dir=None,
     penalties=False,
-)
+)  # compilation_cache_dir: the suite's shared persistent cache (tests/support/xla_env.py)
 
 
 def prompts_and_expected(name: str):

@@ -25,7 +25,7 @@ for case in sys.argv[2].split(";"):
     for m in (None, mesh):
         llm = LLM(f"{root}/{name}", "float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                   token_buckets=[8, 32], num_pages=32, warm_up=False, mesh=m, quantization=method,
-                  quantization_group_size=int(group) if group else None, compilation_cache_dir=None)
+                  quantization_group_size=int(group) if group else None)
         runs[m] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     layer = next(l for l in llm.engine.worker.state.params.layers if getattr(l, "router", None) is not None) \
         if name != "llama3" else llm.engine.worker.state.params.layers[0]
