@@ -32,10 +32,9 @@ def describe(args: argparse.Namespace) -> dict:
     load = engine.load
     quant = QuantConfig.parse(load.quantization, load.quantization_group_size, load.quantize_embedding)
     model = load_model(load.model, load.dtype, quantization=quant)
-    stored_bytes = param_bytes(model.params)  # before the step's layout (DeviceState) holds them
+    stored_bytes, num_params = param_bytes(model.params), param_count(model.params)  # before DeviceState's layout
     max_len = engine.scheduler.max_model_len or model.config.max_position_embeddings
     state = DeviceState(model, engine, max_len)  # the pool as an engine would allocate it; nothing compiles
-    num_params = param_count(model.params)
     usable = state.num_pages - 1  # page 0 is the null page
     return {
         "model": {
