@@ -85,19 +85,21 @@ class OutFirstGrouped:
     @staticmethod
     def convertible(w: Any) -> bool:
         """int4 (grouped or per channel) or grouped int8 whose groups run along its flattened
-        inputs (input axes in order), without act-order or quantized activations."""
+        inputs, its input axes leading or trailing in order (not an expert stack's [experts, in,
+        out], whose einsum shares an axis), without act-order or quantized activations."""
+        n_in, rank = len(w.inputs), len(w.shape)
         k = math.prod(w.shape[i] for i in w.inputs)
         return (
             (w.method == "int4" or (w.method == "int8" and w.group > 0))
             and w.perm is None
             and w.activations is None
-            and list(w.inputs) == sorted(w.inputs)
+            and w.inputs in (tuple(range(n_in)), tuple(range(rank - n_in, rank)))
             and k % (w.group or k) == 0
         )
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The shape of the [in..., out...] weight it stands for."""
+        """The shape of the weight it stands for, in its stored axes' order."""
         return tuple(self.stands_for.shape)
 
     @property

@@ -156,11 +156,14 @@ def test_out_first_grouped_equals_the_dequantized_weight_and_converts_back(
     assert dots == (rows > REDUCE_ROWS) + (zeros or offsets)
 
 
-def test_int4_with_act_order_or_quantized_activations_stays_as_stored():
+def test_act_order_quantized_activations_expert_stacks_and_per_channel_int8_stay_as_stored():
     w = int4_weight((64, 24), (0,), 32, False, False)
     assert not OutFirstGrouped.convertible(w.with_perm(np.arange(64)[::-1].copy()))
     w8a = QuantizedWeight(w.values, w.scales, None, "int4", (0,), 32, None, np.float32, ("int8", "token"))
     assert not OutFirstGrouped.convertible(w8a)
+    experts = int4_weight((4, 64, 24), (1,), 32, False, False)  # [experts, in, out]: the einsum shares e
+    assert not OutFirstGrouped.convertible(experts)
+    assert not OutFirstGrouped.convertible(int4_weight((64, 24), (0,), 0, False, False, method="int8"))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
