@@ -1,9 +1,9 @@
 """`jaxinfer serve --ray` on a local Ray cluster (started by the test): the OpenAI HTTP API from a
 Ray Serve deployment of 2 engine replicas (the tiny Llama fixture with a chat template). 30
 concurrent requests from the official `openai` client, streamed and not, all answered, by both
-replicas (each replica's metrics read back from Ray's metrics export port, tagged by replica); bad
-requests get the same status and error as `jaxinfer serve --http-port`; SIGTERM removes the
-application and stops Serve."""
+replicas within three such bursts (each replica's metrics read back from Ray's metrics export
+port, tagged by replica); bad requests get the same status and error as `jaxinfer serve
+--http-port`; SIGTERM removes the application and stops Serve."""
 
 import concurrent.futures
 import json
@@ -82,10 +82,18 @@ def test_30_concurrent_requests_from_both_replicas(cluster, deployed):
             return out.choices[0].finish_reason
         return [c.choices[0].finish_reason for c in out if c.choices[0].finish_reason][-1]
 
-    with concurrent.futures.ThreadPoolExecutor(30) as pool:
-        reasons = list(pool.map(ask, range(30)))
-    assert all(r in ("length", "stop") for r in reasons), reasons
-    counts = wait_for(lambda: (c := replica_requests(cluster)) and sum(c.values()) >= 30 and c, timeout=30)
+    # Serve's router picks between the replicas by their queues as they answer its probes: on a
+    # loaded 2-core machine one replica has taken a whole burst, so up to three bursts are sent
+    # and both replicas must have served by then.
+    before = sum(replica_requests(cluster).values())
+    for burst in range(1, 4):
+        with concurrent.futures.ThreadPoolExecutor(30) as pool:
+            reasons = list(pool.map(ask, range(30)))
+        assert all(r in ("length", "stop") for r in reasons), reasons
+        sent = before + 30 * burst
+        counts = wait_for(lambda: (c := replica_requests(cluster)) and sum(c.values()) >= sent and c, timeout=30)
+        if len(counts) == 2 and all(v > 0 for v in counts.values()):
+            break
     assert len(counts) == 2 and all(v > 0 for v in counts.values()), counts  # both replicas served
 
 
