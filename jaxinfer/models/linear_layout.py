@@ -35,7 +35,7 @@ def linear_layout[P: DecoderParams](params: P, mesh: Mesh | None) -> P:
 
 
 def _quantized_out_first(layer: Any) -> Any:
-    """Per-channel int8 / fp8 and int4 linear weights out-first too (quant/out_first_int8.py,
+    """Per-channel int8 / fp8 and grouped int4 / int8 linear weights out-first too (quant/out_first_int8.py,
     out_first_grouped.py)."""
     changes: dict[str, Any] = {}
     for name in LAYER_LINEARS:

@@ -3,17 +3,19 @@ holds per-channel int8): one request's matrix-vector product is one fused reduct
 each weight as a byte and applies its group's scale inside.
 
 On XLA:CPU a matmul on grouped weights dequantizes them into a float32 copy first (4 bytes per
-weight written, then read back, in every step). Held as integers [out..., groups, G], one per
+weight written, then read back, in every step). Held as integers [N, groups, G], one per
 byte (int4's two nibbles unpacked once at load: XLA's bitwise unpacking does not fuse into the
 reduction the CPU runs a few rows as, and the float arithmetic that reads two nibbles out of a
-byte costs XLA:CPU more per byte than the extra byte does), the contraction is
+byte costs XLA:CPU more per byte than the extra byte does), the output axes flattened to N, the
+contraction is
 
     y[m, n] = sum_g sum_j q[n, g, j] x[m, g, j] s[n, g]  +  sum_g (o[n, g] - z[n, g] s[n, g]) X[m, g]
 
 for w = (q - z) * s + o (zero points and offsets each optional; X[m, g] the group's sum of
-inputs). At one row over SmolLM2-sized matrices it runs as fast as the float32 dot, against 1.3x
-for int4 read as packed nibbles (the form held before) and about 3x for the dequantized weight's
-dot (2-core x86_64, 2026-11-30). int4 thus holds a byte per weight on the CPU, a quarter of the
+inputs). At one row over 30 SmolLM2-sized matrices: int8 g32 16-17 ms against 74 for the
+dequantized weight's dot and 10-11 for the float32 dot; int4 g32 with offsets 20-21 ms against
+21-28 read as packed nibbles (the form held before), and on arrays already flat 10.8 against
+19.5 (2-core x86_64, 2026-11-30, benchmarks/RESULTS.md). int4 thus holds a byte per weight on the CPU, a quarter of the
 float32 model the CPU computes with; accelerators and meshes keep the stored layout
 (`stored_arrays` gives it back bit-exactly: models/linear_layout.py). Rows past REDUCE_ROWS run as
 the dequantized weight's dot.
@@ -53,6 +55,10 @@ class StoredLayout(NamedTuple):
         """The weight's axes output first, then inputs (each in order)."""
         return tuple(i for i in range(len(self.shape)) if i not in self.inputs) + tuple(self.inputs)
 
+    def out_shape(self) -> tuple[int, ...]:
+        """The weight's output axes' sizes, in order."""
+        return tuple(n for i, n in enumerate(self.shape) if i not in self.inputs)
+
 
 class OutFirstGrouped:
     """t: integers [N, groups, G], the output axes flattened (uint8 levels 0..15 for int4, int8
@@ -70,10 +76,9 @@ class OutFirstGrouped:
         as a tied LM head's embedding, only a reshape: `reads_in_place`)."""
         layout = StoredLayout(w.method, w.inputs, w.group, w.dtype, w.activations, w.shape, tuple(w.scales.shape))
         order = layout.order()
-        out_shape = tuple(w.shape[i] for i in order[: len(order) - len(w.inputs)])
         k = math.prod(w.shape[i] for i in w.inputs)
         groups = k // (w.group or k)
-        n = math.prod(out_shape)
+        n = math.prod(layout.out_shape())
         q = unpack_int4(w.values, w.axis) if w.method == "int4" else w.values
         t = jnp.transpose(q, order).reshape(n, groups, k // groups)
 
@@ -120,10 +125,6 @@ class OutFirstGrouped:
 
     def devices(self) -> set[jax.Device]:
         return self.t.devices()
-
-    def integers(self) -> jax.Array:
-        """q [N, K], inputs flattened in order."""
-        return self.t.reshape(self.t.shape[0], -1)
 
     def stored_arrays(self) -> tuple[Any, Any, Any, Any]:
         """The QuantizedWeight's (values, scales, zeros, offsets) in its axes' order, int4
@@ -182,7 +183,6 @@ def einsum(spec: str, x: jax.Array, w: OutFirstGrouped) -> jax.Array:
     output x's other axes then w's), computed in float32 (at least) and cast to x's dtype."""
     layout = w.stands_for
     free = x.shape[: x.ndim - len(layout.inputs)]
-    out_shape = tuple(layout.shape[i] for i in layout.order()[: len(layout.shape) - len(layout.inputs)])
     n, groups, group = w.t.shape
     compute = jnp.promote_types(jnp.promote_types(x.dtype, w.scales.dtype), jnp.float32)
     rows = x.reshape(-1, groups, group).astype(compute)  # [M, groups, G]
@@ -199,4 +199,4 @@ def einsum(spec: str, x: jax.Array, w: OutFirstGrouped) -> jax.Array:
         shift = zs if shift is None else shift + zs
     if shift is not None:
         y = y + jnp.einsum("mg,ng->mn", rows.sum(axis=-1), shift)
-    return y.astype(x.dtype).reshape(*free, *out_shape)
+    return y.astype(x.dtype).reshape(*free, *layout.out_shape())

@@ -27,7 +27,9 @@ wider of it and the scales' dtype (GGUF scales are float16 / float32), then cast
 where several leading weight axes are contracted: `_merged_contraction`); out-first weights (the
 CPU step's layout, out_first.py) and weights contracted on their trailing axes (the tied LM
 head) to `out_first.contract_rows`;
-out-first int8 / fp8 and int4 (the CPU's, out_first_int8.py, out_first_grouped.py) their own forms;
+out-first per-channel int8 / fp8 and grouped int4 / int8 (the CPU's, out_first_int8.py,
+out_first_grouped.py) their own forms, a grouped weight stored output-first (a tied quantized LM
+head) the latter's reduction in place;
 per-channel int8 / fp8 runs the dot on the values converted to the activation dtype and scales
 its output columns; every other layout is dequantized first (its scales vary along the contraction).
 Inside the jitted step XLA fuses the conversion into the dot's operand on GPU/TPU; the weights
