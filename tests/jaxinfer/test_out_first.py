@@ -91,7 +91,7 @@ def test_the_cpu_runner_holds_layer_linears_out_first_and_a_mesh_gets_them_back(
         np.testing.assert_array_equal(a, b)
 
 
-def int4_weight(shape, inputs, group, zeros, offsets, seed=0, method="int4") -> QuantizedWeight:
+def grouped_weight(shape, inputs, group, zeros, offsets, seed=0, method="int4") -> QuantizedWeight:
     """A random int4 (or int8) QuantizedWeight in the engine's layout (int4 packed along the
     last input, the even input in the low nibble; scales by group, of size 1 on other inputs, a
     group longer than the last input spanning rows of the one before)."""
@@ -138,7 +138,7 @@ def test_out_first_grouped_equals_the_dequantized_weight_and_converts_back(
     """One fused reduction over the integers (a byte each) up to REDUCE_ROWS rows, the
     dequantized dot past them: both the stored weight's product; the stored layout comes back
     bit for bit."""
-    w = int4_weight(shape, inputs, group, zeros, offsets, method=method)
+    w = grouped_weight(shape, inputs, group, zeros, offsets, method=method)
     assert OutFirstGrouped.convertible(w)
     o = OutFirstGrouped.of(w)
     stored_dtype = {"int4": jnp.uint8, "int8": jnp.int8}[method]
@@ -157,13 +157,13 @@ def test_out_first_grouped_equals_the_dequantized_weight_and_converts_back(
 
 
 def test_act_order_quantized_activations_expert_stacks_and_per_channel_int8_stay_as_stored():
-    w = int4_weight((64, 24), (0,), 32, False, False)
+    w = grouped_weight((64, 24), (0,), 32, False, False)
     assert not OutFirstGrouped.convertible(w.with_perm(np.arange(64)[::-1].copy()))
     w8a = QuantizedWeight(w.values, w.scales, None, "int4", (0,), 32, None, np.float32, ("int8", "token"))
     assert not OutFirstGrouped.convertible(w8a)
-    experts = int4_weight((4, 64, 24), (1,), 32, False, False)  # [experts, in, out]: the einsum shares e
+    experts = grouped_weight((4, 64, 24), (1,), 32, False, False)  # [experts, in, out]: the einsum shares e
     assert not OutFirstGrouped.convertible(experts)
-    assert not OutFirstGrouped.convertible(int4_weight((64, 24), (0,), 0, False, False, method="int8"))
+    assert not OutFirstGrouped.convertible(grouped_weight((64, 24), (0,), 0, False, False, method="int8"))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
@@ -173,7 +173,7 @@ def test_a_grouped_weight_with_trailing_inputs_reduces_where_it_is_stored(method
     is out-first as stored: on the CPU a few rows contract as the fused reduction over it (no
     dequantized copy, no dot), more as the dequantized dot; the out-first form is a reshape
     and converts back bit for bit."""
-    w = int4_weight((48, 64), (1,), 32, False, method == "int4", method=method)
+    w = grouped_weight((48, 64), (1,), 32, False, method == "int4", method=method)
     o = OutFirstGrouped.of(w)
     assert o.t.shape == (48, 2, 32) and o.scales.shape == (48, 2)
     for a, b in zip(o.stored_arrays(), (w.values, w.scales, w.zeros, w.offsets), strict=True):
